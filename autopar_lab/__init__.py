@@ -1,0 +1,38 @@
+"""autopar-lab: Alpa's automatic parallelization (intra-operator ILP, inter-operator DP), in the open, on JAX.
+
+>>> import autopar_lab as al
+>>> model = al.models.get("gpt-tiny")          # doctest: +SKIP
+>>> graph = model.trace()                      # doctest: +SKIP
+>>> cluster = al.Cluster.preset("p3.16xlarge", hosts=2)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .graph import OpGraph, OpNode, TraceError, trace
+
+__version__ = "0.1.0"
+
+# Heavier parts load on first use, so `import autopar_lab` stays quick and a missing optional piece
+# (plotting, Ray) never breaks the engine.
+_LAZY = {
+    "models": ("autopar_lab.models", None),
+    "Cluster": ("autopar_lab.cluster", "Cluster"),
+    "Device": ("autopar_lab.cluster", "Device"),
+    "Link": ("autopar_lab.cluster", "Link"),
+    "LogicalMesh": ("autopar_lab.cluster", "LogicalMesh"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autopar_lab' has no attribute {name!r}")
+
+
+__all__ = ["OpGraph", "OpNode", "TraceError", "trace", *_LAZY]

@@ -1,0 +1,269 @@
+"""The operator graph of a training step: operators, the tensors between them, and a networkx view.
+
+An :class:`OpGraph` is what :func:`autopar_lab.trace` returns. It is immutable after capture: solvers and views
+read it, plans refer to its operator ids.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import autopar_lab as al
+    >>> g = al.trace(lambda w, x: jnp.tanh(x @ w), jnp.zeros((4, 8)), jnp.zeros((2, 4)), batch_argnums=(1,))
+    >>> [g.op(i).primitive for i in g.ops]
+    ['parameter', 'parameter', 'dot_general', 'tanh', 'output']
+    >>> g.op(2).flops
+    128.0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterator, Mapping
+
+import networkx as nx
+import numpy as np
+
+# What an operator's input (or a graph input) holds, from the step function's point of view.
+PARAM, OPT_STATE, BATCH, ACTIVATION, CONST, STATE = "param", "opt_state", "batch", "activation", "const", "state"
+TENSOR_KINDS = (PARAM, OPT_STATE, BATCH, ACTIVATION, CONST, STATE)
+# The phase of the training step an operator belongs to.
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+ROLES = (FORWARD, BACKWARD, UPDATE)
+# Pseudo-primitives for the step function's inputs and outputs, as HLO has `parameter` and the root tuple.
+INPUT_PRIMITIVE, OUTPUT_PRIMITIVE = "parameter", "output"
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a dtype given by name (``"float32"`` -> 4); 1 for bool, 0 for opaque types."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        # bfloat16, float8 and friends are not numpy dtypes unless ml_dtypes is imported; read the width from the name.
+        digits = "".join(ch for ch in str(dtype) if ch.isdigit())
+        return max(int(digits[:2] or 0) // 8, 1) if digits else 0
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One value in the step: a graph input, an operator output, or a literal."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # one of TENSOR_KINDS
+    producer: int | None  # op id that produces it (graph inputs are produced by their `parameter` op)
+    path: str = ""  # for graph inputs: the pytree path, e.g. "params['layer_0']['wq']"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One operator of the captured step (a jaxpr equation after inlining), with its cost figures.
+
+    ``params`` holds the primitive's parameters (dimension numbers, axes, ...), sub-jaxprs removed.
+    ``input_kinds[i]`` says what input ``i`` holds: a parameter, optimizer state, batch data, an activation, ...
+    """
+
+    id: int
+    primitive: str
+    name: str
+    inputs: tuple[int, ...]  # tensor ids
+    outputs: tuple[int, ...]  # tensor ids
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[str, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtypes: tuple[str, ...]
+    input_kinds: tuple[str, ...]
+    flops: float
+    bytes_read: float
+    bytes_written: float
+    role: str  # forward | backward | update
+    scope: str = ""  # the full name scope, e.g. "transpose(jvp(layer_3))/attn"
+    layer: str | None = None  # the outermost user name scope ("layer_3"), or "scan[2]" for scan iterations
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    opaque: bool = False  # a primitive whose cost the project does not know: kept, priced at bytes only
+
+    @property
+    def bytes_accessed(self) -> float:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) * dtype_size(d) for s, d in zip(self.out_shapes, self.out_dtypes))
+
+    def describe(self) -> str:
+        """A one-line, human-readable summary (used by hover text and error messages)."""
+        ins = ", ".join(f"{d}{list(s)}" for s, d in zip(self.in_shapes, self.in_dtypes))
+        outs = ", ".join(f"{d}{list(s)}" for s, d in zip(self.out_shapes, self.out_dtypes))
+        where = f" in {self.layer}" if self.layer else ""
+        return f"#{self.id} {self.primitive}({ins}) -> {outs}{where} [{self.role}]"
+
+
+class OpGraph:
+    """The operators of a training step in topological order, and the tensors that flow between them.
+
+    ``ops`` is the list of operator ids (topological order, ids are 0..n-1). ``nx`` is a networkx ``DiGraph`` with an
+    edge u -> v for every tensor u produces that v reads (edge attribute ``tensors``: the tensor ids, ``bytes``).
+    """
+
+    def __init__(
+        self,
+        nodes: list[OpNode],
+        tensors: Mapping[int, TensorInfo],
+        inputs: tuple[int, ...],
+        outputs: tuple[int, ...],
+        warnings: tuple[str, ...] = (),
+        name: str = "",
+        trace_s: float = 0.0,
+    ):
+        self._nodes = tuple(nodes)
+        self._tensors = dict(tensors)
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        self.warnings = tuple(warnings)
+        self.name = name
+        self.trace_s = trace_s
+        for i, node in enumerate(self._nodes):
+            if node.id != i:
+                raise ValueError(f"operator ids must be 0..n-1 in order; found id {node.id} at position {i}")
+
+    # --- access -------------------------------------------------------------------------------------------
+    @property
+    def ops(self) -> list[int]:
+        return list(range(len(self._nodes)))
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self._nodes)
+
+    def op(self, op_id: int) -> OpNode:
+        try:
+            return self._nodes[op_id]
+        except (IndexError, TypeError):
+            raise KeyError(f"no operator {op_id!r} in this graph (ids are 0..{len(self._nodes) - 1})") from None
+
+    def tensor(self, tensor_id: int) -> TensorInfo:
+        return self._tensors[tensor_id]
+
+    @property
+    def tensors(self) -> Mapping[int, TensorInfo]:
+        return self._tensors
+
+    @cached_property
+    def consumers(self) -> Mapping[int, tuple[int, ...]]:
+        """tensor id -> ids of the operators that read it (in order)."""
+        users: dict[int, list[int]] = defaultdict(list)
+        for node in self._nodes:
+            for t in dict.fromkeys(node.inputs):
+                users[t].append(node.id)
+        return {t: tuple(v) for t, v in users.items()}
+
+    @cached_property
+    def nx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for node in self._nodes:
+            g.add_node(node.id, primitive=node.primitive, layer=node.layer, role=node.role, flops=node.flops)
+        for node in self._nodes:
+            for t in dict.fromkeys(node.inputs):
+                src = self._tensors[t].producer
+                if src is None:
+                    continue
+                if g.has_edge(src, node.id):
+                    g[src][node.id]["tensors"].append(t)
+                    g[src][node.id]["bytes"] += self._tensors[t].nbytes
+                else:
+                    g.add_edge(src, node.id, tensors=[t], bytes=self._tensors[t].nbytes)
+        return g
+
+    def predecessors(self, op_id: int) -> list[int]:
+        return list(self.nx.predecessors(op_id))
+
+    def successors(self, op_id: int) -> list[int]:
+        return list(self.nx.successors(op_id))
+
+    # --- summaries ----------------------------------------------------------------------------------------
+    @cached_property
+    def layers(self) -> list[str]:
+        """The distinct layer names in order of first appearance (forward order)."""
+        return list(dict.fromkeys(n.layer for n in self._nodes if n.layer is not None))
+
+    def ops_in_layer(self, layer: str) -> list[int]:
+        return [n.id for n in self._nodes if n.layer == layer]
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(n.flops for n in self._nodes))
+
+    def flops_by(self, attr: str) -> dict[str, float]:
+        """Sum of FLOPs grouped by an operator attribute (``"primitive"``, ``"role"``, ``"layer"``)."""
+        acc: Counter = Counter()
+        for n in self._nodes:
+            acc[str(getattr(n, attr))] += n.flops
+        return {k: float(v) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
+
+    def input_bytes(self, kind: str) -> int:
+        """Bytes of the step's inputs of one kind (``"param"``, ``"opt_state"``, ``"batch"``)."""
+        return sum(self._tensors[t].nbytes for t in self.inputs if self._tensors[t].kind == kind)
+
+    @property
+    def param_bytes(self) -> int:
+        return self.input_bytes(PARAM)
+
+    @property
+    def param_count(self) -> int:
+        return sum(self._tensors[t].size for t in self.inputs if self._tensors[t].kind == PARAM)
+
+    def summary(self) -> dict:
+        """Plain-data summary: what `autopar-lab graph --json` prints."""
+        return {
+            "model": self.name,
+            "num_ops": len(self._nodes),
+            "num_tensors": len(self._tensors),
+            "num_layers": len(self.layers),
+            "total_flops": self.total_flops,
+            "flops_by_primitive": self.flops_by("primitive"),
+            "flops_by_role": self.flops_by("role"),
+            "param_count": self.param_count,
+            "param_bytes": self.param_bytes,
+            "opt_state_bytes": self.input_bytes(OPT_STATE),
+            "batch_bytes": self.input_bytes(BATCH),
+            "opaque_ops": sorted({n.primitive for n in self._nodes if n.opaque}),
+            "warnings": list(self.warnings),
+            "trace_s": self.trace_s,
+        }
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A stable hash of the graph's structure and shapes (plans saved for one graph are refused by another)."""
+        h = hashlib.sha256()
+        for n in self._nodes:
+            h.update(json.dumps([n.primitive, n.inputs, n.outputs, n.in_shapes, n.out_shapes, n.out_dtypes]).encode())
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (
+            f"OpGraph({self.name or 'step'}: {len(self._nodes)} ops, {len(self.layers)} layers, "
+            f"{self.total_flops:.3g} FLOPs, {self.param_count:,} params)"
+        )
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        rows = "".join(
+            f"<tr><td>{k}</td><td style='text-align:right'>{v:.3g}</td></tr>" for k, v in s["flops_by_role"].items()
+        )
+        return (
+            f"<b>OpGraph</b> {s['model'] or 'step'}: {s['num_ops']} operators, {s['num_layers']} layers, "
+            f"{s['param_count']:,} parameters ({s['param_bytes'] / 2**20:.1f} MiB), traced in {s['trace_s']:.2f} s"
+            f"<table><tr><th>role</th><th>FLOPs</th></tr>{rows}</table>"
+        )
