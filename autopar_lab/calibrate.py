@@ -1,0 +1,251 @@
+"""Measure this machine's JAX CPU devices and write the profile the ``cpu`` cluster preset reads.
+
+Regenerate the shipped profile (about a minute)::
+
+    JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json
+
+What is measured, and why each figure is the one the cost model wants:
+
+* matmul FLOP/s (float32, a few sizes, best of several runs), once on one device alone and once with every
+  device multiplying at the same time. The preset uses the concurrent per-device figure, because a plan runs
+  all N devices at once and on a CPU they share the same cores.
+* memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
+* collective latency and bandwidth: a jitted ``psum`` (shard_map over a 1D mesh of the devices) at several
+  buffer sizes, fitted by least squares to Alpa's all-reduce formula t = a + 2 (n-1)/n B / bw.
+
+>>> p = measure_cpu(quick=True)            # doctest: +SKIP
+>>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from autopar_lab.cluster import CPU_PROFILE_PATH
+
+__all__ = ["measure_cpu", "write_profile", "fit_alpha_beta", "total_memory_bytes", "main"]
+
+REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
+
+# A single machine has no inter-host network to measure; a multi-host "cpu:N" what-if assumes 10 GbE.
+_ASSUMED_INTER_HOST = {"bandwidth": 10e9 / 8, "latency": 50e-6}
+
+
+def total_memory_bytes() -> int:
+    """Physical RAM, or the cgroup memory limit when a container sets a lower one."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return int(total)
+
+
+def fit_alpha_beta(x_bytes: Any, seconds: Any) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + beta * x in relative error; returns (alpha >= 0, beta > 0).
+
+    Relative (1/t-weighted) residuals keep the small sizes, which carry the latency, from being swamped by the
+    large ones, which carry the bandwidth.
+    Noise on a shared machine can tip the unconstrained fit negative; then the bound is applied and the other
+    parameter refitted, so the result is always a usable Link.
+
+    >>> a, b = fit_alpha_beta([0, 1e6, 2e6], [1e-5, 1e-5 + 1e-3, 1e-5 + 2e-3])
+    >>> round(a, 9), round(1 / b)
+    (1e-05, 1000000000)
+    """
+    x = np.asarray(x_bytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    w = 1.0 / t
+    A = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
+    if beta <= 0:  # no visible size dependence: charge everything to bandwidth at the largest size
+        i = int(np.argmax(x))
+        alpha, beta = 0.0, t[i] / x[i]
+    elif alpha < 0:  # latency below the noise: fit a line through the origin
+        alpha, beta = 0.0, float((w * x) @ (w * t) / ((w * x) @ (w * x)))
+    return float(alpha), float(beta)
+
+
+def _best_time(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
+    """Fastest of ``repeats`` runs after one warm-up (which also compiles): least disturbed by other load."""
+    fn(*args).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _best_time_inplace(fn: Callable[[Any], Any], x: Any, repeats: int) -> float:
+    """Like :func:`_best_time` for a jitted ``fn`` that donates its argument: x = fn(x) reuses one buffer.
+
+    Without donation every call writes a freshly allocated buffer, and the page faults of touching new memory
+    (not the memory bus) dominate the time of a large elementwise op.
+    """
+    x = fn(x)
+    x.block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = fn(x)
+        x.block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
+    """Measure the local JAX CPU devices; returns the profile dict (the form :func:`write_profile` stores).
+
+    ``num_devices`` uses the first N CPU devices (default: all). ``quick`` uses smaller sizes and fewer
+    repeats (a few seconds; for tests), the full run takes about a minute on a busy two-core machine.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    all_cpu = jax.devices("cpu")
+    n = len(all_cpu) if num_devices is None else int(num_devices)
+    if not 1 <= n <= len(all_cpu):
+        raise ValueError(
+            f"num_devices={num_devices} but JAX exposes {len(all_cpu)} CPU devices; "
+            "pass at most that many or set JAX_NUM_CPU_DEVICES before jax is imported."
+        )
+    devs = all_cpu[:n]
+    mesh = Mesh(np.array(devs), ("d",))
+    split = NamedSharding(mesh, P("d"))
+    repeats = 3 if quick else 15
+    rng = np.random.default_rng(0)
+
+    # -- matmul FLOP/s ------------------------------------------------------------------------------
+    matmul = jax.jit(lambda a, b: a @ b)
+    sizes = (128, 256) if quick else (256, 512, 1024)
+    mm_rows = []
+    for k in sizes:
+        a = jax.device_put(rng.standard_normal((k, k), dtype=np.float32), devs[0])
+        single = 2 * k**3 / _best_time(matmul, a, a, repeats=repeats)
+        # One k x k product per device, all at once (batched matmul sharded on the batch axis).
+        ab = jax.device_put(rng.standard_normal((n, k, k), dtype=np.float32), split)
+        concurrent = 2 * k**3 / _best_time(matmul, ab, ab, repeats=repeats)
+        mm_rows.append({"size": k, "flops_single": single, "flops_concurrent_per_device": concurrent})
+    peak_single = max(r["flops_single"] for r in mm_rows)
+    peak_concurrent = max(r["flops_concurrent_per_device"] for r in mm_rows)
+
+    # -- memory bandwidth ---------------------------------------------------------------------------
+    add = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    elems = (1 << 20) if quick else (1 << 23)  # 4 MiB or 32 MiB of float32 per device: beyond the caches
+    moved = 2 * 4 * elems  # read once, write once
+    x1 = jax.device_put(np.ones(elems, np.float32), devs[0])
+    bw_single = moved / _best_time_inplace(add, x1, repeats=repeats)
+    xn = jax.device_put(np.ones((n, elems), np.float32), split)
+    bw_concurrent = moved / _best_time_inplace(add, xn, repeats=repeats)
+
+    # -- collective (all-reduce) latency and bandwidth -------------------------------------------------
+    coll_rows = []
+    if n > 1:
+        psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "d"), mesh=mesh, in_specs=P("d"), out_specs=P()))
+        byte_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+        for nbytes in byte_sizes:
+            buf = jax.device_put(np.ones((n, nbytes // 4), np.float32), split)  # each device holds B bytes
+            coll_rows.append({"bytes": nbytes, "seconds": _best_time(psum, buf, repeats=repeats)})
+        x = [2 * (n - 1) / n * r["bytes"] for r in coll_rows]
+        alpha, beta = fit_alpha_beta(x, [r["seconds"] for r in coll_rows])
+        intra = {"bandwidth": 1.0 / beta, "latency": alpha}
+    else:
+        # One device has nobody to talk to; model an in-memory copy.
+        intra = {"bandwidth": bw_single / 2, "latency": 0.0}
+
+    total = total_memory_bytes()
+    return {
+        "version": 1,
+        "kind": "autopar-lab cpu profile",
+        "measured_on": _dt.date.today().isoformat(),
+        "command": REGENERATE,
+        "quick": bool(quick),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "jax_version": jax.__version__,
+        },
+        "num_devices": n,
+        "total_memory_bytes": total,
+        "device": {
+            "name": "cpu",
+            # Concurrent per-device figures: every device of a plan computes at once on shared cores.
+            "peak_flops": {"float32": peak_concurrent},
+            "memory_bytes": total / n,
+            "memory_bandwidth": bw_concurrent,
+        },
+        "intra_host": intra,
+        # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
+        "inter_host": {
+            "bandwidth": min(_ASSUMED_INTER_HOST["bandwidth"], intra["bandwidth"]),
+            "latency": max(_ASSUMED_INTER_HOST["latency"], intra["latency"]),
+        },
+        "inter_host_note": "assumed 10 GbE, capped at the measured intra-host link (one machine has no network to measure)",
+        "measurements": {
+            "matmul_float32": mm_rows,
+            "matmul_flops_single_device": peak_single,
+            "memory_bandwidth_single_device": bw_single,
+            "memory_bandwidth_concurrent_per_device": bw_concurrent,
+            "elementwise_bytes_per_device": moved,
+            "all_reduce": coll_rows,
+            "all_reduce_fit": "t = latency + 2 (n-1)/n * bytes / bandwidth, least squares in relative error",
+        },
+    }
+
+
+def write_profile(path: str | os.PathLike | None = None, num_devices: int | None = None, quick: bool = False) -> dict:
+    """Measure (see :func:`measure_cpu`) and write the JSON profile to ``path`` (default: the shipped one)."""
+    profile = measure_cpu(num_devices=num_devices, quick=quick)
+    out = Path(path) if path is not None else CPU_PROFILE_PATH
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar_lab.calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(CPU_PROFILE_PATH), help="where to write the JSON profile")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (seconds, noisier)")
+    parser.add_argument("--devices", type=int, default=None, help="use the first N CPU devices (default: all)")
+    parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+    args = parser.parse_args(argv)
+    # Calibrate CPU devices; give the usual 8 unless the caller chose (only works before jax is imported).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+    try:
+        profile = write_profile(args.out, num_devices=args.devices, quick=args.quick)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(profile))
+    else:
+        d, link = profile["device"], profile["intra_host"]
+        print(
+            f"wrote {args.out}: {profile['num_devices']} devices, "
+            f"{d['peak_flops']['float32'] / 1e9:.1f} GFLOP/s and {d['memory_bandwidth'] / 1e9:.1f} GB/s per device "
+            f"(concurrent), all-reduce link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,778 @@
+"""The cluster model: devices, links, clusters, Alpa's submeshes, logical meshes and collective costs.
+
+Units everywhere: bandwidth in bytes/s, latency in s, memory in bytes, compute in FLOP/s (floats).
+
+>>> c = Cluster.preset("p3.16xlarge", hosts=2)
+>>> c.num_devices, c.submesh_shapes()[:3]
+(16, [(1, 1), (1, 2), (1, 4)])
+>>> mesh = c.logical_mesh((2, 8), (2, 8))
+>>> mesh.axis_link(1) == c.intra_host, mesh.axis_link(0).bandwidth == c.inter_host.bandwidth / 8
+(True, True)
+
+Nothing here imports jax at module import time: presets, costs and JSON work on any machine, and the
+``cpu`` preset and :meth:`LogicalMesh.to_jax_mesh` import jax only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "Device",
+    "Link",
+    "Cluster",
+    "LogicalMesh",
+    "send_recv",
+    "PRESETS",
+    "CPU_PROFILE_PATH",
+]
+
+Axis = Union[int, tuple]
+
+#: Where the ``cpu`` preset reads its measured figures (regenerate with ``python -m autopar_lab.calibrate``).
+CPU_PROFILE_PATH = Path(__file__).resolve().parent / "profiles" / "cpu.json"
+
+#: The names :meth:`Cluster.preset` and :meth:`Cluster.parse` accept.
+PRESETS = ("p3.16xlarge", "dgx-a100", "dgx-h100", "cpu")
+
+_GB = 1e9  # decimal gigabyte: vendors quote bandwidth in GB/s = 1e9 bytes/s
+_GIB = 2**30  # binary gibibyte: HBM capacities are powers of two (a "16 GB" V100 holds 16 GiB)
+_GBIT = 1e9 / 8  # one Gb/s in bytes/s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small checks shared by the constructors and the JSON loader (one sentence, saying what to change).
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_power_of_two(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+def _check_positive(value: Any, what: str, unit: str) -> float:
+    """Return ``value`` as a float, or raise if it is not a finite number above zero."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in {unit}, got {value!r}; give it a positive number.") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{what} must be a positive finite number in {unit}, got {value!r}; set it above zero.")
+    return v
+
+
+def _check_link(bandwidth: Any, latency: Any, what: str) -> tuple[float, float]:
+    bw = _check_positive(bandwidth, f"{what} bandwidth", "bytes/s")
+    try:
+        lat = float(latency)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} latency must be a number in seconds, got {latency!r}; give it 0 or more.") from None
+    if not math.isfinite(lat) or lat < 0:
+        raise ValueError(f"{what} latency must be a finite number of seconds >= 0, got {latency!r}; set it to 0 or more.")
+    return bw, lat
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'float32' for np.float32, jnp.bfloat16, np.dtype('float32'), a ShapeDtypeStruct's dtype or 'float32'."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name  # numpy dtypes, scalar types, and ml_dtypes (bfloat16) once registered
+    except TypeError:
+        pass
+    for attr in ("name", "__name__"):
+        name = getattr(dtype, attr, None)
+        if isinstance(name, str):
+            return name
+    return str(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Device and Link
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: peak compute per dtype, memory size and memory bandwidth.
+
+    >>> d = Device("toy", {"float32": 1e12, "bfloat16": 4e12}, memory_bytes=2**30, memory_bandwidth=1e11)
+    >>> d.peak("bfloat16"), d.peak(np.float32), d.peak("int8")   # unknown dtype -> float32's figure
+    (4000000000000.0, 1000000000000.0, 1000000000000.0)
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]  # dtype name -> FLOP/s; must include "float32" (the fallback)
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
+            raise ValueError(
+                f"device {self.name!r} peak_flops must be a mapping of dtype name to FLOP/s that includes 'float32' "
+                f"(the fallback for other dtypes), got {self.peak_flops!r}; add a 'float32' entry."
+            )
+        flops = {
+            _dtype_name(k): _check_positive(v, f"device {self.name!r} peak_flops[{_dtype_name(k)!r}]", "FLOP/s")
+            for k, v in self.peak_flops.items()
+        }
+        # A read-only view keeps the dataclass honestly immutable; __hash__ below makes it hashable.
+        object.__setattr__(self, "peak_flops", MappingProxyType(flops))
+        object.__setattr__(self, "memory_bytes", _check_positive(self.memory_bytes, f"device {self.name!r} memory_bytes", "bytes"))
+        object.__setattr__(
+            self, "memory_bandwidth", _check_positive(self.memory_bandwidth, f"device {self.name!r} memory_bandwidth", "bytes/s")
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth))
+
+    def peak(self, dtype: Any = "float32") -> float:
+        """Peak FLOP/s for ``dtype`` (a name, numpy/jax dtype or scalar type); float32's figure if unknown."""
+        return self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+        }
+
+
+@dataclass(frozen=True)
+class Link:
+    """A communication link in the alpha-beta model: time(B bytes) = latency + B / bandwidth.
+
+    >>> Link(bandwidth=1e9, latency=1e-5).transfer_time(1e9)
+    1.00001
+    """
+
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+    def __post_init__(self) -> None:
+        bw, lat = _check_link(self.bandwidth, self.latency, "link")
+        object.__setattr__(self, "bandwidth", bw)
+        object.__setattr__(self, "latency", lat)
+
+    @property
+    def beta(self) -> float:
+        """Inverse bandwidth, seconds per byte (the b of the alpha-beta formulas)."""
+        return 1.0 / self.bandwidth
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Point-to-point time for ``nbytes``: latency + nbytes / bandwidth (0 for an empty message)."""
+        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
+
+    def to_dict(self) -> dict:
+        return {"bandwidth": self.bandwidth, "latency": self.latency}
+
+
+def send_recv(nbytes: float, link: Link) -> float:
+    """Time to send ``nbytes`` from one stage's submesh to the next over ``link`` (see Cluster.p2p_link).
+
+    >>> send_recv(25e9 / 8, Link(25e9 / 8, 50e-6))   # 25 Gb/s moves 3.125 GB in one second
+    1.00005
+    """
+    return link.transfer_time(nbytes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Presets. Figures are vendor datasheet numbers; the comment on each line names the source.
+
+# NVIDIA Tesla V100 datasheet (SXM2 16 GB): FP64 7.8 TFLOPS, FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS,
+# HBM2 16 GB at 900 GB/s, NVLink 300 GB/s (aggregate both directions, 6 links x 25 GB/s x 2).
+_V100 = Device(
+    name="V100-SXM2-16GB",
+    peak_flops={
+        "float64": 7.8e12,
+        "float32": 15.7e12,
+        "float16": 125e12,
+        # V100 has no bfloat16 units; XLA computes bf16 at (at best) the fp32 rate.
+        "bfloat16": 15.7e12,
+    },
+    memory_bytes=16 * _GIB,
+    memory_bandwidth=900 * _GB,
+)
+
+# NVIDIA A100 datasheet (SXM 80 GB), dense figures: FP64 9.7, FP64 tensor 19.5, FP32 19.5, TF32 156,
+# BF16/FP16 tensor 312 TFLOPS; HBM2e 80 GB at 2,039 GB/s; NVLink3 600 GB/s aggregate (300 GB/s each way).
+_A100 = Device(
+    name="A100-SXM-80GB",
+    peak_flops={
+        "float64": 19.5e12,  # FP64 tensor cores
+        "float32": 19.5e12,  # CUDA cores; XLA uses TF32 for f32 dots only at reduced precision settings
+        "tfloat32": 156e12,
+        "float16": 312e12,
+        "bfloat16": 312e12,
+    },
+    memory_bytes=80 * _GIB,
+    memory_bandwidth=2039 * _GB,
+)
+
+# NVIDIA H100 datasheet (SXM5 80 GB), dense figures (the sheet's headline numbers are 2:4-sparse, i.e. 2x):
+# FP64 34, FP64 tensor 67, FP32 67, TF32 494.7, BF16/FP16 989.4, FP8 1,978.9 TFLOPS;
+# HBM3 80 GB at 3.35 TB/s; NVLink4 900 GB/s aggregate (450 GB/s each way).
+_H100 = Device(
+    name="H100-SXM5-80GB",
+    peak_flops={
+        "float64": 67e12,
+        "float32": 67e12,
+        "tfloat32": 494.7e12,
+        "float16": 989.4e12,
+        "bfloat16": 989.4e12,
+        "float8_e4m3fn": 1978.9e12,
+        "float8_e5m2": 1978.9e12,
+    },
+    memory_bytes=80 * _GIB,
+    memory_bandwidth=3350 * _GB,
+)
+
+_GPU_PRESETS: dict[str, dict] = {
+    # AWS p3.16xlarge (Alpa's testbed): 8 x V100 in a hybrid cube-mesh; AWS lists "up to 25 Gbps" networking.
+    "p3.16xlarge": dict(
+        devices_per_host=8,
+        device=_V100,
+        # 150 GB/s = 300 GB/s NVLink2 aggregate / 2 directions; ~5 us NCCL small-message latency in a node.
+        intra_host=Link(bandwidth=150 * _GB, latency=5e-6),
+        # 25 Gb/s ENA Ethernet (TCP, no EFA on p3.16xlarge): 3.125 GB/s per host; ~50 us per message over TCP.
+        inter_host=Link(bandwidth=25 * _GBIT, latency=50e-6),
+    ),
+    # NVIDIA DGX A100: 8 x A100 80 GB on NVSwitch; 8 x ConnectX-6 200 Gb/s HDR InfiniBand for compute traffic.
+    "dgx-a100": dict(
+        devices_per_host=8,
+        device=_A100,
+        # 300 GB/s per GPU each way through NVSwitch; ~3 us NCCL latency in a node.
+        intra_host=Link(bandwidth=300 * _GB, latency=3e-6),
+        # 8 x 200 Gb/s = 1.6 Tb/s = 200 GB/s per host; ~20 us per NCCL collective step across IB.
+        inter_host=Link(bandwidth=8 * 200 * _GBIT, latency=20e-6),
+    ),
+    # NVIDIA DGX H100: 8 x H100 80 GB on NVLink4 / NVSwitch; 8 x ConnectX-7 400 Gb/s NDR InfiniBand.
+    "dgx-h100": dict(
+        devices_per_host=8,
+        device=_H100,
+        # 450 GB/s per GPU each way (NVLink4 900 GB/s aggregate); ~3 us in a node.
+        intra_host=Link(bandwidth=450 * _GB, latency=3e-6),
+        # 8 x 400 Gb/s = 3.2 Tb/s = 400 GB/s per host; ~20 us across NDR IB.
+        inter_host=Link(bandwidth=8 * 400 * _GBIT, latency=20e-6),
+    ),
+}
+
+
+def _local_cpu_device_count() -> int:
+    import jax  # lazy: planning for GPU presets must not need jax initialised
+
+    return len(jax.devices("cpu"))
+
+
+def _cpu_preset(hosts: int) -> "Cluster":
+    """The ``cpu`` preset: this machine's JAX CPU devices with figures measured by autopar_lab.calibrate."""
+    try:
+        profile = json.loads(CPU_PROFILE_PATH.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"the cpu preset needs the profile {CPU_PROFILE_PATH} ({e}); regenerate it with `python -m autopar_lab.calibrate`."
+        ) from None
+    n = _local_cpu_device_count()
+    if not _is_power_of_two(n):
+        raise ValueError(
+            f"the cpu preset found {n} JAX CPU devices but needs a power of two; "
+            "set JAX_NUM_CPU_DEVICES=8 (or 1, 2, 4, ...) before jax is imported."
+        )
+    dev = profile["device"]
+    # Memory is the machine's RAM split across however many devices JAX exposes now, not at measurement time.
+    total = float(profile.get("total_memory_bytes", dev["memory_bytes"] * profile.get("num_devices", 1)))
+    device = Device(
+        name=dev.get("name", "cpu"),
+        peak_flops=dev["peak_flops"],
+        memory_bytes=total / n,
+        memory_bandwidth=dev["memory_bandwidth"],
+    )
+    return Cluster(
+        hosts=hosts,
+        devices_per_host=n,
+        device=device,
+        intra_host=Link(**profile["intra_host"]),
+        inter_host=Link(**profile["inter_host"]),
+        name="cpu",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cluster
+
+
+_SPEC_HELP = (
+    "use PRESET:HOSTS with PRESET one of " + ", ".join(PRESETS) + " and HOSTS a positive integer "
+    "(e.g. 'p3.16xlarge:2'), or a path to a JSON cluster file"
+)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N hosts x M devices, one device type, one link inside a host and one between hosts.
+
+    ``inter_host`` is the whole host's network bandwidth (all its NICs), shared by its devices; see
+    :meth:`LogicalMesh.axis_link`. Devices are numbered host-major: device d sits in host ``d // M``.
+
+    >>> c = Cluster(hosts=2, devices_per_host=4, device=Device("toy", {"float32": 1e12}, 2**30, 1e11),
+    ...             intra_host=Link(1e11, 1e-6), inter_host=Link(1e10, 1e-5))
+    >>> c.num_devices, c.host_of(5)
+    (8, 1)
+    """
+
+    hosts: int
+    devices_per_host: int
+    device: Device
+    intra_host: Link
+    inter_host: Link
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field, value in (("hosts", self.hosts), ("devices_per_host", self.devices_per_host)):
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{field} must be a positive whole number, got {value!r}; set it to 1 or more.")
+        if not _is_power_of_two(self.devices_per_host):
+            lower = 1 << (self.devices_per_host.bit_length() - 1)
+            raise ValueError(
+                f"devices_per_host must be a power of two (1, 2, 4, 8, ...), got {self.devices_per_host}, because "
+                f"Alpa's submesh shapes (1,1), (1,2), (1,4) ... (1,M) can only tile a host of M devices when M is a "
+                f"power of two; use {lower} (or {lower * 2}) devices per host."
+            )
+        if not isinstance(self.device, Device):
+            raise ValueError(f"device must be a Device, got {type(self.device).__name__}; build one with Device(...).")
+        for field in ("intra_host", "inter_host"):
+            if not isinstance(getattr(self, field), Link):
+                raise ValueError(f"{field} must be a Link, got {type(getattr(self, field)).__name__}; use Link(bandwidth, latency).")
+
+    # -- basic facts ------------------------------------------------------------------------------------
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def host_of(self, device: int) -> int:
+        """The host index of a (host-major) device index."""
+        return int(device) // self.devices_per_host
+
+    # -- construction ---------------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, hosts: int = 1) -> "Cluster":
+        """A named cluster: ``p3.16xlarge``, ``dgx-a100``, ``dgx-h100`` (8 GPUs per host) or ``cpu``.
+
+        >>> Cluster.preset("dgx-a100", hosts=4).num_devices
+        32
+        """
+        key = str(name).strip().lower()
+        if not _is_int(hosts) or hosts <= 0:
+            raise ValueError(f"hosts must be a positive whole number, got {hosts!r}; set it to 1 or more.")
+        if key == "cpu":
+            return _cpu_preset(hosts)
+        if key not in _GPU_PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; {_SPEC_HELP}.")
+        return cls(hosts=hosts, name=key, **_GPU_PRESETS[key])
+
+    @classmethod
+    def parse(cls, spec: str) -> "Cluster":
+        """``'PRESET:HOSTS'``, ``'PRESET'`` (one host) or a path to a JSON cluster file.
+
+        >>> Cluster.parse("p3.16xlarge:2").hosts
+        2
+        """
+        if isinstance(spec, Cluster):
+            return spec
+        if not isinstance(spec, (str, os.PathLike)):
+            raise ValueError(f"bad cluster spec {spec!r}; {_SPEC_HELP}.")
+        text = os.fspath(spec).strip()
+        if text.lower().endswith(".json") or os.path.isfile(text):
+            return cls.from_json(text)
+        name, sep, hosts_text = text.partition(":")
+        if not sep:
+            return cls.preset(name, 1)
+        try:
+            hosts = int(hosts_text)
+        except ValueError:
+            hosts = 0
+        if hosts <= 0 or name.strip().lower() not in PRESETS:
+            raise ValueError(f"bad cluster spec {text!r}; {_SPEC_HELP}.")
+        return cls.preset(name, hosts)
+
+    def to_dict(self) -> dict:
+        """The JSON form (see :meth:`from_json`)."""
+        return {
+            "version": 1,
+            "name": self.name,
+            "hosts": self.hosts,
+            "devices_per_host": self.devices_per_host,
+            "device": self.device.to_dict(),
+            "intra_host": self.intra_host.to_dict(),
+            "inter_host": self.inter_host.to_dict(),
+        }
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The cluster as JSON text; also written to ``path`` when given.
+
+        >>> Cluster.from_json(Cluster.preset("dgx-h100").to_json()) == Cluster.preset("dgx-h100")
+        True
+        """
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike | Mapping) -> "Cluster":
+        """A cluster from a dict, JSON text or a JSON file path. The form (units: bytes, bytes/s, s, FLOP/s)::
+
+            {"version": 1, "name": "my-cluster", "hosts": 2, "devices_per_host": 8,
+             "device": {"name": "V100", "peak_flops": {"float32": 15.7e12, "float16": 125e12},
+                        "memory_bytes": 17179869184, "memory_bandwidth": 9e11},
+             "intra_host": {"bandwidth": 1.5e11, "latency": 5e-6},
+             "inter_host": {"bandwidth": 3.125e9, "latency": 5e-5}}
+
+        ``inter_host.bandwidth`` is the whole host's network bandwidth. ``name`` and ``version`` are optional.
+        """
+        where = "cluster dict"
+        if isinstance(source, Mapping):
+            data = source
+        else:
+            text = os.fspath(source)
+            if text.lstrip().startswith("{"):
+                where = "cluster JSON text"
+            else:
+                where = f"cluster file {text!r}"
+                try:
+                    text = Path(text).read_text()
+                except OSError as e:
+                    raise ValueError(f"cannot read {where} ({e.strerror or e}); {_SPEC_HELP}.") from None
+            try:
+                data = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{where} is not valid JSON ({e}); fix it to the form shown in Cluster.from_json.") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must hold a JSON object, got {type(data).__name__}; use the form shown in Cluster.from_json.")
+
+        def get(obj: Any, key: str, label: str) -> Any:
+            if not isinstance(obj, Mapping) or key not in obj:
+                raise ValueError(f"{where} is missing {label!r}; add it (see Cluster.from_json for the form).")
+            return obj[key]
+
+        dev = get(data, "device", "device")
+        device = Device(
+            name=str(dev.get("name", "device")) if isinstance(dev, Mapping) else "device",
+            peak_flops=get(dev, "peak_flops", "device.peak_flops"),
+            memory_bytes=get(dev, "memory_bytes", "device.memory_bytes"),
+            memory_bandwidth=get(dev, "memory_bandwidth", "device.memory_bandwidth"),
+        )
+        links = {}
+        for field in ("intra_host", "inter_host"):
+            raw = get(data, field, field)
+            # Checked here with the field's name, so the message says which link is wrong.
+            bw, lat = _check_link(get(raw, "bandwidth", f"{field}.bandwidth"), get(raw, "latency", f"{field}.latency"), field)
+            links[field] = Link(bw, lat)
+        return cls(
+            hosts=get(data, "hosts", "hosts"),
+            devices_per_host=get(data, "devices_per_host", "devices_per_host"),
+            device=device,
+            name=str(data.get("name", "custom")),
+            **links,
+        )
+
+    # Shortcuts accepted by with_() besides the dataclass fields, so a what-if slider can move one number.
+    _SHORTCUTS = {
+        "intra_host_bandwidth": ("intra_host", "bandwidth"),
+        "intra_host_latency": ("intra_host", "latency"),
+        "inter_host_bandwidth": ("inter_host", "bandwidth"),
+        "inter_host_latency": ("inter_host", "latency"),
+        "memory_bytes": ("device", "memory_bytes"),
+        "memory_bandwidth": ("device", "memory_bandwidth"),
+        "peak_flops": ("device", "peak_flops"),
+    }
+
+    def with_(self, **changes: Any) -> "Cluster":
+        """A modified copy: any field (``hosts=4``) or shortcut (``inter_host_bandwidth=1e9``, ``memory_bytes=...``).
+
+        >>> Cluster.preset("p3.16xlarge").with_(hosts=4, memory_bytes=32 * 2**30).device.memory_bytes == 32 * 2**30
+        True
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        direct = {k: v for k, v in changes.items() if k in fields}
+        nested: dict[str, dict] = {}
+        for key, value in changes.items():
+            if key in fields:
+                continue
+            if key not in self._SHORTCUTS:
+                valid = ", ".join(sorted(fields | set(self._SHORTCUTS)))
+                raise ValueError(f"Cluster.with_ got an unknown change {key!r}; use one of: {valid}.")
+            part, attr = self._SHORTCUTS[key]
+            nested.setdefault(part, {})[attr] = value
+        for part, attrs in nested.items():
+            base = direct.get(part, getattr(self, part))
+            direct[part] = dataclasses.replace(base, **attrs)
+        return dataclasses.replace(self, **direct)
+
+    def scaled_inter_host(self, factor: float) -> "Cluster":
+        """The same cluster with inter-host bandwidth ``factor`` times lower (latency unchanged).
+
+        >>> Cluster.preset("p3.16xlarge").scaled_inter_host(4).inter_host.bandwidth == 25e9 / 8 / 4
+        True
+        """
+        f = _check_positive(factor, "scaled_inter_host factor", "times")
+        return self.with_(inter_host_bandwidth=self.inter_host.bandwidth / f)
+
+    # -- submeshes ------------------------------------------------------------------------------------
+
+    def submesh_shapes(self) -> list[tuple[int, int]]:
+        """Alpa's submesh shapes: (1,1), (1,2), (1,4) ... (1,M), then (2,M), (3,M) ... (N,M).
+
+        >>> Cluster.preset("p3.16xlarge", hosts=2).submesh_shapes()
+        [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+        """
+        m = self.devices_per_host
+        shapes = [(1, 1 << i) for i in range(m.bit_length())]  # powers of two up to M (M is one)
+        shapes += [(n, m) for n in range(2, self.hosts + 1)]
+        return shapes
+
+    def _check_submesh(self, submesh: Sequence[int]) -> tuple[int, int]:
+        try:
+            shape = (int(submesh[0]), int(submesh[1]))
+            ok = len(submesh) == 2
+        except (TypeError, ValueError, IndexError):
+            ok = False
+        if not ok or shape not in self.submesh_shapes():
+            raise ValueError(
+                f"submesh {tuple(submesh) if isinstance(submesh, (list, tuple)) else submesh!r} is not one of this "
+                f"cluster's submesh shapes; use one of {self.submesh_shapes()}."
+            )
+        return shape
+
+    def logical_mesh_shapes(self, submesh: Sequence[int]) -> list[tuple[int, int]]:
+        """The 2D logical views (n0, n1) of an (n, m) submesh, n0 ascending.
+
+        Returned: every (n0, n1) with n0 * n1 = n * m where n1 divides M or is a whole number of hosts (k * M,
+        k dividing n). Devices fill the logical mesh row-major in host-major order, so axis 1 is the fast axis:
+        this rule guarantees every axis-1 group lies inside one host or is made of whole hosts, so each axis
+        runs over one kind of link. For n == 1 this is (1, m), (2, m/2) ... (m, 1); for n > 1 it includes the
+        physical (n, M), (n*M, 1) and (1, n*M). Alpa's "all" space also tries n1 values that split a host
+        unevenly (e.g. (8, 3) on a (3, 8) submesh); those are left out because their groups straddle hosts.
+
+        >>> Cluster.preset("p3.16xlarge", hosts=2).logical_mesh_shapes((2, 8))
+        [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)]
+        """
+        n, m = self._check_submesh(submesh)
+        size, host = n * m, self.devices_per_host
+        out = []
+        for n0 in range(1, size + 1):
+            if size % n0:
+                continue
+            n1 = size // n0
+            if host % n1 == 0 or (n1 % host == 0 and n % (n1 // host) == 0):
+                out.append((n0, n1))
+        return out
+
+    def logical_mesh(self, submesh: Sequence[int], shape: Sequence[int] | None = None, first_device: int = 0) -> "LogicalMesh":
+        """A validated :class:`LogicalMesh` (``shape`` defaults to the submesh's physical shape).
+
+        >>> Cluster.preset("dgx-a100", hosts=2).logical_mesh((1, 8), (2, 4)).axis_size((0, 1))
+        8
+        """
+        sub = self._check_submesh(submesh)
+        return LogicalMesh(self, sub, tuple(shape) if shape is not None else sub, first_device)
+
+    def place(self, submeshes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """Device indices for each submesh (in the given order), tiling the cluster as Alpa does.
+
+        Whole-host shapes (n, M) take whole hosts first; the (1, 2^k) shapes then go in decreasing size,
+        each right after the previous one. Why this always fits: while placing size s, every earlier piece
+        in that host was a multiple of s, so the offset is a multiple of s, and M is too, so no piece
+        straddles a host; with sizes summing to at most N*M, nothing runs past the last device.
+
+        >>> Cluster.preset("p3.16xlarge").place([(1, 2), (1, 4), (1, 1)])
+        [(4, 5), (0, 1, 2, 3), (6,)]
+        """
+        shapes = [self._check_submesh(s) for s in submeshes]
+        total = sum(n * m for n, m in shapes)
+        if total > self.num_devices:
+            raise ValueError(
+                f"submeshes {shapes} need {total} devices but the cluster has {self.num_devices}; "
+                "drop or shrink some submeshes."
+            )
+        # Stable sort: whole-host shapes (larger first) then sub-host shapes by decreasing size.
+        order = sorted(range(len(shapes)), key=lambda i: -(shapes[i][0] * shapes[i][1]))
+        out: list[tuple[int, ...]] = [()] * len(shapes)
+        nxt = 0
+        for i in order:
+            size = shapes[i][0] * shapes[i][1]
+            out[i] = tuple(range(nxt, nxt + size))
+            nxt += size
+        return out
+
+    # -- links ------------------------------------------------------------------------------------------
+
+    def p2p_link(self, src_devices: Sequence[int], dst_devices: Sequence[int]) -> Link:
+        """The link a stage-to-stage transfer uses: intra_host if both device sets lie in one host, else inter_host.
+
+        >>> c = Cluster.preset("p3.16xlarge", hosts=2)
+        >>> c.p2p_link([0, 1], [2, 3]) == c.intra_host, c.p2p_link([0], [8]) == c.inter_host
+        (True, True)
+        """
+        devs = [int(d) for d in list(src_devices) + list(dst_devices)]
+        bad = [d for d in devs if not 0 <= d < self.num_devices]
+        if bad:
+            raise ValueError(f"device indices {bad} are outside this cluster's 0..{self.num_devices - 1}; use indices in that range.")
+        return self.intra_host if len({self.host_of(d) for d in devs}) <= 1 else self.inter_host
+
+    def send_recv(self, nbytes: float, src_devices: Sequence[int], dst_devices: Sequence[int]) -> float:
+        """Time to move ``nbytes`` between two device sets over :meth:`p2p_link`."""
+        return send_recv(nbytes, self.p2p_link(src_devices, dst_devices))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logical meshes and collective costs
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """A 2D view (n0, n1) of a submesh; axis 1 is the fast axis (consecutive devices).
+
+    ``first_device`` is where the submesh starts in the cluster's host-major numbering (see Cluster.place).
+    Collective costs use Alpa's alpha-beta formulas with B = bytes of the FULL buffer along the axis.
+
+    >>> c = Cluster.preset("p3.16xlarge")
+    >>> m = c.logical_mesh((1, 8), (1, 8))
+    >>> m.all_reduce(1e9, 1) == c.intra_host.latency + 2 * (7 / 8) * 1e9 / c.intra_host.bandwidth
+    True
+    """
+
+    cluster: Cluster
+    submesh: tuple
+    shape: tuple
+    first_device: int = 0
+
+    def __post_init__(self) -> None:
+        sub = self.cluster._check_submesh(self.submesh)
+        object.__setattr__(self, "submesh", sub)
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            shape = ()
+        size = sub[0] * sub[1]
+        if len(shape) != 2 or shape[0] * shape[1] != size or min(shape) < 1:
+            raise ValueError(
+                f"logical mesh shape {self.shape!r} must be two positive numbers multiplying to the submesh's "
+                f"{size} devices; use one of {self.cluster.logical_mesh_shapes(sub)}."
+            )
+        if shape not in self.cluster.logical_mesh_shapes(sub):
+            raise ValueError(
+                f"logical mesh shape {shape} would split hosts unevenly along axis 1; "
+                f"use one of {self.cluster.logical_mesh_shapes(sub)}."
+            )
+        object.__setattr__(self, "shape", shape)
+        M = self.cluster.devices_per_host
+        align = sub[1] if sub[0] == 1 else M  # a (1, m) piece sits at a multiple of m; bigger ones on host starts
+        f = self.first_device
+        if not _is_int(f) or f < 0 or f % align or f + size > self.cluster.num_devices:
+            raise ValueError(
+                f"first_device {f!r} cannot start a {sub} submesh; use a multiple of {align} no larger than "
+                f"{self.cluster.num_devices - size} (Cluster.place computes valid starts)."
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def devices(self) -> np.ndarray:
+        """Cluster device indices, shape (n0, n1), host-major and row-major (axis 1 = consecutive devices)."""
+        return np.arange(self.first_device, self.first_device + self.num_devices).reshape(self.shape)
+
+    def _groups(self, axis: Axis) -> np.ndarray:
+        """Rows = the device groups a collective along ``axis`` runs in."""
+        d = self.devices
+        if axis in (0, 1):
+            return d.T if axis == 0 else d  # axis 0 varies the row index: its groups are the columns
+        if isinstance(axis, (tuple, list)) and tuple(axis) in ((0, 1), (1, 0)):
+            return d.reshape(1, -1)
+        raise ValueError(f"mesh axis must be 0, 1 or (0, 1), got {axis!r}; pick one of those.")
+
+    def axis_size(self, axis: Axis) -> int:
+        """Devices along ``axis`` (0, 1, or (0, 1) for both flattened)."""
+        return int(self._groups(axis).shape[1])
+
+    def axis_link(self, axis: Axis) -> Link:
+        """The link a collective along ``axis`` uses.
+
+        intra_host if every group along the axis sits inside one host. Otherwise inter_host, with its
+        bandwidth divided by the number of groups that cross the network from one host at the same time
+        (they share that host's NICs): logical (2, 8) on 2 p3 hosts has 8 axis-0 pairs per host, so each
+        gets 25/8 Gb/s.
+        """
+        hosts = self._groups(axis) // self.cluster.devices_per_host
+        if (hosts == hosts[:, :1]).all():
+            return self.cluster.intra_host
+        crossing = [set(row.tolist()) for row in hosts if len(set(row.tolist())) > 1]
+        sharing = max(sum(h in g for g in crossing) for h in set().union(*crossing))
+        link = self.cluster.inter_host
+        return link if sharing == 1 else Link(link.bandwidth / sharing, link.latency)
+
+    def _cost(self, nbytes: float, axis: Axis, factor: Callable[[int], float]) -> float:
+        n = self.axis_size(axis)
+        if n == 1:
+            return 0.0  # nothing to communicate: exactly zero, not the latency
+        link = self.axis_link(axis)
+        return link.latency + factor(n) * nbytes / link.bandwidth
+
+    def all_gather(self, nbytes: float, axis: Axis) -> float:
+        """a + b (n-1)/n B, B = bytes of the gathered (full) buffer."""
+        return self._cost(nbytes, axis, lambda n: (n - 1) / n)
+
+    def reduce_scatter(self, nbytes: float, axis: Axis) -> float:
+        """a + b (n-1)/n B, B = bytes of the full (unscattered) buffer."""
+        return self._cost(nbytes, axis, lambda n: (n - 1) / n)
+
+    def all_reduce(self, nbytes: float, axis: Axis) -> float:
+        """a + 2 b (n-1)/n B (a reduce-scatter then an all-gather)."""
+        return self._cost(nbytes, axis, lambda n: 2 * (n - 1) / n)
+
+    def all_to_all(self, nbytes: float, axis: Axis) -> float:
+        """a + b (n-1)/n^2 B."""
+        return self._cost(nbytes, axis, lambda n: (n - 1) / (n * n))
+
+    def to_jax_mesh(self, devices: Sequence[Any] | None = None):
+        """A ``jax.sharding.Mesh`` with axes ("x", "y") over real jax devices.
+
+        ``devices`` is either exactly this mesh's devices (taken in order) or the whole cluster's device list
+        (indexed by :attr:`devices`); by default ``jax.devices()``.
+        """
+        import jax  # lazy: the cost model must not need jax
+
+        devs = list(jax.devices() if devices is None else devices)
+        if len(devs) == self.num_devices:
+            arr = np.empty(self.num_devices, dtype=object)
+            arr[:] = devs
+            arr = arr.reshape(self.shape)
+        elif len(devs) > int(self.devices.max()):
+            arr = np.empty(self.shape, dtype=object)
+            for idx, d in np.ndenumerate(self.devices):
+                arr[idx] = devs[int(d)]
+        else:
+            raise ValueError(
+                f"got {len(devs)} jax devices for a {self.shape} mesh of devices {self.devices.min()}..{self.devices.max()}; "
+                f"pass exactly {self.num_devices} devices or the cluster's full list (set JAX_NUM_CPU_DEVICES to get more)."
+            )
+        axis_type = getattr(jax.sharding, "AxisType", None)
+        if axis_type is not None:
+            return jax.sharding.Mesh(arr, ("x", "y"), axis_types=(axis_type.Auto, axis_type.Auto))
+        return jax.sharding.Mesh(arr, ("x", "y"))
