@@ -200,7 +200,7 @@ def _train_step():
 
 def test_roles_layers_and_input_kinds_of_a_training_step():
     step, args = _train_step()
-    g = al.trace(step, *args, batch_argnums=(2,))
+    g = al.trace(step, *args, batch_argnums=(2,), opt_state_argnums=(1,))
     dots = ops_of(g, "dot_general")
     assert sorted((d.layer, d.role) for d in dots) == [
         ("layer_0", "backward"),  # weight gradient (the input gradient of layer 0 is not needed)
@@ -227,7 +227,7 @@ def test_roles_layers_and_input_kinds_of_a_training_step():
 
 def test_graph_structure_and_summary():
     step, args = _train_step()
-    g = al.trace(step, *args, batch_argnums=(2,), name="toy")
+    g = al.trace(step, *args, batch_argnums=(2,), opt_state_argnums=(1,), name="toy")
     assert list(g.ops) == list(range(len(g)))
     import networkx as nx
 
@@ -238,7 +238,7 @@ def test_graph_structure_and_summary():
     assert s["param_bytes"] == 4 * g.param_count
     assert abs(sum(s["flops_by_primitive"].values()) - g.total_flops) < 1e-6
     assert len(g.fingerprint) == 16
-    g2 = al.trace(step, *args, batch_argnums=(2,))
+    g2 = al.trace(step, *args, batch_argnums=(2,), opt_state_argnums=(1,))
     assert g2.fingerprint == g.fingerprint
 
 

@@ -358,7 +358,7 @@ def _kind_of_arg(i: int, batch_argnums, param_argnums, opt_state_argnums) -> str
         return BATCH
     if i in param_argnums:
         return PARAM
-    if opt_state_argnums is None or i in opt_state_argnums:
+    if opt_state_argnums is not None and i in opt_state_argnums:
         return OPT_STATE
     return STATE
 
@@ -383,8 +383,8 @@ def trace(
     """Capture the operator graph of ``step_fn(*args)``.
 
     ``args`` may be arrays or pytrees of ``jax.ShapeDtypeStruct`` (nothing is allocated). ``param_argnums`` and
-    ``batch_argnums`` say which arguments hold parameters and batch data; any other argument is optimizer state
-    (``opt_state_argnums`` to say so explicitly).
+    ``batch_argnums`` say which arguments hold parameters and batch data; ``opt_state_argnums`` which hold optimizer
+    state (operators that read it are the update). Any other argument is plain state.
 
     >>> import jax, jax.numpy as jnp
     >>> w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)

@@ -1,0 +1,68 @@
+"""The model zoo: Alpa's benchmark models by name, as ModelSpecs built from abstract shapes.
+
+    >>> spec = get("gpt-1.3b")                       # nothing allocated: spec.abstract_args are ShapeDtypeStructs
+    >>> tiny = get("gpt-tiny", dtype="float32")
+    >>> params, opt_state, batch = tiny.init(seed=0)
+    >>> params, opt_state, loss = jax.jit(tiny.step_fn)(params, opt_state, batch)
+
+Families: gpt (GPT-3 / Megatron), moe (GShard MoE), wresnet (Wide-ResNet), mlp. Configurations are those of Alpa's
+benchmark suites (see docs/reference alpa-facts.md); ``-tiny`` variants run a step on a CPU in well under a second.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from . import gpt, mlp, moe, wresnet
+from .base import ModelSpec, replace_config
+
+_FAMILIES = {"gpt": gpt, "moe": moe, "wresnet": wresnet, "mlp": mlp}
+_REGISTRY = {name: (family, cfg) for family, mod in _FAMILIES.items() for name, cfg in mod.PRESETS.items()}
+
+__all__ = ["ModelSpec", "get", "names", "config_of", "fields"]
+
+
+def names(family: str | None = None) -> list[str]:
+    """Names in the zoo (optionally of one family: "gpt", "moe", "wresnet", "mlp")."""
+    if family is not None and family not in _FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; valid families are: {', '.join(_FAMILIES)}.")
+    return [n for n, (f, _) in _REGISTRY.items() if family is None or f == family]
+
+
+def _lookup(name: str):
+    key = str(name).strip().lower()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; valid names are: {', '.join(_REGISTRY)}.")
+    return key, *_REGISTRY[key]
+
+
+def config_of(name: str, batch_size=None, num_layers=None, dtype=None, **overrides):
+    """The (frozen dataclass) configuration get() would use, without building the model."""
+    _, _, cfg = _lookup(name)
+    if batch_size is not None:
+        overrides["batch_size"] = batch_size
+    if num_layers is not None:
+        overrides["num_layers"] = num_layers
+    if dtype is not None:
+        try:
+            overrides["dtype"] = jnp.dtype(dtype).name
+        except TypeError:
+            raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'float16' or 'bfloat16'.") from None
+    return replace_config(cfg, **overrides)
+
+
+def get(name: str, batch_size: int | None = None, num_layers: int | None = None, dtype=None,
+        **overrides) -> ModelSpec:
+    """A ModelSpec by zoo name; keyword overrides replace config fields (e.g. hidden_size=64, seq_len=32).
+
+    Unknown names or fields raise ValueError. Nothing is allocated: abstract args come from jax.eval_shape.
+    """
+    key, family, _ = _lookup(name)
+    cfg = config_of(key, batch_size=batch_size, num_layers=num_layers, dtype=dtype, **overrides)
+    return _FAMILIES[family].build(key, cfg)
+
+
+def fields(name: str) -> list[str]:
+    """Config fields of a zoo model (what get() accepts as overrides)."""
+    return [f.name for f in dataclasses.fields(_lookup(name)[2])]

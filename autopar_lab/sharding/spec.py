@@ -1,0 +1,245 @@
+"""Sharding specs: how one tensor is laid out over a 2D logical mesh (Alpa's "S0R", JAX's ``PartitionSpec``).
+
+A :class:`ShardingSpec` gives, per tensor dimension, the tuple of mesh axes that split it:
+
+- ``()``      replicated                      -> ``"R"``
+- ``(0,)``    split over mesh axis 0          -> ``"S0"``
+- ``(1,)``    split over mesh axis 1          -> ``"S1"``
+- ``(0, 1)``  split over both axes, flattened -> ``"S01"`` (axis 0 major, like ``PartitionSpec(("x", "y"))``)
+
+Example:
+    >>> s = ShardingSpec.parse("S0RS1")
+    >>> s.dims, str(s)
+    (((0,), (), (1,)), 'S0RS1')
+    >>> s.to_partition_spec()
+    P('x', None, 'y')
+    >>> s.shard_shape((8, 3, 16), (2, 4))
+    (4, 3, 4)
+
+A rank-0 tensor (a scalar) has the empty spec, written ``""``; :meth:`ShardingSpec.parse` also accepts ``"R"`` for it
+when told ``rank=0`` (``"R"`` alone otherwise means a replicated rank-1 tensor).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+from jax.sharding import PartitionSpec
+
+from ..graph.opgraph import dtype_size
+
+MESH_AXES = (0, 1)
+DEFAULT_AXIS_NAMES = ("x", "y")  # what LogicalMesh.to_jax_mesh names its axes
+_TOKEN = re.compile(r"R|S([01]{1,2})")
+
+Axes = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """Per tensor dimension, the mesh axes that split it (see the module docstring).
+
+    >>> ShardingSpec(((0, 1), ())).__str__()
+    'S01R'
+    >>> ShardingSpec.replicated(3)
+    ShardingSpec('RRR')
+    """
+
+    dims: tuple[Axes, ...]
+
+    def __post_init__(self) -> None:
+        dims = tuple(tuple(int(a) for a in d) for d in self.dims)
+        used = [a for d in dims for a in d]
+        bad = [a for a in used if a not in MESH_AXES]
+        if bad:
+            raise ValueError(f"mesh axis {bad[0]} does not exist: a logical mesh has axes 0 and 1")
+        if len(used) != len(set(used)):
+            raise ValueError(f"spec {dims} uses a mesh axis twice; each axis may split at most one dimension once")
+        object.__setattr__(self, "dims", dims)
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str, rank: int | None = None) -> "ShardingSpec":
+        """Alpa's string form: ``"S0R"``, ``"RS01"``, ``""`` for a scalar (or ``"R"`` with ``rank=0``).
+
+        >>> ShardingSpec.parse("RS01").dims
+        ((), (0, 1))
+        >>> ShardingSpec.parse("R", rank=0).rank
+        0
+        """
+        text = str(text).strip().replace(" ", "")
+        if rank == 0 and text in ("", "R"):
+            return cls(())
+        dims, pos = [], 0
+        while pos < len(text):
+            m = _TOKEN.match(text, pos)
+            if m is None:
+                raise ValueError(
+                    f"cannot read sharding spec {text!r} at position {pos}: write one token per dimension, "
+                    "R (replicated), S0, S1 or S01 (split over mesh axis 0, 1 or both), e.g. 'S0R'"
+                )
+            dims.append(tuple(int(c) for c in m.group(1)) if m.group(1) else ())
+            pos = m.end()
+        if rank is not None and len(dims) != rank:
+            raise ValueError(f"sharding spec {text!r} has {len(dims)} dimensions, the tensor has {rank}")
+        return cls(tuple(dims))
+
+    @classmethod
+    def replicated(cls, rank: int) -> "ShardingSpec":
+        """All dimensions replicated: ``replicated(2)`` is ``RR``."""
+        return cls(((),) * int(rank))
+
+    @classmethod
+    def from_partition_spec(
+        cls, pspec: PartitionSpec, rank: int | None = None, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES
+    ) -> "ShardingSpec":
+        """The inverse of :meth:`to_partition_spec`; ``rank`` pads missing trailing entries with ``None``.
+
+        >>> str(ShardingSpec.from_partition_spec(PartitionSpec(("x", "y"), None)))
+        'S01R'
+        """
+        index = {name: i for i, name in enumerate(axis_names)}
+        entries = list(pspec)
+        if rank is not None:
+            if len(entries) > rank:
+                raise ValueError(f"PartitionSpec {pspec} has {len(entries)} entries, the tensor has rank {rank}")
+            entries += [None] * (rank - len(entries))
+        dims = []
+        for e in entries:
+            names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+            try:
+                dims.append(tuple(index[n] for n in names))
+            except KeyError as k:
+                raise ValueError(f"PartitionSpec {pspec} names mesh axis {k.args[0]!r}; known axes: {tuple(axis_names)}") from None
+        return cls(tuple(dims))
+
+    # --- views --------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def axes(self) -> frozenset[int]:
+        """The mesh axes this spec splits over (anywhere)."""
+        return frozenset(a for d in self.dims for a in d)
+
+    def dim_of(self, axis: int) -> int | None:
+        """The tensor dimension split over mesh ``axis``, or None when the tensor is replicated along it."""
+        for i, d in enumerate(self.dims):
+            if axis in d:
+                return i
+        return None
+
+    def without_axes(self, axes: Iterable[int]) -> "ShardingSpec":
+        """This spec with ``axes`` removed (replicated along them): the layout after an all-gather over them."""
+        drop = set(axes)
+        return ShardingSpec(tuple(tuple(a for a in d if a not in drop) for d in self.dims))
+
+    def __str__(self) -> str:
+        return "".join("S" + "".join(map(str, d)) if d else "R" for d in self.dims)
+
+    def __repr__(self) -> str:
+        return f"ShardingSpec({str(self)!r})"
+
+    def to_partition_spec(self, axis_names: Sequence[str] = DEFAULT_AXIS_NAMES) -> PartitionSpec:
+        """The ``jax.sharding.PartitionSpec`` over a mesh whose axes are named ``axis_names`` (axis 0 first).
+
+        >>> ShardingSpec.parse("RS01").to_partition_spec()
+        P(None, ('x', 'y'))
+        """
+        entries = []
+        for d in self.dims:
+            names = tuple(axis_names[a] for a in d)
+            entries.append(None if not names else names[0] if len(names) == 1 else names)
+        return PartitionSpec(*entries)
+
+    # --- shapes and bytes ---------------------------------------------------------------------------------
+    def num_shards(self, dim: int, mesh_shape: Sequence[int]) -> int:
+        """How many pieces dimension ``dim`` is cut into on a mesh of ``mesh_shape``."""
+        return math.prod(int(mesh_shape[a]) for a in self.dims[dim])
+
+    def is_valid(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+        """Rank matches and every split dimension divides evenly (no padding); axes of size 1 are allowed.
+
+        >>> ShardingSpec.parse("S0R").is_valid((6, 4), (4, 2)), ShardingSpec.parse("S0R").is_valid((8, 4), (4, 2))
+        (False, True)
+        """
+        if len(shape) != self.rank:
+            return False
+        return all(int(shape[i]) % self.num_shards(i, mesh_shape) == 0 for i in range(self.rank))
+
+    def shard_shape(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape each device holds. Raises if the spec does not divide ``shape``."""
+        if not self.is_valid(shape, mesh_shape):
+            raise ValueError(f"spec {self} does not evenly shard shape {tuple(shape)} on a {tuple(mesh_shape)} mesh")
+        return tuple(int(shape[i]) // self.num_shards(i, mesh_shape) for i in range(self.rank))
+
+    def bytes_per_device(self, shape: Sequence[int], dtype: str, mesh_shape: Sequence[int]) -> int:
+        """Bytes of one device's shard: ``bytes_per_device((8, 4), "float32", (2, 4))`` of ``S0R`` is 64."""
+        return math.prod(self.shard_shape(shape, mesh_shape)) * dtype_size(str(dtype))
+
+
+def useful_axes(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Mesh axes with more than one device.
+
+    Splitting over a size-1 axis changes nothing about the layout, so strategies only use these axes: otherwise
+    ``S0R`` on a (1, 8) mesh would duplicate ``RR``.
+    """
+    return tuple(a for a in MESH_AXES if int(mesh_shape[a]) > 1)
+
+
+def axis_choices(mesh_shape: Sequence[int]) -> tuple[Axes, ...]:
+    """The ways to split one dimension: each useful axis alone, and both flattened when both are useful."""
+    ax = useful_axes(mesh_shape)
+    return tuple((a,) for a in ax) + ((tuple(ax),) if len(ax) == 2 else ())
+
+
+def assignments(num_dims: int, mesh_shape: Sequence[int], dims: Iterable[int] | None = None) -> Iterator[dict[int, Axes]]:
+    """Every way to give the useful mesh axes to dimensions (each axis used at most once), as ``{dim: axes}``.
+
+    On a 2D mesh this yields: nothing split; one dim over axis 0, 1 or both; two dims over axis 0 and 1. That is
+    1 + 3r + r(r-1) choices for r candidate dimensions (r + 1 on a mesh with one useful axis), so a spec never
+    splits more than two dimensions.
+
+    >>> len(list(assignments(2, (2, 4))))
+    9
+    """
+    cand = list(range(num_dims)) if dims is None else sorted(set(dims))
+    yield {}
+    for d in cand:
+        for axes in axis_choices(mesh_shape):
+            yield {d: axes}
+    ax = useful_axes(mesh_shape)
+    if len(ax) == 2:
+        for d0, d1 in itertools.permutations(cand, 2):
+            yield {d0: (ax[0],), d1: (ax[1],)}
+
+
+def candidate_specs(shape: Sequence[int], mesh_shape: Sequence[int], dims: Iterable[int] | None = None) -> list[ShardingSpec]:
+    """Valid specs of ``shape`` that split at most two of ``dims`` (all dims by default) over useful axes.
+
+    >>> [str(s) for s in candidate_specs((8, 3), (1, 4))]
+    ['RR', 'S1R']
+    """
+    out = []
+    for a in assignments(len(shape), mesh_shape, dims):
+        spec = ShardingSpec(tuple(a.get(i, ()) for i in range(len(shape))))
+        if spec.is_valid(shape, mesh_shape):
+            out.append(spec)
+    return out
+
+
+__all__ = [
+    "Axes",
+    "DEFAULT_AXIS_NAMES",
+    "MESH_AXES",
+    "ShardingSpec",
+    "assignments",
+    "axis_choices",
+    "candidate_specs",
+    "useful_axes",
+]

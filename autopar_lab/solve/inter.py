@@ -1,0 +1,796 @@
+"""Alpa's inter-operator pass (OSDI'22 §5.2): cut layers into pipeline stages and give each a submesh.
+
+Everything here works on plain data. The caller supplies a function
+``candidates(start, end, submesh)`` that lists the ways to run layers ``start..end``
+(inclusive) on a submesh of shape ``(n, m)``; each way is a :class:`StageCandidate`
+with its per-microbatch times and per-device memory. The DP picks stages, submeshes and
+candidates to minimise the pipeline latency
+
+    T = sum_i t_i + sum_j c_j + (B - 1) * max(max_i t_i, max_j c_j)
+
+where ``t_i = fwd + bwd`` of stage ``i`` and ``c_j = send_fwd + send_bwd`` of cut ``j``.
+With ``stage_comm="ignore"`` every ``c_j`` is priced 0 and this is exactly Alpa's
+``sum t_i + (B - 1) max t_i``.
+
+Placement rule (needed to know which link a cut uses). The cluster has N hosts of M
+devices, numbered host-major (device ``h * M + r`` is slot ``r`` of host ``h``). Stages
+take consecutive device ranges in pipeline order: stage 0 starts at device 0 and each
+stage starts where the previous one ended. A submesh never straddles a host: a
+``(1, m)`` stage must lie inside one host and an ``(n, M)`` stage must start on a host
+boundary. The cut in front of a stage that starts at device offset ``o`` then uses the
+intra-host link iff ``o % M != 0`` (both neighbours sit inside the same host), else the
+inter-host link. Since ``o = N*M - d`` with ``d`` the devices still free, the DP state
+``(s, k, d)`` of Alpa's recurrence already carries everything needed.
+
+This differs from Alpa in one way: Alpa only counts devices (a multiset of submesh
+shapes always tiles the cluster once sorted by size), so it may pick an order of stages
+such as sizes 2, 4, 2 on hosts of 4, which the in-order rule above cannot place. The
+workbench needs the in-order rule to price stage transfers and to place stages
+without surprises; the brute-force reference uses the same rule.
+
+Example (two layers, one host of two devices, one candidate per stage):
+
+>>> def cands(start, end, submesh):
+...     n = end - start + 1
+...     size = submesh[0] * submesh[1]
+...     slowdown = 1.5 if size > 1 else 1.0   # splitting a layer across devices costs communication
+...     return [StageCandidate((start, end), submesh, submesh, False, slowdown * n / size, 2 * slowdown * n / size, 0, 0)]
+>>> r = stage_dp(2, 1, 2, cands, microbatches=4)
+>>> [(s.layers, s.submesh) for s in r.stages], r.latency_s
+([((0, 0), (1, 1)), ((1, 1), (1, 1))], 15.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "StageCandidate",
+    "InterResult",
+    "NoFeasiblePlanError",
+    "stage_dp",
+    "stage_dp_auto",
+    "brute_force_stages",
+    "pipeline_latency",
+    "submesh_shapes",
+    "placement_fits",
+    "cut_link",
+    "held_microbatches",
+    "cluster_kwargs",
+]
+
+SCHEDULES = ("1f1b", "gpipe")
+STAGE_COMM = ("model", "ignore")
+
+
+@dataclass(frozen=True)
+class StageCandidate:
+    """One way to run ``layers = (start, end)`` (inclusive) on a ``submesh``.
+
+    Times are per microbatch; bytes are per device.
+
+    >>> StageCandidate((0, 3), (1, 2), (2, 1), False, 1.0, 2.0, 5e9, 1e8).time_s
+    3.0
+    """
+
+    layers: tuple[int, int]
+    submesh: tuple[int, int]
+    logical_mesh: tuple[int, int]
+    remat: bool
+    fwd_s: float
+    bwd_s: float
+    static_bytes: float  # params + grads + optimizer state per device
+    act_bytes: float  # activations held per in-flight microbatch per device
+    payload: Any = field(default=None, compare=False, repr=False)  # e.g. the intra-op solution
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    def mem_bytes(self, held: int) -> float:
+        """Per-device memory when the stage holds ``held`` microbatches at once."""
+        return self.static_bytes + held * self.act_bytes
+
+
+@dataclass(frozen=True)
+class InterResult:
+    """A chosen pipeline. Per-cut tuples are indexed by cut ``j`` (between stage j and j+1).
+
+    ``latency_s`` is the objective the solver minimised (transfers priced 0 when
+    ``stage_comm == "ignore"``); ``latency_with_comm_s`` always prices them;
+    ``stage_comm_s`` is ``sum_j (send_fwd_s[j] + send_bwd_s[j])``, what they cost either way.
+    """
+
+    stages: tuple[StageCandidate, ...]
+    microbatches: int
+    latency_s: float
+    t_max: float
+    stage_comm_s: float
+    latency_with_comm_s: float
+    send_fwd_s: tuple[float, ...]
+    send_bwd_s: tuple[float, ...]
+    cut_links: tuple[str, ...]  # "intra" | "inter" per cut
+    device_offsets: tuple[int, ...]  # first device (host-major) of each stage
+    stage_mem_bytes: tuple[float, ...]  # static + held * act per stage under the schedule
+    schedule: str = "1f1b"
+    stage_comm: str = "model"
+    diagnostics: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """First layer of each stage."""
+        return tuple(s.layers[0] for s in self.stages)
+
+    def devices(self) -> tuple[tuple[int, ...], ...]:
+        """Host-major device indices of each stage under the in-order placement rule."""
+        return tuple(
+            tuple(range(o, o + s.submesh[0] * s.submesh[1])) for o, s in zip(self.device_offsets, self.stages)
+        )
+
+    def timeline(self):
+        """Simulate this plan event by event (see :mod:`autopar_lab.simulate`)."""
+        from autopar_lab.simulate import simulate
+
+        # The timeline shows what would happen, so transfers are always priced here.
+        return simulate(
+            [s.fwd_s for s in self.stages],
+            [s.bwd_s for s in self.stages],
+            self.microbatches,
+            self.schedule,
+            send_fwd_s=self.send_fwd_s,
+            send_bwd_s=self.send_bwd_s,
+            act_bytes=[s.act_bytes for s in self.stages],
+            static_bytes=[s.static_bytes for s in self.stages],
+        )
+
+
+class NoFeasiblePlanError(ValueError):
+    """No stage assignment fits in memory. ``min_mem_bytes`` is the smallest per-device
+    memory limit under which some assignment would fit (inf if none exists at all)."""
+
+    def __init__(self, message: str, min_mem_bytes: float):
+        super().__init__(message)
+        self.min_mem_bytes = min_mem_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared definitions (the DP and the brute force both use these, so the brute force checks the
+# search, not the definitions).
+
+
+def submesh_shapes(hosts: int, devices_per_host: int) -> list[tuple[int, int]]:
+    """Alpa's submesh shapes: (1,1), (1,2), (1,4) ... (1,M), then (2,M) ... (N,M).
+
+    >>> submesh_shapes(2, 4)
+    [(1, 1), (1, 2), (1, 4), (2, 4)]
+    """
+    m = devices_per_host
+    shapes = []
+    w = 1
+    while w < m:
+        shapes.append((1, w))
+        w *= 2
+    shapes.append((1, m))
+    shapes += [(n, m) for n in range(2, hosts + 1)]
+    return shapes
+
+
+def placement_fits(submesh: tuple[int, int], offset: int, hosts: int, devices_per_host: int) -> bool:
+    """Whether a stage of shape ``submesh`` may start at host-major device ``offset``.
+
+    >>> placement_fits((1, 2), 2, 2, 4), placement_fits((1, 4), 2, 2, 4), placement_fits((2, 4), 4, 3, 4)
+    (True, False, True)
+    """
+    n, m = submesh
+    size = n * m
+    if offset < 0 or offset + size > hosts * devices_per_host:
+        return False
+    if n == 1:  # inside one host
+        return offset // devices_per_host == (offset + m - 1) // devices_per_host
+    return offset % devices_per_host == 0  # whole hosts, starting on a host boundary
+
+
+def cut_link(offset: int, devices_per_host: int) -> str:
+    """Link used by the cut in front of a stage starting at device ``offset`` (> 0).
+
+    >>> cut_link(2, 4), cut_link(4, 4)
+    ('intra', 'inter')
+    """
+    return "intra" if offset % devices_per_host else "inter"
+
+
+def held_microbatches(stages_from_here: int, microbatches: int, schedule: str) -> int:
+    """Microbatches a stage keeps alive at once: 1F1B ``min(s, B)`` where ``s`` counts the
+    stages from this one to the last (inclusive); GPipe ``B``.
+
+    >>> held_microbatches(3, 8, "1f1b"), held_microbatches(3, 8, "gpipe")
+    (3, 8)
+    """
+    return min(stages_from_here, microbatches) if schedule == "1f1b" else microbatches
+
+
+def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int) -> float:
+    """``sum t + sum c + (B-1) * max(t + c)``: transfers act as extra pipeline stages.
+
+    How it compares with :func:`autopar_lab.simulate.simulate` (checked in the tests):
+    GPipe equals it exactly when each stage's and each cut's backward time is the same
+    multiple of its forward time (uniform stages and free transfers included); 1F1B equals
+    it for uniform stages and free transfers, and is at most it when transfers are free and
+    bwd is proportional to fwd (a fast stage's warm-up overlaps a slow one); with transfers,
+    1F1B's fixed warm-up depth cannot always hide the gradient round trip, so it can exceed
+    the formula. With arbitrary fwd/bwd splits either schedule can land on either side.
+
+    >>> pipeline_latency([3, 3], [], 2)
+    9
+    """
+    terms = list(stage_s) + list(cut_s)
+    return sum(terms) + (microbatches - 1) * max(terms)
+
+
+def cluster_kwargs(cluster: Any) -> dict:
+    """Plain keyword arguments for :func:`stage_dp` from a cluster-like object with
+    ``hosts``, ``devices_per_host``, ``intra_host`` and ``inter_host``.
+
+    >>> from types import SimpleNamespace as NS
+    >>> sorted(cluster_kwargs(NS(hosts=1, devices_per_host=2, intra_host=None, inter_host=None)))
+    ['devices_per_host', 'hosts', 'inter_link', 'intra_link']
+    """
+    return {
+        "hosts": cluster.hosts,
+        "devices_per_host": cluster.devices_per_host,
+        "intra_link": cluster.intra_host,
+        "inter_link": cluster.inter_host,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checking and the tables both solvers start from.
+
+
+@dataclass(frozen=True)
+class _Problem:
+    num_layers: int
+    hosts: int
+    devices_per_host: int
+    microbatches: int
+    schedule: str
+    stage_comm: str
+    mem_limit: float
+    max_stages: int
+    shapes: tuple[tuple[int, int], ...]
+    cands: dict  # (start, end, shape) -> tuple[StageCandidate, ...]
+    cut_cost: dict  # (layer k >= 1, "intra"|"inter") -> (send_fwd_s, send_bwd_s)
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def cut_terms(self, k: int, offset: int) -> tuple[float, float]:
+        return self.cut_cost[(k, cut_link(offset, self.devices_per_host))]
+
+    def priced_cut(self, k: int, offset: int) -> float:
+        """The cut term c_j the objective uses."""
+        if self.stage_comm == "ignore":
+            return 0.0
+        f, b = self.cut_terms(k, offset)
+        return f + b
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _transfer_s(nbytes: float, link: Any) -> float:
+    return float(link.latency) + float(nbytes) / float(link.bandwidth)
+
+
+def _build_problem(
+    num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
+    intra_link, inter_link, stage_comm, max_stages, schedule,
+) -> _Problem:
+    L = _positive_int(num_layers, "num_layers")
+    N = _positive_int(hosts, "hosts")
+    M = _positive_int(devices_per_host, "devices_per_host")
+    B = _positive_int(microbatches, "microbatches")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    if stage_comm not in STAGE_COMM:
+        raise ValueError(f"stage_comm must be one of {STAGE_COMM}, got {stage_comm!r}.")
+    mem = float(mem_limit_bytes)
+    if not mem > 0:
+        raise ValueError(f"mem_limit_bytes must be positive, got {mem_limit_bytes!r}.")
+    smax = min(L, N * M) if max_stages is None else min(L, N * M, _positive_int(max_stages, "max_stages"))
+
+    # Cut k (1..L-1) sits in front of layer k. Without cut_bytes nothing is known: transfers are free.
+    cut_cost = {}
+    if cut_bytes is not None:
+        cb = [float(x) for x in cut_bytes]
+        if len(cb) != L - 1:
+            raise ValueError(f"cut_bytes needs one entry per cut ({L - 1} for {L} layers), got {len(cb)}.")
+        if any(not (math.isfinite(x) and x >= 0) for x in cb):
+            raise ValueError("cut_bytes must hold finite non-negative byte counts.")
+        if intra_link is None or inter_link is None:
+            raise ValueError("cut_bytes needs intra_link and inter_link (objects with .bandwidth and .latency).")
+    for k in range(1, L):
+        for kind, link in (("intra", intra_link), ("inter", inter_link)):
+            t = 0.0 if cut_bytes is None else _transfer_s(cb[k - 1], link)
+            cut_cost[(k, kind)] = (t, t)  # gradients are the same size as activations
+
+    shapes = tuple(submesh_shapes(N, M))
+    cands = {}
+    for start in range(L):
+        for end in range(start, L):
+            for shape in shapes:
+                opts = tuple(candidates(start, end, shape))
+                for c in opts:
+                    for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"):
+                        v = getattr(c, name)
+                        if not (math.isfinite(v) and v >= 0):
+                            raise ValueError(
+                                f"candidate for layers {start}..{end} on {shape} has {name}={v!r}; "
+                                "it must be finite and non-negative."
+                            )
+                cands[(start, end, shape)] = opts
+    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, shapes, cands, cut_cost)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DP.
+
+
+def _tables(p: _Problem):
+    """best_time[k, i, sh, s-1]: fastest candidate for layers k..i on shape sh that fits
+    memory when s stages remain (so it holds held(s) microbatches); best_idx its index.
+    min_req[k, i, sh, s-1]: smallest memory any candidate there needs (for the error).
+
+    For a fixed t_max the best candidate is simply the fastest one that fits memory (if it
+    is within t_max, nothing slower can be better; if not, nothing fits), so the t_max loop
+    only has to mask this table.
+    """
+    L, SH, S = p.num_layers, len(p.shapes), p.max_stages
+    best_time = np.full((L, L, SH, S), np.inf)
+    best_idx = np.full((L, L, SH, S), -1, dtype=np.int64)
+    min_req = np.full((L, L, SH, S), np.inf)
+    for (k, i, shape), opts in p.cands.items():
+        sh = p.shapes.index(shape)
+        for s in range(1, S + 1):
+            held = held_microbatches(s, p.microbatches, p.schedule)
+            for idx, c in enumerate(opts):
+                need = c.mem_bytes(held)
+                min_req[k, i, sh, s - 1] = min(min_req[k, i, sh, s - 1], need)
+                if need <= p.mem_limit and c.time_s < best_time[k, i, sh, s - 1]:
+                    best_time[k, i, sh, s - 1] = c.time_s
+                    best_idx[k, i, sh, s - 1] = idx
+    return best_time, best_idx, min_req
+
+
+def _structure(p: _Problem):
+    """valid[sh, d]: a stage of shape sh may start with d devices free; size[sh];
+    cut[k, d]: priced cut term in front of a stage starting at layer k with d devices free."""
+    L, NM = p.num_layers, p.num_devices
+    SH = len(p.shapes)
+    size = np.array([n * m for n, m in p.shapes], dtype=np.int64)
+    valid = np.zeros((SH, NM + 1), dtype=bool)
+    for sh, shape in enumerate(p.shapes):
+        for d in range(NM + 1):
+            valid[sh, d] = placement_fits(shape, NM - d, p.hosts, p.devices_per_host)
+    cut = np.zeros((L, NM + 1))
+    for k in range(1, L):
+        for d in range(1, NM):  # offset 1..NM-1; other d never start a stage after layer 0
+            cut[k, d] = p.priced_cut(k, NM - d)
+    return valid, size, cut
+
+
+def _layered_dp(p, stage_cost, cut, valid, size, combine):
+    """Alpa's recurrence, vectorised over (start layer k, free devices d) for each s.
+
+    F[s][k, d] = min over end layer i >= k and shape sh (fits at offset N*M - d) of
+                 combine(stage_cost[k, i, sh, s-1] + cut[k, d], F[s-1][i+1, d - size[sh]])
+    with F[0][L, 0] = 0 (all layers placed, every device used exactly).
+    ``combine`` is np.add (latency) or np.maximum (bottleneck memory).
+    Returns the list of F tables and of argmin tables (flat index over (i, sh)).
+    """
+    L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    F_prev = np.full((L + 1, NM + 1), np.inf)
+    F_prev[L, 0] = 0.0
+    Fs, args = [F_prev], [None]
+    d_idx = np.arange(NM + 1)
+    for s in range(1, p.max_stages + 1):
+        # G[sh, j, d] = F_prev[j, d - size[sh]] where the stage may start with d free, else inf.
+        G = np.full((SH, L + 1, NM + 1), np.inf)
+        for sh in range(SH):
+            ok = valid[sh] & (d_idx >= size[sh])
+            G[sh][:, ok] = F_prev[:, d_idx[ok] - size[sh]]
+        # Next stage starts at layer i+1: G[:, 1:, :] is indexed by i. Shape (L_i, SH, D).
+        Gi = np.transpose(G[:, 1:, :], (1, 0, 2))
+        here = stage_cost[:, :, :, s - 1][:, :, :, None] + cut[:, None, None, :]  # (k, i, sh, d)
+        total = combine(here, Gi[None, :, :, :])
+        # Only i >= k is a stage; stage_cost is inf below the diagonal already.
+        flat = total.reshape(L, L * SH, NM + 1)
+        arg = np.argmin(flat, axis=1)
+        F = np.full((L + 1, NM + 1), np.inf)
+        F[:L] = np.take_along_axis(flat, arg[:, None, :], axis=1)[:, 0, :]
+        Fs.append(F)
+        args.append(arg)
+        F_prev = F
+    return Fs, args
+
+
+def _min_memory(p: _Problem, min_req, valid, size) -> float:
+    """Smallest over full assignments of the largest per-stage memory requirement."""
+    zero_cut = np.zeros((p.num_layers, p.num_devices + 1))
+    Fs, _ = _layered_dp(p, min_req, zero_cut, valid, size, np.maximum)
+    return float(min(F[0, p.num_devices] for F in Fs[1:]))
+
+
+def _infeasible(min_mem: float, limit: float) -> NoFeasiblePlanError:
+    if math.isinf(min_mem):
+        return NoFeasiblePlanError(
+            "no stage assignment covers every layer and every device with the candidates given; "
+            "make the candidates function return options for more (layer range, submesh) pairs.",
+            min_mem,
+        )
+    return NoFeasiblePlanError(
+        f"no stage assignment fits in {limit:.4g} bytes per device; the smallest any assignment needs is "
+        f"{min_mem:.6g} bytes per device. Use more devices, more microbatches or rematerialisation, "
+        "or a bigger memory limit.",
+        min_mem,
+    )
+
+
+def _result(p: _Problem, plan: list[tuple[int, int, tuple[int, int], int, int]], diagnostics: dict) -> InterResult:
+    """plan: [(start, end, shape, candidate index, offset)] in order."""
+    S = len(plan)
+    stages = tuple(p.cands[(k, i, shape)][idx] for k, i, shape, idx, _ in plan)
+    offsets = tuple(o for *_, o in plan)
+    sf, sb, links = [], [], []
+    for k, _, _, _, o in plan[1:]:
+        f, b = p.cut_terms(k, o)
+        sf.append(f)
+        sb.append(b)
+        links.append(cut_link(o, p.devices_per_host))
+    times = [c.time_s for c in stages]
+    with_comm = [f + b for f, b in zip(sf, sb)]
+    priced = with_comm if p.stage_comm == "model" else [0.0] * len(with_comm)
+    mems = tuple(
+        c.mem_bytes(held_microbatches(S - j, p.microbatches, p.schedule)) for j, c in enumerate(stages)
+    )
+    return InterResult(
+        stages=stages,
+        microbatches=p.microbatches,
+        latency_s=pipeline_latency(times, priced, p.microbatches),
+        t_max=max(times + priced),
+        stage_comm_s=sum(with_comm),
+        latency_with_comm_s=pipeline_latency(times, with_comm, p.microbatches),
+        send_fwd_s=tuple(sf),
+        send_bwd_s=tuple(sb),
+        cut_links=tuple(links),
+        device_offsets=offsets,
+        stage_mem_bytes=mems,
+        schedule=p.schedule,
+        stage_comm=p.stage_comm,
+        diagnostics=diagnostics,
+    )
+
+
+def _sweep_dp(p, stage_cost, cut, valid, size):
+    """The same recurrence without the stage count, for when it does not matter (memory
+    does not depend on it and max_stages does not bind): F[k, d] over k descending,
+    vectorised over (end layer i, shape, d). About max_stages times cheaper."""
+    L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    d_idx = np.arange(NM + 1)
+    F = np.full((L + 1, NM + 1), np.inf)
+    F[L, 0] = 0.0
+    G = np.full((L, SH, NM + 1), np.inf)  # G[i, sh, d] = F[i+1, d - size[sh]] where placeable
+    arg = np.zeros((L, NM + 1), dtype=np.int64)
+    for k in range(L - 1, -1, -1):
+        row = F[k + 1]
+        for sh in range(SH):
+            ok = valid[sh] & (d_idx >= size[sh])
+            G[k, sh, ok] = row[d_idx[ok] - size[sh]]
+        total = stage_cost[k][:, :, None] + G + cut[k][None, None, :]  # (i, sh, d)
+        flat = total.reshape(L * SH, NM + 1)
+        arg[k] = np.argmin(flat, axis=0)
+        F[k] = flat[arg[k], d_idx]
+    return F, arg
+
+
+T_MAX_SEARCH = ("bisect", "alpa", "all")
+
+
+def stage_dp(
+    num_layers: int,
+    hosts: int,
+    devices_per_host: int,
+    candidates: Callable[[int, int, tuple[int, int]], Sequence[StageCandidate]],
+    microbatches: int,
+    *,
+    mem_limit_bytes: float = math.inf,
+    cut_bytes: Sequence[float] | None = None,
+    intra_link: Any = None,
+    inter_link: Any = None,
+    stage_comm: str = "model",
+    max_stages: int | None = None,
+    schedule: str = "1f1b",
+    t_max_search: str = "bisect",
+) -> InterResult:
+    """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
+
+    ``candidates(start, end, submesh)`` lists the options for layers ``start..end``
+    (inclusive) on an ``(n, m)`` submesh (an empty list means "cannot run there").
+    ``cut_bytes[k-1]``: activation bytes per microbatch crossing the cut in front of layer
+    ``k`` (gradients are the same size); a cut costs ``latency + bytes / bandwidth`` per
+    direction over ``intra_link`` or ``inter_link`` (see the placement rule in the module
+    docstring). A candidate is usable only if ``static_bytes + held * act_bytes <=
+    mem_limit_bytes`` with ``held`` from :func:`held_microbatches`.
+
+    T* = min over t_max of [min_s F(s, 0, N*M; t_max) + (B-1) t_max], with t_max over the
+    distinct stage and (priced) cut times. ``t_max_search`` picks which t_max to solve:
+
+    * ``"alpa"``: increasing order, stopping once ``B * t_max`` cannot beat the best T
+      (any plan whose largest term is t_max costs at least ``B * t_max``);
+    * ``"bisect"`` (default, same answer, far fewer DPs): solve the largest t_max, then
+      bisect the sorted values, skipping a range [a, b) when ``max(F(b), a) + (B-1) a``
+      cannot beat the best T. It is exact because F is non-increasing in t_max and a plan
+      whose largest term is in [a, b) costs at least that. Infeasible small t_max values
+      (F = inf) are skipped in whole ranges, like a binary search;
+    * ``"all"``: every value, no pruning (for tests).
+
+    >>> flat = lambda a, b, sub: [StageCandidate((a, b), sub, sub, False, 1.0 * (b - a + 1), 0.0, 0, 0)]
+    >>> stage_dp(4, 1, 2, flat, microbatches=8).latency_s   # two stages of 2 layers: 4 + 7 * 2
+    18.0
+    """
+    t0 = time.perf_counter()
+    if t_max_search not in T_MAX_SEARCH:
+        raise ValueError(f"t_max_search must be one of {T_MAX_SEARCH}, got {t_max_search!r}.")
+    p = _build_problem(
+        num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
+        intra_link, inter_link, stage_comm, max_stages, schedule,
+    )
+    best_time, best_idx, min_req = _tables(p)
+    valid, size, cut_full = _structure(p)
+    L, NM, B, SH = p.num_layers, p.num_devices, p.microbatches, len(p.shapes)
+
+    values = set(best_time[np.isfinite(best_time)].tolist())
+    if p.stage_comm == "model":
+        values |= {f + b for f, b in p.cut_cost.values()}
+    V = sorted(values)
+
+    # Without a memory effect of the stage count and without a binding max_stages, the
+    # stage count can be dropped from the state.
+    collapsed = p.max_stages == min(L, NM) and all(
+        np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
+    )
+
+    best = {"T": math.inf, "t_max": None, "shapes": None}
+    tried: list[float] = []
+
+    def solve(j: int) -> float:
+        """Solve the DP at t_max = V[j]; record the plan if it beats the best; return min_s F."""
+        t_max = V[j]
+        tried.append(t_max)
+        cost = np.where(best_time <= t_max, best_time, np.inf)
+        cut = np.where(cut_full <= t_max, cut_full, np.inf)
+        if collapsed:
+            F, arg = _sweep_dp(p, cost[..., 0], cut, valid, size)
+            f = F[0, NM]
+            chooser = None if not math.isfinite(f) else (lambda s, k, d: int(arg[k, d]))
+            s_best = None
+        else:
+            Fs, args = _layered_dp(p, cost, cut, valid, size, np.add)
+            totals = [Fs[s][0, NM] for s in range(1, p.max_stages + 1)]
+            s_best = int(np.argmin(totals)) + 1
+            f = totals[s_best - 1]
+            chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
+        if f + (B - 1) * t_max < best["T"]:
+            best.update(T=f + (B - 1) * t_max, t_max=t_max, pieces=_walk(p, chooser, s_best, size))
+        return f
+
+    if V and t_max_search == "all":
+        for j in range(len(V)):
+            solve(j)
+    elif V and t_max_search == "alpa":
+        for j in range(len(V)):
+            if B * V[j] >= best["T"]:
+                break
+            solve(j)
+    elif V:
+        def search(a: int, b: int, f_b: float) -> None:
+            # Indices a..b-1 are unsolved; F(V[b]) = f_b bounds F from below on them.
+            if a >= b or max(f_b, V[a]) + (B - 1) * V[a] >= best["T"]:
+                return
+            mid = (a + b) // 2
+            f_mid = solve(mid)
+            search(a, mid, f_mid)
+            search(mid + 1, b, f_b)
+
+        top = len(V) - 1
+        search(0, top, solve(top))
+
+    diagnostics = {
+        "t_max_tried": tried,
+        "t_max_values": len(V),
+        "t_max_search": t_max_search,
+        "stage_count_dropped": collapsed,
+        "dp_table_size": int((1 if collapsed else p.max_stages + 1) * (L + 1) * (NM + 1)),
+        "num_candidates": sum(len(v) for v in p.cands.values()),
+        "solve_s": None,
+    }
+    if best["t_max"] is None:
+        raise _infeasible(_min_memory(p, min_req, valid, size), p.mem_limit)
+
+    pieces = best["pieces"]
+    S = len(pieces)
+    plan = []
+    for j, (k, i, sh, offset) in enumerate(pieces):
+        # The candidate index for the stage count the plan really has (memory depends on it).
+        plan.append((k, i, p.shapes[sh], int(best_idx[k, i, sh, S - j - 1]), offset))
+    diagnostics["solve_s"] = time.perf_counter() - t0
+    return _result(p, plan, diagnostics)
+
+
+def _walk(p: _Problem, chooser, s, size) -> list[tuple[int, int, int, int]] | None:
+    """Follow the argmin tables from (s, 0, N*M) to the end: [(start, end, shape index, offset)]."""
+    if chooser is None:
+        return None
+    NM, SH = p.num_devices, len(p.shapes)
+    pieces, k, d = [], 0, NM
+    while k < p.num_layers:
+        i, sh = divmod(chooser(s, k, d), SH)
+        pieces.append((k, i, sh, NM - d))
+        k, d = i + 1, d - int(size[sh])
+        s = None if s is None else s - 1
+    assert d == 0 and (s is None or s == 0), "DP reconstruction must use every device and stage"
+    return pieces
+
+
+def stage_dp_auto(
+    num_layers: int,
+    hosts: int,
+    devices_per_host: int,
+    candidates: Callable[[int, int, tuple[int, int], int], Sequence[StageCandidate]],
+    batch_size: int,
+    *,
+    choices: Iterable[int] | None = None,
+    cut_bytes: Sequence[float] | Callable[[int], Sequence[float]] | None = None,
+    **kwargs: Any,
+) -> InterResult:
+    """Try several microbatch counts and keep the fastest plan.
+
+    Here ``candidates(start, end, submesh, microbatches)`` takes the microbatch count too
+    (a microbatch of ``batch_size / B`` samples runs faster and holds less), and
+    ``cut_bytes`` may be a function of ``B`` for the same reason. ``choices`` defaults to
+    the powers of two that divide ``batch_size``. Other keywords go to :func:`stage_dp`.
+    The result's ``diagnostics["by_microbatches"]`` maps each B tried to its latency
+    (``None`` when nothing fitted).
+
+    >>> def c(a, b, sub, B):   # a fixed 0.5 s per microbatch on top of the work
+    ...     return [StageCandidate((a, b), sub, sub, False, (b - a + 1) * 8.0 / B + 0.5, 0.0, 0, 0)]
+    >>> r = stage_dp_auto(2, 1, 2, c, batch_size=8)
+    >>> r.microbatches, r.diagnostics["by_microbatches"]
+    (4, {1: 16.5, 2: 13.5, 4: 12.5, 8: 13.5})
+    """
+    bs = _positive_int(batch_size, "batch_size")
+    if choices is None:
+        choices = [b for b in (1 << e for e in range(bs.bit_length())) if bs % b == 0]
+    choices = [_positive_int(b, "each microbatch choice") for b in choices]
+    if not choices:
+        raise ValueError("choices is empty; give at least one microbatch count.")
+    table: dict[int, float | None] = {}
+    best: InterResult | None = None
+    least_mem = math.inf
+    last_error: NoFeasiblePlanError | None = None
+    for B in choices:
+        cb = cut_bytes(B) if callable(cut_bytes) else cut_bytes
+        try:
+            r = stage_dp(
+                num_layers, hosts, devices_per_host,
+                lambda a, b, sub, _B=B: candidates(a, b, sub, _B),
+                B, cut_bytes=cb, **kwargs,
+            )
+        except NoFeasiblePlanError as e:
+            table[B] = None
+            least_mem = min(least_mem, e.min_mem_bytes)
+            last_error = e
+            continue
+        table[B] = r.latency_s
+        if best is None or r.latency_s < best.latency_s:
+            best = r
+    if best is None:
+        limit = float(kwargs.get("mem_limit_bytes", math.inf))
+        err = _infeasible(least_mem, limit)
+        raise NoFeasiblePlanError(f"for every microbatch count in {choices}: {err}", least_mem) from last_error
+    best.diagnostics["by_microbatches"] = table
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Brute force reference.
+
+
+def _compositions(n: int, parts_max: int):
+    """All ways to cut range(n) into contiguous (start, end) pieces, at most parts_max of them."""
+    for parts in range(1, min(n, parts_max) + 1):
+        for cuts in itertools.combinations(range(1, n), parts - 1):
+            bounds = (0, *cuts, n)
+            yield [(bounds[j], bounds[j + 1] - 1) for j in range(parts)]
+
+
+def _shape_sequences(p: _Problem, count: int, offset: int = 0):
+    """Sequences of ``count`` shapes placed in order from ``offset`` using every device exactly."""
+    if count == 0:
+        if offset == p.num_devices:
+            yield (), ()
+        return
+    for shape in p.shapes:
+        if placement_fits(shape, offset, p.hosts, p.devices_per_host):
+            for rest, offs in _shape_sequences(p, count - 1, offset + shape[0] * shape[1]):
+                yield (shape, *rest), (offset, *offs)
+
+
+def brute_force_stages(
+    num_layers: int,
+    hosts: int,
+    devices_per_host: int,
+    candidates: Callable[[int, int, tuple[int, int]], Sequence[StageCandidate]],
+    microbatches: int,
+    *,
+    mem_limit_bytes: float = math.inf,
+    cut_bytes: Sequence[float] | None = None,
+    intra_link: Any = None,
+    inter_link: Any = None,
+    stage_comm: str = "model",
+    max_stages: int | None = None,
+    schedule: str = "1f1b",
+) -> InterResult:
+    """Every layer partition x every in-order submesh assignment x every candidate choice,
+    priced with :func:`pipeline_latency`. Same inputs and result as :func:`stage_dp`;
+    exponential, for small instances only (about 6 layers and 8 devices).
+
+    >>> flat = lambda a, b, sub: [StageCandidate((a, b), sub, sub, False, 1.0 * (b - a + 1), 0.0, 0, 0)]
+    >>> brute_force_stages(4, 1, 2, flat, microbatches=8).latency_s
+    18.0
+    """
+    t0 = time.perf_counter()
+    p = _build_problem(
+        num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
+        intra_link, inter_link, stage_comm, max_stages, schedule,
+    )
+    if p.num_layers > 10 or p.num_devices > 32:
+        raise ValueError("brute_force_stages is exponential; use at most 10 layers and 32 devices.")
+    best_T, best_plan = math.inf, None
+    least_mem = math.inf
+    visited = 0
+    for parts in _compositions(p.num_layers, p.max_stages):
+        S = len(parts)
+        for shapes, offsets in _shape_sequences(p, S):
+            per_stage = []
+            for j, ((k, i), shape) in enumerate(zip(parts, shapes)):
+                held = held_microbatches(S - j, p.microbatches, p.schedule)
+                opts = list(enumerate(p.cands[(k, i, shape)]))
+                per_stage.append([(idx, c, c.mem_bytes(held)) for idx, c in opts])
+            cuts = [p.priced_cut(parts[j][0], offsets[j]) for j in range(1, S)]
+            for choice in itertools.product(*per_stage):
+                visited += 1
+                need = max(m for _, _, m in choice)
+                least_mem = min(least_mem, need)
+                if need > p.mem_limit:
+                    continue
+                T = pipeline_latency([c.time_s for _, c, _ in choice], cuts, p.microbatches)
+                if T < best_T:
+                    best_T = T
+                    best_plan = [
+                        (k, i, shape, idx, o)
+                        for (k, i), shape, (idx, _, _), o in zip(parts, shapes, choice, offsets)
+                    ]
+    if best_plan is None:
+        raise _infeasible(least_mem, p.mem_limit)
+    return _result(p, best_plan, {"plans_visited": visited, "solve_s": time.perf_counter() - t0})

@@ -1,0 +1,563 @@
+"""Alpa's intra-operator pass on an operator graph: per-operator strategies, resharding edges, the ILP.
+
+:func:`build_problem` turns the operators of an :class:`~autopar_lab.graph.opgraph.OpGraph` and a logical mesh into
+an :class:`~autopar_lab.solve.ilp.IntraProblem`: one node per operator with its strategies
+(:func:`~autopar_lab.sharding.strategies.strategies_for`), one edge per producer -> consumer pair with the resharding
+cost of every (producer strategy, consumer strategy) pair, and an extra edge from every updated parameter back to the
+parameter it replaces (the step's outputs alias its inputs, so a parameter kept sharded differently from its update
+pays the conversion once per step: this is how weight-update sharding, ZeRO-2 style, is a choice the ILP makes).
+
+:func:`solve_intra` solves it. Transformer layers repeat, so by default (``reuse_layers=True``) it solves each
+structurally distinct layer once and gives every identical layer the same strategies; layers are solved in forward
+order and each sees the strategies already chosen for its neighbours, so a layer agrees with the one before it.
+``reuse_layers=False`` solves the whole graph as one ILP (the reference the reuse is measured against).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from autopar_lab.graph import trace
+    >>> from autopar_lab.cluster import Cluster
+    >>> mesh = Cluster.preset("p3.16xlarge").logical_mesh((1, 8), (8, 1))
+    >>> g = trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    ...           jax.ShapeDtypeStruct((4096, 64), jnp.float32), batch_argnums=(1,))
+    >>> plan = solve_intra(g, mesh)
+    >>> str(plan.strategies[2].in_specs[0])   # the batch is split over the 8 devices: data parallelism
+    'S0R'
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..graph.opgraph import (
+    BACKWARD,
+    FORWARD,
+    INPUT_PRIMITIVE,
+    OPT_STATE,
+    OUTPUT_PRIMITIVE,
+    PARAM,
+    UPDATE,
+    OpGraph,
+    OpNode,
+)
+from ..sharding.reshard import reshard_cost
+from ..sharding.spec import ShardingSpec
+from ..sharding.strategies import Strategy, strategies_for
+from . import ilp
+
+# Elementwise-like operators that Alpa merges into the operator they follow (see ilp.merge_followers).
+_MERGEABLE = frozenset(
+    """add sub mul div neg exp log tanh logistic sqrt rsqrt integer_pow max min select_n convert_element_type
+    add_any abs sign square erf pow reshape broadcast_in_dim transpose squeeze expand_dims""".split()
+)
+
+
+@dataclass(frozen=True)
+class GroupSolve:
+    """How one group of operators (a layer, or the whole graph) got its strategies."""
+
+    name: str
+    ops: int
+    reused_from: str | None
+    status: str
+    gap: float | None
+    solve_s: float
+    num_vars: int
+    num_constraints: int
+    merges: int = 0
+
+
+@dataclass(frozen=True)
+class IntraPlan:
+    """The strategy of every operator of a graph (or of a part of it) on one logical mesh, and what it costs.
+
+    Times are seconds per training step on the graph's batch: ``compute_s`` (roofline of each operator's shard),
+    ``comm_s`` (the collectives the operators run themselves), ``reshard_s`` (the collectives between operators whose
+    specs disagree). ``role_s`` splits their sum by forward / backward / update (a resharding counts for the
+    consumer's role); ``sync_s`` is the part of ``comm_s`` spent on weight gradients (which a pipeline pays once per
+    step, not once per microbatch). Memory per device: ``static_bytes`` (parameters, their gradients, optimizer state)
+    and ``act_bytes`` (forward outputs the backward pass reads).
+    """
+
+    mesh: Any
+    ops: tuple[int, ...]
+    strategies: Mapping[int, Strategy]
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    role_s: Mapping[str, float]
+    sync_s: float
+    static_bytes: float
+    act_bytes: float
+    collectives: Mapping[str, Mapping[str, float]]
+    groups: tuple[GroupSolve, ...] = ()
+    solve_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s
+
+    @property
+    def logical_mesh(self) -> tuple[int, int]:
+        return tuple(self.mesh.shape)
+
+    def spec_of(self, op: int) -> tuple[ShardingSpec, ...]:
+        return self.strategies[op].out_specs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Signatures: which operators (and layers) are the same problem
+
+
+def op_signature(node: OpNode) -> tuple:
+    params = tuple(sorted((k, repr(v)) for k, v in node.params.items() if k not in ("path", "argnum", "index", "alias_of")))
+    return (node.primitive, node.in_shapes, node.out_shapes, node.in_dtypes, node.out_dtypes, params,
+            node.input_kinds, node.role)
+
+
+def layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
+    """A hashable description of a group of operators: their signatures and how they connect.
+
+    Two layers with equal signatures pose the same ILP, so one's solution serves the other.
+    """
+    pos = {op: i for i, op in enumerate(ops)}
+    parts = []
+    for op in ops:
+        node = graph.op(op)
+        refs = []
+        for t in node.inputs:
+            p = graph.tensor(t).producer
+            refs.append(("in", pos[p], graph.op(p).outputs.index(t)) if p in pos else ("ext",))
+        alias = node.params.get("alias_of") if node.primitive == OUTPUT_PRIMITIVE else None
+        if alias is not None:
+            p = graph.tensor(alias).producer
+            refs.append(("alias", pos[p]) if p in pos else ("alias-ext",))
+        parts.append((op_signature(node), tuple(refs)))
+    return tuple(parts)
+
+
+class _StrategyCache:
+    """Strategies per operator signature, and resharding costs per (specs, shape), on one mesh."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._strats: dict[tuple, list[Strategy]] = {}
+        self._reshard: dict[tuple, float] = {}
+        self._reshard_cols: dict[tuple, tuple] = {}
+
+    def strategies(self, node: OpNode) -> list[Strategy]:
+        key = op_signature(node)
+        if key not in self._strats:
+            self._strats[key] = strategies_for(node, self.mesh)
+        return self._strats[key]
+
+    def reshard(self, src: ShardingSpec, dst: ShardingSpec, shape, dtype) -> float:
+        key = (src, dst, shape, dtype)
+        if key not in self._reshard:
+            if src == dst or not shape:
+                self._reshard[key], self._reshard_cols[key] = 0.0, ()
+            else:
+                self._reshard[key], self._reshard_cols[key] = reshard_cost(src, dst, shape, dtype, self.mesh)
+        return self._reshard[key]
+
+    def reshard_collectives(self, src, dst, shape, dtype) -> tuple:
+        self.reshard(src, dst, shape, dtype)
+        return self._reshard_cols[(src, dst, shape, dtype)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The problem
+
+
+def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, int]]:
+    """(producer, consumer, producer output index, consumer input index) for every tensor read, plus alias edges
+    (updated parameter -> parameter: producer is the parameter op, consumer the output op, indices -1)."""
+    out = []
+    for v in ops:
+        node = graph.op(v)
+        for j, t in enumerate(node.inputs):
+            u = graph.tensor(t).producer
+            if u is None:
+                continue
+            out.append((u, v, graph.op(u).outputs.index(t), j))
+        if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:
+            p = graph.tensor(node.params["alias_of"]).producer
+            out.append((p, v, -1, -1))
+    return out
+
+
+def _edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
+    if i == -1:  # alias: the update (consumer v's input spec) must become the parameter's spec (u's output spec)
+        t = graph.tensor(graph.op(v).inputs[0])
+        return np.array([[cache.reshard(b.in_specs[0], a.out_specs[0], t.shape, t.dtype) for b in sv] for a in su])
+    t = graph.tensor(graph.op(u).outputs[i])
+    return np.array([[cache.reshard(a.out_specs[i], b.in_specs[j], t.shape, t.dtype) for b in sv] for a in su])
+
+
+def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Program points (one per operator, in order) and the operators whose outputs are live there."""
+    index = {op: k for k, op in enumerate(ops)}
+    last = {op: k for k, op in enumerate(ops)}
+    for k, v in enumerate(ops):
+        for t in graph.op(v).inputs:
+            u = graph.tensor(t).producer
+            if u in index:
+                last[u] = max(last[u], k)
+    # Inputs of the step live all step (they are donated to the outputs only at the end).
+    for op in ops:
+        if graph.op(op).primitive == INPUT_PRIMITIVE:
+            last[op] = len(ops) - 1
+    starts: dict[int, list[int]] = defaultdict(list)
+    for op in ops:
+        starts[index[op]].append(op)
+    live: list[tuple[int, ...]] = []
+    current: set[int] = set()
+    for k in range(len(ops)):
+        current.update(starts[k])
+        live.append(tuple(sorted(index[o] for o in current)))
+        current = {o for o in current if last[o] > k}
+    return tuple(live)
+
+
+def _to_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
+    if isinstance(pin, (int, np.integer)):
+        if not 0 <= pin < len(strats):
+            raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of range")
+        return int(pin)
+    if isinstance(pin, Strategy):
+        for k, s in enumerate(strats):
+            if s.key == pin.key:
+                return k
+        pin = pin.name
+    text = str(pin)
+    for k, s in enumerate(strats):
+        if s.name == text or (s.out_specs and str(s.out_specs[0]) == text):
+            return k
+    names = ", ".join(sorted({str(s.out_specs[0]) if s.out_specs else s.name for s in strats}))
+    raise ValueError(
+        f"strategy {text!r} is not available for operator {node.describe()} on this mesh (it does not divide the "
+        f"operator's shapes, or is not one of its patterns); choose one of: {names}"
+    )
+
+
+@dataclass
+class _Built:
+    problem: ilp.IntraProblem
+    nodes: list[int]  # problem node -> op id
+    strats: list[list[Strategy]]
+
+
+def _project(s: Strategy, drop_axis: int) -> tuple:
+    return (tuple(x.without_axes((drop_axis,)) for x in s.out_specs),
+            tuple(x.without_axes((drop_axis,)) for x in s.in_specs))
+
+
+def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, context: Mapping[int, Strategy] = {},
+                  pins: Mapping[int, Any] = {}, mem_limit: float = math.inf, cache: _StrategyCache | None = None,
+                  mirror: Mapping[int, int] = {}, restrict: Mapping[int, tuple] = {}) -> _Built:
+    """The ILP for ``ops`` (default: all) on ``mesh``.
+
+    Operators in ``context`` (already decided, outside ``ops``) join as single-strategy nodes, so the edges to them
+    are priced; ``pins`` fix an operator's strategy (a Strategy, its name, its output spec string, or an index).
+    ``mirror`` maps an operator outside ``ops`` to the operator inside that will get the same strategy (the same
+    position in an identical layer): edges from it are priced as edges from its mirror. ``restrict`` keeps, per
+    operator, only the strategies whose specs without mesh axis 1 equal the given projection (see ``axes`` in
+    :func:`solve_intra`).
+    """
+    cache = cache or _StrategyCache(mesh)
+    ops = list(graph.ops if ops is None else ops)
+    inside = set(ops)
+    near = inside | set(mirror)  # an identical layer's operators stand for this layer's
+    ctx = sorted(({u for (u, v, _, _) in _edges_of(graph, near) if u not in inside and u in context}
+                  | {v for v in context if v not in inside and any(
+                      graph.tensor(t).producer in near for t in graph.op(v).inputs)}) - set(mirror))
+    nodes = ops + ctx
+    index = {op: k for k, op in enumerate(nodes)}
+    strats = []
+    for op in nodes:
+        if op not in inside:
+            strats.append([context[op]])
+            continue
+        full = cache.strategies(graph.op(op))
+        if op in restrict:
+            kept = [s for s in full if _project(s, 1) == restrict[op]]
+            full = kept or full
+        strats.append(full)
+    pin_idx = {}
+    for op, pin in pins.items():
+        if op in index:
+            pin_idx[index[op]] = _to_index(pin, strats[index[op]], graph.op(op))
+    node_costs = [np.array([s.cost for s in ss]) for ss in strats]
+    edges, mats = [], []
+    # Edges to and from identical layers, folded onto this layer's own operators (each pattern once: a middle layer
+    # both receives and sends the same boundary).
+    folded: dict[tuple, tuple] = {}
+    fold = {**{op: op for op in inside}, **{op: m for op, m in mirror.items() if op not in inside},
+            **{op: op for op in ctx}}
+    for (u, v, i, j) in _edges_of(graph, list(fold)):
+        if u not in fold or (u not in mirror and v not in mirror) or (u in inside and v in inside):
+            continue
+        if (u in ctx and v in ctx) or (fold[u] not in inside and fold[v] not in inside):
+            continue
+        folded.setdefault((fold[u], i, fold[v], j), (u, v, i, j))
+    for (mu, i, mv, j), (u, v, _, _) in folded.items():
+        mat = _edge_matrix(graph, cache, u, v, i, j, strats[index[mu]], strats[index[mv]])
+        if mu == mv:  # the same position feeds itself across layers (a residual stream)
+            node_costs[index[mu]] = node_costs[index[mu]] + np.diag(mat)
+        else:
+            edges.append((index[mu], index[mv]))
+            mats.append(mat)
+    for (u, v, i, j) in _edges_of(graph, nodes):
+        if u not in index or v not in index or (u not in inside and v not in inside):
+            continue
+        edges.append((index[u], index[v]))
+        mats.append(_edge_matrix(graph, cache, u, v, i, j, strats[index[u]], strats[index[v]]))
+    node_mem = live = None
+    if math.isfinite(mem_limit):
+        node_mem = tuple(np.array([s.mem_bytes for s in ss]) for ss in strats)
+        live = _liveness(graph, nodes)
+    problem = ilp.IntraProblem(
+        node_costs=tuple(node_costs),
+        edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit,
+        pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes),
+    )
+    return _Built(problem, nodes, strats)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Solving
+
+
+def _solve_group(graph, mesh, ops, *, context, pins, mem_limit, cache, solver, time_limit, merge, name,
+                 mirror={}, restrict={}):
+    built = build_problem(graph, mesh, ops, context=context, pins=pins, mem_limit=mem_limit, cache=cache,
+                          mirror=mirror, restrict=restrict)
+    problem, merges = built.problem, 0
+    record = None
+    if merge:
+        mergeable = [graph.op(op).primitive in _MERGEABLE and op in set(ops) for op in built.nodes]
+        problem, record = ilp.merge_followers(problem, mergeable)
+        merges = len(built.nodes) - problem.num_nodes
+    sol = ilp.solve_ilp(problem, solver=solver, time_limit=time_limit)
+    choice = ilp.expand(record, sol.choice) if record is not None else sol.choice
+    chosen = {op: built.strats[k][choice[k]] for k, op in enumerate(built.nodes) if op in set(ops)}
+    info = GroupSolve(name, len(ops), None, sol.status, sol.gap, sol.solve_s, sol.num_vars, sol.num_constraints, merges)
+    return chosen, info
+
+
+def layer_groups(graph: OpGraph, ops: Sequence[int] | None = None) -> list[tuple[str, list[int]]]:
+    """Operators grouped by layer, in order of first appearance; operators without a layer form the group ''."""
+    groups: dict[str, list[int]] = {}
+    for op in (graph.ops if ops is None else ops):
+        groups.setdefault(graph.op(op).layer or "", []).append(op)
+    return list(groups.items())
+
+
+class _OneAxisView:
+    """Axis 0 of a logical mesh as a mesh of its own, (n0, 1): the first pass of the ``axes="sequential"`` solve."""
+
+    def __init__(self, mesh):
+        self._mesh = mesh
+        self.cluster = mesh.cluster
+        self.shape = (mesh.shape[0], 1)
+
+    def axis_size(self, axis) -> int:
+        return self.shape[0] if axis in (0, (0, 1)) else 1
+
+    def __getattr__(self, kind):  # all_gather, reduce_scatter, all_reduce, all_to_all: axis 0's links
+        fn = getattr(self._mesh, kind)
+        return lambda nbytes, axis: fn(nbytes, 0) if axis in (0, (0, 1)) else 0.0
+
+
+def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
+                mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
+                time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None) -> IntraPlan:
+    """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
+
+    ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit`` (bytes per device) adds
+    Alpa's memory constraint over program points; it is applied to the whole graph as one ILP, since the layers'
+    memory adds up. ``merge`` applies Alpa's follower merging (smaller ILPs, possibly worse plans: see
+    :func:`autopar_lab.solve.ilp.merge_followers`).
+
+    ``axes``: on a mesh with two axes of more than one device, ``"joint"`` searches both axes' splits in one ILP
+    (every strategy of every operator: exact, but the ILP grows with the square of the strategy counts), while
+    ``"sequential"`` first solves with axis 0 alone, then lets the ILP choose axis 1's splits among the strategies
+    that keep axis 0's (two small ILPs; the plan data x tensor parallelism naturally has). ``"auto"`` is
+    sequential when both axes are split, joint otherwise. ``bench/bench_intra.py`` measures what it costs.
+    """
+    t0 = time.perf_counter()
+    cache = cache or _StrategyCache(mesh)
+    ops = list(graph.ops if ops is None else ops)
+    mem_limit = math.inf if mem_limit is None else float(mem_limit)
+    if axes not in ("auto", "joint", "sequential"):
+        raise ValueError(f"axes must be 'auto', 'joint' or 'sequential', got {axes!r}")
+    restrict: dict[int, tuple] = {}
+    two_axes = mesh.shape[0] > 1 and mesh.shape[1] > 1
+    if two_axes and axes in ("auto", "sequential"):
+        first = solve_intra(graph, _OneAxisView(mesh), ops, mem_limit=None, reuse_layers=reuse_layers,
+                            merge=merge, solver=solver, time_limit=time_limit, axes="joint")
+        restrict = {op: _project(s, 1) for op, s in first.strategies.items()}
+    kw = dict(cache=cache, solver=solver, time_limit=time_limit, merge=merge, restrict=restrict)
+    chosen: dict[int, Strategy] = {}
+    infos: list[GroupSolve] = []
+    if not reuse_layers or math.isfinite(mem_limit):
+        chosen, info = _solve_group(graph, mesh, ops, context={}, pins=pins, mem_limit=mem_limit,
+                                    name="(whole graph)", **kw)
+        infos.append(info)
+    else:
+        groups = layer_groups(graph, ops)
+        sigs = [layer_signature(graph, g) for _, g in groups]
+        copies: dict[tuple, list[int]] = defaultdict(list)
+        for k, sig in enumerate(sigs):
+            copies[sig].append(k)
+        # Layers that do not repeat (embedding, head, ...) are solved together: they often share parameters (a tied
+        # embedding) that one ILP should decide.
+        single = [k for k in range(len(groups)) if len(copies[sigs[k]]) == 1]
+        if len(single) > 1:
+            merged = ("+".join(groups[k][0] or "(no layer)" for k in single),
+                      sorted(op for k in single for op in groups[k][1]))
+            keep = [k for k in range(len(groups)) if k not in single]
+            groups = [groups[k] for k in keep] + [merged]
+            sigs = [sigs[k] for k in keep] + [("merged",)]
+            copies = defaultdict(list)
+            for k, sig in enumerate(sigs):
+                copies[sig].append(k)
+        # Repeated layers first (they are most of the model), each solved once with its copies' operators mirrored
+        # onto its own, so the boundary between two identical layers is priced; then the rest around them.
+        order = sorted(range(len(groups)), key=lambda k: (len(copies[sigs[k]]) == 1, k))
+        if any(len(c) > 1 for c in copies.values()) and len(copies) > 1:
+            order = order + order  # a second round: each group again, now seeing every neighbour's choice
+        done: dict[tuple, int] = {}
+        for step, k in enumerate(order):
+            if step == len(order) // 2 and len(order) > len(groups):
+                done.clear()
+                infos.clear()
+            name, group = groups[k]
+            group_pins = {op: p for op, p in pins.items() if op in set(group)}
+            if sigs[k] in done and not group_pins:
+                ref_name, ref_ops = groups[done[sigs[k]]]
+                for a, b in zip(ref_ops, group):
+                    chosen[b] = chosen[a]
+                infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
+                continue
+            mirror = {}
+            for other in copies[sigs[k]]:
+                if other != k:
+                    mirror.update(zip(groups[other][1], group))
+            part, info = _solve_group(graph, mesh, group, context=chosen, pins=group_pins, mem_limit=math.inf,
+                                      name=name, mirror=mirror, **kw)
+            chosen.update(part)
+            infos.append(info)
+            if not group_pins:
+                done[sigs[k]] = k
+    return evaluate_intra(graph, mesh, chosen, ops=ops, cache=cache, groups=tuple(infos),
+                          solve_s=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Evaluation: the cost of a choice, recomputed operator by operator and edge by edge
+
+
+def _weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
+    """Backward operators whose output reaches the optimizer (or leaves the step as a gradient) through layout and
+    elementwise operators only: their collectives synchronise weight gradients."""
+    ends: dict[int, bool] = {}
+
+    def reaches_update(op: int, depth: int) -> bool:
+        if op in ends:
+            return ends[op]
+        node = graph.op(op)
+        hit = False
+        for t in node.outputs:
+            for c in graph.consumers.get(t, ()):
+                cn = graph.op(c)
+                if cn.role == UPDATE or cn.primitive == OUTPUT_PRIMITIVE:
+                    hit = True
+                elif depth > 0 and cn.role == BACKWARD and cn.primitive not in ("dot_general", "conv_general_dilated"):
+                    hit = reaches_update(c, depth - 1)
+                if hit:
+                    break
+            if hit:
+                break
+        ends[op] = hit
+        return hit
+
+    return {op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4)}
+
+
+def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops: Sequence[int] | None = None,
+                   cache: _StrategyCache | None = None, groups: tuple = (), solve_s: float = 0.0) -> IntraPlan:
+    """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
+    cache = cache or _StrategyCache(mesh)
+    ops = list(graph.ops if ops is None else ops)
+    inside = set(ops)
+    missing = [op for op in ops if op not in chosen]
+    if missing:
+        raise ValueError(f"no strategy chosen for operator {graph.op(missing[0]).describe()}")
+    role_s = {FORWARD: 0.0, BACKWARD: 0.0, UPDATE: 0.0}
+    compute = comm = reshard = sync = 0.0
+    colls: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    grads = _weight_gradient_ops(graph, ops)
+    for op in ops:
+        s, node = chosen[op], graph.op(op)
+        compute += s.compute_s
+        comm += s.comm_s
+        role_s[node.role] += s.cost
+        if op in grads:
+            sync += s.comm_s
+        for kind, _axis, nbytes in s.collectives:
+            if mesh_axis_size(mesh, _axis) > 1:
+                colls[kind]["count"] += 1
+                colls[kind]["bytes"] += nbytes
+    for (u, v, i, j) in _edges_of(graph, ops):
+        if u not in inside or v not in inside:
+            continue
+        if i == -1:
+            t = graph.tensor(graph.op(v).inputs[0])
+            src, dst = chosen[v].in_specs[0], chosen[u].out_specs[0]
+        else:
+            t = graph.tensor(graph.op(u).outputs[i])
+            src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
+        cost = cache.reshard(src, dst, t.shape, t.dtype)
+        if cost:
+            reshard += cost
+            role_s[graph.op(v).role if i != -1 else UPDATE] += cost
+            for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
+                colls[kind]["count"] += 1
+                colls[kind]["bytes"] += nbytes
+    static, act = _memory(graph, ops, chosen, mesh)
+    return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
+                     {k: dict(v) for k, v in colls.items()}, groups, solve_s)
+
+
+def mesh_axis_size(mesh, axis) -> int:
+    return mesh.axis_size(axis)
+
+
+def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
+    """(static, activation) bytes per device: parameters x2 (their gradients) and optimizer state as sharded;
+    forward outputs that backward operators read."""
+    mshape = tuple(mesh.shape)
+    static = act = 0.0
+    for op in ops:
+        node = graph.op(op)
+        s = chosen[op]
+        if node.primitive == INPUT_PRIMITIVE:
+            kind = graph.tensor(node.outputs[0]).kind
+            if kind == PARAM:
+                static += 2 * s.mem_bytes
+            elif kind == OPT_STATE:
+                static += s.mem_bytes
+            continue
+        if node.role != FORWARD:
+            continue
+        for k, t in enumerate(node.outputs):
+            if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
+                info = graph.tensor(t)
+                act += s.out_specs[k].bytes_per_device(info.shape, info.dtype, mshape)
+    return static, act
