@@ -22,6 +22,12 @@ _LAZY = {
     "Device": ("autopar_lab.cluster", "Device"),
     "Link": ("autopar_lab.cluster", "Link"),
     "LogicalMesh": ("autopar_lab.cluster", "LogicalMesh"),
+    "auto_plan": ("autopar_lab.planner", "auto_plan"),
+    "megatron_plan": ("autopar_lab.planner", "megatron_plan"),
+    "data_parallel_plan": ("autopar_lab.planner", "data_parallel_plan"),
+    "compare": ("autopar_lab.planner", "compare"),
+    "Plan": ("autopar_lab.plan", "Plan"),
+    "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
 }
 
 

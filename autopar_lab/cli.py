@@ -57,8 +57,119 @@ def _print_graph(out: dict) -> None:
         print(f"  warning: {w}")
 
 
+def _cluster(args):
+    from .cluster import Cluster
+
+    return Cluster.parse(args.cluster)
+
+
+def _progress(args):
+    if args.json:
+        return None
+
+    def show(what, done, _total):
+        print(f"\r  solving: {what} ({done} meshes)        ", end="", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _microbatches(text):
+    if text is None or text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--microbatches must be a number or 'auto', got {text!r}") from None
+
+
+def cmd_plan(args) -> dict:
+    """Plan a model on a cluster: Alpa's auto plan, or a Megatron-style or data-parallel baseline."""
+    from . import planner
+
+    model, cluster = _model(args), _cluster(args)
+    mb = _microbatches(args.microbatches)
+    if args.method == "auto":
+        plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
+                                 progress=_progress(args))
+    elif args.method == "megatron":
+        if None in (args.dp, args.tp, args.pp):
+            raise UsageError("--method megatron needs --dp, --tp and --pp")
+        plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
+                                     microbatches=1 if mb == "auto" else mb)
+    else:
+        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb)
+    out = plan.report(model.name)
+    out["cluster"] = args.cluster
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2, default=_json_default)
+    return out
+
+
+def _print_plan(out: dict) -> None:
+    print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
+          f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches")
+    print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s + resharding "
+          f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s)")
+    for k, st in enumerate(out["stages"]):
+        names = st.get("layer_names", ["", ""])
+        print(f"  stage {k}: layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]}) on submesh "
+              f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
+              f"{' remat' if st['remat'] else ''}, peak {st['peak_mem_bytes'] / 2**30:.2f} GiB")
+    print(f"  planning took {out['solve_s'].get('total', 0):.1f} s")
+
+
+def cmd_compare(args) -> dict:
+    """Auto vs the best Megatron-style configuration vs data parallelism."""
+    from . import planner
+
+    model, cluster = _model(args), _cluster(args)
+    res = planner.compare(model, cluster, microbatches=_microbatches(args.microbatches))
+    out = {"model": model.name, "cluster": args.cluster}
+    for key in ("auto", "megatron_best", "data_parallel"):
+        plan = res[key]
+        out[key] = None if plan is None else plan.report(model.name)
+    best = res["megatron_best"]
+    out["megatron_best_over_auto"] = (best.cost.step_time_s / res["auto"].cost.step_time_s) if best else None
+    out["megatron_tried"] = res["megatron_tried"]
+    return out
+
+
+def _print_compare(out: dict) -> None:
+    for key in ("auto", "megatron_best", "data_parallel"):
+        r = out[key]
+        if r is None:
+            print(f"{key:<15} no configuration fits")
+        else:
+            print(f"{key:<15} {r['method']:<28} step {r['step_time_s']:.4g} s  ({len(r['stages'])} stages, "
+                  f"{r['microbatches']} microbatches)")
+    if out["megatron_best_over_auto"]:
+        print(f"megatron_best / auto = {out['megatron_best_over_auto']:.3f}")
+
+
+def cmd_validate(args) -> dict:
+    """The intra-op plan against what XLA compiles and runs on N local devices."""
+    from .validate import validate_plan
+
+    overrides = {}
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    if args.batch is not None:
+        overrides["batch_size"] = args.batch
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = tuple(int(x) for x in args.mesh.lower().split("x"))
+        except ValueError:
+            raise UsageError(f"--mesh must look like 2x4, got {args.mesh!r}") from None
+    return validate_plan(args.model, devices=args.devices, mesh_shape=mesh, overrides=overrides or None)
+
+
 COMMANDS: dict[str, tuple[Callable, Callable | None]] = {
     "graph": (cmd_graph, _print_graph),
+    "plan": (cmd_plan, _print_plan),
+    "compare": (cmd_compare, _print_compare),
+    "validate": (cmd_validate, None),
 }
 
 
@@ -75,6 +186,27 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     model_args(sub.add_parser("graph", help="capture a model's training step as an operator graph"))
+
+    sp = sub.add_parser("plan", help="plan a model on a cluster")
+    model_args(sp)
+    sp.add_argument("--cluster", required=True, help="PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, cpu) or a JSON file")
+    sp.add_argument("--method", choices=["auto", "megatron", "data"], default="auto")
+    sp.add_argument("--dp", type=int)
+    sp.add_argument("--tp", type=int)
+    sp.add_argument("--pp", type=int)
+    sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
+    sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
+    sp.add_argument("--out", help="also write the JSON report to this file")
+
+    sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")
+    model_args(sp)
+    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
+
+    sp = sub.add_parser("validate", help="the intra-op plan against what XLA compiles on N local devices")
+    model_args(sp)
+    sp.add_argument("--devices", type=int, default=8)
+    sp.add_argument("--mesh", help="the logical mesh, e.g. 2x4 (default: tried for you)")
     return p
 
 

@@ -195,8 +195,11 @@ class OpGraph:
     # --- summaries ----------------------------------------------------------------------------------------
     @cached_property
     def layers(self) -> list[str]:
-        """The distinct layer names in order of first appearance (forward order)."""
-        return list(dict.fromkeys(n.layer for n in self._nodes if n.layer is not None))
+        """The distinct layer names in forward order: by their first operator that is not a step input (inputs come
+        in pytree order, not in the order the model uses them)."""
+        order = [n.layer for n in self._nodes if n.layer is not None and n.primitive != INPUT_PRIMITIVE]
+        order += [n.layer for n in self._nodes if n.layer is not None]
+        return list(dict.fromkeys(order))
 
     def ops_in_layer(self, layer: str) -> list[int]:
         return [n.id for n in self._nodes if n.layer == layer]

@@ -376,7 +376,8 @@ class _OneAxisView:
 
 def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
                 mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
-                time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None) -> IntraPlan:
+                time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None,
+                rounds: int = 2) -> IntraPlan:
     """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
 
     ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit`` (bytes per device) adds
@@ -389,6 +390,9 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     ``"sequential"`` first solves with axis 0 alone, then lets the ILP choose axis 1's splits among the strategies
     that keep axis 0's (two small ILPs; the plan data x tensor parallelism naturally has). ``"auto"`` is
     sequential when both axes are split, joint otherwise. ``bench/bench_intra.py`` measures what it costs.
+
+    ``rounds``: with layer reuse, how many times each group is solved in turn, each time seeing its neighbours'
+    latest strategies (coordinate descent; the second round repairs boundaries the first could not see).
     """
     t0 = time.perf_counter()
     cache = cache or _StrategyCache(mesh)
@@ -400,7 +404,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     two_axes = mesh.shape[0] > 1 and mesh.shape[1] > 1
     if two_axes and axes in ("auto", "sequential"):
         first = solve_intra(graph, _OneAxisView(mesh), ops, mem_limit=None, reuse_layers=reuse_layers,
-                            merge=merge, solver=solver, time_limit=time_limit, axes="joint")
+                            merge=merge, solver=solver, time_limit=time_limit, axes="joint", rounds=rounds)
         restrict = {op: _project(s, 1) for op, s in first.strategies.items()}
     kw = dict(cache=cache, solver=solver, time_limit=time_limit, merge=merge, restrict=restrict)
     chosen: dict[int, Strategy] = {}
@@ -430,7 +434,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
         # Repeated layers first (they are most of the model), each solved once with its copies' operators mirrored
         # onto its own, so the boundary between two identical layers is priced; then the rest around them.
         order = sorted(range(len(groups)), key=lambda k: (len(copies[sigs[k]]) == 1, k))
-        if any(len(c) > 1 for c in copies.values()) and len(copies) > 1:
+        if rounds > 1 and any(len(c) > 1 for c in copies.values()) and len(copies) > 1:
             order = order + order  # a second round: each group again, now seeing every neighbour's choice
         done: dict[tuple, int] = {}
         for step, k in enumerate(order):

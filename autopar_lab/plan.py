@@ -1,0 +1,138 @@
+"""Plans as values: stages on submeshes, a sharding strategy per operator, and the cost report.
+
+A :class:`Plan` is immutable. Its cost is a :class:`CostReport` whose step time splits into named terms:
+
+    step_time_s = compute_s + comm_s + reshard_s + bubble_s
+
+where the first three are the work of the pipeline's busiest stage over one step (its operators' roofline time, the
+collectives they run, the resharding between them) and ``bubble_s`` is the time that stage waits (pipeline fill and
+drain, and transfers between stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the
+makespan of the event-level pipeline simulation (:mod:`autopar_lab.simulate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous range of layers on a submesh, viewed as a 2D logical mesh."""
+
+    layers: tuple[int, int]  # first and last layer index (inclusive), into Plan.layer_names
+    submesh: tuple[int, int]
+    logical_mesh: tuple[int, int]
+    devices: tuple[int, ...]
+    remat: bool
+    fwd_s: float  # per microbatch
+    bwd_s: float  # per microbatch (optimizer update and gradient synchronisation spread over the microbatches)
+    compute_s: float  # per step
+    comm_s: float
+    reshard_s: float
+    static_bytes: float
+    act_bytes: float  # per microbatch in flight
+    peak_mem_bytes: float
+    intra: Any = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
+
+    def to_dict(self, layer_names=None) -> dict:
+        out = {
+            "layers": list(self.layers),
+            "submesh": list(self.submesh),
+            "logical_mesh": list(self.logical_mesh),
+            "devices": [self.devices[0], self.devices[-1] + 1],
+            "remat": self.remat,
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "peak_mem_bytes": self.peak_mem_bytes,
+        }
+        if layer_names is not None:
+            out["layer_names"] = [layer_names[self.layers[0]], layer_names[self.layers[1]]]
+        return out
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """Every figure of a plan's cost, in seconds per training step and bytes per device."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    stage_comm_s: float
+    bubble_s: float
+    peak_mem_bytes: tuple[float, ...]
+    mem_limit_bytes: float
+    samples_per_s: float
+    busiest_stage: int
+    timeline: Any = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "samples_per_s": self.samples_per_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "reshard_s": self.reshard_s,
+            "stage_comm_s": self.stage_comm_s,
+            "bubble_s": self.bubble_s,
+            "peak_mem_bytes": list(self.peak_mem_bytes),
+            "mem_limit_bytes": self.mem_limit_bytes,
+            "busiest_stage": self.busiest_stage,
+        }
+
+    def explain(self) -> str:
+        """The step time as the sum of its terms, with what each one is."""
+        return (
+            f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s + collectives {self.comm_s:.4g} s "
+            f"+ resharding {self.reshard_s:.4g} s (the busiest stage, #{self.busiest_stage}, over all microbatches) "
+            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
+            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all)"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelization plan of a training step on a cluster."""
+
+    graph: Any = field(repr=False)
+    cluster: Any = field(repr=False)
+    method: str
+    layer_names: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    microbatches: int
+    schedule: str
+    stage_comm: str
+    cost: CostReport
+    solve_s: Mapping[str, float] = field(default_factory=dict, compare=False)
+    notes: tuple[str, ...] = ()
+
+    def choice(self, op: int):
+        """The sharding strategy of one operator (from the stage that runs its layer)."""
+        for st in self.stages:
+            if st.intra is not None and op in st.intra.strategies:
+                return st.intra.strategies[op]
+        raise KeyError(f"operator {op} is not in this plan")
+
+    def report(self, model_name: str | None = None) -> dict:
+        """The JSON report of `autopar-lab plan --json`."""
+        out = {
+            "model": model_name or getattr(self.graph, "name", ""),
+            "cluster": self.cluster.name if hasattr(self.cluster, "name") else str(self.cluster),
+            "hosts": self.cluster.hosts,
+            "devices_per_host": self.cluster.devices_per_host,
+            "method": self.method,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "stage_comm": self.stage_comm,
+            **self.cost.to_dict(),
+            "stages": [s.to_dict(self.layer_names) for s in self.stages],
+            "solve_s": dict(self.solve_s),
+            "notes": list(self.notes),
+        }
+        return out
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{s.layers[0]}-{s.layers[1]}@{s.submesh[0]}x{s.submesh[1]}" for s in self.stages)
+        return (f"Plan({self.method}: {len(self.stages)} stage(s) [{shapes}], {self.microbatches} microbatches, "
+                f"step {self.cost.step_time_s:.4g} s)")
