@@ -2,7 +2,7 @@
 
 GPT with the gpt-1.3b shape (H=2048, 32 heads, S=1024, V=51200; batch 16) traced from abstract shapes for each
 number of layers, solved by :func:`autopar_lab.solve.intra.solve_intra` on one p3.16xlarge (logical mesh (1, 8) by
-default) in four variants:
+default; ``--mesh 2x4`` solves axes="auto", i.e. sequentially) in four variants:
 
     reuse        reuse_layers=True (the default: each distinct layer solved once, copies reuse it)
     reuse+merge  reuse_layers=True, merge=True (Alpa's follower merging inside each layer's ILP)
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     shape = tuple(int(x) for x in args.mesh.lower().split("x"))
-    mesh = Cluster.preset("p3.16xlarge", hosts=1).logical_mesh(shape, shape)
+    mesh = Cluster.preset("p3.16xlarge", hosts=1).logical_mesh((1, shape[0] * shape[1]), shape)
     if _patch_greedy():
         print("note: ilp._greedy replaced for this run (transposed neighbour matrices in the library's version)")
     print(f"{args.model} batch {args.batch}, p3.16xlarge x1, logical mesh {shape}, solver cbc, "

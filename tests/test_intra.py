@@ -141,7 +141,7 @@ def test_ilp_on_small_real_graphs_equals_brute_force(b, h, shape, act):
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "moe-tiny"])
 def test_layer_reuse_costs_nothing_on_the_zoo_transformers(name):
-    model = al.models.get(name, dtype="float32")
+    model = al.models.get(name, dtype="float32", num_layers=4)  # MoE alternates dense and MoE layers: 2 of each
     g = model.trace()
     m = P3.logical_mesh((1, 4), (2, 2))
     reused = solve_intra(g, m)
@@ -149,3 +149,15 @@ def test_layer_reuse_costs_nothing_on_the_zoo_transformers(name):
     assert any(gs.reused_from for gs in reused.groups)
     gap = reused.total_s / whole.total_s - 1
     assert gap <= 1e-6, f"layer reuse costs {gap:.2%} on {name}"
+
+
+def test_merging_and_time_limits_work_with_layer_reuse():
+    g = al.models.get("gpt-tiny", dtype="float32", num_layers=3).trace()
+    m = P3.logical_mesh((1, 4), (1, 4))
+    free = solve_intra(g, m)
+    merged = solve_intra(g, m, merge=True)  # folded edges between identical layers must not break merging
+    assert merged.total_s >= free.total_s * (1 - 1e-9)
+    assert sum(gs.merges for gs in merged.groups) > 0
+    limited = solve_intra(g, m, time_limit=30)  # the greedy start of a time-limited solve
+    assert limited.total_s == pytest.approx(free.total_s, rel=1e-6) or all(
+        gs.status in ("optimal", "time_limit", "reused") for gs in limited.groups)

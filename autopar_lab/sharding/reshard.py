@@ -6,7 +6,8 @@ The price is that of the collectives XLA would insert, decided axis by axis (an 
 - the source is replicated along it, the destination splits   -> local slicing, free (0 s);
 - the source splits a dimension, the destination replicates   -> ``all_gather`` over that axis (over both axes
   at once when a dimension loses both);
-- the axis moves from one dimension to another                 -> ``all_to_all`` over that axis.
+- the axis moves from one dimension to another                 -> ``all_to_all`` over that axis (one
+  ``all_to_all`` over both axes when a dimension split over both moves whole, ``S01R`` -> ``RS01``).
 
 Each collective's B is the bytes of the buffer it works on: the tensor as sharded by the *other* axes at that moment
 (the full extent along the axis itself), the convention of :class:`~autopar_lab.cluster.LogicalMesh`. Steps run in
@@ -65,11 +66,22 @@ def plan_reshard(
     for a, (s, d) in moves.items():
         if s is None and d is not None:
             cur = _with_axis(cur, a, d)
-    # 2. an axis changing dimension: all-to-all.
-    for a, (s, d) in moves.items():
-        if s is not None and d is not None and s != d:
-            out.append(("all_to_all", a, buffer(cur, a)))
-            cur = _with_axis(cur, a, d)
+    # 2. an axis changing dimension: all-to-all. Both axes moving together from one dimension to another, in the
+    #    same order (S01 on dim i -> S01 on dim j), is ONE all-to-all over the flattened axes (what XLA emits):
+    #    B is the whole buffer, each device exchanges its 1/n of it once (not two rounds, one per axis).
+    together = [a for a, (s, d) in moves.items() if s is not None and d is not None and s != d]
+    if (len(together) == 2 and len({moves[a] for a in together}) == 1
+            and [a for a in src.dims[moves[together[0]][0]] if a in axes] == together
+            and [a for a in dst.dims[moves[together[0]][1]] if a in axes] == together):
+        axis = tuple(together)
+        out.append(("all_to_all", axis, buffer(cur, axis)))
+        for a in together:
+            cur = _with_axis(cur, a, moves[a][1])
+    else:
+        for a, (s, d) in moves.items():
+            if s is not None and d is not None and s != d:
+                out.append(("all_to_all", a, buffer(cur, a)))
+                cur = _with_axis(cur, a, d)
     # 3. order of two axes on one dimension changed (see module docstring): the axis that stayed moves data.
     for i, (sd, dd) in enumerate(zip(src.dims, dst.dims)):
         kept = [a for a in sd if a in dd and int(mesh_shape[a]) > 1]

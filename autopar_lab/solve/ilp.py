@@ -776,8 +776,8 @@ def _greedy(problem: IntraProblem, model: _Model) -> tuple[int, ...] | None:
     n = problem.num_nodes
     nbrs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for (u, v), m in _combined_edges(problem).items():
-        nbrs[v].append((u, m))
-        nbrs[u].append((v, m.T))
+        nbrs[v].append((u, m.T))  # indexed [v strategy, u strategy]
+        nbrs[u].append((v, m))
     choice: list[int | None] = [None] * n
     for v in range(n):
         d = model.dom[v]

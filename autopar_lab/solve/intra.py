@@ -317,6 +317,11 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
             continue
         edges.append((index[u], index[v]))
         mats.append(_edge_matrix(graph, cache, u, v, i, j, strats[index[u]], strats[index[v]]))
+    # Edges point forward in node order (the ILP does not care; follower merging needs an acyclic graph, and edges
+    # folded from identical layers can point backward).
+    for k, ((a, b), mat) in enumerate(zip(edges, mats)):
+        if a > b:
+            edges[k], mats[k] = (b, a), mat.T
     node_mem = live = None
     if math.isfinite(mem_limit):
         node_mem = tuple(np.array([s.mem_bytes for s in ss]) for ss in strats)
