@@ -20,8 +20,9 @@ $(VENV)/.installed-lab: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
+# Loopback only; root (containers, CI machines) needs --allow-root.
 lab: $(VENV)/.installed-lab
-	$(BIN)/jupyter lab notebooks/01_tour.ipynb
+	$(BIN)/jupyter lab --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_tour.ipynb
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
