@@ -28,6 +28,8 @@ _LAZY = {
     "compare": ("autopar_lab.planner", "compare"),
     "Plan": ("autopar_lab.plan", "Plan"),
     "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
+    "pipeline_boundary": ("autopar_lab.graph.markers", "pipeline_boundary"),
+    "relayer": ("autopar_lab.graph.relayer", "relayer"),
 }
 
 

@@ -165,11 +165,41 @@ def cmd_validate(args) -> dict:
     return validate_plan(args.model, devices=args.devices, mesh_shape=mesh, overrides=overrides or None)
 
 
+# --- optimum (hierarchical plan vs the exhaustive global optimum) ---------------------------------------------------
+def cmd_optimum(args) -> dict:
+    """Alpa's two-level plan against the global optimum found by exhaustive enumeration (small instances only)."""
+    from .solve.exhaustive import global_optimum
+
+    model, cluster = _model(args), _cluster(args)
+    res = global_optimum(model, cluster, microbatches=_microbatches(args.microbatches))
+    return {"model": model.name, "cluster": args.cluster, "auto_step_s": res["auto_step_s"],
+            "optimum_step_s": res["optimum_step_s"], "gap": res["gap"], "auto_fits": res["auto_fits"],
+            "plans_total": res["plans_total"], "plans_priced": res["plans_priced"],
+            "plans_feasible": res["plans_feasible"], "solve_s": res["solve_s"]["total"],
+            "solve_s_parts": res["solve_s"], "auto": res["auto"].report(model.name),
+            "optimum": res["optimum"].report(model.name)}
+
+
+def _print_optimum(out: dict) -> None:
+    print(f"{out['model']} on {out['cluster']}: auto {out['auto_step_s']:.4g} s, optimum {out['optimum_step_s']:.4g} s, "
+          f"gap {out['gap']:.2%}")
+    for key in ("auto", "optimum"):
+        r = out[key]
+        print(f"  {key}: {r['microbatches']} microbatches")
+        for k, st in enumerate(r["stages"]):
+            print(f"    stage {k}: layers {st['layers'][0]}-{st['layers'][1]} on submesh "
+                  f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
+                  f"{' remat' if st['remat'] else ''}")
+    print(f"  {out['plans_priced']:,} of {out['plans_total']:,} plans simulated in {out['solve_s']:.1f} s")
+# --- end optimum ------------------------------------------------------------------------------------------------------
+
+
 COMMANDS: dict[str, tuple[Callable, Callable | None]] = {
     "graph": (cmd_graph, _print_graph),
     "plan": (cmd_plan, _print_plan),
     "compare": (cmd_compare, _print_compare),
     "validate": (cmd_validate, None),
+    "optimum": (cmd_optimum, _print_optimum),
 }
 
 
@@ -207,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sp)
     sp.add_argument("--devices", type=int, default=8)
     sp.add_argument("--mesh", help="the logical mesh, e.g. 2x4 (default: tried for you)")
+
+    sp = sub.add_parser("optimum", help="the hierarchical plan vs the exhaustive global optimum (small instances)")
+    model_args(sp)
+    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
     return p
 
 

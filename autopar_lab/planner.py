@@ -235,9 +235,21 @@ def _finish(table: CostTable, cluster, method: str, stages: Sequence[inter.Stage
         t = link.latency + nbytes / link.bandwidth
         send_f.append(t)
         send_b.append(t)
-    tl = simulate([s.fwd_s for s in stages], [s.bwd_s for s in stages], microbatches, schedule,
-                  send_fwd_s=send_f, send_bwd_s=send_b, act_bytes=[s.act_bytes for s in stages],
-                  static_bytes=[s.static_bytes for s in stages])
+    def run(warmup):
+        return simulate([s.fwd_s for s in stages], [s.bwd_s for s in stages], microbatches, schedule,
+                        send_fwd_s=send_f, send_bwd_s=send_b, act_bytes=[s.act_bytes for s in stages],
+                        static_bytes=[s.static_bytes for s in stages], warmup=warmup)
+
+    tl = run(None)
+    if schedule == "1f1b" and any(send_f):
+        # A deeper 1F1B warm-up, counting each cut as pipeline positions (as the DP's latency formula does: a
+        # transfer is a stage of its own), hides a slow link's round trip with more microbatches in flight; it is
+        # used when it is faster and still fits in memory.
+        t_ref = max(s.fwd_s + s.bwd_s for s in stages) or 1.0
+        extra = [math.ceil((f + b) / t_ref - 1e-9) if f + b > 0 else 0 for f, b in zip(send_f, send_b)]
+        deep = run([len(stages) - i + sum(extra[i:]) for i in range(len(stages))])
+        if deep.makespan < tl.makespan and all(m <= mem_limit for m in deep.peak_mem_bytes):
+            tl = deep
     busiest = max(range(len(stages)), key=lambda i: tl.busy_s[i])
     plan_stages = []
     for st, off, peak in zip(stages, offsets, tl.peak_mem_bytes):

@@ -92,11 +92,13 @@ class Timeline:
         return rows
 
 
-def stage_order(stage: int, num_stages: int, microbatches: int, schedule: str = "1f1b") -> list[tuple[str, int]]:
+def stage_order(stage: int, num_stages: int, microbatches: int, schedule: str = "1f1b",
+                warmup: int | None = None) -> list[tuple[str, int]]:
     """The order in which one stage runs its compute tasks.
 
     GPipe: every fwd, then every bwd, in microbatch order. 1F1B (PipeDream-flush):
-    ``min(S - i, B)`` warm-up fwds, then alternate one bwd and one fwd, then drain bwds.
+    ``min(S - i, B)`` warm-up fwds (or ``min(warmup, B)`` when given: deeper warm-up hides slow transfers between
+    stages, at the price of more microbatches in flight), then alternate one bwd and one fwd, then drain bwds.
 
     >>> stage_order(0, 2, 3)
     [('fwd', 0), ('fwd', 1), ('bwd', 0), ('fwd', 2), ('bwd', 1), ('bwd', 2)]
@@ -106,7 +108,7 @@ def stage_order(stage: int, num_stages: int, microbatches: int, schedule: str = 
         return [("fwd", j) for j in range(b)] + [("bwd", j) for j in range(b)]
     if schedule != "1f1b":
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-    warm = min(s - stage, b)
+    warm = min(s - stage if warmup is None else max(int(warmup), 1), b)
     order = [("fwd", j) for j in range(warm)]
     for j in range(b - warm):  # steady state: one bwd frees a slot for one more fwd
         order += [("bwd", j), ("fwd", warm + j)]
@@ -133,6 +135,7 @@ def simulate(
     send_bwd_s: Sequence[float] | None = None,
     act_bytes: Sequence[float] | None = None,
     static_bytes: Sequence[float] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> Timeline:
     """Simulate one training step of a pipeline and return its :class:`Timeline`.
 
@@ -164,7 +167,9 @@ def simulate(
     static = _check_vector("static_bytes", zeros_stage if static_bytes is None else static_bytes, num_stages)
 
     S, B = num_stages, microbatches
-    orders = [stage_order(i, S, B, schedule) for i in range(S)]
+    if warmup is not None and len(warmup) != S:
+        raise ValueError(f"warmup has {len(warmup)} entries but {S} are needed.")
+    orders = [stage_order(i, S, B, schedule, None if warmup is None else warmup[i]) for i in range(S)]
     pos = [0] * S  # next task index per stage
     stage_free = [0.0] * S
     # Arrival times of inputs: fwd_ready[i][j] is when stage i may start fwd j

@@ -104,3 +104,16 @@ def test_bad_inputs():
         simulate([1, 1], [1, 1], 2, send_fwd_s=[1, 1])
     with pytest.raises(ValueError, match="schedule"):
         simulate([1], [1], 2, schedule="interleaved")
+
+
+def test_deeper_warmup_hides_a_slow_link_round_trip():
+    # 2 stages of 1 s fwd + 1 s bwd, transfers of 1 s each way: the standard warm-up (2 on stage 0) waits for each
+    # gradient's round trip; warming up with 2 more microbatches (the cut counted as pipeline positions) does not.
+    args = dict(fwd_s=[1.0, 1.0], bwd_s=[1.0, 1.0], microbatches=8, send_fwd_s=[1.0], send_bwd_s=[1.0],
+                act_bytes=[1.0, 1.0])
+    standard = simulate(**args)
+    deep = simulate(**args, warmup=[4, 1])
+    assert deep.makespan < standard.makespan
+    assert deep.peak_mem_bytes[0] == 4 and standard.peak_mem_bytes[0] == 2
+    with pytest.raises(ValueError, match="warmup"):
+        simulate(**args, warmup=[1])

@@ -617,6 +617,7 @@ for _p in ("scatter", "scatter-add", "scatter_add"):
     register_rule(_p, scatter_rule)
 register_rule("scan_slice", scan_slice_rule)
 register_rule("scan_stack", scan_stack_rule)
+register_rule("pipeline_boundary", elementwise_rule)  # al.pipeline_boundary: the identity, output spec = input spec
 register_rule("iota", source_rule)
 register_rule(INPUT_PRIMITIVE, source_rule)
 register_rule(OUTPUT_PRIMITIVE, output_rule)

@@ -1,0 +1,253 @@
+"""The global optimum of the whole plan space, for small instances: how far is Alpa's two-level plan from it?
+
+Alpa splits planning in two: the intra-operator ILP prices every (layer, logical mesh) pair once, and the stage DP
+(:func:`~autopar_lab.solve.inter.stage_dp`) then picks stages, submeshes, logical meshes and the microbatch count by
+minimising a *latency formula*. :func:`global_optimum` instead enumerates every complete plan of the same space
+
+    contiguous layer partition x in-order submesh sequence that tiles the cluster x logical mesh per stage
+    x rematerialisation per stage x microbatch count
+
+and prices each one exactly as :func:`autopar_lab.planner._finish` prices a plan: the makespan of the event-level
+pipeline simulation (:func:`autopar_lab.simulate.simulate`), with the transfers between stages always priced, and a
+plan counts only if every stage's simulated peak memory fits the device. Both searches read the SAME
+:class:`~autopar_lab.planner.CostTable` (one intra-op ILP per logical mesh), so the gap
+``auto / optimum - 1 >= 0`` comes from the inter-operator level only:
+
+* **formula vs simulation.** The DP minimises ``sum t_i + sum c_j + (B - 1) * max(t_i, c_j)``; the simulated 1F1B
+  makespan differs from it (a fast stage's warm-up overlaps a slow one, a fixed warm-up depth cannot always hide
+  the gradient round trip over a slow cut, uneven fwd/bwd splits shift the critical path), so the formula's
+  argmin need not be the simulation's argmin.
+* **the t_max decomposition.** For each t_max the DP keeps, per stage, the *fastest* candidate that fits memory
+  (``fwd + bwd`` summed), which ignores how that time splits between forward and backward: the simulator cares.
+  The microbatch count is chosen by the formula too.
+* **stage-comm pricing.** With ``stage_comm="ignore"`` (Alpa) the DP prices cuts at zero while the simulation still
+  pays them; with ``"model"`` a cut costs ``c_j`` as an extra pipeline term in the formula, whereas in the
+  simulation a transfer overlaps compute and sits on its own link.
+* **memory.** The DP checks ``static + held * act`` with ``held`` from the schedule; the optimum checks the
+  simulator's peak (the same number for 1F1B and GPipe, so no gap comes from here in practice).
+
+What is *not* covered: the intra-op level is shared (one ILP per mesh, per-layer costs summed), so a gap of zero does
+not mean Alpa's plan is globally optimal over operator shardings, only over everything above them.
+
+Search: depth-first over stages, in pipeline order (layer range, then a submesh shape that fits at the current
+device offset, then a candidate), with three exact prunings (``prune=True``), checked against the plain enumeration
+(``prune=False``) in the tests:
+
+1. *Lower bound.* In the simulator stage ``i`` cannot start before the first microbatch has gone through stages
+   ``0..i-1`` and their cuts, it is busy ``B * (fwd_i + bwd_i)``, and its last task (the last microbatch's backward)
+   must still travel back through ``i-1..0``. So every completion of a prefix costs at least
+   ``max_i [sum_{k<i} (fwd_k + bwd_k + send_fwd_k + send_bwd_k) + B * (fwd_i + bwd_i)]``; a prefix whose bound
+   reaches the incumbent is dropped. The incumbent starts as the auto plan (it lies in the space).
+2. *Dominance.* The simulated makespan is monotone in every stage's fwd and bwd time (a max-plus system with fixed
+   task orders), and peak memory is ``static + held * act`` with ``held`` fixed by the schedule; so a candidate
+   that is no better than another on all of fwd, bwd, static and act bytes is never needed.
+3. *Memory.* A candidate whose ``static + act`` (one microbatch in flight) exceeds the device is dropped early.
+
+The raw size of the space is computed first (a small DP over device offsets); above ``limit`` the call refuses with
+a ValueError rather than run for hours. Up to about 8 layers and 8 devices stays within the default limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Sequence
+
+from ..simulate import simulate
+from .inter import StageCandidate, placement_fits
+
+__all__ = ["global_optimum", "count_plans", "DEFAULT_LIMIT"]
+
+DEFAULT_LIMIT = 2_000_000
+
+
+def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
+    """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
+
+    >>> import autopar_lab as al
+    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)
+    12
+    """
+    L, NM = int(num_layers), cluster.num_devices
+    shapes = cluster.submesh_shapes()
+    weight = {s: len(cluster.logical_mesh_shapes(s)) * remat_choices for s in shapes}
+
+    @functools.lru_cache(maxsize=None)
+    def tilings(offset: int, stages: int) -> int:
+        if stages == 0:
+            return 1 if offset == NM else 0
+        return sum(weight[s] * tilings(offset + s[0] * s[1], stages - 1) for s in shapes
+                   if placement_fits(s, offset, cluster.hosts, cluster.devices_per_host))
+
+    per_b = sum(math.comb(L - 1, S - 1) * tilings(0, S) for S in range(1, min(L, NM) + 1))
+    return microbatch_choices * per_b
+
+
+def _pareto(cands: Sequence[StageCandidate]) -> list[StageCandidate]:
+    """Candidates not dominated on (fwd, bwd, static, act); fastest first; ties keep the first."""
+    keyed = sorted(cands, key=lambda c: (c.time_s, c.fwd_s, c.static_bytes + c.act_bytes))
+    out: list[StageCandidate] = []
+    for c in keyed:
+        if not any(o.fwd_s <= c.fwd_s and o.bwd_s <= c.bwd_s and o.static_bytes <= c.static_bytes
+                   and o.act_bytes <= c.act_bytes for o in out):
+            out.append(c)
+    return out
+
+
+def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False, True), schedule: str = "1f1b",
+                   stage_comm: str = "model", mem_limit: float | None = None, solver: str = "cbc",
+                   limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True, _table_cache=None) -> dict:
+    """Enumerate every plan of a small instance, price each with the pipeline simulator, and compare with Alpa's.
+
+    ``model_or_graph``/``cluster``/``microbatches``/``stage_comm``/``mem_limit``/``solver``: as for
+    :func:`autopar_lab.planner.auto_plan` (``stage_comm`` only changes the auto plan's objective; both plans are
+    reported with transfers priced). ``remat``: the rematerialisation choices per stage. ``limit``: refuse (a
+    ValueError) when the space holds more plans than this. ``prune=False`` prices every plan (for tests);
+    ``seed=False`` starts the pruned search without the auto plan as its incumbent (for tests of the bound).
+
+    Returns a dict: ``optimum`` and ``auto`` (Plans built by ``planner._finish``, so priced identically),
+    ``optimum_step_s``, ``auto_step_s``, ``gap`` (``auto / optimum - 1``), ``plans_total`` (size of the space),
+    ``plans_priced`` (simulations run), ``plans_feasible`` (of those, how many fit memory), ``auto_fits``,
+    ``solve_s`` ({"table", "auto", "search", "total"}) and ``table`` (the shared CostTable).
+    """
+    from .. import planner  # planner imports solve.inter; import here to keep the module import order simple
+
+    t_start = time.perf_counter()
+    if _table_cache is not None:
+        table = _table_cache
+    else:
+        table, _ = planner._table(model_or_graph, cluster, solver, None)
+    choices = planner._microbatch_choices(table.batch_size, microbatches)
+    remat = tuple(dict.fromkeys(bool(r) for r in remat))
+    if not remat:
+        raise ValueError("remat must offer at least one choice, e.g. (False, True)")
+    L, NM = len(table.layer_names), cluster.num_devices
+    M = cluster.devices_per_host
+    total = count_plans(L, cluster, len(choices), len(remat))
+    if total > limit:
+        raise ValueError(f"too many plans to enumerate: {total:,} (limit {limit:,}); use fewer layers or devices")
+    mem = float(cluster.device.memory_bytes if mem_limit is None else mem_limit)
+
+    # Every logical mesh's layer costs (the ILPs), before any timing of the search itself.
+    shapes = cluster.submesh_shapes()
+    for sub in shapes:
+        for lm in cluster.logical_mesh_shapes(sub):
+            table.mesh_costs(sub, lm)
+    t_table = time.perf_counter()
+
+    auto = planner.auto_plan(table.graph, cluster, microbatches=microbatches, stage_comm=stage_comm,
+                             schedule=schedule, mem_limit=mem, solver=solver, _table_cache=table)
+    auto_fits = all(m <= mem for m in auto.cost.peak_mem_bytes)
+    t_auto = time.perf_counter()
+
+    # Per-cut transfer time for a microbatch count B: the cut in front of layer k, into a stage at device offset o.
+    def send_s(k: int, o: int, B: int) -> float:
+        link = cluster.intra_host if o % M else cluster.inter_host
+        return link.latency + table.cut_bytes[k - 1] / B / link.bandwidth
+
+    # Can devices offset..NM be tiled by at most `stages` more stages?
+    @functools.lru_cache(maxsize=None)
+    def tileable(offset: int, stages: int) -> bool:
+        if offset == NM:
+            return True
+        if stages == 0:
+            return False
+        return any(tileable(offset + s[0] * s[1], stages - 1) for s in shapes
+                   if placement_fits(s, offset, cluster.hosts, M))
+
+    cand_cache: dict = {}
+
+    def cands(k: int, i: int, sub, B: int) -> list[StageCandidate]:
+        key = (k, i, sub, B)
+        if key not in cand_cache:
+            cs = [table.stage(k, i, sub, lm, B, r) for lm in cluster.logical_mesh_shapes(sub) for r in remat]
+            if prune:
+                cs = _pareto([c for c in cs if c.static_bytes + c.act_bytes <= mem])
+            cand_cache[key] = cs
+        return cand_cache[key]
+
+    best = {"T": math.inf, "stages": None, "B": None}
+    if prune and seed and auto_fits:
+        best.update(T=auto.cost.step_time_s, stages="auto", B=auto.microbatches)
+    stats = {"priced": 0, "feasible": 0}
+
+    def leaf(stages: list[StageCandidate], sends: list[float], B: int) -> None:
+        stats["priced"] += 1
+        tl = simulate([s.fwd_s for s in stages], [s.bwd_s for s in stages], B, schedule,
+                      send_fwd_s=sends, send_bwd_s=sends, act_bytes=[s.act_bytes for s in stages],
+                      static_bytes=[s.static_bytes for s in stages])
+        if any(m > mem for m in tl.peak_mem_bytes):
+            return
+        stats["feasible"] += 1
+        if tl.makespan < best["T"]:
+            best.update(T=tl.makespan, stages=list(stages), B=B)
+
+    def search(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
+        # prefix: sum over placed stages and the cuts behind them of (fwd + bwd + send_fwd + send_bwd).
+        if k == L:
+            if offset == NM:
+                leaf(stages, sends, B)
+            return
+        for i in range(k, L):
+            left = L - 1 - i  # layers after this stage: at most that many more stages
+            for sub in shapes:
+                size = sub[0] * sub[1]
+                if not placement_fits(sub, offset, cluster.hosts, M):
+                    continue
+                nxt = offset + size
+                if (left == 0) != (nxt == NM) or not tileable(nxt, left):
+                    continue
+                cut = send_s(k, offset, B) if k > 0 else 0.0
+                into = prefix + 2 * cut
+                for c in cands(k, i, sub, B):
+                    lb = max(bound, into + B * c.time_s)
+                    if prune and lb >= best["T"]:
+                        break  # candidates are fastest first: the rest are no better
+                    stages.append(c)
+                    if k > 0:
+                        sends.append(cut)
+                    search(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
+                    stages.pop()
+                    if k > 0:
+                        sends.pop()
+
+    for B in choices:
+        search(0, 0, [], [], 0.0, 0.0, B)
+    t_search = time.perf_counter()
+
+    solve_s = {"table": t_table - t_start, "auto": t_auto - t_table, "search": t_search - t_auto}
+    if best["stages"] is None:
+        from .inter import NoFeasiblePlanError
+        raise NoFeasiblePlanError(
+            f"no plan fits in {mem / 2**30:.3g} GiB per device under any of microbatches {choices}; use more "
+            "devices, a larger batch split or a smaller model", math.inf)
+    if best["stages"] == "auto":
+        opt_stages = [_candidate_of(s) for s in auto.stages]
+        opt_B = auto.microbatches
+    else:
+        opt_stages, opt_B = best["stages"], best["B"]
+    optimum = planner._finish(table, cluster, "optimum", opt_stages, opt_B, schedule, "model", mem,
+                              {"search": solve_s["search"]})
+    solve_s["total"] = time.perf_counter() - t_start
+    a, o = auto.cost.step_time_s, optimum.cost.step_time_s
+    return {
+        "optimum": optimum,
+        "auto": auto,
+        "auto_step_s": a,
+        "optimum_step_s": o,
+        "gap": a / o - 1.0 if o > 0 else 0.0,
+        "auto_fits": auto_fits,
+        "plans_total": total,
+        "plans_priced": stats["priced"],
+        "plans_feasible": stats["feasible"],
+        "microbatch_choices": choices,
+        "solve_s": solve_s,
+        "table": table,
+    }
+
+
+def _candidate_of(st) -> StageCandidate:
+    """A plan Stage back to the StageCandidate it was built from (same times and bytes)."""
+    return StageCandidate(tuple(st.layers), tuple(st.submesh), tuple(st.logical_mesh), st.remat, st.fwd_s, st.bwd_s,
+                          st.static_bytes, st.act_bytes, payload=st.intra)
