@@ -167,7 +167,7 @@ def _backward_by_markers(graph: OpGraph, bwd: Sequence[int], fwd_groups, L: int)
             return None
     if any(b >= a for a, b in zip(targets, targets[1:])):
         return None  # not visited last to first: fall back to the fit
-    starts = {ops[0]: t for t, (_, (_, ops)) in zip(targets, enumerate(groups))}
+    starts = {ops[0]: t for t, (_, ops) in zip(targets, groups)}
     out, cur = {}, L - 1
     for i in bwd:
         cur = starts.get(i, cur)
