@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import autopar_lab as al
 from autopar_lab.solve.exhaustive import global_optimum
@@ -55,7 +54,6 @@ def main(argv: list[str]) -> None:
             label = (f"{name}{'+w' if ov else ''} L{layers} b{batch} {hosts}x{per_host}"
                      f"{' inter/10' if slow != 1 else ''} mem {frac:g}")
             mem = None if frac == 1.0 or base_peak is None else frac * base_peak
-            t0 = time.perf_counter()
             try:
                 r = global_optimum(model, cluster, mem_limit=mem, _table_cache=table)
             except NoFeasiblePlanError:
@@ -73,7 +71,6 @@ def main(argv: list[str]) -> None:
             print(f"{label:<44}{r['auto_step_s']:>11.4g}{r['optimum_step_s']:>11.4g}{r['gap']:>8.2%}"
                   f"{r['plans_priced']:>9}{r['plans_total']:>9}{r['solve_s']['search']:>10.1f}{table_s:>9.1f}"
                   f"  {shape(r['auto'])} | {shape(r['optimum'])}", flush=True)
-            del t0
     if gaps:
         print(f"\n{len(gaps)} instances: median gap {statistics.median(gaps):.2%}, worst gap {max(gaps):.2%}, "
               f"{sum(g > 1e-9 for g in gaps)} with a gap > 0")
