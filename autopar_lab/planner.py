@@ -77,6 +77,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str], cac
                     info = graph.tensor(t)
                     a["act"] += s.out_specs[k].bytes_per_device(info.shape, info.dtype, mshape)
     inside = set(plan.ops)
+    converted: set[tuple] = set()
     for (u, v, i, j) in _edges_of(graph, plan.ops):
         if u not in inside:
             continue
@@ -86,6 +87,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str], cac
         else:
             t = graph.tensor(graph.op(u).outputs[i])
             src, dst = plan.strategies[u].out_specs[i], plan.strategies[v].in_specs[j]
+        if (t.id, src, dst, i == -1) in converted:  # one conversion serves every consumer (as in evaluate_intra)
+            continue
+        converted.add((t.id, src, dst, i == -1))
         c = cache.reshard(src, dst, t.shape, t.dtype)
         if c:
             a = slot(v)

@@ -651,6 +651,7 @@ def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh) -
     for op in ops:
         for kind, axis, nbytes in strategies[op].collectives:
             rec(kind, axis, nbytes, "op", op)
+    converted: set[tuple] = set()
     for v in ops:
         node = graph.op(v)
         for j, t in enumerate(node.inputs):
@@ -660,7 +661,8 @@ def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh) -
             i = graph.op(u).outputs.index(t)
             src, dst = strategies[u].out_specs[i], strategies[v].in_specs[j]
             info = graph.tensor(t)
-            if src != dst and info.shape:
+            if src != dst and info.shape and (t, src, dst) not in converted:
+                converted.add((t, src, dst))  # one conversion serves every consumer (as in evaluate_intra)
                 for kind, axis, nbytes in plan_reshard(src, dst, info.shape, info.dtype, mshape):
                     rec(kind, axis, nbytes, "reshard", u, v, t, src, dst)
         if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:

@@ -23,25 +23,25 @@ plan counts only if every stage's simulated peak memory fits the device. Both se
 * **stage-comm pricing.** With ``stage_comm="ignore"`` (Alpa) the DP prices cuts at zero while the simulation still
   pays them; with ``"model"`` a cut costs ``c_j`` as an extra pipeline term in the formula, whereas in the
   simulation a transfer overlaps compute and sits on its own link.
-* **memory.** The DP checks ``static + held * act`` with ``held`` from the schedule; the optimum checks the
-  simulator's peak (the same number for 1F1B and GPipe, so no gap comes from here in practice).
+* **memory and warm-up.** The DP checks ``static + held * act`` with ``held`` from the schedule; a plan here is
+  priced like ``_finish`` prices it (plain 1F1B, or a deeper warm-up that hides slow transfers when it is faster
+  and fits), and counts if the simulated peak fits. (No candidate dominance pruning: with the deeper warm-up,
+  whose depth depends on the stage times, makespan and memory are no longer monotone in one candidate's times.)
 
 What is *not* covered: the intra-op level is shared (one ILP per mesh, per-layer costs summed), so a gap of zero does
 not mean Alpa's plan is globally optimal over operator shardings, only over everything above them.
 
 Search: depth-first over stages, in pipeline order (layer range, then a submesh shape that fits at the current
-device offset, then a candidate), with three exact prunings (``prune=True``), checked against the plain enumeration
+device offset, then a candidate), with two exact prunings (``prune=True``), checked against the plain enumeration
 (``prune=False``) in the tests:
 
 1. *Lower bound.* In the simulator stage ``i`` cannot start before the first microbatch has gone through stages
    ``0..i-1`` and their cuts, it is busy ``B * (fwd_i + bwd_i)``, and its last task (the last microbatch's backward)
-   must still travel back through ``i-1..0``. So every completion of a prefix costs at least
+   must still travel back through ``i-1..0`` (true for plain 1F1B, GPipe and the deeper 1F1B warm-up
+   ``_finish`` may pick, since every order ends with the last microbatch's backward). So every completion of a prefix costs at least
    ``max_i [sum_{k<i} (fwd_k + bwd_k + send_fwd_k + send_bwd_k) + B * (fwd_i + bwd_i)]``; a prefix whose bound
    reaches the incumbent is dropped. The incumbent starts as the auto plan (it lies in the space).
-2. *Dominance.* The simulated makespan is monotone in every stage's fwd and bwd time (a max-plus system with fixed
-   task orders), and peak memory is ``static + held * act`` with ``held`` fixed by the schedule; so a candidate
-   that is no better than another on all of fwd, bwd, static and act bytes is never needed.
-3. *Memory.* A candidate whose ``static + act`` (one microbatch in flight) exceeds the device is dropped early.
+2. *Memory.* A candidate whose ``static + act`` (one microbatch in flight) exceeds the device is dropped early.
 
 The raw size of the space is computed first (a small DP over device offsets); above ``limit`` the call refuses with
 a ValueError rather than run for hours. Up to about 8 layers and 8 devices stays within the default limit.
@@ -82,17 +82,6 @@ def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices
 
     per_b = sum(math.comb(L - 1, S - 1) * tilings(0, S) for S in range(1, min(L, NM) + 1))
     return microbatch_choices * per_b
-
-
-def _pareto(cands: Sequence[StageCandidate]) -> list[StageCandidate]:
-    """Candidates not dominated on (fwd, bwd, static, act); fastest first; ties keep the first."""
-    keyed = sorted(cands, key=lambda c: (c.time_s, c.fwd_s, c.static_bytes + c.act_bytes))
-    out: list[StageCandidate] = []
-    for c in keyed:
-        if not any(o.fwd_s <= c.fwd_s and o.bwd_s <= c.bwd_s and o.static_bytes <= c.static_bytes
-                   and o.act_bytes <= c.act_bytes for o in out):
-            out.append(c)
-    return out
 
 
 def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False, True), schedule: str = "1f1b",
@@ -162,8 +151,8 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
         key = (k, i, sub, B)
         if key not in cand_cache:
             cs = [table.stage(k, i, sub, lm, B, r) for lm in cluster.logical_mesh_shapes(sub) for r in remat]
-            if prune:
-                cs = _pareto([c for c in cs if c.static_bytes + c.act_bytes <= mem])
+            if prune:  # fastest first, so the bound can stop at the first candidate that reaches it
+                cs = sorted((c for c in cs if c.static_bytes + c.act_bytes <= mem), key=lambda c: c.time_s)
             cand_cache[key] = cs
         return cand_cache[key]
 
@@ -173,10 +162,19 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
     stats = {"priced": 0, "feasible": 0}
 
     def leaf(stages: list[StageCandidate], sends: list[float], B: int) -> None:
+        # Exactly planner._finish's pricing: plain 1F1B, or its deeper warm-up when that is faster and fits.
         stats["priced"] += 1
-        tl = simulate([s.fwd_s for s in stages], [s.bwd_s for s in stages], B, schedule,
-                      send_fwd_s=sends, send_bwd_s=sends, act_bytes=[s.act_bytes for s in stages],
-                      static_bytes=[s.static_bytes for s in stages])
+        fwd, bwd = [s.fwd_s for s in stages], [s.bwd_s for s in stages]
+        act, static = [s.act_bytes for s in stages], [s.static_bytes for s in stages]
+        tl = simulate(fwd, bwd, B, schedule, send_fwd_s=sends, send_bwd_s=sends, act_bytes=act, static_bytes=static)
+        if schedule == "1f1b" and any(sends):
+            t_ref = max(f + b for f, b in zip(fwd, bwd)) or 1.0
+            extra = [math.ceil(2 * x / t_ref - 1e-9) if x > 0 else 0 for x in sends]
+            S = len(stages)
+            deep = simulate(fwd, bwd, B, schedule, send_fwd_s=sends, send_bwd_s=sends, act_bytes=act,
+                            static_bytes=static, warmup=[S - i + sum(extra[i:]) for i in range(S)])
+            if deep.makespan < tl.makespan and all(m <= mem for m in deep.peak_mem_bytes):
+                tl = deep
         if any(m > mem for m in tl.peak_mem_bytes):
             return
         stats["feasible"] += 1

@@ -523,6 +523,7 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
             if mesh_axis_size(mesh, _axis) > 1:
                 colls[kind]["count"] += 1
                 colls[kind]["bytes"] += nbytes
+    converted: set[tuple] = set()
     for (u, v, i, j) in _edges_of(graph, ops):
         if u not in inside or v not in inside:
             continue
@@ -532,6 +533,11 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
         else:
             t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
+        # A tensor converted to one spec is converted once, whatever the number of consumers that read the copy
+        # (the ILP's pairwise edges count it per consumer: an over-estimate this recomputation corrects).
+        if (t.id, src, dst, i == -1) in converted:
+            continue
+        converted.add((t.id, src, dst, i == -1))
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
             reshard += cost
