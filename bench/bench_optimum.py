@@ -27,10 +27,10 @@ MOE_WIDE = {"hidden_size": 512, "seq_len": 128, "vocab_size": 1024, "num_heads":
 INSTANCES = [
     ("gpt-tiny", 2, 8, {}, 2, 2, 1, (1.0,)),
     ("gpt-tiny", 4, 64, GPT_WIDE, 2, 4, 10, (1.0, 0.12, 0.06)),
-    ("gpt-tiny", 4, 64, GPT_WIDE, 2, 4, 1, (1.0, 0.12, 0.06)),
-    ("moe-tiny", 2, 32, MOE_WIDE, 2, 2, 10, (1.0, 0.3, 0.15)),
-    ("mlp", 4, 32, {"hidden_size": 4096}, 1, 4, 1, (1.0, 0.3, 0.15)),
-    ("mlp", 3, 16, {"hidden_size": 2048}, 2, 1, 10, (1.0, 0.5)),
+    ("gpt-tiny", 4, 64, GPT_WIDE, 2, 4, 1, (1.0, 0.5, 0.25)),
+    ("moe-tiny", 2, 32, MOE_WIDE, 2, 2, 10, (1.0, 0.3)),
+    ("mlp", 4, 32, {"hidden_size": 4096}, 1, 4, 1, (1.0, 0.6)),
+    ("mlp", 3, 16, {"hidden_size": 2048}, 2, 1, 10, (1.0, 0.8)),
 ]
 QUICK = [INSTANCES[0], ("mlp", 2, 8, {"hidden_size": 1024}, 1, 2, 1, (1.0, 0.5))]
 
