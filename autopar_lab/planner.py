@@ -133,6 +133,8 @@ class CostTable:
         self.solver = solver
         self.progress = progress
         self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan]] = {}
+        self._sums: dict[tuple, dict[str, list[float]]] = {}
+        self._shapes: dict[tuple, list] = {}
         self._map = self._layer_map()
         self.cut_bytes = cut_bytes(graph, self.layer_names)
         self.batch_size = _batch_size(graph)
@@ -167,14 +169,31 @@ class CostTable:
                 self.progress(f"intra-op {submesh[0]}x{submesh[1]} as {shape[0]}x{shape[1]}", len(self._mesh), 0)
         return self._mesh[key]
 
+    def _prefix(self, submesh, shape):
+        """Running sums of the layer costs on one mesh, so any layer range costs O(1) (the DP asks for many)."""
+        key = (tuple(submesh), tuple(shape))
+        if key not in self._sums:
+            costs, _ = self.mesh_costs(submesh, shape)
+            fields = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd")
+            sums = {f: [0.0] for f in fields}
+            for c in costs:
+                for f in fields:
+                    sums[f].append(sums[f][-1] + getattr(c, f))
+            self._sums[key] = sums
+        return self._sums[key]
+
     def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool) -> inter.StageCandidate:
-        costs, plan = self.mesh_costs(submesh, shape)
-        part = costs[start:end + 1]
+        _, plan = self.mesh_costs(submesh, shape)
+        sums = self._prefix(submesh, shape)
+
+        def total(f):
+            return sums[f][end + 1] - sums[f][start]
+
         B = microbatches
-        fwd = sum(c.fwd_s for c in part) / B + LAUNCH_OVERHEAD_S * sum(c.heavy_fwd for c in part)
-        bwd = sum(c.bwd_s for c in part) / B + LAUNCH_OVERHEAD_S * sum(c.heavy_bwd for c in part)
-        static = sum(c.static_bytes for c in part)
-        act = sum(c.act_bytes for c in part) / B
+        fwd = total("fwd_s") / B + LAUNCH_OVERHEAD_S * total("heavy_fwd")
+        bwd = total("bwd_s") / B + LAUNCH_OVERHEAD_S * total("heavy_bwd")
+        static = total("static_bytes")
+        act = total("act_bytes") / B
         if remat:
             n = shape[0] * shape[1]
             # Only the stage's input is kept (sharded over the mesh); the forward pass runs again in the backward.
@@ -185,8 +204,10 @@ class CostTable:
                                     payload=plan)
 
     def candidates(self, start: int, end: int, submesh, microbatches: int, remat=(False, True)):
-        return [self.stage(start, end, submesh, shape, microbatches, r)
-                for shape in self.cluster.logical_mesh_shapes(submesh) for r in remat]
+        sub = tuple(submesh)
+        if sub not in self._shapes:
+            self._shapes[sub] = self.cluster.logical_mesh_shapes(sub)
+        return [self.stage(start, end, sub, shape, microbatches, r) for shape in self._shapes[sub] for r in remat]
 
 
 def _plain_sig(graph: OpGraph, layer: str) -> tuple:
