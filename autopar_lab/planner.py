@@ -381,7 +381,10 @@ def megatron_plan(model_or_graph, cluster, *, dp: int, tp: int, pp: int, microba
 
 def data_parallel_plan(model_or_graph, cluster, *, microbatches: int = 1, mem_limit: float | None = None,
                        solver: str = "cbc", _table_cache: CostTable | None = None) -> Plan:
-    """One stage on the whole cluster viewed as a (N*M, 1) mesh: the batch split over every device."""
+    """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
+
+    The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
+    (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism)."""
     table = _table_cache
     solve_s = {}
     if table is None:
@@ -431,6 +434,10 @@ def compare(model_or_graph, cluster, *, microbatches="auto", solver: str = "cbc"
                           "fits": fits})
             if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
                 best = p
-    data = data_parallel_plan(table.graph, cluster, _table_cache=table)
+    # Data parallelism with gradient accumulation: the fastest microbatch count that fits (else the smallest peak).
+    datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, _table_cache=table) for mb in mbs]
+    fitting = [p for p in datas if all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes)]
+    data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
+            else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))
     return {"auto": auto, "megatron_best": best, "data_parallel": data, "megatron_tried": tried,
             "trace_s": solve_s.get("trace", 0.0)}

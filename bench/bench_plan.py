@@ -35,7 +35,7 @@ def main(items: list[str]) -> None:
         best = min((t for t in res["megatron_tried"] if t["fits"]), key=lambda t: t["step_time_s"], default=None)
         cfg = f"({best['dp']},{best['tp']},{best['pp']},{best['microbatches']})" if best else "-"
         meg_s = meg.cost.step_time_s if meg else float("nan")
-        data_fits = all(m <= data.cost.mem_limit_bytes for m in data.cost.peak_mem_bytes)
+        data_fits = all(m <= data.cost.mem_limit_bytes for m in data.cost.peak_mem_bytes)  # best fitting count
         data_s = data.cost.step_time_s if data_fits else float("nan")
         print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>16}{data_s:>11.4g}"
               f"{meg_s / auto.cost.step_time_s:>10.3f}{data_s / auto.cost.step_time_s:>10.3f}"

@@ -1,0 +1,35 @@
+"""Benchmark: planning time as models and clusters grow (the seed's open question 5).
+
+GPT-39B's layer shape (H 8192, 64 heads, S 1024, V 51200, batch 1024) with L layers on p3.16xlarge hosts; times
+`auto_plan` with microbatches searched, split into trace, intra-op (ILP per logical mesh) and inter-op (stage DP).
+
+    .venv/bin/python bench/bench_plan_time.py 48:8 96:8 48:16 48:64
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import autopar_lab as al
+
+
+def main(items: list[str]) -> None:
+    print(f"{'layers':>7}{'devices':>8}{'meshes':>8}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
+          f"{'stages':>8}{'step s':>10}")
+    for item in items:
+        layers, devices = (int(x) for x in item.split(":"))
+        cluster = (al.Cluster.preset("p3.16xlarge", hosts=devices // 8) if devices >= 8
+                   else al.Cluster.preset("p3.16xlarge").with_(devices_per_host=devices))
+        model = al.models.get("gpt-39b", num_layers=layers)
+        t0 = time.perf_counter()
+        plan = al.auto_plan(model, cluster)
+        total = time.perf_counter() - t0
+        meshes = sum(len(cluster.logical_mesh_shapes(s)) for s in cluster.submesh_shapes())
+        s = plan.solve_s
+        print(f"{layers:>7}{devices:>8}{meshes:>8}{s['trace']:>9.1f}{s['intra']:>9.1f}{s['inter']:>9.1f}"
+              f"{total:>9.1f}{len(plan.stages):>8}{plan.cost.step_time_s:>10.4g}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["24:8", "48:8", "96:8", "128:8", "48:16", "48:32", "48:64"])
