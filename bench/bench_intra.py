@@ -23,16 +23,13 @@ per L is printed as its own table. A variant that raises prints the error in pla
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import sys
 import time
 
-import numpy as np
 
 import autopar_lab as al
 from autopar_lab.cluster import Cluster
-from autopar_lab.solve import ilp
 from autopar_lab.solve.intra import solve_intra
 
 VARIANTS = {
@@ -41,40 +38,6 @@ VARIANTS = {
     "whole": dict(reuse_layers=False, merge=False),
     "whole+merge": dict(reuse_layers=False, merge=True),
 }
-
-
-def _fixed_greedy(problem, model):
-    """ilp._greedy with the neighbour matrices oriented (this node's strategy, neighbour's strategy)."""
-    n = problem.num_nodes
-    nbrs = [[] for _ in range(n)]
-    for (u, v), m in ilp._combined_edges(problem).items():  # m is |S_u| x |S_v|
-        nbrs[v].append((u, m.T))
-        nbrs[u].append((v, m))
-    choice = [None] * n
-    for v in range(n):
-        d = model.dom[v]
-        cost = problem.node_costs[v][d].astype(float)
-        for w, m in nbrs[v]:
-            if choice[w] is not None:
-                cost = cost + m[d, choice[w]]
-        i = int(np.argmin(cost))
-        if not np.isfinite(cost[i]):
-            return None
-        choice[v] = int(d[i])
-    plan = tuple(choice)
-    ev = ilp.evaluate(problem, plan)
-    if not np.isfinite(ev.objective) or ev.peak_mem > problem.mem_limit * (1 + ilp._MEM_RTOL):
-        return None
-    return plan
-
-
-def _patch_greedy() -> bool:
-    """Under a time limit solve_ilp seeds CBC with ilp._greedy, whose neighbour matrices are transposed (IndexError
-    on non-square edges). Replace it for this run if the library still has that version."""
-    if "nbrs[v].append((u, m))" in inspect.getsource(ilp._greedy):
-        ilp._greedy = _fixed_greedy
-        return True
-    return False
 
 
 def run_variant(graph, mesh, variant: str, time_limit):
@@ -113,8 +76,6 @@ def main(argv=None) -> None:
 
     shape = tuple(int(x) for x in args.mesh.lower().split("x"))
     mesh = Cluster.preset("p3.16xlarge", hosts=1).logical_mesh((1, shape[0] * shape[1]), shape)
-    if _patch_greedy():
-        print("note: ilp._greedy replaced for this run (transposed neighbour matrices in the library's version)")
     print(f"{args.model} batch {args.batch}, p3.16xlarge x1, logical mesh {shape}, solver cbc, "
           f"whole-graph time limit {args.time_limit:g} s, grow limit {args.grow_limit:g} s")
     start = time.perf_counter()
