@@ -149,7 +149,15 @@ def _print_compare(out: dict) -> None:
 
 def cmd_validate(args) -> dict:
     """The intra-op plan against what XLA compiles and runs on N local devices."""
+    import jax
+
     from .validate import validate_plan
+
+    if "JAX_NUM_CPU_DEVICES" not in os.environ and args.devices > 1:
+        try:  # give the CPU backend the devices asked for, if it has not started yet
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        except RuntimeError:
+            pass
 
     overrides = {}
     if args.layers is not None:

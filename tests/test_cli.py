@@ -51,8 +51,27 @@ def test_graph_human_output():
         (("graph", "gpt-1.3b", "--layers", "many"), ["--layers"]),
         (("graph", "gpt-1.3b", "--layers", "0", "--json"), ["num_layers"]),
         (("frobnicate",), ["frobnicate"]),
+        (("plan", "gpt-tiny", "--cluster", "nope:2", "--json"), ["nope:2", "PRESET:HOSTS"]),
+        (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--method", "megatron"), ["--dp"]),
+        (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--method", "megatron", "--dp", "3", "--tp", "1",
+          "--pp", "1"), ["dp x tp x pp"]),
+        (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--microbatches", "lots"), ["--microbatches"]),
+        (("validate", "mlp", "--devices", "6", "--json"), ["power of two"]),
         ((), ["COMMAND"]),
     ],
 )
 def test_bad_input_exits_2_with_one_sentence(args, needles):
     assert_one_sentence_error(run_cli(*args), *needles)
+
+
+def test_plan_json_and_out_file(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_cli("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--method", "megatron", "--dp", "2", "--tp", "2",
+                   "--pp", "2", "--microbatches", "2", "--json", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    for key in ("model", "cluster", "method", "step_time_s", "samples_per_s", "compute_s", "comm_s", "reshard_s",
+                "stage_comm_s", "bubble_s", "peak_mem_bytes", "mem_limit_bytes", "microbatches", "stages", "solve_s"):
+        assert key in rep
+    assert [s["logical_mesh"] for s in rep["stages"]] == [[2, 2], [2, 2]]
+    assert json.loads(out.read_text())["step_time_s"] == rep["step_time_s"]
