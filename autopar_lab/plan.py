@@ -106,13 +106,64 @@ class Plan:
     cost: CostReport
     solve_s: Mapping[str, float] = field(default_factory=dict, compare=False)
     notes: tuple[str, ...] = ()
+    # Operators the user fixed (op id -> strategy name): overrides record them so a later re-solve keeps them.
+    pins: Mapping[int, str] = field(default_factory=dict, hash=False)
+    # The CostTable that priced this plan (layer costs per mesh, cut bytes, batch size): what re-pricing an override
+    # needs. Not part of the plan's value.
+    table: Any = field(default=None, compare=False, repr=False)
+
+    def stage_of(self, op: int) -> int:
+        """The index of the stage that runs operator ``op`` (by its layer; operators without one: the last layer)."""
+        from .overrides import owner_stage
+
+        return owner_stage(self, op)
 
     def choice(self, op: int):
         """The sharding strategy of one operator (from the stage that runs its layer)."""
+        try:
+            k = self.stage_of(op)
+        except (KeyError, ValueError, IndexError):
+            k = None
+        if k is not None and self.stages[k].intra is not None and op in self.stages[k].intra.strategies:
+            return self.stages[k].intra.strategies[op]
         for st in self.stages:
             if st.intra is not None and op in st.intra.strategies:
                 return st.intra.strategies[op]
         raise KeyError(f"operator {op} is not in this plan")
+
+    # --- overrides: each returns a new Plan, re-estimated (see autopar_lab.overrides) -----------------------------
+    def with_choice(self, op: int, strategy) -> "Plan":
+        """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
+        only the stage running ``op`` is re-priced, then the pipeline is simulated again."""
+        from .overrides import with_choice
+
+        return with_choice(self, op, strategy)
+
+    def with_microbatches(self, n: int) -> "Plan":
+        """This plan with ``n`` microbatches (stages and strategies kept), re-simulated."""
+        from .overrides import with_microbatches
+
+        return with_microbatches(self, n)
+
+    def alternatives(self, op: int) -> list:
+        """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
+        change if chosen instead), sorted by ``delta_s``: "why this choice"."""
+        from .overrides import alternatives
+
+        return alternatives(self, op)
+
+    def diff(self, other: "Plan") -> dict:
+        """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""
+        from .overrides import diff
+
+        return diff(self, other)
+
+    def to_jax_code(self) -> str:
+        """Python source that builds the first stage's mesh and the PartitionSpecs / NamedShardings of the step's
+        inputs (see :mod:`autopar_lab.export`)."""
+        from .export import to_jax_code
+
+        return to_jax_code(self)
 
     def report(self, model_name: str | None = None) -> dict:
         """The JSON report of `autopar-lab plan --json`."""

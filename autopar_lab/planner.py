@@ -306,7 +306,7 @@ def _finish(table: CostTable, cluster, method: str, stages: Sequence[inter.Stage
     solve_s["intra"] = table.solve_s
     solve_s["total"] = sum(v for k, v in solve_s.items() if k != "total")
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
-                stage_comm, cost, solve_s, tuple(notes))
+                stage_comm, cost, solve_s, tuple(notes), table=table)
 
 
 def _microbatch_choices(batch: int, microbatches) -> list[int]:

@@ -1,0 +1,183 @@
+"""Plans as files: versioned JSON (never pickle), loaded back with validation and re-priced.
+
+The file holds the plan's decisions, not its numbers: stages (layers, submesh, logical mesh, remat, devices), the
+strategy name of every operator (``choices``, from the stage that runs it), pins, microbatches, schedule. Loading
+checks the version, that the graph and the cluster are the ones the plan was made for, looks every strategy up by
+name among :func:`~autopar_lab.sharding.strategies.strategies_for` on its stage's mesh, and re-prices the plan the
+way the planner does (:func:`autopar_lab.overrides.assemble`), so the step time comes back to the last bit::
+
+    {"version": 1, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
+     "schedule": "1f1b", "stage_comm": "model", "mem_limit_bytes": 1.7e10, "layer_names": [...],
+     "stages": [{"layers": [0, 1], "submesh": [1, 4], "logical_mesh": [2, 2], "remat": false,
+                 "devices": [0, 1, 2, 3], "choices_outside": {}}],
+     "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"}}
+
+``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
+differs (they price the edges at the stage's borders).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+_KEYS = ("version", "graph_fingerprint", "cluster", "method", "microbatches", "schedule", "stage_comm",
+         "layer_names", "stages", "choices", "pins")
+_STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
+
+
+def plan_to_dict(plan) -> dict:
+    from .overrides import _solve_graph, owner_stage
+
+    g = _solve_graph(plan)
+    owner = {op: owner_stage(plan, op) for op in g.ops}
+    choices = {op: plan.stages[owner[op]].intra.strategies[op].name for op in g.ops}
+    stages = []
+    for k, st in enumerate(plan.stages):
+        outside = {str(op): s.name for op, s in st.intra.strategies.items() if owner[op] != k and s.name != choices[op]}
+        stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
+                       "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
+    out = {
+        "version": VERSION,
+        "graph_fingerprint": plan.graph.fingerprint,
+        "cluster": plan.cluster.to_dict(),
+        "method": plan.method,
+        "microbatches": plan.microbatches,
+        "schedule": plan.schedule,
+        "stage_comm": plan.stage_comm,
+        "mem_limit_bytes": plan.cost.mem_limit_bytes,
+        "layer_names": list(plan.layer_names),
+        "stages": stages,
+        "choices": {str(op): name for op, name in choices.items()},
+        "pins": {str(op): name for op, name in plan.pins.items()},
+        "notes": list(plan.notes),
+        "step_time_s": plan.cost.step_time_s,  # for reading only: load_plan prices the plan again
+    }
+    if g is not plan.graph:
+        out["solve_graph_fingerprint"] = g.fingerprint
+    return out
+
+
+def save_plan(plan, path: str | os.PathLike) -> None:
+    """Write ``plan`` to ``path`` as versioned JSON."""
+    if plan.table is None or any(st.intra is None for st in plan.stages):
+        raise ValueError("this plan has no per-stage strategies to save; build it with autopar_lab.planner")
+    text = json.dumps(plan_to_dict(plan), indent=1)
+    Path(path).write_text(text + "\n")
+
+
+def _bad(where: str, what: str) -> ValueError:
+    return ValueError(f"{where} is not a valid plan file: {what}.")
+
+
+def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
+    """The plan saved in ``path``, for ``graph`` on ``cluster``, re-priced.
+
+    Refuses (ValueError, one sentence) a file of another version, a plan made for another graph or cluster, and a
+    corrupt or hand-broken file. ``model``: the zoo model, needed only for a deep model planned on a shallower copy.
+    """
+    from .cluster import Cluster
+    from .overrides import assemble
+    from .planner import CostTable, _microbatch_choices, _solve_graph_for
+    from .solve.intra import _StrategyCache, evaluate_intra
+
+    where = f"plan file {os.fspath(path)!r}"
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {where} ({e.strerror or e}).") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise _bad(where, f"it is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise _bad(where, "it does not hold a JSON object")
+    if "version" in data and data["version"] != VERSION:
+        raise ValueError(f"{where} has version {data['version']!r}, but this autopar-lab reads version {VERSION}.")
+    missing = [k for k in _KEYS if k not in data]
+    if missing:
+        raise _bad(where, f"key {missing[0]!r} is missing")
+    if data["graph_fingerprint"] != graph.fingerprint:
+        raise ValueError(f"{where} was made for another graph (fingerprint {data['graph_fingerprint']!r}, this graph "
+                         f"has {graph.fingerprint!r}); plan this model again or load the plan with the graph it was "
+                         "made for.")
+    try:
+        saved_cluster = Cluster.from_json(data["cluster"])
+    except (ValueError, TypeError) as e:
+        raise _bad(where, f"its cluster is broken ({e})") from None
+    if saved_cluster.to_dict() != cluster.to_dict():
+        raise ValueError(f"{where} was made for another cluster ({saved_cluster.name}: {saved_cluster.hosts} x "
+                         f"{saved_cluster.devices_per_host} devices), not {cluster.name}: {cluster.hosts} x "
+                         f"{cluster.devices_per_host}; load it with the cluster it was made for.")
+    try:
+        solve_graph = graph
+        if "solve_graph_fingerprint" in data and data["solve_graph_fingerprint"] != graph.fingerprint:
+            solve_graph = _solve_graph_for(model) if model is not None else None
+            if solve_graph is None or solve_graph.fingerprint != data["solve_graph_fingerprint"]:
+                raise ValueError(f"{where} was planned on a shallower copy of the model; pass model= (the zoo model "
+                                 "it was made for) to load it.")
+        table = CostTable(graph, cluster, solve_graph=solve_graph)
+        if list(data["layer_names"]) != list(table.layer_names):
+            raise _bad(where, "its layer names are not this graph's")
+        B = data["microbatches"]
+        if isinstance(B, bool) or not isinstance(B, int):
+            raise _bad(where, f"microbatches must be an integer, got {B!r}")
+        _microbatch_choices(table.batch_size, B)
+        if data["schedule"] not in ("1f1b", "gpipe") or data["stage_comm"] not in ("model", "ignore"):
+            raise _bad(where, "schedule must be '1f1b' or 'gpipe' and stage_comm 'model' or 'ignore'")
+        choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}
+        pins = {int(op): str(name) for op, name in dict(data["pins"]).items()}
+        g = solve_graph
+        if set(choices) != set(g.ops):
+            raise _bad(where, f"choices cover {len(choices)} operators, the graph has {len(g.ops)}")
+        stages = data["stages"]
+        if not isinstance(stages, list) or not stages:
+            raise _bad(where, "it has no stages")
+        specs, intras, offset = [], [], 0
+        L = len(table.layer_names)
+        for k, st in enumerate(stages):
+            miss = [key for key in _STAGE_KEYS if key not in st]
+            if miss:
+                raise _bad(where, f"stage {k} lacks key {miss[0]!r}")
+            layers = tuple(int(x) for x in st["layers"])
+            submesh = tuple(int(x) for x in st["submesh"])
+            shape = tuple(int(x) for x in st["logical_mesh"])
+            if len(layers) != 2 or not 0 <= layers[0] <= layers[1] < L or (k == 0 and layers[0] != 0) or \
+                    (k > 0 and layers[0] != specs[-1][0][1] + 1) or (k == len(stages) - 1 and layers[1] != L - 1):
+                raise _bad(where, f"stage {k}'s layers {list(layers)} do not continue the stages before it over "
+                                  f"layers 0..{L - 1}")
+            if len(submesh) != 2 or len(shape) != 2 or math.prod(shape) != math.prod(submesh):
+                raise _bad(where, f"stage {k}'s logical mesh {list(shape)} does not match its submesh {list(submesh)}")
+            n = math.prod(submesh)
+            if list(st["devices"]) != list(range(offset, offset + n)):
+                raise _bad(where, f"stage {k}'s devices are not {offset}..{offset + n - 1}")
+            offset += n
+            if offset > cluster.num_devices:
+                raise _bad(where, f"its stages use more than the cluster's {cluster.num_devices} devices")
+            mesh = cluster.logical_mesh(submesh, shape)
+            cache = _StrategyCache(mesh)
+            names = dict(choices)
+            names.update({int(op): str(s) for op, s in dict(st.get("choices_outside", {})).items()})
+            chosen = {}
+            for op in g.ops:
+                node = g.op(op)
+                hit = [s for s in cache.strategies(node) if s.name == names[op]]
+                if not hit:
+                    raise _bad(where, f"strategy {names[op]!r} of operator {node.describe()} is not one of its "
+                                      f"strategies on stage {k}'s {shape[0]}x{shape[1]} mesh")
+                chosen[op] = hit[0]
+            intras.append(evaluate_intra(g, mesh, chosen, ops=g.ops, cache=cache))
+            specs.append((layers, submesh, shape, bool(st["remat"])))
+        mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
+        return assemble(table, cluster, str(data["method"]), specs, intras, B, data["schedule"], data["stage_comm"],
+                        mem, solve_s={}, notes=tuple(data.get("notes", ())), pins=pins)
+    except ValueError as e:
+        if where in str(e):
+            raise
+        raise _bad(where, str(e).rstrip(".")) from None
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise _bad(where, f"a field has the wrong form ({type(e).__name__}: {e})") from None
