@@ -50,6 +50,8 @@ from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy, strategies_for
 from . import ilp
 
+MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
+
 # Elementwise-like operators that Alpa merges into the operator they follow (see ilp.merge_followers).
 _MERGEABLE = frozenset(
     """add sub mul div neg exp log tanh logistic sqrt rsqrt integer_pow max min select_n convert_element_type
@@ -293,6 +295,12 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
         if op in index:
             pin_idx[index[op]] = _to_index(pin, strats[index[op]], graph.op(op))
     node_costs = [np.array([s.cost for s in ss]) for ss in strats]
+    # Keeping a parameter or optimizer state whole costs no time when its readers slice it locally, but it costs
+    # memory: among plans equally fast, prefer the one that stores step inputs sharded (a tie-break, 1e-15 s per byte).
+    for k, op in enumerate(nodes):
+        if op in inside and graph.op(op).primitive == INPUT_PRIMITIVE and \
+                graph.tensor(graph.op(op).outputs[0]).kind in (PARAM, OPT_STATE):
+            node_costs[k] = node_costs[k] + MEMORY_TIE_BREAK_S_PER_BYTE * np.array([s.mem_bytes for s in strats[k]])
     edges, mats = [], []
     # Edges to and from identical layers, folded onto this layer's own operators (each pattern once: a middle layer
     # both receives and sends the same boundary).
