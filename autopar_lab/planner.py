@@ -207,7 +207,27 @@ class CostTable:
         sub = tuple(submesh)
         if sub not in self._shapes:
             self._shapes[sub] = self.cluster.logical_mesh_shapes(sub)
-        return [self.stage(start, end, sub, shape, microbatches, r) for shape in self._shapes[sub] for r in remat]
+        cands = [self.stage(start, end, sub, shape, microbatches, r) for shape in self._shapes[sub] for r in remat]
+        return pareto(cands)
+
+
+def pareto(cands: Sequence[inter.StageCandidate]) -> list[inter.StageCandidate]:
+    """The candidates no other candidate beats on every count (forward time, backward time, static and activation
+    memory): the stage DP and the simulation can never prefer a dominated one, so dropping them changes no plan.
+
+    >>> a = inter.StageCandidate((0, 0), (1, 2), (1, 2), False, 1.0, 2.0, 10.0, 5.0)
+    >>> b = inter.StageCandidate((0, 0), (1, 2), (2, 1), False, 1.5, 2.0, 10.0, 5.0)
+    >>> [c.logical_mesh for c in pareto([a, b])]
+    [(1, 2)]
+    """
+    keys = [(c.fwd_s, c.bwd_s, c.static_bytes, c.act_bytes) for c in cands]
+    out = []
+    for i, ki in enumerate(keys):
+        dominated = any(all(x <= y for x, y in zip(kj, ki)) and (kj != ki or j < i)
+                        for j, kj in enumerate(keys) if j != i)
+        if not dominated:
+            out.append(cands[i])
+    return out
 
 
 def _plain_sig(graph: OpGraph, layer: str) -> tuple:
