@@ -25,7 +25,7 @@ from .graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OpGraph
 from .plan import CostReport, Plan, Stage
 from .simulate import simulate
 from .solve import inter
-from .solve.intra import IntraPlan, _edges_of, _StrategyCache, layer_signature, solve_intra
+from .solve.intra import IntraPlan, _StrategyCache, conversions, layer_signature, solve_intra
 
 LAUNCH_OVERHEAD_S = 5e-6  # per heavy operator (matmul, convolution, reduction, gather) per microbatch
 _HEAVY = frozenset(["dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "gather", "scatter-add",
@@ -76,25 +76,10 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str], cac
                 if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
                     info = graph.tensor(t)
                     a["act"] += s.out_specs[k].bytes_per_device(info.shape, info.dtype, mshape)
-    inside = set(plan.ops)
-    converted: set[tuple] = set()
-    for (u, v, i, j) in _edges_of(graph, plan.ops):
-        if u not in inside:
-            continue
-        if i == -1:
-            t = graph.tensor(graph.op(v).inputs[0])
-            src, dst = plan.strategies[v].in_specs[0], plan.strategies[u].out_specs[0]
-        else:
-            t = graph.tensor(graph.op(u).outputs[i])
-            src, dst = plan.strategies[u].out_specs[i], plan.strategies[v].in_specs[j]
-        if (t.id, src, dst, i == -1) in converted:  # one conversion serves every consumer (as in evaluate_intra)
-            continue
-        converted.add((t.id, src, dst, i == -1))
-        c = cache.reshard(src, dst, t.shape, t.dtype)
-        if c:
-            a = slot(v)
-            a["reshard"] += c
-            a["fwd" if graph.op(v).role == FORWARD and i != -1 else "bwd"] += c
+    for _u, v, is_alias, _t, _src, _dst, c in conversions(graph, plan.ops, plan.strategies, cache):
+        a = slot(v)
+        a["reshard"] += c
+        a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
     return [LayerCost(a["fwd"], a["bwd"], a["compute"], a["comm"], a["reshard"], a["static"], a["act"], a["hf"],
                       a["hb"]) for a in acc]
 

@@ -512,7 +512,6 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
     """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
     cache = cache or _StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
-    inside = set(ops)
     missing = [op for op in ops if op not in chosen]
     if missing:
         raise ValueError(f"no strategy chosen for operator {graph.op(missing[0]).describe()}")
@@ -531,31 +530,42 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
             if mesh_axis_size(mesh, _axis) > 1:
                 colls[kind]["count"] += 1
                 colls[kind]["bytes"] += nbytes
-    converted: set[tuple] = set()
+    for u, v, is_alias, t, src, dst, cost in conversions(graph, ops, chosen, cache):
+        reshard += cost
+        role_s[UPDATE if is_alias else graph.op(v).role] += cost
+        for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
+            colls[kind]["count"] += 1
+            colls[kind]["bytes"] += nbytes
+    static, act = _memory(graph, ops, chosen, mesh)
+    return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
+                     {k: dict(v) for k, v in colls.items()}, groups, solve_s)
+
+
+def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], cache: _StrategyCache):
+    """The resharding a choice costs: (producer, consumer, is_alias, tensor, src spec, dst spec, seconds) for every
+    conversion with a cost, between operators both in ``ops``.
+
+    A tensor converted to one spec is converted once, whatever the number of consumers that read the copy (the ILP's
+    pairwise edges count it per consumer: an over-estimate this recomputation corrects, as XLA does).
+    """
+    inside = set(ops)
+    seen: set[tuple] = set()
     for (u, v, i, j) in _edges_of(graph, ops):
         if u not in inside or v not in inside:
             continue
-        if i == -1:
+        if i == -1:  # alias: the update goes back to the parameter's spec
             t = graph.tensor(graph.op(v).inputs[0])
             src, dst = chosen[v].in_specs[0], chosen[u].out_specs[0]
         else:
             t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
-        # A tensor converted to one spec is converted once, whatever the number of consumers that read the copy
-        # (the ILP's pairwise edges count it per consumer: an over-estimate this recomputation corrects).
-        if (t.id, src, dst, i == -1) in converted:
+        key = (t.id, src, dst, i == -1)
+        if key in seen:
             continue
-        converted.add((t.id, src, dst, i == -1))
+        seen.add(key)
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
-            reshard += cost
-            role_s[graph.op(v).role if i != -1 else UPDATE] += cost
-            for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
-                colls[kind]["count"] += 1
-                colls[kind]["bytes"] += nbytes
-    static, act = _memory(graph, ops, chosen, mesh)
-    return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
-                     {k: dict(v) for k, v in colls.items()}, groups, solve_s)
+            yield u, v, i == -1, t, src, dst, cost
 
 
 def mesh_axis_size(mesh, axis) -> int:
