@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 export JAX_NUM_CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: lab test bench clean
+.PHONY: lab test bench clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,14 @@ $(VENV)/.installed-lab: pyproject.toml | $(BIN)/python
 lab: $(VENV)/.installed-lab
 	$(BIN)/jupyter lab --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_tour.ipynb
 
-test: $(VENV)/.installed-test
+# The real-browser test drives Debian's Chromium: installed here when we may (root with apt-get); elsewhere that test
+# skips and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's chromium for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
+
+test: $(VENV)/.installed-test browser
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test

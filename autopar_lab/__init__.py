@@ -33,6 +33,10 @@ _LAZY = {
     "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
     "pipeline_boundary": ("autopar_lab.graph.markers", "pipeline_boundary"),
     "relayer": ("autopar_lab.graph.relayer", "relayer"),
+    "execute": ("autopar_lab.runtime.local", "execute"),
+    "launch": ("autopar_lab.runtime.launch", "launch"),
+    "Session": ("autopar_lab.widgets.session", "Session"),
+    "Workbench": ("autopar_lab.widgets.workbench", "Workbench"),
 }
 
 
