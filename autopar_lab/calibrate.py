@@ -10,8 +10,14 @@ What is measured, and why each figure is the one the cost model wants:
   device multiplying at the same time. The preset uses the concurrent per-device figure, because a plan runs
   all N devices at once and on a CPU they share the same cores.
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
-* collective latency and bandwidth: a jitted ``psum`` (shard_map over a 1D mesh of the devices) at several
-  buffer sizes, fitted by least squares to Alpa's all-reduce formula t = a + 2 (n-1)/n B / bw.
+* collective latency and bandwidth between the local devices: a jitted all-reduce (``psum``) and all-gather
+  (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes. Each measurement is put in
+  the cost model's form t = alpha + beta * x, with x the bytes the formula charges (all-reduce 2 (n-1)/n B, B the
+  buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
+  and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
+  is the intra-host link; every fit is stored with its residuals (measured vs fitted time per size).
+
+``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
 >>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
@@ -35,7 +41,8 @@ import numpy as np
 
 from autopar_lab.cluster import CPU_PROFILE_PATH
 
-__all__ = ["measure_cpu", "write_profile", "fit_alpha_beta", "total_memory_bytes", "main"]
+__all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "write_profile", "fit_alpha_beta",
+           "total_memory_bytes", "main"]
 
 REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
 
@@ -79,6 +86,73 @@ def fit_alpha_beta(x_bytes: Any, seconds: Any) -> tuple[float, float]:
     elif alpha < 0:  # latency below the noise: fit a line through the origin
         alpha, beta = 0.0, float((w * x) @ (w * t) / ((w * x) @ (w * x)))
     return float(alpha), float(beta)
+
+
+def fit_collectives(rows: list[dict]) -> dict:
+    """Fit alpha and beta to collective timings, per kind and jointly, with residuals.
+
+    ``rows``: [{"kind": "all_reduce" | "all_gather", "x_bytes": bytes the formula charges, "seconds": measured}].
+    Returns {kind: fit, ..., "joint": fit}, each fit {"alpha_s", "beta_s_per_byte", "bandwidth", "latency",
+    "points": [{"x_bytes", "seconds", "fit_seconds", "rel_residual"}], "max_abs_rel_residual",
+    "rms_rel_residual"}; ``rel_residual`` is (fitted - measured) / measured.
+
+    >>> rows = [{"kind": "all_reduce", "x_bytes": x, "seconds": 1e-5 + x / 1e9} for x in (0, 1e6, 4e6)]
+    >>> f = fit_collectives(rows)["joint"]
+    >>> round(f["latency"], 9), round(f["bandwidth"]), f["max_abs_rel_residual"] < 1e-9
+    (1e-05, 1000000000, True)
+    """
+    out = {}
+    kinds = sorted({r["kind"] for r in rows})
+    for name, part in [(k, [r for r in rows if r["kind"] == k]) for k in kinds] + [("joint", list(rows))]:
+        if len(part) < 2:
+            continue
+        x = [r["x_bytes"] for r in part]
+        t = [r["seconds"] for r in part]
+        alpha, beta = fit_alpha_beta(x, t)
+        points = []
+        for r in part:
+            fit = alpha + beta * r["x_bytes"]
+            points.append({"kind": r["kind"], "x_bytes": r["x_bytes"], "seconds": r["seconds"], "fit_seconds": fit,
+                           "rel_residual": (fit - r["seconds"]) / r["seconds"]})
+        rel = np.array([p["rel_residual"] for p in points])
+        out[name] = {"alpha_s": alpha, "beta_s_per_byte": beta, "latency": alpha, "bandwidth": 1.0 / beta,
+                     "points": points, "max_abs_rel_residual": float(np.max(np.abs(rel))),
+                     "rms_rel_residual": float(np.sqrt(np.mean(rel ** 2)))}
+    return out
+
+
+def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23),
+                        repeats: int = 15) -> list[dict]:
+    """Time an all-reduce and an all-gather over the first ``num_devices`` local devices at each buffer size.
+
+    For each size B (bytes per device): the all-reduce sums a B-byte buffer per device (x = 2 (n-1)/n B); the
+    all-gather assembles n buffers of B/n bytes into B bytes on every device (x = (n-1)/n B). Each time is the
+    best of ``repeats`` runs after a warm-up. Returns rows for :func:`fit_collectives`.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    if not 2 <= n <= len(devs):
+        raise ValueError(f"collectives need 2..{len(devs)} devices, got num_devices={num_devices}; "
+                         "set JAX_NUM_CPU_DEVICES before jax is imported.")
+    mesh = Mesh(np.array(devs[:n]), ("d",))
+    split = NamedSharding(mesh, P("d"))
+    psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "d"), mesh=mesh, in_specs=P("d"), out_specs=P()))
+    gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "d", tiled=True), mesh=mesh, in_specs=P("d"),
+                                   out_specs=P(), check_vma=False))
+    rows = []
+    for nbytes in byte_sizes:
+        elems = max(nbytes // 4, n)
+        buf = jax.device_put(np.ones((n, elems), np.float32), split)  # each device holds B bytes
+        rows.append({"kind": "all_reduce", "bytes": elems * 4, "x_bytes": 2 * (n - 1) / n * elems * 4,
+                     "seconds": _best_time(psum, buf, repeats=repeats)})
+        per = max(elems // n, 1)
+        part = jax.device_put(np.ones((n * per,), np.float32), split)  # B/n bytes per device, B gathered
+        rows.append({"kind": "all_gather", "bytes": n * per * 4, "x_bytes": (n - 1) / n * n * per * 4,
+                     "seconds": _best_time(gather, part, repeats=repeats)})
+    return rows
 
 
 def _best_time(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
@@ -155,17 +229,13 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     xn = jax.device_put(np.ones((n, elems), np.float32), split)
     bw_concurrent = moved / _best_time_inplace(add, xn, repeats=repeats)
 
-    # -- collective (all-reduce) latency and bandwidth -------------------------------------------------
-    coll_rows = []
+    # -- collective (all-reduce, all-gather) latency and bandwidth ------------------------------------
+    coll_rows, fits = [], {}
     if n > 1:
-        psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "d"), mesh=mesh, in_specs=P("d"), out_specs=P()))
         byte_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-        for nbytes in byte_sizes:
-            buf = jax.device_put(np.ones((n, nbytes // 4), np.float32), split)  # each device holds B bytes
-            coll_rows.append({"bytes": nbytes, "seconds": _best_time(psum, buf, repeats=repeats)})
-        x = [2 * (n - 1) / n * r["bytes"] for r in coll_rows]
-        alpha, beta = fit_alpha_beta(x, [r["seconds"] for r in coll_rows])
-        intra = {"bandwidth": 1.0 / beta, "latency": alpha}
+        coll_rows = measure_collectives(n, byte_sizes, repeats=repeats)
+        fits = fit_collectives(coll_rows)
+        intra = {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
     else:
         # One device has nobody to talk to; model an in-memory copy.
         intra = {"bandwidth": bw_single / 2, "latency": 0.0}
@@ -205,8 +275,10 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "memory_bandwidth_single_device": bw_single,
             "memory_bandwidth_concurrent_per_device": bw_concurrent,
             "elementwise_bytes_per_device": moved,
-            "all_reduce": coll_rows,
-            "all_reduce_fit": "t = latency + 2 (n-1)/n * bytes / bandwidth, least squares in relative error",
+            "collectives": coll_rows,
+            "collective_fits": fits,
+            "collective_fit": "t = latency + x / bandwidth with x = 2 (n-1)/n B (all-reduce), (n-1)/n B "
+                              "(all-gather); least squares in relative error; intra_host = the joint fit",
         },
     }
 
@@ -242,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote {args.out}: {profile['num_devices']} devices, "
             f"{d['peak_flops']['float32'] / 1e9:.1f} GFLOP/s and {d['memory_bandwidth'] / 1e9:.1f} GB/s per device "
-            f"(concurrent), all-reduce link {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us"
+            f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us"
         )
     return 0
 

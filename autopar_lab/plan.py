@@ -108,6 +108,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     # Operators the user fixed (op id -> strategy name): overrides record them so a later re-solve keeps them.
     pins: Mapping[int, str] = field(default_factory=dict, hash=False)
+    # Stage decisions the user fixed, which a re-solve keeps (see autopar_lab.overrides): any of "boundaries" (first
+    # layer of each stage after the first), "submeshes", "logical_meshes", "remat" (one entry per stage, None where
+    # free), "microbatches", "schedule".
+    stage_pins: Mapping[str, Any] = field(default_factory=dict, hash=False)
     # The CostTable that priced this plan (layer costs per mesh, cut bytes, batch size): what re-pricing an override
     # needs. Not part of the plan's value.
     table: Any = field(default=None, compare=False, repr=False)
@@ -140,10 +144,35 @@ class Plan:
         return with_choice(self, op, strategy)
 
     def with_microbatches(self, n: int) -> "Plan":
-        """This plan with ``n`` microbatches (stages and strategies kept), re-simulated."""
+        """This plan with ``n`` microbatches (stages and strategies kept), re-simulated; ``n`` is pinned."""
         from .overrides import with_microbatches
 
         return with_microbatches(self, n)
+
+    def with_stages(self, boundaries=None, submeshes=None, logical_meshes=None, microbatches=None) -> "Plan":
+        """This plan with its stages changed: ``boundaries`` the first layer of each stage after the first (or a
+        list of (first, last) ranges), ``submeshes`` one (hosts, devices) shape per stage, ``logical_meshes`` one
+        (n0, n1) per stage (None entries: free). What is not given is kept where still valid, else the best from
+        the plan's cost table; stages that do not change keep their strategies. What is given is pinned.
+
+        >>> plan.with_stages(boundaries=[6], submeshes=[(1, 4), (1, 4)])   # doctest: +SKIP
+        """
+        from .overrides import with_stages
+
+        return with_stages(self, boundaries, submeshes, logical_meshes, microbatches)
+
+    def with_schedule(self, schedule: str) -> "Plan":
+        """This plan run with pipeline schedule ``"gpipe"`` or ``"1f1b"`` (pinned), re-simulated."""
+        from .overrides import with_schedule
+
+        return with_schedule(self, schedule)
+
+    def with_remat(self, stage: int, on: bool = True) -> "Plan":
+        """This plan with rematerialisation of stage ``stage`` switched ``on`` or off (pinned): its activation
+        memory and backward time re-priced, the pipeline re-simulated."""
+        from .overrides import with_remat
+
+        return with_remat(self, stage, on)
 
     def alternatives(self, op: int) -> list:
         """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time

@@ -6,14 +6,16 @@ checks the version, that the graph and the cluster are the ones the plan was mad
 name among :func:`~autopar_lab.sharding.strategies.strategies_for` on its stage's mesh, and re-prices the plan the
 way the planner does (:func:`autopar_lab.overrides.assemble`), so the step time comes back to the last bit::
 
-    {"version": 1, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
+    {"version": 2, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
      "schedule": "1f1b", "stage_comm": "model", "mem_limit_bytes": 1.7e10, "layer_names": [...],
      "stages": [{"layers": [0, 1], "submesh": [1, 4], "logical_mesh": [2, 2], "remat": false,
                  "devices": [0, 1, 2, 3], "choices_outside": {}}],
-     "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"}}
+     "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"},
+     "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
 ``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
-differs (they price the edges at the stage's borders).
+differs (they price the edges at the stage's borders). ``stage_pins`` (version 2) holds the stage decisions the user
+fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # file versions load_plan accepts
 _KEYS = ("version", "graph_fingerprint", "cluster", "method", "microbatches", "schedule", "stage_comm",
          "layer_names", "stages", "choices", "pins")
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
@@ -54,11 +57,61 @@ def plan_to_dict(plan) -> dict:
         "stages": stages,
         "choices": {str(op): name for op, name in choices.items()},
         "pins": {str(op): name for op, name in plan.pins.items()},
+        "stage_pins": _stage_pins_to_json(plan.stage_pins),
         "notes": list(plan.notes),
         "step_time_s": plan.cost.step_time_s,  # for reading only: load_plan prices the plan again
     }
     if g is not plan.graph:
         out["solve_graph_fingerprint"] = g.fingerprint
+    return out
+
+
+_PER_STAGE_PAIRS = ("submeshes", "logical_meshes")
+
+
+def _stage_pins_to_json(stage_pins) -> dict:
+    out = {}
+    for key, value in stage_pins.items():
+        if key in _PER_STAGE_PAIRS:
+            out[key] = [None if v is None else list(v) for v in value]
+        elif key in ("boundaries", "remat"):
+            out[key] = list(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _stage_pins_from_json(data, num_stages: int) -> dict:
+    """Stage pins as the Plan holds them (tuples), checked for form; a ValueError naming the bad entry."""
+    if not isinstance(data, dict):
+        raise ValueError("stage_pins must be an object")
+    out = {}
+    for key, value in data.items():
+        if key in _PER_STAGE_PAIRS or key == "remat":
+            if not isinstance(value, list) or len(value) != num_stages:
+                raise ValueError(f"stage_pins[{key!r}] must list one entry per stage ({num_stages})")
+            if key == "remat":
+                if any(v is not None and not isinstance(v, bool) for v in value):
+                    raise ValueError("stage_pins['remat'] entries must be true, false or null")
+                out[key] = tuple(value)
+            else:
+                out[key] = tuple(None if v is None else (int(v[0]), int(v[1])) for v in value)
+                if any(v is not None and len(data[key][j]) != 2 for j, v in enumerate(out[key])):
+                    raise ValueError(f"stage_pins[{key!r}] entries must be [n0, n1] pairs or null")
+        elif key == "boundaries":
+            if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+                raise ValueError("stage_pins['boundaries'] must be a list of layer indices")
+            out[key] = tuple(value)
+        elif key == "microbatches":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError("stage_pins['microbatches'] must be an integer")
+            out[key] = value
+        elif key == "schedule":
+            if value not in ("1f1b", "gpipe"):
+                raise ValueError("stage_pins['schedule'] must be '1f1b' or 'gpipe'")
+            out[key] = value
+        else:
+            raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out
 
 
@@ -96,8 +149,9 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
         raise _bad(where, f"it is not JSON ({e})") from None
     if not isinstance(data, dict):
         raise _bad(where, "it does not hold a JSON object")
-    if "version" in data and data["version"] != VERSION:
-        raise ValueError(f"{where} has version {data['version']!r}, but this autopar-lab reads version {VERSION}.")
+    if "version" in data and data["version"] not in READS:
+        raise ValueError(f"{where} has version {data['version']!r}, but this autopar-lab reads versions "
+                         f"{', '.join(map(str, READS))}.")
     missing = [k for k in _KEYS if k not in data]
     if missing:
         raise _bad(where, f"key {missing[0]!r} is missing")
@@ -173,8 +227,9 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
             intras.append(evaluate_intra(g, mesh, chosen, ops=g.ops, cache=cache))
             specs.append((layers, submesh, shape, bool(st["remat"])))
         mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
+        stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
         return assemble(table, cluster, str(data["method"]), specs, intras, B, data["schedule"], data["stage_comm"],
-                        mem, solve_s={}, notes=tuple(data.get("notes", ())), pins=pins)
+                        mem, solve_s={}, notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins)
     except ValueError as e:
         if where in str(e):
             raise

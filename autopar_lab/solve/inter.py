@@ -28,6 +28,14 @@ such as sizes 2, 4, 2 on hosts of 4, which the in-order rule above cannot place.
 workbench needs the in-order rule to price stage transfers and to place stages
 without surprises; the brute-force reference uses the same rule.
 
+Pinned decisions. ``constraints=StageConstraints(cuts=..., submeshes=..., logical_meshes=...,
+remat=...)`` makes both solvers keep what a user fixed (an override re-solved around): the
+cut positions exactly, and per stage a submesh, a logical mesh or a remat flag (``None``
+entries are free). Any of them fixes the stage count S, so the DP keeps the stage count in its
+state and stage ``j`` is the one with ``S - j`` stages still to place; a candidate is usable
+for stage ``j`` only if the pins allow it. Pins that no assignment can keep, or that do not fit
+in memory, raise :class:`NoFeasiblePlanError` with the smallest memory the pins need.
+
 Example (two layers, one host of two devices, one candidate per stage):
 
 >>> def cands(start, end, submesh):
@@ -52,6 +60,7 @@ import numpy as np
 
 __all__ = [
     "StageCandidate",
+    "StageConstraints",
     "InterResult",
     "NoFeasiblePlanError",
     "stage_dp",
@@ -157,6 +166,76 @@ class NoFeasiblePlanError(ValueError):
     def __init__(self, message: str, min_mem_bytes: float):
         super().__init__(message)
         self.min_mem_bytes = min_mem_bytes
+
+
+@dataclass(frozen=True)
+class StageConstraints:
+    """Stage decisions the DP must keep (a user's pins); everything left ``None`` is free.
+
+    ``cuts``: the first layer of every stage after the first, exactly (so the stage count is
+    ``len(cuts) + 1``). ``submeshes`` / ``logical_meshes`` / ``remat``: one entry per stage, in
+    pipeline order, each a value the stage must have or ``None`` (free). Any of them fixes the
+    stage count; they must agree on it.
+
+    >>> c = StageConstraints(cuts=(2,), submeshes=((1, 2), None))
+    >>> c.num_stages, c.allows_range(0, 0, 1, 4), c.allows_range(1, 1, 3, 4), c.allows_range(1, 2, 3, 4)
+    (2, True, False, True)
+    """
+
+    cuts: tuple[int, ...] | None = None
+    submeshes: tuple[tuple[int, int] | None, ...] | None = None
+    logical_meshes: tuple[tuple[int, int] | None, ...] | None = None
+    remat: tuple[bool | None, ...] | None = None
+
+    @property
+    def num_stages(self) -> int | None:
+        counts = self._counts()
+        return counts[0][1] if counts else None
+
+    def _counts(self) -> list[tuple[str, int]]:
+        out = []
+        if self.cuts is not None:
+            out.append(("cuts", len(self.cuts) + 1))
+        for name in ("submeshes", "logical_meshes", "remat"):
+            v = getattr(self, name)
+            if v is not None:
+                out.append((name, len(v)))
+        return out
+
+    def check(self, num_layers: int) -> None:
+        """ValueError naming the conflict when the pins contradict each other or the layer count."""
+        counts = self._counts()
+        if len({n for _, n in counts}) > 1:
+            said = ", ".join(f"{name} say {n}" for name, n in counts)
+            raise ValueError(f"the pinned stage decisions disagree on the number of stages ({said}); "
+                             "give one entry per stage.")
+        if self.cuts is not None:
+            cuts = list(self.cuts)
+            if any(not 0 < c < num_layers for c in cuts) or cuts != sorted(set(cuts)):
+                raise ValueError(f"pinned cuts {cuts} must be increasing layer indices in 1..{num_layers - 1} "
+                                 f"(the first layer of each stage after the first, {num_layers} layers).")
+
+    def stage_range(self, j: int, num_layers: int) -> tuple[int, int] | None:
+        if self.cuts is None:
+            return None
+        bounds = (0, *self.cuts, num_layers)
+        return bounds[j], bounds[j + 1] - 1
+
+    def allows_range(self, j: int, start: int, end: int, num_layers: int) -> bool:
+        """Whether stage ``j`` may cover layers ``start..end`` (of ``num_layers``)."""
+        return self.cuts is None or self.stage_range(j, num_layers) == (start, end)
+
+    def allows(self, j: int, cand: "StageCandidate") -> bool:
+        """Whether candidate ``cand`` may be stage ``j`` (its submesh, logical mesh and remat)."""
+        if self.submeshes is not None and self.submeshes[j] is not None \
+                and tuple(self.submeshes[j]) != tuple(cand.submesh):
+            return False
+        if self.logical_meshes is not None and self.logical_meshes[j] is not None \
+                and tuple(self.logical_meshes[j]) != tuple(cand.logical_mesh):
+            return False
+        if self.remat is not None and self.remat[j] is not None and bool(self.remat[j]) != bool(cand.remat):
+            return False
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +345,17 @@ class _Problem:
     shapes: tuple[tuple[int, int], ...]
     cands: dict  # (start, end, shape) -> tuple[StageCandidate, ...]
     cut_cost: dict  # (layer k >= 1, "intra"|"inter") -> (send_fwd_s, send_bwd_s)
+    constraints: StageConstraints | None = None  # pinned decisions; they fix the stage count to max_stages
+
+    @property
+    def fixed_stages(self) -> int | None:
+        """The stage count the pins impose (then ``max_stages`` equals it), else None."""
+        return None if self.constraints is None else self.constraints.num_stages
+
+    def usable(self, j: int, start: int, end: int, cand: "StageCandidate") -> bool:
+        """Whether ``cand`` may be stage ``j`` (counted from the first) under the pins."""
+        c = self.constraints
+        return c is None or (c.allows_range(j, start, end, self.num_layers) and c.allows(j, cand))
 
     @property
     def num_devices(self) -> int:
@@ -294,7 +384,7 @@ def _transfer_s(nbytes: float, link: Any) -> float:
 
 def _build_problem(
     num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-    intra_link, inter_link, stage_comm, max_stages, schedule,
+    intra_link, inter_link, stage_comm, max_stages, schedule, constraints=None,
 ) -> _Problem:
     L = _positive_int(num_layers, "num_layers")
     N = _positive_int(hosts, "hosts")
@@ -308,6 +398,18 @@ def _build_problem(
     if not mem > 0:
         raise ValueError(f"mem_limit_bytes must be positive, got {mem_limit_bytes!r}.")
     smax = min(L, N * M) if max_stages is None else min(L, N * M, _positive_int(max_stages, "max_stages"))
+    if constraints is not None:
+        if not isinstance(constraints, StageConstraints):
+            raise ValueError(f"constraints must be a StageConstraints, got {type(constraints).__name__}.")
+        constraints.check(L)
+        S = constraints.num_stages
+        if S is not None:
+            if S > smax:
+                raise ValueError(f"the pinned stage decisions ask for {S} stages, but at most {smax} are possible "
+                                 f"({L} layers, {N * M} devices, max_stages={max_stages}).")
+            smax = S
+        if S is None:
+            constraints = None  # nothing pinned
 
     # Cut k (1..L-1) sits in front of layer k. Without cut_bytes nothing is known: transfers are free.
     cut_cost = {}
@@ -339,7 +441,7 @@ def _build_problem(
                                 "it must be finite and non-negative."
                             )
                 cands[(start, end, shape)] = opts
-    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, shapes, cands, cut_cost)
+    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, shapes, cands, cut_cost, constraints)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +466,8 @@ def _tables(p: _Problem):
         for s in range(1, S + 1):
             held = held_microbatches(s, p.microbatches, p.schedule)
             for idx, c in enumerate(opts):
+                if p.constraints is not None and not p.usable(S - s, k, i, c):
+                    continue  # with pins the stage count is S, so s stages remaining means stage S - s
                 need = c.mem_bytes(held)
                 min_req[k, i, sh, s - 1] = min(min_req[k, i, sh, s - 1], need)
                 if need <= p.mem_limit and c.time_s < best_time[k, i, sh, s - 1]:
@@ -428,10 +532,25 @@ def _min_memory(p: _Problem, min_req, valid, size) -> float:
     """Smallest over full assignments of the largest per-stage memory requirement."""
     zero_cut = np.zeros((p.num_layers, p.num_devices + 1))
     Fs, _ = _layered_dp(p, min_req, zero_cut, valid, size, np.maximum)
+    if p.fixed_stages is not None:
+        return float(Fs[p.fixed_stages][0, p.num_devices])
     return float(min(F[0, p.num_devices] for F in Fs[1:]))
 
 
-def _infeasible(min_mem: float, limit: float) -> NoFeasiblePlanError:
+def _infeasible(min_mem: float, limit: float, pinned: bool = False) -> NoFeasiblePlanError:
+    if math.isinf(min_mem) and pinned:
+        return NoFeasiblePlanError(
+            "no stage assignment keeps the pinned stage decisions (cuts, submeshes, logical meshes, remat) and "
+            "covers every layer and every device in order; unpin or change one of them.",
+            min_mem,
+        )
+    if pinned:
+        return NoFeasiblePlanError(
+            f"the pinned stage decisions do not fit in {limit:.4g} bytes per device; with them the smallest any "
+            f"assignment needs is {min_mem:.6g} bytes per device. Unpin them, or use a bigger memory limit, more "
+            "microbatches or rematerialisation.",
+            min_mem,
+        )
     if math.isinf(min_mem):
         return NoFeasiblePlanError(
             "no stage assignment covers every layer and every device with the candidates given; "
@@ -521,6 +640,7 @@ def stage_dp(
     max_stages: int | None = None,
     schedule: str = "1f1b",
     t_max_search: str = "bisect",
+    constraints: StageConstraints | None = None,
 ) -> InterResult:
     """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
 
@@ -544,6 +664,12 @@ def stage_dp(
       (F = inf) are skipped in whole ranges, like a binary search;
     * ``"all"``: every value, no pruning (for tests).
 
+    ``constraints`` (:class:`StageConstraints`): pinned cuts, submeshes, logical meshes or remat
+    flags. They fix the stage count S, so the DP keeps the stage count in its state and stage
+    ``j`` is the one with ``S - j`` stages remaining; a candidate is usable for stage ``j`` only
+    if the pins allow it. Infeasible pins raise :class:`NoFeasiblePlanError` with the smallest
+    memory any assignment keeping them needs.
+
     >>> flat = lambda a, b, sub: [StageCandidate((a, b), sub, sub, False, 1.0 * (b - a + 1), 0.0, 0, 0)]
     >>> stage_dp(4, 1, 2, flat, microbatches=8).latency_s   # two stages of 2 layers: 4 + 7 * 2
     18.0
@@ -553,7 +679,7 @@ def stage_dp(
         raise ValueError(f"t_max_search must be one of {T_MAX_SEARCH}, got {t_max_search!r}.")
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-        intra_link, inter_link, stage_comm, max_stages, schedule,
+        intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
     )
     best_time, best_idx, min_req = _tables(p)
     valid, size, cut_full = _structure(p)
@@ -566,7 +692,7 @@ def stage_dp(
 
     # Without a memory effect of the stage count and without a binding max_stages, the
     # stage count can be dropped from the state.
-    collapsed = p.max_stages == min(L, NM) and all(
+    collapsed = p.fixed_stages is None and p.max_stages == min(L, NM) and all(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
 
@@ -587,7 +713,7 @@ def stage_dp(
         else:
             Fs, args = _layered_dp(p, cost, cut, valid, size, np.add)
             totals = [Fs[s][0, NM] for s in range(1, p.max_stages + 1)]
-            s_best = int(np.argmin(totals)) + 1
+            s_best = int(np.argmin(totals)) + 1 if p.fixed_stages is None else p.fixed_stages
             f = totals[s_best - 1]
             chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
         if f + (B - 1) * t_max < best["T"]:
@@ -625,7 +751,7 @@ def stage_dp(
         "solve_s": None,
     }
     if best["t_max"] is None:
-        raise _infeasible(_min_memory(p, min_req, valid, size), p.mem_limit)
+        raise _infeasible(_min_memory(p, min_req, valid, size), p.mem_limit, p.fixed_stages is not None)
 
     pieces = best["pieces"]
     S = len(pieces)
@@ -706,7 +832,8 @@ def stage_dp_auto(
             best = r
     if best is None:
         limit = float(kwargs.get("mem_limit_bytes", math.inf))
-        err = _infeasible(least_mem, limit)
+        c = kwargs.get("constraints")
+        err = _infeasible(least_mem, limit, c is not None and c.num_stages is not None)
         raise NoFeasiblePlanError(f"for every microbatch count in {choices}: {err}", least_mem) from last_error
     best.diagnostics["by_microbatches"] = table
     return best
@@ -750,10 +877,13 @@ def brute_force_stages(
     stage_comm: str = "model",
     max_stages: int | None = None,
     schedule: str = "1f1b",
+    constraints: StageConstraints | None = None,
 ) -> InterResult:
     """Every layer partition x every in-order submesh assignment x every candidate choice,
     priced with :func:`pipeline_latency`. Same inputs and result as :func:`stage_dp`;
-    exponential, for small instances only (about 6 layers and 8 devices).
+    exponential, for small instances only (about 6 layers and 8 devices). ``constraints``
+    are checked plan by plan (only partitions with the pinned stage count, each stage's
+    candidates filtered by the pins), independently of how the DP applies them.
 
     >>> flat = lambda a, b, sub: [StageCandidate((a, b), sub, sub, False, 1.0 * (b - a + 1), 0.0, 0, 0)]
     >>> brute_force_stages(4, 1, 2, flat, microbatches=8).latency_s
@@ -762,7 +892,7 @@ def brute_force_stages(
     t0 = time.perf_counter()
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-        intra_link, inter_link, stage_comm, max_stages, schedule,
+        intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
     )
     if p.num_layers > 10 or p.num_devices > 32:
         raise ValueError("brute_force_stages is exponential; use at most 10 layers and 32 devices.")
@@ -771,11 +901,13 @@ def brute_force_stages(
     visited = 0
     for parts in _compositions(p.num_layers, p.max_stages):
         S = len(parts)
+        if p.fixed_stages is not None and S != p.fixed_stages:
+            continue
         for shapes, offsets in _shape_sequences(p, S):
             per_stage = []
             for j, ((k, i), shape) in enumerate(zip(parts, shapes)):
                 held = held_microbatches(S - j, p.microbatches, p.schedule)
-                opts = list(enumerate(p.cands[(k, i, shape)]))
+                opts = [(idx, c) for idx, c in enumerate(p.cands[(k, i, shape)]) if p.usable(j, k, i, c)]
                 per_stage.append([(idx, c, c.mem_bytes(held)) for idx, c in opts])
             cuts = [p.priced_cut(parts[j][0], offsets[j]) for j in range(1, S)]
             for choice in itertools.product(*per_stage):
@@ -792,5 +924,5 @@ def brute_force_stages(
                         for (k, i), shape, (idx, _, _), o in zip(parts, shapes, choice, offsets)
                     ]
     if best_plan is None:
-        raise _infeasible(least_mem, p.mem_limit)
+        raise _infeasible(least_mem, p.mem_limit, p.fixed_stages is not None)
     return _result(p, best_plan, {"plans_visited": visited, "solve_s": time.perf_counter() - t0})
