@@ -1,0 +1,545 @@
+"""The workbench's state as a plain object: the plan, its history, the selection, and who to tell when they change.
+
+Every action a view offers is a method here, so all of it runs (and is tested) without a browser or ipywidgets. The
+plans are values (:class:`~autopar_lab.plan.Plan`); the session holds a history of them for undo/redo, and each action
+pushes the new plan and tells the observers with an :class:`Event` carrying the plan before and after.
+
+    >>> import autopar_lab as al                                                    # doctest: +SKIP
+    >>> s = al.Session(al.megatron_plan(graph, cluster, dp=2, tp=2, pp=1))         # doctest: +SKIP
+    >>> s.subscribe(lambda e: print(e.name, e.action))                             # doctest: +SKIP
+    >>> s.set_choice(42, "S0R = S0R x RR")                                          # doctest: +SKIP
+    plan set_choice
+    >>> s.undo()                                                                    # doctest: +SKIP
+    plan undo
+
+Operator ids are those of the graph the plan's strategies refer to (``session.op_graph``: the plan's own graph, or for
+a deep zoo model its shallower copy, see :mod:`autopar_lab.planner`); :meth:`Session.solve_op` maps an operator of the
+full graph onto it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["Session", "Event", "SolveCancelled", "Selection"]
+
+EVENTS = ("plan", "selection", "progress", "compare", "error")
+
+
+class SolveCancelled(Exception):
+    """Raised inside a solve when its cancel event is set; the session keeps the plan it had."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the views highlight: an operator (of ``op_graph``), a layer name, a stage index; any may be None."""
+
+    op: int | None = None
+    layer: str | None = None
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """What an observer receives. ``name`` is one of ``plan``, ``selection``, ``progress``, ``compare``, ``error``;
+    ``action`` the method that caused it; ``before``/``after`` the plans around a ``plan`` event (else the current
+    plan twice); ``detail`` anything else (progress message and fraction, the selection, the comparison)."""
+
+    name: str
+    action: str
+    before: Any
+    after: Any
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _missing(method: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"Plan.{method} is not available in this version of autopar_lab.plan; this action needs it (stage, "
+        "submesh, schedule and remat overrides). Use set_choice / set_microbatches, or update autopar_lab.")
+
+
+class Session:
+    """Observable state of one workbench: graph, cluster, current plan, pins, undo/redo, selection, observers.
+
+    ``plan``: the starting plan (from :func:`~autopar_lab.auto_plan`, :func:`~autopar_lab.megatron_plan`, ...).
+    ``model``: the zoo ModelSpec or OpGraph it was made from (a full re-solve traces it again only if it is a model;
+    by default the plan's graph is used).
+    """
+
+    def __init__(self, plan, *, model=None, solver: str = "cbc"):
+        from ..plan import Plan
+
+        if not isinstance(plan, Plan):
+            raise TypeError(f"Session needs a Plan (from al.auto_plan, al.megatron_plan, ...), got {type(plan).__name__}")
+        self._history: list = [plan]
+        self._actions: list[str] = ["start"]
+        self._index = 0
+        self.model = model
+        self.solver = solver
+        self.selection = Selection()
+        self.comparison: dict | None = None
+        self._observers: list[Callable[[Event], None]] = []
+        self._lock = threading.RLock()
+        self._op_maps: dict[int, dict] = {}
+
+    # --- state ----------------------------------------------------------------------------------------------------
+    @property
+    def plan(self):
+        """The current plan."""
+        return self._history[self._index]
+
+    @property
+    def previous(self):
+        """The plan before the last action (None at the start of the history): the "before" of the cost panel."""
+        return self._history[self._index - 1] if self._index > 0 else None
+
+    @property
+    def last_action(self) -> str:
+        return self._actions[self._index]
+
+    @property
+    def graph(self):
+        """The plan's (full) operator graph."""
+        return self.plan.graph
+
+    @property
+    def op_graph(self):
+        """The graph whose operator ids the plan's strategies use (see the module docstring)."""
+        t = self.plan.table
+        return t.solve_graph if t is not None else self.plan.graph
+
+    @property
+    def cluster(self):
+        return self.plan.cluster
+
+    @property
+    def pins(self) -> Mapping[int, str]:
+        return dict(self.plan.pins)
+
+    @property
+    def stage_pins(self) -> Mapping[str, Any]:
+        return dict(self.plan.stage_pins)
+
+    @property
+    def can_undo(self) -> bool:
+        return self._index > 0
+
+    @property
+    def can_redo(self) -> bool:
+        return self._index < len(self._history) - 1
+
+    @property
+    def history(self) -> list[tuple[str, Any]]:
+        """(action, plan) for every step of the history, oldest first."""
+        return list(zip(self._actions, self._history))
+
+    # --- observers -------------------------------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` on every change; returns a function that unsubscribes it."""
+        if not callable(callback):
+            raise TypeError("subscribe needs a callable taking one Event")
+        self._observers.append(callback)
+        return lambda: self._observers.remove(callback) if callback in self._observers else None
+
+    def _emit(self, name: str, action: str, before=None, after=None, **detail) -> None:
+        ev = Event(name, action, self.plan if before is None else before, self.plan if after is None else after,
+                   detail)
+        for cb in list(self._observers):
+            cb(ev)
+
+    def _push(self, plan, action: str) -> Any:
+        with self._lock:
+            before = self.plan
+            del self._history[self._index + 1:]
+            del self._actions[self._index + 1:]
+            self._history.append(plan)
+            self._actions.append(action)
+            self._index += 1
+        self._fix_selection()
+        self._emit("plan", action, before, plan)
+        return plan
+
+    def _fix_selection(self) -> None:
+        # The stage of the selected operator may move when stages change.
+        sel = self.selection
+        if sel.op is not None:
+            try:
+                stage = self.plan.stage_of(sel.op)
+            except (ValueError, KeyError):
+                stage = None
+            self.selection = dataclasses.replace(sel, stage=stage)
+        elif sel.stage is not None and sel.stage >= len(self.plan.stages):
+            self.selection = dataclasses.replace(sel, stage=None)
+
+    # --- selection -------------------------------------------------------------------------------------------------
+    def select(self, op: int | None = None, layer: str | None = None, stage: int | None = None) -> Selection:
+        """Select an operator (which also selects its layer and stage), a layer, or a stage; no argument clears."""
+        plan = self.plan
+        if op is not None:
+            g = self.op_graph
+            try:
+                node = g.op(int(op))
+            except KeyError:
+                raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1})") from None
+            layer = node.layer
+            stage = plan.stage_of(int(op))
+            op = int(op)
+        elif layer is not None:
+            names = list(plan.layer_names)
+            if layer not in names:
+                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{'...' if len(names) > 6 else ''}")
+            k = names.index(layer)
+            stage = next(s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1])
+        elif stage is not None:
+            if not 0 <= int(stage) < len(plan.stages):
+                raise ValueError(f"stage {stage} does not exist; this plan has {len(plan.stages)} stage(s)")
+            stage = int(stage)
+        self.selection = Selection(op, layer, stage)
+        self._emit("selection", "select", selection=self.selection)
+        return self.selection
+
+    def solve_op(self, full_op: int) -> int | None:
+        """The operator of ``op_graph`` that stands for operator ``full_op`` of the full graph (the same position in
+        the layer its layer maps to), or None when it has no counterpart."""
+        plan = self.plan
+        if plan.table is None or plan.table.solve_graph is plan.graph:
+            return int(full_op)
+        table = plan.table
+        m = self._op_maps.get(id(table))
+        if m is None:
+            m = self._build_op_map(table)
+            self._op_maps = {id(table): m}
+        return m.get(int(full_op))
+
+    @staticmethod
+    def _build_op_map(table) -> dict:
+        full, small = table.graph, table.solve_graph
+        small_names = list(small.layers)
+        out: dict[int, int] = {}
+        small_ops = {name: small.ops_in_layer(name) for name in small_names}
+        for k, name in enumerate(table.layer_names):
+            src = full.ops_in_layer(name)
+            dst = small_ops.get(small_names[table._map[k]], []) if small_names else []
+            if len(src) == len(dst):
+                out.update(zip(src, dst))
+        src = [n.id for n in full if n.layer is None]
+        dst = [n.id for n in small if n.layer is None]
+        if len(src) == len(dst):
+            out.update(zip(src, dst))
+        return out
+
+    # --- overrides -------------------------------------------------------------------------------------------------
+    def set_choice(self, op: int, strategy) -> Any:
+        """Run operator ``op`` by ``strategy`` (name, output spec or Strategy) and pin it there."""
+        return self._push(self.plan.with_choice(int(op), strategy), "set_choice")
+
+    pin = set_choice
+
+    def unpin(self, op: int) -> Any:
+        """Forget the pin on ``op`` (its strategy stays until the next :meth:`resolve` or solve)."""
+        op = int(op)
+        if op not in self.plan.pins:
+            raise ValueError(f"operator {op} is not pinned; pinned operators: {sorted(self.plan.pins)}")
+        pins = {k: v for k, v in self.plan.pins.items() if k != op}
+        return self._push(dataclasses.replace(self.plan, pins=pins), "unpin")
+
+    def unpin_stages(self, key: str | None = None) -> Any:
+        """Forget the stage pins (``key``: one of "boundaries", "submeshes", "logical_meshes", "remat",
+        "microbatches", "schedule"; None: all), so the next :meth:`resolve` may change those decisions."""
+        sp = dict(self.plan.stage_pins)
+        if key is None:
+            sp = {}
+        elif key not in sp:
+            raise ValueError(f"{key!r} is not pinned; stage pins: {sorted(sp)}")
+        else:
+            del sp[key]
+        return self._push(dataclasses.replace(self.plan, stage_pins=sp), "unpin_stages")
+
+    def alternatives(self, op: int) -> list:
+        """Every strategy of ``op`` with its step-time change (see :meth:`Plan.alternatives`)."""
+        return self.plan.alternatives(int(op))
+
+    def set_microbatches(self, n: int) -> Any:
+        return self._push(self.plan.with_microbatches(n), "set_microbatches")
+
+    def set_stages(self, boundaries: Sequence[int] | None = None, submeshes: Sequence | None = None,
+                   logical_meshes: Sequence | None = None, microbatches: int | None = None) -> Any:
+        """New stage cuts (first layer of each stage after the first), submeshes and logical meshes per stage."""
+        if not hasattr(self.plan, "with_stages"):
+            raise _missing("with_stages")
+        p = self.plan.with_stages(boundaries=boundaries, submeshes=submeshes, logical_meshes=logical_meshes,
+                                  microbatches=microbatches)
+        return self._push(p, "set_stages")
+
+    def boundaries(self) -> list[int]:
+        """The first layer of every stage but the first (the form :meth:`set_stages` takes)."""
+        return [st.layers[0] for st in self.plan.stages[1:]]
+
+    def move_cut(self, cut: int, first_layer: int) -> Any:
+        """Move cut ``cut`` (between stage ``cut`` and ``cut + 1``) so that stage ``cut + 1`` starts at ``first_layer``."""
+        b = self.boundaries()
+        if not 0 <= cut < len(b):
+            raise ValueError(f"cut {cut} does not exist; this plan has {len(b)} cut(s) between {len(b) + 1} stage(s)")
+        lo = b[cut - 1] + 1 if cut > 0 else 1
+        hi = b[cut + 1] - 1 if cut + 1 < len(b) else len(self.plan.layer_names) - 1
+        if not lo <= first_layer <= hi:
+            raise ValueError(f"cut {cut} can move to layers {lo}..{hi} (each stage keeps at least one layer), "
+                             f"got {first_layer}")
+        b[cut] = int(first_layer)
+        return self.set_stages(boundaries=b)
+
+    def set_submesh(self, stage: int, submesh, logical_mesh=None) -> Any:
+        """Give stage ``stage`` another submesh (and logical mesh; default: the submesh's own shape)."""
+        stage = self._check_stage(stage)
+        subs = [tuple(st.submesh) for st in self.plan.stages]
+        lms = [tuple(st.logical_mesh) for st in self.plan.stages]
+        subs[stage] = tuple(submesh)
+        lms[stage] = tuple(logical_mesh) if logical_mesh is not None else tuple(submesh)
+        return self.set_stages(submeshes=subs, logical_meshes=lms)
+
+    def set_schedule(self, schedule: str) -> Any:
+        if not hasattr(self.plan, "with_schedule"):
+            raise _missing("with_schedule")
+        return self._push(self.plan.with_schedule(schedule), "set_schedule")
+
+    def set_remat(self, stage: int, remat: bool) -> Any:
+        if not hasattr(self.plan, "with_remat"):
+            raise _missing("with_remat")
+        return self._push(self.plan.with_remat(self._check_stage(stage), bool(remat)), "set_remat")
+
+    def _check_stage(self, stage) -> int:
+        n = len(self.plan.stages)
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n:
+            raise ValueError(f"stage must be 0..{n - 1} (this plan has {n} stage(s)), got {stage!r}")
+        return stage
+
+    def resolve(self) -> Any:
+        """Re-solve every decision that is not pinned, around the operator and stage pins
+        (:func:`autopar_lab.resolve`: the stage DP over the plan's cost table, then the ILP of each stage with pins)."""
+        from ..overrides import resolve
+
+        return self._push(resolve(self.plan, solver=self.solver), "resolve")
+
+    def adopt(self, plan, action: str = "adopt") -> Any:
+        """Make ``plan`` (a baseline from :meth:`compare`, a loaded file) the current plan, undoably."""
+        from ..plan import Plan
+
+        if not isinstance(plan, Plan):
+            raise TypeError(f"adopt needs a Plan, got {type(plan).__name__}")
+        return self._push(plan, action)
+
+    def diff(self) -> dict | None:
+        """What the last action changed (:meth:`Plan.diff` of the previous plan to the current one), or None."""
+        prev = self.previous
+        return None if prev is None else prev.diff(self.plan)
+
+    # --- history ---------------------------------------------------------------------------------------------------
+    def undo(self) -> Any:
+        if not self.can_undo:
+            raise ValueError("nothing to undo")
+        before = self.plan
+        self._index -= 1
+        self._fix_selection()
+        self._emit("plan", "undo", before, self.plan)
+        return self.plan
+
+    def redo(self) -> Any:
+        if not self.can_redo:
+            raise ValueError("nothing to redo")
+        before = self.plan
+        self._index += 1
+        self._fix_selection()
+        self._emit("plan", "redo", before, self.plan)
+        return self.plan
+
+    # --- solves ----------------------------------------------------------------------------------------------------
+    def _hooks(self, progress, cancel, action: str = "solve"):
+        t0 = time.perf_counter()
+
+        def hook(message: str, done: int = 0, total: int = 0):
+            if cancel is not None and cancel.is_set():
+                raise SolveCancelled("solve cancelled")
+            frac = done / total if total else None
+            if progress is not None:
+                progress(message, frac)
+            self._emit("progress", action, message=message, done=done, total=total, fraction=frac,
+                       elapsed_s=time.perf_counter() - t0)
+
+        return hook
+
+    def solve(self, kind: str = "full", *, progress: Callable[[str, float | None], None] | None = None,
+              cancel: threading.Event | None = None, microbatches="auto", cluster=None) -> Any:
+        """Run a solver and make its plan current; operator pins are kept (re-solved around).
+
+        ``kind``: ``"intra"`` (the current stages kept, each stage's operator shardings re-solved by the intra-op
+        ILP around the pins), ``"inter"`` (the stage DP again over the plan's cost table: stages, submeshes, logical
+        meshes, microbatches; stage pins are dropped), or ``"full"`` (both, with a fresh cost table; ``cluster``
+        replaces the cluster, for what-if questions). ``progress(message, fraction or None)`` is called as the
+        intra-op ILPs finish; when ``cancel`` (a threading.Event) is set the solve stops at the next report with
+        :class:`SolveCancelled` and the session is unchanged.
+        """
+        from .. import planner
+
+        if kind not in ("intra", "inter", "full"):
+            raise ValueError(f"solve kind must be 'intra', 'inter' or 'full', got {kind!r}")
+        hook = self._hooks(progress, cancel)
+        hook(f"{kind} solve started")
+        plan = self.plan
+        if kind == "intra":
+            new = self._solve_intra(plan, hook)
+        else:
+            new_cluster = cluster if cluster is not None else plan.cluster
+            mem = plan.cost.mem_limit_bytes if new_cluster == plan.cluster else None
+            kw = dict(microbatches=microbatches, stage_comm=plan.stage_comm, schedule=plan.schedule, mem_limit=mem,
+                      solver=self.solver)
+            if kind == "inter" and cluster is None and plan.table is not None:
+                old = plan.table.progress
+                plan.table.progress = hook
+                try:
+                    new = planner.auto_plan(plan.graph, new_cluster, _table_cache=plan.table, **kw)
+                finally:
+                    plan.table.progress = old
+            else:
+                source = self.model if self.model is not None else plan.graph
+                new = planner.auto_plan(source, new_cluster, progress=hook, **kw)
+                new.table.progress = None  # the hook belongs to this solve only
+            new = self._repin(new, dict(plan.pins), hook)
+        if cancel is not None and cancel.is_set():
+            raise SolveCancelled("solve cancelled")
+        hook(f"{kind} solve done", 1, 1)
+        return self._push(new, f"solve_{kind}")
+
+    def _solve_intra(self, plan, hook):
+        """The same stages, each stage's operators from the intra-op ILP of its mesh, re-solved around its pins."""
+        from ..overrides import _PinIndex, assemble
+        from ..solve.intra import solve_intra
+
+        table = plan.table
+        if table is None:
+            raise ValueError("this plan has no cost table; run a full solve")
+        pins = _PinIndex(plan)
+        g = self.op_graph
+        intras = []
+        for k, st in enumerate(plan.stages):
+            hook(f"intra-op ILP of stage {k} on {st.logical_mesh[0]}x{st.logical_mesh[1]}", k, len(plan.stages))
+            _, base = table.mesh_costs(st.submesh, st.logical_mesh)
+            mine = pins.in_range(*st.layers)
+            if not mine:
+                intras.append(base)
+                continue
+            kw = dict(ops=base.ops, pins=mine, solver=self.solver, rounds=1,
+                      cache=pins.cache(st.submesh, st.logical_mesh))
+            try:
+                intras.append(solve_intra(g, base.mesh, **kw))
+            except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
+                intras.append(solve_intra(g, base.mesh, axes="joint", **kw))
+        specs = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
+        return assemble(table, plan.cluster, plan.method, specs, intras, plan.microbatches, plan.schedule,
+                        plan.stage_comm, plan.cost.mem_limit_bytes, solve_s=plan.solve_s, notes=plan.notes,
+                        pins=plan.pins, stage_pins=plan.stage_pins)
+
+    def _repin(self, plan, pins: Mapping[int, str], hook):
+        """The old operator pins on a freshly solved plan, re-solved around (pins no mesh can run are dropped)."""
+        from ..overrides import resolve
+
+        old, new = self.op_graph, (plan.table.solve_graph if plan.table is not None else plan.graph)
+        if not pins or old.fingerprint != new.fingerprint:
+            return plan
+        hook("re-solving around the operator pins")
+        try:
+            return resolve(dataclasses.replace(plan, pins=dict(pins)), solver=self.solver)
+        except ValueError:
+            return plan  # the pins do not fit this cluster: the fresh plan without them
+
+    def set_cluster(self, cluster=None, *, progress=None, cancel=None, **changes) -> Any:
+        """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
+        ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve."""
+        if cluster is None:
+            if not changes:
+                raise ValueError("set_cluster needs a Cluster or changes such as hosts=2, inter_host_bandwidth=1e9")
+            cluster = self.cluster.with_(**changes)
+        elif changes:
+            raise ValueError("pass either a Cluster or changes, not both")
+        return self.solve("full", progress=progress, cancel=cancel, cluster=cluster)
+
+    # --- comparisons -----------------------------------------------------------------------------------------------
+    def compare(self, *, optimum: bool | None = None, optimum_limit: int = 20_000, progress=None,
+                cancel: threading.Event | None = None) -> dict:
+        """The current plan against the best Megatron-style layout and data parallelism, priced by the plan's own cost
+        table; with ``optimum`` (default: when the plan space has at most ``optimum_limit`` plans) also the
+        exhaustive global optimum. Returns {name: Plan} plus ``"megatron_config"``; also kept in ``comparison``.
+        ``progress``/``cancel``: as for :meth:`solve` (the ILPs of meshes the table has not priced yet report)."""
+        plan = self.plan
+        table = plan.table
+        if table is None:
+            raise ValueError("this plan has no cost table to price the baselines with; run a full solve")
+        hook = self._hooks(progress, cancel, "compare")
+        old = table.progress
+        table.progress = hook
+        try:
+            return self._compare(plan, table, optimum, optimum_limit, hook)
+        finally:
+            table.progress = old
+
+    def _compare(self, plan, table, optimum, optimum_limit, hook) -> dict:
+        from .. import planner
+        from ..solve import exhaustive
+
+        hook("pricing the baselines")
+        cluster = plan.cluster
+        mbs = planner._microbatch_choices(table.batch_size, "auto")
+        best, cfg = None, None
+        for dp, tp, pp in planner.megatron_grid(cluster, len(table.layer_names)):
+            for mb in mbs:
+                if pp == 1 and mb > 1:
+                    continue
+                try:
+                    p = planner.megatron_plan(plan.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb,
+                                              _table_cache=table)
+                except ValueError:
+                    continue
+                fits = all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes)
+                if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
+                    best, cfg = p, (dp, tp, pp, mb)
+        data = min((planner.data_parallel_plan(plan.graph, cluster, microbatches=mb, _table_cache=table) for mb in mbs),
+                   key=lambda p: (any(m > p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes), p.cost.step_time_s))
+        out: dict[str, Any] = {"current": plan, "megatron": best, "megatron_config": cfg, "data_parallel": data}
+        n = exhaustive.count_plans(len(table.layer_names), cluster, len(mbs))
+        if optimum or (optimum is None and n <= optimum_limit):
+            hook(f"searching all {n} plans for the global optimum")
+            res = exhaustive.global_optimum(plan.graph, cluster, solver=self.solver, _table_cache=table,
+                                            limit=max(optimum_limit, n) if optimum else optimum_limit)
+            out["optimum"] = res["optimum"]
+        self.comparison = out
+        self._emit("compare", "compare", comparison=out)
+        return out
+
+    # --- files and code --------------------------------------------------------------------------------------------
+    def save(self, path) -> str:
+        from ..planfile import save_plan
+
+        save_plan(self.plan, path)
+        return str(path)
+
+    def load(self, path) -> Any:
+        """Load a plan file made for this graph and cluster (validated) and make it current, undoably."""
+        from ..planfile import load_plan
+
+        from ..graph.opgraph import OpGraph
+
+        model = None if self.model is None or isinstance(self.model, OpGraph) else self.model
+        return self._push(load_plan(path, self.graph, self.cluster, model=model), "load")
+
+    def export_code(self) -> str:
+        return self.plan.to_jax_code()
+
+    def error(self, action: str, exc: BaseException) -> None:
+        """Tell observers an action failed (views show the message; the plan is unchanged)."""
+        self._emit("error", action, message=str(exc), kind=type(exc).__name__)
+
+    def __repr__(self) -> str:
+        return f"Session({self.plan!r}, history {self._index + 1}/{len(self._history)}, {len(self.plan.pins)} pin(s))"

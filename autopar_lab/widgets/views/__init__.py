@@ -1,0 +1,5 @@
+"""The workbench's views: each one an ipywidgets box over a :class:`~autopar_lab.widgets.session.Session`.
+
+Widget callbacks only delegate to plain methods (``on_click``, ``choose``, ...), so tests drive the views headless
+by calling those methods. :mod:`.figures` builds the plotly figures from plain values and needs no widget.
+"""

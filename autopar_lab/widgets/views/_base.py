@@ -1,0 +1,101 @@
+"""What every view shares: the session, the top widget with its stable CSS class, and error reporting."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import ipywidgets as w
+
+#: Errors an action may raise on bad input; the view reports them (the session keeps its plan) instead of raising.
+USER_ERRORS = (ValueError, NotImplementedError, TypeError, KeyError)
+
+
+class View:
+    """A view: ``widget`` (an ipywidgets box with CSS class ``autopar-<name>``), refreshed on session events."""
+
+    css: str = "autopar-view"
+
+    def __init__(self, session):
+        self.session = session
+        self.message = w.HTML("", layout=w.Layout(min_height="0px"))
+        self.message.add_class("autopar-message")
+        self._unsubscribe = session.subscribe(self._on_event)
+
+    def _on_event(self, event) -> None:
+        if event.name == "plan":
+            self.on_plan(event)
+        elif event.name == "selection":
+            self.on_selection(event)
+
+    def on_plan(self, event) -> None:  # override
+        pass
+
+    def on_selection(self, event) -> None:  # override
+        pass
+
+    def run(self, action: str, fn: Callable[[], Any]) -> Any:
+        """Run one user action; a bad-input error becomes a message here and an ``error`` event (nothing changes)."""
+        try:
+            out = fn()
+        except USER_ERRORS as e:
+            self.message.value = f"<span style='color:#B00020'>{action}: {_escape(str(e))}</span>"
+            self.session.error(action, e)
+            return None
+        self.message.value = ""
+        return out
+
+    def _finish(self, box: w.Widget) -> w.Widget:
+        box.add_class(self.css)
+        self.widget = box
+        return box
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def fmt_s(x: float) -> str:
+    """Seconds with a readable unit: ``fmt_s(0.00123) == '1.23 ms'``."""
+    a = abs(x)
+    if a >= 1 or a == 0:
+        return f"{x:.4g} s"
+    if a >= 1e-3:
+        return f"{x * 1e3:.4g} ms"
+    return f"{x * 1e6:.4g} µs"
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_flops(f: float) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(f) >= size:
+            return f"{f / size:.3g} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def sync_figure(widget, fresh, layout: dict | None = None) -> None:
+    """Make FigureWidget ``widget`` show the traces of figure ``fresh``: in place when the traces are the same kind
+    and name (one message to the browser, no trace re-creation), else by replacing them. ``layout``: layout
+    properties to set too (e.g. ``{"title.text": ...}``); the rest of the layout is left as it is."""
+    same = len(widget.data) == len(fresh.data) and all(
+        a.type == b.type and a.name == b.name for a, b in zip(widget.data, fresh.data))
+    if same:
+        with widget.batch_update():
+            for a, b in zip(widget.data, fresh.data):
+                a.update(b.to_plotly_json(), overwrite=True)
+            for k, v in (layout or {}).items():
+                widget.layout[k] = v
+        return
+    widget.data = ()
+    widget.add_traces(list(fresh.data))
+    with widget.batch_update():
+        for k, v in (layout or {}).items():
+            widget.layout[k] = v

@@ -1,0 +1,144 @@
+"""Cost panel: the step time split into its terms, before -> after the last change; memory per stage against the
+device limit; utilisation against the roofline bound.
+
+The stacked bar sums exactly to the step time: compute + collectives + resharding (the busiest stage's work) + bubble
+(its idle time). Stage transfers overlap compute and are part of that idle time where they are exposed, so the table
+lists their total separately rather than adding it twice.
+
+Utilisation: the step's FLOPs over (step time x devices x peak FLOP/s). Its roofline bound is the same ratio at the
+ideal time, every operator split perfectly over all devices and run at max(FLOPs / peak, bytes / memory bandwidth),
+with no communication or bubble.
+
+    >>> cost_terms(plan.cost)                       # doctest: +SKIP
+    {'compute': 0.5, 'collectives': 0.1, 'resharding': 0.0, 'bubble': 0.05}
+"""
+
+from __future__ import annotations
+
+import time
+
+import ipywidgets as w
+
+from . import figures
+from ._base import View, fmt_bytes, fmt_s, sync_figure
+
+_ROOF_CACHE: dict = {}
+
+
+def cost_terms(cost) -> dict[str, float]:
+    """The four terms that add up to the step time."""
+    return {"compute": cost.compute_s, "collectives": cost.comm_s, "resharding": cost.reshard_s,
+            "bubble": cost.bubble_s}
+
+
+def compute_dtype(graph) -> str:
+    """The dtype of the step's matmuls (what the device's peak is quoted for): the widest-FLOP dot_general's."""
+    best, dtype = -1.0, "float32"
+    for n in graph:
+        if n.primitive == "dot_general" and n.flops > best and n.out_dtypes:
+            best, dtype = n.flops, n.out_dtypes[0]
+    return dtype
+
+
+def roofline(plan) -> dict:
+    """``{"flops", "ideal_s", "utilisation", "bound"}`` for a plan (ideal time cached per graph and cluster)."""
+    g, c = plan.graph, plan.cluster
+    key = (id(g), c.device, c.num_devices)
+    hit = _ROOF_CACHE.get(key)
+    if hit is None or hit[0] is not g:
+        n = c.num_devices
+        peak = c.device.peak(compute_dtype(g))
+        bw = c.device.memory_bandwidth
+        ideal = sum(max(node.flops / peak, node.bytes_accessed / bw) for node in g) / n
+        if len(_ROOF_CACHE) > 16:
+            _ROOF_CACHE.clear()
+        hit = _ROOF_CACHE[key] = (g, float(g.total_flops), ideal, peak)
+    _, flops, ideal, peak = hit
+    n = c.num_devices
+    step = plan.cost.step_time_s
+    util = flops / (step * n * peak) if step > 0 else 0.0
+    bound = flops / (ideal * n * peak) if ideal > 0 else 0.0
+    return {"flops": flops, "ideal_s": ideal, "utilisation": util, "bound": bound}
+
+
+def _delta(before: float | None, after: float) -> str:
+    if before is None:
+        return ""
+    d = after - before
+    if d == 0:
+        return "="
+    rel = f" ({d / before:+.1%})" if before else ""
+    return f"{'+' if d > 0 else ''}{fmt_s(d)}{rel}"
+
+
+def step_time_text(before, after) -> str:
+    """``"step time 1.23 s"`` and, after a change, what it was."""
+    text = f"step time {fmt_s(after.step_time_s)}"
+    if before is not None and before.step_time_s != after.step_time_s:
+        text += f" (was {fmt_s(before.step_time_s)}, {_delta(before.step_time_s, after.step_time_s)})"
+    return text + f" · {after.samples_per_s:.4g} samples/s"
+
+
+def breakdown_html(before, after) -> str:
+    """The terms before -> after as an HTML table."""
+    rows = [("compute", "compute_s"), ("collectives", "comm_s"), ("resharding", "reshard_s"), ("bubble", "bubble_s"),
+            ("stage transfer (overlapped, in bubble)", "stage_comm_s"), ("step time", "step_time_s")]
+    head = "<tr><th style='text-align:left'>term</th>" + ("<th>before</th>" if before is not None else "") + \
+           "<th>now</th>" + ("<th>change</th>" if before is not None else "") + "</tr>"
+    body = []
+    for label, f in rows:
+        a = getattr(after, f)
+        b = getattr(before, f) if before is not None else None
+        cells = (f"<td>{fmt_s(b)}</td>" if before is not None else "") + f"<td>{fmt_s(a)}</td>" + \
+                (f"<td>{_delta(b, a)}</td>" if before is not None else "")
+        style = " style='font-weight:bold'" if f == "step_time_s" else ""
+        body.append(f"<tr{style}><td>{label}</td>{cells}</tr>")
+    mem_b = max(before.peak_mem_bytes) if before is not None else None
+    mem_a = max(after.peak_mem_bytes)
+    over = " <span style='color:#B00020'>over the limit</span>" if mem_a > after.mem_limit_bytes else ""
+    mem = (f"<tr><td>peak memory (max stage)</td>" + (f"<td>{fmt_bytes(mem_b)}</td>" if before is not None else "")
+           + f"<td>{fmt_bytes(mem_a)}{over}</td>" + ("<td></td>" if before is not None else "") + "</tr>")
+    return f"<table class='autopar-cost-table'>{head}{''.join(body)}{mem}</table>"
+
+
+class CostPanel(View):
+    """Step time (text, CSS class ``autopar-step-time``), the breakdown before -> after, memory and utilisation."""
+
+    css = "autopar-cost-panel"
+
+    def __init__(self, session):
+        super().__init__(session)
+        import plotly.graph_objects as go
+
+        plan = session.plan
+        self.step_time = w.HTML("")
+        self.step_time.add_class("autopar-step-time")
+        self.breakdown = w.HTML("")
+        self.explain = w.HTML("")
+        self.utilisation = w.HTML("")
+        self.cost_fig = go.FigureWidget(figures.cost_figure(None, cost_terms(plan.cost)))
+        self.mem_fig = go.FigureWidget(figures.memory_figure(plan.cost.peak_mem_bytes, plan.cost.mem_limit_bytes))
+        self.last_refresh: float | None = None
+        self.refresh()
+        self._finish(w.VBox([self.step_time, self.breakdown, self.cost_fig, self.mem_fig, self.utilisation,
+                             self.explain, self.message]))
+
+    def refresh(self) -> None:
+        plan, prev = self.session.plan, self.session.previous
+        before = prev.cost if prev is not None else None
+        after = plan.cost
+        self.step_time.value = f"<b>{step_time_text(before, after)}</b>"
+        self.breakdown.value = breakdown_html(before, after)
+        self.explain.value = f"<small>{after.explain()}</small>"
+        r = roofline(plan)
+        self.utilisation.value = (f"utilisation {r['utilisation']:.1%} of peak; roofline bound {r['bound']:.1%} "
+                                  f"(ideal step {fmt_s(r['ideal_s'])} for {r['flops']:.3g} FLOPs on "
+                                  f"{plan.cluster.num_devices} devices)")
+        sync_figure(self.cost_fig, figures.cost_figure(cost_terms(before) if before is not None else None,
+                                                       cost_terms(after)))
+        mem = figures.memory_figure(after.peak_mem_bytes, after.mem_limit_bytes)
+        sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations})
+        self.last_refresh = time.perf_counter()
+
+    def on_plan(self, event) -> None:
+        self.refresh()
