@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -38,6 +38,8 @@ class ModelSpec:
     init_fn: Callable
     batch_argnums: tuple = (2,)
     param_argnums: tuple = (0,)
+    # The optax optimizer inside step_fn: a pipeline runtime applies it per stage (exact for element-wise ones).
+    optimizer: Any = field(default=None, compare=False, repr=False)
 
     def init(self, seed: int = 0):
         """Concrete (params, opt_state, batch), deterministic in ``seed``."""
@@ -95,7 +97,7 @@ def make_spec(name: str, family: str, config: Any, init_params: Callable, make_b
 
     abstract_args = tuple(jax.eval_shape(init_all, 0))
     return ModelSpec(name=name, family=family, config=config, step_fn=step_fn, loss_fn=loss_fn,
-                     abstract_args=abstract_args, init_fn=init_fn)
+                     abstract_args=abstract_args, init_fn=init_fn, optimizer=opt)
 
 
 # ---------------------------------------------------------------- small shared pieces (plain JAX)

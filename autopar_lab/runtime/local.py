@@ -1,0 +1,292 @@
+"""Run a plan on local JAX devices: SPMD inside each stage, a pipeline across stages.
+
+:func:`execute` returns a :class:`Runner`. Two ways to run a step:
+
+- **pipeline** (any plan with several stages, or one stage with several microbatches): the model's forward loss is
+  split into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), each stage jitted on a mesh of
+  its own devices. One step splits the batch into microbatches and drives every stage's task list in the plan's
+  schedule order (:func:`autopar_lab.simulate.stage_order`, GPipe or 1F1B) from one thread: a task runs as soon as
+  what it needs is there (activations of earlier stages for a forward, gradients of later stages for a backward),
+  values move between stage meshes with ``jax.device_put``, gradients are summed over microbatches, and then each
+  stage applies the optimizer to its own parameters.
+- **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
+  operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
+
+Timing: with ``timing=True`` (the default) each pipeline task waits for its result (``block_until_ready``) so its
+duration can be measured; that also serialises the stages. ``stage_times()`` reports the median per microbatch over
+every step after the first (which compiles), next to the plan's predictions.
+
+Example:
+    >>> import autopar_lab as al                                                     # doctest: +SKIP
+    >>> model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)                # doctest: +SKIP
+    >>> plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=4, tp=1, pp=2, microbatches=2)  # doctest: +SKIP
+    >>> runner = al.execute(plan, model)                                             # doctest: +SKIP
+    >>> runner.train(3)                                                              # doctest: +SKIP
+    [4.16..., 4.15..., 4.13...]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ..simulate import stage_order
+from .partition import StagedModel, _mesh, check_plan_matches, move, split_stages, stage_device_blocks
+
+__all__ = ["Runner", "execute", "synthetic_batch"]
+
+
+def synthetic_batch(model, seed: int):
+    """The model's own synthetic batch for ``seed`` (the batch of ``model.init(seed)``)."""
+    return model.init(seed)[2]
+
+
+def _block(tree):
+    return jax.tree_util.tree_map(lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x, tree)
+
+
+class Runner:
+    """A plan, running on local devices (see the module docstring). Build it with :func:`execute`."""
+
+    def __init__(self, plan, model, *, seed: int = 0, devices=None, timing: bool = True, mode: str = "auto",
+                 compiler_options=None, optimizer=None):
+        check_plan_matches(model, plan)
+        self.plan = plan
+        self.model = model
+        self.timing = bool(timing)
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.last_tasks: tuple = ()  # (stage, "fwd"|"bwd", microbatch) in the order the last step ran them
+        self._task_times: list[dict] = []  # per step: {(stage, kind): [seconds per task]}
+        single = len(plan.stages) == 1 and int(plan.microbatches) == 1
+        if mode not in ("auto", "pipeline", "spmd"):
+            raise ValueError(f"mode must be 'auto', 'pipeline' or 'spmd', got {mode!r}.")
+        self.notes: list[str] = []
+        self._compiler_options = dict(compiler_options) if compiler_options else None
+        self.mode = "pipeline"
+        if mode == "spmd" or (mode == "auto" and single):
+            if not single:
+                raise ValueError("mode='spmd' runs one stage with one microbatch; this plan has "
+                                 f"{len(plan.stages)} stage(s) and {plan.microbatches} microbatch(es).")
+            try:
+                self._init_spmd(seed, devices)
+                self.mode = "spmd"
+            except Exception as e:  # noqa: BLE001 - a replay that cannot follow this graph: run it as a 1-stage pipeline
+                if mode == "spmd" or isinstance(e, ValueError) and "devices" in str(e):
+                    raise
+                self.notes.append(f"per-operator replay unavailable ({type(e).__name__}: {str(e)[:160]}); "
+                                  "ran as a one-stage pipeline with the plan's input shardings")
+        if self.mode == "pipeline":
+            self.staged: StagedModel = split_stages(model, plan, devices=devices, compiler_options=compiler_options,
+                                                    optimizer=optimizer)
+            parts = [self.staged.init_stage(k, seed) for k in range(self.staged.num_stages)]
+            self._params = [p for p, _ in parts]
+            self._opt = [o for _, o in parts]
+
+    # --- one-stage SPMD ---------------------------------------------------------------------------------------
+    def _init_spmd(self, seed, devices):
+        from ..validate import replay_with_shardings, specs_from_strategies
+
+        plan = self.plan
+        st = plan.stages[0]
+        if st.intra is None or (plan.table is not None and plan.table.solve_graph is not plan.graph):
+            raise LookupError("the plan's strategies are not per operator of this graph")
+        block = stage_device_blocks(plan, devices)[0]
+        mesh = _mesh(block, st.logical_mesh)
+        out_specs, output_specs = specs_from_strategies(plan.graph, st.intra.strategies)
+        replay = replay_with_shardings(plan.graph, self.model.step_fn, self.model.abstract_args, out_specs, mesh,
+                                       output_specs=output_specs)
+        self._replay = replay
+        self._spmd_step = replay.jit(compiler_options=self._compiler_options)
+        params, opt_state, _ = self.model.init(seed)
+        self._spmd_state = (jax.tree_util.tree_map(move, params, replay.in_shardings[0]),
+                            jax.tree_util.tree_map(move, opt_state, replay.in_shardings[1]))
+        self.mesh = mesh
+
+    def _step_spmd(self, batch) -> float:
+        params, opt_state = self._spmd_state
+        batch = jax.tree_util.tree_map(move, batch, self._replay.in_shardings[2])
+        t0 = time.perf_counter()
+        params, opt_state, loss = self._spmd_step(params, opt_state, batch)
+        loss = float(loss)
+        self.step_times.append(time.perf_counter() - t0)
+        self._spmd_state = (params, opt_state)
+        return loss
+
+    # --- pipeline ----------------------------------------------------------------------------------------------
+    def _step_pipeline(self, batch) -> float:
+        sm, plan = self.staged, self.plan
+        S, B = sm.num_stages, sm.microbatches
+        mbs = sm.split_batch(batch, B)
+        orders = [stage_order(k, S, B, plan.schedule) for k in range(S)]
+        pos = [0] * S
+        outs: dict[tuple[int, int], dict] = {}  # (stage, mb) -> forward outputs
+        ins: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the inputs its forward read
+        d_out: dict[tuple[int, int], dict] = {}  # (stage, mb) -> summed gradients of its outputs
+        # A stage's backward of microbatch j waits for the backward j of every stage that read its outputs (their
+        # gradients come back then; an integer output has none, but its reader must have run before it is freed).
+        pending = {(k, j): {(c, n) for n in sm.stage_outputs(k) if n != "loss" for c in sm.consumers(n)}
+                   for k in range(S) for j in range(B)}
+        grads: list[Any] = [None] * S
+        losses = []
+        times: dict = {}
+        done: list[tuple[int, str, int]] = []
+        remaining = 2 * S * B
+        t_step = time.perf_counter()
+        while remaining:
+            progressed = False
+            for k in range(S):
+                while pos[k] < len(orders[k]):
+                    kind, j = orders[k][pos[k]]
+                    if kind == "fwd":
+                        need = sm.stage_inputs(k)
+                        if any((sm.producer(n), j) not in outs for n in need):
+                            break
+                        inputs = {n: outs[(sm.producer(n), j)][n] for n in need}
+                        t0 = time.perf_counter()
+                        res = sm.forward(k, self._params[k], inputs, mbs[j])
+                        if self.timing:
+                            _block(res)
+                        times.setdefault((k, "fwd"), []).append(time.perf_counter() - t0)
+                        outs[(k, j)] = res
+                        ins[(k, j)] = inputs
+                        if k == S - 1:
+                            losses.append(res["loss"])
+                    else:
+                        if (k, j) not in outs or pending[(k, j)]:
+                            break
+                        t0 = time.perf_counter()
+                        g, d_inputs = sm.backward(k, self._params[k], ins.pop((k, j)), mbs[j], d_out.pop((k, j), {}))
+                        for n in sm.stage_inputs(k):
+                            pending[(sm.producer(n), j)].discard((k, n))
+                        grads[k] = g if grads[k] is None else sm.add_grads(k, grads[k], g)
+                        if self.timing:
+                            _block(grads[k])
+                        times.setdefault((k, "bwd"), []).append(time.perf_counter() - t0)
+                        for n, d in d_inputs.items():  # gradients go back to their producer's mesh, summed there
+                            p = sm.producer(n)
+                            d = move(d, sm.value_sharding(p, n))
+                            acc = d_out.setdefault((p, j), {})
+                            acc[n] = d if n not in acc else acc[n] + d
+                        outs.pop((k, j), None)  # every reader of it has run its backward: free it
+                    done.append((k, kind, j))
+                    pos[k] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("the pipeline driver is stuck (a stage waits for a value nobody produces); this "
+                                   "is a bug in the stage split.")
+        for k in range(S):
+            self._params[k], self._opt[k] = sm.update(k, self._params[k], self._opt[k], grads[k])
+        loss = float(np.mean([float(x) for x in losses]))
+        _block(self._params)
+        self.step_times.append(time.perf_counter() - t_step)
+        self._task_times.append(times)
+        self.last_tasks = tuple(done)
+        return loss
+
+    # --- public -------------------------------------------------------------------------------------------------
+    def step(self, batch) -> float:
+        """One training step on ``batch`` (the full batch; it is split into the plan's microbatches): the loss
+        (mean of the microbatch losses, which for a mean loss equals the full batch's loss)."""
+        loss = self._step_spmd(batch) if self.mode == "spmd" else self._step_pipeline(batch)
+        self.losses.append(loss)
+        return loss
+
+    def train(self, steps: int, batches: Sequence | None = None, seed: int = 0) -> list[float]:
+        """``steps`` training steps; ``batches`` defaults to the model's synthetic batches, the batch of step ``i``
+        being ``model.init(seed + i)``'s (a fixed key per step, so runs are repeatable). Returns the losses."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
+        if batches is not None and len(batches) < steps:
+            raise ValueError(f"{steps} steps need {steps} batches, got {len(batches)}.")
+        out = []
+        for i in range(steps):
+            batch = batches[i] if batches is not None else synthetic_batch(self.model, seed + i)
+            out.append(self.step(batch))
+        return out
+
+    @property
+    def params(self):
+        """The full parameter pytree (stages merged)."""
+        if self.mode == "spmd":
+            return self._spmd_state[0]
+        return self.staged.merge_params(self._params)
+
+    @property
+    def stage_params(self) -> list:
+        """Each stage's parameters (flat dicts keyed by pytree path); one full pytree in spmd mode."""
+        return [self._spmd_state[0]] if self.mode == "spmd" else list(self._params)
+
+    def measured_step_s(self) -> float | None:
+        """Median wall time of the steps after the first (which compiles); None before two steps."""
+        later = self.step_times[1:]
+        return statistics.median(later) if later else None
+
+    def stage_times(self) -> list[dict]:
+        """Per stage: the plan's predicted forward / backward seconds per microbatch, and the measured ones (median
+        over steps after the first of each step's mean per microbatch; None in spmd mode, with ``timing=False``, or
+        before two steps)."""
+        rows = []
+        later = self._task_times[1:]
+        for k, st in enumerate(self.plan.stages):
+            row = {"stage": k, "predicted_fwd_s": st.fwd_s, "predicted_bwd_s": st.bwd_s,
+                   "measured_fwd_s": None, "measured_bwd_s": None}
+            if self.mode == "pipeline" and later and self.timing:
+                for kind in ("fwd", "bwd"):
+                    per_step = [statistics.fmean(t[(k, kind)]) for t in later if t.get((k, kind))]
+                    row[f"measured_{kind}_s"] = statistics.median(per_step) if per_step else None
+            rows.append(row)
+        return rows
+
+    def report(self) -> dict:
+        """A JSON-ready summary: plan, mode, devices, losses, predicted and measured step and stage times."""
+        measured = self.measured_step_s()
+        predicted = self.plan.cost.step_time_s
+        if self.mode == "pipeline":
+            devices = [[str(d) for d in self.staged.mesh(k).devices.flat] for k in range(self.staged.num_stages)]
+        else:
+            devices = [[str(d) for d in self.mesh.devices.flat]]
+        return {
+            "model": getattr(self.model, "name", ""),
+            "method": self.plan.method,
+            "mode": self.mode,
+            "num_stages": len(self.plan.stages),
+            "microbatches": int(self.plan.microbatches),
+            "schedule": self.plan.schedule,
+            "logical_meshes": [list(st.logical_mesh) for st in self.plan.stages],
+            "devices": devices,
+            "steps": len(self.losses),
+            "losses": list(self.losses),
+            "predicted_step_s": predicted,
+            "measured_step_s": measured,
+            "measured_over_predicted": (measured / predicted) if measured and predicted else None,
+            "timing": self.timing,
+            "stage_times": self.stage_times(),
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self):
+        return (f"Runner({self.plan.method}, {self.mode}, {len(self.plan.stages)} stage(s), "
+                f"{self.plan.microbatches} microbatch(es), {len(self.losses)} step(s) run)")
+
+
+def execute(plan, model, *, seed: int = 0, devices=None, timing: bool = True, mode: str = "auto",
+            compiler_options=None, optimizer=None) -> Runner:
+    """Run ``plan`` for ``model`` on local JAX devices; returns a :class:`Runner` (``.step(batch)``, ``.train(n)``).
+
+    ``devices``: the jax devices to use (default ``jax.local_devices()``; stage k takes the k-th contiguous block).
+    A plan that needs more devices than there are, or that was made for another model, raises ValueError.
+    ``mode``: ``"auto"`` (spmd for one stage and one microbatch, else pipeline), ``"pipeline"`` or ``"spmd"``.
+    ``compiler_options``: XLA options for the compiled programs (``{"xla_backend_optimization_level": 0}`` compiles
+    several times faster on CPU). ``timing``: wait for each pipeline task so ``stage_times()`` can measure it.
+    ``optimizer``: the optax transformation the model's step uses, for a ModelSpec outside the zoo that has no
+    ``optimizer`` attribute (pipelines apply it per stage).
+    """
+    return Runner(plan, model, seed=seed, devices=devices, timing=timing, mode=mode,
+                  compiler_options=compiler_options, optimizer=optimizer)

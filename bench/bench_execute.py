@@ -1,0 +1,173 @@
+"""Benchmark (issue 5, benchmark 2): predicted against measured step time of plans run on 8 local CPU devices.
+
+A small GPT (gpt-tiny's shape, a batch that 8 devices can split) is planned on the ``cpu`` preset cluster (1 host x
+8 devices, figures calibrated on this machine: ``autopar_lab/profiles/cpu.json``) in several ways: data parallel,
+tensor parallel (Megatron dp=1, tp=8), pipelines (pp=2, pp=4), a mix (dp=2, tp=2, pp=2) and Alpa's auto plan. Each
+plan runs with :func:`autopar_lab.execute` (one-stage plans: the step replayed with every operator's sharding;
+pipelines: stages on their own devices, driven in the plan's schedule), and the measured step time (median of a few
+steps after a warm-up step that compiles; the plans take turns, one step each per round, so load on this shared
+machine hits them alike) is set against the plan's predicted step time.
+
+Printed: one row per plan (predicted, measured, measured/predicted), the Spearman rank correlation of predicted and
+measured (computed here: Pearson correlation of the ranks, ties averaged), and whether the auto plan is within 10%
+of the fastest measured plan.
+
+    JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu .venv/bin/python bench/bench_execute.py [--steps 5] [--layers 4]
+        [--batch 16] [--hidden 32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+
+def ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties given the mean of the ranks they span.
+
+    >>> ranks([30.0, 10.0, 20.0, 10.0])
+    [4.0, 1.5, 3.0, 1.5]
+    """
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    out = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: the Pearson correlation of the ranks.
+
+    >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3], [3, 2, 1])
+    (1.0, -1.0)
+    """
+    ra, rb = ranks(list(a)), ranks(list(b))
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def plans(model, cluster):
+    import autopar_lab as al
+
+    first = al.data_parallel_plan(model, cluster)
+    table = first.table
+    out = [("data parallel", first),
+           ("tensor (dp=1,tp=8)", al.megatron_plan(model, cluster, dp=1, tp=8, pp=1, _table_cache=table)),
+           ("pipeline (dp=4,pp=2)", al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=2,
+                                                     _table_cache=table)),
+           ("pipeline (dp=2,pp=4)", al.megatron_plan(model, cluster, dp=2, tp=1, pp=4, microbatches=4,
+                                                     _table_cache=table)),
+           ("mixed (dp=2,tp=2,pp=2)", al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2,
+                                                       _table_cache=table)),
+           ("auto", al.auto_plan(model, cluster, _table_cache=table))]
+    return out
+
+
+def measure_all(candidates, model, steps: int) -> list[dict]:
+    """Build every runner and run its warm-up step (which compiles), then time the plans round-robin, one step
+    each per round, so a change in the machine's load (it is shared) hits every plan alike."""
+    import autopar_lab as al
+
+    runners = []
+    for name, plan in candidates:
+        t0 = time.perf_counter()
+        runner = al.execute(plan, model, timing=False)
+        runner.step(_batch(model, 0))
+        runners.append((runner, time.perf_counter() - t0))
+    for i in range(steps):
+        for runner, _ in runners:
+            runner.step(_batch(model, 1 + i))
+    out = []
+    for runner, first in runners:
+        rep = runner.report()
+        later = runner.step_times[1:]
+        rep["measured_step_s"] = statistics.median(later)
+        rep["first_step_s"] = first
+        out.append(rep)
+    return out
+
+
+def _batch(model, i):
+    from autopar_lab.runtime.local import synthetic_batch
+
+    return synthetic_batch(model, i)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per plan (after one warm-up step)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import autopar_lab as al
+
+    if jax.device_count() < 8:
+        raise SystemExit("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu")
+    model = al.models.get("gpt-tiny", batch_size=args.batch, num_layers=args.layers, hidden_size=args.hidden)
+    cluster = al.Cluster.preset("cpu", hosts=1)
+    t0 = time.perf_counter()
+    candidates = plans(model, cluster)
+    plan_s = time.perf_counter() - t0
+    rows = []
+    for (name, plan), rep in zip(candidates, measure_all(candidates, model, args.steps)):
+        rows.append({"plan": name, "method": plan.method, "stages": len(plan.stages),
+                     "meshes": [list(st.logical_mesh) for st in plan.stages], "microbatches": plan.microbatches,
+                     "mode": rep["mode"], "predicted_s": plan.cost.step_time_s, "measured_s": rep["measured_step_s"],
+                     "ratio": rep["measured_step_s"] / plan.cost.step_time_s, "first_step_s": rep["first_step_s"],
+                     # compiled programs launched per step: one in spmd mode; else a forward and a backward per
+                     # stage and microbatch, and one update per stage
+                     "programs": 1 if rep["mode"] == "spmd" else len(plan.stages) * (2 * plan.microbatches + 1),
+                     "final_loss": rep["losses"][-1]})
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    rho = spearman(pred, meas)
+    fastest = min(meas)
+    auto = next(r for r in rows if r["plan"] == "auto")
+    out = {"model": f"gpt-tiny (L={args.layers}, H={args.hidden}, batch={args.batch}, seq={model.config.seq_len})",
+           "cluster": "cpu preset, 1 host x 8 devices", "steps": args.steps, "plan_s": plan_s, "rows": rows,
+           "spearman": rho, "auto_over_fastest": auto["measured_s"] / fastest,
+           "auto_within_10pct": auto["measured_s"] <= 1.10 * fastest,
+           "fastest": min(rows, key=lambda r: r["measured_s"])["plan"]}
+    # Every plan trains the same model from the same start on the same batches: their losses must agree.
+    finals = [r["final_loss"] for r in rows]
+    out["final_loss_spread"] = (max(finals) - min(finals)) / abs(statistics.fmean(finals))
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return out
+    print(f"{out['model']} on {out['cluster']}; median of {args.steps} steps after a warm-up step; "
+          f"planning {plan_s:.1f} s")
+    print(f"{'plan':<24} {'stages':>6} {'meshes':<22} {'mb':>3} {'mode':<8} {'programs':>8} {'pred ms':>9} "
+          f"{'meas ms':>9} {'meas/pred':>9} {'(meas-pred)/program ms':>22} {'build+1st s':>13}")
+    for r in rows:
+        meshes = ",".join(f"{a}x{b}" for a, b in r["meshes"])
+        print(f"{r['plan']:<24} {r['stages']:>6} {meshes:<22} {r['microbatches']:>3} {r['mode']:<8} "
+              f"{r['programs']:>8} {r['predicted_s'] * 1e3:>9.3f} {r['measured_s'] * 1e3:>9.3f} {r['ratio']:>9.2f} "
+              f"{(r['measured_s'] - r['predicted_s']) / r['programs'] * 1e3:>22.2f} {r['first_step_s']:>13.1f}")
+    print(f"final losses agree across plans to {out['final_loss_spread']:.1e} (relative spread)")
+    print(f"Spearman rank correlation (predicted vs measured): {rho:.3f}")
+    print(f"fastest measured: {out['fastest']}; auto / fastest = {out['auto_over_fastest']:.3f} "
+          f"({'within' if out['auto_within_10pct'] else 'NOT within'} 10%)")
+    return out
+
+
+if __name__ == "__main__":
+    main()

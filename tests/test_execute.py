@@ -1,0 +1,226 @@
+"""al.execute / split_stages: a plan run on the 8 local CPU devices trains exactly like the single-device step.
+
+Every check compares against ``model.step_fn`` (or ``jax.grad(model.loss_fn)``) jitted on one device, in float32.
+Programs are compiled with XLA's CPU backend optimisation off (several times faster to compile; same numbers up to
+rounding), and plans share one cost table, so the file stays well under a minute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar_lab as al
+from autopar_lab.runtime.partition import split_stages
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
+
+FAST = {"xla_backend_optimization_level": 0}
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return al.models.get("gpt-tiny", batch_size=8, num_layers=2)  # layers: embed, layer_0, layer_1, head
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = al.Cluster.preset("cpu", hosts=1)
+    assert c.num_devices == 8
+    return c
+
+
+@pytest.fixture(scope="module")
+def plan2(model, cluster):
+    p = al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2)
+    assert [st.devices for st in p.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Losses of STEPS steps of the model's own step_fn, jitted on one device, on the runner's default batches."""
+    dev = jax.devices()[0]
+    step = jax.jit(model.step_fn, compiler_options=FAST)
+    params, opt_state, _ = jax.device_put(model.init(0), dev)
+    losses = []
+    for i in range(STEPS):
+        params, opt_state, loss = step(params, opt_state, jax.device_put(model.init(i)[2], dev))
+        losses.append(float(loss))
+    return losses, params
+
+
+def _close(a, b, rtol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=1e-7)
+
+
+def test_two_stage_1f1b_trains_like_one_device(model, plan2, reference):
+    runner = al.execute(plan2, model, compiler_options=FAST)
+    assert runner.mode == "pipeline" and runner.staged.num_stages == 2
+    assert [str(d) for d in runner.staged.mesh(1).devices.flat] == [str(d) for d in jax.devices()[4:8]]
+    losses = runner.train(STEPS)
+    _close(losses, reference[0])
+    # the parameters after training, too (to Adam's resolution: a gradient that is rounding noise on both sides
+    # still moves its weight by up to the learning rate, in either direction)
+    for a, b in zip(jax.tree_util.tree_leaves(runner.params), jax.tree_util.tree_leaves(reference[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=STEPS * 2e-3)
+    assert runner.params["wte"].shape == reference[1]["wte"].shape
+    # stage 0 ran on its own devices, with the plan's (2, 2) mesh
+    wte = runner.stage_params[0]["['wte']"]
+    assert {d.id for d in wte.sharding.device_set} <= {d.id for d in jax.devices()[:4]}
+    # per-stage timings: measured medians exist after the first step, next to the plan's predictions
+    rows = runner.stage_times()
+    assert [r["stage"] for r in rows] == [0, 1]
+    assert all(r["measured_fwd_s"] > 0 and r["measured_bwd_s"] > 0 and r["predicted_fwd_s"] > 0 for r in rows)
+    rep = runner.report()
+    assert rep["losses"] == losses and rep["num_stages"] == 2 and rep["measured_step_s"] > 0
+
+
+def test_gpipe_same_losses_and_its_order(model, cluster, plan2, reference):
+    gpipe = al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2, schedule="gpipe",
+                             _table_cache=plan2.table)
+    runner = al.execute(gpipe, model, compiler_options=FAST)
+    _close(runner.train(STEPS), reference[0])
+    # stage 0 ran every forward before any backward (GPipe), the schedule's own order
+    order0 = [(kind, j) for k, kind, j in runner.last_tasks if k == 0]
+    assert order0 == [("fwd", 0), ("fwd", 1), ("bwd", 0), ("bwd", 1)]
+
+
+@pytest.mark.slow  # 4 stages x 4 programs to compile: ~15 s of CPU
+def test_four_stages_one_layer_each(model, cluster, plan2, reference):
+    plan4 = al.megatron_plan(model, cluster, dp=2, tp=1, pp=4, microbatches=4, _table_cache=plan2.table)
+    runner = al.execute(plan4, model, compiler_options=FAST)
+    sm = runner.staged
+    assert sm.num_stages == 4
+    assert [d["layers"] for d in sm.describe()] == [["embed", "embed"], ["layer_0", "layer_0"],
+                                                    ["layer_1", "layer_1"], ["head", "head"]]
+    # the tied embedding skips two stages: embed (stage 0) owns it, head (stage 3) reads it
+    assert sm.producer("params['wte']") == 0 and "params['wte']" in sm.stage_inputs(3)
+    assert sm.stage_outputs(3) == ("loss",)
+    _close(runner.train(STEPS), reference[0])
+    # 1F1B on 4 stages, 4 microbatches: stage 1 warms up with 3 forwards, then alternates
+    order1 = [(kind, j) for k, kind, j in runner.last_tasks if k == 1]
+    assert order1[:4] == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0)]
+
+
+def test_tied_weight_gradient_sums_both_uses(model, plan2):
+    """The gradient of wte (used by embed on stage 0 and by head on stage 1) is the sum of both uses: equal to
+    jax.grad of the whole loss, and different from stage 0's own part alone."""
+    sm = split_stages(model, plan2, compiler_options=FAST)
+    assert "params['wte']" in sm.stage_outputs(0) and "params['wte']" in sm.stage_inputs(1)
+    assert "['wte']" in sm.stage_param_keys(0) and "['wte']" not in sm.stage_param_keys(1)
+    params, _, batch = model.init(0)
+    ref = jax.jit(jax.grad(model.loss_fn), compiler_options=FAST)(params, batch)
+    p = [sm.init_stage(k, 0)[0] for k in range(2)]
+    grads = [None, None]
+    own_part = None
+    for mb in sm.split_batch(batch, 2):
+        acts = sm.forward(0, p[0], {}, mb)
+        g1, d1 = sm.backward(1, p[1], acts, mb)
+        g0, _ = sm.backward(0, p[0], {}, mb, d1)
+        # the same program with head's use of wte cut off (a zero gradient for it): embed's part alone
+        g0_alone, _ = sm.backward(0, p[0], {}, mb, {k: (jnp.zeros_like(v) if k == "params['wte']" else v)
+                                                     for k, v in d1.items()})
+        own_part = g0_alone["['wte']"] if own_part is None else own_part + g0_alone["['wte']"]
+        grads = [g0, g1] if grads[0] is None else [sm.add_grads(0, grads[0], g0), sm.add_grads(1, grads[1], g1)]
+    merged = sm.merge_params(grads)
+    for a, b in zip(jax.tree_util.tree_leaves(merged), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    assert float(jnp.max(jnp.abs(own_part - ref["wte"]))) > 1e-3 * float(jnp.max(jnp.abs(ref["wte"])))
+    # init_stage holds the same numbers as model.init
+    np.testing.assert_array_equal(np.asarray(p[0]["['wte']"]), np.asarray(params["wte"]))
+
+
+def test_plan_needing_more_devices_is_refused(model, plan2):
+    with pytest.raises(ValueError, match=r"needs 8 devices .* only 4 are available"):
+        al.execute(plan2, model, devices=jax.devices()[:4])
+
+
+def test_plan_for_another_model_is_refused(plan2):
+    other = al.models.get("gpt-tiny", batch_size=8, num_layers=2, hidden_size=64)
+    with pytest.raises(ValueError, match="made for another model.*args\\[0\\]"):
+        al.execute(plan2, other)
+    deeper = al.models.get("gpt-tiny", batch_size=8, num_layers=3)
+    with pytest.raises(ValueError, match="another model"):
+        split_stages(deeper, plan2)
+
+
+def test_bad_stage_index_and_batch(model, plan2):
+    sm = split_stages(model, plan2, compiler_options=FAST)
+    with pytest.raises(ValueError, match="stages 0..1"):
+        sm.stage_inputs(2)
+    batch = model.init(0)[2]
+    with pytest.raises(ValueError, match="traced for the plan's 2 microbatches, not 3"):
+        sm.split_batch(batch, 3)
+    with pytest.raises(ValueError, match="has 4 samples but the model .* take 8"):
+        sm.split_batch(jax.tree_util.tree_map(lambda x: x[:4], batch))
+    halves = sm.split_batch(batch)
+    np.testing.assert_array_equal(np.concatenate([h["tokens"] for h in halves]), np.asarray(batch["tokens"]))
+
+
+def _mlp_spec(marked: bool):
+    """A model outside the zoo: 3 tanh layers, the last one reusing the first weight (tied), loss outside any layer.
+    Layers come from named scopes, or (marked=True) from al.pipeline_boundary markers."""
+    from autopar_lab.models.base import make_spec
+
+    def init_params(key):
+        return {"w": [0.5 * jax.random.normal(k, (16, 16)) for k in jax.random.split(key, 3)]}
+
+    def make_batch(key):
+        return {"x": jax.random.normal(key, (8, 16))}
+
+    def layer(i, h, w, mask):
+        h = jnp.tanh(h @ w)
+        if i == 0:
+            mask = (h > 0).astype(jnp.int32)  # an integer value the last layer reads: crosses the cut, no gradient
+        if i == 2:
+            h = h * (1 + 0.1 * mask)
+        return h, mask
+
+    def loss_fn(params, batch):
+        h, mask = batch["x"], None
+        for i, w in enumerate(params["w"]):
+            w = w + params["w"][0] if i == 2 else w
+            if marked:
+                h, mask = layer(i, h, w, mask)
+                h = al.pipeline_boundary(h) if i < 2 else h
+            else:
+                with jax.named_scope(f"dense_{i}"):
+                    h, mask = layer(i, h, w, mask)
+        return jnp.mean(h ** 2)
+
+    return make_spec("mlp3-marked" if marked else "mlp3", "custom", None, init_params, make_batch, loss_fn)
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["scopes", "markers"])
+def test_any_model_with_scopes_or_markers(cluster, marked):
+    import optax
+
+    from autopar_lab.models.base import LEARNING_RATE
+
+    spec = _mlp_spec(marked)
+    graph = spec.trace()
+    if marked:
+        graph = al.relayer(graph, boundaries="markers")
+    plan = al.megatron_plan(graph, cluster, dp=4, tp=1, pp=2, microbatches=2)
+    assert len(plan.layer_names) == 3 and [st.layers for st in plan.stages] == [(0, 1), (2, 2)]
+    with pytest.raises(ValueError, match="optimizer"):
+        split_stages(spec, plan)
+    opt = optax.adam(LEARNING_RATE)
+    runner = al.execute(plan, spec, optimizer=opt, compiler_options=FAST)
+    sm = runner.staged
+    assert sm.stage_param_keys(0) == ("['w'][0]", "['w'][1]") and sm.stage_param_keys(1) == ("['w'][2]",)
+    assert "params['w'][0]" in sm.stage_inputs(1)  # the tied weight crosses the cut
+    ints = [n for n in sm.stage_inputs(1) if not sm.is_differentiable(n)]
+    assert len(ints) == 1 and sm.producer(ints[0]) == 0
+    losses = runner.train(2)
+    params, opt_state, _ = spec.init(0)
+    step = jax.jit(spec.step_fn, compiler_options=FAST)
+    ref = []
+    for i in range(2):
+        params, opt_state, loss = step(params, opt_state, spec.init(i)[2])
+        ref.append(float(loss))
+    _close(losses, ref)
