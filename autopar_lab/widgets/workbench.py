@@ -68,9 +68,11 @@ class Workbench:
         self.status = w.HTML("")
         self.status.add_class("autopar-status")
         session.subscribe(self._on_event)
-        left = w.VBox([self.graph.widget, self.table.widget], layout=w.Layout(width="58%"))
-        right = w.VBox([self.cost.widget, self.layout.widget], layout=w.Layout(width="42%"))
-        self.widget = w.VBox([w.HTML(_STYLE), self.controls.widget, self.status, w.HBox([left, right]),
+        # Two columns that wrap under each other when the notebook is narrow, so no view is cut off.
+        left = w.VBox([self.graph.widget, self.table.widget], layout=w.Layout(flex="1 1 560px", min_width="0"))
+        right = w.VBox([self.cost.widget, self.layout.widget], layout=w.Layout(flex="1 1 420px", min_width="0"))
+        columns = w.HBox([left, right], layout=w.Layout(flex_flow="row wrap", width="100%"))
+        self.widget = w.VBox([w.HTML(_STYLE), self.controls.widget, self.status, columns,
                               self.timeline.widget])
         self.widget.add_class("autopar-workbench")
         self.timings = {"plan_s": t1 - t0, "views_s": time.perf_counter() - t1}
