@@ -202,12 +202,75 @@ def _print_optimum(out: dict) -> None:
 # --- end optimum ------------------------------------------------------------------------------------------------------
 
 
+# --- train (Ray: embedded local cluster, or a cluster's Jobs API) -------------------------------------------------
+def cmd_train(args) -> dict:
+    """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json."""
+    import json as _json
+
+    from .cluster import Cluster
+    from .planfile import load_plan
+    from .runtime.launch import launch, shutdown_local_ray
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be a positive whole number, got {args.steps}")
+    model = _model(args)
+    try:
+        data = _json.loads(open(args.plan).read())
+        cluster = Cluster.from_json(data["cluster"])
+    except OSError as e:
+        raise UsageError(f"cannot read plan file {args.plan!r} ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"plan file {args.plan!r} is not a valid plan file ({e})") from None
+    plan = load_plan(args.plan, model.trace(), cluster, model=model)
+
+    def show(ev):
+        if ev.kind == "step":
+            times = " ".join(f"{t * 1e3:.1f}" for t in ev.stage_times)
+            print(f"step {ev.step}/{args.steps}  loss {ev.loss:.5f}  {ev.samples_per_s:.1f} samples/s  "
+                  f"stage ms [{times}]", flush=True)
+        elif ev.kind == "restart":
+            print(f"restart: {ev.message}", flush=True)
+
+    ours = not args.ray_address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    try:
+        job = launch(plan, model, args.steps, ray_address=args.ray_address, seed=args.seed,
+                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                     device_kind=args.device_kind,
+                     compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None,
+                     on_progress=None if args.json else show)
+        try:
+            result = job.wait()
+        except KeyboardInterrupt:
+            job.cancel()
+            result = job.wait()
+    except RuntimeError as e:  # the job failed (JobFailed) or the embedded Ray did not start
+        raise UsageError(f"training failed: {e}") from None
+    finally:
+        if ours:
+            shutdown_local_ray()
+    result = dict(result)
+    result["stages"] = len(plan.stages)
+    return result
+
+
+def _print_train(out: dict) -> None:
+    print(f"{out['model']}: {out['steps_run']} steps ({out['status']}), step {out['step_time_s'] or 0:.4g} s "
+          f"(predicted {out['predicted_step_s']:.4g} s), {out['restarts']} restart(s)")
+    for r in out["stage_times"]:
+        if r["measured_fwd_s"] is not None:
+            print(f"  stage {r['stage']}: fwd {r['measured_fwd_s'] * 1e3:.2f} ms (predicted "
+                  f"{r['predicted_fwd_s'] * 1e3:.3g}), bwd {r['measured_bwd_s'] * 1e3:.2f} ms (predicted "
+                  f"{r['predicted_bwd_s'] * 1e3:.3g})")
+# --- end train --------------------------------------------------------------------------------------------------------
+
+
 COMMANDS: dict[str, tuple[Callable, Callable | None]] = {
     "graph": (cmd_graph, _print_graph),
     "plan": (cmd_plan, _print_plan),
     "compare": (cmd_compare, _print_compare),
     "validate": (cmd_validate, None),
     "optimum": (cmd_optimum, _print_optimum),
+    "train": (cmd_train, _print_train),
 }
 
 
@@ -250,6 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sp)
     sp.add_argument("--cluster", required=True)
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
+
+    sp = sub.add_parser("train", help="train a model with a saved plan on Ray (embedded local cluster by default)")
+    model_args(sp)
+    sp.add_argument("--plan", required=True, help="a plan file written by al.save_plan")
+    sp.add_argument("--steps", type=int, required=True)
+    sp.add_argument("--ray-address", dest="ray_address", help="a cluster's dashboard address, http://HEAD:8265")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--checkpoint-dir", dest="checkpoint_dir")
+    sp.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
+    sp.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir")
+    sp.add_argument("--device-kind", dest="device_kind", choices=["cpu", "gpu"])
+    sp.add_argument("--fast-compile", dest="fast_compile", action="store_true",
+                    help="compile the stage programs without XLA's backend optimisations (quicker on CPU)")
     return p
 
 

@@ -1,0 +1,371 @@
+"""``al.launch``: train a plan on Ray, from a notebook or the command line.
+
+With no address, an embedded Ray starts in this process (nothing to set up) and the job's driver runs in a
+background thread; with ``ray_address="http://HEAD:8265"`` the job is submitted to an existing cluster through the
+Ray Jobs API, with a runtime_env carrying the job spec (model by zoo name and config, the plan as JSON) and the
+``autopar_lab`` package. Either way the same driver runs (:mod:`autopar_lab.runtime.train_entry`), and the returned
+:class:`Job` streams progress (step, loss, samples/s, per-stage time), can be cancelled, and reports the measured
+per-stage times beside the plan's predictions.
+
+    >>> job = launch(plan, model, steps=20, checkpoint_dir="ck", checkpoint_every=5)   # doctest: +SKIP
+    >>> job.subscribe(lambda ev: print(ev.step, ev.loss))                               # doctest: +SKIP
+    >>> job.wait()["losses"]                                                            # doctest: +SKIP
+
+Security. The embedded cluster listens on the loopback interface only (Ray's single-machine mode:
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it starts, node address 127.0.0.1, no dashboard), and it uses Ray's
+token authentication: ``RAY_AUTH_MODE=token`` unless you set ``RAY_AUTH_MODE`` yourself (then that is respected). The
+token is yours if you have one (``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else
+``~/.ray/auth_token``); otherwise a throwaway random token is written into the cluster's private temporary directory
+and removed with it (nothing is written to your home directory). For a token-protected remote cluster, set
+``RAY_AUTH_MODE=token`` and the cluster's token (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``, or
+``~/.ray/auth_token``) before launching: the Jobs API client sends it as a bearer token.
+
+Ray is imported only on these launch paths, never by ``import autopar_lab``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .progress import ProgressChannel, ProgressEvent, parse_event
+from .train_entry import RESULT_PREFIX, JobFailed, check_resources, job_spec, run_job
+
+__all__ = ["launch", "Job", "RemoteJob", "start_local_ray", "shutdown_local_ray", "remote_submission", "JobFailed"]
+
+_LOCAL: dict = {"owned": False, "temp_dir": None, "env_set": ()}
+_LOCK = threading.Lock()
+
+
+# ------------------------------------------------------------------------------------------------ embedded Ray
+
+def _has_token() -> bool:
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    try:
+        return bool(Path(path).read_text().strip())
+    except OSError:
+        return False
+
+
+def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None = None, attempts: int = 4):
+    """The embedded Ray (started once per process), or the Ray this process is already connected to; the ``ray``
+    module, connected.
+
+    Every service listens on 127.0.0.1: Ray's single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it
+    starts), node address 127.0.0.1, no dashboard. Authentication: ``RAY_AUTH_MODE=token`` unless the environment sets
+    ``RAY_AUTH_MODE`` (then that is respected); the token is Ray's (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``) or, when none exists, a fresh random one in the cluster's private temporary directory
+    (mode 0700), for its lifetime only; nothing is written to the home directory.
+    """
+    with _LOCK:
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            return sys.modules["ray"]
+        set_here = []
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            set_here.append("RAY_AUTH_MODE")
+        temp_dir = tempfile.mkdtemp(prefix="autopar-ray-")  # 0700: only this user can read what is inside
+        if os.environ["RAY_AUTH_MODE"].lower() == "token" and not _has_token():
+            token_file = Path(temp_dir) / "auth_token"
+            token_file.write_text(secrets.token_hex(32))
+            token_file.chmod(0o600)
+            os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+            set_here.append("RAY_AUTH_TOKEN_PATH")
+        _LOCAL.update(temp_dir=temp_dir, env_set=tuple(set_here))
+        saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        try:
+            import ray
+            from ray._private import ray_constants
+
+            last = None
+            for _ in range(max(int(attempts), 1)):
+                was = ray_constants.ENABLE_RAY_CLUSTER
+                ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the variable was set
+                try:
+                    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                             _temp_dir=os.path.join(temp_dir, "ray"), object_store_memory=object_store_memory,
+                             log_to_driver=False, configure_logging=False, namespace="autopar-lab")
+                    _LOCAL["owned"] = True
+                    return ray
+                except Exception as e:  # noqa: BLE001
+                    # On a loaded machine Ray's agents can start slower than the raylet's hard-coded 15 s wait
+                    # for them (ray-project/ray#65983); ray.init then says "timed out during startup" and a fresh
+                    # attempt often gets through.
+                    last = e
+                    ray.shutdown()
+                    if "timed out during startup" not in str(e):
+                        break
+                finally:
+                    ray_constants.ENABLE_RAY_CLUSTER = was
+            _cleanup_local()
+            raise RuntimeError(f"the embedded Ray did not start ({' '.join(str(last).split())[:200]}); on a busy "
+                               "machine try again, or start Ray yourself and pass its address.")
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+            else:
+                os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+
+
+def _cleanup_local() -> None:
+    for name in _LOCAL["env_set"]:
+        os.environ.pop(name, None)
+    if _LOCAL["temp_dir"]:
+        shutil.rmtree(_LOCAL["temp_dir"], ignore_errors=True)
+    _LOCAL.update(owned=False, temp_dir=None, env_set=())
+
+
+def shutdown_local_ray() -> None:
+    """Stop the embedded Ray (if this module started it), remove its temporary directory and token."""
+    with _LOCK:
+        if not _LOCAL["owned"]:
+            return
+        import ray
+
+        ray.shutdown()
+        _cleanup_local()
+
+
+atexit.register(shutdown_local_ray)
+
+
+# ---------------------------------------------------------------------------------------------------- handles
+
+class Job:
+    """A training job on the embedded Ray: progress, cancel, result.
+
+    ``status()``: "running", "done", "cancelled" or "error". ``wait()`` returns the result dict (losses,
+    step_time_s, stage_times, restarts, ...) and raises JobFailed if the job failed. ``losses`` and ``progress``
+    grow while it runs; ``subscribe(cb)`` calls ``cb(event)`` for every :class:`ProgressEvent` (past ones first).
+    """
+
+    def __init__(self, spec: dict, channel: ProgressChannel):
+        self.spec = spec
+        self.channel = channel
+        self.result: dict | None = None
+        self._actors: list = []
+        self._thread: threading.Thread | None = None
+
+    # started by launch()
+    def _start(self, ray):
+        def body():
+            try:
+                self.result = run_job(self.spec, self.channel, ray, on_actors=self._set_actors)
+            except BaseException as e:  # noqa: BLE001 - the thread must always leave a result behind
+                self.result = {"status": "error", "message": f"{type(e).__name__}: {e}", "losses": []}
+                if not self.channel.finished:
+                    self.channel.publish(ProgressEvent(kind="error", message=self.result["message"]))
+
+        self._thread = threading.Thread(target=body, name="autopar-lab-job", daemon=True)
+        self._thread.start()
+
+    def _set_actors(self, handles):
+        self._actors = list(handles)
+
+    def stage_actors(self) -> list:
+        """The current stage actors (Ray handles), one per stage: for inspection or fault-injection tests."""
+        return list(self._actors)
+
+    def status(self) -> str:
+        if self.result is not None:
+            return self.result["status"]
+        return "running"
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until the job ends (or ``timeout`` seconds: TimeoutError); the result dict."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the job is still running after {timeout} s.")
+        if self.result["status"] == "error":
+            raise JobFailed(self.result["message"])
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the job cleanly at the end of the current step."""
+        self.channel.cancel()
+
+    def subscribe(self, callback, replay: bool = True):
+        return self.channel.subscribe(callback, replay=replay)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.channel.losses
+
+    @property
+    def progress(self) -> list[ProgressEvent]:
+        return list(self.channel.events)
+
+    @property
+    def checkpoint_dir(self):
+        return self.spec.get("checkpoint_dir")
+
+    def stage_times(self) -> list[dict]:
+        """Per stage: measured forward / backward seconds per microbatch (medians over steps after the first) beside
+        the plan's predicted Stage.fwd_s / bwd_s, and their ratios; from the finished job's result."""
+        if self.result is None or "stage_times" not in self.result:
+            return [{"stage": k, "predicted_fwd_s": p["fwd_s"], "predicted_bwd_s": p["bwd_s"],
+                     "measured_fwd_s": None, "measured_bwd_s": None} for k, p in enumerate(self.spec["predicted"])]
+        return self.result["stage_times"]
+
+    def __repr__(self):
+        return f"Job({self.spec['model']}, {self.status()}, {len(self.losses)}/{self.spec['steps']} steps)"
+
+
+class RemoteJob(Job):
+    """A job submitted to a cluster through the Ray Jobs API; progress comes from the job's log lines."""
+
+    def __init__(self, spec: dict, channel: ProgressChannel, client, job_id: str, workdir: str):
+        super().__init__(spec, channel)
+        self.client = client
+        self.job_id = job_id
+        self._workdir = workdir
+
+    def _start(self, ray=None, poll_s: float = 1.0):
+        def body():
+            seen = 0
+            try:
+                while True:
+                    status = str(self.client.get_job_status(self.job_id)).split(".")[-1]
+                    logs = self.client.get_job_logs(self.job_id)
+                    lines = logs.splitlines()
+                    for line in lines[seen:]:
+                        ev = parse_event(line)
+                        if ev is not None:
+                            self.channel.publish(ev)
+                        elif line.startswith(RESULT_PREFIX):
+                            self.result = json.loads(line[len(RESULT_PREFIX):])
+                    seen = len(lines)
+                    if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                        break
+                    time.sleep(poll_s)
+                if self.result is None:
+                    msg = {"STOPPED": "the job was stopped"}.get(status, f"the job ended {status} without a result; "
+                                                                         "see its logs on the cluster")
+                    self.result = {"status": "cancelled" if status == "STOPPED" else "error", "message": msg,
+                                   "losses": self.channel.losses}
+                    if not self.channel.finished:
+                        kind = "cancelled" if status == "STOPPED" else "error"
+                        self.channel.publish(ProgressEvent(kind=kind, message=msg))
+            except Exception as e:  # noqa: BLE001
+                self.result = {"status": "error", "message": f"lost the job's progress: {e}", "losses": []}
+            finally:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+
+        self._thread = threading.Thread(target=body, name="autopar-lab-remote-job", daemon=True)
+        self._thread.start()
+
+    def status(self) -> str:
+        if self.result is not None:
+            return self.result["status"]
+        return "running"
+
+    def cancel(self) -> None:
+        """Stop the job on the cluster (the Jobs API stops its driver and with it the stage actors)."""
+        self.channel.cancel()
+        self.client.stop_job(self.job_id)
+
+
+# ----------------------------------------------------------------------------------------------- remote clusters
+
+def _check_address(address: str) -> tuple[str, int]:
+    url = urlparse(address)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"ray_address must be the Ray dashboard's HTTP address, like http://HEAD:8265, got "
+                         f"{address!r}; leave it out to train on an embedded local Ray.")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=5):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot reach a Ray cluster at {address} ({e.strerror or e}); check the address (the "
+                         "dashboard's, usually port 8265) and that the cluster is up.") from None
+    return url.hostname, port
+
+
+def remote_submission(spec: dict, workdir: str | os.PathLike) -> tuple[str, dict]:
+    """The Jobs API entrypoint and runtime_env of a job spec: the spec (plan included) written to ``workdir`` (the
+    job's working_dir) and the ``autopar_lab`` package shipped as a py_module."""
+    workdir = Path(workdir)
+    (workdir / "job.json").write_text(json.dumps(spec))
+    package = Path(__file__).resolve().parents[1]
+    runtime_env = {
+        "working_dir": str(workdir),
+        "py_modules": [str(package)],
+        "excludes": ["__pycache__", "*.pyc"],
+        "env_vars": {"PYTHONUNBUFFERED": "1"},
+    }
+    return "python -m autopar_lab.runtime.train_entry job.json", runtime_env
+
+
+def _submit(spec: dict, address: str, channel: ProgressChannel) -> RemoteJob:
+    _check_address(address)
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as e:  # noqa: BLE001 - connection and auth failures: one clear sentence
+        text = " ".join(str(e).split())
+        hint = ("; the cluster uses token authentication: set RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN or "
+                "RAY_AUTH_TOKEN_PATH)" if any(w in text.lower() for w in ("401", "403", "auth", "token")) else "")
+        raise ValueError(f"cannot connect to the Ray Jobs API at {address} ({text[:200]}){hint}.") from None
+    workdir = tempfile.mkdtemp(prefix="autopar-job-")
+    entrypoint, runtime_env = remote_submission(spec, workdir)
+    try:
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+    except Exception as e:  # noqa: BLE001
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ValueError(f"the cluster at {address} refused the job ({' '.join(str(e).split())[:300]}).") from None
+    job = RemoteJob(spec, channel, client, job_id, workdir)
+    job._start()
+    return job
+
+
+# -------------------------------------------------------------------------------------------------------- launch
+
+def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int = 0,
+           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0, resume: bool = False,
+           device_kind: str | None = None, num_cpus: int | None = None, max_restarts: int = 3,
+           compiler_options: dict | None = None, on_progress=None, wait: bool = False) -> Job:
+    """Train ``model`` with ``plan`` for ``steps`` steps on Ray; returns a :class:`Job` (or waits for it).
+
+    ``ray_address``: None for an embedded local Ray (loopback only), or a cluster's dashboard address
+    (``http://HEAD:8265``) to submit through the Jobs API. ``checkpoint_dir`` / ``checkpoint_every``: per-stage
+    checkpoints every N steps (and at the end); a dead stage actor restarts from the last one; ``resume=True``
+    continues a run from its directory. ``device_kind``: "cpu" (stages on CPU devices, JAX_NUM_CPU_DEVICES per actor)
+    or "gpu" (num_gpus per actor); default: what the plan's cluster has. ``num_cpus``: CPUs of the embedded Ray
+    (default: one per stage). ``on_progress(event)``: subscribed before the job starts.
+
+    Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
+    cluster without enough devices for the plan.
+    """
+    spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
+                    checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
+                    compiler_options=compiler_options, max_restarts=max_restarts)
+    channel = ProgressChannel()
+    if on_progress is not None:
+        channel.subscribe(on_progress)
+    if ray_address:
+        job = _submit(spec, str(ray_address), channel)
+    else:
+        S = len(spec["plan"]["stages"])
+        ray = start_local_ray(num_cpus=num_cpus if num_cpus is not None else max(S, 1))
+        check_resources(ray, spec)
+        job = Job(spec, channel)
+        job._start(ray)
+    if wait:
+        job.wait()
+    return job

@@ -1,0 +1,381 @@
+"""The job's driver: start one actor per stage, walk the plan's schedule step by step, checkpoint, restart, report.
+
+One driver for both ways a job runs:
+
+- embedded local Ray (``al.launch(plan, model, steps)`` with no address): :func:`run_job` runs in a thread of the
+  notebook's process and publishes to a :class:`~autopar_lab.runtime.progress.ProgressChannel` directly;
+- a cluster through the Ray Jobs API: the job's entrypoint is ``python -m autopar_lab.runtime.train_entry job.json``
+  (this module's :func:`main`), which connects to the cluster it runs in and prints every progress event, and the
+  final result, as one tagged JSON line on stdout for the submitting side to read back from the job's logs.
+
+A *job spec* is JSON (:func:`job_spec`): the model by zoo name and config, the plan as its planfile object, steps,
+seed, checkpointing, and the plan's predicted per-stage times. Each step the driver submits every stage's tasks in
+that stage's order (:func:`autopar_lab.simulate.stage_order`, 1F1B or GPipe): a forward takes the refs of the
+forward outputs it reads, a backward the refs of its consumers' input gradients, so Ray moves the values from actor
+to actor and each actor runs its tasks in the order they were submitted. When a stage actor dies, the driver kills
+the others, starts new ones from the last complete checkpoint and runs again from there.
+
+    >>> spec = job_spec(plan, model, steps=4, checkpoint_dir="/tmp/ck", checkpoint_every=2)   # doctest: +SKIP
+    >>> result = run_job(spec, ProgressChannel())                                              # doctest: +SKIP
+    >>> result["losses"]                                                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
+
+__all__ = ["job_spec", "run_job", "check_resources", "main", "RESULT_PREFIX", "JobFailed"]
+
+RESULT_PREFIX = "AUTOPAR_RESULT "
+
+
+class JobFailed(RuntimeError):
+    """The job could not go on (a stage failed to start, an error in a stage function, too many restarts)."""
+
+
+def _config_dict(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | None = None,
+             checkpoint_every: int = 0, resume: bool = False, device_kind: str | None = None,
+             compiler_options: dict | None = None, max_restarts: int = 3, env_vars: dict | None = None) -> dict:
+    """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring).
+
+    Checks, before anything starts: ``steps`` and checkpoint settings; that ``plan`` was made for ``model``; that the
+    model is a zoo model (the actors rebuild it by name); ``device_kind`` ("cpu": the stages run on CPU devices,
+    "gpu": on GPUs; default: what the plan's cluster has).
+    """
+    from ..planfile import plan_to_dict
+    from .actors import is_gpu_plan
+    from .partition import check_plan_matches
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive whole number, got {steps!r}.")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be 0 (never) or a positive number of steps, got {checkpoint_every!r}.")
+    if checkpoint_every and not checkpoint_dir:
+        raise ValueError("checkpoint_every needs a checkpoint_dir to write into; pass checkpoint_dir=... .")
+    if resume and not checkpoint_dir:
+        raise ValueError("resume=True needs the checkpoint_dir of the run to resume.")
+    check_plan_matches(model, plan)
+    from .. import models
+
+    if model.name not in models.names():
+        raise ValueError(f"model {model.name!r} is not in the zoo; a Ray job rebuilds its model by zoo name in each "
+                         "stage actor, so launch a zoo model (al.models.get(...)) or run it locally with al.execute.")
+    config = _config_dict(model.config)
+    try:
+        rebuilt = models.get(model.name, **config)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"model {model.name!r} cannot be rebuilt from its config ({e}).") from None
+    check_plan_matches(rebuilt, plan)
+    data = plan_to_dict(plan)
+    kind = device_kind or ("gpu" if is_gpu_plan(data) else "cpu")
+    if kind not in ("cpu", "gpu"):
+        raise ValueError(f"device_kind must be 'cpu' or 'gpu', got {device_kind!r}.")
+    json.dumps(config)  # the spec must be JSON: fail here, not on the cluster
+    return {
+        "version": 1, "model": model.name, "config": config, "plan": data, "steps": int(steps), "seed": int(seed),
+        "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": int(checkpoint_every),
+        "resume": bool(resume), "device_kind": kind, "compiler_options": dict(compiler_options or {}),
+        "max_restarts": int(max_restarts), "env_vars": dict(env_vars or {}),
+        "batch_size": int(_batch_size(model)),
+        "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s} for st in plan.stages],
+        "predicted_step_s": plan.cost.step_time_s,
+    }
+
+
+def _batch_size(model) -> int:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(model.abstract_args[2])
+    return int(leaves[0].shape[0]) if leaves and leaves[0].shape else 1
+
+
+def _stage_devices(job: dict) -> list[int]:
+    return [int(st["submesh"][0]) * int(st["submesh"][1]) for st in job["plan"]["stages"]]
+
+
+def check_resources(ray, job: dict) -> None:
+    """Raise ValueError unless the connected Ray cluster can hold one actor per stage of ``job``."""
+    have = ray.cluster_resources()
+    sizes = _stage_devices(job)
+    S = len(sizes)
+    if job["device_kind"] == "gpu":
+        gpus = have.get("GPU", 0)
+        if gpus < sum(sizes):
+            raise ValueError(f"the plan needs {sum(sizes)} GPUs ({' + '.join(map(str, sizes))} over {S} stage(s)) but "
+                             f"the Ray cluster has {gpus:g}; connect to a cluster with enough GPUs, plan for a "
+                             "smaller cluster, or run the stages on CPU devices (device_kind='cpu').")
+        big = max(sizes)
+        node_gpus = [n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+        if node_gpus and max(node_gpus) < big:
+            raise ValueError(f"a stage needs {big} GPUs on one node but the largest node has {max(node_gpus):g}; "
+                             "this runtime runs one actor per stage, so plan stages that fit a node.")
+    cpus = have.get("CPU", 0)
+    need = S * float(job.get("cpus_per_actor", 1))
+    if cpus < need:
+        raise ValueError(f"the plan has {S} stages, one actor each needing {job.get('cpus_per_actor', 1)} CPU, but the "
+                         f"Ray cluster has {cpus:g} CPUs; give it at least {need:g} CPUs (num_cpus=...).")
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+
+class _Routes:
+    """Which stages each stage's forward reads from and which stages its backward waits for, from value names."""
+
+    def __init__(self, infos: list[dict]):
+        S = len(infos)
+        made_by = {}
+        for k, info in enumerate(infos):
+            for n in info["outputs"]:
+                made_by.setdefault(n, k)
+        self.producers = [sorted({made_by[n] for n in info["inputs"]}) for info in infos]
+        self.consumers = [sorted({c for c in range(S) if set(infos[c]["inputs"]) & set(infos[k]["outputs"])})
+                          for k in range(S)]
+        for k, ps in enumerate(self.producers):
+            if any(p >= k for p in ps):
+                raise JobFailed(f"stage {k} reads values of stage(s) {ps}; values must flow forward.")
+
+
+def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str):
+    from ..simulate import stage_order
+
+    orders = [stage_order(k, S, B, schedule) for k in range(S)]
+    fwd, bwd = {}, {}
+    pos = [0] * S
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for k in range(S):
+            while pos[k] < len(orders[k]):
+                kind, j = orders[k][pos[k]]
+                if kind == "fwd":
+                    deps = [fwd.get((p, j)) for p in routes.producers[k]]
+                    if any(d is None for d in deps):
+                        break
+                    fwd[(k, j)] = actors[k].forward.remote(step, j, *deps)
+                else:
+                    deps = [bwd.get((c, j)) for c in routes.consumers[k]]
+                    if any(d is None for d in deps):
+                        break
+                    bwd[(k, j)] = actors[k].backward.remote(step, j, *deps)
+                pos[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).")
+    finish = [a.finish_step.remote(step) for a in actors]
+    return [fwd[(S - 1, j)] for j in range(B)], finish
+
+
+def _is_actor_death(ray, err) -> bool:
+    seen = 0
+    while err is not None and seen < 5:
+        if isinstance(err, ray.exceptions.RayActorError):
+            return True
+        err = getattr(err, "cause", None) or err.__cause__
+        seen += 1
+    return False
+
+
+def _dead(ray, actors) -> list[int]:
+    out = []
+    for k, a in enumerate(actors):
+        try:
+            ray.get(a.info.remote(), timeout=120)
+        except ray.exceptions.RayActorError:
+            out.append(k)
+        except ray.exceptions.GetTimeoutError:
+            out.append(k)
+    return out
+
+
+def _resume_point(directory, S: int) -> tuple[int, list[float]]:
+    """The step to go on from (the newest checkpoint every stage committed and the job recorded) and its losses."""
+    from .checkpoint import load_job, steps_of
+
+    if not directory:
+        return 0, []
+    rec = load_job(directory)
+    if not rec:
+        return 0, []
+    step = int(rec["step"])
+    if all(step in steps_of(directory, k) for k in range(S)):
+        return step, [float(x) for x in rec["losses"]][:step]
+    return 0, []
+
+
+def _summary_rows(job: dict, per_step: list[list[dict]]) -> list[dict]:
+    """Measured per-stage times beside the plan's predictions (medians over the steps after the first)."""
+    later = per_step[1:] or per_step
+    rows = []
+    for k, pred in enumerate(job["predicted"]):
+        vals = {key: [s[k][key] for s in later if len(s) > k] for key in ("fwd_s", "bwd_s", "update_s", "busy_s")}
+        med = {key: (statistics.median(v) if v else None) for key, v in vals.items()}
+        rows.append({"stage": k, "predicted_fwd_s": pred["fwd_s"], "predicted_bwd_s": pred["bwd_s"],
+                     "measured_fwd_s": med["fwd_s"], "measured_bwd_s": med["bwd_s"],
+                     "measured_update_s": med["update_s"], "measured_busy_s": med["busy_s"],
+                     "fwd_ratio": (med["fwd_s"] / pred["fwd_s"]) if med["fwd_s"] and pred["fwd_s"] else None,
+                     "bwd_ratio": (med["bwd_s"] / pred["bwd_s"]) if med["bwd_s"] and pred["bwd_s"] else None})
+    return rows
+
+
+class _Actors:
+    """The stage actors of one attempt: start (and restore) them, or kill them all."""
+
+    def __init__(self, ray, job: dict):
+        from .actors import actor_options, remote_class
+
+        self.ray = ray
+        cls = remote_class(ray)
+        S = len(job["plan"]["stages"])
+        self.handles = [cls.options(**actor_options(job, k)).remote(job, k) for k in range(S)]
+        try:
+            self.infos = ray.get([a.info.remote() for a in self.handles])
+        except ray.exceptions.RayError as e:
+            self.kill()
+            raise JobFailed(f"a stage actor failed to start: {_short(e)}") from None
+
+    def restore(self, directory, step):
+        self.ray.get([a.restore.remote(str(directory), step) for a in self.handles])
+
+    def kill(self):
+        for a in self.handles:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def _short(e: BaseException) -> str:
+    text = str(e)
+    # a Ray error carries the remote traceback; its last line says what went wrong
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_actors=None) -> dict:
+    """Run a job spec on the connected Ray cluster; returns the result (losses, times, restarts, status).
+
+    ``on_actors(handles)`` is called with the stage actors each time they (re)start (what the Job handle exposes).
+    """
+    if ray is None:
+        import ray  # noqa: F811 - the runtime's launch path is the only place Ray is imported
+    from .checkpoint import save_job
+
+    channel = channel or ProgressChannel()
+    stages = job["plan"]["stages"]
+    S, B, schedule = len(stages), int(job["plan"]["microbatches"]), job["plan"]["schedule"]
+    steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
+    check_resources(ray, job)
+    t_start = time.perf_counter()
+    step, losses = _resume_point(ck_dir, S) if job.get("resume") else (0, [])
+    first = step
+    per_step: list[list[dict]] = []
+    step_times: list[float] = []
+    restarts, status, message = 0, "done", ""
+    actors = None
+    try:
+        while step < steps:
+            if channel.cancelled:
+                status = "cancelled"
+                break
+            try:
+                if actors is None:
+                    actors = _Actors(ray, job)
+                    if step > 0:
+                        actors.restore(ck_dir, step)
+                    if on_actors is not None:
+                        on_actors(list(actors.handles))
+                    routes = _Routes(actors.infos)
+                t0 = time.perf_counter()
+                loss_refs, finish = _submit_step(actors.handles, routes, step, S, B, schedule)
+                outs = ray.get(loss_refs + finish)
+            except ray.exceptions.RayError as e:
+                if actors is None or not (_is_actor_death(ray, e) or _dead(ray, actors.handles)):
+                    raise JobFailed(f"step {step + 1} failed: {_short(e)}") from None
+                restarts += 1
+                actors.kill()
+                actors = None
+                if restarts > int(job.get("max_restarts", 3)):
+                    raise JobFailed(f"a stage actor died {restarts} times; giving up (max_restarts="
+                                    f"{job.get('max_restarts', 3)}).") from None
+                step, kept = _resume_point(ck_dir, S)
+                losses = losses[:step] if len(losses) >= step else kept
+                del step_times[max(step - first, 0):], per_step[max(step - first, 0):]
+                channel.publish(ProgressEvent(kind="restart", step=step, elapsed_s=time.perf_counter() - t_start,
+                                              message=f"a stage actor died ({_short(e)}); restarting from step {step}"))
+                continue
+            dt = time.perf_counter() - t0
+            loss = float(sum(float(o["loss"]) for o in outs[:B]) / B)
+            rows = outs[B:]
+            losses.append(loss)
+            step_times.append(dt)
+            per_step.append(rows)
+            step += 1
+            if ck_dir and ck_every and (step % ck_every == 0 or step == steps):
+                ray.get([a.save.remote(ck_dir, step) for a in actors.handles])
+                save_job(ck_dir, step, losses)
+            channel.publish(ProgressEvent(kind="step", step=step, loss=loss, step_time_s=dt,
+                                          samples_per_s=job["batch_size"] / dt if dt > 0 else None,
+                                          stage_times=tuple(r["busy_s"] for r in rows),
+                                          elapsed_s=time.perf_counter() - t_start))
+    except JobFailed as e:
+        status, message = "error", str(e)
+    except Exception as e:  # noqa: BLE001 - reported to the user as the job's error, not a dead thread
+        status, message = "error", f"{type(e).__name__}: {e}"
+    finally:
+        if actors is not None:
+            actors.kill()
+    later = step_times[1:] or step_times
+    step_s = statistics.median(later) if later else None
+    result = {
+        "status": status, "message": message, "model": job["model"], "steps": steps, "steps_run": len(losses),
+        "losses": losses, "step_times_s": step_times, "step_time_s": step_s,
+        "samples_per_s": (job["batch_size"] / step_s) if step_s else None,
+        "predicted_step_s": job.get("predicted_step_s"), "stage_times": _summary_rows(job, per_step),
+        "restarts": restarts, "checkpoint_dir": ck_dir, "elapsed_s": time.perf_counter() - t_start,
+    }
+    kind = {"done": "done", "cancelled": "cancelled", "error": "error"}[status]
+    channel.publish(ProgressEvent(kind=kind, step=len(losses), elapsed_s=result["elapsed_s"], message=message))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ Jobs API entry
+
+def main(argv=None) -> int:
+    """``python -m autopar_lab.runtime.train_entry JOB.json``: run a job spec on the Ray cluster this process is
+    part of (the Jobs API starts it there), printing events and the result as tagged JSON lines."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1:
+        print("usage: python -m autopar_lab.runtime.train_entry JOB.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="auto", log_to_driver=False, configure_logging=False)
+    channel = ProgressChannel()
+    channel.subscribe(lambda ev: print(format_event(ev), flush=True))
+    try:
+        result = run_job(job, channel, ray)
+    except ValueError as e:  # not enough resources: said before anything started
+        result = {"status": "error", "message": str(e), "losses": []}
+        channel.publish(ProgressEvent(kind="error", message=str(e)))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0 if result["status"] in ("done", "cancelled") else 1
+
+
+assert EVENT_PREFIX != RESULT_PREFIX
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Training on Ray: embedded local cluster, stage actors, progress, cancel, kill-and-resume, errors, CLI.
+
+The Ray tests (marked slow: Ray's start and each job's actor start dominate) share one embedded Ray (module fixture; token auth with a throwaway token, loopback only) and one
+2-stage plan of a small GPT on 8 CPU devices (2 actors x 4 devices); their losses are checked against the
+single-process execution of the same plan (:func:`autopar_lab.runtime.local.execute`).
+"""
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import autopar_lab as al
+from autopar_lab.runtime.progress import ProgressChannel, ProgressEvent, format_event, parse_event
+
+OPTS = {"xla_backend_optimization_level": 0}  # compiles several times faster on CPU; same numbers in both runs
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+    plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=2, tp=2, pp=2, microbatches=2)
+    return model, plan
+
+
+# ------------------------------------------------------------------------------------------- no Ray needed
+
+def test_progress_channel_replays_truncates_on_restart_and_cancels():
+    ch = ProgressChannel()
+    ch.publish(ProgressEvent(kind="step", step=1, loss=3.0))
+    seen = []
+    unsub = ch.subscribe(seen.append)  # replays the past event
+    for i, loss in [(2, 2.0), (3, 1.0)]:
+        ch.publish(ProgressEvent(kind="step", step=i, loss=loss))
+    ch.publish(ProgressEvent(kind="restart", step=2))  # back to the checkpoint after step 2
+    ch.publish(ProgressEvent(kind="step", step=3, loss=1.5))
+    assert [e.step for e in seen] == [1, 2, 3, 2, 3]
+    assert ch.losses == [3.0, 2.0, 1.5]
+    unsub()
+    ch.publish(ProgressEvent(kind="step", step=4, loss=1.0))
+    assert len(seen) == 5
+
+    def broken(_):
+        raise RuntimeError("widget bug")
+    ch.subscribe(broken, replay=False)
+    ch.publish(ProgressEvent(kind="step", step=5, loss=0.5))  # does not raise into the driver
+    assert len(ch.subscriber_errors) == 1
+    assert not ch.cancelled
+    ch.cancel()
+    assert ch.cancelled and not ch.finished
+    ch.publish(ProgressEvent(kind="cancelled", step=5))
+    assert ch.finished
+    with pytest.raises(ValueError, match="kind"):
+        ProgressEvent(kind="bogus")
+
+
+def test_events_travel_as_tagged_json_lines():
+    ev = ProgressEvent(kind="step", step=3, loss=2.5, samples_per_s=10.0, stage_times=(0.1, 0.2))
+    line = format_event(ev)
+    assert parse_event(line) == ev
+    assert parse_event("some other log line") is None
+
+
+def test_bad_input_is_refused_before_anything_starts(setup, tmp_path):
+    from autopar_lab.runtime.launch import launch
+
+    model, plan = setup
+    with pytest.raises(ValueError, match="steps must be a positive"):
+        launch(plan, model, 0)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        launch(plan, model, 2, checkpoint_every=1)
+    other = al.models.get("gpt-tiny", batch_size=8, num_layers=2, hidden_size=64)
+    with pytest.raises(ValueError, match="made for another model"):
+        launch(plan, other, 2)
+    with pytest.raises(ValueError, match="dashboard's HTTP address"):
+        launch(plan, model, 2, ray_address="ray://127.0.0.1:10001")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot reach a Ray cluster at http://127.0.0.1:{port}"):
+        launch(plan, model, 2, ray_address=f"http://127.0.0.1:{port}")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # nothing started
+
+
+def test_remote_submission_carries_the_plan_and_the_code(setup, tmp_path):
+    from autopar_lab.runtime.launch import remote_submission
+    from autopar_lab.runtime.train_entry import job_spec
+
+    model, plan = setup
+    spec = job_spec(plan, model, 3, seed=1)
+    entry, env = remote_submission(spec, tmp_path)
+    assert entry == "python -m autopar_lab.runtime.train_entry job.json"
+    assert env["working_dir"] == str(tmp_path)
+    carried = json.loads((tmp_path / "job.json").read_text())
+    assert carried["plan"]["graph_fingerprint"] == plan.graph.fingerprint
+    assert carried["model"] == "gpt-tiny" and carried["config"]["hidden_size"] == model.config.hidden_size
+    assert carried["steps"] == 3 and carried["seed"] == 1 and carried["device_kind"] == "cpu"
+    assert [Path(p).name for p in env["py_modules"]] == ["autopar_lab"]
+    assert (Path(env["py_modules"][0]) / "runtime" / "train_entry.py").exists()
+
+
+def test_importing_autopar_lab_never_imports_ray():
+    code = ("import sys, autopar_lab as al; al.launch; import autopar_lab.runtime.actors, "
+            "autopar_lab.runtime.train_entry; assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_cli_train_errors_are_one_sentence(setup, tmp_path):
+    model, plan = setup
+    path = tmp_path / "plan.json"
+    al.save_plan(plan, path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "train", "gpt-tiny", "--batch", "8", "--layers", "2",
+                        "--plan", str(tmp_path / "missing.json"), "--steps", "2", "--json"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stdout == "" and "missing.json" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "train", "gpt-tiny", "--batch", "8", "--layers", "4",
+                        "--plan", str(path), "--steps", "2", "--json"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "another graph" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+class _Now:
+    """A stage worker behind Ray's call syntax, run at once in this process (``.remote`` returns the value)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        fn = getattr(self.worker, name)
+        return type("M", (), {"remote": staticmethod(lambda *a: fn(*a))})
+
+
+@pytest.mark.slow  # builds four stage workers (trace, plan, compile) in this process
+def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, reference, tmp_path):
+    """The actors' contract and the driver's routing, in one process: same losses as the single-process run, and a
+    worker restored from a checkpoint goes on exactly where the saved one was."""
+    from autopar_lab.runtime.actors import StageWorker
+    from autopar_lab.runtime.train_entry import _Routes, _submit_step, job_spec
+
+    model, plan = setup
+    spec = job_spec(plan, model, 3, compiler_options=OPTS)
+    workers = [StageWorker(spec, k) for k in range(2)]
+    assert workers[1].info()["inputs"] and workers[0].info()["outputs"]
+    routes = _Routes([w.info() for w in workers])
+    assert routes.producers == [[], [0]] and routes.consumers == [[1], []]
+    handles = [_Now(w) for w in workers]
+    losses = []
+    for step in range(3):
+        if step == 2:  # checkpoint after step 2, then carry on with fresh workers restored from it
+            for w in workers:
+                w.save(str(tmp_path), 2)
+            workers = [StageWorker(spec, k) for k in range(2)]
+            for w in workers:
+                w.restore(str(tmp_path), 2)
+            handles = [_Now(w) for w in workers]
+        outs, finish = _submit_step(handles, routes, step, 2, 2, plan.schedule)
+        losses.append((float(outs[0]["loss"]) + float(outs[1]["loss"])) / 2)
+        assert [f["stage"] for f in finish] == [0, 1] and all(f["busy_s"] > 0 for f in finish)
+    np.testing.assert_allclose(losses, reference[:3], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- on Ray
+
+@pytest.fixture(scope="module")
+def local_ray():
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ["RAY_AUTH_MODE"] = "token"  # explicit: token authentication with a throwaway token
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    from autopar_lab.runtime.launch import _LOCAL, shutdown_local_ray, start_local_ray
+
+    ray = start_local_ray(num_cpus=2)
+    temp_dir = _LOCAL["temp_dir"]
+    yield ray
+    shutdown_local_ray()
+    assert not os.path.exists(temp_dir)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    model, plan = setup
+    return al.execute(plan, model, compiler_options=OPTS).train(STEPS)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup, local_ray, tmp_path_factory):
+    from autopar_lab.runtime.launch import launch
+
+    model, plan = setup
+    events = []
+    ck = tmp_path_factory.mktemp("ck_a")
+    job = launch(plan, model, STEPS, compiler_options=OPTS, checkpoint_dir=ck, checkpoint_every=2,
+                 on_progress=events.append)
+    result = job.wait(timeout=900)
+    return job, result, events
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_embedded_cluster_is_loopback_only(local_ray):
+    nodes = [n for n in local_ray.nodes() if n["Alive"]]
+    assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
+    assert local_ray.cluster_resources()["CPU"] == 2
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_two_stage_plan_on_ray_equals_single_process(setup, uninterrupted, reference):
+    model, plan = setup
+    job, result, events = uninterrupted
+    assert result["status"] == "done" and result["restarts"] == 0
+    assert len(result["losses"]) == STEPS == len(reference)
+    np.testing.assert_allclose(result["losses"], reference, rtol=1e-6, atol=0)
+    assert job.losses == result["losses"]
+    steps = [e for e in events if e.kind == "step"]
+    assert [e.step for e in steps] == list(range(1, STEPS + 1))
+    assert all(e.samples_per_s > 0 and len(e.stage_times) == 2 and min(e.stage_times) > 0 for e in steps)
+    assert events[-1].kind == "done"
+    # measured per-stage times beside the plan's predictions
+    rows = job.stage_times()
+    assert [r["stage"] for r in rows] == [0, 1]
+    for r, st in zip(rows, plan.stages):
+        assert r["predicted_fwd_s"] == st.fwd_s and r["predicted_bwd_s"] == st.bwd_s
+        assert r["measured_fwd_s"] > 0 and r["measured_bwd_s"] > 0
+        assert r["fwd_ratio"] == pytest.approx(r["measured_fwd_s"] / st.fwd_s)
+    assert result["step_time_s"] > 0
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_killed_stage_actor_resumes_from_checkpoint_with_the_same_losses(setup, uninterrupted, tmp_path):
+    from autopar_lab.runtime.checkpoint import steps_of
+    from autopar_lab.runtime.launch import launch
+
+    model, plan = setup
+    ray = sys.modules["ray"]
+    killed = []
+    holder = {}
+
+    def kill_after_step_3(ev):
+        if ev.kind == "step" and ev.step == 3 and not killed:
+            victim = holder["job"].stage_actors()[1]
+            ray.kill(victim, no_restart=True)  # stage 1 dies between steps 3 and 4: its state after step 3 is lost
+            killed.append(victim)
+
+    job = launch(plan, model, STEPS, compiler_options=OPTS, checkpoint_dir=tmp_path, checkpoint_every=2)
+    holder["job"] = job
+    job.subscribe(kill_after_step_3)
+    result = job.wait(timeout=900)
+    assert killed and result["restarts"] == 1
+    restarts = [e for e in job.progress if e.kind == "restart"]
+    assert [e.step for e in restarts] == [2]  # went back to the checkpoint after step 2, lost only step 3
+    assert result["losses"] == uninterrupted[1]["losses"]  # the same trajectory, to the bit
+    assert steps_of(tmp_path, 0) == steps_of(tmp_path, 1) == [2, 4]
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_cancel_stops_the_job_cleanly(setup, local_ray):
+    from autopar_lab.runtime.launch import launch
+
+    model, plan = setup
+    holder = {}
+
+    def cancel_after_first(ev):
+        if ev.kind == "step" and ev.step == 1:
+            holder["job"].cancel()
+
+    job = launch(plan, model, 50, compiler_options=OPTS)
+    holder["job"] = job
+    job.subscribe(cancel_after_first)
+    result = job.wait(timeout=900)
+    assert result["status"] == "cancelled" and job.status() == "cancelled"
+    assert 1 <= len(result["losses"]) < 50
+    assert job.progress[-1].kind == "cancelled"
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_cluster_without_enough_devices_is_refused(setup, local_ray):
+    from autopar_lab.runtime.launch import launch
+
+    model, plan = setup
+    with pytest.raises(ValueError, match="needs 8 GPUs .* has 0"):
+        launch(plan, model, 2, device_kind="gpu")
+
+
+@pytest.mark.slow  # starts Ray (once per file) and stage actors
+def test_cli_train_json_prints_losses_and_step_time(setup, local_ray, tmp_path, capsys, reference):
+    from autopar_lab.cli import main
+
+    model, plan = setup
+    path = tmp_path / "plan.json"
+    al.save_plan(plan, path)
+    code = main(["train", "gpt-tiny", "--batch", "8", "--layers", "2", "--plan", str(path), "--steps", "2",
+                 "--fast-compile", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["losses"]) == 2 and data["step_time_s"] > 0
+    np.testing.assert_allclose(data["losses"], reference[:2], rtol=1e-6)
+    assert [r["stage"] for r in data["stage_times"]] == [0, 1]
