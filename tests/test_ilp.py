@@ -27,7 +27,7 @@ from autopar_lab.solve.ilp import (
 )
 
 INF = math.inf
-SOLVERS = ["cbc", "highs"]
+SOLVERS = ["cbc", "highs", "highs-pulp"]
 FAST = settings(max_examples=45, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -243,7 +243,7 @@ def test_reductions_shrink_the_model():
     assert s5.choice == (0, 2) and s5.num_vars == 0 and s5.objective == 1.0
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("solver", ["cbc", "highs"])  # PuLP's HiGHS reports no bound if stopped before the root LP
 def test_time_limit_reports_gap(solver):
     # A frustrated random instance that is not proven optimal in a fraction of a second.
     rng = np.random.default_rng(0)
@@ -374,3 +374,30 @@ def test_problem_validation():
     assert 4**11 > BRUTE_FORCE_LIMIT
     with pytest.raises(ValueError, match="brute_force"):
         brute_force(big)
+
+
+@FAST
+@given(p=problems())
+def test_direct_highs_model_is_the_pulp_model(p):
+    """The array builder (solver="highs") makes the PuLP builder's reduced model: same domains, scale, columns and
+    rows; and its LP-first shortcut finds the optimum the MIP finds."""
+    from autopar_lab.solve import highs_direct
+    from autopar_lab.solve import ilp as ilp_module
+
+    for min_memory in ((False, True) if p.node_mem is not None else (False,)):
+        a = highs_direct.build(p, min_memory=min_memory)
+        b = ilp_module._build(p, min_memory=min_memory)
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert [d.tolist() for d in a.dom] == [d.tolist() for d in b.dom] and a.scale == b.scale
+        assert a.integer.sum() == sum(len(xs) for xs in b.x.values())
+        pairs = sum(len(cells) for *_, cells in b.e)
+        assert a.num_col == a.integer.sum() + pairs + (1 if min_memory else 0)  # + the peak column
+        assert a.num_row == b.prob.numConstraints()
+    try:
+        lp_first = solve_ilp(p, solver="highs")
+    except InfeasibleError:
+        return
+    mip = solve_ilp(p, solver="highs", time_limit=600.0)  # a time limit sends it straight to the MIP
+    assert close(lp_first.objective, mip.objective) and mip.status == "optimal"

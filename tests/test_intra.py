@@ -164,3 +164,21 @@ def test_merging_and_time_limits_work_with_layer_reuse():
     limited = solve_intra(g, m, time_limit=30)  # the greedy start of a time-limited solve
     assert limited.total_s == pytest.approx(free.total_s, rel=1e-6) or all(
         gs.status in ("optimal", "time_limit", "reused") for gs in limited.groups)
+
+
+def test_first_pass_memo_is_shared_by_meshes_with_the_same_axis_0():
+    """The sequential solve's first pass depends only on axis 0's size and link: (2, 2) on 4 devices and (2, 4) on 8
+    of one host share it through ``memo``, and the plans equal those solved without it."""
+    g = al.models.get("gpt-tiny", dtype="float32", num_layers=2).trace()
+    memo = {}
+    for sub, shape in [((1, 4), (2, 2)), ((1, 8), (2, 4))]:
+        m = P3.logical_mesh(sub, shape)
+        with_memo = solve_intra(g, m, memo=memo, rounds=1, solver="highs")
+        plain = solve_intra(g, m, rounds=1, solver="highs")
+        assert with_memo.total_s == pytest.approx(plain.total_s, rel=1e-12)
+        assert {o: s.key for o, s in with_memo.strategies.items()} == {o: s.key for o, s in plain.strategies.items()}
+    assert len(memo) == 1  # one first pass served both meshes
+    # A different axis-0 link (across hosts) is a different first pass.
+    solve_intra(g, Cluster.preset("p3.16xlarge", hosts=2).logical_mesh((2, 8), (2, 8)), memo=memo, rounds=1,
+                solver="highs")
+    assert len(memo) == 2

@@ -76,3 +76,113 @@ def test_megatron_grid_is_valid():
     grid = planner.megatron_grid(Cluster.preset("p3.16xlarge", hosts=2), num_layers=24)
     assert (2, 8, 1) in grid and (16, 1, 1) in grid and (1, 8, 2) in grid
     assert all(dp * tp * pp == 16 for dp, tp, pp in grid)
+
+
+# ---------------------------------------------------------------- planning speed-ups keep the answer
+
+
+def _subs(table):
+    return [tuple(s) for s in table.cluster.submesh_shapes()]
+
+
+def test_vectorised_candidates_equal_the_scalar_ones(result):
+    table = result["auto"].table
+    L = len(table.layer_names)
+    for B in (1, 4):
+        fn = table.candidate_fn(B)
+        for sub in _subs(table):
+            for a in range(L):
+                for b in range(a, L):
+                    want = table.candidates(a, b, sub, B)
+                    got = fn(a, b, sub)
+                    assert [(c.logical_mesh, c.remat, c.fwd_s, c.bwd_s, c.static_bytes, c.act_bytes) for c in got] \
+                        == [(c.logical_mesh, c.remat, c.fwd_s, c.bwd_s, c.static_bytes, c.act_bytes) for c in want]
+    # With a memory limit, exactly the candidates that cannot fit holding one microbatch are gone.
+    limit = sorted(c.static_bytes + c.act_bytes for c in table.candidates(0, L - 1, (1, 1), 2))[0] * 0.9
+    fn = table.candidate_fn(2, limit)
+    for sub in _subs(table):
+        for a in range(L):
+            for b in range(a, L):
+                want = [c for c in table.candidates(a, b, sub, 2) if c.static_bytes + c.act_bytes <= limit]
+                assert [(c.logical_mesh, c.remat) for c in fn(a, b, sub)] == [(c.logical_mesh, c.remat) for c in want]
+
+
+def _reference(table, cluster, choices, **kw):
+    from autopar_lab.solve import inter
+    return inter.stage_dp_auto(len(table.layer_names), cluster.hosts, cluster.devices_per_host,
+                               lambda a, b, sub, B: table.candidates(a, b, sub, B), table.batch_size,
+                               choices=choices, cut_bytes=lambda B: [c / B for c in table.cut_bytes], **kw)
+
+
+def test_microbatch_search_matches_stage_dp_auto(result):
+    """Largest count first, stopping where nothing fits, gives stage_dp_auto's plan, latency and table; memory
+    limits from roomy to impossible, so that small counts (or all) fail."""
+    from autopar_lab.solve import inter
+    table = result["auto"].table
+    choices = planner._microbatch_choices(table.batch_size, "auto")
+    base = dict(intra_link=SMALL.intra_host, inter_link=SMALL.inter_host, stage_comm="model", schedule="1f1b",
+                max_stages=None)
+
+    def need(B):  # the smallest memory limit under which B microbatches fit
+        with pytest.raises(inter.NoFeasiblePlanError) as e:
+            _reference(table, SMALL, [B], mem_limit_bytes=1.0, **base)
+        return e.value.min_mem_bytes
+
+    lo, hi = need(max(choices)), need(min(choices))
+    assert lo < hi  # fewer microbatches hold more activations
+    seen_partial = False
+    for mem in (math.inf, hi * 1.5, hi, (lo + hi) / 2, lo, lo * 0.99, 1.0):
+        kw = dict(mem_limit_bytes=mem, intra_link=SMALL.intra_host, inter_link=SMALL.inter_host,
+                  stage_comm="model", schedule="1f1b", max_stages=None)
+        try:
+            want = _reference(table, SMALL, choices, **kw)
+        except inter.NoFeasiblePlanError as e:
+            with pytest.raises(inter.NoFeasiblePlanError) as got:
+                planner.search_microbatches(table, SMALL, choices, **kw)
+            assert str(got.value) == str(e) and got.value.min_mem_bytes == e.min_mem_bytes
+            continue
+        got = planner.search_microbatches(table, SMALL, choices, **kw)
+        assert got.latency_s == want.latency_s and got.microbatches == want.microbatches
+        assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in got.stages] == \
+            [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in want.stages]
+        table_b = want.diagnostics["by_microbatches"]
+        mine = got.diagnostics["by_microbatches"]
+        assert mine.keys() == table_b.keys()
+        for B, t in table_b.items():  # a count that cannot beat the best is cut short: inf
+            assert mine[B] == t or (mine[B] == math.inf and t is not None and t >= got.latency_s)
+        seen_partial |= None in table_b.values()
+    assert seen_partial  # some limit made the small counts fail while larger ones fitted
+
+
+def test_mesh_twins_cost_the_same(model):
+    """A logical mesh with one split axis is solved once: its twin with the axis swapped costs the same."""
+    table, _ = planner._table(model, SMALL, "highs", None)
+    for sub in [(1, 2), (2, 2)]:
+        shapes = SMALL.logical_mesh_shapes(sub)
+        kept = planner.distinct_mesh_shapes(SMALL, sub)
+        assert kept[0] == (1, sub[0] * sub[1]) and (sub[0] * sub[1], 1) not in kept and set(kept) <= set(shapes)
+        a, _ = table.mesh_costs(sub, (1, sub[0] * sub[1]))
+        b, _ = table.mesh_costs(sub, (sub[0] * sub[1], 1))
+        for x, y in zip(a, b):
+            assert x.fwd_s + x.bwd_s == pytest.approx(y.fwd_s + y.bwd_s, rel=1e-9)
+            assert x.static_bytes == pytest.approx(y.static_bytes) and x.act_bytes == pytest.approx(y.act_bytes)
+
+
+def test_stage_dp_upper_bound():
+    """The bound the microbatch search hands to the DP: above the optimum the same plan, below it None, and
+    infeasibility is still an error."""
+    from autopar_lab.solve import inter
+
+    def cands(a, b, sub):
+        n, size = b - a + 1, sub[0] * sub[1]
+        f = n * (1.5 if size > 1 else 1.0) / size
+        return [inter.StageCandidate((a, b), sub, sub, False, f, 2 * f, 4.0 * n / size, 1.0)]
+
+    free = inter.stage_dp(4, 1, 2, cands, 4)
+    same = inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s * 1.01)
+    assert same.latency_s == free.latency_s and same.stages == free.stages
+    assert inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s) is None  # must beat it strictly
+    with pytest.raises(inter.NoFeasiblePlanError):
+        inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s * 2, mem_limit_bytes=1.0)
+    with pytest.raises(ValueError, match="upper_bound"):
+        inter.stage_dp(4, 1, 2, cands, 4, upper_bound=1.0, t_max_search="alpa")

@@ -716,7 +716,7 @@ def _run(model: _Model, solver: str, time_limit, warm: bool, msg: bool, rel_gap:
         # PuLP reads CBC's solution file but not its bound; the log has both figures.
         mo, mb = _CBC_OBJ.search(text), _CBC_BOUND.search(text)
         absgap = float(mo.group(1)) - float(mb.group(1)) if mo and mb else None
-    elif solver == "highs":
+    elif solver == "highs-pulp":
         cmd = _HiGHSWarm(msg=msg, timeLimit=time_limit, gapRel=rel_gap, gapAbs=0.0, start=warm)
         prob.solve(cmd)
         if warm and not _highs_consistent(prob):
@@ -732,7 +732,7 @@ def _run(model: _Model, solver: str, time_limit, warm: bool, msg: bool, rel_gap:
         except Exception:  # pragma: no cover - older highspy
             absgap = None
     else:
-        raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
+        raise ValueError(f"solver must be one of {SOLVER_NAMES}, got {solver!r}")
     if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal", 0.0
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
@@ -796,7 +796,18 @@ def _greedy(problem: IntraProblem, model: _Model) -> tuple[int, ...] | None:
     return plan
 
 
+SOLVER_NAMES = ("cbc", "highs", "highs-pulp")
+
+
 def _solve(problem, *, solver, time_limit, warm_start, msg, rel_gap, min_memory) -> IntraSolution | None:
+    if solver not in SOLVER_NAMES:
+        raise ValueError(f"solver must be 'cbc' or 'highs' (or 'highs-pulp'), got {solver!r}")
+    if solver == "highs":
+        # The model as arrays, straight to highspy (see highs_direct); the PuLP builder below serves CBC.
+        from . import highs_direct
+
+        return highs_direct.solve(problem, time_limit=time_limit, warm_start=warm_start, msg=msg,
+                                  rel_gap=rel_gap, min_memory=min_memory)
     t0 = time.perf_counter()
     model = _build(problem, min_memory=min_memory)
     if model is None:
@@ -853,7 +864,9 @@ def solve_ilp(problem: IntraProblem, *, solver: str = "cbc", time_limit: float |
     """Solve the intra-operator ILP.
 
     Args:
-        solver: ``"cbc"`` (PuLP's bundled CBC, as Alpa) or ``"highs"`` (the highspy API).
+        solver: ``"cbc"`` (PuLP's bundled CBC, as Alpa), ``"highs"`` (HiGHS through highspy, the
+            model built as numpy arrays by :mod:`autopar_lab.solve.highs_direct`: the fast path) or
+            ``"highs-pulp"`` (HiGHS through PuLP's model, a reference for the direct build).
         time_limit: seconds; when hit, the best plan found is returned with status
             ``"time_limit"`` and ``gap`` = (objective - bound) / objective, the bound read
             from CBC's log or from HiGHS' ``mip_dual_bound`` (None if unavailable).

@@ -641,8 +641,13 @@ def stage_dp(
     schedule: str = "1f1b",
     t_max_search: str = "bisect",
     constraints: StageConstraints | None = None,
-) -> InterResult:
+    upper_bound: float = math.inf,
+) -> InterResult | None:
     """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
+
+    ``upper_bound`` (a latency some other plan already reaches, e.g. with another microbatch count): the t_max
+    search skips what cannot beat it, and the result is None when no plan here does. Infeasibility is still
+    raised when the largest t_max has no plan (``"bisect"`` and ``"all"`` always solve that one).
 
     ``candidates(start, end, submesh)`` lists the options for layers ``start..end``
     (inclusive) on an ``(n, m)`` submesh (an empty list means "cannot run there").
@@ -677,6 +682,8 @@ def stage_dp(
     t0 = time.perf_counter()
     if t_max_search not in T_MAX_SEARCH:
         raise ValueError(f"t_max_search must be one of {T_MAX_SEARCH}, got {t_max_search!r}.")
+    if math.isfinite(upper_bound) and t_max_search == "alpa":
+        raise ValueError('upper_bound needs t_max_search="bisect" or "all" (they solve the largest t_max first).')
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
         intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
@@ -696,8 +703,9 @@ def stage_dp(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
 
-    best = {"T": math.inf, "t_max": None, "shapes": None}
+    best = {"T": float(upper_bound), "t_max": None, "shapes": None}
     tried: list[float] = []
+    finite: list[bool] = []  # whether each DP solved found any plan
 
     def solve(j: int) -> float:
         """Solve the DP at t_max = V[j]; record the plan if it beats the best; return min_s F."""
@@ -716,6 +724,7 @@ def stage_dp(
             s_best = int(np.argmin(totals)) + 1 if p.fixed_stages is None else p.fixed_stages
             f = totals[s_best - 1]
             chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
+        finite.append(math.isfinite(f))
         if f + (B - 1) * t_max < best["T"]:
             best.update(T=f + (B - 1) * t_max, t_max=t_max, pieces=_walk(p, chooser, s_best, size))
         return f
@@ -751,6 +760,8 @@ def stage_dp(
         "solve_s": None,
     }
     if best["t_max"] is None:
+        if math.isfinite(upper_bound) and any(finite):
+            return None  # plans exist, none beats upper_bound
         raise _infeasible(_min_memory(p, min_req, valid, size), p.mem_limit, p.fixed_stages is not None)
 
     pieces = best["pieces"]

@@ -151,6 +151,7 @@ class _StrategyCache:
         self._strats: dict[tuple, list[Strategy]] = {}
         self._reshard: dict[tuple, float] = {}
         self._reshard_cols: dict[tuple, tuple] = {}
+        self._proj: dict[int, tuple] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
         key = op_signature(node)
@@ -166,6 +167,14 @@ class _StrategyCache:
             else:
                 self._reshard[key], self._reshard_cols[key] = reshard_cost(src, dst, shape, dtype, self.mesh)
         return self._reshard[key]
+
+    def project(self, s: Strategy) -> tuple:
+        """``_project(s, 1)``, memoised per strategy object (the cache hands out the same objects for every
+        operator of one signature, and the sequential solve asks once per operator and strategy)."""
+        hit = self._proj.get(id(s))
+        if hit is None or hit[0] is not s:
+            hit = self._proj[id(s)] = (s, _project(s, 1))
+        return hit[1]
 
     def reshard_collectives(self, src, dst, shape, dtype) -> tuple:
         self.reshard(src, dst, shape, dtype)
@@ -287,7 +296,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
             continue
         full = cache.strategies(graph.op(op))
         if op in restrict:
-            kept = [s for s in full if _project(s, 1) == restrict[op]]
+            kept = [s for s in full if cache.project(s) == restrict[op]]
             full = kept or full
         strats.append(full)
     pin_idx = {}
@@ -390,7 +399,7 @@ class _OneAxisView:
 def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
                 mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
                 time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None,
-                rounds: int = 2) -> IntraPlan:
+                rounds: int = 2, memo: dict | None = None) -> IntraPlan:
     """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
 
     ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit`` (bytes per device) adds
@@ -406,6 +415,11 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
 
     ``rounds``: with layer reuse, how many times each group is solved in turn, each time seeing its neighbours'
     latest strategies (coordinate descent; the second round repairs boundaries the first could not see).
+
+    ``memo``: a dict the caller keeps across calls on the same graph and cluster (the planner solves ~50 meshes).
+    The sequential solve's first pass sees only axis 0, so it is the same problem on every mesh whose axis 0 has
+    the same size and link (a (2, 8) view of 2 hosts and a (2, 16) view of 4 hosts both pair devices 8 apart
+    with 8 pairs sharing a host's NICs); it is solved once per such axis.
     """
     t0 = time.perf_counter()
     cache = cache or _StrategyCache(mesh)
@@ -416,9 +430,19 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     restrict: dict[int, tuple] = {}
     two_axes = mesh.shape[0] > 1 and mesh.shape[1] > 1
     if two_axes and axes in ("auto", "sequential"):
-        first = solve_intra(graph, _OneAxisView(mesh), ops, mem_limit=None, reuse_layers=reuse_layers,
-                            merge=merge, solver=solver, time_limit=time_limit, axes="joint", rounds=rounds)
-        restrict = {op: _project(s, 1) for op, s in first.strategies.items()}
+        link = mesh.axis_link(0)
+        key = ("first pass", tuple(ops), mesh.shape[0], float(link.bandwidth), float(link.latency),
+               reuse_layers, merge, solver, time_limit, rounds)
+        if memo is None or key not in memo:
+            view = _OneAxisView(mesh)
+            vcache = _StrategyCache(view)
+            first = solve_intra(graph, view, ops, mem_limit=None, reuse_layers=reuse_layers, merge=merge,
+                                solver=solver, time_limit=time_limit, axes="joint", rounds=rounds, cache=vcache)
+            restrict = {op: vcache.project(s) for op, s in first.strategies.items()}
+            if memo is not None:
+                memo[key] = restrict
+        else:
+            restrict = memo[key]
     kw = dict(cache=cache, solver=solver, time_limit=time_limit, merge=merge, restrict=restrict)
     chosen: dict[int, Strategy] = {}
     infos: list[GroupSolve] = []
