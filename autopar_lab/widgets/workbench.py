@@ -8,8 +8,9 @@ In a notebook the last line shows the graph, table, layout, cost panel, timeline
 
 Every view follows one shared selection (an operator, a layer, a stage) and redraws when the plan changes. Each view's
 top widget carries a stable CSS class (``autopar-graph``, ``autopar-sharding-table``, ``autopar-stage-layout``,
-``autopar-cost-panel``, ``autopar-timeline``, ``autopar-controls``; the step time is ``autopar-step-time``), so a
-browser test can find it.
+``autopar-cost-panel``, ``autopar-timeline``, ``autopar-controls``, ``autopar-training``; the step time is
+``autopar-step-time``), so a browser test can find it. Below the timeline the training panel runs the plan locally or
+launches it on Ray, with a live loss curve and measured against predicted stage times.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .views.graph import GraphView
 from .views.sharding_table import ShardingTable
 from .views.stage_layout import StageLayout
 from .views.timeline import TimelineView
+from .views.training import TrainingPanel
 
 _STYLE = """<style>
 .autopar-sharding-table select { font-family: monospace; font-size: 12px; }
@@ -38,8 +40,8 @@ class Workbench:
 
     ``plan``: the plan to start from; by default :func:`~autopar_lab.auto_plan` solves one (``solve_kw`` are passed
     to it, e.g. ``microbatches=8``). ``session``: an existing Session to attach the views to instead.
-    The views are attributes (``graph``, ``table``, ``layout``, ``cost``, ``timeline``, ``controls``); ``widget`` is
-    the ipywidgets box a notebook displays (the Workbench itself displays as that box).
+    The views are attributes (``graph``, ``table``, ``layout``, ``cost``, ``timeline``, ``controls``, ``training``);
+    ``widget`` is the ipywidgets box a notebook displays (the Workbench itself displays as that box).
     """
 
     def __init__(self, model_or_graph=None, cluster=None, plan=None, *, session: Session | None = None,
@@ -65,6 +67,7 @@ class Workbench:
         self.layout = StageLayout(session)
         self.timeline = TimelineView(session)
         self.controls = Controls(session)
+        self.training = TrainingPanel(session)
         self.status = w.HTML("")
         self.status.add_class("autopar-status")
         session.subscribe(self._on_event)
@@ -73,7 +76,7 @@ class Workbench:
         right = w.VBox([self.cost.widget, self.layout.widget], layout=w.Layout(flex="1 1 420px", min_width="0"))
         columns = w.HBox([left, right], layout=w.Layout(flex_flow="row wrap", width="100%"))
         self.widget = w.VBox([w.HTML(_STYLE), self.controls.widget, self.status, columns,
-                              self.timeline.widget])
+                              self.timeline.widget, self.training.widget])
         self.widget.add_class("autopar-workbench")
         self.timings = {"plan_s": t1 - t0, "views_s": time.perf_counter() - t1}
         self._update_status()
@@ -86,7 +89,8 @@ class Workbench:
     @property
     def views(self) -> dict:
         return {"graph": self.graph, "sharding-table": self.table, "stage-layout": self.layout,
-                "cost-panel": self.cost, "timeline": self.timeline, "controls": self.controls}
+                "cost-panel": self.cost, "timeline": self.timeline, "controls": self.controls,
+                "training": self.training}
 
     def _on_event(self, event) -> None:
         if event.name == "error":

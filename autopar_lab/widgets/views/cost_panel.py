@@ -116,12 +116,13 @@ class CostPanel(View):
         self.breakdown = w.HTML("")
         self.explain = w.HTML("")
         self.utilisation = w.HTML("")
+        self.measured = w.HTML("")  # measured / predicted stage times, once a training run measured them
         self.cost_fig = go.FigureWidget(figures.cost_figure(None, cost_terms(plan.cost)))
         self.mem_fig = go.FigureWidget(figures.memory_figure(plan.cost.peak_mem_bytes, plan.cost.mem_limit_bytes))
         self.last_refresh: float | None = None
         self.refresh()
         self._finish(w.VBox([self.step_time, self.breakdown, self.cost_fig, self.mem_fig, self.utilisation,
-                             self.explain, self.message]))
+                             self.measured, self.explain, self.message]))
 
     def refresh(self) -> None:
         plan, prev = self.session.plan, self.session.previous
@@ -138,7 +139,27 @@ class CostPanel(View):
                                                        cost_terms(after)))
         mem = figures.memory_figure(after.peak_mem_bytes, after.mem_limit_bytes)
         sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations})
+        self.show_measured()
         self.last_refresh = time.perf_counter()
+
+    def show_measured(self) -> None:
+        """One line of measured over predicted stage times (from ``session.measured``; empty when there are none)."""
+        from .training import stage_rows
+
+        measured = self.session.measured
+        if not measured:
+            self.measured.value = ""
+            return
+        parts = [f"stage {r['stage']}: fwd {r['fwd_ratio']:.2f}×, bwd {r['bwd_ratio']:.2f}×"
+                 for r in stage_rows(self.session.plan, measured)
+                 if r["fwd_ratio"] is not None and r["bwd_ratio"] is not None]
+        self.measured.value = ("<small>measured / predicted time per microbatch: " + "; ".join(parts) + "</small>"
+                               if parts else "")
 
     def on_plan(self, event) -> None:
         self.refresh()
+
+    def _on_event(self, event) -> None:
+        super()._on_event(event)
+        if event.name == "measured":
+            self.show_measured()

@@ -1,0 +1,322 @@
+"""Training panel: run the current plan on the local devices or launch it on Ray, with live progress.
+
+A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray), a
+progress bar, a live loss curve, throughput text, a cancel button, and a table of each stage's predicted and measured
+forward / backward time per microbatch with their ratio.
+
+Everything arrives as session ``training`` events (one :class:`~autopar_lab.runtime.progress.ProgressEvent` per
+step), called from the job's thread; the panel only sets widget values there. A ``restart`` event (a stage actor
+died, the job went back to its last checkpoint) cuts the loss curve back to that step. Local runs run on a worker
+thread (as the controls' solves do), so the notebook stays responsive; ``background=False`` runs on the caller's
+thread, as tests do.
+
+    >>> rows = stage_rows(session.plan, session.measured)       # doctest: +SKIP
+    >>> rows[0]["fwd_ratio"]                                      # measured / predicted  # doctest: +SKIP
+    4.9
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+
+import ipywidgets as w
+
+from ._base import USER_ERRORS, View, fmt_s
+
+_END = ("done", "cancelled", "error")
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    return measured / predicted if measured is not None and predicted else None
+
+
+def stage_rows(plan, measured: list[dict] | None) -> list[dict]:
+    """Per stage of ``plan``: predicted and measured forward / backward seconds per microbatch, and measured over
+    predicted (``fwd_ratio``, ``bwd_ratio``; None where nothing was measured). ``measured``: rows as
+    :meth:`Runner.stage_times` or :meth:`Job.stage_times` give them (matched by ``stage``), or None."""
+    by_stage = {int(r["stage"]): r for r in measured or ()}
+    out = []
+    for k, st in enumerate(plan.stages):
+        m = by_stage.get(k, {})
+        mf, mb = m.get("measured_fwd_s"), m.get("measured_bwd_s")
+        out.append({"stage": k, "predicted_fwd_s": st.fwd_s, "predicted_bwd_s": st.bwd_s,
+                    "measured_fwd_s": mf, "measured_bwd_s": mb,
+                    "fwd_ratio": _ratio(mf, st.fwd_s), "bwd_ratio": _ratio(mb, st.bwd_s)})
+    return out
+
+
+def stage_table_html(rows: list[dict]) -> str:
+    """The rows of :func:`stage_rows` as an HTML table (class ``autopar-stage-times``)."""
+    def t(x):
+        return "—" if x is None else fmt_s(x)
+
+    def r(x):
+        return "—" if x is None else f"{x:.2f}×"
+
+    head = ("<tr><th>stage</th><th>fwd predicted</th><th>fwd measured</th><th>ratio</th>"
+            "<th>bwd predicted</th><th>bwd measured</th><th>ratio</th></tr>")
+    body = "".join(
+        f"<tr><td>{x['stage']}</td><td>{t(x['predicted_fwd_s'])}</td><td>{t(x['measured_fwd_s'])}</td>"
+        f"<td>{r(x['fwd_ratio'])}</td><td>{t(x['predicted_bwd_s'])}</td><td>{t(x['measured_bwd_s'])}</td>"
+        f"<td>{r(x['bwd_ratio'])}</td></tr>" for x in rows)
+    return f"<table class='autopar-cost-table autopar-stage-times'>{head}{body}</table>"
+
+
+def progress_text(ev, total: int | None) -> str:
+    """One line for a step event: step, loss, throughput, step time, each stage's busy time, elapsed time."""
+    parts = [f"step {ev.step}" + (f"/{total}" if total else "")]
+    if ev.loss is not None:
+        parts.append(f"loss {ev.loss:.4f}")
+    if ev.samples_per_s is not None:
+        parts.append(f"{ev.samples_per_s:.4g} samples/s")
+    if ev.step_time_s is not None:
+        parts.append(f"{fmt_s(ev.step_time_s)}/step")
+    if ev.stage_times:
+        parts.append("stage busy " + ", ".join(f"{k}: {fmt_s(t)}" for k, t in enumerate(ev.stage_times)))
+    parts.append(f"elapsed {fmt_s(ev.elapsed_s)}")
+    return " · ".join(parts)
+
+
+def loss_figure():
+    """An empty loss-against-step figure with one line trace named ``loss`` (the panel appends to it).
+
+        >>> loss_figure().data[0].name
+        'loss'
+    """
+    import plotly.graph_objects as go
+
+    # One null point, drawn as nothing: a trace with no points at all gets no trace element in the browser, and
+    # tests (and screenshots) wait for every figure to have one.
+    fig = go.Figure(go.Scatter(x=[None], y=[None], mode="lines+markers", name="loss"))
+    fig.update_layout(height=260, margin=dict(l=50, r=20, t=30, b=40), title="training loss",
+                      xaxis_title="step", yaxis_title="loss", showlegend=False)
+    return fig
+
+
+class TrainingPanel(View):
+    """Run or launch training of the session's current plan and watch it (see the module docstring).
+
+    ``compiler_options``: XLA options for local runs (``{"xla_backend_optimization_level": 0}`` compiles faster on
+    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``checkpoint_dir``, ``num_cpus``, ...).
+    """
+
+    css = "autopar-training"
+
+    def __init__(self, session, *, compiler_options: dict | None = None, **launch_kw):
+        super().__init__(session)
+        import plotly.graph_objects as go
+
+        self.compiler_options = compiler_options
+        self.launch_kw = dict(launch_kw)
+        B = w.Button
+        self.steps = w.BoundedIntText(value=20, min=1, max=1_000_000, description="steps",
+                                      layout=w.Layout(width="160px"))
+        self.run_button = B(description="run locally", tooltip="train on this machine's JAX devices")
+        self.run_button.on_click(lambda _: self.run_local())
+        self.address = w.Text(value="", placeholder="empty: embedded local Ray", description="Ray address",
+                              layout=w.Layout(width="320px"))
+        self.launch_button = B(description="launch on Ray", tooltip="train on a Ray cluster (stage actors)")
+        self.launch_button.on_click(lambda _: self.launch())
+        self.cancel_button = B(description="cancel", disabled=True, button_style="warning")
+        self.cancel_button.on_click(lambda _: self.cancel())
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="idle")
+        self.throughput = w.HTML("")
+        self.loss_fig = go.FigureWidget(loss_figure())
+        self.stage_table = w.HTML("")
+        self.job = None  # the Ray job this panel launched last
+        self.last_result: dict | None = None
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._cancel: threading.Event | None = None
+        self._running = False
+        self._run: int | None = None  # the session run number the curve shows
+        self._xs: list[int] = []
+        self._ys: list[float] = []
+        self._total: int | None = None
+        self.can_train = hasattr(session.model, "init") and hasattr(session.model, "step_fn")
+        self.note = w.HTML("" if self.can_train else
+                           "<small>training needs the model: open the workbench on a zoo ModelSpec "
+                           "(al.models.get(...)), not an operator graph</small>")
+        self._set_running(False)
+        self.refresh_table()
+        self._finish(w.VBox([
+            w.HBox([self.steps, self.run_button, self.address, self.launch_button, self.cancel_button]),
+            self.note, w.HBox([self.progress, self.throughput]), self.loss_fig, self.stage_table, self.message]))
+
+    # --- state --------------------------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._running
+
+    @property
+    def losses(self) -> list[float]:
+        """The loss curve's values as drawn (after any restart cut)."""
+        return list(self._ys)
+
+    def _set_running(self, running: bool) -> None:
+        self._running = running
+        self.run_button.disabled = running or not self.can_train
+        self.launch_button.disabled = running or not self.can_train
+        self.steps.disabled = running
+        self.cancel_button.disabled = not running
+
+    def reset(self, total: int | None = None) -> None:
+        """Clear the curve and the bar for a new run of ``total`` steps (unknown: the bar grows with the steps)."""
+        self._xs, self._ys = [], []
+        self._total = total
+        self.progress.max = max(int(total or 1), 1)
+        self.progress.value = 0
+        self.throughput.value = ""
+        self._draw_curve()
+
+    def _draw_curve(self) -> None:
+        xs, ys = (tuple(self._xs), tuple(self._ys)) if self._xs else ((None,), (None,))  # see loss_figure
+        with self.loss_fig.batch_update():
+            self.loss_fig.data[0].x = xs
+            self.loss_fig.data[0].y = ys
+
+    # --- starting and stopping ----------------------------------------------------------------------------------------
+    def _steps(self, steps) -> int:
+        return int(self.steps.value if steps is None else steps)
+
+    def run_local(self, steps: int | None = None, background: bool = True) -> threading.Thread | None:
+        """Train the current plan locally for ``steps`` (default: the steps box) on a worker thread."""
+        if self._running:
+            self.message.value = "a run is in progress: cancel it or wait"
+            return None
+        n = self._steps(steps)
+        self._cancel = threading.Event()
+        cancel = self._cancel
+        self.job = None
+        self.reset(n)
+        self.progress.description = "compiling"
+        self._set_running(True)
+
+        def work():
+            try:
+                self.last_result = self.session.run_local(n, cancel=cancel, compiler_options=self.compiler_options)
+                self.last_error = None
+                self.message.value = ""
+            except Exception as e:  # noqa: BLE001 - shown in the panel; a training failure must not kill the kernel
+                self._fail("run locally", e)
+            finally:
+                self._set_running(False)
+
+        if not background:
+            work()
+            return None
+        self._thread = threading.Thread(target=work, name="autopar-train-local", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def launch(self, steps: int | None = None, address: str | None = None, background: bool = True, **launch_kw):
+        """Launch training of the current plan on Ray (``address``: default the address box; empty = embedded local
+        Ray). Starting Ray can take a while, so the call runs on a worker thread unless ``background=False``; the
+        job is then in ``job``. Returns the thread (background) or the job."""
+        if self._running:
+            self.message.value = "a run is in progress: cancel it or wait"
+            return None
+        n = self._steps(steps)
+        addr = (self.address.value if address is None else address).strip() or None
+        kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
+        self._cancel = threading.Event()
+        cancel = self._cancel
+        self.job = None
+        self.reset(n)
+        self.progress.description = "starting"
+        self._set_running(True)
+
+        def work():
+            try:
+                job = self.session.launch(n, **kw)
+            except Exception as e:  # noqa: BLE001 - bad address, too few devices, Ray failing to start: say so
+                self._fail("launch on Ray", e)
+                self._set_running(False)
+                return None
+            self.job = job
+            self.last_error = None
+            if cancel.is_set():  # cancelled while Ray was starting
+                job.cancel()
+            if job.status() != "running" and self._running:  # it ended before we saw its last event
+                self._set_running(False)
+            return job
+
+        if not background:
+            return work()
+        self._thread = threading.Thread(target=work, name="autopar-train-launch", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def cancel(self) -> None:
+        """Stop the run at the end of the current step (a Ray job: ``job.cancel()``)."""
+        if self._cancel is not None:
+            self._cancel.set()
+        if self.job is not None:
+            self.job.cancel()
+        if self._running:
+            self.progress.description = "cancelling"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the worker thread (a local run, or a launch call) ends."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _fail(self, action: str, e: BaseException) -> None:
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.progress.description = "failed"
+        self.message.value = f"<span style='color:#B00020'>{action}: {html.escape(str(e))}</span>"
+        if isinstance(e, USER_ERRORS + (RuntimeError,)):
+            self.session.error(action, e)
+
+    # --- drawing ------------------------------------------------------------------------------------------------------
+    def show_event(self, ev, run: int | None = None) -> None:
+        """Draw one ProgressEvent (called in the job's thread: only widget values are set)."""
+        if run is not None and self._run is not None and run < self._run:
+            return  # the last words of an older run (a cancelled job finishing its step)
+        if run is not None and run != self._run:
+            self._run = run
+            if self._xs:  # a run started elsewhere (code in the notebook): a fresh curve, length unknown
+                self.reset(None)
+        if ev.kind == "step":
+            if ev.step > self.progress.max:
+                self.progress.max = ev.step
+            self.progress.value = ev.step
+            self.progress.description = "training"
+            if ev.loss is not None:
+                self._xs.append(ev.step)
+                self._ys.append(float(ev.loss))
+                self._draw_curve()
+            self.throughput.value = html.escape(progress_text(ev, self._total))
+        elif ev.kind == "restart":
+            keep = sum(1 for x in self._xs if x <= ev.step)
+            del self._xs[keep:], self._ys[keep:]
+            self._draw_curve()
+            self.progress.value = min(ev.step, self.progress.max)
+            self.progress.description = "restarted"
+            self.throughput.value = html.escape(f"restarted from step {ev.step}" +
+                                                (f": {ev.message}" if ev.message else ""))
+        elif ev.kind in _END:
+            self.progress.description = ev.kind
+            if ev.kind == "error":
+                self.last_error = ev.message
+                self.message.value = f"<span style='color:#B00020'>training failed: {html.escape(ev.message)}</span>"
+            elif ev.message:
+                self.throughput.value = html.escape(ev.message)
+            if self._thread is None or not self._thread.is_alive() or self.job is not None:
+                self._set_running(False)
+
+    def refresh_table(self) -> None:
+        rows = stage_rows(self.session.plan, self.session.measured)
+        self.rows = rows
+        self.stage_table.value = stage_table_html(rows)
+
+    def _on_event(self, event) -> None:
+        if event.name == "training":
+            self.show_event(event.detail["event"], event.detail.get("run"))
+        elif event.name in ("plan", "measured"):
+            self.refresh_table()
+
+    def close(self) -> None:
+        self.cancel()
+        super().close()
