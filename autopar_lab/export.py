@@ -7,9 +7,12 @@
 - ``param_specs``, ``opt_state_specs``, ``batch_specs``: ``PartitionSpec`` per input leaf, keyed by its pytree path
   as the trace names it (``"args[0]['layers'][0]['qkv']['w']"``), from the strategy of its ``parameter`` operator;
 - ``in_shardings_for(*args)``: ``NamedSharding``\\ s with the structure of the step's arguments (concrete arrays or
-  ``ShapeDtypeStruct``\\ s), for ``jax.jit(step_fn, in_shardings=in_shardings_for(*args))``.
+  ``ShapeDtypeStruct``\\ s), for ``jax.jit(step_fn, in_shardings=in_shardings_for(*args))``;
+- ``activation_specs`` and ``constrain(x, key)``: the sharding constraints of the stage's forward matmuls (the
+  activations users put ``jax.lax.with_sharding_constraint`` on), keyed by layer, scope and shape, e.g.
+  ``"layer_0/attn dot_general#2 -> (8, 16, 96)"``; ``constrain(x, key)`` applies one inside the user's step.
 
-For a pipelined plan only the first stage is covered (each stage has its own mesh); the code says so.
+A pipelined plan has a mesh per stage: ``to_jax_code(plan, stage=k)`` writes stage ``k``'s (default 0).
 """
 
 from __future__ import annotations
@@ -46,18 +49,48 @@ def input_specs(plan, stage: int = 0) -> dict[str, dict[str, object]]:
     return out
 
 
-def to_jax_code(plan) -> str:
-    """Python source building the first stage's mesh, PartitionSpecs and NamedShardings (see the module doc)."""
-    st = plan.stages[0]
+def activation_specs(plan, stage: int = 0) -> dict[str, object]:
+    """{key: ShardingSpec} of the forward matmuls' outputs that one stage runs, in graph order.
+
+    Keys name where the value is (its layer and scope, the primitive with its index in that scope, the output shape),
+    so a user can find the line of their model it belongs to.
+    """
+    graph = plan.graph
+    intra = plan.stages[stage].intra
+    if intra is None:
+        raise ValueError("this plan has no per-operator strategies to export")
+    first, last = plan.stages[stage].layers
+    names = set(plan.layer_names[first:last + 1])
+    seen: dict[str, int] = {}
+    out: dict[str, object] = {}
+    for op in graph.ops:
+        node = graph.op(op)
+        if node.primitive != "dot_general" or node.role != "forward" or op not in intra.strategies:
+            continue
+        if node.layer is not None and node.layer not in names:
+            continue
+        where = node.scope or node.layer or "(no scope)"
+        i = seen[where] = seen.get(where, -1) + 1
+        out[f"{where} dot_general#{i} -> {tuple(node.out_shapes[0])}"] = intra.strategies[op].out_specs[0]
+    return out
+
+
+def to_jax_code(plan, stage: int = 0) -> str:
+    """Python source building one stage's mesh, PartitionSpecs, NamedShardings and the sharding constraints of its
+    forward matmuls (see the module doc)."""
+    if not 0 <= stage < len(plan.stages):
+        raise ValueError(f"stage {stage} does not exist: this plan has stages 0..{len(plan.stages) - 1}")
+    st = plan.stages[stage]
     n0, n1 = (int(x) for x in st.logical_mesh)
-    specs = input_specs(plan, 0)
+    specs = input_specs(plan, stage)
+    acts = activation_specs(plan, stage)
     lines = [
         f"# autopar-lab plan: {plan.method}, {len(plan.stages)} stage(s), {plan.microbatches} microbatch(es), "
         f"predicted step {plan.cost.step_time_s:.4g} s",
     ]
     if len(plan.stages) > 1:
-        lines.append(f"# Only stage 0 (layers {st.layers[0]}..{st.layers[1]}) is shown: each pipeline stage has a "
-                     "mesh of its own.")
+        lines.append(f"# Stage {stage} (layers {st.layers[0]}..{st.layers[1]}) of {len(plan.stages)}: each pipeline "
+                     "stage has a mesh of its own (to_jax_code(plan, stage=k) writes stage k).")
     lines += [
         "import jax",
         "import numpy as np",
@@ -89,6 +122,19 @@ def to_jax_code(plan) -> str:
         "            lambda path, _: NamedSharding(mesh, _specs.get(f'args[{i}]' + jax.tree_util.keystr(path), P())),",
         "            arg)",
         "    return tuple(one(i, a) for i, a in enumerate(args))",
+        "",
+        "",
+        "# The plan's sharding of each forward matmul's output: inside your step, write",
+        "# x = constrain(x, KEY) where that value is computed (XLA propagates the rest).",
+        "activation_specs = {",
+    ]
+    lines += [f"    {key!r}: {_spec_text(spec)}," for key, spec in acts.items()]
+    lines += [
+        "}",
+        "",
+        "",
+        "def constrain(x, key):",
+        "    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_specs[key]))",
         "",
     ]
     return "\n".join(lines)

@@ -187,12 +187,12 @@ class Plan:
 
         return diff(self, other)
 
-    def to_jax_code(self) -> str:
-        """Python source that builds the first stage's mesh and the PartitionSpecs / NamedShardings of the step's
-        inputs (see :mod:`autopar_lab.export`)."""
+    def to_jax_code(self, stage: int = 0) -> str:
+        """Python source that builds one stage's mesh (default the first), the PartitionSpecs / NamedShardings of
+        the step's inputs and the sharding constraints of its forward matmuls (see :mod:`autopar_lab.export`)."""
         from .export import to_jax_code
 
-        return to_jax_code(self)
+        return to_jax_code(self, stage)
 
     def report(self, model_name: str | None = None) -> dict:
         """The JSON report of `autopar-lab plan --json`."""

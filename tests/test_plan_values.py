@@ -171,3 +171,12 @@ def test_to_jax_code_runs_and_matches_unsharded_loss(model, plan):
     _, _, loss = jax.jit(model.step_fn, in_shardings=shardings)(*args)
     _, _, ref = jax.jit(model.step_fn)(*args)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # The forward matmuls' constraints: one per forward dot_general of the graph, each applicable as written.
+    acts = ns["activation_specs"]
+    fwd_dots = [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).role == "forward"]
+    assert len(acts) == len(fwd_dots)
+    key, spec = next(iter(acts.items()))
+    shape = eval(key.rsplit("-> ", 1)[1])
+    assert spec == plan.choice(fwd_dots[0]).out_specs[0].to_partition_spec(("x", "y"))
+    y = jax.jit(lambda x: ns["constrain"](x * 2, key))(np.ones(shape, np.float32))
+    assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), len(shape))
