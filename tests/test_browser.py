@@ -32,7 +32,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 # The workbench's views, by the CSS class each one's top widget carries (autopar_lab/widgets/workbench.py).
 VIEWS = ("autopar-controls", "autopar-graph", "autopar-sharding-table", "autopar-cost-panel", "autopar-stage-layout",
-         "autopar-timeline")
+         "autopar-timeline", "autopar-training")
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium")
 
