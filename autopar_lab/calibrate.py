@@ -7,8 +7,11 @@ Regenerate the shipped profile (about a minute)::
 What is measured, and why each figure is the one the cost model wants:
 
 * matmul FLOP/s (float32, a few sizes, best of several runs), once on one device alone and once with every
-  device multiplying at the same time. The preset uses the concurrent per-device figure, because a plan runs
-  all N devices at once and on a CPU they share the same cores.
+  device multiplying at the same time (one batched matmul sharded over the N devices, a k x k product each). The
+  preset's ``peak_flops`` is the concurrent figure: the machine's aggregate throughput with all N devices busy,
+  divided by N (best size). N virtual CPU devices share the machine's C cores, so this is the honest model of
+  "N devices on C cores": every device runs concurrently at 1/N of the machine, and a stage on d devices gets d/N
+  of it (one device alone runs much faster: ``matmul_flops_single_device``, kept for comparison).
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
 * collective latency and bandwidth between the local devices: a jitted all-reduce (``psum``) and all-gather
   (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes. Each measurement is put in
@@ -16,8 +19,14 @@ What is measured, and why each figure is the one the cost model wants:
   buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
   and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
   is the intra-host link; every fit is stored with its residuals (measured vs fitted time per size).
+* the fixed cost of one pipeline task (:func:`measure_task_overhead`): a trivial jitted call on a block of devices
+  with a small activation moved in from another block and a host microbatch put there, as the local runtime runs
+  a stage's forward or backward; the median time at a few activation sizes, fitted to t = overhead + beta * bytes.
+  Stored as ``device.task_overhead_s``: the planner charges it once per stage forward and once per backward per
+  microbatch.
 
 ``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
+``--task-overhead-only`` measures just the per-task overhead and adds it to an existing profile.
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
 >>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
@@ -41,8 +50,8 @@ import numpy as np
 
 from autopar_lab.cluster import CPU_PROFILE_PATH
 
-__all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "write_profile", "fit_alpha_beta",
-           "total_memory_bytes", "main"]
+__all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "measure_task_overhead", "write_profile",
+           "update_task_overhead", "fit_alpha_beta", "total_memory_bytes", "main"]
 
 REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
 
@@ -155,6 +164,76 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
     return rows
 
 
+def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1 << 14, 1 << 18),
+                          repeats: int = 101, block: int = 2) -> dict:
+    """Time one pipeline task as the local runtime runs it, with (almost) no work in it, and fit its fixed cost.
+
+    A task here is what :class:`autopar_lab.runtime.local.Runner` does per stage and microbatch: move an activation
+    from the previous stage's device block (``block`` devices) onto this stage's block (split along the batch, with
+    the runtime's own :func:`~autopar_lab.runtime.partition.move`), put a host microbatch there, and call a jitted
+    program (one add) on both, waiting for the result. Each activation size B is timed ``repeats`` times (median: a
+    fixed cost is what most calls pay; the best would hide the scheduling every call meets on a shared machine) and
+    t = alpha + beta * B is fitted (:func:`fit_alpha_beta`). ``alpha`` is the per-task overhead (the bytes are
+    charged separately, as the stage-to-stage transfer). Returns {"task_overhead_s", "block", "points": [{"bytes",
+    "seconds", "fit_seconds", "rel_residual"}], "max_abs_rel_residual", "call_s" (the call alone, inputs in
+    place), "fit"}.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from autopar_lab.runtime.partition import _mesh, move  # the runtime's own placement, so its cost is measured
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    if not 2 * block <= n <= len(devs):
+        raise ValueError(f"a task overhead needs two blocks of {block} devices ({2 * block}..{len(devs)} devices), "
+                         f"got num_devices={num_devices}; set JAX_NUM_CPU_DEVICES before jax is imported.")
+    src, dst = _mesh(devs[:block], (1, block)), _mesh(devs[block:2 * block], (1, block))
+    split = P(None, "y")  # the microbatch axis over the block, as a data-parallel stage holds it
+    src_sh, dst_sh = NamedSharding(src, split), NamedSharding(dst, split)
+    task_fn = jax.jit(lambda act, tokens: act + tokens[..., None].astype(act.dtype))
+    rows, call_s = [], None
+    for nbytes in byte_sizes:
+        width = max(nbytes // (4 * 8 * block), 1)
+        act = jax.device_put(np.ones((1, 8 * block, width), np.float32), src_sh)
+        tokens = np.ones((1, 8 * block), np.int32)
+
+        def task():
+            return task_fn(move(act, dst_sh), move(tokens, dst_sh))
+
+        rows.append({"bytes": int(act.size * 4), "seconds": _median_time(task, repeats=repeats)})
+        if call_s is None:
+            a, t = move(act, dst_sh), move(tokens, dst_sh)
+            call_s = _median_time(lambda: task_fn(a, t), repeats=repeats)
+    alpha, beta = fit_alpha_beta([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    for r in rows:
+        r["fit_seconds"] = alpha + beta * r["bytes"]
+        r["rel_residual"] = (r["fit_seconds"] - r["seconds"]) / r["seconds"]
+    return {"task_overhead_s": alpha, "block": block, "points": rows, "call_s": call_s,
+            "max_abs_rel_residual": max(abs(r["rel_residual"]) for r in rows),
+            "fit": "t = task_overhead_s + bytes * beta over activation sizes; median of repeats per size",
+            "beta_s_per_byte": beta}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median of ``repeats`` timed calls of ``fn`` (its result waited for), after two warm-up calls."""
+    _ready(fn())
+    _ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _ready(fn())
+        times.append(time.perf_counter() - t0)
+    return max(float(np.median(times)), 1e-9)
+
+
+def _ready(x: Any) -> Any:
+    """Wait for every array in ``x``."""
+    import jax
+
+    return jax.block_until_ready(x)
+
+
 def _best_time(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
     """Fastest of ``repeats`` runs after one warm-up (which also compiles): least disturbed by other load."""
     fn(*args).block_until_ready()
@@ -240,6 +319,11 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
         # One device has nobody to talk to; model an in-memory copy.
         intra = {"bandwidth": bw_single / 2, "latency": 0.0}
 
+    # -- fixed cost of one pipeline task (needs two device blocks) -------------------------------------------
+    task = None
+    if n >= 4:
+        task = measure_task_overhead(n, byte_sizes=(1 << 10, 1 << 14, 1 << 18), repeats=21 if quick else 101)
+
     total = total_memory_bytes()
     return {
         "version": 1,
@@ -261,6 +345,8 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "peak_flops": {"float32": peak_concurrent},
             "memory_bytes": total / n,
             "memory_bandwidth": bw_concurrent,
+            # One stage task's launch and input moves (0 when there are too few devices to measure it).
+            "task_overhead_s": task["task_overhead_s"] if task else 0.0,
         },
         "intra_host": intra,
         # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
@@ -279,6 +365,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "collective_fits": fits,
             "collective_fit": "t = latency + x / bandwidth with x = 2 (n-1)/n B (all-reduce), (n-1)/n B "
                               "(all-gather); least squares in relative error; intra_host = the joint fit",
+            "task_overhead": task,
         },
     }
 
@@ -292,19 +379,37 @@ def write_profile(path: str | os.PathLike | None = None, num_devices: int | None
     return profile
 
 
+def update_task_overhead(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
+    """Measure only the per-task overhead (:func:`measure_task_overhead`, as :func:`measure_cpu` does) and store it
+    in the profile at ``path`` (default: the shipped one), keeping every other figure; returns the profile."""
+    out = Path(path) if path is not None else CPU_PROFILE_PATH
+    profile = json.loads(out.read_text())
+    task = measure_task_overhead(profile.get("num_devices"), repeats=21 if quick else 101)
+    profile["device"]["task_overhead_s"] = task["task_overhead_s"]
+    profile.setdefault("measurements", {})["task_overhead"] = task
+    profile["task_overhead_measured_on"] = _dt.date.today().isoformat()
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar_lab.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(CPU_PROFILE_PATH), help="where to write the JSON profile")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (seconds, noisier)")
     parser.add_argument("--devices", type=int, default=None, help="use the first N CPU devices (default: all)")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+    parser.add_argument("--task-overhead-only", action="store_true",
+                        help="measure only the per-task overhead and add it to the existing profile at --out")
     args = parser.parse_args(argv)
     # Calibrate CPU devices; give the usual 8 unless the caller chose (only works before jax is imported).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
     try:
-        profile = write_profile(args.out, num_devices=args.devices, quick=args.quick)
-    except ValueError as e:
+        if args.task_overhead_only:
+            profile = update_task_overhead(args.out, quick=args.quick)
+        else:
+            profile = write_profile(args.out, num_devices=args.devices, quick=args.quick)
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -314,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote {args.out}: {profile['num_devices']} devices, "
             f"{d['peak_flops']['float32'] / 1e9:.1f} GFLOP/s and {d['memory_bandwidth'] / 1e9:.1f} GB/s per device "
-            f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us"
+            f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us, "
+            f"{d['task_overhead_s'] * 1e3:.2f} ms per pipeline task"
         )
     return 0
 

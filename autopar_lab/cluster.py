@@ -105,17 +105,23 @@ def _dtype_name(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: peak compute per dtype, memory size and memory bandwidth.
+    """One accelerator: peak compute per dtype, memory size, memory bandwidth and the fixed cost of one task.
+
+    ``task_overhead_s``: host time one pipeline task costs beyond its operators (launching a stage's compiled
+    forward or backward program for one microbatch and moving its inputs onto the stage's devices). The GPU presets
+    leave it 0 (a few microseconds of launch, below the per-operator launch overhead the planner already charges);
+    the ``cpu`` preset reads the figure :mod:`autopar_lab.calibrate` measured for the local runtime.
 
     >>> d = Device("toy", {"float32": 1e12, "bfloat16": 4e12}, memory_bytes=2**30, memory_bandwidth=1e11)
-    >>> d.peak("bfloat16"), d.peak(np.float32), d.peak("int8")   # unknown dtype -> float32's figure
-    (4000000000000.0, 1000000000000.0, 1000000000000.0)
+    >>> d.peak("bfloat16"), d.peak(np.float32), d.peak("int8"), d.task_overhead_s   # unknown dtype -> float32's
+    (4000000000000.0, 1000000000000.0, 1000000000000.0, 0.0)
     """
 
     name: str
     peak_flops: Mapping[str, float]  # dtype name -> FLOP/s; must include "float32" (the fallback)
     memory_bytes: float
     memory_bandwidth: float  # bytes/s
+    task_overhead_s: float = 0.0  # seconds per pipeline task (stage forward or backward of one microbatch)
 
     def __post_init__(self) -> None:
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
@@ -133,9 +139,18 @@ class Device:
         object.__setattr__(
             self, "memory_bandwidth", _check_positive(self.memory_bandwidth, f"device {self.name!r} memory_bandwidth", "bytes/s")
         )
+        try:
+            overhead = float(self.task_overhead_s)
+        except (TypeError, ValueError):
+            overhead = math.nan
+        if not math.isfinite(overhead) or overhead < 0:
+            raise ValueError(f"device {self.name!r} task_overhead_s must be a finite number of seconds >= 0, got "
+                             f"{self.task_overhead_s!r}; give 0 for no per-task overhead.")
+        object.__setattr__(self, "task_overhead_s", overhead)
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth))
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth,
+                     self.task_overhead_s))
 
     def peak(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for ``dtype`` (a name, numpy/jax dtype or scalar type); float32's figure if unknown."""
@@ -147,6 +162,8 @@ class Device:
             "peak_flops": dict(self.peak_flops),
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
+            # Only when set: the GPU presets' dicts (and plan files saved before the field existed) stay as they were.
+            **({"task_overhead_s": self.task_overhead_s} if self.task_overhead_s else {}),
         }
 
 
@@ -298,6 +315,7 @@ def _cpu_preset(hosts: int) -> "Cluster":
         peak_flops=dev["peak_flops"],
         memory_bytes=total / n,
         memory_bandwidth=dev["memory_bandwidth"],
+        task_overhead_s=dev.get("task_overhead_s", 0.0),  # profiles written before it was measured: none
     )
     return Cluster(
         hosts=hosts,
@@ -475,6 +493,7 @@ class Cluster:
             peak_flops=get(dev, "peak_flops", "device.peak_flops"),
             memory_bytes=get(dev, "memory_bytes", "device.memory_bytes"),
             memory_bandwidth=get(dev, "memory_bandwidth", "device.memory_bandwidth"),
+            task_overhead_s=dev.get("task_overhead_s", 0.0) if isinstance(dev, Mapping) else 0.0,
         )
         links = {}
         for field in ("intra_host", "inter_host"):

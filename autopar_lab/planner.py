@@ -9,7 +9,9 @@ How a plan is priced:
    strategies and costs): planning GPT-39B needs a 4-layer trace per mesh, not a 48-layer one.
 2. A stage running layers ``a..b`` on a microbatch of ``batch / B`` samples costs ``sum(layer costs) / B`` plus a
    fixed launch overhead per heavy operator (``LAUNCH_OVERHEAD_S``): the term that stops more microbatches from
-   being free. With rematerialisation, it holds only its input activations and runs its forward pass twice.
+   being free; each forward and each backward task also costs the device's ``task_overhead_s`` (measured for the
+   cpu preset; shared by a host's devices, :meth:`CostTable.task_overhead_s`). With rematerialisation, it holds
+   only its input activations and runs its forward pass twice.
 3. The stage DP (:func:`~autopar_lab.solve.inter.stage_dp`) picks stages, submeshes and logical meshes; the plan's
    step time is the makespan of the event-level simulation of that pipeline (:mod:`autopar_lab.simulate`).
 """
@@ -188,8 +190,18 @@ class CostTable:
             entry = self.cut_bytes[start - 1] if start > 0 else 0.0
             act = entry / B / n
             bwd += fwd
+        task = self.task_overhead_s(submesh)  # once per task: a rematerialised backward is still one task
+        fwd, bwd = fwd + task, bwd + task
         return inter.StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                                     payload=plan)
+
+    def task_overhead_s(self, submesh) -> float:
+        """Seconds charged per stage task (the forward, or the backward, of one microbatch): the device's
+        ``task_overhead_s`` times the host's devices over the stage's devices on that host. A host runs every
+        stage's tasks from one driver, so a stage on d of its D devices gets d/D of it, as it gets d/D of the
+        host's cores (measured on the cpu preset: tasks of different stages do not overlap). 0 on the GPU presets."""
+        per_host = self.cluster.devices_per_host
+        return self.cluster.device.task_overhead_s * per_host / min(int(submesh[1]), per_host)
 
     def _distinct(self, submesh) -> list:
         sub = tuple(submesh)
@@ -292,6 +304,8 @@ class _Block:
                 n = shape[0] * shape[1]
                 act = np.broadcast_to((entry / B / n)[:, None], (L, L))
                 bwd = bwd + fwd
+            task = table.task_overhead_s(submesh)
+            fwd, bwd = fwd + task, bwd + task
             for out, v in zip(fields, (fwd, bwd, static, act)):
                 out.append(np.where(upper, v, np.inf))
         keys = [np.stack(f) for f in fields]  # (K, L, L) each

@@ -98,3 +98,110 @@ def test_shipped_profile_has_the_fits():
     for f in fits.values():
         for p in f["points"]:
             assert p["fit_seconds"] == pytest.approx(f["alpha_s"] + f["beta_s_per_byte"] * p["x_bytes"], rel=1e-9)
+
+
+def test_task_overhead_fit_reproduces_its_measured_task_times():
+    """The fitted per-task overhead (t = overhead + beta * bytes over activation sizes) reproduces the median task
+    time at every size within 50% (the better of two runs on this shared machine). A task includes its call, so it
+    takes longer than the call alone. No assertion on absolute speed."""
+    if _devices() < 4:
+        pytest.skip("needs at least 4 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    best = None
+    for _ in range(2):
+        res = calibrate.measure_task_overhead(4, repeats=21)
+        if best is None or res["max_abs_rel_residual"] < best["max_abs_rel_residual"]:
+            best = res
+        if best["max_abs_rel_residual"] < 0.5:
+            break
+    assert [p["bytes"] for p in best["points"]] == sorted(p["bytes"] for p in best["points"])
+    assert best["task_overhead_s"] >= 0 and best["beta_s_per_byte"] > 0
+    for p in best["points"]:
+        assert p["fit_seconds"] == pytest.approx(best["task_overhead_s"] + best["beta_s_per_byte"] * p["bytes"])
+        assert abs(p["fit_seconds"] - p["seconds"]) <= 0.5 * p["seconds"], p
+    assert best["points"][0]["seconds"] > best["call_s"]
+    with pytest.raises(ValueError, match="two blocks of 2 devices"):
+        calibrate.measure_task_overhead(3)
+
+
+def test_task_overhead_only_keeps_the_profile_and_the_preset_reads_it(tmp_path, monkeypatch):
+    if _devices() < 4:
+        pytest.skip("needs at least 4 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    from autopar_lab import cluster as cl
+
+    out = tmp_path / "cpu.json"
+    before = json.loads(cl.CPU_PROFILE_PATH.read_text())
+    before["num_devices"] = 4
+    out.write_text(json.dumps(before))
+    assert calibrate.main(["--task-overhead-only", "--quick", "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    task = after["measurements"]["task_overhead"]
+    assert after["device"]["task_overhead_s"] == task["task_overhead_s"] >= 0
+    for key in ("intra_host", "inter_host", "total_memory_bytes"):
+        assert after[key] == before[key]
+    assert {k: v for k, v in after["device"].items() if k != "task_overhead_s"} == \
+        {k: v for k, v in before["device"].items() if k != "task_overhead_s"}
+    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    c = cl.Cluster.preset("cpu")
+    assert c.device.task_overhead_s == task["task_overhead_s"]
+    # it survives the cluster's JSON form (plan files compare it)
+    assert cl.Cluster.from_json(c.to_dict()) == c
+    # a profile written before the figure existed means no per-task overhead
+    del before["device"]["task_overhead_s"]
+    out.write_text(json.dumps(before))
+    assert cl.Cluster.preset("cpu").device.task_overhead_s == 0.0
+    assert calibrate.main(["--task-overhead-only", "--out", str(tmp_path / "missing.json")]) == 2
+
+
+def test_device_task_overhead_is_checked_and_optional():
+    from autopar_lab.cluster import Cluster, Device
+
+    d = Device("toy", {"float32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11)
+    assert d.task_overhead_s == 0.0 and "task_overhead_s" not in d.to_dict()
+    assert "task_overhead_s" not in Cluster.preset("p3.16xlarge").to_dict()["device"]
+    with_it = Device("toy", {"float32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11, task_overhead_s=2e-3)
+    assert with_it.to_dict()["task_overhead_s"] == 2e-3 and hash(with_it) != hash(d)
+    for bad in (-1e-3, float("nan"), "fast"):
+        with pytest.raises(ValueError, match="task_overhead_s must be a finite number of seconds >= 0"):
+            Device("toy", {"float32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11, task_overhead_s=bad)
+
+
+def test_shipped_profile_has_the_task_overhead_fit():
+    from autopar_lab.cluster import CPU_PROFILE_PATH
+
+    prof = json.loads(CPU_PROFILE_PATH.read_text())
+    task = prof["measurements"]["task_overhead"]
+    assert prof["device"]["task_overhead_s"] == task["task_overhead_s"] > 0
+    for p in task["points"]:
+        assert p["fit_seconds"] == pytest.approx(task["task_overhead_s"] + task["beta_s_per_byte"] * p["bytes"])
+
+
+def test_planner_charges_the_task_overhead_once_per_task():
+    """Each stage forward and each backward of a microbatch costs the device's task_overhead_s once, times the
+    host's devices over the stage's (the host's one driver runs every stage's tasks; measured: tasks of different
+    stages do not overlap on the cpu preset). A rematerialised stage's backward (forward rerun inside it) is still
+    one task. The vectorised candidates the stage DP uses carry the same numbers."""
+    import dataclasses
+
+    import autopar_lab as al
+    from autopar_lab.cluster import Cluster
+    from autopar_lab.planner import CostTable
+
+    base = Cluster.preset("p3.16xlarge")  # 8 devices per host, no jax devices needed
+    graph = al.models.get("gpt-tiny", batch_size=8, num_layers=2).trace()
+    t = 1e-3
+    with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t))
+    table = CostTable(graph, base)
+    B = 4
+    for submesh, shape, factor in (((1, 2), (1, 2), 4), ((1, 8), (1, 8), 1)):
+        table.cluster = base
+        plain = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
+        table.cluster = with_overhead
+        charged = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
+        for p, c in zip(plain, charged):
+            assert c.fwd_s - p.fwd_s == pytest.approx(t * factor, rel=1e-9)
+            assert c.bwd_s - p.bwd_s == pytest.approx(t * factor, rel=1e-9)
+            assert (c.static_bytes, c.act_bytes) == (p.static_bytes, p.act_bytes)
+        fast = table.candidate_fn(B)(0, 2, submesh)
+        for c in fast:
+            ref = table.stage(0, 2, submesh, c.logical_mesh, B, c.remat)
+            assert (c.fwd_s, c.bwd_s) == (ref.fwd_s, ref.bwd_s)

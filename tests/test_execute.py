@@ -7,6 +7,8 @@ rounding), and plans share one cost table, so the file stays well under a minute
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +136,33 @@ def test_tied_weight_gradient_sums_both_uses(model, plan2):
     np.testing.assert_array_equal(np.asarray(p[0]["['wte']"]), np.asarray(params["wte"]))
 
 
+def test_stashed_backward_equals_recomputed_backward(model, plan2):
+    """forward_stash keeps the forward's residuals; backward given them (no forward rerun) returns the same gradients
+    as backward recomputing the forward, and acc= adds onto earlier gradients. A stage the plan rematerialises
+    keeps no stash."""
+    sm = split_stages(model, plan2, compiler_options=FAST)
+    p = [sm.init_stage(k, 0)[0] for k in range(2)]
+    mb = sm.split_batch(model.init(0)[2], 2)[0]
+    acts, stash0 = sm.forward_stash(0, p[0], {}, mb)
+    out1, stash1 = sm.forward_stash(1, p[1], acts, mb)
+    assert stash0 is not None and stash1 is not None
+    _close(out1["loss"], sm.forward(1, p[1], sm.forward(0, p[0], {}, mb), mb)["loss"])
+    g1, d1 = sm.backward(1, p[1], None, None, stash=stash1)  # inputs and batch are not needed with a stash
+    r1, rd1 = sm.backward(1, p[1], acts, mb)
+    g0, _ = sm.backward(0, p[0], None, None, d1, stash=stash0)
+    r0, _ = sm.backward(0, p[0], {}, mb, rd1)
+    for a, b in zip(jax.tree_util.tree_leaves((g0, g1, d1)), jax.tree_util.tree_leaves((r0, r1, rd1))):
+        _close(a, b)
+    twice, _ = sm.backward(0, p[0], None, None, d1, stash=stash0, acc=g0)
+    for a, b in zip(jax.tree_util.tree_leaves(twice), jax.tree_util.tree_leaves(g0)):
+        _close(a, 2 * np.asarray(b))
+    remat = dataclasses.replace(plan2, stages=tuple(dataclasses.replace(st, remat=True) for st in plan2.stages))
+    sm_r = split_stages(model, remat, compiler_options=FAST)
+    out_r, none = sm_r.forward_stash(0, p[0], {}, mb)
+    assert none is None
+    _close(out_r[next(iter(out_r))], acts[next(iter(out_r))])
+
+
 def test_plan_needing_more_devices_is_refused(model, plan2):
     with pytest.raises(ValueError, match=r"needs 8 devices .* only 4 are available"):
         al.execute(plan2, model, devices=jax.devices()[:4])
@@ -207,10 +236,12 @@ def test_any_model_with_scopes_or_markers(cluster, marked):
         graph = al.relayer(graph, boundaries="markers")
     plan = al.megatron_plan(graph, cluster, dp=4, tp=1, pp=2, microbatches=2)
     assert len(plan.layer_names) == 3 and [st.layers for st in plan.stages] == [(0, 1), (2, 2)]
+    # make_spec records its optimizer; a ModelSpec without one must say which optimizer to apply per stage.
+    bare = dataclasses.replace(spec, optimizer=None)
     with pytest.raises(ValueError, match="optimizer"):
-        split_stages(spec, plan)
+        split_stages(bare, plan)
     opt = optax.adam(LEARNING_RATE)
-    runner = al.execute(plan, spec, optimizer=opt, compiler_options=FAST)
+    runner = al.execute(plan, bare, optimizer=opt, compiler_options=FAST)
     sm = runner.staged
     assert sm.stage_param_keys(0) == ("['w'][0]", "['w'][1]") and sm.stage_param_keys(1) == ("['w'][2]",)
     assert "params['w'][0]" in sm.stage_inputs(1)  # the tied weight crosses the cut

@@ -7,8 +7,9 @@
   its own devices. One step splits the batch into microbatches and drives every stage's task list in the plan's
   schedule order (:func:`autopar_lab.simulate.stage_order`, GPipe or 1F1B) from one thread: a task runs as soon as
   what it needs is there (activations of earlier stages for a forward, gradients of later stages for a backward),
-  values move between stage meshes with ``jax.device_put``, gradients are summed over microbatches, and then each
-  stage applies the optimizer to its own parameters.
+  values move between stage meshes with ``jax.device_put``, a forward keeps its residuals for its backward (no
+  recomputation, unless the plan rematerialises the stage), gradients are summed over microbatches inside the
+  backward programs, and then each stage applies the optimizer to its own parameters.
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
@@ -126,7 +127,7 @@ class Runner:
         orders = [stage_order(k, S, B, plan.schedule) for k in range(S)]
         pos = [0] * S
         outs: dict[tuple[int, int], dict] = {}  # (stage, mb) -> forward outputs
-        ins: dict[tuple[int, int], dict] = {}  # (stage, mb) -> the inputs its forward read
+        ins: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (inputs its forward read, or its stash)
         d_out: dict[tuple[int, int], dict] = {}  # (stage, mb) -> summed gradients of its outputs
         # A stage's backward of microbatch j waits for the backward j of every stage that read its outputs (their
         # gradients come back then; an integer output has none, but its reader must have run before it is freed).
@@ -149,22 +150,24 @@ class Runner:
                             break
                         inputs = {n: outs[(sm.producer(n), j)][n] for n in need}
                         t0 = time.perf_counter()
-                        res = sm.forward(k, self._params[k], inputs, mbs[j])
+                        res, stash = sm.forward_stash(k, self._params[k], inputs, mbs[j])
                         if self.timing:
                             _block(res)
                         times.setdefault((k, "fwd"), []).append(time.perf_counter() - t0)
                         outs[(k, j)] = res
-                        ins[(k, j)] = inputs
+                        # The backward needs the forward's residuals, or (a rematerialised stage) its inputs.
+                        ins[(k, j)] = (None, stash) if stash is not None else (inputs, None)
                         if k == S - 1:
                             losses.append(res["loss"])
                     else:
                         if (k, j) not in outs or pending[(k, j)]:
                             break
                         t0 = time.perf_counter()
-                        g, d_inputs = sm.backward(k, self._params[k], ins.pop((k, j)), mbs[j], d_out.pop((k, j), {}))
+                        inputs, stash = ins.pop((k, j))
+                        grads[k], d_inputs = sm.backward(k, self._params[k], inputs, mbs[j], d_out.pop((k, j), {}),
+                                                         stash=stash, acc=grads[k])
                         for n in sm.stage_inputs(k):
                             pending[(sm.producer(n), j)].discard((k, n))
-                        grads[k] = g if grads[k] is None else sm.add_grads(k, grads[k], g)
                         if self.timing:
                             _block(grads[k])
                         times.setdefault((k, "bwd"), []).append(time.perf_counter() - t0)

@@ -22,8 +22,12 @@ Loss scaling: a step's loss is the mean of its microbatch losses, so the last st
 cotangent with ``1 / microbatches``; the gradients summed over microbatches are then those of the mean loss (for a
 loss that is a mean over equal-sized microbatches, the full batch's gradient).
 
-Backward recomputes the stage's forward (``jax.vjp`` inside the jitted backward): simple and correct, it costs one
-extra forward per stage and keeps no activations between the forward and backward tasks.
+Backward without recomputation: :meth:`StagedModel.forward_stash` runs the forward as ``jax.vjp`` in one jitted
+program and returns the pullback with the outputs (the pullback is a pytree holding the residuals, so it can leave
+one compiled program and enter another); :meth:`StagedModel.backward` given that stash applies it. That is what the
+plan assumes of a stage with ``remat=False`` (it holds its activations until the backward). A rematerialised stage
+(``remat=True``), or a caller without a stash, gets the backward that recomputes the forward (``jax.vjp`` inside
+the jitted backward), which keeps only the stage's inputs between the tasks.
 
 The optimizer is ``model.optimizer`` when the ModelSpec has one, else the zoo's ``optax.adam(LEARNING_RATE)`` (which
 every zoo step uses), else whatever ``optimizer=`` says. It is applied per stage, which is exact for element-wise
@@ -356,12 +360,15 @@ def _specs_via_solve_graph(plan, k: int) -> dict[str, ShardingSpec]:
     return out
 
 
-VIA_HOST = os.environ.get("AUTOPAR_VIA_HOST", "1") == "1"
+# Measured on the 8-device CPU preset (gpt-tiny, 4 stages x 4 microbatches, steps interleaved): jax.device_put
+# between stage meshes is 10-15% faster per step than a copy through numpy, which waits for each value and so
+# stops stages from overlapping. AUTOPAR_VIA_HOST=1 restores the copy through host memory.
+VIA_HOST = os.environ.get("AUTOPAR_VIA_HOST", "0") == "1"
 
 
 def move(x, sharding: NamedSharding):
-    """``x`` placed with ``sharding``. Between different CPU devices the copy goes through host memory (the same
-    memory there), which needs no compiled resharding program per shape; elsewhere ``jax.device_put``."""
+    """``x`` placed with ``sharding`` (``jax.device_put``; with ``AUTOPAR_VIA_HOST=1`` a copy between different
+    CPU devices goes through host memory instead, which waits for the value but compiles nothing per shape)."""
     if isinstance(x, jax.Array):
         if x.sharding == sharding:
             return x
@@ -734,17 +741,30 @@ class StagedModel:
         out_avals = {n: self._prog.avals[self._var_of[n] if n != LOSS else self._prog.outvars[0]]
                      for n in self.stage_outputs(k)}
 
-        def backward(params_k, inputs, batch_leaves, d_outputs):
+        def linearized(params_k, inputs, batch_leaves):
             diff = {n: inputs[n] for n in diff_names}
             rest = {n: x for n, x in inputs.items() if n not in diff}
-            outs, vjp = jax.vjp(lambda p, d: run(p, {**d, **rest}, batch_leaves), params_k, diff)
+            return jax.vjp(lambda p, d: run(p, {**d, **rest}, batch_leaves), params_k, diff)
+
+        def cotangent(d_outputs):
             cot = {}
-            for n, o in outs.items():
+            for n, o in out_avals.items():
                 if not jnp.issubdtype(o.dtype, jnp.inexact):
                     cot[n] = np.zeros(o.shape, jax.dtypes.float0)
                 else:
                     cot[n] = d_outputs[n].astype(o.dtype) if n in d_outputs else jnp.zeros(o.shape, o.dtype)
-            grads, d_inputs = vjp(cot)
+            return cot
+
+        def backward(params_k, inputs, batch_leaves, d_outputs):
+            _, vjp = linearized(params_k, inputs, batch_leaves)  # the forward again (rematerialisation)
+            return vjp(cotangent(d_outputs))
+
+        def apply_pullback(pullback, d_outputs, acc):
+            # jax.vjp's pullback is a pytree (a Partial holding the residuals), so the forward program can return
+            # it and this program apply it: the backward without the forward. Accumulating here saves a program.
+            grads, d_inputs = pullback(cotangent(d_outputs))
+            if acc is not None:
+                grads = jax.tree_util.tree_map(jnp.add, acc, grads)
             return grads, d_inputs
 
         def update(params_k, opt_state_k, grads_k):
@@ -755,6 +775,7 @@ class StagedModel:
 
         jit = functools.partial(jax.jit, compiler_options=self.compiler_options)
         fns = dict(forward=jit(run), backward=jit(backward), update=jit(update),
+                   forward_stash=jit(linearized), apply_pullback=jit(apply_pullback),
                    add=jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)),
                    diff=tuple(diff_names), last=last, out_avals=out_avals)
         self._compiled[key] = fns
@@ -780,12 +801,32 @@ class StagedModel:
         fns = self._fns(self._check(k))
         return fns["forward"](params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb))
 
-    def backward(self, k: int, params_k: dict, inputs: dict, batch_mb, d_outputs: dict | None = None):
-        """``(grads_k, d_inputs)`` of stage k on one microbatch, recomputing its forward (``jax.vjp`` in one jitted
-        program). ``d_outputs[name]``: the gradient of the step's loss w.r.t. output ``name`` (summed over every
-        stage that reads it; a missing one counts as zero). The last stage seeds ``d loss = 1 / microbatches`` (a
-        step's loss is the mean of its microbatch losses) unless ``d_outputs["loss"]`` says otherwise. ``d_inputs``
-        holds the differentiable inputs (integer values carry no gradient)."""
+    def forward_stash(self, k: int, params_k: dict, inputs: dict, batch_mb):
+        """Stage k's forward keeping what its backward needs: ``(outputs, stash)``, outputs as :meth:`forward`'s.
+
+        ``stash`` holds the forward's residuals (the pullback of ``jax.vjp``, a pytree of arrays on stage k's mesh);
+        :meth:`backward` given it applies it and does not run the forward again. A stage the plan rematerialises
+        (``remat=True``: it keeps only its inputs) returns ``None`` and its backward recomputes the forward. The
+        stash lives until the backward, as the plan's activation memory assumes.
+        """
+        fns = self._fns(self._check(k))
+        args = (params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb))
+        if self.plan.stages[k].remat:
+            return fns["forward"](*args), None
+        return fns["forward_stash"](*args)
+
+    def backward(self, k: int, params_k: dict, inputs: dict, batch_mb, d_outputs: dict | None = None, *,
+                 stash=None, acc: dict | None = None):
+        """``(grads_k, d_inputs)`` of stage k on one microbatch. ``d_outputs[name]``: the gradient of the step's loss
+        w.r.t. output ``name`` (summed over every stage that reads it; a missing one counts as zero). The last stage
+        seeds ``d loss = 1 / microbatches`` (a step's loss is the mean of its microbatch losses) unless
+        ``d_outputs["loss"]`` says otherwise. ``d_inputs`` holds the differentiable inputs (integer values carry no
+        gradient).
+
+        With ``stash`` (from :meth:`forward_stash` of the same microbatch) the saved residuals are used and
+        ``inputs`` / ``batch_mb`` are not read; without it the forward is recomputed (``jax.vjp`` in one jitted
+        program) from ``inputs`` and ``batch_mb``. ``acc``: gradients to add ``grads_k`` to (returned summed, as
+        :meth:`add_grads` would, in the same program when a stash is given)."""
         fns = self._fns(self._check(k))
         d_outputs = dict(d_outputs or {})
         if fns["last"] and LOSS not in d_outputs:
@@ -797,7 +838,13 @@ class StagedModel:
                 v = self._var_of[n] if n != LOSS else self._prog.outvars[0]
                 sh = self._value_sharding(k, v) if n != LOSS else NamedSharding(mesh, PartitionSpec())
                 placed[n] = move(d_outputs[n], sh)
-        return fns["backward"](params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb), placed)
+        if stash is not None:
+            return fns["apply_pullback"](stash, placed, acc)
+        grads, d_inputs = fns["backward"](params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb),
+                                          placed)
+        if acc is not None:
+            grads = fns["add"](acc, grads)
+        return grads, d_inputs
 
     def update(self, k: int, params_k: dict, opt_state_k, grads_k: dict):
         """``(params_k, opt_state_k)`` after the model's optimizer step on stage k's parameters."""
@@ -819,7 +866,7 @@ class StagedModel:
 
 
 def _cache_key(model, plan, devices, optimizer, compiler_options):
-    stages = tuple((st.layers, st.submesh, st.logical_mesh, st.devices, id(st.intra)) for st in plan.stages)
+    stages = tuple((st.layers, st.submesh, st.logical_mesh, st.devices, st.remat, id(st.intra)) for st in plan.stages)
     dev = None if devices is None else tuple(str(d) for d in jax.tree_util.tree_leaves(
         [list(d) if isinstance(d, (list, tuple)) else d for d in devices], is_leaf=lambda x: x is None))
     opts = tuple(sorted((compiler_options or {}).items()))
