@@ -1,0 +1,54 @@
+"""al.launch(ray_address=...) through the Ray Jobs API, against a token-protected Ray head started on loopback here
+(the way a user would run a cluster: `ray start --head`), with the plan and the package shipped in the runtime_env."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar_lab as al
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path, monkeypatch):
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.exists():
+        pytest.skip("the ray command is not installed beside this Python")
+    token = secrets.token_hex(16)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "JAX_PLATFORMS": "cpu",
+           # the job's entrypoint runs `python` from PATH on the head: this venv's, as on a cluster set up for it
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key, value in (("RAY_AUTH_MODE", "token"), ("RAY_AUTH_TOKEN", token)):
+        monkeypatch.setenv(key, value)
+    gcs, dash = _free_port(), _free_port()
+    temp = Path("/tmp") / f"autopar-ray-{secrets.token_hex(4)}"  # Ray's socket paths must stay short
+    start = [str(ray_bin), "start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+             "--include-dashboard=true", "--num-cpus=4", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+             f"--temp-dir={temp}"]
+    proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=240)
+    try:
+        if proc.returncode != 0:
+            pytest.fail(f"ray start failed: {proc.stderr[-2000:]}")
+        model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+        plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=2, tp=2, pp=2, microbatches=2)
+        job = al.launch(plan, model, 2, ray_address=f"http://127.0.0.1:{dash}")
+        job.wait(400)
+        assert job.status() == "done"
+        ref = al.execute(plan, model).train(2)
+        assert job.losses == pytest.approx(ref, rel=1e-6)
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
