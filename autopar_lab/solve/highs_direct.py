@@ -393,14 +393,6 @@ def solve(problem: "ilp.IntraProblem", *, time_limit=None, warm_start=None, msg:
                 if ilp.evaluate(problem, start).objective < ilp.evaluate(problem, choice).objective:
                     choice = start
     ev = ilp.evaluate(problem, choice)
-    if min_memory:
-        base = ev.peak_mem
-        gap = 0.0 if status == "optimal" else None if absgap is None else (absgap / base if base else math.inf)
-    else:
-        base = abs(ev.objective)
-        gap = 0.0 if status == "optimal" else None if absgap is None else (
-            absgap * model.scale / base if base else (0.0 if absgap <= 0 else math.inf))
-    if gap is not None:
-        gap = max(gap, 0.0)
+    gap = ilp.relative_gap(ev, status, absgap, model.scale, min_memory)
     return ilp.IntraSolution(choice, *ev, status, gap, time.perf_counter() - t0, model.num_col, model.num_row,
                              name, model.build_s)

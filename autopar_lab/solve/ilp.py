@@ -846,16 +846,24 @@ def _solve(problem, *, solver, time_limit, warm_start, msg, rel_gap, min_memory)
                 if ev0.objective < ev1.objective:  # the solver lost its start (should not happen)
                     choice = start
     ev = evaluate(problem, choice)
+    gap = relative_gap(ev, status, absgap, model.scale, min_memory)
+    return IntraSolution(choice, *ev, status, gap, time.perf_counter() - t0, nv, nc, name, model.build_s)
+
+
+def relative_gap(ev, status: str, absgap, scale: float, min_memory: bool):
+    """The proven relative optimality gap of a solution evaluated as ``ev``: 0 when optimal, None when the solver
+    proved no bound; ``absgap`` is the solver's absolute gap in its (scaled) objective units."""
+    if status == "optimal":
+        return 0.0
+    if absgap is None:
+        return None
     if min_memory:
         base = ev.peak_mem
-        gap = 0.0 if status == "optimal" else None if absgap is None else (absgap / base if base else math.inf)
+        gap = absgap / base if base else math.inf
     else:
         base = abs(ev.objective)
-        gap = 0.0 if status == "optimal" else None if absgap is None else (
-            absgap * model.scale / base if base else (0.0 if absgap <= 0 else math.inf))
-    if gap is not None:
-        gap = max(gap, 0.0)
-    return IntraSolution(choice, *ev, status, gap, time.perf_counter() - t0, nv, nc, name, model.build_s)
+        gap = absgap * scale / base if base else (0.0 if absgap <= 0 else math.inf)
+    return max(gap, 0.0)
 
 
 def solve_ilp(problem: IntraProblem, *, solver: str = "cbc", time_limit: float | None = None,
