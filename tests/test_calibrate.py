@@ -40,30 +40,29 @@ def _devices():
     return len(jax.devices("cpu"))
 
 
-def test_quick_collective_fit_reproduces_its_measurements():
-    """Tolerance: on this shared two-core machine, every measured time within a factor of two of the joint fit's
-    and the RMS relative residual under 0.5 (the best of two quick runs, since other jobs share the cores). No
-    assertion on absolute speed."""
+def test_quick_collective_fit_reports_its_true_residuals():
+    """A real quick measurement on the local devices: the rows describe what was measured (sizes, bytes each device
+    moves by the ring formulas), and the fit's reported residuals are its true residuals against those rows (fitted
+    = alpha + beta * x_bytes). How well the line fits depends on what else shares the cores, so that is recorded, not
+    asserted here; recovery of known alpha/beta is checked on synthetic timings above."""
     n = min(_devices(), 8)
     if n < 2:
         pytest.skip("needs at least 2 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
     sizes = (1 << 12, 1 << 16, 1 << 18, 1 << 20)
-    best = None
-    for _ in range(2):
-        rows = measure_collectives(n, sizes, repeats=5)
-        fit = fit_collectives(rows)["joint"]
-        if best is None or fit["rms_rel_residual"] < best["rms_rel_residual"]:
-            best = fit
-        if best["rms_rel_residual"] < 0.5 and best["max_abs_rel_residual"] < 1.0:
-            break
+    rows = measure_collectives(n, sizes, repeats=5)
+    best = fit_collectives(rows)["joint"]
     assert {r["kind"] for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 2 * len(sizes)
     assert [r["bytes"] for r in rows if r["kind"] == "all_reduce"] == list(sizes)
     assert all(r["x_bytes"] == pytest.approx(2 * (n - 1) / n * r["bytes"]) for r in rows if r["kind"] == "all_reduce")
     assert all(r["x_bytes"] == pytest.approx((n - 1) / n * r["bytes"]) for r in rows if r["kind"] == "all_gather")
+    assert all(r["seconds"] > 0 and math.isfinite(r["seconds"]) for r in rows)
     assert best["latency"] >= 0 and math.isfinite(best["bandwidth"]) and best["bandwidth"] > 0
+    rel = []
     for p in best["points"]:
-        assert 0.5 <= p["fit_seconds"] / p["seconds"] <= 2.0, p
-    assert best["rms_rel_residual"] < 0.5
+        assert p["fit_seconds"] == pytest.approx(best["alpha_s"] + best["beta_s_per_byte"] * p["x_bytes"], rel=1e-9)
+        rel.append((p["fit_seconds"] - p["seconds"]) / p["seconds"])
+    assert best["max_abs_rel_residual"] == pytest.approx(max(abs(r) for r in rel), rel=1e-9)
+    assert best["rms_rel_residual"] == pytest.approx(math.sqrt(sum(r * r for r in rel) / len(rel)), rel=1e-9)
 
 
 def test_quick_profile_file_and_cpu_preset(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -23,7 +24,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path, monkeypatch):
+def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     if not ray_bin.exists():
         pytest.skip("the ray command is not installed beside this Python")
@@ -31,8 +32,6 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path, 
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "JAX_PLATFORMS": "cpu",
            # the job's entrypoint runs `python` from PATH on the head: this venv's, as on a cluster set up for it
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for key, value in (("RAY_AUTH_MODE", "token"), ("RAY_AUTH_TOKEN", token)):
-        monkeypatch.setenv(key, value)
     gcs, dash = _free_port(), _free_port()
     temp = Path("/tmp") / f"autopar-ray-{secrets.token_hex(4)}"  # Ray's socket paths must stay short
     start = [str(ray_bin), "start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -44,11 +43,24 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path, 
             pytest.fail(f"ray start failed: {proc.stderr[-2000:]}")
         model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
         plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=2, tp=2, pp=2, microbatches=2)
-        job = al.launch(plan, model, 2, ray_address=f"http://127.0.0.1:{dash}")
-        job.wait(400)
-        assert job.status() == "done"
+        al.save_plan(plan, tmp_path / "plan.json")
+        # The client runs in its own process, as a user's would: Ray keeps the first auth token a process loads.
+        train = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2", "--batch",
+                                "8", "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+                                "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
+                               env=env, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stderr[-2000:]
+        losses = json.loads(train.stdout)["losses"]
         ref = al.execute(plan, model).train(2)
-        assert job.losses == pytest.approx(ref, rel=1e-6)
+        assert losses == pytest.approx(ref, rel=1e-6)
+        # Without the token the cluster refuses the client, and the CLI says so in one sentence.
+        no_token = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+        no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
+        refused = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2", "--batch",
+                                  "8", "--plan", str(tmp_path / "plan.json"), "--steps", "1",
+                                  "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
+                                 env=no_token, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "token" in refused.stderr and "Traceback" not in refused.stderr
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
