@@ -114,19 +114,11 @@ def build(problem: "ilp.IntraProblem", *, min_memory: bool) -> ArrayModel | None
     """The reduced model (see :func:`autopar_lab.solve.ilp._build`, which this mirrors term for term);
     None when the reductions already prove that no plan is allowed."""
     t0 = time.perf_counter()
-    edges = ilp._combined_edges(problem)
-    rows = ilp._aggregate_rows(problem)
-    limit = math.inf if min_memory else problem.mem_limit
-    dom = ilp._domains(problem, edges, rows, limit)
-    if dom is None:
+    reduced = ilp._reductions(problem, min_memory=min_memory)
+    if reduced is None:
         return None
-
-    finite_costs = [float(np.abs(c[d]).max()) for c, d in zip(problem.node_costs, dom)]
-    for (u, v), m in edges.items():
-        r = m[np.ix_(dom[u], dom[v])]
-        if np.isfinite(r).any():
-            finite_costs.append(float(np.abs(r[np.isfinite(r)]).max()))
-    scale = 1.0 if min_memory else max(max(finite_costs, default=1.0), 1e-300)
+    edges, rows, dom, scale = reduced
+    limit = math.inf if min_memory else problem.mem_limit
 
     ncol = 0
     x: dict[int, np.ndarray] = {}

@@ -553,16 +553,17 @@ class _Model:
     build_s: float
 
 
-def _build(problem: IntraProblem, *, min_memory: bool) -> _Model | None:
-    """Build the reduced PuLP model; None when the reductions already prove infeasibility."""
-    t0 = time.perf_counter()
+def _reductions(problem: IntraProblem, *, min_memory: bool):
+    """What both model builders start from: (combined edges, aggregated memory rows, each node's allowed
+    strategies, objective scale), or None when the reductions already prove infeasibility."""
     edges = _combined_edges(problem)
     rows = _aggregate_rows(problem)
     limit = math.inf if min_memory else problem.mem_limit
     dom = _domains(problem, edges, rows, limit)
     if dom is None:
         return None
-
+    if min_memory:
+        return edges, rows, dom, 1.0
     # Objective scale: costs are seconds (1e-6 .. 1e2); solvers' absolute tolerances are
     # ~1e-7, so bring the largest coefficient to ~1.
     finite_costs = [float(np.abs(c[d]).max()) for c, d in zip(problem.node_costs, dom)]
@@ -570,9 +571,17 @@ def _build(problem: IntraProblem, *, min_memory: bool) -> _Model | None:
         r = m[np.ix_(dom[u], dom[v])]
         if np.isfinite(r).any():
             finite_costs.append(float(np.abs(r[np.isfinite(r)]).max()))
-    scale = max(max(finite_costs, default=1.0), 1e-300)
-    if min_memory:
-        scale = 1.0
+    return edges, rows, dom, max(max(finite_costs, default=1.0), 1e-300)
+
+
+def _build(problem: IntraProblem, *, min_memory: bool) -> _Model | None:
+    """Build the reduced PuLP model; None when the reductions already prove infeasibility."""
+    t0 = time.perf_counter()
+    reduced = _reductions(problem, min_memory=min_memory)
+    if reduced is None:
+        return None
+    edges, rows, dom, scale = reduced
+    limit = math.inf if min_memory else problem.mem_limit
 
     prob = pulp.LpProblem("intra_min_memory" if min_memory else "intra", pulp.LpMinimize)
     x: dict[int, list] = {}
