@@ -58,8 +58,8 @@ def _prod(xs: Sequence[int]) -> int:
 def dot_general_flops(lhs: Shape, rhs: Shape, dimension_numbers) -> float:
     """2 x batch x lhs-free x rhs-free x contracting.
 
-    >>> dot_general_flops((2, 8, 4), (2, 4, 16), (((2,), (1,)), ((0,), (0,))))
-    1024.0
+    >>> dot_general_flops((2, 8, 4), (2, 4, 16), (((2,), (1,)), ((0,), (0,))))  # 2 x 2 x 8 x 16 x 4
+    2048.0
     """
     (lhs_contract, _rhs_contract), (lhs_batch, _rhs_batch) = dimension_numbers
     contract = _prod(lhs[d] for d in lhs_contract)

@@ -108,6 +108,28 @@ class OpNode:
         return f"#{self.id} {self.primitive}({ins}) -> {outs}{where} [{self.role}]"
 
 
+_SIGNATURE_IGNORES = ("path", "argnum", "index", "alias_of")  # where an operator sits, not what it computes
+
+
+def op_signature(node: OpNode) -> tuple:
+    """What makes two operators the same sharding problem: primitive, shapes, dtypes, parameters, input kinds and
+    role (not their place in the graph). Computed once per node: the planner asks for it on every mesh.
+
+    >>> a = OpNode(0, "exp", "e", (0,), (1,), ((4,),), ("float32",), ((4,),), ("float32",), ("activation",), 4, 16, 16,
+    ...            "forward")
+    >>> op_signature(a) == op_signature(OpNode(7, "exp", "f", (3,), (9,), ((4,),), ("float32",), ((4,),), ("float32",),
+    ...                                        ("activation",), 4, 16, 16, "forward"))
+    True
+    """
+    sig = node.__dict__.get("_signature")
+    if sig is None:
+        params = tuple(sorted((k, repr(v)) for k, v in node.params.items() if k not in _SIGNATURE_IGNORES))
+        sig = (node.primitive, node.in_shapes, node.out_shapes, node.in_dtypes, node.out_dtypes, params,
+               node.input_kinds, node.role)
+        object.__setattr__(node, "_signature", sig)
+    return sig
+
+
 class OpGraph:
     """The operators of a training step in topological order, and the tensors that flow between them.
 

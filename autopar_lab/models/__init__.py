@@ -1,5 +1,6 @@
 """The model zoo: Alpa's benchmark models by name, as ModelSpecs built from abstract shapes.
 
+    >>> import jax
     >>> spec = get("gpt-1.3b")                       # nothing allocated: spec.abstract_args are ShapeDtypeStructs
     >>> tiny = get("gpt-tiny", dtype="float32")
     >>> params, opt_state, batch = tiny.init(seed=0)

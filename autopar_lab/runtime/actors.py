@@ -15,7 +15,7 @@ the stage sees exactly its own devices.
 The worker also runs without Ray (``StageWorker(job, k)`` in one process), which is how its contract is tested:
 
     >>> w = StageWorker(job, 0)                  # doctest: +SKIP
-    >>> out = w.forward(0, 0)                    # step 0, microbatch 0; {name: numpy array}
+    >>> out = w.forward(0, 0)   # step 0, microbatch 0 -> {name: numpy array}  # doctest: +SKIP
 """
 
 from __future__ import annotations

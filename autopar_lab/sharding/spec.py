@@ -52,14 +52,31 @@ class ShardingSpec:
     dims: tuple[Axes, ...]
 
     def __post_init__(self) -> None:
-        dims = tuple(tuple(int(a) for a in d) for d in self.dims)
-        used = [a for d in dims for a in d]
-        bad = [a for a in used if a not in MESH_AXES]
-        if bad:
-            raise ValueError(f"mesh axis {bad[0]} does not exist: a logical mesh has axes 0 and 1")
-        if len(used) != len(set(used)):
-            raise ValueError(f"spec {dims} uses a mesh axis twice; each axis may split at most one dimension once")
+        # Specs are built by the hundred thousand while the planner enumerates strategies: a spec seen before skips
+        # the checks, and the hash is computed once (dict lookups of specs are the intra-op pass's inner loop).
+        try:
+            dims = _CANONICAL[self.dims]
+        except (KeyError, TypeError):  # new, or given as lists
+            dims = _canonical_dims(self.dims)
         object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "_hash", hash(dims))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not ShardingSpec:
+            return NotImplemented
+        return self._hash == other._hash and self.dims == other.dims
+
+    def __getstate__(self):
+        return {"dims": self.dims}
+
+    def __setstate__(self, state) -> None:
+        object.__setattr__(self, "dims", state["dims"])
+        object.__setattr__(self, "_hash", hash(state["dims"]))
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -168,19 +185,64 @@ class ShardingSpec:
         >>> ShardingSpec.parse("S0R").is_valid((6, 4), (4, 2)), ShardingSpec.parse("S0R").is_valid((8, 4), (4, 2))
         (False, True)
         """
-        if len(shape) != self.rank:
-            return False
-        return all(int(shape[i]) % self.num_shards(i, mesh_shape) == 0 for i in range(self.rank))
+        return self._shard_shape(shape, mesh_shape) is not None
 
     def shard_shape(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
         """The shape each device holds. Raises if the spec does not divide ``shape``."""
-        if not self.is_valid(shape, mesh_shape):
+        out = self._shard_shape(shape, mesh_shape)
+        if out is None:
             raise ValueError(f"spec {self} does not evenly shard shape {tuple(shape)} on a {tuple(mesh_shape)} mesh")
-        return tuple(int(shape[i]) // self.num_shards(i, mesh_shape) for i in range(self.rank))
+        return out
 
     def bytes_per_device(self, shape: Sequence[int], dtype: str, mesh_shape: Sequence[int]) -> int:
         """Bytes of one device's shard: ``bytes_per_device((8, 4), "float32", (2, 4))`` of ``S0R`` is 64."""
         return math.prod(self.shard_shape(shape, mesh_shape)) * dtype_size(str(dtype))
+
+    def _shard_shape(self, shape, mesh_shape) -> tuple[int, ...] | None:
+        """The shard shape, or None when the spec does not fit (memoised: the same few shapes recur)."""
+        try:
+            return _SHARD_SHAPES[(self, shape, mesh_shape)]
+        except KeyError:
+            out = self._compute_shard_shape(shape, mesh_shape)
+            if len(_SHARD_SHAPES) > 1 << 18:
+                _SHARD_SHAPES.clear()
+            _SHARD_SHAPES[(self, shape, mesh_shape)] = out
+            return out
+        except TypeError:  # shape or mesh_shape given as lists
+            return self._compute_shard_shape(shape, mesh_shape)
+
+    def _compute_shard_shape(self, shape, mesh_shape) -> tuple[int, ...] | None:
+        if len(shape) != self.rank:
+            return None
+        out = []
+        for i in range(self.rank):
+            n = self.num_shards(i, mesh_shape)
+            if int(shape[i]) % n:
+                return None
+            out.append(int(shape[i]) // n)
+        return tuple(out)
+
+
+_CANONICAL: dict[tuple, tuple[Axes, ...]] = {}
+_SHARD_SHAPES: dict[tuple, tuple[int, ...] | None] = {}
+
+
+def _canonical_dims(dims) -> tuple[Axes, ...]:
+    """``dims`` as a tuple of tuples of ints, checked (each axis exists and is used once)."""
+    out = tuple(tuple(int(a) for a in d) for d in dims)
+    used = [a for d in out for a in d]
+    bad = [a for a in used if a not in MESH_AXES]
+    if bad:
+        raise ValueError(f"mesh axis {bad[0]} does not exist: a logical mesh has axes 0 and 1")
+    if len(used) != len(set(used)):
+        raise ValueError(f"spec {out} uses a mesh axis twice; each axis may split at most one dimension once")
+    if len(_CANONICAL) < 1 << 16:
+        _CANONICAL[out] = out
+        try:
+            _CANONICAL[dims] = out
+        except TypeError:
+            pass
+    return out
 
 
 def useful_axes(mesh_shape: Sequence[int]) -> tuple[int, ...]:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..graph import opcost
-from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode
+from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
 from .reshard import Collective, collective_time
 from .spec import ShardingSpec, assignments, useful_axes
 
@@ -96,7 +96,9 @@ def register_rule(primitive: str, fn: Rule | None = None):
     """Register ``fn(op, mesh) -> iterable of Strategy`` as the rule of ``primitive`` (replacing any earlier one).
 
     Works as a decorator too. The rule returns unpriced strategies; invalid ones (a spec that does not divide its
-    tensor, the wrong number of specs) are dropped and the rest priced by :func:`strategies_for`.
+    tensor, the wrong number of specs) are dropped and the rest priced by :func:`strategies_for`. A rule should read
+    only the mesh's shape (links are the pricing's business): its strategies are remembered per operator signature
+    and mesh shape.
 
     >>> @register_rule("my_identity")
     ... def _identity(op, mesh):
@@ -664,11 +666,8 @@ def strategies_for(op: OpNode, mesh) -> list[Strategy]:
     """
     mshape = _mesh_shape(mesh)
     rule = _RULES.get(op.primitive)
-    raw = list(rule(op, mesh)) if rule is not None else []
     best: dict[tuple, Strategy] = {}
-    for s in raw:
-        if not _fits(s, op, mshape):
-            continue
+    for s in _valid_strategies(op, rule, mesh, mshape):
         p = price(op, s, mesh)
         if p.key not in best or p.cost < best[p.key].cost:
             best[p.key] = p
@@ -677,6 +676,25 @@ def strategies_for(op: OpNode, mesh) -> list[Strategy]:
         p = price(op, replicated_strategy(op, why), mesh)
         best[p.key] = p
     return list(best.values())
+
+
+_VALID: dict[tuple, tuple[Strategy, ...]] = {}
+
+
+def _valid_strategies(op: OpNode, rule, mesh, mshape) -> tuple[Strategy, ...]:
+    """The rule's strategies that fit ``op`` on a mesh of shape ``mshape``, unpriced. Remembered per (rule, operator
+    signature, mesh shape): a rule sees the mesh only through its shape (pricing, which reads links, comes after),
+    and the planner asks again on every logical mesh of every submesh."""
+    if rule is None:
+        return ()
+    key = (rule, op_signature(op), mshape)
+    hit = _VALID.get(key)
+    if hit is None:
+        hit = tuple(s for s in rule(op, mesh) if _fits(s, op, mshape))
+        if len(_VALID) > 1 << 16:
+            _VALID.clear()
+        _VALID[key] = hit
+    return hit
 
 
 def unsupported_ops(graph: OpGraph) -> list[str]:

@@ -66,8 +66,8 @@ def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices
     """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
 
     >>> import autopar_lab as al
-    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)
-    12
+    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)  # 1 stage: 2 meshes x 2; 2 stages: 2 x 2
+    8
     """
     L, NM = int(num_layers), cluster.num_devices
     shapes = cluster.submesh_shapes()

@@ -74,40 +74,41 @@ class ArrayModel:
 
 
 class _Rows:
-    """Rows appended one at a time as (column indices, values, lower, upper); CSR at the end."""
+    """Constraint rows, gathered in blocks of (column indices, values, row lengths, lower, upper); CSR at the end."""
 
     def __init__(self):
-        self.idx, self.val, self.lo, self.hi = [], [], [], []
+        self.idx, self.val, self.len, self.lo, self.hi = [], [], [], [], []
 
     def add(self, cols, vals, lo, hi):
-        self.idx.append(np.asarray(cols, dtype=np.int32))
+        cols = np.asarray(cols, dtype=np.int32)
+        self.idx.append(cols)
         self.val.append(np.asarray(vals, dtype=float))
-        self.lo.append(lo)
-        self.hi.append(hi)
+        self.len.append(np.array([cols.size], dtype=np.int64))
+        self.lo.append(np.array([lo], dtype=float))
+        self.hi.append(np.array([hi], dtype=float))
 
     def add_groups(self, cols, group, own, count):
         """``count`` equality rows: row g is sum(cols where group == g) - own[g] = 0 (``group`` sorted; entries
         with group >= count are left out)."""
         keep = group < count
         cols, group = cols[keep], group[keep]
-        ends = np.cumsum(np.bincount(group, minlength=count))
-        idx = np.insert(cols.astype(np.int32), ends, own[:count].astype(np.int32))
-        val = np.insert(np.ones(cols.size), ends, -1.0)
-        starts = ends + np.arange(count)  # where each row's last entry (own[g]) sits in idx
-        bounds = np.concatenate(([0], starts + 1))
-        for g in range(count):
-            self.idx.append(idx[bounds[g]:bounds[g + 1]])
-            self.val.append(val[bounds[g]:bounds[g + 1]])
-        self.lo.extend([0.0] * count)
-        self.hi.extend([0.0] * count)
+        sizes = np.bincount(group, minlength=count)
+        ends = np.cumsum(sizes)
+        self.idx.append(np.insert(cols.astype(np.int32), ends, own[:count].astype(np.int32)))
+        self.val.append(np.insert(np.ones(cols.size), ends, -1.0))
+        self.len.append(sizes.astype(np.int64) + 1)
+        self.lo.append(np.zeros(count))
+        self.hi.append(np.zeros(count))
 
     def csr(self):
-        lengths = np.array([a.size for a in self.idx], dtype=np.int64)
+        lengths = np.concatenate(self.len) if self.len else np.zeros(0, dtype=np.int64)
         start = np.zeros(lengths.size + 1, dtype=np.int32)
         np.cumsum(lengths, out=start[1:])
         index = np.concatenate(self.idx) if self.idx else np.zeros(0, dtype=np.int32)
         value = np.concatenate(self.val) if self.val else np.zeros(0)
-        return start, index, value, np.array(self.lo, dtype=float), np.array(self.hi, dtype=float)
+        lo = np.concatenate(self.lo) if self.lo else np.zeros(0)
+        hi = np.concatenate(self.hi) if self.hi else np.zeros(0)
+        return start, index, value, lo, hi
 
 
 def build(problem: "ilp.IntraProblem", *, min_memory: bool) -> ArrayModel | None:

@@ -457,6 +457,45 @@ def _tables(p: _Problem):
     is within t_max, nothing slower can be better; if not, nothing fits), so the t_max loop
     only has to mask this table.
     """
+    if p.constraints is not None:
+        return _tables_pinned(p)
+    L, SH, S = p.num_layers, len(p.shapes), p.max_stages
+    K = max((len(v) for v in p.cands.values()), default=0)
+    best_time = np.full((L, L, SH, S), np.inf)
+    best_idx = np.full((L, L, SH, S), -1, dtype=np.int64)
+    min_req = np.full((L, L, SH, S), np.inf)
+    if K == 0:
+        return best_time, best_idx, min_req
+    # Candidates as arrays, padded to K options (padding: never usable).
+    time_ = np.full((L, L, SH, K), np.inf)
+    static = np.zeros((L, L, SH, K))
+    act = np.zeros((L, L, SH, K))
+    has = np.zeros((L, L, SH, K), dtype=bool)
+    sh_of = {shape: n for n, shape in enumerate(p.shapes)}
+    for (k, i, shape), opts in p.cands.items():
+        n = len(opts)
+        if n:
+            sh = sh_of[shape]
+            time_[k, i, sh, :n] = [c.time_s for c in opts]
+            static[k, i, sh, :n] = [c.static_bytes for c in opts]
+            act[k, i, sh, :n] = [c.act_bytes for c in opts]
+            has[k, i, sh, :n] = True
+    held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
+    for k in range(L):  # one start layer at a time keeps the (i, sh, s, option) arrays small
+        # Same float operations as StageCandidate.mem_bytes: static + held * act.
+        need = static[k][:, :, None, :] + held[None, None, :, None] * act[k][:, :, None, :]
+        usable = has[k][:, :, None, :]
+        min_req[k] = np.where(usable, need, np.inf).min(axis=-1)
+        t = np.where(usable & (need <= p.mem_limit), time_[k][:, :, None, :], np.inf)
+        idx = np.argmin(t, axis=-1)  # the first of the fastest, as a strict-< scan would keep
+        best_time[k] = np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
+        best_idx[k] = np.where(np.isfinite(best_time[k]), idx, -1)
+    return best_time, best_idx, min_req
+
+
+def _tables_pinned(p: _Problem):
+    """:func:`_tables` when stage decisions are pinned: whether a candidate is usable depends on which stage it
+    would be, so each is checked on its own."""
     L, SH, S = p.num_layers, len(p.shapes), p.max_stages
     best_time = np.full((L, L, SH, S), np.inf)
     best_idx = np.full((L, L, SH, S), -1, dtype=np.int64)
@@ -466,7 +505,7 @@ def _tables(p: _Problem):
         for s in range(1, S + 1):
             held = held_microbatches(s, p.microbatches, p.schedule)
             for idx, c in enumerate(opts):
-                if p.constraints is not None and not p.usable(S - s, k, i, c):
+                if not p.usable(S - s, k, i, c):
                     continue  # with pins the stage count is S, so s stages remaining means stage S - s
                 need = c.mem_bytes(held)
                 min_req[k, i, sh, s - 1] = min(min_req[k, i, sh, s - 1], need)
@@ -494,34 +533,38 @@ def _structure(p: _Problem):
 
 
 def _layered_dp(p, stage_cost, cut, valid, size, combine):
-    """Alpa's recurrence, vectorised over (start layer k, free devices d) for each s.
+    """Alpa's recurrence, vectorised over (start layer k, end layer i, free devices d) for each s.
 
     F[s][k, d] = min over end layer i >= k and shape sh (fits at offset N*M - d) of
                  combine(stage_cost[k, i, sh, s-1] + cut[k, d], F[s-1][i+1, d - size[sh]])
     with F[0][L, 0] = 0 (all layers placed, every device used exactly).
     ``combine`` is np.add (latency) or np.maximum (bottleneck memory).
-    Returns the list of F tables and of argmin tables (flat index over (i, sh)).
+    Returns the list of F tables and of argmin tables (flat index i * SH + sh, the first of
+    equal minima). Each shape is evaluated only at the d where it can be placed (a host-sized
+    submesh only on host boundaries), which is most of the saving on large clusters.
     """
     L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
     F_prev = np.full((L + 1, NM + 1), np.inf)
     F_prev[L, 0] = 0.0
     Fs, args = [F_prev], [None]
     d_idx = np.arange(NM + 1)
+    places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
     for s in range(1, p.max_stages + 1):
-        # G[sh, j, d] = F_prev[j, d - size[sh]] where the stage may start with d free, else inf.
-        G = np.full((SH, L + 1, NM + 1), np.inf)
-        for sh in range(SH):
-            ok = valid[sh] & (d_idx >= size[sh])
-            G[sh][:, ok] = F_prev[:, d_idx[ok] - size[sh]]
-        # Next stage starts at layer i+1: G[:, 1:, :] is indexed by i. Shape (L_i, SH, D).
-        Gi = np.transpose(G[:, 1:, :], (1, 0, 2))
-        here = stage_cost[:, :, :, s - 1][:, :, :, None] + cut[:, None, None, :]  # (k, i, sh, d)
-        total = combine(here, Gi[None, :, :, :])
-        # Only i >= k is a stage; stage_cost is inf below the diagonal already.
-        flat = total.reshape(L, L * SH, NM + 1)
-        arg = np.argmin(flat, axis=1)
         F = np.full((L + 1, NM + 1), np.inf)
-        F[:L] = np.take_along_axis(flat, arg[:, None, :], axis=1)[:, 0, :]
+        arg = np.zeros((L, NM + 1), dtype=np.int64)
+        best = F[:L]
+        for sh, ds in enumerate(places):
+            if ds.size == 0:
+                continue
+            here = stage_cost[:, :, sh, s - 1][:, :, None] + cut[:, None, ds]  # (k, i, d)
+            total = combine(here, F_prev[1:, ds - size[sh]][None, :, :])  # next stage starts at layer i + 1
+            i_best = np.argmin(total, axis=1)
+            v = np.take_along_axis(total, i_best[:, None, :], axis=1)[:, 0, :]
+            flat = i_best * SH + sh
+            cur_v, cur_f = best[:, ds], arg[:, ds]
+            take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
+            best[:, ds] = np.where(take, v, cur_v)
+            arg[:, ds] = np.where(take, flat, cur_f)
         Fs.append(F)
         args.append(arg)
         F_prev = F

@@ -44,6 +44,7 @@ from ..graph.opgraph import (
     UPDATE,
     OpGraph,
     OpNode,
+    op_signature,
 )
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
@@ -116,17 +117,25 @@ class IntraPlan:
 # Signatures: which operators (and layers) are the same problem
 
 
-def op_signature(node: OpNode) -> tuple:
-    params = tuple(sorted((k, repr(v)) for k, v in node.params.items() if k not in ("path", "argnum", "index", "alias_of")))
-    return (node.primitive, node.in_shapes, node.out_shapes, node.in_dtypes, node.out_dtypes, params,
-            node.input_kinds, node.role)
-
-
 def layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     """A hashable description of a group of operators: their signatures and how they connect.
 
     Two layers with equal signatures pose the same ILP, so one's solution serves the other.
     """
+    memo = _graph_memo(graph, "layer_signature")
+    key = tuple(ops)
+    if key not in memo:
+        memo[key] = _layer_signature(graph, ops)
+    return memo[key]
+
+
+def _graph_memo(graph: OpGraph, name: str) -> dict:
+    """A dict kept on ``graph`` (graphs do not change once captured) for results the planner recomputes per mesh."""
+    memos = graph.__dict__.setdefault("_intra_memos", {})
+    return memos.setdefault(name, {})
+
+
+def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     pos = {op: i for i, op in enumerate(ops)}
     parts = []
     for op in ops:
@@ -152,6 +161,8 @@ class _StrategyCache:
         self._reshard: dict[tuple, float] = {}
         self._reshard_cols: dict[tuple, tuple] = {}
         self._proj: dict[int, tuple] = {}
+        self._spec_idx: dict[tuple, tuple] = {}
+        self._reshard_mats: dict[tuple, np.ndarray] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
         key = op_signature(node)
@@ -176,6 +187,27 @@ class _StrategyCache:
             hit = self._proj[id(s)] = (s, _project(s, 1))
         return hit[1]
 
+    def spec_index(self, strats: Sequence[Strategy], side: str, pos: int) -> tuple[list[ShardingSpec], np.ndarray]:
+        """The distinct specs of output (``side="out"``) or input ``pos`` over ``strats``, and each strategy's
+        index among them; memoised per list (the cache hands out the same list for every operator of a signature)."""
+        key = (id(strats), side, pos)
+        hit = self._spec_idx.get(key)
+        if hit is None or hit[0] is not strats:
+            uniq: dict[ShardingSpec, int] = {}
+            inv = np.array([uniq.setdefault((s.out_specs if side == "out" else s.in_specs)[pos], len(uniq))
+                            for s in strats], dtype=np.intp)
+            hit = self._spec_idx[key] = (strats, list(uniq), inv)
+        return hit[1], hit[2]
+
+    def reshard_matrix(self, src: list[ShardingSpec], dst: list[ShardingSpec], shape, dtype) -> np.ndarray:
+        """Resharding seconds from each of ``src`` to each of ``dst`` (lists from :meth:`spec_index`, which keeps
+        them alive, so their ids name them)."""
+        key = (id(src), id(dst), shape, dtype)
+        hit = self._reshard_mats.get(key)
+        if hit is None:
+            hit = self._reshard_mats[key] = np.array([[self.reshard(a, b, shape, dtype) for b in dst] for a in src])
+        return hit
+
     def reshard_collectives(self, src, dst, shape, dtype) -> tuple:
         self.reshard(src, dst, shape, dtype)
         return self._reshard_cols[(src, dst, shape, dtype)]
@@ -188,26 +220,43 @@ class _StrategyCache:
 def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, int]]:
     """(producer, consumer, producer output index, consumer input index) for every tensor read, plus alias edges
     (updated parameter -> parameter: producer is the parameter op, consumer the output op, indices -1)."""
+    memo = _graph_memo(graph, "in_edges")
     out = []
     for v in ops:
-        node = graph.op(v)
-        for j, t in enumerate(node.inputs):
-            u = graph.tensor(t).producer
-            if u is None:
-                continue
-            out.append((u, v, graph.op(u).outputs.index(t), j))
-        if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:
-            p = graph.tensor(node.params["alias_of"]).producer
-            out.append((p, v, -1, -1))
+        edges = memo.get(v)
+        if edges is None:
+            edges = memo[v] = _in_edges(graph, v)
+        out.extend(edges)
     return out
 
 
+def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
+    node = graph.op(v)
+    out = []
+    for j, t in enumerate(node.inputs):
+        u = graph.tensor(t).producer
+        if u is None:
+            continue
+        out.append((u, v, graph.op(u).outputs.index(t), j))
+    if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:
+        p = graph.tensor(node.params["alias_of"]).producer
+        out.append((p, v, -1, -1))
+    return tuple(out)
+
+
 def _edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
+    """Resharding seconds from each strategy of u (rows) to each of v (columns). Strategies share specs (a matmul's
+    dozens of strategies have a handful of output specs), so each distinct (source, destination) pair is priced
+    once and the matrix gathered from those."""
     if i == -1:  # alias: the update (consumer v's input spec) must become the parameter's spec (u's output spec)
         t = graph.tensor(graph.op(v).inputs[0])
-        return np.array([[cache.reshard(b.in_specs[0], a.out_specs[0], t.shape, t.dtype) for b in sv] for a in su])
+        dst, drow = cache.spec_index(su, "out", 0)
+        src, scol = cache.spec_index(sv, "in", 0)
+        return cache.reshard_matrix(src, dst, t.shape, t.dtype).T[drow[:, None], scol[None, :]]
     t = graph.tensor(graph.op(u).outputs[i])
-    return np.array([[cache.reshard(a.out_specs[i], b.in_specs[j], t.shape, t.dtype) for b in sv] for a in su])
+    src, srow = cache.spec_index(su, "out", i)
+    dst, dcol = cache.spec_index(sv, "in", j)
+    return cache.reshard_matrix(src, dst, t.shape, t.dtype)[srow[:, None], dcol[None, :]]
 
 
 def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]:
