@@ -95,9 +95,9 @@ def cmd_plan(args) -> dict:
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
         plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
-                                     microbatches=1 if mb == "auto" else mb)
+                                     microbatches=1 if mb == "auto" else mb, remat=args.remat)
     else:
-        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb)
+        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=args.remat)
     out = plan.report(model.name)
     out["cluster"] = args.cluster
     if args.out:
@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dp", type=int)
     sp.add_argument("--tp", type=int)
     sp.add_argument("--pp", type=int)
+    sp.add_argument("--remat", action="store_true",
+                    help="with --method megatron or data: recompute activations in the backward")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
     sp.add_argument("--out", help="also write the JSON report to this file")

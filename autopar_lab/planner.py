@@ -533,11 +533,12 @@ def auto_plan(model_or_graph, cluster, *, microbatches="auto", stage_comm: str =
 
 
 def megatron_plan(model_or_graph, cluster, *, dp: int, tp: int, pp: int, microbatches: int = 1,
-                  schedule: str = "1f1b", mem_limit: float | None = None, solver: str = "highs",
+                  schedule: str = "1f1b", remat: bool = False, mem_limit: float | None = None, solver: str = "highs",
                   _table_cache: CostTable | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
-    intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it)."""
+    intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
+    ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``)."""
     table = _table_cache
     solve_s = {}
     if table is None:
@@ -559,17 +560,20 @@ def megatron_plan(model_or_graph, cluster, *, dp: int, tp: int, pp: int, microba
     bounds = [round(k * L / pp) for k in range(pp + 1)]
     mem = float(cluster.device.memory_bytes if mem_limit is None else mem_limit)
     _microbatch_choices(table.batch_size, microbatches)
-    stages = [table.stage(bounds[k], bounds[k + 1] - 1, submesh, (dp, tp), microbatches, False) for k in range(pp)]
-    return _finish(table, cluster, f"megatron(dp={dp},tp={tp},pp={pp})", stages, microbatches, schedule, "model",
-                   mem, solve_s)
+    stages = [table.stage(bounds[k], bounds[k + 1] - 1, submesh, (dp, tp), microbatches, bool(remat))
+              for k in range(pp)]
+    name = f"megatron(dp={dp},tp={tp},pp={pp}{',remat' if remat else ''})"
+    return _finish(table, cluster, name, stages, microbatches, schedule, "model", mem, solve_s)
 
 
-def data_parallel_plan(model_or_graph, cluster, *, microbatches: int = 1, mem_limit: float | None = None,
-                       solver: str = "highs", _table_cache: CostTable | None = None) -> Plan:
+def data_parallel_plan(model_or_graph, cluster, *, microbatches: int = 1, remat: bool = False,
+                       mem_limit: float | None = None, solver: str = "highs",
+                       _table_cache: CostTable | None = None) -> Plan:
     """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
 
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
-    (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism)."""
+    (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
+    ``remat``: the forward is recomputed in the backward (gradient checkpointing)."""
     table = _table_cache
     solve_s = {}
     if table is None:
@@ -577,8 +581,9 @@ def data_parallel_plan(model_or_graph, cluster, *, microbatches: int = 1, mem_li
     n = cluster.num_devices
     submesh = (cluster.hosts, cluster.devices_per_host) if cluster.hosts > 1 else (1, cluster.devices_per_host)
     mem = float(cluster.device.memory_bytes if mem_limit is None else mem_limit)
-    stage = table.stage(0, len(table.layer_names) - 1, submesh, (n, 1), microbatches, False)
-    return _finish(table, cluster, "data_parallel", [stage], microbatches, "1f1b", "model", mem, solve_s)
+    stage = table.stage(0, len(table.layer_names) - 1, submesh, (n, 1), microbatches, bool(remat))
+    name = "data_parallel(remat)" if remat else "data_parallel"
+    return _finish(table, cluster, name, [stage], microbatches, "1f1b", "model", mem, solve_s)
 
 
 def megatron_grid(cluster, num_layers: int) -> list[tuple[int, int, int]]:
@@ -600,29 +605,48 @@ def megatron_grid(cluster, num_layers: int) -> list[tuple[int, int, int]]:
 
 
 def compare(model_or_graph, cluster, *, microbatches="auto", solver: str = "highs", stage_comm: str = "model") -> dict:
-    """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table."""
+    """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table.
+
+    Both baselines are tried with and without rematerialisation (Megatron-LM's activation checkpointing) at every
+    microbatch count; ``megatron_tried`` lists every Megatron configuration with its step time and peak memory."""
     table, solve_s = _table(model_or_graph, cluster, solver, None)
     auto = auto_plan(table.graph, cluster, microbatches=microbatches, solver=solver, stage_comm=stage_comm,
                      _table_cache=table)
-    best, tried = None, []
+    return {"auto": auto, **baselines(table, cluster, microbatches), "trace_s": solve_s.get("trace", 0.0)}
+
+
+def baselines(table: CostTable, cluster, microbatches="auto") -> dict:
+    """The best Megatron-style plan and the best data-parallel plan, priced by ``table``.
+
+    Every (dp, tp, pp) of :func:`megatron_grid` x microbatch count x rematerialisation (Megatron-LM's activation
+    checkpointing) is tried; data parallelism gets the same microbatch counts (gradient accumulation) and remat.
+    Returns ``megatron_best`` (None when no configuration fits memory), ``megatron_config`` ((dp, tp, pp,
+    microbatches, remat) or None), ``megatron_tried`` (one row per configuration: step time, peak memory, fits) and
+    ``data_parallel`` (the fastest that fits, else the one with the smallest peak memory).
+    """
+    best, config, tried = None, None, []
     mbs = _microbatch_choices(table.batch_size, microbatches)
     for dp, tp, pp in megatron_grid(cluster, len(table.layer_names)):
         for mb in mbs:
-            if pp == 1 and mb > 1:
-                continue  # without a pipeline, microbatches only add overhead
-            try:
-                p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, _table_cache=table)
-            except ValueError:
-                continue
-            fits = all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes)
-            tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "step_time_s": p.cost.step_time_s,
-                          "fits": fits})
-            if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
-                best = p
-    # Data parallelism with gradient accumulation: the fastest microbatch count that fits (else the smallest peak).
-    datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, _table_cache=table) for mb in mbs]
-    fitting = [p for p in datas if all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes)]
+            for remat in (False, True):
+                try:
+                    p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
+                                      _table_cache=table)
+                except ValueError:
+                    continue
+                fits = _fits(p)
+                tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
+                              "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
+                              "fits": fits})
+                if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
+                    best, config = p, (dp, tp, pp, mb, remat)
+    datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, remat=remat, _table_cache=table)
+             for mb in mbs for remat in (False, True)]
+    fitting = [p for p in datas if _fits(p)]
     data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
             else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))
-    return {"auto": auto, "megatron_best": best, "data_parallel": data, "megatron_tried": tried,
-            "trace_s": solve_s.get("trace", 0.0)}
+    return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data}
+
+
+def _fits(plan: Plan) -> bool:
+    return all(m <= plan.cost.mem_limit_bytes for m in plan.cost.peak_mem_bytes)

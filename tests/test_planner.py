@@ -186,3 +186,24 @@ def test_stage_dp_upper_bound():
         inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s * 2, mem_limit_bytes=1.0)
     with pytest.raises(ValueError, match="upper_bound"):
         inter.stage_dp(4, 1, 2, cands, 4, upper_bound=1.0, t_max_search="alpa")
+
+
+def test_megatron_with_remat_recomputes_forward_and_holds_less(model):
+    table, _ = planner._table(model, SMALL, "highs", None)
+    kw = dict(dp=1, tp=2, pp=2, microbatches=2, _table_cache=table)
+    plain, remat = planner.megatron_plan(model, SMALL, **kw), planner.megatron_plan(model, SMALL, remat=True, **kw)
+    assert "remat" in remat.method and "remat" not in plain.method
+    for a, b in zip(plain.stages, remat.stages):
+        assert b.remat and not a.remat
+        assert b.bwd_s == pytest.approx(a.bwd_s + a.fwd_s - table.task_overhead_s(a.submesh))  # one task, not two
+        assert b.act_bytes < a.act_bytes
+    assert max(remat.cost.peak_mem_bytes) < max(plain.cost.peak_mem_bytes)
+
+
+def test_compare_tries_megatron_with_and_without_remat_and_keeps_the_fastest_fitting(result):
+    tried = result["megatron_tried"]
+    assert {t["remat"] for t in tried} == {False, True}
+    fitting = [t for t in tried if t["fits"]]
+    best = min(fitting, key=lambda t: t["step_time_s"])
+    assert result["megatron_best"].cost.step_time_s == best["step_time_s"]
+    assert all((t["peak_mem_bytes"] <= result["megatron_best"].cost.mem_limit_bytes) == t["fits"] for t in tried)

@@ -552,19 +552,22 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine):
     for s in range(1, p.max_stages + 1):
         F = np.full((L + 1, NM + 1), np.inf)
         arg = np.zeros((L, NM + 1), dtype=np.int64)
-        best = F[:L]
+        # s stages need s layers: only start layers k <= L - s can have a plan, and a stage ending at i leaves
+        # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s.
+        n = L - s + 1
+        best = F[:n]
         for sh, ds in enumerate(places):
             if ds.size == 0:
                 continue
-            here = stage_cost[:, :, sh, s - 1][:, :, None] + cut[:, None, ds]  # (k, i, d)
-            total = combine(here, F_prev[1:, ds - size[sh]][None, :, :])  # next stage starts at layer i + 1
+            here = stage_cost[:n, :n, sh, s - 1][:, :, None] + cut[:n, None, ds]  # (k, i, d)
+            total = combine(here, F_prev[1:n + 1, ds - size[sh]][None, :, :])  # next stage starts at layer i + 1
             i_best = np.argmin(total, axis=1)
             v = np.take_along_axis(total, i_best[:, None, :], axis=1)[:, 0, :]
             flat = i_best * SH + sh
-            cur_v, cur_f = best[:, ds], arg[:, ds]
+            cur_v, cur_f = best[:, ds], arg[:n, ds]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
             best[:, ds] = np.where(take, v, cur_v)
-            arg[:, ds] = np.where(take, flat, cur_f)
+            arg[:n, ds] = np.where(take, flat, cur_f)
         Fs.append(F)
         args.append(arg)
         F_prev = F

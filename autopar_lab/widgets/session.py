@@ -499,22 +499,9 @@ class Session:
         hook("pricing the baselines")
         cluster = plan.cluster
         mbs = planner._microbatch_choices(table.batch_size, "auto")
-        best, cfg = None, None
-        for dp, tp, pp in planner.megatron_grid(cluster, len(table.layer_names)):
-            for mb in mbs:
-                if pp == 1 and mb > 1:
-                    continue
-                try:
-                    p = planner.megatron_plan(plan.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb,
-                                              _table_cache=table)
-                except ValueError:
-                    continue
-                fits = all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes)
-                if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
-                    best, cfg = p, (dp, tp, pp, mb)
-        data = min((planner.data_parallel_plan(plan.graph, cluster, microbatches=mb, _table_cache=table) for mb in mbs),
-                   key=lambda p: (any(m > p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes), p.cost.step_time_s))
-        out: dict[str, Any] = {"current": plan, "megatron": best, "megatron_config": cfg, "data_parallel": data}
+        base = planner.baselines(table, cluster)
+        out: dict[str, Any] = {"current": plan, "megatron": base["megatron_best"],
+                               "megatron_config": base["megatron_config"], "data_parallel": base["data_parallel"]}
         n = exhaustive.count_plans(len(table.layer_names), cluster, len(mbs))
         if optimum or (optimum is None and n <= optimum_limit):
             hook(f"searching all {n} plans for the global optimum")

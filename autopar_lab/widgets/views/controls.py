@@ -27,8 +27,8 @@ def comparison_rows(comparison: dict) -> list[dict]:
             continue
         detail = p.method
         if name == "megatron" and comparison.get("megatron_config"):
-            dp, tp, pp, mb = comparison["megatron_config"]
-            detail = f"dp={dp} tp={tp} pp={pp} microbatches={mb}"
+            dp, tp, pp, mb, remat = comparison["megatron_config"]
+            detail = f"dp={dp} tp={tp} pp={pp} microbatches={mb}" + (" remat" if remat else "")
         out.append({"name": name, "step_time_s": p.cost.step_time_s, "ratio": p.cost.step_time_s / cur if cur else 0.0,
                     "fits": all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes), "detail": detail})
     return out
