@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-__all__ = ["Task", "Timeline", "simulate", "stage_order"]
+__all__ = ["ScheduleStuck", "Task", "Timeline", "issue_order", "simulate", "stage_order"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -114,6 +114,43 @@ def stage_order(stage: int, num_stages: int, microbatches: int, schedule: str = 
         order += [("bwd", j), ("fwd", warm + j)]
     order += [("bwd", j) for j in range(b - warm, b)]
     return order
+
+
+class ScheduleStuck(RuntimeError):
+    """No stage's next task can run: each waits for a value no task left to run will produce."""
+
+
+def issue_order(orders: Sequence[Sequence[tuple[str, int]]], ready: Callable[[int, str, int], bool]):
+    """Walk every stage's order (from :func:`stage_order`) and yield ``(stage, kind, microbatch)`` whenever that
+    stage's next task is ``ready``; the caller runs (or submits) the task before asking for the next one, so
+    ``ready`` sees its effects. Each stage keeps its own order; stages interleave. This is how a runtime drives a
+    pipeline: the local runner and the Ray driver both issue their tasks with it.
+    Raises :class:`ScheduleStuck` when tasks remain but none is ready.
+
+    >>> done = set()
+    >>> orders = [stage_order(k, 2, 2) for k in range(2)]
+    >>> def ready(k, kind, j):  # stage 1's fwd needs stage 0's; stage 0's bwd needs stage 1's
+    ...     return (kind == "fwd" and (k == 0 or (0, "fwd", j) in done)) or (kind == "bwd" and (k == 1 or (1, "bwd", j) in done))
+    >>> for task in issue_order(orders, ready):
+    ...     done.add(task)
+    ...     print(task, end=" ")
+    (0, 'fwd', 0) (0, 'fwd', 1) (1, 'fwd', 0) (1, 'bwd', 0) (1, 'fwd', 1) (1, 'bwd', 1) (0, 'bwd', 0) (0, 'bwd', 1) 
+    """
+    pos = [0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for k, order in enumerate(orders):
+            while pos[k] < len(order):
+                kind, j = order[pos[k]]
+                if not ready(k, kind, j):
+                    break
+                yield k, kind, j
+                pos[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleStuck("the schedule is stuck: every stage waits for a value that no remaining task produces")
 
 
 def _check_vector(name: str, values, length: int) -> tuple[float, ...]:

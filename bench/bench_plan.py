@@ -2,7 +2,8 @@
 
 For each model on its paper GPU count (p3.16xlarge hosts of 8 V100s), prices the auto plan, the best Megatron-style
 configuration (every dp x tp x pp x microbatch count) and data parallelism with ONE cost model, and prints them side
-by side with megatron_best / auto (>= 1 means auto is no worse) and the planning time.
+by side with megatron_best / auto (>= 1 means auto is no worse) and the planning time. Both baselines are tried
+with and without rematerialisation (",R" in the Megatron configuration: activation checkpointing).
 
     .venv/bin/python bench/bench_plan.py gpt-760m:2 gpt-1.3b:4 gpt-2.6b:8
 """
@@ -23,7 +24,7 @@ def cluster_for(gpus: int) -> al.Cluster:
 
 
 def main(items: list[str]) -> None:
-    print(f"{'model':<12}{'GPUs':>5}{'auto s':>11}{'megatron s':>12}{'(dp,tp,pp,mb)':>16}{'data s':>11}"
+    print(f"{'model':<12}{'GPUs':>5}{'auto s':>11}{'megatron s':>12}{'(dp,tp,pp,mb[,R])':>20}{'data s':>11}{'(mb[,R])':>10}"
           f"{'meg/auto':>10}{'data/auto':>10}{'stages':>8}{'plan s':>8}")
     for item in items:
         name, gpus = item.split(":")
@@ -32,12 +33,13 @@ def main(items: list[str]) -> None:
         res = planner.compare(al.models.get(name), cluster_for(gpus))
         took = time.perf_counter() - t0
         auto, meg, data = res["auto"], res["megatron_best"], res["data_parallel"]
-        best = min((t for t in res["megatron_tried"] if t["fits"]), key=lambda t: t["step_time_s"], default=None)
-        cfg = f"({best['dp']},{best['tp']},{best['pp']},{best['microbatches']})" if best else "-"
+        c = res["megatron_config"]
+        cfg = f"({c[0]},{c[1]},{c[2]},{c[3]}{',R' if c[4] else ''})" if c else "-"
         meg_s = meg.cost.step_time_s if meg else float("nan")
         data_fits = all(m <= data.cost.mem_limit_bytes for m in data.cost.peak_mem_bytes)  # best fitting count
         data_s = data.cost.step_time_s if data_fits else float("nan")
-        print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>16}{data_s:>11.4g}"
+        dcfg = f"({data.microbatches}{',R' if data.stages[0].remat else ''})" if data_fits else "-"
+        print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>20}{data_s:>11.4g}{dcfg:>10}"
               f"{meg_s / auto.cost.step_time_s:>10.3f}{data_s / auto.cost.step_time_s:>10.3f}"
               f"{len(auto.stages):>8}{took:>8.0f}", flush=True)
 

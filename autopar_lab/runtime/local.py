@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..simulate import stage_order
+from ..simulate import ScheduleStuck, issue_order, stage_order
 from .partition import StagedModel, _mesh, check_plan_matches, move, split_stages, stage_device_blocks
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
@@ -125,7 +125,6 @@ class Runner:
         S, B = sm.num_stages, sm.microbatches
         mbs = sm.split_batch(batch, B)
         orders = [stage_order(k, S, B, plan.schedule) for k in range(S)]
-        pos = [0] * S
         outs: dict[tuple[int, int], dict] = {}  # (stage, mb) -> forward outputs
         ins: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (inputs its forward read, or its stash)
         d_out: dict[tuple[int, int], dict] = {}  # (stage, mb) -> summed gradients of its outputs
@@ -137,53 +136,47 @@ class Runner:
         losses = []
         times: dict = {}
         done: list[tuple[int, str, int]] = []
-        remaining = 2 * S * B
+
+        def ready(k, kind, j):
+            if kind == "fwd":
+                return all((sm.producer(n), j) in outs for n in sm.stage_inputs(k))
+            return (k, j) in outs and not pending[(k, j)]
+
         t_step = time.perf_counter()
-        while remaining:
-            progressed = False
-            for k in range(S):
-                while pos[k] < len(orders[k]):
-                    kind, j = orders[k][pos[k]]
-                    if kind == "fwd":
-                        need = sm.stage_inputs(k)
-                        if any((sm.producer(n), j) not in outs for n in need):
-                            break
-                        inputs = {n: outs[(sm.producer(n), j)][n] for n in need}
-                        t0 = time.perf_counter()
-                        res, stash = sm.forward_stash(k, self._params[k], inputs, mbs[j])
-                        if self.timing:
-                            _block(res)
-                        times.setdefault((k, "fwd"), []).append(time.perf_counter() - t0)
-                        outs[(k, j)] = res
-                        # The backward needs the forward's residuals, or (a rematerialised stage) its inputs.
-                        ins[(k, j)] = (None, stash) if stash is not None else (inputs, None)
-                        if k == S - 1:
-                            losses.append(res["loss"])
-                    else:
-                        if (k, j) not in outs or pending[(k, j)]:
-                            break
-                        t0 = time.perf_counter()
-                        inputs, stash = ins.pop((k, j))
-                        grads[k], d_inputs = sm.backward(k, self._params[k], inputs, mbs[j], d_out.pop((k, j), {}),
-                                                         stash=stash, acc=grads[k])
-                        for n in sm.stage_inputs(k):
-                            pending[(sm.producer(n), j)].discard((k, n))
-                        if self.timing:
-                            _block(grads[k])
-                        times.setdefault((k, "bwd"), []).append(time.perf_counter() - t0)
-                        for n, d in d_inputs.items():  # gradients go back to their producer's mesh, summed there
-                            p = sm.producer(n)
-                            d = move(d, sm.value_sharding(p, n))
-                            acc = d_out.setdefault((p, j), {})
-                            acc[n] = d if n not in acc else acc[n] + d
-                        outs.pop((k, j), None)  # every reader of it has run its backward: free it
-                    done.append((k, kind, j))
-                    pos[k] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                raise RuntimeError("the pipeline driver is stuck (a stage waits for a value nobody produces); this "
-                                   "is a bug in the stage split.")
+        try:
+            for k, kind, j in issue_order(orders, ready):
+                if kind == "fwd":
+                    inputs = {n: outs[(sm.producer(n), j)][n] for n in sm.stage_inputs(k)}
+                    t0 = time.perf_counter()
+                    res, stash = sm.forward_stash(k, self._params[k], inputs, mbs[j])
+                    if self.timing:
+                        _block(res)
+                    times.setdefault((k, "fwd"), []).append(time.perf_counter() - t0)
+                    outs[(k, j)] = res
+                    # The backward needs the forward's residuals, or (a rematerialised stage) its inputs.
+                    ins[(k, j)] = (None, stash) if stash is not None else (inputs, None)
+                    if k == S - 1:
+                        losses.append(res["loss"])
+                else:
+                    t0 = time.perf_counter()
+                    inputs, stash = ins.pop((k, j))
+                    grads[k], d_inputs = sm.backward(k, self._params[k], inputs, mbs[j], d_out.pop((k, j), {}),
+                                                     stash=stash, acc=grads[k])
+                    for n in sm.stage_inputs(k):
+                        pending[(sm.producer(n), j)].discard((k, n))
+                    if self.timing:
+                        _block(grads[k])
+                    times.setdefault((k, "bwd"), []).append(time.perf_counter() - t0)
+                    for n, d in d_inputs.items():  # gradients go back to their producer's mesh, summed there
+                        p = sm.producer(n)
+                        d = move(d, sm.value_sharding(p, n))
+                        acc = d_out.setdefault((p, j), {})
+                        acc[n] = d if n not in acc else acc[n] + d
+                    outs.pop((k, j), None)  # every reader of it has run its backward: free it
+                done.append((k, kind, j))
+        except ScheduleStuck:
+            raise RuntimeError("the pipeline driver is stuck (a stage waits for a value nobody produces); this "
+                               "is a bug in the stage split.") from None
         for k in range(S):
             self._params[k], self._opt[k] = sm.update(k, self._params[k], self._opt[k], grads[k])
         loss = float(np.mean([float(x) for x in losses]))

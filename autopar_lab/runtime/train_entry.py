@@ -146,32 +146,24 @@ class _Routes:
 
 
 def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str):
-    from ..simulate import stage_order
+    from ..simulate import ScheduleStuck, issue_order, stage_order
 
     orders = [stage_order(k, S, B, schedule) for k in range(S)]
     fwd, bwd = {}, {}
-    pos = [0] * S
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for k in range(S):
-            while pos[k] < len(orders[k]):
-                kind, j = orders[k][pos[k]]
-                if kind == "fwd":
-                    deps = [fwd.get((p, j)) for p in routes.producers[k]]
-                    if any(d is None for d in deps):
-                        break
-                    fwd[(k, j)] = actors[k].forward.remote(step, j, *deps)
-                else:
-                    deps = [bwd.get((c, j)) for c in routes.consumers[k]]
-                    if any(d is None for d in deps):
-                        break
-                    bwd[(k, j)] = actors[k].backward.remote(step, j, *deps)
-                pos[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).")
+
+    def ready(k, kind, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
+        if kind == "fwd":
+            return all((p, j) in fwd for p in routes.producers[k])
+        return all((c, j) in bwd for c in routes.consumers[k])
+
+    try:
+        for k, kind, j in issue_order(orders, ready):
+            if kind == "fwd":
+                fwd[(k, j)] = actors[k].forward.remote(step, j, *[fwd[(p, j)] for p in routes.producers[k]])
+            else:
+                bwd[(k, j)] = actors[k].backward.remote(step, j, *[bwd[(c, j)] for c in routes.consumers[k]])
+    except ScheduleStuck:
+        raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).") from None
     finish = [a.finish_step.remote(step) for a in actors]
     return [fwd[(S - 1, j)] for j in range(B)], finish
 

@@ -481,15 +481,15 @@ def _tables(p: _Problem):
             act[k, i, sh, :n] = [c.act_bytes for c in opts]
             has[k, i, sh, :n] = True
     held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
-    for k in range(L):  # one start layer at a time keeps the (i, sh, s, option) arrays small
+    for k in range(L):  # one start layer at a time (end layers i >= k) keeps the (i, sh, s, option) arrays small
         # Same float operations as StageCandidate.mem_bytes: static + held * act.
-        need = static[k][:, :, None, :] + held[None, None, :, None] * act[k][:, :, None, :]
-        usable = has[k][:, :, None, :]
-        min_req[k] = np.where(usable, need, np.inf).min(axis=-1)
-        t = np.where(usable & (need <= p.mem_limit), time_[k][:, :, None, :], np.inf)
+        need = static[k, k:][:, :, None, :] + held[None, None, :, None] * act[k, k:][:, :, None, :]
+        usable = has[k, k:][:, :, None, :]
+        min_req[k, k:] = np.where(usable, need, np.inf).min(axis=-1)
+        t = np.where(usable & (need <= p.mem_limit), time_[k, k:][:, :, None, :], np.inf)
         idx = np.argmin(t, axis=-1)  # the first of the fastest, as a strict-< scan would keep
-        best_time[k] = np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
-        best_idx[k] = np.where(np.isfinite(best_time[k]), idx, -1)
+        best_time[k, k:] = np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
+        best_idx[k, k:] = np.where(np.isfinite(best_time[k, k:]), idx, -1)
     return best_time, best_idx, min_req
 
 
