@@ -78,7 +78,7 @@ def owner_stage(plan, op: int) -> int:
     else:
         small = list(g.layers) or [""]
         k = small.index(node.layer) if node.layer in small else len(small) - 1
-        full = {i for i, m in enumerate(table._map) if m == k}
+        full = {i for i, m in enumerate(table.layer_map) if m == k}
     for s, st in enumerate(plan.stages):
         if any(st.layers[0] <= i <= st.layers[1] for i in full):
             return s
@@ -191,7 +191,7 @@ def _costs_of(table, submesh, shape, intra: IntraPlan):
         return known
     g = table.solve_graph
     small = layer_costs(g, intra, list(g.layers) or [""], cache=strategy_cache(table, intra.mesh))
-    costs = [small[k] for k in table._map]
+    costs = [small[k] for k in table.layer_map]
     _remember_costs(intra, table, costs)
     return costs
 
@@ -254,7 +254,7 @@ def _changed_costs(table, old: IntraPlan, new: IntraPlan, op: int, old_costs, ca
     ops = tuple(v for v in old.ops if v in sub)
     view = LazyIntraPlan(g, new.mesh, new.strategies, ops, cache)
     small = layer_costs(g, view, names, cache=cache)
-    return [small[k] if k in layers else c for k, c in zip(table._map, old_costs)]
+    return [small[k] if k in layers else c for k, c in zip(table.layer_map, old_costs)]
 
 
 def assemble(table, cluster, method: str, stage_specs: Sequence[tuple], intras: Sequence[IntraPlan],
@@ -343,13 +343,13 @@ def with_choice(plan, op: int, strategy):
 
 def with_microbatches(plan, n: int):
     """A new plan with ``n`` microbatches: same stages and strategies, stages re-priced, pipeline re-simulated."""
-    from .planner import _microbatch_choices
+    from .planner import microbatch_choices
 
     table = _table(plan)
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"microbatches must be a positive integer dividing the batch size {table.batch_size}, "
                          f"got {n!r}")
-    _microbatch_choices(table.batch_size, n)
+    microbatch_choices(table.batch_size, n)
     return _rebuild(plan, [st.intra for st in plan.stages], n, plan.pins,
                     stage_pins={**plan.stage_pins, "microbatches": n})
 
@@ -541,7 +541,7 @@ def _op_layers(plan, op: int) -> set[int]:
         return {names.index(node.layer) if node.layer in names else len(names) - 1}
     small = list(g.layers) or [""]
     k = small.index(node.layer) if node.layer in small else len(small) - 1
-    return {i for i, m in enumerate(table._map) if m == k}
+    return {i for i, m in enumerate(table.layer_map) if m == k}
 
 
 class _PinIndex:
@@ -682,7 +682,7 @@ def with_stages(plan, boundaries=None, submeshes=None, logical_meshes=None, micr
     the plan's cost table with everything given held fixed. A stage whose layers and mesh are unchanged keeps its
     IntraPlan; a changed one takes the table's IntraPlan of its mesh with its operator pins applied.
     """
-    from .planner import _microbatch_choices
+    from .planner import microbatch_choices
     from .solve.inter import NoFeasiblePlanError, StageConstraints
 
     table, cluster = _table(plan), plan.cluster
@@ -696,7 +696,7 @@ def with_stages(plan, boundaries=None, submeshes=None, logical_meshes=None, micr
         if isinstance(microbatches, bool) or not isinstance(microbatches, int):
             raise ValueError(f"microbatches must be a positive integer dividing the batch size {table.batch_size}, "
                              f"got {microbatches!r}")
-        _microbatch_choices(table.batch_size, microbatches)
+        microbatch_choices(table.batch_size, microbatches)
         B = microbatches
     if submeshes is not None:
         subs = check_submeshes(cluster, _per_stage(submeshes, S, "submeshes"))
@@ -783,7 +783,7 @@ def resolve(plan, *, solver: str | None = None):
     """
     import time
 
-    from .planner import _microbatch_choices
+    from .planner import microbatch_choices
     from .solve.inter import NoFeasiblePlanError
 
     t0 = time.perf_counter()
@@ -798,7 +798,7 @@ def resolve(plan, *, solver: str | None = None):
     sp = dict(plan.stage_pins)
     constraints = _constraints_of(sp)
     schedule = sp.get("schedule", plan.schedule)
-    choices = [sp["microbatches"]] if "microbatches" in sp else _microbatch_choices(table.batch_size, "auto")
+    choices = [sp["microbatches"]] if "microbatches" in sp else microbatch_choices(table.batch_size, "auto")
     mem = plan.cost.mem_limit_bytes
     try:
         res = _solve_stages(plan, constraints, choices, schedule, mem, pins if plan.pins else None)

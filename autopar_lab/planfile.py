@@ -135,7 +135,7 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
     """
     from .cluster import Cluster
     from .overrides import assemble
-    from .planner import CostTable, _microbatch_choices, _solve_graph_for
+    from .planner import CostTable, microbatch_choices, _solve_graph_for
     from .solve.intra import _StrategyCache, evaluate_intra
 
     where = f"plan file {os.fspath(path)!r}"
@@ -180,7 +180,7 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
         B = data["microbatches"]
         if isinstance(B, bool) or not isinstance(B, int):
             raise _bad(where, f"microbatches must be an integer, got {B!r}")
-        _microbatch_choices(table.batch_size, B)
+        microbatch_choices(table.batch_size, B)
         if data["schedule"] not in ("1f1b", "gpipe") or data["stage_comm"] not in ("model", "ignore"):
             raise _bad(where, "schedule must be '1f1b' or 'gpipe' and stage_comm 'model' or 'ignore'")
         choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}

@@ -125,7 +125,7 @@ class CostTable:
         self._sums: dict[tuple, dict[str, list[float]]] = {}
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
-        self._map = self._layer_map()
+        self.layer_map = self._layer_map()  # full-graph layer k is priced as the solve graph's layer layer_map[k]
         self.cut_bytes = cut_bytes(graph, self.layer_names)
         self.batch_size = _batch_size(graph)
         self.solve_s = 0.0
@@ -153,7 +153,7 @@ class CostTable:
             mesh = self.cluster.logical_mesh(submesh, shape)
             plan = solve_intra(self.solve_graph, mesh, solver=self.solver, rounds=1, memo=self._memo)
             small = layer_costs(self.solve_graph, plan, list(self.solve_graph.layers) or [""])
-            self._mesh[key] = ([small[k] for k in self._map], plan)
+            self._mesh[key] = ([small[k] for k in self.layer_map], plan)
             self.solve_s += time.perf_counter() - t0
             if self.progress:
                 self.progress(f"intra-op {submesh[0]}x{submesh[1]} as {shape[0]}x{shape[1]}", len(self._mesh), 0)
@@ -451,7 +451,13 @@ def _finish(table: CostTable, cluster, method: str, stages: Sequence[inter.Stage
                 stage_comm, cost, solve_s, tuple(notes), table=table)
 
 
-def _microbatch_choices(batch: int, microbatches) -> list[int]:
+def microbatch_choices(batch: int, microbatches) -> list[int]:
+    """The microbatch counts to try: every power of two dividing ``batch`` for ``"auto"``, else ``[microbatches]``
+    (which must divide the batch).
+
+    >>> microbatch_choices(24, "auto"), microbatch_choices(24, 3)
+    ([1, 2, 4, 8], [3])
+    """
     if microbatches == "auto":
         return [b for b in (1 << e for e in range(batch.bit_length())) if batch % b == 0]
     b = int(microbatches)
@@ -526,7 +532,7 @@ def auto_plan(model_or_graph, cluster, *, microbatches="auto", stage_comm: str =
     intra_before = table.solve_s
     kw = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
-    choices = _microbatch_choices(table.batch_size, microbatches)
+    choices = microbatch_choices(table.batch_size, microbatches)
     result = search_microbatches(table, cluster, choices, **kw)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return _finish(table, cluster, "auto", result.stages, result.microbatches, schedule, stage_comm, mem, solve_s)
@@ -559,7 +565,7 @@ def megatron_plan(model_or_graph, cluster, *, dp: int, tp: int, pp: int, microba
         raise ValueError(f"a stage of {per} devices is not a submesh shape of this cluster")
     bounds = [round(k * L / pp) for k in range(pp + 1)]
     mem = float(cluster.device.memory_bytes if mem_limit is None else mem_limit)
-    _microbatch_choices(table.batch_size, microbatches)
+    microbatch_choices(table.batch_size, microbatches)
     stages = [table.stage(bounds[k], bounds[k + 1] - 1, submesh, (dp, tp), microbatches, bool(remat))
               for k in range(pp)]
     name = f"megatron(dp={dp},tp={tp},pp={pp}{',remat' if remat else ''})"
@@ -625,7 +631,7 @@ def baselines(table: CostTable, cluster, microbatches="auto") -> dict:
     ``data_parallel`` (the fastest that fits, else the one with the smallest peak memory).
     """
     best, config, tried = None, None, []
-    mbs = _microbatch_choices(table.batch_size, microbatches)
+    mbs = microbatch_choices(table.batch_size, microbatches)
     for dp, tp, pp in megatron_grid(cluster, len(table.layer_names)):
         for mb in mbs:
             for remat in (False, True):

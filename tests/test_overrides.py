@@ -379,7 +379,7 @@ def test_incremental_repricing_is_exact(two):
             full = evaluate_intra(g, st.intra.mesh, st.intra.strategies, ops=st.intra.ops)
             small = layer_costs(g, full, list(g.layers))
             assert overrides._costs_of(q.table, st.submesh, st.logical_mesh, st.intra) == \
-                [small[i] for i in q.table._map]
+                [small[i] for i in q.table.layer_map]
             # The lazily computed totals are evaluate_intra's.
             assert (st.intra.compute_s, st.intra.reshard_s, st.intra.act_bytes) == \
                 (full.compute_s, full.reshard_s, full.act_bytes)

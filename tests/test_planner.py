@@ -119,7 +119,7 @@ def test_microbatch_search_matches_stage_dp_auto(result):
     limits from roomy to impossible, so that small counts (or all) fail."""
     from autopar_lab.solve import inter
     table = result["auto"].table
-    choices = planner._microbatch_choices(table.batch_size, "auto")
+    choices = planner.microbatch_choices(table.batch_size, "auto")
     base = dict(intra_link=SMALL.intra_host, inter_link=SMALL.inter_host, stage_comm="model", schedule="1f1b",
                 max_stages=None)
 

@@ -289,7 +289,7 @@ def test_solve_op_maps_a_deep_graph_onto_its_shallow_copy(cluster):
         assert (a.primitive, a.out_shapes, a.role) == (b.primitive, b.out_shapes, b.role)
     # layer_4 (the last block) maps onto a layer of the copy, operator by operator in order.
     k = table.layer_names.index("layer_4")
-    target = list(shallow.layers)[table._map[k]]
+    target = list(shallow.layers)[table.layer_map[k]]
     assert [m[o] for o in deep.ops_in_layer("layer_4")] == shallow.ops_in_layer(target)
 
 

@@ -107,7 +107,7 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
         table = _table_cache
     else:
         table, _ = planner._table(model_or_graph, cluster, solver, None)
-    choices = planner._microbatch_choices(table.batch_size, microbatches)
+    choices = planner.microbatch_choices(table.batch_size, microbatches)
     remat = tuple(dict.fromkeys(bool(r) for r in remat))
     if not remat:
         raise ValueError("remat must offer at least one choice, e.g. (False, True)")

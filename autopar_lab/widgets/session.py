@@ -230,7 +230,7 @@ class Session:
         small_ops = {name: small.ops_in_layer(name) for name in small_names}
         for k, name in enumerate(table.layer_names):
             src = full.ops_in_layer(name)
-            dst = small_ops.get(small_names[table._map[k]], []) if small_names else []
+            dst = small_ops.get(small_names[table.layer_map[k]], []) if small_names else []
             if len(src) == len(dst):
                 out.update(zip(src, dst))
         src = [n.id for n in full if n.layer is None]
@@ -498,7 +498,7 @@ class Session:
 
         hook("pricing the baselines")
         cluster = plan.cluster
-        mbs = planner._microbatch_choices(table.batch_size, "auto")
+        mbs = planner.microbatch_choices(table.batch_size, "auto")
         base = planner.baselines(table, cluster)
         out: dict[str, Any] = {"current": plan, "megatron": base["megatron_best"],
                                "megatron_config": base["megatron_config"], "data_parallel": base["data_parallel"]}
