@@ -559,11 +559,20 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine):
         for sh, ds in enumerate(places):
             if ds.size == 0:
                 continue
-            here = stage_cost[:n, :n, sh, s - 1][:, :, None] + cut[:n, None, ds]  # (k, i, d)
-            total = combine(here, F_prev[1:n + 1, ds - size[sh]][None, :, :])  # next stage starts at layer i + 1
-            i_best = np.argmin(total, axis=1)
-            v = np.take_along_axis(total, i_best[:, None, :], axis=1)[:, 0, :]
-            flat = i_best * SH + sh
+            cost = stage_cost[:n, :n, sh, s - 1]
+            k_fin, i_fin = np.nonzero(np.isfinite(cost))
+            if k_fin.size == 0:
+                continue  # no stage of this shape here (memory, t_max): nothing to take
+            # Stages longer than the longest finite one cost inf: look only at end layers i = k .. k + w - 1.
+            w = int((i_fin - k_fin).max()) + 1
+            ends = np.minimum(np.arange(n)[:, None] + np.arange(w)[None, :], n - 1)  # (k, r) -> i
+            band = np.where(np.arange(n)[:, None] + np.arange(w)[None, :] < n, cost[np.arange(n)[:, None], ends],
+                            np.inf)
+            here = band[:, :, None] + cut[:n, None, ds]  # (k, r, d)
+            total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
+            r_best = np.argmin(total, axis=1)
+            v = np.take_along_axis(total, r_best[:, None, :], axis=1)[:, 0, :]
+            flat = (r_best + np.arange(n)[:, None]) * SH + sh
             cur_v, cur_f = best[:, ds], arg[:n, ds]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
             best[:, ds] = np.where(take, v, cur_v)
