@@ -77,8 +77,13 @@ def dag_figure(nodes: Sequence[Mapping], edges: Sequence[tuple[float, float, flo
     return fig
 
 
+# The cost panel shares a row with the graph and table: a fixed width keeps its figures inside their column (a
+# FigureWidget otherwise takes the width of the page it first renders in, and is cut off when the columns wrap).
+SIDE_WIDTH = 460
+
+
 def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], title: str = "step time (s)",
-                height: int = 220) -> go.Figure:
+                height: int = 220, width: int | None = SIDE_WIDTH) -> go.Figure:
     """Stacked horizontal bars of the step-time terms, "before" above "after" (``before`` None: one bar).
 
     >>> f = cost_figure(None, {"compute": 2.0, "bubble": 1.0})
@@ -91,13 +96,13 @@ def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], 
         xs = ([before.get(term, 0.0)] if before is not None else []) + [v]
         fig.add_trace(go.Bar(y=rows, x=xs, name=term, orientation="h", marker_color=TERM_COLOURS.get(term),
                              hovertemplate=f"{term}: %{{x:.4g}} s<extra></extra>"))
-    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25))
+    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25), width=width)
     fig.update_yaxes(autorange="reversed")
     return _layout(fig, title, height)
 
 
 def memory_figure(peak_bytes: Sequence[float], limit_bytes: float, title: str = "peak memory per device (GiB)",
-                  height: int = 220) -> go.Figure:
+                  height: int = 220, width: int | None = SIDE_WIDTH) -> go.Figure:
     """One bar per stage (red when over the limit) and the device limit as a dashed line.
 
     >>> f = memory_figure([1 * 2**30, 3 * 2**30], 2 * 2**30)
@@ -111,7 +116,7 @@ def memory_figure(peak_bytes: Sequence[float], limit_bytes: float, title: str = 
                            hovertemplate="%{x}: %{y:.3g} GiB<extra></extra>"))
     fig.add_hline(y=lim, line_dash="dash", line_color="#444", annotation_text=f"limit {lim:.3g} GiB")
     fig = _layout(fig, title, height)
-    fig.update_layout(showlegend=False)
+    fig.update_layout(showlegend=False, width=width)
     return fig
 
 
@@ -168,7 +173,7 @@ def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipe
             y=[r["resource"] for r in idle], x=[r["end"] - r["start"] for r in idle], base=[r["start"] for r in idle],
             orientation="h", name="bubble", marker_color=KIND_COLOURS["idle"], opacity=0.8,
             hovertemplate="idle %{base:.4g} s + %{x:.4g} s<extra></extra>"))
-    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.2))
+    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(order)))
     fig.update_xaxes(title_text="seconds", range=[0, makespan * 1.01 if makespan > 0 else 1])
     return _layout(fig, title, height)

@@ -54,7 +54,8 @@ class StageLayout(View):
         self.cut_layer = w.BoundedIntText(description="starts at", min=1, max=max(len(plan.layer_names) - 1, 1),
                                           layout=w.Layout(width="160px"))
         self.apply_cut = w.Button(description="move cut")
-        self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="200px"))
+        self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="220px"),
+                                       style={"description_width": "initial"})
         self.schedule = w.ToggleButtons(options=["1f1b", "gpipe"], description="schedule",
                                         style={"button_width": "60px"})
         self.remat = w.Checkbox(description="rematerialise this stage")
