@@ -30,22 +30,38 @@ def _spec_text(spec) -> str:
     return f"P({', '.join(entries)})"
 
 
+def _strategy_of(plan, intra):
+    """op of the plan's graph -> its strategy in ``intra``, or None. A plan solved on a shallower copy of a deep model
+    keys its strategies by the copy's operators: each of the model's operators takes the one at its place in the
+    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`)."""
+    table = plan.table
+    if table is None or table.solve_graph is plan.graph:
+        return intra.strategies.get
+    return lambda op: (lambda s: None if s is None else intra.strategies.get(s))(table.solve_op(op))
+
+
 def input_specs(plan, stage: int = 0) -> dict[str, dict[str, object]]:
     """{"param": {path: ShardingSpec}, "opt_state": {...}, "batch": {...}} from one stage's strategies."""
     graph = plan.graph
     intra = plan.stages[stage].intra
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
-    if plan.table is not None and plan.table.solve_graph is not graph:
-        raise ValueError("this plan was solved on a shallower copy of the model; its input shardings are per layer "
-                         "of that copy, not per input of this graph, so they cannot be exported as they are")
+    strategy = _strategy_of(plan, intra)
     out: dict[str, dict[str, object]] = {PARAM: {}, OPT_STATE: {}, BATCH: {}}
+    missing = []
     for op in graph.ops:
         node = graph.op(op)
         if node.primitive != INPUT_PRIMITIVE:
             continue
         t = graph.tensor(node.outputs[0])
-        out.setdefault(t.kind, {})[t.path] = intra.strategies[op].out_specs[0]
+        s = strategy(op)
+        if s is None:
+            missing.append(t.path)
+            continue
+        out.setdefault(t.kind, {})[t.path] = s.out_specs[0]
+    if missing:
+        raise ValueError(f"{len(missing)} input(s) of this graph have no strategy in the plan (first: {missing[0]}); "
+                         "was the plan made for another model?")
     return out
 
 
@@ -59,19 +75,23 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
     intra = plan.stages[stage].intra
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
+    strategy = _strategy_of(plan, intra)
     first, last = plan.stages[stage].layers
     names = set(plan.layer_names[first:last + 1])
     seen: dict[str, int] = {}
     out: dict[str, object] = {}
     for op in graph.ops:
         node = graph.op(op)
-        if node.primitive != "dot_general" or node.role != "forward" or op not in intra.strategies:
+        if node.primitive != "dot_general" or node.role != "forward":
             continue
         if node.layer is not None and node.layer not in names:
             continue
+        s = strategy(op)
+        if s is None:
+            continue
         where = node.scope or node.layer or "(no scope)"
         i = seen[where] = seen.get(where, -1) + 1
-        out[f"{where} dot_general#{i} -> {tuple(node.out_shapes[0])}"] = intra.strategies[op].out_specs[0]
+        out[f"{where} dot_general#{i} -> {tuple(node.out_shapes[0])}"] = s.out_specs[0]
     return out
 
 

@@ -125,6 +125,7 @@ class CostTable:
         self._sums: dict[tuple, dict[str, list[float]]] = {}
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
+        self._op_map: dict[int, int] | None = None
         self.layer_map = self._layer_map()  # full-graph layer k is priced as the solve graph's layer layer_map[k]
         self.cut_bytes = cut_bytes(graph, self.layer_names)
         self.batch_size = _batch_size(graph)
@@ -144,6 +145,39 @@ class CostTable:
             if not ks:
                 raise LookupError(name)
             out.append(ks[len(ks) // 2])
+        return out
+
+    def solve_op(self, op: int) -> int | None:
+        """The operator of the solve graph that stands for operator ``op`` of the full graph (the same position in
+        the layer :attr:`layer_map` prices it with; operators outside layers: the input with the same pytree path);
+        None when there is none (an operator outside layers that only the full graph has).
+
+        Strategies of a plan solved on a shallower copy are keyed by these ids: this is how they reach the full
+        graph's operators (export, for one)."""
+        if self.solve_graph is self.graph:
+            return op
+        if self._op_map is None:
+            self._op_map = self._build_op_map()
+        return self._op_map.get(op)
+
+    def _build_op_map(self) -> dict[int, int]:
+        small_names = list(self.solve_graph.layers) or [""]
+        out = {}
+        for k, name in enumerate(self.layer_names):
+            full, small = self.graph.ops_in_layer(name), self.solve_graph.ops_in_layer(small_names[self.layer_map[k]])
+            if len(full) == len(small):  # equal plain signatures: the same operators in the same order
+                out.update(zip(full, small))
+        by_path = {}
+        for op in self.solve_graph.ops:
+            node = self.solve_graph.op(op)
+            if node.layer is None and node.primitive == INPUT_PRIMITIVE:
+                by_path[self.solve_graph.tensor(node.outputs[0]).path] = op
+        for op in self.graph.ops:
+            node = self.graph.op(op)
+            if node.layer is None and node.primitive == INPUT_PRIMITIVE:
+                hit = by_path.get(self.graph.tensor(node.outputs[0]).path)
+                if hit is not None:
+                    out[op] = hit
         return out
 
     def mesh_costs(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan]:

@@ -180,3 +180,36 @@ def test_to_jax_code_runs_and_matches_unsharded_loss(model, plan):
     assert spec == plan.choice(fwd_dots[0]).out_specs[0].to_partition_spec(("x", "y"))
     y = jax.jit(lambda x: ns["constrain"](x * 2, key))(np.ones(shape, np.float32))
     assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), len(shape))
+
+
+def test_export_of_a_deep_model_planned_on_its_shallow_copy():
+    # A zoo model deeper than 4 layers is planned on a 4-layer copy; its export still covers every input and forward
+    # matmul of the full model, each with the strategy of the copy's operator at the same place in the layer that
+    # priced it.
+    from autopar_lab.export import activation_specs, input_specs
+
+    deep = al.models.get("gpt-tiny", num_layers=7, batch_size=16, hidden_size=64, seq_len=32, vocab_size=128)
+    p = al.auto_plan(deep, Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4))
+    table, g = p.table, p.graph
+    assert table.solve_graph is not g and len(table.solve_graph.layers) < len(g.layers)
+    specs = input_specs(p)
+    inputs = [o for o in g.ops if g.op(o).primitive == "parameter"]
+    assert sum(len(v) for v in specs.values()) == len(inputs)
+    strategies = p.stages[0].intra.strategies
+    sg = table.solve_graph
+    for o in inputs:
+        t = g.tensor(g.op(o).outputs[0])
+        s = table.solve_op(o)
+        assert sg.op(s).primitive == "parameter" and sg.op(s).out_shapes == g.op(o).out_shapes
+        assert specs[t.kind][t.path] == strategies[s].out_specs[0]
+    # Layers priced by the same layer of the copy get the same shardings (layers 2..5 all stand for one).
+    same = [k for k, m in enumerate(table.layer_map) if m == table.layer_map[3]]
+    assert len(same) >= 3
+    per_layer = [[str(specs["param"][g.tensor(g.op(o).outputs[0]).path]) for o in g.ops_in_layer(g.layers[k])
+                  if g.op(o).primitive == "parameter" and g.tensor(g.op(o).outputs[0]).kind == "param"] for k in same]
+    assert all(x == per_layer[0] for x in per_layer)
+    fwd_dots = [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).role == "forward"]
+    assert len(activation_specs(p)) == len(fwd_dots)
+    ns: dict = {}
+    exec(compile(p.to_jax_code(), "<plan>", "exec"), ns)
+    assert set(ns["param_specs"]) == set(specs["param"])
