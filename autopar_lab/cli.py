@@ -141,8 +141,11 @@ def _print_compare(out: dict) -> None:
         if r is None:
             print(f"{key:<15} no configuration fits")
         else:
+            peak = max(r["peak_mem_bytes"])
+            fits = "" if peak <= r["mem_limit_bytes"] else (
+                f"; does not fit: {peak / 2**30:.3g} GiB per device > {r['mem_limit_bytes'] / 2**30:.3g} GiB")
             print(f"{key:<15} {r['method']:<28} step {r['step_time_s']:.4g} s  ({len(r['stages'])} stages, "
-                  f"{r['microbatches']} microbatches)")
+                  f"{r['microbatches']} microbatches{fits})")
     if out["megatron_best_over_auto"]:
         print(f"megatron_best / auto = {out['megatron_best_over_auto']:.3f}")
 
