@@ -580,6 +580,11 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine):
         Fs.append(F)
         args.append(arg)
         F_prev = F
+        if not np.isfinite(F).any():  # no s-stage suffix fits anywhere: none with more stages can either
+            for _ in range(s + 1, p.max_stages + 1):
+                Fs.append(F)
+                args.append(arg)
+            break
     return Fs, args
 
 
