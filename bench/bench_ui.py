@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import math
 import time
 
 import autopar_lab as al
@@ -29,14 +30,15 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=8, help="capped at the model's batch size")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
     cluster = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=args.gpus)
     model = al.models.get(args.model)
+    mb = math.gcd(args.microbatches, model.config.batch_size) if hasattr(model, "config") else args.microbatches
     t0 = time.perf_counter()
-    plan = al.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches)
+    plan = al.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=mb)
     t_plan = time.perf_counter() - t0
     print(f"{args.model} on {cluster.num_devices} GPUs: {plan!r}")
     print(f"  graph {len(plan.graph.ops)} ops, {len(plan.layer_names)} layers; solve graph "

@@ -448,30 +448,44 @@ def _build_problem(
 # The DP.
 
 
-def _tables(p: _Problem):
-    """best_time[k, i, sh, s-1]: fastest candidate for layers k..i on shape sh that fits
-    memory when s stages remain (so it holds held(s) microbatches); best_idx its index.
-    min_req[k, i, sh, s-1]: smallest memory any candidate there needs (for the error).
+class _Tables:
+    """What the DP needs of the candidates, per (start layer k, end layer i, shape sh, stages
+    remaining s): ``best_time[k, i, sh, s-1]``, the fastest candidate that fits memory while
+    holding held(s) microbatches (inf if none); ``index(k, i, sh, s)`` which candidate that is
+    (the first of the fastest); ``min_req()`` the smallest memory any candidate there needs
+    (for the error message only, so computed only when asked).
 
     For a fixed t_max the best candidate is simply the fastest one that fits memory (if it
     is within t_max, nothing slower can be better; if not, nothing fits), so the t_max loop
     only has to mask this table.
     """
+
+    def __init__(self, p: _Problem, best_time, index, min_req):
+        self.p, self.best_time, self._index, self._min_req = p, best_time, index, min_req
+
+    def index(self, k: int, i: int, sh: int, s: int) -> int:
+        return self._index(k, i, sh, s)
+
+    def min_req(self):
+        return self._min_req()
+
+
+def _tables(p: _Problem) -> _Tables:
+    """See :class:`_Tables`. A candidate's memory ``static + held * act`` grows with held, and
+    held(s) with s, so each candidate fits exactly while s <= s_max (its largest such s):
+    best_time[..., s] is the minimum time over candidates with s_max >= s, a running minimum
+    over s from the top."""
     if p.constraints is not None:
         return _tables_pinned(p)
     L, SH, S = p.num_layers, len(p.shapes), p.max_stages
     K = max((len(v) for v in p.cands.values()), default=0)
-    best_time = np.full((L, L, SH, S), np.inf)
-    best_idx = np.full((L, L, SH, S), -1, dtype=np.int64)
-    min_req = np.full((L, L, SH, S), np.inf)
-    if K == 0:
-        return best_time, best_idx, min_req
-    # Candidates as arrays, padded to K options (padding: never usable).
-    time_ = np.full((L, L, SH, K), np.inf)
-    static = np.zeros((L, L, SH, K))
-    act = np.zeros((L, L, SH, K))
-    has = np.zeros((L, L, SH, K), dtype=bool)
+    held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
     sh_of = {shape: n for n, shape in enumerate(p.shapes)}
+    # Candidates as arrays, padded to K options (padding: never usable).
+    time_ = np.full((L, L, SH, max(K, 1)), np.inf)
+    static = np.zeros((L, L, SH, max(K, 1)))
+    act = np.zeros((L, L, SH, max(K, 1)))
+    has = np.zeros((L, L, SH, max(K, 1)), dtype=bool)
     for (k, i, shape), opts in p.cands.items():
         n = len(opts)
         if n:
@@ -480,17 +494,36 @@ def _tables(p: _Problem):
             static[k, i, sh, :n] = [c.static_bytes for c in opts]
             act[k, i, sh, :n] = [c.act_bytes for c in opts]
             has[k, i, sh, :n] = True
-    held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
-    for k in range(L):  # one start layer at a time (end layers i >= k) keeps the (i, sh, s, option) arrays small
-        # Same float operations as StageCandidate.mem_bytes: static + held * act.
-        need = static[k, k:][:, :, None, :] + held[None, None, :, None] * act[k, k:][:, :, None, :]
-        usable = has[k, k:][:, :, None, :]
-        min_req[k, k:] = np.where(usable, need, np.inf).min(axis=-1)
-        t = np.where(usable & (need <= p.mem_limit), time_[k, k:][:, :, None, :], np.inf)
-        idx = np.argmin(t, axis=-1)  # the first of the fastest, as a strict-< scan would keep
-        best_time[k, k:] = np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
-        best_idx[k, k:] = np.where(np.isfinite(best_time[k, k:]), idx, -1)
-    return best_time, best_idx, min_req
+    # hmax: the most microbatches a candidate can hold, checked with the same float operations as
+    # StageCandidate.mem_bytes (the estimate from a division is corrected by one either way).
+    mem = p.mem_limit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        est = np.floor(np.where(act > 0, (mem - static) / act, np.where(static <= mem, np.inf, -1.0)))
+    est = np.minimum(est, 2.0 ** 52)
+    fits = lambda h: static + h * act <= mem  # noqa: E731
+    finite = np.isfinite(est) & (est >= 0)
+    est = np.where(finite & ~fits(np.where(finite, est, 0.0)), est - 1, est)
+    est = np.where(finite & fits(np.where(finite, est + 1, 0.0)), est + 1, est)
+    s_max = np.searchsorted(held, np.where(has, est, -1.0), side="right")  # candidates fit for s = 1..s_max
+    by_top = np.full((L, L, SH, S + 1), np.inf)  # [..., t]: fastest candidate whose s_max is t
+    kk, ii, ss, cc = np.nonzero(has)
+    np.minimum.at(by_top, (kk, ii, ss, s_max[kk, ii, ss, cc]), time_[kk, ii, ss, cc])
+    best_time = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1].copy()  # [..., s-1] over s_max >= s
+
+    def index(k, i, sh, s):
+        for idx, c in enumerate(p.cands[(k, i, p.shapes[sh])]):
+            if c.mem_bytes(held_microbatches(s, p.microbatches, p.schedule)) <= mem and c.time_s == best_time[k, i, sh, s - 1]:
+                return idx
+        return -1
+
+    def min_req():
+        out = np.full((L, L, SH, S), np.inf)
+        for k in range(L):
+            need = static[k, k:][:, :, None, :] + held[None, None, :, None] * act[k, k:][:, :, None, :]
+            out[k, k:] = np.where(has[k, k:][:, :, None, :], need, np.inf).min(axis=-1)
+        return out
+
+    return _Tables(p, best_time, index, min_req)
 
 
 def _tables_pinned(p: _Problem):
@@ -512,7 +545,7 @@ def _tables_pinned(p: _Problem):
                 if need <= p.mem_limit and c.time_s < best_time[k, i, sh, s - 1]:
                     best_time[k, i, sh, s - 1] = c.time_s
                     best_idx[k, i, sh, s - 1] = idx
-    return best_time, best_idx, min_req
+    return _Tables(p, best_time, lambda k, i, sh, s: int(best_idx[k, i, sh, s - 1]), lambda: min_req)
 
 
 def _structure(p: _Problem):
@@ -532,13 +565,14 @@ def _structure(p: _Problem):
     return valid, size, cut
 
 
-def _layered_dp(p, stage_cost, cut, valid, size, combine):
+def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf):
     """Alpa's recurrence, vectorised over (start layer k, end layer i, free devices d) for each s.
 
     F[s][k, d] = min over end layer i >= k and shape sh (fits at offset N*M - d) of
                  combine(stage_cost[k, i, sh, s-1] + cut[k, d], F[s-1][i+1, d - size[sh]])
     with F[0][L, 0] = 0 (all layers placed, every device used exactly).
-    ``combine`` is np.add (latency) or np.maximum (bottleneck memory).
+    ``combine`` is np.add (latency) or np.maximum (bottleneck memory); stage costs above
+    ``t_max`` count as inf.
     Returns the list of F tables and of argmin tables (flat index i * SH + sh, the first of
     equal minima). Each shape is evaluated only at the d where it can be placed (a host-sized
     submesh only on host boundaries), which is most of the saving on large clusters.
@@ -560,6 +594,8 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine):
             if ds.size == 0:
                 continue
             cost = stage_cost[:n, :n, sh, s - 1]
+            if t_max < math.inf:
+                cost = np.where(cost <= t_max, cost, np.inf)
             k_fin, i_fin = np.nonzero(np.isfinite(cost))
             if k_fin.size == 0:
                 continue  # no stage of this shape here (memory, t_max): nothing to take
@@ -748,11 +784,12 @@ def stage_dp(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
         intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
     )
-    best_time, best_idx, min_req = _tables(p)
+    tables = _tables(p)
+    best_time = tables.best_time
     valid, size, cut_full = _structure(p)
     L, NM, B, SH = p.num_layers, p.num_devices, p.microbatches, len(p.shapes)
 
-    values = set(best_time[np.isfinite(best_time)].tolist())
+    values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
         values |= {f + b for f, b in p.cut_cost.values()}
     V = sorted(values)
@@ -771,15 +808,14 @@ def stage_dp(
         """Solve the DP at t_max = V[j]; record the plan if it beats the best; return min_s F."""
         t_max = V[j]
         tried.append(t_max)
-        cost = np.where(best_time <= t_max, best_time, np.inf)
         cut = np.where(cut_full <= t_max, cut_full, np.inf)
         if collapsed:
-            F, arg = _sweep_dp(p, cost[..., 0], cut, valid, size)
+            F, arg = _sweep_dp(p, np.where(best_time[..., 0] <= t_max, best_time[..., 0], np.inf), cut, valid, size)
             f = F[0, NM]
             chooser = None if not math.isfinite(f) else (lambda s, k, d: int(arg[k, d]))
             s_best = None
         else:
-            Fs, args = _layered_dp(p, cost, cut, valid, size, np.add)
+            Fs, args = _layered_dp(p, best_time, cut, valid, size, np.add, t_max=t_max)
             totals = [Fs[s][0, NM] for s in range(1, p.max_stages + 1)]
             s_best = int(np.argmin(totals)) + 1 if p.fixed_stages is None else p.fixed_stages
             f = totals[s_best - 1]
@@ -822,14 +858,14 @@ def stage_dp(
     if best["t_max"] is None:
         if math.isfinite(upper_bound) and any(finite):
             return None  # plans exist, none beats upper_bound
-        raise _infeasible(_min_memory(p, min_req, valid, size), p.mem_limit, p.fixed_stages is not None)
+        raise _infeasible(_min_memory(p, tables.min_req(), valid, size), p.mem_limit, p.fixed_stages is not None)
 
     pieces = best["pieces"]
     S = len(pieces)
     plan = []
     for j, (k, i, sh, offset) in enumerate(pieces):
         # The candidate index for the stage count the plan really has (memory depends on it).
-        plan.append((k, i, p.shapes[sh], int(best_idx[k, i, sh, S - j - 1]), offset))
+        plan.append((k, i, p.shapes[sh], tables.index(k, i, sh, S - j), offset))
     diagnostics["solve_s"] = time.perf_counter() - t0
     return _result(p, plan, diagnostics)
 
