@@ -130,7 +130,9 @@ def issue_order(orders: Sequence[Sequence[tuple[str, int]]], ready: Callable[[in
     >>> done = set()
     >>> orders = [stage_order(k, 2, 2) for k in range(2)]
     >>> def ready(k, kind, j):  # stage 1's fwd needs stage 0's; stage 0's bwd needs stage 1's
-    ...     return (kind == "fwd" and (k == 0 or (0, "fwd", j) in done)) or (kind == "bwd" and (k == 1 or (1, "bwd", j) in done))
+    ...     if kind == "fwd":
+    ...         return k == 0 or (0, "fwd", j) in done
+    ...     return k == 1 or (1, "bwd", j) in done
     >>> for task in issue_order(orders, ready):
     ...     done.add(task)
     ...     print(task, end=" ")

@@ -18,4 +18,5 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(autopar_lab.__path__, "au
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS, verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed (run: python -m doctest -v)"
+    assert result.failed == 0, \
+        f"{result.failed} of {result.attempted} examples in {name} failed (see them: python -m doctest -v FILE)"

@@ -511,8 +511,9 @@ def _tables(p: _Problem) -> _Tables:
     best_time = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1].copy()  # [..., s-1] over s_max >= s
 
     def index(k, i, sh, s):
+        held_s = held_microbatches(s, p.microbatches, p.schedule)
         for idx, c in enumerate(p.cands[(k, i, p.shapes[sh])]):
-            if c.mem_bytes(held_microbatches(s, p.microbatches, p.schedule)) <= mem and c.time_s == best_time[k, i, sh, s - 1]:
+            if c.mem_bytes(held_s) <= mem and c.time_s == best_time[k, i, sh, s - 1]:
                 return idx
         return -1
 
