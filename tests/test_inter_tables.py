@@ -1,0 +1,89 @@
+"""The stage DP's vectorised inner parts against plain reference loops, on random memory-limited instances: the
+candidate tables (a running minimum over each candidate's largest stage count) against a scan of every candidate at
+every stage count, and the layered recurrence (evaluated only where a submesh can be placed, in a band of layer
+ranges) against the full min over every end layer and shape."""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from autopar_lab.solve import inter
+
+LINKS = dict(intra_link=NS(bandwidth=1e9, latency=1e-5), inter_link=NS(bandwidth=1e8, latency=1e-4))
+
+
+def random_problem(rng: random.Random):
+    L, N, M = rng.randint(1, 9), rng.choice([1, 2, 3]), rng.choice([1, 2, 4])
+    longest = rng.choice([1, 2, 3, 100])  # ranges longer than this have no candidate (a band)
+
+    def cands(a, b, sub):
+        n = rng.randint(0, 4) if b - a < longest else 0
+        return [inter.StageCandidate((a, b), sub, sub, bool(r % 2), rng.choice([1.0, 2.0, 0.5 * (b - a + 1)]),
+                                     rng.choice([0.0, 1.0]), rng.choice([0, 1e9, 3e9]),
+                                     rng.choice([0, 3e8, 5e8, 7.7e8, 1e9])) for r in range(n)]
+
+    return inter._build_problem(L, N, M, cands, rng.choice([1, 2, 3, 4, 8, 16]),
+                                rng.choice([math.inf, 3.5e9, 4e9, 5.25e9, 6e9]),
+                                [rng.choice([0, 1e8]) for _ in range(L - 1)], stage_comm="model", max_stages=None,
+                                schedule=rng.choice(["1f1b", "gpipe"]), **LINKS)
+
+
+def reference_layered_dp(p, stage_cost, cut, valid, size, combine):
+    L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    F_prev = np.full((L + 1, NM + 1), np.inf)
+    F_prev[L, 0] = 0.0
+    Fs, args = [F_prev], [None]
+    for s in range(1, p.max_stages + 1):
+        F, arg = np.full((L + 1, NM + 1), np.inf), np.zeros((L, NM + 1), dtype=np.int64)
+        for k in range(L):
+            for d in range(NM + 1):
+                best, best_flat = math.inf, 0
+                for i in range(L):
+                    for sh in range(SH):
+                        if not (valid[sh, d] and d >= size[sh]):
+                            continue
+                        v = combine(stage_cost[k, i, sh, s - 1] + cut[k, d], F_prev[i + 1, d - size[sh]])
+                        if v < best:
+                            best, best_flat = v, i * SH + sh
+                F[k, d], arg[k, d] = best, best_flat
+        Fs.append(F)
+        args.append(arg)
+        F_prev = F
+    return Fs, args
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_tables_equal_a_scan_of_every_candidate(seed):
+    p = random_problem(random.Random(seed))
+    got = inter._tables(p)
+    want = inter._tables_pinned(p)  # without pins: the plain loop over every candidate and stage count
+    np.testing.assert_array_equal(got.best_time, want.best_time)
+    np.testing.assert_array_equal(got.min_req(), want.min_req())
+    for k, i, sh, s in zip(*np.nonzero(np.isfinite(want.best_time))):
+        assert got.index(k, i, sh, s + 1) == want.index(k, i, sh, s + 1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_layered_dp_equals_the_full_minimum(seed):
+    rng = random.Random(1000 + seed)
+    p = random_problem(rng)
+    tables = inter._tables(p)
+    valid, size, cut = inter._structure(p)
+    t_max = rng.choice([math.inf, 1.0, 2.0])
+    masked = np.where(tables.best_time <= t_max, tables.best_time, np.inf)
+    for combine, cost in ((np.add, masked), (np.maximum, tables.min_req())):
+        got_F, got_arg = inter._layered_dp(p, cost, cut, valid, size, combine)
+        want_F, want_arg = reference_layered_dp(p, cost, cut, valid, size, combine)
+        for s in range(1, p.max_stages + 1):
+            np.testing.assert_array_equal(got_F[s], want_F[s])
+            np.testing.assert_array_equal(got_arg[s], want_arg[s])
+    # t_max given to the DP is the same as masking the table first
+    got_F, _ = inter._layered_dp(p, tables.best_time, cut, valid, size, np.add, t_max=t_max)
+    want_F, _ = inter._layered_dp(p, masked, cut, valid, size, np.add)
+    for s in range(1, p.max_stages + 1):
+        np.testing.assert_array_equal(got_F[s], want_F[s])
