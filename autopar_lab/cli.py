@@ -86,6 +86,9 @@ def cmd_plan(args) -> dict:
     """Plan a model on a cluster: Alpa's auto plan, or a Megatron-style or data-parallel baseline."""
     from . import planner
 
+    if args.remat and args.method == "auto":
+        raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
+                         "stage itself")
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
     if args.method == "auto":

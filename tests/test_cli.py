@@ -56,6 +56,7 @@ def test_graph_human_output():
         (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--method", "megatron", "--dp", "3", "--tp", "1",
           "--pp", "1"), ["dp x tp x pp"]),
         (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--microbatches", "lots"), ["--microbatches"]),
+        (("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--remat"), ["--remat", "--method megatron"]),
         (("validate", "mlp", "--devices", "6", "--json"), ["power of two"]),
         ((), ["COMMAND"]),
     ],
@@ -75,3 +76,11 @@ def test_plan_json_and_out_file(tmp_path):
         assert key in rep
     assert [s["logical_mesh"] for s in rep["stages"]] == [[2, 2], [2, 2]]
     assert json.loads(out.read_text())["step_time_s"] == rep["step_time_s"]
+
+
+def test_plan_megatron_with_remat_reports_rematerialised_stages():
+    proc = run_cli("plan", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--method", "megatron", "--dp", "2", "--tp", "2",
+                   "--pp", "2", "--microbatches", "2", "--remat", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert "remat" in rep["method"] and all(st["remat"] for st in rep["stages"])
