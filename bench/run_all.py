@@ -1,6 +1,6 @@
 """Run every benchmark, one after the other, each in its own process (`make bench`).
 
-By default each runs a quick configuration (about 15 minutes in all on 2 cores) that shows it works and gives
+By default each runs a quick configuration (about 4 minutes in all on 2 cores) that shows it works and gives
 figures comparable between runs of this script; ``--full`` runs the configurations recorded in bench/RESULTS.md
 (hours on 2 cores). ``--only plan plan_time`` picks benchmarks by name.
 
