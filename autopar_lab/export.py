@@ -37,7 +37,12 @@ def _strategy_of(plan, intra):
     table = plan.table
     if table is None or table.solve_graph is plan.graph:
         return intra.strategies.get
-    return lambda op: (lambda s: None if s is None else intra.strategies.get(s))(table.solve_op(op))
+
+    def strategy(op):
+        stand_in = table.solve_op(op)
+        return None if stand_in is None else intra.strategies.get(stand_in)
+
+    return strategy
 
 
 def input_specs(plan, stage: int = 0) -> dict[str, dict[str, object]]:

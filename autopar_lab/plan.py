@@ -67,6 +67,11 @@ class CostReport:
     busiest_stage: int
     timeline: Any = field(default=None, compare=False, repr=False)
 
+    @property
+    def fits(self) -> bool:
+        """Whether every stage's peak memory is within the device's limit."""
+        return all(m <= self.mem_limit_bytes for m in self.peak_mem_bytes)
+
     def to_dict(self) -> dict:
         return {
             "step_time_s": self.step_time_s,

@@ -674,7 +674,7 @@ def baselines(table: CostTable, cluster, microbatches="auto") -> dict:
                                       _table_cache=table)
                 except ValueError:
                     continue
-                fits = _fits(p)
+                fits = p.cost.fits
                 tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
                               "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
                               "fits": fits})
@@ -682,11 +682,8 @@ def baselines(table: CostTable, cluster, microbatches="auto") -> dict:
                     best, config = p, (dp, tp, pp, mb, remat)
     datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, remat=remat, _table_cache=table)
              for mb in mbs for remat in (False, True)]
-    fitting = [p for p in datas if _fits(p)]
+    fitting = [p for p in datas if p.cost.fits]
     data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
             else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))
     return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data}
 
-
-def _fits(plan: Plan) -> bool:
-    return all(m <= plan.cost.mem_limit_bytes for m in plan.cost.peak_mem_bytes)

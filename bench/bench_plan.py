@@ -36,7 +36,7 @@ def main(items: list[str]) -> None:
         c = res["megatron_config"]
         cfg = f"({c[0]},{c[1]},{c[2]},{c[3]}{',R' if c[4] else ''})" if c else "-"
         meg_s = meg.cost.step_time_s if meg else float("nan")
-        data_fits = all(m <= data.cost.mem_limit_bytes for m in data.cost.peak_mem_bytes)  # best fitting count
+        data_fits = data.cost.fits  # the best fitting count, else the smallest peak
         data_s = data.cost.step_time_s if data_fits else float("nan")
         dcfg = f"({data.microbatches}{',R' if data.stages[0].remat else ''})" if data_fits else "-"
         print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>20}{data_s:>11.4g}{dcfg:>10}"

@@ -54,7 +54,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -448,7 +448,7 @@ def _build_problem(
 # The DP.
 
 
-class _Tables:
+class _Tables(NamedTuple):
     """What the DP needs of the candidates, per (start layer k, end layer i, shape sh, stages
     remaining s): ``best_time[k, i, sh, s-1]``, the fastest candidate that fits memory while
     holding held(s) microbatches (inf if none); ``index(k, i, sh, s)`` which candidate that is
@@ -460,14 +460,9 @@ class _Tables:
     only has to mask this table.
     """
 
-    def __init__(self, p: _Problem, best_time, index, min_req):
-        self.p, self.best_time, self._index, self._min_req = p, best_time, index, min_req
-
-    def index(self, k: int, i: int, sh: int, s: int) -> int:
-        return self._index(k, i, sh, s)
-
-    def min_req(self):
-        return self._min_req()
+    best_time: np.ndarray
+    index: Callable[[int, int, int, int], int]
+    min_req: Callable[[], np.ndarray]
 
 
 def _tables(p: _Problem) -> _Tables:
@@ -524,7 +519,7 @@ def _tables(p: _Problem) -> _Tables:
             out[k, k:] = np.where(has[k, k:][:, :, None, :], need, np.inf).min(axis=-1)
         return out
 
-    return _Tables(p, best_time, index, min_req)
+    return _Tables(best_time, index, min_req)
 
 
 def _tables_pinned(p: _Problem):
@@ -546,7 +541,7 @@ def _tables_pinned(p: _Problem):
                 if need <= p.mem_limit and c.time_s < best_time[k, i, sh, s - 1]:
                     best_time[k, i, sh, s - 1] = c.time_s
                     best_idx[k, i, sh, s - 1] = idx
-    return _Tables(p, best_time, lambda k, i, sh, s: int(best_idx[k, i, sh, s - 1]), lambda: min_req)
+    return _Tables(best_time, lambda k, i, sh, s: int(best_idx[k, i, sh, s - 1]), lambda: min_req)
 
 
 def _structure(p: _Problem):
@@ -602,9 +597,9 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
                 continue  # no stage of this shape here (memory, t_max): nothing to take
             # Stages longer than the longest finite one cost inf: look only at end layers i = k .. k + w - 1.
             w = int((i_fin - k_fin).max()) + 1
-            ends = np.minimum(np.arange(n)[:, None] + np.arange(w)[None, :], n - 1)  # (k, r) -> i
-            band = np.where(np.arange(n)[:, None] + np.arange(w)[None, :] < n, cost[np.arange(n)[:, None], ends],
-                            np.inf)
+            i_of = np.arange(n)[:, None] + np.arange(w)[None, :]  # (k, r) -> end layer k + r
+            ends = np.minimum(i_of, n - 1)
+            band = np.where(i_of < n, cost[np.arange(n)[:, None], ends], np.inf)
             here = band[:, :, None] + cut[:n, None, ds]  # (k, r, d)
             total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
             r_best = np.argmin(total, axis=1)

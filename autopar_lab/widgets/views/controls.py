@@ -30,7 +30,7 @@ def comparison_rows(comparison: dict) -> list[dict]:
             dp, tp, pp, mb, remat = comparison["megatron_config"]
             detail = f"dp={dp} tp={tp} pp={pp} microbatches={mb}" + (" remat" if remat else "")
         out.append({"name": name, "step_time_s": p.cost.step_time_s, "ratio": p.cost.step_time_s / cur if cur else 0.0,
-                    "fits": all(m <= p.cost.mem_limit_bytes for m in p.cost.peak_mem_bytes), "detail": detail})
+                    "fits": p.cost.fits, "detail": detail})
     return out
 
 
