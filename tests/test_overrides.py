@@ -9,7 +9,7 @@ import random
 import pytest
 
 import autopar_lab as al
-from autopar_lab import overrides, planfile
+from autopar_lab import pins, planfile
 from autopar_lab.cluster import Cluster
 from autopar_lab.planner import auto_plan, megatron_plan
 from autopar_lab.solve.inter import (
@@ -20,7 +20,7 @@ from autopar_lab.solve.inter import (
     stage_dp,
     submesh_shapes,
 )
-from autopar_lab.solve.intra import solve_intra
+from autopar_lab.solve.intra import StrategyCache, solve_intra
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage DP with pinned decisions, against brute force (plain data, fast)
@@ -149,7 +149,7 @@ def _dot(g, layer="layer_1"):
 
 
 def _table_cands(plan, prune=False):
-    return overrides._constrained_candidates(plan.table, plan.cluster, None, None, prune=prune)
+    return pins.constrained_candidates(plan.table, plan.cluster, None, None, prune=prune)
 
 
 def test_with_stages_pins_and_reprices(plan, two):
@@ -265,7 +265,7 @@ def test_resolve_keeps_stage_pins(plan, two):
 
 
 def test_resolve_unpinned_is_the_auto_plan(plan, cluster):
-    mg = megatron_plan(plan.graph, cluster, dp=2, tp=2, pp=1, _table_cache=plan.table)
+    mg = megatron_plan(plan.graph, cluster, dp=2, tp=2, pp=1, table=plan.table)
     r = al.resolve(mg)
     assert r.cost.step_time_s == plan.cost.step_time_s and [s.layers for s in r.stages] == \
         [s.layers for s in plan.stages]
@@ -297,7 +297,7 @@ def test_resolve_solves_the_ilp_around_an_operator_pin(two):
 def test_operator_pin_that_a_new_mesh_cannot_hold(two):
     g = two.graph
     op = _dot(g, "layer_0")
-    mesh_names = {s.name for s in overrides._StrategyCache(two.cluster.logical_mesh((1, 2), (2, 1))).strategies(g.op(op))}
+    mesh_names = {s.name for s in StrategyCache(two.cluster.logical_mesh((1, 2), (2, 1))).strategies(g.op(op))}
     here = [a.strategy for a in two.alternatives(op) if a.strategy not in mesh_names]
     assert here, "some strategy of the (1, 2) view has no counterpart on the (2, 1) view"
     q = two.with_choice(op, here[0])
@@ -366,7 +366,7 @@ def test_stage_pins_json_round_trip(two, cluster, tmp_path):
 def test_incremental_repricing_is_exact(two):
     """with_choice prices again only the layers the change reaches; the result equals pricing the whole graph
     (layer_costs on evaluate_intra) to the bit, for operators of every kind."""
-    from autopar_lab.planner import layer_costs
+    from autopar_lab.pricing import layer_costs
     from autopar_lab.solve.intra import evaluate_intra
 
     g = two.table.solve_graph
@@ -378,8 +378,7 @@ def test_incremental_repricing_is_exact(two):
             st = q.stages[q.stage_of(op)]
             full = evaluate_intra(g, st.intra.mesh, st.intra.strategies, ops=st.intra.ops)
             small = layer_costs(g, full, list(g.layers))
-            assert overrides._costs_of(q.table, st.submesh, st.logical_mesh, st.intra) == \
-                [small[i] for i in q.table.layer_map]
+            assert list(st.layer_costs) == [small[i] for i in q.table.layer_map]
             # The lazily computed totals are evaluate_intra's.
             assert (st.intra.compute_s, st.intra.reshard_s, st.intra.act_bytes) == \
                 (full.compute_s, full.reshard_s, full.act_bytes)
@@ -401,7 +400,7 @@ def test_fixed_cuts_dp_equals_the_full_pinned_dp(plan):
     for bounds, subs in (([1, 3], None), ([2], None), ([1, 2, 4], None), ([3], [(1, 2), (1, 2)])):
         q = plan.with_stages(boundaries=bounds, submeshes=subs, microbatches=2)
         con = StageConstraints(cuts=tuple(bounds), submeshes=None if subs is None else tuple(subs))
-        full = overrides._solve_stages(plan, con, [2], plan.schedule, plan.cost.mem_limit_bytes, None, prune=False)
+        full = pins.solve_stages(plan, con, [2], plan.schedule, plan.cost.mem_limit_bytes, None, prune=False)
         assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in full.stages] == \
             [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in q.stages]
 

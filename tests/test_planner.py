@@ -156,7 +156,7 @@ def test_microbatch_search_matches_stage_dp_auto(result):
 
 def test_mesh_twins_cost_the_same(model):
     """A logical mesh with one split axis is solved once: its twin with the axis swapped costs the same."""
-    table, _ = planner._table(model, SMALL, "highs", None)
+    table = planner.CostTable.build(model, SMALL)
     for sub in [(1, 2), (2, 2)]:
         shapes = SMALL.logical_mesh_shapes(sub)
         kept = planner.distinct_mesh_shapes(SMALL, sub)
@@ -189,8 +189,8 @@ def test_stage_dp_upper_bound():
 
 
 def test_megatron_with_remat_recomputes_forward_and_holds_less(model):
-    table, _ = planner._table(model, SMALL, "highs", None)
-    kw = dict(dp=1, tp=2, pp=2, microbatches=2, _table_cache=table)
+    table = planner.CostTable.build(model, SMALL)
+    kw = dict(dp=1, tp=2, pp=2, microbatches=2, table=table)
     plain, remat = planner.megatron_plan(model, SMALL, **kw), planner.megatron_plan(model, SMALL, remat=True, **kw)
     assert "remat" in remat.method and "remat" not in plain.method
     for a, b in zip(plain.stages, remat.stages):

@@ -806,6 +806,8 @@ def _greedy(problem: IntraProblem, model: _Model) -> tuple[int, ...] | None:
 
 
 SOLVER_NAMES = ("cbc", "highs", "highs-pulp")
+#: The solver the planner, resolve and the workbench use unless told otherwise (HiGHS in process: the fast path).
+DEFAULT_SOLVER = "highs"
 
 
 def _solve(problem, *, solver, time_limit, warm_start, msg, rel_gap, min_memory) -> IntraSolution | None:

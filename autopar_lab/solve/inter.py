@@ -65,6 +65,7 @@ __all__ = [
     "NoFeasiblePlanError",
     "stage_dp",
     "stage_dp_auto",
+    "transfer_s",
     "brute_force_stages",
     "pipeline_latency",
     "submesh_shapes",
@@ -378,7 +379,9 @@ def _positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _transfer_s(nbytes: float, link: Any) -> float:
+def transfer_s(nbytes: float, link: Any) -> float:
+    """Seconds to send ``nbytes`` over ``link`` (one direction): its latency plus bytes over bandwidth. The one
+    stage-transfer formula: the DP, the pricing of a plan and the global-optimum search all use it."""
     return float(link.latency) + float(nbytes) / float(link.bandwidth)
 
 
@@ -423,7 +426,7 @@ def _build_problem(
             raise ValueError("cut_bytes needs intra_link and inter_link (objects with .bandwidth and .latency).")
     for k in range(1, L):
         for kind, link in (("intra", intra_link), ("inter", inter_link)):
-            t = 0.0 if cut_bytes is None else _transfer_s(cb[k - 1], link)
+            t = 0.0 if cut_bytes is None else transfer_s(cb[k - 1], link)
             cut_cost[(k, kind)] = (t, t)  # gradients are the same size as activations
 
     shapes = tuple(submesh_shapes(N, M))

@@ -152,7 +152,7 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     return tuple(parts)
 
 
-class _StrategyCache:
+class StrategyCache:
     """Strategies per operator signature, and resharding costs per (specs, shape), on one mesh."""
 
     def __init__(self, mesh):
@@ -284,7 +284,7 @@ def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]
     return tuple(live)
 
 
-def _to_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
+def strategy_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
     if isinstance(pin, (int, np.integer)):
         if not 0 <= pin < len(strats):
             raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of range")
@@ -318,7 +318,7 @@ def _project(s: Strategy, drop_axis: int) -> tuple:
 
 
 def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, context: Mapping[int, Strategy] = {},
-                  pins: Mapping[int, Any] = {}, mem_limit: float = math.inf, cache: _StrategyCache | None = None,
+                  pins: Mapping[int, Any] = {}, mem_limit: float = math.inf, cache: StrategyCache | None = None,
                   mirror: Mapping[int, int] = {}, restrict: Mapping[int, tuple] = {}) -> _Built:
     """The ILP for ``ops`` (default: all) on ``mesh``.
 
@@ -329,7 +329,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
     operator, only the strategies whose specs without mesh axis 1 equal the given projection (see ``axes`` in
     :func:`solve_intra`).
     """
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     inside = set(ops)
     near = inside | set(mirror)  # an identical layer's operators stand for this layer's
@@ -351,7 +351,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
     pin_idx = {}
     for op, pin in pins.items():
         if op in index:
-            pin_idx[index[op]] = _to_index(pin, strats[index[op]], graph.op(op))
+            pin_idx[index[op]] = strategy_index(pin, strats[index[op]], graph.op(op))
     node_costs = [np.array([s.cost for s in ss]) for ss in strats]
     # Keeping a parameter or optimizer state whole costs no time when its readers slice it locally, but it costs
     # memory: among plans equally fast, prefer the one that stores step inputs sharded (a tie-break, 1e-15 s per byte).
@@ -447,7 +447,7 @@ class _OneAxisView:
 
 def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
                 mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
-                time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None,
+                time_limit: float | None = None, axes: str = "auto", cache: StrategyCache | None = None,
                 rounds: int = 2, memo: dict | None = None) -> IntraPlan:
     """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
 
@@ -471,7 +471,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     with 8 pairs sharing a host's NICs); it is solved once per such axis.
     """
     t0 = time.perf_counter()
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     mem_limit = math.inf if mem_limit is None else float(mem_limit)
     if axes not in ("auto", "joint", "sequential"):
@@ -484,7 +484,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
                reuse_layers, merge, solver, time_limit, rounds)
         if memo is None or key not in memo:
             view = _OneAxisView(mesh)
-            vcache = _StrategyCache(view)
+            vcache = StrategyCache(view)
             first = solve_intra(graph, view, ops, mem_limit=None, reuse_layers=reuse_layers, merge=merge,
                                 solver=solver, time_limit=time_limit, axes="joint", rounds=rounds, cache=vcache)
             restrict = {op: vcache.project(s) for op, s in first.strategies.items()}
@@ -581,9 +581,9 @@ def _weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
 
 
 def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops: Sequence[int] | None = None,
-                   cache: _StrategyCache | None = None, groups: tuple = (), solve_s: float = 0.0) -> IntraPlan:
+                   cache: StrategyCache | None = None, groups: tuple = (), solve_s: float = 0.0) -> IntraPlan:
     """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     missing = [op for op in ops if op not in chosen]
     if missing:
@@ -614,7 +614,7 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
                      {k: dict(v) for k, v in colls.items()}, groups, solve_s)
 
 
-def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], cache: _StrategyCache):
+def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], cache: StrategyCache):
     """The resharding a choice costs: (producer, consumer, is_alias, tensor, src spec, dst spec, seconds) for every
     conversion with a cost, between operators both in ``ops``.
 
@@ -645,25 +645,34 @@ def mesh_axis_size(mesh, axis) -> int:
     return mesh.axis_size(axis)
 
 
+def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...]):
+    """The bytes per device one operator adds to a stage, term by term: ``("static", bytes)`` for a parameter (x2:
+    its gradient) or optimizer state as sharded, ``("act", bytes)`` for each forward output a backward operator
+    reads. The one memory formula: the IntraPlan's totals and the per-layer costs of
+    :mod:`autopar_lab.pricing` both add these terms, in this order."""
+    if node.primitive == INPUT_PRIMITIVE:
+        kind = graph.tensor(node.outputs[0]).kind
+        if kind == PARAM:
+            yield "static", 2 * s.mem_bytes
+        elif kind == OPT_STATE:
+            yield "static", s.mem_bytes
+        return
+    if node.role != FORWARD:
+        return
+    for k, t in enumerate(node.outputs):
+        if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
+            info = graph.tensor(t)
+            yield "act", s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
+
+
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
-    """(static, activation) bytes per device: parameters x2 (their gradients) and optimizer state as sharded;
-    forward outputs that backward operators read."""
+    """(static, activation) bytes per device: the sum of :func:`memory_terms` over ``ops``."""
     mshape = tuple(mesh.shape)
     static = act = 0.0
     for op in ops:
-        node = graph.op(op)
-        s = chosen[op]
-        if node.primitive == INPUT_PRIMITIVE:
-            kind = graph.tensor(node.outputs[0]).kind
-            if kind == PARAM:
-                static += 2 * s.mem_bytes
-            elif kind == OPT_STATE:
-                static += s.mem_bytes
-            continue
-        if node.role != FORWARD:
-            continue
-        for k, t in enumerate(node.outputs):
-            if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
-                info = graph.tensor(t)
-                act += s.out_specs[k].bytes_per_device(info.shape, info.dtype, mshape)
+        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape):
+            if kind == "static":
+                static += nbytes
+            else:
+                act += nbytes
     return static, act
