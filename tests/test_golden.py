@@ -10,7 +10,6 @@ commit.
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -72,15 +71,11 @@ def record(plan) -> dict:
 
 def _table(model, cluster):
     """One cost table per configuration, shared by its plans (what a user does with ``table=``)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return planner._table(model, cluster, "highs", None)[0]
+    return planner.CostTable.build(model, cluster)
 
 
 def _with_table(fn, model, cluster, table, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return fn(model, cluster, _table_cache=table, **kw)
+    return fn(model, cluster, table=table, **{"mem_limit_bytes" if k == "mem_limit" else k: v for k, v in kw.items()})
 
 
 def _overrides(plan) -> dict:

@@ -207,3 +207,53 @@ def test_compare_tries_megatron_with_and_without_remat_and_keeps_the_fastest_fit
     best = min(fitting, key=lambda t: t["step_time_s"])
     assert result["megatron_best"].cost.step_time_s == best["step_time_s"]
     assert all((t["peak_mem_bytes"] <= result["megatron_best"].cost.mem_limit_bytes) == t["fits"] for t in tried)
+
+
+# ---------------------------------------------------------------- the vocabulary: table=, renamed keywords
+
+
+def test_a_cost_table_is_a_value_the_user_builds_once(model, result):
+    table = planner.CostTable.build(model, SMALL)
+    assert table.trace_s > 0 and table.solver == "highs"
+    auto = planner.auto_plan(model, SMALL, table=table)
+    assert auto.table is table and auto.solve_s["trace"] == 0.0  # nothing traced again
+    assert auto.cost == result["auto"].cost and auto.stages == result["auto"].stages
+    same = planner.auto_plan(table=table)  # model and cluster default to the table's
+    assert same.cost == auto.cost
+    with pytest.raises(ValueError, match="another cluster"):
+        planner.auto_plan(model, SMALL.with_(devices_per_host=1), table=table)
+    with pytest.raises(ValueError, match="another graph"):
+        planner.auto_plan(al.models.get("mlp").trace(), SMALL, table=table)
+    with pytest.raises(TypeError, match="CostTable"):
+        planner.auto_plan(model, SMALL, table={})
+
+
+def test_old_keyword_names_still_work_with_a_deprecation_warning(model, result):
+    table = result["auto"].table
+    new = planner.megatron_plan(model, SMALL, dp=1, tp=2, pp=2, microbatches=2, mem_limit_bytes=1e9, table=table)
+    with pytest.warns(DeprecationWarning, match=r"megatron_plan\(_table_cache=...\) is deprecated.*use table="):
+        with pytest.warns(DeprecationWarning, match=r"mem_limit=.*use mem_limit_bytes="):
+            old = planner.megatron_plan(model_or_graph=model, cluster=SMALL, dp=1, tp=2, pp=2, microbatches=2,
+                                        mem_limit=1e9, _table_cache=table)
+    assert old.cost == new.cost and old.cost.mem_limit_bytes == 1e9
+    seen = []
+    with pytest.warns(DeprecationWarning, match="on_progress"):
+        planner.auto_plan(model, SMALL, progress=lambda *a: seen.append(a), microbatches=1)
+    assert seen and seen[0][0].startswith("intra-op")
+    with pytest.raises(TypeError, match="got both"):
+        planner.auto_plan(model, SMALL, mem_limit=1.0, mem_limit_bytes=2.0)
+    with pytest.warns(DeprecationWarning, match="CostTable.build"):
+        t, times = planner._table(model, SMALL, "highs", None)
+    assert isinstance(t, planner.CostTable) and times == {"trace": t.trace_s}
+
+
+def test_one_default_solver():
+    import inspect
+
+    from autopar_lab.solve import exhaustive
+    from autopar_lab.solve.ilp import DEFAULT_SOLVER
+    from autopar_lab.widgets.session import Session
+
+    for fn in (planner.auto_plan, planner.megatron_plan, planner.data_parallel_plan, planner.compare,
+               exhaustive.global_optimum, Session.__init__, planner.CostTable.__init__):
+        assert inspect.signature(fn).parameters["solver"].default == DEFAULT_SOLVER == "highs", fn
