@@ -295,7 +295,7 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     the pins need) when the pins do not fit in memory.
     """
     t0 = time.perf_counter()
-    table, cluster = table_of(plan), plan.cluster
+    table = table_of(plan)
     g = plan.op_graph
     pins = PinIndex(plan)
     for op, name in plan.pins.items():

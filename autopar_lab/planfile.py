@@ -24,7 +24,6 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 VERSION = 2
 READS = (1, 2)  # file versions load_plan accepts

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph

@@ -20,7 +20,7 @@ A table is a value the user may build once and pass to every planning function (
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 

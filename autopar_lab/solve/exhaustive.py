@@ -52,7 +52,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Sequence
 
 from .. import planner
 from ..deprecation import renamed_keywords

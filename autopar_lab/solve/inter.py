@@ -786,7 +786,7 @@ def stage_dp(
     tables = _tables(p)
     best_time = tables.best_time
     valid, size, cut_full = _structure(p)
-    L, NM, B, SH = p.num_layers, p.num_devices, p.microbatches, len(p.shapes)
+    L, NM, B = p.num_layers, p.num_devices, p.microbatches
 
     values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
