@@ -66,7 +66,7 @@ def owner_stage(plan: Plan, op: int) -> int:
     return plan.stage_of(op)
 
 
-def reprice(plan: Plan, intras: Sequence[IntraPlan], microbatches: int, pins: Mapping[int, str], *,
+def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, pins: Mapping[int, str], *,
             specs: Sequence[StageSpec] | None = None, schedule: str | None = None,
             stage_pins: Mapping[str, Any] | None = None,
             layer_costs: Sequence[Sequence[LayerCost] | None] | None = None) -> Plan:
@@ -112,7 +112,7 @@ def _stage_choice(plan: Plan, op: int, strategy):
     if intra is None or op not in intra.strategies:
         raise ValueError(f"operator {op} has no strategy in stage {k} of this plan")
     g = plan.op_graph
-    cache = plan.table.strategy_cache(intra.mesh)
+    cache = table_of(plan).strategy_cache(intra.mesh)
     strats = cache.strategies(g.op(op))
     return k, intra, g, cache, resolve_strategy(g, op, strategy, strats)
 
@@ -126,7 +126,7 @@ def _with_strategy(plan: Plan, k: int, intra: IntraPlan, g: OpGraph, cache: Stra
     table = table_of(plan)
     old_costs = st.layer_costs if st.layer_costs is not None else table.layer_costs_of(intra)
     # Only the layers the change reaches are priced again.
-    costs = [other.layer_costs for other in plan.stages]
+    costs: list[Sequence[LayerCost] | None] = [other.layer_costs for other in plan.stages]
     costs[k] = changed_layer_costs(table, intra, new, op, old_costs, cache)
     intras = [other.intra for other in plan.stages]
     intras[k] = new
@@ -190,7 +190,8 @@ def diff(plan: Plan, other: Plan) -> dict:
     stages = []
     for k in range(max(len(plan.stages), len(other.stages))):
         if k >= len(plan.stages) or k >= len(other.stages):
-            stages.append({"stage": k, "field": "stage", "before": k < len(plan.stages), "after": k < len(other.stages)})
+            stages.append({"stage": k, "field": "stage", "before": k < len(plan.stages),
+                           "after": k < len(other.stages)})
             continue
         sa, sb = plan.stages[k], other.stages[k]
         for f in ("layers", "submesh", "logical_mesh", "remat", "devices"):
@@ -202,7 +203,8 @@ def diff(plan: Plan, other: Plan) -> dict:
     pins = {op: (plan.pins.get(op), other.pins.get(op)) for op in set(plan.pins) | set(other.pins)
             if plan.pins.get(op) != other.pins.get(op)}
     stage_pins = {k: (plan.stage_pins.get(k), other.stage_pins.get(k))
-                  for k in set(plan.stage_pins) | set(other.stage_pins) if plan.stage_pins.get(k) != other.stage_pins.get(k)}
+                  for k in set(plan.stage_pins) | set(other.stage_pins)
+                  if plan.stage_pins.get(k) != other.stage_pins.get(k)}
     return {
         "ops": ops,
         "stages": stages,
@@ -281,9 +283,11 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         planner.microbatch_choices(table.batch_size, microbatches)
         B = microbatches
     if submeshes is not None:
-        subs = check_submeshes(cluster, _per_stage(submeshes, S, "submeshes"))
+        subs: list[tuple[int, int] | None] = list(check_submeshes(cluster, _per_stage(submeshes, S, "submeshes")))
     else:
         subs = [st.submesh for st in old] if same else [None] * S
+    shapes: list[tuple[int, int] | None]
+    remat: list[bool | None]
     if logical_meshes is not None:
         shapes = []
         for j, v in enumerate(_per_stage(logical_meshes, S, "logical_meshes")):
@@ -291,11 +295,12 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
                 shapes.append(None)
                 continue
             v = pair(v, f"stage {j}'s logical mesh")
-            if subs[j] is not None:
-                views = cluster.logical_mesh_shapes(subs[j])
+            sub = subs[j]
+            if sub is not None:
+                views = cluster.logical_mesh_shapes(sub)
                 if v not in views:
-                    raise ValueError(f"stage {j}'s logical mesh {v} is not a view of its {subs[j]} submesh "
-                                     f"({subs[j][0] * subs[j][1]} devices); use one of {views}.")
+                    raise ValueError(f"stage {j}'s logical mesh {v} is not a view of its {sub} submesh "
+                                     f"({sub[0] * sub[1]} devices); use one of {views}.")
             shapes.append(v)
     else:
         shapes = [None] * S
@@ -337,6 +342,7 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         remat = [c.remat for c in res.stages]
     specs, intras = [], []
     for j, (rng, sub, shape, r) in enumerate(zip(ranges, subs, shapes, remat)):
+        assert sub is not None and shape is not None  # every stage decided: given, kept or by the DP
         specs.append(StageSpec(tuple(rng), tuple(sub), tuple(shape), bool(r)))
         if same and (old[j].layers, old[j].submesh, old[j].logical_mesh) == (tuple(rng), tuple(sub), tuple(shape)):
             intras.append(old[j].intra)  # unchanged: keep its strategies (and its pins' effects) as they are

@@ -199,7 +199,8 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
         if not mine:
             out.append(base)
             continue
-        kw = dict(ops=base.ops, pins=mine, solver=solver, rounds=1, cache=pins.cache(spec.submesh, spec.logical_mesh))
+        kw: dict[str, Any] = dict(ops=base.ops, pins=mine, solver=solver, rounds=1,
+                                  cache=pins.cache(spec.submesh, spec.logical_mesh))
         try:
             out.append(solve_intra(pins.g, base.mesh, **kw))
         except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once

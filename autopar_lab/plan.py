@@ -163,8 +163,9 @@ class Plan:
             k = self.stage_of(op)
         except (KeyError, ValueError, IndexError):
             k = None
-        if k is not None and self.stages[k].intra is not None and op in self.stages[k].intra.strategies:
-            return self.stages[k].intra.strategies[op]
+        own = self.stages[k].intra if k is not None else None
+        if own is not None and op in own.strategies:
+            return own.strategies[op]
         for st in self.stages:
             if st.intra is not None and op in st.intra.strategies:
                 return st.intra.strategies[op]

@@ -82,7 +82,7 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
     """Stage pins as the Plan holds them (tuples), checked for form; a ValueError naming the bad entry."""
     if not isinstance(data, dict):
         raise ValueError("stage_pins must be an object")
-    out = {}
+    out: dict = {}
     for key, value in data.items():
         if key in _PER_STAGE_PAIRS or key == "remat":
             if not isinstance(value, list) or len(value) != num_stages:
@@ -188,7 +188,8 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
         stages = data["stages"]
         if not isinstance(stages, list) or not stages:
             raise _bad(where, "it has no stages")
-        specs, intras, offset = [], [], 0
+        specs: list[tuple] = []
+        intras, offset = [], 0
         L = len(table.layer_names)
         for k, st in enumerate(stages):
             miss = [key for key in _STAGE_KEYS if key not in st]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
@@ -122,7 +122,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     L = len(table.layer_names)
     mem = kw.get("mem_limit_bytes")
     by: dict[int, float | None] = {B: None for B in choices}
-    best = None
+    best: inter.InterResult | None = None
     for B in sorted(set(choices), reverse=True):
         # The best latency so far bounds the DP's t_max search (nextafter: an equal latency with fewer
         # microbatches still wins, as in stage_dp_auto).
@@ -146,6 +146,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         except inter.NoFeasiblePlanError as e:
             raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
                                             e.min_mem_bytes) from e
+        if best is None:  # pragma: no cover - stage_dp returns None only under an upper bound
+            raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: no plan", math.inf)
         by[B] = best.latency_s  # pragma: no cover - the filtered candidates lose no usable one
     best.diagnostics["by_microbatches"] = by
     return best
@@ -170,8 +172,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
     intra_before = table.solve_s
-    kw = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
-              stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
+    kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
+                              stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     choices = microbatch_choices(table.batch_size, microbatches)
     result = search_microbatches(table, cluster, choices, **kw)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)

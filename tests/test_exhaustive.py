@@ -18,11 +18,6 @@ SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return al.models.get("gpt-tiny", dtype="float32", batch_size=8)
-
-
-@pytest.fixture(scope="module")
 def base(model):
     return global_optimum(model, SMALL)
 
@@ -66,7 +61,7 @@ def test_optimum_is_no_worse_than_auto(base):
     assert base["plans_total"] == count_plans(4, SMALL, 4)  # embed, 2 blocks, head; B in 1, 2, 4, 8
     # Both are real plans priced by price_plan: every layer and every device exactly once.
     for plan in (base["optimum"], base["auto"]):
-        layers = [l for st in plan.stages for l in range(st.layers[0], st.layers[1] + 1)]
+        layers = [k for st in plan.stages for k in range(st.layers[0], st.layers[1] + 1)]
         assert layers == list(range(len(plan.layer_names)))
         assert [d for st in plan.stages for d in st.devices] == list(range(SMALL.num_devices))
         assert plan.cost.step_time_s == pytest.approx(plan.cost.timeline.makespan)

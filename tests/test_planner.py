@@ -14,11 +14,6 @@ SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return al.models.get("gpt-tiny", dtype="float32", batch_size=8)
-
-
-@pytest.fixture(scope="module")
 def result(model):
     return planner.compare(model, SMALL, microbatches="auto")
 
@@ -32,7 +27,7 @@ def test_auto_is_no_worse_than_megatron_and_data_parallel(result):
 
 def test_plan_covers_every_layer_and_device_once(result, model):
     plan = result["auto"]
-    layers = [l for st in plan.stages for l in range(st.layers[0], st.layers[1] + 1)]
+    layers = [k for st in plan.stages for k in range(st.layers[0], st.layers[1] + 1)]
     assert layers == list(range(len(plan.layer_names)))
     devices = [d for st in plan.stages for d in st.devices]
     assert devices == list(range(SMALL.num_devices))

@@ -10,29 +10,6 @@ from autopar_lab.pricing import CostTable
 from autopar_lab.widgets.session import Event, Selection, Session, SolveCancelled
 
 
-@pytest.fixture(scope="module")
-def graph():
-    return al.models.get("gpt-tiny", batch_size=8, num_layers=2, dtype="float32").trace()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    return al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
-
-
-@pytest.fixture(scope="module")
-def plan(graph, cluster):
-    # Two stages of two layers each, 1x2 submeshes: every stage action has room to act.
-    return al.megatron_plan(graph, cluster, dp=1, tp=2, pp=2, microbatches=2)
-
-
-@pytest.fixture(scope="module")
-def small_plan(graph):
-    # Two devices: few logical meshes, so solves and the exhaustive optimum run in seconds.
-    c2 = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=2)
-    return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1)
-
-
 @pytest.fixture
 def session(plan):
     return Session(plan)

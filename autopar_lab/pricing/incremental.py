@@ -91,7 +91,7 @@ def changed_layer_costs(table: CostTable, old: IntraPlan, new: IntraPlan, op: in
     layers = {layer_of(v) for v in touched}
     inside = set(old.ops)
     sub = {v for v in old.ops if layer_of(v) in layers}
-    extra = set()
+    extra: set[int] = set()
     for v in sub:
         nv = g.op(v)
         for t in nv.inputs:

@@ -6,7 +6,7 @@ These are what the stage-cost formula (:mod:`autopar_lab.pricing.stage`) adds up
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OpGraph
 from ..solve.intra import StrategyCache, conversions, memory_terms
@@ -39,10 +39,11 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 cache: StrategyCache | None = None) -> list[LayerCost]:
     """Split an intra plan's cost by layer: each operator counts in its layer (operators without one in the last
     layer), each resharding in its consumer's layer."""
-    index = {name: k for k, name in enumerate(layer_names)}
+    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
-    acc = [dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, static=0.0, act=0.0, hf=0, hb=0)
-           for _ in layer_names]
+    acc: list[dict[str, Any]] = [
+        dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, static=0.0, act=0.0, hf=0, hb=0)
+        for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
     mshape = tuple(plan.mesh.shape)
 
@@ -69,7 +70,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
 
 def cut_bytes(graph: OpGraph, layer_names: Sequence[str]) -> list[float]:
     """Activation bytes (whole batch) crossing the cut in front of each layer 1..L-1 in the forward pass."""
-    index = {name: k for k, name in enumerate(layer_names)}
+    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
     out = [0.0] * max(len(layer_names) - 1, 0)
     for node in graph:

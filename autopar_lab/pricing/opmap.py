@@ -100,7 +100,7 @@ class OpMap:
     def solve_layer_of(self, solve_op: int) -> int:
         """The index of the solve graph's layer that operator ``solve_op`` counts in (no layer: the last)."""
         if self._solve_layer_index is None:
-            index = {name: k for k, name in enumerate(self.solve_layer_names)}
+            index: dict[str | None, int] = {name: k for k, name in enumerate(self.solve_layer_names)}
             last = len(index) - 1
             self._solve_layer_index = {op: index.get(self.solve_graph.op(op).layer, last)
                                        for op in self.solve_graph.ops}

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 class StageSpec(NamedTuple):
     """The decisions of one stage: its layers (first, last), submesh, logical mesh and rematerialisation."""
 
-    layers: tuple[int, int]
-    submesh: tuple[int, int]
-    logical_mesh: tuple[int, int]
+    layers: tuple[int, ...]  # (first, last)
+    submesh: tuple[int, ...]  # (hosts, devices per host)
+    logical_mesh: tuple[int, ...]  # (n0, n1)
     remat: bool
 
 

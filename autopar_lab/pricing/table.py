@@ -83,7 +83,8 @@ def solve_graph_for(model) -> OpGraph | None:
     """A shallower copy of a zoo model whose layers cover every distinct layer of the full model (None when the
     model is not a deep zoo model: it is then solved on its own graph)."""
     cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "num_layers") or cfg.num_layers <= 4 or getattr(model, "family", "") == "wresnet":
+    if cfg is None or not hasattr(cfg, "num_layers") or cfg.num_layers <= 4 or \
+            getattr(model, "family", "") == "wresnet":
         return None
     from .. import models  # the zoo (and JAX models) load only when a zoo model is planned
 
@@ -279,7 +280,8 @@ class StageBlock:
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
                  remat=(False, True)):
         L, B = len(table.layer_names), microbatches
-        self.table, self.submesh = table, tuple(submesh)
+        self.table = table
+        self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
         self.options = [(shape, r) for shape in table.mesh_shapes(submesh) for r in remat]
         upper = np.triu(np.ones((L, L), dtype=bool))  # start <= end
         entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L]  # bytes entering layer a
@@ -312,5 +314,5 @@ class StageBlock:
             shape, r = self.options[k]
             _, plan = self.table.mesh_costs(self.submesh, shape)
             f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-            out.append(StageCandidate((start, end), self.submesh, tuple(shape), r, f, b, st, a, payload=plan))
+            out.append(StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan))
         return out

@@ -38,7 +38,8 @@ device offset, then a candidate), with two exact prunings (``prune=True``), chec
 1. *Lower bound.* In the simulator stage ``i`` cannot start before the first microbatch has gone through stages
    ``0..i-1`` and their cuts, it is busy ``B * (fwd_i + bwd_i)``, and its last task (the last microbatch's backward)
    must still travel back through ``i-1..0`` (true for plain 1F1B, GPipe and the deeper 1F1B warm-up
-   ``price_plan`` may pick, since every order ends with the last microbatch's backward). So every completion of a prefix costs at least
+   ``price_plan`` may pick, since every order ends with the last microbatch's backward). So every completion of a
+   prefix costs at least
    ``max_i [sum_{k<i} (fwd_k + bwd_k + send_fwd_k + send_bwd_k) + B * (fwd_i + bwd_i)]``; a prefix whose bound
    reaches the incumbent is dropped. The incumbent starts as the auto plan (it lies in the space).
 2. *Memory.* A candidate whose ``static + act`` (one microbatch in flight) exceeds the device is dropped early.
@@ -52,6 +53,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Any
 
 from .. import planner
 from ..deprecation import renamed_keywords
@@ -68,7 +70,8 @@ def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices
     """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
 
     >>> import autopar_lab as al
-    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)  # 1 stage: 2 meshes x 2; 2 stages: 2 x 2
+    >>> # 1 stage: 2 meshes x 2 remat; 2 stages: 2 x 2
+    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)
     8
     """
     L, NM = int(num_layers), cluster.num_devices
@@ -155,7 +158,7 @@ def global_optimum(model=None, cluster=None, *, microbatches="auto", remat=(Fals
             cand_cache[key] = cs
         return cand_cache[key]
 
-    best = {"T": math.inf, "stages": None, "B": None}
+    best: dict[str, Any] = {"T": math.inf, "stages": None, "B": None}
     if prune and seed and auto_fits:
         best.update(T=auto.cost.step_time_s, stages="auto", B=auto.microbatches)
     stats = {"priced": 0, "feasible": 0}

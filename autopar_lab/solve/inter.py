@@ -42,7 +42,8 @@ Example (two layers, one host of two devices, one candidate per stage):
 ...     n = end - start + 1
 ...     size = submesh[0] * submesh[1]
 ...     slowdown = 1.5 if size > 1 else 1.0   # splitting a layer across devices costs communication
-...     return [StageCandidate((start, end), submesh, submesh, False, slowdown * n / size, 2 * slowdown * n / size, 0, 0)]
+...     t = slowdown * n / size
+...     return [StageCandidate((start, end), submesh, submesh, False, t, 2 * t, 0, 0)]
 >>> r = stage_dp(2, 1, 2, cands, microbatches=4)
 >>> [(s.layers, s.submesh) for s in r.stages], r.latency_s
 ([((0, 0), (1, 1)), ((1, 1), (1, 1))], 15.0)
@@ -229,10 +230,10 @@ class StageConstraints:
     def allows(self, j: int, cand: "StageCandidate") -> bool:
         """Whether candidate ``cand`` may be stage ``j`` (its submesh, logical mesh and remat)."""
         if self.submeshes is not None and self.submeshes[j] is not None \
-                and tuple(self.submeshes[j]) != tuple(cand.submesh):
+                and tuple(self.submeshes[j] or ()) != tuple(cand.submesh):
             return False
         if self.logical_meshes is not None and self.logical_meshes[j] is not None \
-                and tuple(self.logical_meshes[j]) != tuple(cand.logical_mesh):
+                and tuple(self.logical_meshes[j] or ()) != tuple(cand.logical_mesh):
             return False
         if self.remat is not None and self.remat[j] is not None and bool(self.remat[j]) != bool(cand.remat):
             return False
@@ -464,7 +465,7 @@ class _Tables(NamedTuple):
     """
 
     best_time: np.ndarray
-    index: Callable[[int, int, int, int], int]
+    index: Callable[[int, int, int, int], int]  # type: ignore[assignment]  # a field, not tuple.index
     min_req: Callable[[], np.ndarray]
 
 
@@ -579,7 +580,7 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
     L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
     F_prev = np.full((L + 1, NM + 1), np.inf)
     F_prev[L, 0] = 0.0
-    Fs, args = [F_prev], [None]
+    Fs, args = [F_prev], [None]  # type: list[Any], list[Any]
     d_idx = np.arange(NM + 1)
     places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
     for s in range(1, p.max_stages + 1):
@@ -799,7 +800,7 @@ def stage_dp(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
 
-    best = {"T": float(upper_bound), "t_max": None, "shapes": None}
+    best: dict[str, Any] = {"T": float(upper_bound), "t_max": None, "shapes": None}
     tried: list[float] = []
     finite: list[bool] = []  # whether each DP solved found any plan
 
@@ -923,16 +924,16 @@ def stage_dp_auto(
     for B in choices:
         cb = cut_bytes(B) if callable(cut_bytes) else cut_bytes
         try:
-            r = stage_dp(
-                num_layers, hosts, devices_per_host,
-                lambda a, b, sub, _B=B: candidates(a, b, sub, _B),
-                B, cut_bytes=cb, **kwargs,
-            )
+            def at_b(a: int, b: int, sub: tuple[int, int], _B: int = B) -> Sequence[StageCandidate]:
+                return candidates(a, b, sub, _B)
+
+            r = stage_dp(num_layers, hosts, devices_per_host, at_b, B, cut_bytes=cb, **kwargs)
         except NoFeasiblePlanError as e:
             table[B] = None
             least_mem = min(least_mem, e.min_mem_bytes)
             last_error = e
             continue
+        assert r is not None  # None only under an upper_bound, which this search does not give
         table[B] = r.latency_s
         if best is None or r.latency_s < best.latency_s:
             best = r

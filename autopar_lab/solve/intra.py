@@ -140,7 +140,7 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     parts = []
     for op in ops:
         node = graph.op(op)
-        refs = []
+        refs: list[tuple] = []
         for t in node.inputs:
             p = graph.tensor(t).producer
             refs.append(("in", pos[p], graph.op(p).outputs.index(t)) if p in pos else ("ext",))
@@ -221,7 +221,7 @@ def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, i
     """(producer, consumer, producer output index, consumer input index) for every tensor read, plus alias edges
     (updated parameter -> parameter: producer is the parameter op, consumer the output op, indices -1)."""
     memo = _graph_memo(graph, "in_edges")
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for v in ops:
         edges = memo.get(v)
         if edges is None:
@@ -232,7 +232,7 @@ def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, i
 
 def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
     node = graph.op(v)
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for j, t in enumerate(node.inputs):
         u = graph.tensor(t).producer
         if u is None:
@@ -240,7 +240,8 @@ def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
         out.append((u, v, graph.op(u).outputs.index(t), j))
     if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:
         p = graph.tensor(node.params["alias_of"]).producer
-        out.append((p, v, -1, -1))
+        if p is not None:
+            out.append((p, v, -1, -1))
     return tuple(out)
 
 
@@ -287,7 +288,8 @@ def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]
 def strategy_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
     if isinstance(pin, (int, np.integer)):
         if not 0 <= pin < len(strats):
-            raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of range")
+            raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of "
+                             "range")
         return int(pin)
     if isinstance(pin, Strategy):
         for k, s in enumerate(strats):
@@ -535,7 +537,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
                     chosen[b] = chosen[a]
                 infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
                 continue
-            mirror = {}
+            mirror: dict[int, int] = {}
             for other in copies[sigs[k]]:
                 if other != k:
                     mirror.update(zip(groups[other][1], group))

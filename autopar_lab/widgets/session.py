@@ -82,7 +82,8 @@ class Session:
         from ..plan import Plan
 
         if not isinstance(plan, Plan):
-            raise TypeError(f"Session needs a Plan (from al.auto_plan, al.megatron_plan, ...), got {type(plan).__name__}")
+            raise TypeError(f"Session needs a Plan (from al.auto_plan, al.megatron_plan, ...), got "
+                            f"{type(plan).__name__}")
         self._history: list = [plan]
         self._actions: list[str] = ["start"]
         self._index = 0
@@ -97,8 +98,8 @@ class Session:
         # Training (run_local / launch): the latest measured per-stage times and the plan they were measured for.
         self._measured: tuple | None = None  # (plan, rows)
         self._runs = 0
-        self.job = None  # the latest Ray job from launch()
-        self.runner = None  # the latest local Runner from run_local()
+        self.job: Any = None  # the latest Ray job from launch()
+        self.runner: Any = None  # the latest local Runner from run_local()
 
     # --- state ----------------------------------------------------------------------------------------------------
     @property
@@ -213,7 +214,8 @@ class Session:
         elif layer is not None:
             names = list(plan.layer_names)
             if layer not in names:
-                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{'...' if len(names) > 6 else ''}")
+                more = "..." if len(names) > 6 else ""
+                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{more}")
             k = names.index(layer)
             stage = next(s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1])
         elif stage is not None:
@@ -277,7 +279,8 @@ class Session:
         return [st.layers[0] for st in self.plan.stages[1:]]
 
     def move_cut(self, cut: int, first_layer: int) -> Any:
-        """Move cut ``cut`` (between stage ``cut`` and ``cut + 1``) so that stage ``cut + 1`` starts at ``first_layer``."""
+        """Move cut ``cut`` (between stage ``cut`` and ``cut + 1``) so that stage ``cut + 1`` starts at
+        ``first_layer``."""
         b = self.boundaries()
         if not 0 <= cut < len(b):
             raise ValueError(f"cut {cut} does not exist; this plan has {len(b)} cut(s) between {len(b) + 1} stage(s)")
@@ -411,7 +414,8 @@ class Session:
             else:
                 source = self.model if self.model is not None else plan.graph
                 new = planner.auto_plan(source, new_cluster, on_progress=hook, **kw)
-                new.table.on_progress = None  # the hook belongs to this solve only
+                if new.table is not None:
+                    new.table.on_progress = None  # the hook belongs to this solve only
             new, dropped = keep_pins(new, plan, solver=self.solver, on_progress=hook)
         if cancel is not None and cancel.is_set():
             raise SolveCancelled("solve cancelled")

@@ -60,10 +60,11 @@ def solve(problem, *, solver, time_limit, warm_start, msg, rel_gap, min_memory) 
                     f"the {solver} solver found no plan within its time limit ({time_limit} s); "
                     "raise time_limit or pass a warm_start"
                 )
+            assert start is not None  # warm
             status, absgap, choice = "time_limit", None, start
         else:
             choice = read_choice(model)
-            if warm and status == "time_limit":
+            if warm and start is not None and status == "time_limit":
                 ev0, ev1 = evaluate(problem, start), evaluate(problem, choice)
                 if ev0.objective < ev1.objective:  # the solver lost its start (should not happen)
                     choice = start

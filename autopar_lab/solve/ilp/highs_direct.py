@@ -345,6 +345,7 @@ def solve(problem: IntraProblem, *, time_limit=None, warm_start=None, msg: bool 
     if model is None:
         return None
     name = "highs"
+    status: str | None
     if not model.x:
         status, absgap, name = "optimal", 0.0, "reduction"
         choice = tuple(int(d[0]) for d in model.dom)
@@ -380,10 +381,11 @@ def solve(problem: IntraProblem, *, time_limit=None, warm_start=None, msg: bool 
             if start_col is None:
                 raise TimeoutError(f"the highs solver found no plan within its time limit ({time_limit} s); "
                                    "raise time_limit or pass a warm_start")
+            assert start is not None  # start_col came from it
             status, absgap, choice = "time_limit", None, start
         else:
             choice = _choice(model, col)
-            if start_col is not None and status == "time_limit":
+            if start is not None and start_col is not None and status == "time_limit":
                 if evaluate(problem, start).objective < evaluate(problem, choice).objective:
                     choice = start
     ev = evaluate(problem, choice)

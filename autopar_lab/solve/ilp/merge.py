@@ -48,7 +48,7 @@ class MergeRecord:
 
 
 def _topo_order(n: int, edges) -> list[int]:
-    succ = [[] for _ in range(n)]
+    succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n
     for u, v in edges:
         succ[u].append(v)
@@ -93,7 +93,7 @@ def merge_followers(problem: IntraProblem, mergeable: Sequence[bool]) -> tuple[I
     n = problem.num_nodes
     if len(mergeable) != n:
         raise ValueError(f"mergeable has {len(mergeable)} entries for {n} nodes")
-    edges = {}
+    edges: dict[tuple[int, int], np.ndarray] = {}
     for (u, v), m in zip(problem.edges, problem.edge_costs):
         edges[(u, v)] = edges[(u, v)] + m if (u, v) in edges else np.array(m)
     sources: list[set[int]] = [set() for _ in range(n)]
@@ -163,11 +163,12 @@ def merge_followers(problem: IntraProblem, mergeable: Sequence[bool]) -> tuple[I
     if problem.node_mem is not None:
         node_mem = tuple(problem.node_mem[r] for r in kept)
         live_l, terms_l = [], []
-        extra_terms = problem.mem_terms or tuple(() for _ in problem.live)
-        for pt, extra in zip(problem.live, extra_terms):
+        live = problem.live or ()
+        extra_terms = problem.mem_terms or tuple(() for _ in live)
+        for pt, more in zip(live, extra_terms):
             live_l.append(tuple(index[v] for v in pt if leader[v] == v))
             t = [(index[leader[v]], lift(v, problem.node_mem[v], 0.0)) for v in pt if leader[v] != v]
-            t += [(index[leader[v]], lift(v, vec, 0.0)) for v, vec in extra]
+            t += [(index[leader[v]], lift(v, vec, 0.0)) for v, vec in more]
             terms_l.append(tuple(t))
         live = tuple(live_l)
         mem_terms = tuple(terms_l) if any(terms_l) else None

@@ -179,7 +179,7 @@ class IntraProblem:
         """Per program point, the ``(node, bytes per strategy)`` terms summed there."""
         if self.node_mem is None:
             return []
-        rows = [[(v, self.node_mem[v]) for v in pt] for pt in self.live]
+        rows = [[(v, self.node_mem[v]) for v in pt] for pt in self.live or ()]
         if self.mem_terms is not None:
             for row, extra in zip(rows, self.mem_terms):
                 row.extend(extra)

@@ -145,7 +145,7 @@ def greedy(problem: IntraProblem, dom) -> tuple[int, ...] | None:
         if not np.isfinite(cost[i]):
             return None
         choice[v] = int(d[i])
-    plan = tuple(choice)
+    plan = tuple(int(q) for q in choice if q is not None)
     ev = evaluate(problem, plan)
     if not np.isfinite(ev.objective) or ev.peak_mem > problem.mem_limit * (1 + MEM_RTOL):
         return None
