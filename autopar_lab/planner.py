@@ -235,7 +235,7 @@ def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatch
                       mem_limit_bytes=mem_limit_bytes, method=name, solve_s=planning_times(table, solve_s))
 
 
-def megatron_grid(cluster, num_layers: int) -> list[tuple[int, int, int]]:
+def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int]]:
     """Every valid (dp, tp, pp): tp a power of two inside a host, pp dividing into submesh-shaped stages."""
     n, M = cluster.num_devices, cluster.devices_per_host
     out = []

@@ -12,9 +12,12 @@ once (:class:`~autopar_lab.pricing.table.StageBlock`), so both give the same num
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..solve.inter import StageCandidate
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
 
 #: Seconds per heavy operator (matmul, convolution, reduction, gather) per microbatch.
 LAUNCH_OVERHEAD_S = 5e-6
@@ -61,7 +64,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     return fwd + task_s, bwd + task_s, static, act
 
 
-def task_overhead_s(cluster, submesh) -> float:
+def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:
     """Seconds charged per stage task (the forward, or the backward, of one microbatch): the device's
     ``task_overhead_s`` times the host's devices over the stage's devices on that host. A host runs every
     stage's tasks from one driver, so a stage on d of its D devices gets d/D of it, as it gets d/D of the

@@ -20,7 +20,7 @@ A table is a value the user may build once and pass to every planning function (
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 ProgressFn = Callable[[str, int, int], None]
 
 
-def mesh_signature(mesh) -> tuple:
+def mesh_signature(mesh: LogicalMesh) -> tuple:
     """What the intra-op pass sees of a logical mesh: each axis' size and link, the cluster's device.
 
     A mesh with one split axis is the same problem whichever axis it is: (1, 8) and (8, 1) on one host run the same
@@ -62,7 +62,7 @@ def mesh_signature(mesh) -> tuple:
     return (mesh.cluster.device, tuple(axes))
 
 
-def distinct_mesh_shapes(cluster, submesh) -> list[tuple[int, int]]:
+def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple[int, int]]:
     """The submesh's logical mesh shapes, keeping the first of each group with the same :func:`mesh_signature`
     (their layer costs are the same, so the stage DP needs only one and the intra-op pass solves only one).
 
@@ -75,7 +75,7 @@ def distinct_mesh_shapes(cluster, submesh) -> list[tuple[int, int]]:
         sig = mesh_signature(cluster.logical_mesh(submesh, shape))
         if sig not in seen:
             seen.add(sig)
-            out.append(tuple(shape))
+            out.append((int(shape[0]), int(shape[1])))
     return out
 
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import planner
 from ..deprecation import renamed_keywords
@@ -61,12 +61,15 @@ from ..pricing import CostTable, price_plan, simulate_pipeline
 from .ilp import DEFAULT_SOLVER
 from .inter import NoFeasiblePlanError, StageCandidate, placement_fits, transfer_s
 
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+
 __all__ = ["global_optimum", "count_plans", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 2_000_000
 
 
-def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
+def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
     """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
 
     >>> import autopar_lab as al
@@ -90,9 +93,9 @@ def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
-def global_optimum(model=None, cluster=None, *, microbatches="auto", remat=(False, True), schedule: str = "1f1b",
-                   stage_comm: str = "model", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
-                   limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
+def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=(False, True),
+                   schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
+                   solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
                    table: CostTable | None = None) -> dict:
     """Enumerate every plan of a small instance, price each with the pipeline simulator, and compare with Alpa's.
 

@@ -30,7 +30,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,7 +49,11 @@ from ..graph.opgraph import (
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy, strategies_for
+from ..deprecation import renamed_keywords
 from . import ilp
+
+if TYPE_CHECKING:
+    from ..cluster import LogicalMesh
 
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
 
@@ -319,8 +323,10 @@ def _project(s: Strategy, drop_axis: int) -> tuple:
             tuple(x.without_axes((drop_axis,)) for x in s.in_specs))
 
 
-def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, context: Mapping[int, Strategy] = {},
-                  pins: Mapping[int, Any] = {}, mem_limit: float = math.inf, cache: StrategyCache | None = None,
+@renamed_keywords(mem_limit="mem_limit_bytes")
+def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *,
+                  context: Mapping[int, Strategy] = {}, pins: Mapping[int, Any] = {},
+                  mem_limit_bytes: float = math.inf, cache: StrategyCache | None = None,
                   mirror: Mapping[int, int] = {}, restrict: Mapping[int, tuple] = {}) -> _Built:
     """The ILP for ``ops`` (default: all) on ``mesh``.
 
@@ -391,12 +397,12 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
         if a > b:
             edges[k], mats[k] = (b, a), mat.T
     node_mem = live = None
-    if math.isfinite(mem_limit):
+    if math.isfinite(mem_limit_bytes):
         node_mem = tuple(np.array([s.mem_bytes for s in ss]) for ss in strats)
         live = _liveness(graph, nodes)
     problem = ilp.IntraProblem(
         node_costs=tuple(node_costs),
-        edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit,
+        edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit_bytes,
         pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes),
     )
     return _Built(problem, nodes, strats)
@@ -408,7 +414,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
 
 def _solve_group(graph, mesh, ops, *, context, pins, mem_limit, cache, solver, time_limit, merge, name,
                  mirror={}, restrict={}):
-    built = build_problem(graph, mesh, ops, context=context, pins=pins, mem_limit=mem_limit, cache=cache,
+    built = build_problem(graph, mesh, ops, context=context, pins=pins, mem_limit_bytes=mem_limit, cache=cache,
                           mirror=mirror, restrict=restrict)
     problem, merges = built.problem, 0
     record = None
@@ -447,13 +453,15 @@ class _OneAxisView:
         return lambda nbytes, axis: fn(nbytes, 0) if axis in (0, (0, 1)) else 0.0
 
 
-def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
-                mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
+@renamed_keywords(mem_limit="mem_limit_bytes")
+def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
+                mem_limit_bytes: float | None = None, reuse_layers: bool = True, merge: bool = False,
+                solver: str = "cbc",
                 time_limit: float | None = None, axes: str = "auto", cache: StrategyCache | None = None,
                 rounds: int = 2, memo: dict | None = None) -> IntraPlan:
     """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
 
-    ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit`` (bytes per device) adds
+    ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit_bytes`` (per device) adds
     Alpa's memory constraint over program points; it is applied to the whole graph as one ILP, since the layers'
     memory adds up. ``merge`` applies Alpa's follower merging (smaller ILPs, possibly worse plans: see
     :func:`autopar_lab.solve.ilp.merge_followers`).
@@ -475,7 +483,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     t0 = time.perf_counter()
     cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
-    mem_limit = math.inf if mem_limit is None else float(mem_limit)
+    mem_limit = math.inf if mem_limit_bytes is None else float(mem_limit_bytes)
     if axes not in ("auto", "joint", "sequential"):
         raise ValueError(f"axes must be 'auto', 'joint' or 'sequential', got {axes!r}")
     restrict: dict[int, tuple] = {}
@@ -485,9 +493,9 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
         key = ("first pass", tuple(ops), mesh.shape[0], float(link.bandwidth), float(link.latency),
                reuse_layers, merge, solver, time_limit, rounds)
         if memo is None or key not in memo:
-            view = _OneAxisView(mesh)
+            view: Any = _OneAxisView(mesh)  # axis 0 alone, standing in for a LogicalMesh
             vcache = StrategyCache(view)
-            first = solve_intra(graph, view, ops, mem_limit=None, reuse_layers=reuse_layers, merge=merge,
+            first = solve_intra(graph, view, ops, mem_limit_bytes=None, reuse_layers=reuse_layers, merge=merge,
                                 solver=solver, time_limit=time_limit, axes="joint", rounds=rounds, cache=vcache)
             restrict = {op: vcache.project(s) for op, s in first.strategies.items()}
             if memo is not None:
@@ -582,8 +590,9 @@ def _weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
     return {op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4)}
 
 
-def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops: Sequence[int] | None = None,
-                   cache: StrategyCache | None = None, groups: tuple = (), solve_s: float = 0.0) -> IntraPlan:
+def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strategy], *,
+                   ops: Sequence[int] | None = None, cache: StrategyCache | None = None, groups: tuple = (),
+                   solve_s: float = 0.0) -> IntraPlan:
     """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
     cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -13,6 +13,9 @@ from ..graph.opgraph import OUTPUT_PRIMITIVE, OpGraph
 from ..sharding.spec import DEFAULT_AXIS_NAMES
 from .hlo import COLLECTIVE_KINDS, collectives_in_hlo, total_bytes
 from .replay import replay_with_shardings, specs_from_strategies
+
+if TYPE_CHECKING:
+    from ..cluster import LogicalMesh
 
 
 def _max_abs_err(a, b) -> float:
@@ -73,7 +76,7 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
 # An intra-op plan of the solver against what XLA compiles
 
 
-def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh) -> list[dict]:
+def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh: LogicalMesh) -> list[dict]:
     """Every collective the cost model charges for ``strategies`` on the logical ``mesh``, one record each.
 
     The same collectives :func:`autopar_lab.solve.intra.evaluate_intra` sums into ``IntraPlan.collectives``: those

@@ -29,7 +29,9 @@ from ..deprecation import renamed_keywords
 from ..solve.ilp import DEFAULT_SOLVER
 
 if TYPE_CHECKING:
+    from ..plan import Plan
     from ..pricing.opmap import OpMap
+    from ..pricing.table import CostTable
 
 __all__ = ["Session", "Event", "SolveCancelled", "Selection"]
 
@@ -78,7 +80,7 @@ class Session:
     by default the plan's graph is used). ``solver``: the ILP solver of every solve (the planner's default).
     """
 
-    def __init__(self, plan, *, model=None, solver: str = DEFAULT_SOLVER):
+    def __init__(self, plan: Plan, *, model=None, solver: str = DEFAULT_SOLVER):
         from ..plan import Plan
 
         if not isinstance(plan, Plan):
@@ -324,7 +326,7 @@ class Session:
 
         return self._push(resolve(self.plan, solver=self.solver), "resolve")
 
-    def adopt(self, plan, action: str = "adopt") -> Any:
+    def adopt(self, plan: Plan, action: str = "adopt") -> Any:
         """Make ``plan`` (a baseline from :meth:`compare`, a loaded file) the current plan, undoably."""
         from ..plan import Plan
 
@@ -458,7 +460,7 @@ class Session:
         finally:
             table.on_progress = old
 
-    def _compare(self, plan, table, optimum, optimum_limit, hook) -> dict:
+    def _compare(self, plan: Plan, table: CostTable, optimum, optimum_limit, hook) -> dict:
         from .. import planner
         from ..solve import exhaustive
 
