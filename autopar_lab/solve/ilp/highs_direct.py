@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .problem import IntraProblem, IntraSolution, check_choice, evaluate, relative_gap
-from .reduce import greedy, is_additive, reductions
+from .reduce import greedy, pair_edges, reductions
 
 __all__ = ["ArrayModel", "build", "solve"]
 
@@ -135,26 +135,8 @@ def build(problem: IntraProblem, *, min_memory: bool) -> ArrayModel | None:
 
     e_cost: list[np.ndarray] = []
     e_list = []
-    for (u, v), m in edges.items():
+    for u, v, r in pair_edges(edges, dom, lin, min_memory=min_memory):
         du, dv = dom[u], dom[v]
-        if du.size == 1 and dv.size == 1:
-            continue
-        r = m[np.ix_(du, dv)]
-        if min_memory:
-            if np.isfinite(r).all():
-                continue
-            r = np.where(np.isfinite(r), 0.0, np.inf)
-        if du.size == 1:
-            lin[v] += r[0]
-            continue
-        if dv.size == 1:
-            lin[u] += r[:, 0]
-            continue
-        ab = is_additive(r)
-        if ab is not None:
-            lin[u] += ab[0]
-            lin[v] += ab[1]
-            continue
         P, Q = np.nonzero(np.isfinite(r))  # row-major: the PuLP builder's variable order
         cols = np.arange(ncol, ncol + P.size, dtype=np.int32)
         ncol += P.size

@@ -16,7 +16,7 @@ import numpy as np
 import pulp
 
 from .problem import SOLVER_NAMES, IntraProblem
-from .reduce import is_additive, reductions
+from .reduce import pair_edges, reductions
 
 def new_var(prob: pulp.LpProblem, name: str, lb, ub, cat) -> pulp.LpVariable:
     # PuLP >= 3.3 wants variables made through the problem (LpVariable() warns there).
@@ -56,26 +56,8 @@ def build(problem: IntraProblem, *, min_memory: bool) -> PulpModel | None:
 
     obj_terms: list[tuple] = []
     e_list = []
-    for (u, v), m in edges.items():
+    for u, v, r in pair_edges(edges, dom, lin, min_memory=min_memory):
         du, dv = dom[u], dom[v]
-        if du.size == 1 and dv.size == 1:
-            continue  # a constant: evaluate() adds it back
-        r = m[np.ix_(du, dv)]
-        if min_memory:
-            if np.isfinite(r).all():
-                continue  # only the forbidden pairs matter when minimising memory
-            r = np.where(np.isfinite(r), 0.0, np.inf)
-        if du.size == 1:
-            lin[v] += r[0]  # finite: arc consistency removed partners of inf pairs
-            continue
-        if dv.size == 1:
-            lin[u] += r[:, 0]
-            continue
-        ab = is_additive(r)
-        if ab is not None:
-            lin[u] += ab[0]
-            lin[v] += ab[1]
-            continue
         # Alpa's e_uv, continuous (see module docstring), only on allowed pairs.
         cells = []
         rowsum: list[list] = [[] for _ in range(du.size)]

@@ -150,3 +150,34 @@ def greedy(problem: IntraProblem, dom) -> tuple[int, ...] | None:
     if not np.isfinite(ev.objective) or ev.peak_mem > problem.mem_limit * (1 + MEM_RTOL):
         return None
     return plan
+
+
+def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
+    """The edges that need Alpa's pair variables, as (u, v, r) with ``r`` the edge's matrix on the nodes' allowed
+    strategies; every other edge is folded into ``lin`` (each node's linear cost over its allowed strategies), in
+    place. Both model builders (PuLP and HiGHS direct) take the edges from here, so they build the same model.
+
+    An edge between two decided nodes is a constant (evaluate() adds it back); with one side decided it is a linear
+    term on the other; an additive matrix is two linear terms. When minimising memory only the forbidden pairs
+    matter (their costs are dropped)."""
+    for (u, v), m in edges.items():
+        du, dv = dom[u], dom[v]
+        if du.size == 1 and dv.size == 1:
+            continue
+        r = m[np.ix_(du, dv)]
+        if min_memory:
+            if np.isfinite(r).all():
+                continue
+            r = np.where(np.isfinite(r), 0.0, np.inf)
+        if du.size == 1:
+            lin[v] += r[0]  # finite: arc consistency removed partners of inf pairs
+            continue
+        if dv.size == 1:
+            lin[u] += r[:, 0]
+            continue
+        ab = is_additive(r)
+        if ab is not None:
+            lin[u] += ab[0]
+            lin[v] += ab[1]
+            continue
+        yield u, v, r
