@@ -1,4 +1,5 @@
-# The two set-up commands (README): `make lab` and `make test`. Each installs what it needs into .venv.
+# The set-up commands (README): `make lab`, `make test` (`make test-fast`: what is not marked slow) and `make lint`.
+# Each installs what it needs into .venv.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -6,7 +7,7 @@ BIN    := $(VENV)/bin
 export JAX_NUM_CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: lab test bench clean browser
+.PHONY: lab test test-fast lint bench clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +15,10 @@ $(BIN)/python:
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+$(VENV)/.installed-lint: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[lint]"
 	touch $@
 
 $(VENV)/.installed-lab: pyproject.toml | $(BIN)/python
@@ -33,6 +38,15 @@ browser:
 
 test: $(VENV)/.installed-test browser
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The tests not marked slow (each under ~10 s): the quick check while working.
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+
+# ruff (pyproject.toml [tool.ruff]) on the package, tests and benchmarks; mypy ([tool.mypy]) on the engine.
+lint: $(VENV)/.installed-lint
+	$(BIN)/ruff check autopar_lab tests bench
+	$(BIN)/mypy
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/run_all.py

@@ -93,7 +93,7 @@ def cmd_plan(args) -> dict:
     mb = _microbatches(args.microbatches)
     if args.method == "auto":
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
-                                 progress=_progress(args))
+                                 on_progress=_progress(args))
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")

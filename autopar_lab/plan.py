@@ -13,7 +13,16 @@ makespan of the event-level pipeline simulation (:mod:`autopar_lab.simulate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .graph.opgraph import OpGraph
+    from .overrides import Alternative
+    from .pricing.layers import LayerCost
+    from .pricing.table import CostTable
+    from .simulate import Timeline
+    from .solve.intra import IntraPlan
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,10 @@ class Stage:
     static_bytes: float
     act_bytes: float  # per microbatch in flight
     peak_mem_bytes: float
-    intra: Any = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
+    intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
+    # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
+    # kept so that an override re-prices only what it changes.
+    layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self, layer_names=None) -> dict:
         out = {
@@ -65,7 +77,7 @@ class CostReport:
     mem_limit_bytes: float
     samples_per_s: float
     busiest_stage: int
-    timeline: Any = field(default=None, compare=False, repr=False)
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -100,8 +112,8 @@ class CostReport:
 class Plan:
     """A complete parallelization plan of a training step on a cluster."""
 
-    graph: Any = field(repr=False)
-    cluster: Any = field(repr=False)
+    graph: OpGraph = field(repr=False)
+    cluster: Cluster = field(repr=False)
     method: str
     layer_names: tuple[str, ...]
     stages: tuple[Stage, ...]
@@ -119,28 +131,49 @@ class Plan:
     stage_pins: Mapping[str, Any] = field(default_factory=dict, hash=False)
     # The CostTable that priced this plan (layer costs per mesh, cut bytes, batch size): what re-pricing an override
     # needs. Not part of the plan's value.
-    table: Any = field(default=None, compare=False, repr=False)
+    table: CostTable | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def op_graph(self) -> OpGraph:
+        """The graph whose operator ids the stages' strategies use: the plan's own graph, or for a deep zoo model
+        planned on a shallower copy, that copy (see :class:`~autopar_lab.pricing.opmap.OpMap`)."""
+        return self.table.solve_graph if self.table is not None else self.graph
 
     def stage_of(self, op: int) -> int:
-        """The index of the stage that runs operator ``op`` (by its layer; operators without one: the last layer)."""
-        from .overrides import owner_stage
+        """The index of the stage that runs operator ``op`` of :attr:`op_graph`: its layer's stage (no layer: the
+        last layer's; an operator of a shallower copy: the stage of the first full-graph layer it stands for)."""
+        g = self.op_graph
+        try:
+            node = g.op(op)
+        except (KeyError, IndexError):
+            raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1})") from None
+        if self.table is None:
+            names = list(self.layer_names)
+            layers = [names.index(node.layer) if node.layer in names else len(names) - 1]
+        else:
+            layers = self.table.op_map.full_layers_of(op)
+        for s, st in enumerate(self.stages):
+            if any(st.layers[0] <= i <= st.layers[1] for i in layers):
+                return s
+        return len(self.stages) - 1
 
-        return owner_stage(self, op)
-
-    def choice(self, op: int):
+    def choice(self, op: int) -> Any:
         """The sharding strategy of one operator (from the stage that runs its layer)."""
         try:
             k = self.stage_of(op)
         except (KeyError, ValueError, IndexError):
             k = None
-        if k is not None and self.stages[k].intra is not None and op in self.stages[k].intra.strategies:
-            return self.stages[k].intra.strategies[op]
+        own = self.stages[k].intra if k is not None else None
+        if own is not None and op in own.strategies:
+            return own.strategies[op]
         for st in self.stages:
             if st.intra is not None and op in st.intra.strategies:
                 return st.intra.strategies[op]
         raise KeyError(f"operator {op} is not in this plan")
 
     # --- overrides: each returns a new Plan, re-estimated (see autopar_lab.overrides) -----------------------------
+    # These convenience methods delegate to autopar_lab.overrides (and export), which build on this module: the
+    # imports are inside the methods, the one deliberate upward edge of the engine (tests/test_structure.py).
     def with_choice(self, op: int, strategy) -> "Plan":
         """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
         only the stage running ``op`` is re-priced, then the pipeline is simulated again."""
@@ -179,7 +212,7 @@ class Plan:
 
         return with_remat(self, stage, on)
 
-    def alternatives(self, op: int) -> list:
+    def alternatives(self, op: int) -> list[Alternative]:
         """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
         change if chosen instead), sorted by ``delta_s``: "why this choice"."""
         from .overrides import alternatives

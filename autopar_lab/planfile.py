@@ -4,7 +4,7 @@ The file holds the plan's decisions, not its numbers: stages (layers, submesh, l
 strategy name of every operator (``choices``, from the stage that runs it), pins, microbatches, schedule. Loading
 checks the version, that the graph and the cluster are the ones the plan was made for, looks every strategy up by
 name among :func:`~autopar_lab.sharding.strategies.strategies_for` on its stage's mesh, and re-prices the plan the
-way the planner does (:func:`autopar_lab.overrides.assemble`), so the step time comes back to the last bit::
+way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time comes back to the last bit::
 
     {"version": 2, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
      "schedule": "1f1b", "stage_comm": "model", "mem_limit_bytes": 1.7e10, "layer_names": [...],
@@ -24,7 +24,6 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 VERSION = 2
 READS = (1, 2)  # file versions load_plan accepts
@@ -34,10 +33,8 @@ _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
 
 def plan_to_dict(plan) -> dict:
-    from .overrides import _solve_graph, owner_stage
-
-    g = _solve_graph(plan)
-    owner = {op: owner_stage(plan, op) for op in g.ops}
+    g = plan.op_graph
+    owner = {op: plan.stage_of(op) for op in g.ops}
     choices = {op: plan.stages[owner[op]].intra.strategies[op].name for op in g.ops}
     stages = []
     for k, st in enumerate(plan.stages):
@@ -85,7 +82,7 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
     """Stage pins as the Plan holds them (tuples), checked for form; a ValueError naming the bad entry."""
     if not isinstance(data, dict):
         raise ValueError("stage_pins must be an object")
-    out = {}
+    out: dict = {}
     for key, value in data.items():
         if key in _PER_STAGE_PAIRS or key == "remat":
             if not isinstance(value, list) or len(value) != num_stages:
@@ -134,9 +131,9 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
     corrupt or hand-broken file. ``model``: the zoo model, needed only for a deep model planned on a shallower copy.
     """
     from .cluster import Cluster
-    from .overrides import assemble
-    from .planner import CostTable, microbatch_choices, _solve_graph_for
-    from .solve.intra import _StrategyCache, evaluate_intra
+    from .planner import microbatch_choices
+    from .pricing import CostTable, price_plan, solve_graph_for
+    from .solve.intra import StrategyCache, evaluate_intra
 
     where = f"plan file {os.fspath(path)!r}"
     try:
@@ -170,7 +167,7 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
     try:
         solve_graph = graph
         if "solve_graph_fingerprint" in data and data["solve_graph_fingerprint"] != graph.fingerprint:
-            solve_graph = _solve_graph_for(model) if model is not None else None
+            solve_graph = solve_graph_for(model) if model is not None else None
             if solve_graph is None or solve_graph.fingerprint != data["solve_graph_fingerprint"]:
                 raise ValueError(f"{where} was planned on a shallower copy of the model; pass model= (the zoo model "
                                  "it was made for) to load it.")
@@ -191,7 +188,8 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
         stages = data["stages"]
         if not isinstance(stages, list) or not stages:
             raise _bad(where, "it has no stages")
-        specs, intras, offset = [], [], 0
+        specs: list[tuple] = []
+        intras, offset = [], 0
         L = len(table.layer_names)
         for k, st in enumerate(stages):
             miss = [key for key in _STAGE_KEYS if key not in st]
@@ -213,7 +211,7 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
             if offset > cluster.num_devices:
                 raise _bad(where, f"its stages use more than the cluster's {cluster.num_devices} devices")
             mesh = cluster.logical_mesh(submesh, shape)
-            cache = _StrategyCache(mesh)
+            cache = StrategyCache(mesh)
             names = dict(choices)
             names.update({int(op): str(s) for op, s in dict(st.get("choices_outside", {})).items()})
             chosen = {}
@@ -228,8 +226,9 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
             specs.append((layers, submesh, shape, bool(st["remat"])))
         mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
-        return assemble(table, cluster, str(data["method"]), specs, intras, B, data["schedule"], data["stage_comm"],
-                        mem, solve_s={}, notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins)
+        return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
+                          stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
+                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins)
     except ValueError as e:
         if where in str(e):
             raise

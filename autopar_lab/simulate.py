@@ -136,7 +136,7 @@ def issue_order(orders: Sequence[Sequence[tuple[str, int]]], ready: Callable[[in
     >>> for task in issue_order(orders, ready):
     ...     done.add(task)
     ...     print(task, end=" ")
-    (0, 'fwd', 0) (0, 'fwd', 1) (1, 'fwd', 0) (1, 'bwd', 0) (1, 'fwd', 1) (1, 'bwd', 1) (0, 'bwd', 0) (0, 'bwd', 1) 
+    (0, 'fwd', 0) (0, 'fwd', 1) (1, 'fwd', 0) (1, 'bwd', 0) (1, 'fwd', 1) (1, 'bwd', 1) (0, 'bwd', 0) (0, 'bwd', 1)
     """
     pos = [0] * len(orders)
     remaining = sum(len(o) for o in orders)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 import autopar_lab as al
-from autopar_lab import cli, planner
+from autopar_lab import cli
+from autopar_lab.pricing import price_plan
 from autopar_lab.cluster import Cluster
 from autopar_lab.solve.exhaustive import DEFAULT_LIMIT, count_plans, global_optimum
 from autopar_lab.solve.inter import placement_fits
@@ -17,17 +18,12 @@ SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return al.models.get("gpt-tiny", dtype="float32", batch_size=8)
-
-
-@pytest.fixture(scope="module")
 def base(model):
     return global_optimum(model, SMALL)
 
 
 def naive(table, cluster, choices, mem, remat=(False, True), schedule="1f1b"):
-    """Every partition x in-order tiling x logical mesh x remat x B, each priced by planner._finish."""
+    """Every partition x in-order tiling x logical mesh x remat x B, each priced by price_plan."""
     L, NM, M = len(table.layer_names), cluster.num_devices, cluster.devices_per_host
     shapes = cluster.submesh_shapes()
 
@@ -50,8 +46,9 @@ def naive(table, cluster, choices, mem, remat=(False, True), schedule="1f1b"):
                     options = [[table.stage(bounds[j], bounds[j + 1] - 1, subs[j], lm, B, r)
                                 for lm in cluster.logical_mesh_shapes(subs[j]) for r in remat] for j in range(S)]
                     for stages in itertools.product(*options):
-                        n += 1  # priced by the planner's own _finish: the ground truth
-                        plan = planner._finish(table, cluster, "naive", stages, B, schedule, "model", mem, {})
+                        n += 1  # priced by price_plan, as every plan is: the ground truth
+                        plan = price_plan(table, stages, microbatches=B, schedule=schedule, stage_comm="model",
+                                          mem_limit_bytes=mem, method="naive")
                         if all(m <= mem for m in plan.cost.peak_mem_bytes):
                             best = min(best, plan.cost.step_time_s)
     return best, n
@@ -62,9 +59,9 @@ def test_optimum_is_no_worse_than_auto(base):
     assert base["optimum_step_s"] <= base["auto_step_s"] * (1 + 1e-12)
     assert base["auto_fits"]
     assert base["plans_total"] == count_plans(4, SMALL, 4)  # embed, 2 blocks, head; B in 1, 2, 4, 8
-    # Both are real plans priced by planner._finish: every layer and every device exactly once.
+    # Both are real plans priced by price_plan: every layer and every device exactly once.
     for plan in (base["optimum"], base["auto"]):
-        layers = [l for st in plan.stages for l in range(st.layers[0], st.layers[1] + 1)]
+        layers = [k for st in plan.stages for k in range(st.layers[0], st.layers[1] + 1)]
         assert layers == list(range(len(plan.layer_names)))
         assert [d for st in plan.stages for d in st.devices] == list(range(SMALL.num_devices))
         assert plan.cost.step_time_s == pytest.approx(plan.cost.timeline.makespan)
@@ -77,9 +74,9 @@ def test_pruned_search_equals_plain_enumeration(model, base, fraction):
     mem = None if fraction is None else fraction * max(base["auto"].cost.peak_mem_bytes)
     limit = SMALL.device.memory_bytes if mem is None else mem
     want, n = naive(table, SMALL, [1, 2, 4, 8], limit)
-    plain = global_optimum(model, SMALL, mem_limit=mem, prune=False, _table_cache=table)
-    unseeded = global_optimum(model, SMALL, mem_limit=mem, seed=False, _table_cache=table)
-    seeded = global_optimum(model, SMALL, mem_limit=mem, _table_cache=table)
+    plain = global_optimum(model, SMALL, mem_limit_bytes=mem, prune=False, table=table)
+    unseeded = global_optimum(model, SMALL, mem_limit_bytes=mem, seed=False, table=table)
+    seeded = global_optimum(model, SMALL, mem_limit_bytes=mem, table=table)
     assert n == plain["plans_total"] == plain["plans_priced"]
     for r in (plain, unseeded, seeded):
         assert r["optimum_step_s"] == pytest.approx(want, rel=1e-12)
@@ -90,7 +87,7 @@ def test_pruned_search_equals_plain_enumeration(model, base, fraction):
 
 def test_size_guard_refuses_big_instances(model, base):
     with pytest.raises(ValueError, match="too many plans to enumerate: 664"):
-        global_optimum(model, SMALL, limit=100, _table_cache=base["table"])
+        global_optimum(model, SMALL, limit=100, table=base["table"])
     big = al.models.get("gpt-tiny", batch_size=8, num_layers=6)  # 8 layers on 16 devices
     cluster = Cluster.preset("p3.16xlarge", hosts=2)
     assert count_plans(8, cluster, 4) > DEFAULT_LIMIT

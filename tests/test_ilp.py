@@ -381,12 +381,11 @@ def test_problem_validation():
 def test_direct_highs_model_is_the_pulp_model(p):
     """The array builder (solver="highs") makes the PuLP builder's reduced model: same domains, scale, columns and
     rows; and its LP-first shortcut finds the optimum the MIP finds."""
-    from autopar_lab.solve import highs_direct
-    from autopar_lab.solve import ilp as ilp_module
+    from autopar_lab.solve.ilp import highs_direct, pulp_model
 
     for min_memory in ((False, True) if p.node_mem is not None else (False,)):
         a = highs_direct.build(p, min_memory=min_memory)
-        b = ilp_module._build(p, min_memory=min_memory)
+        b = pulp_model.build(p, min_memory=min_memory)
         assert (a is None) == (b is None)
         if a is None:
             continue

@@ -42,7 +42,8 @@ def random_instance(seed: int):
                 opts = []
                 for _ in range(rng.choice([0, 1, 1, 2, 3])):
                     # Speedups from none to linear, so that pipelining is often worth it.
-                    speedup = rng.choice([1, (shape[0] * shape[1]) ** 0.5, (shape[0] * shape[1]) ** 0.5, shape[0] * shape[1]])
+                    n = shape[0] * shape[1]
+                    speedup = rng.choice([1, n ** 0.5, n ** 0.5, n])
                     f = rng.choice([0.5, 1, 1.5, 2, 3, 4.25]) * (b - a + 1) / speedup
                     opts.append(
                         StageCandidate(

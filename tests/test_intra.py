@@ -4,7 +4,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,17 +91,17 @@ def test_tight_memory_changes_the_choice_and_impossible_memory_says_what_it_need
     g = _adam_step()
     m = mesh((8, 1))
     free = solve_intra(g, m, reuse_layers=False)
-    built = build_problem(g, m, mem_limit=1e30)  # the memory rows, to read the unconstrained plan's peak
+    built = build_problem(g, m, mem_limit_bytes=1e30)  # the memory rows, to read the unconstrained plan's peak
     choice = [next(k for k, s in enumerate(built.strats[i]) if s.key == free.strategies[op].key)
               for i, op in enumerate(built.nodes)]
     peak = ilp.evaluate(built.problem, choice).peak_mem
     smallest = ilp.solve_min_memory(built.problem).peak_mem
     assert smallest < peak  # sharding the optimizer state and weights saves memory, at a price
-    tight = solve_intra(g, m, mem_limit=(smallest + peak) / 2)
+    tight = solve_intra(g, m, mem_limit_bytes=(smallest + peak) / 2)
     assert tight.total_s >= free.total_s
     assert any(tight.strategies[o].key != free.strategies[o].key for o in g.ops)
     with pytest.raises(ilp.InfeasibleError) as e:
-        solve_intra(g, m, mem_limit=smallest * 0.9)
+        solve_intra(g, m, mem_limit_bytes=smallest * 0.9)
     assert e.value.min_peak_mem == pytest.approx(smallest)
     assert "smallest peak memory" in str(e.value)
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 import autopar_lab as al
-from autopar_lab import overrides, planfile
+from autopar_lab import pins, planfile
 from autopar_lab.cluster import Cluster
 from autopar_lab.planner import auto_plan, megatron_plan
 from autopar_lab.solve.inter import (
@@ -20,7 +20,7 @@ from autopar_lab.solve.inter import (
     stage_dp,
     submesh_shapes,
 )
-from autopar_lab.solve.intra import solve_intra
+from autopar_lab.solve.intra import StrategyCache, solve_intra
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage DP with pinned decisions, against brute force (plain data, fast)
@@ -42,13 +42,15 @@ def _random_problem(seed):
                             continue
                         f = rng.choice([0.5, 1, 2, 3]) * (b - a + 1) / rng.choice([1, n ** 0.5, n])
                         opts.append(StageCandidate((a, b), shape, view, remat, f, f * (2.5 if remat else 2),
-                                                   rng.randint(0, 10), rng.randint(0, 2) if remat else rng.randint(1, 5)))
+                                                   rng.randint(0, 10),
+                                                   rng.randint(0, 2) if remat else rng.randint(1, 5)))
                 table[(a, b, shape)] = opts
     kw = dict(microbatches=rng.choice([1, 2, 4]), mem_limit_bytes=rng.choice([math.inf, 12, 20, 30]),
               schedule=rng.choice(["1f1b", "gpipe"]), stage_comm=rng.choice(["model", "ignore"]))
     if L > 1 and rng.random() < 0.6:
         kw.update(cut_bytes=[rng.choice([0, 5, 40]) for _ in range(L - 1)],
-                  intra_link=Cluster.preset("p3.16xlarge").intra_host, inter_link=Cluster.preset("p3.16xlarge").inter_host)
+                  intra_link=Cluster.preset("p3.16xlarge").intra_host,
+                  inter_link=Cluster.preset("p3.16xlarge").inter_host)
     # Pins: a stage count, then some of cuts / submeshes / logical meshes / remat.
     S = rng.randint(1, min(L, hosts * dph))
     pins = {}
@@ -127,15 +129,10 @@ def test_constraint_errors():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    return Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
-
-
-@pytest.fixture(scope="module")
-def plan(cluster):
+def plan(small_cluster):
     # Five classes: no mesh axis of 2 or 4 devices divides the head's output columns.
     g = al.models.get("mlp", hidden_size=256, input_dim=256, batch_size=64, num_classes=5).trace()
-    return auto_plan(g, cluster)
+    return auto_plan(g, small_cluster)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +146,7 @@ def _dot(g, layer="layer_1"):
 
 
 def _table_cands(plan, prune=False):
-    return overrides._constrained_candidates(plan.table, plan.cluster, None, None, prune=prune)
+    return pins.constrained_candidates(plan.table, plan.cluster, None, None, prune=prune)
 
 
 def test_with_stages_pins_and_reprices(plan, two):
@@ -264,8 +261,8 @@ def test_resolve_keeps_stage_pins(plan, two):
             [(s.submesh, s.logical_mesh, s.remat) for s in r.stages]
 
 
-def test_resolve_unpinned_is_the_auto_plan(plan, cluster):
-    mg = megatron_plan(plan.graph, cluster, dp=2, tp=2, pp=1, _table_cache=plan.table)
+def test_resolve_unpinned_is_the_auto_plan(plan, small_cluster):
+    mg = megatron_plan(plan.graph, small_cluster, dp=2, tp=2, pp=1, table=plan.table)
     r = al.resolve(mg)
     assert r.cost.step_time_s == plan.cost.step_time_s and [s.layers for s in r.stages] == \
         [s.layers for s in plan.stages]
@@ -297,7 +294,7 @@ def test_resolve_solves_the_ilp_around_an_operator_pin(two):
 def test_operator_pin_that_a_new_mesh_cannot_hold(two):
     g = two.graph
     op = _dot(g, "layer_0")
-    mesh_names = {s.name for s in overrides._StrategyCache(two.cluster.logical_mesh((1, 2), (2, 1))).strategies(g.op(op))}
+    mesh_names = {s.name for s in StrategyCache(two.cluster.logical_mesh((1, 2), (2, 1))).strategies(g.op(op))}
     here = [a.strategy for a in two.alternatives(op) if a.strategy not in mesh_names]
     assert here, "some strategy of the (1, 2) view has no counterpart on the (2, 1) view"
     q = two.with_choice(op, here[0])
@@ -336,7 +333,7 @@ def test_pinned_layout_over_memory_gives_smallest_need(plan, two):
     assert r.microbatches == 1 and [s.layers for s in r.stages] != [(0, 2), (3, 3), (4, 4)]
 
 
-def test_stage_pins_json_round_trip(two, cluster, tmp_path):
+def test_stage_pins_json_round_trip(two, small_cluster, tmp_path):
     op = _dot(two.graph, "layer_3")
     edited = two.with_remat(0, True).with_schedule("gpipe").with_choice(op, two.alternatives(op)[-1].strategy)
     edited = edited.with_stages(logical_meshes=[None, edited.stages[1].logical_mesh])
@@ -344,7 +341,7 @@ def test_stage_pins_json_round_trip(two, cluster, tmp_path):
     al.save_plan(edited, path)
     data = json.loads(path.read_text())
     assert data["version"] == planfile.VERSION == 2
-    back = al.load_plan(path, edited.graph, cluster)
+    back = al.load_plan(path, edited.graph, small_cluster)
     assert back.cost.step_time_s == edited.cost.step_time_s  # to the last bit
     assert back.cost.peak_mem_bytes == edited.cost.peak_mem_bytes
     assert back.stage_pins == edited.stage_pins and back.pins == edited.pins and back.stages == edited.stages
@@ -353,20 +350,20 @@ def test_stage_pins_json_round_trip(two, cluster, tmp_path):
     data["version"] = 1
     del data["stage_pins"]
     path.write_text(json.dumps(data))
-    old = al.load_plan(path, edited.graph, cluster)
+    old = al.load_plan(path, edited.graph, small_cluster)
     assert old.stage_pins == {} and old.cost.step_time_s == edited.cost.step_time_s
     # Broken stage pins are refused with the key named.
     data["version"] = 2
     data["stage_pins"] = {"remat": [True]}
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"plan file.*stage_pins\['remat'\] must list one entry per stage \(2\)"):
-        al.load_plan(path, edited.graph, cluster)
+        al.load_plan(path, edited.graph, small_cluster)
 
 
 def test_incremental_repricing_is_exact(two):
     """with_choice prices again only the layers the change reaches; the result equals pricing the whole graph
     (layer_costs on evaluate_intra) to the bit, for operators of every kind."""
-    from autopar_lab.planner import layer_costs
+    from autopar_lab.pricing import layer_costs
     from autopar_lab.solve.intra import evaluate_intra
 
     g = two.table.solve_graph
@@ -378,8 +375,7 @@ def test_incremental_repricing_is_exact(two):
             st = q.stages[q.stage_of(op)]
             full = evaluate_intra(g, st.intra.mesh, st.intra.strategies, ops=st.intra.ops)
             small = layer_costs(g, full, list(g.layers))
-            assert overrides._costs_of(q.table, st.submesh, st.logical_mesh, st.intra) == \
-                [small[i] for i in q.table.layer_map]
+            assert list(st.layer_costs) == [small[i] for i in q.table.layer_map]
             # The lazily computed totals are evaluate_intra's.
             assert (st.intra.compute_s, st.intra.reshard_s, st.intra.act_bytes) == \
                 (full.compute_s, full.reshard_s, full.act_bytes)
@@ -401,7 +397,7 @@ def test_fixed_cuts_dp_equals_the_full_pinned_dp(plan):
     for bounds, subs in (([1, 3], None), ([2], None), ([1, 2, 4], None), ([3], [(1, 2), (1, 2)])):
         q = plan.with_stages(boundaries=bounds, submeshes=subs, microbatches=2)
         con = StageConstraints(cuts=tuple(bounds), submeshes=None if subs is None else tuple(subs))
-        full = overrides._solve_stages(plan, con, [2], plan.schedule, plan.cost.mem_limit_bytes, None, prune=False)
+        full = pins.solve_stages(plan, con, [2], plan.schedule, plan.cost.mem_limit_bytes, None, prune=False)
         assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in full.stages] == \
             [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in q.stages]
 

@@ -12,16 +12,6 @@ from autopar_lab.planner import megatron_plan
 
 
 @pytest.fixture(scope="module")
-def model():
-    return al.models.get("gpt-tiny", batch_size=8, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    return Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
-
-
-@pytest.fixture(scope="module")
 def plan(model, cluster):
     return megatron_plan(model, cluster, dp=2, tp=2, pp=1)
 

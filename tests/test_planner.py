@@ -14,11 +14,6 @@ SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return al.models.get("gpt-tiny", dtype="float32", batch_size=8)
-
-
-@pytest.fixture(scope="module")
 def result(model):
     return planner.compare(model, SMALL, microbatches="auto")
 
@@ -32,7 +27,7 @@ def test_auto_is_no_worse_than_megatron_and_data_parallel(result):
 
 def test_plan_covers_every_layer_and_device_once(result, model):
     plan = result["auto"]
-    layers = [l for st in plan.stages for l in range(st.layers[0], st.layers[1] + 1)]
+    layers = [k for st in plan.stages for k in range(st.layers[0], st.layers[1] + 1)]
     assert layers == list(range(len(plan.layer_names)))
     devices = [d for st in plan.stages for d in st.devices]
     assert devices == list(range(SMALL.num_devices))
@@ -156,7 +151,7 @@ def test_microbatch_search_matches_stage_dp_auto(result):
 
 def test_mesh_twins_cost_the_same(model):
     """A logical mesh with one split axis is solved once: its twin with the axis swapped costs the same."""
-    table, _ = planner._table(model, SMALL, "highs", None)
+    table = planner.CostTable.build(model, SMALL)
     for sub in [(1, 2), (2, 2)]:
         shapes = SMALL.logical_mesh_shapes(sub)
         kept = planner.distinct_mesh_shapes(SMALL, sub)
@@ -189,8 +184,8 @@ def test_stage_dp_upper_bound():
 
 
 def test_megatron_with_remat_recomputes_forward_and_holds_less(model):
-    table, _ = planner._table(model, SMALL, "highs", None)
-    kw = dict(dp=1, tp=2, pp=2, microbatches=2, _table_cache=table)
+    table = planner.CostTable.build(model, SMALL)
+    kw = dict(dp=1, tp=2, pp=2, microbatches=2, table=table)
     plain, remat = planner.megatron_plan(model, SMALL, **kw), planner.megatron_plan(model, SMALL, remat=True, **kw)
     assert "remat" in remat.method and "remat" not in plain.method
     for a, b in zip(plain.stages, remat.stages):
@@ -207,3 +202,53 @@ def test_compare_tries_megatron_with_and_without_remat_and_keeps_the_fastest_fit
     best = min(fitting, key=lambda t: t["step_time_s"])
     assert result["megatron_best"].cost.step_time_s == best["step_time_s"]
     assert all((t["peak_mem_bytes"] <= result["megatron_best"].cost.mem_limit_bytes) == t["fits"] for t in tried)
+
+
+# ---------------------------------------------------------------- the vocabulary: table=, renamed keywords
+
+
+def test_a_cost_table_is_a_value_the_user_builds_once(model, result):
+    table = planner.CostTable.build(model, SMALL)
+    assert table.trace_s > 0 and table.solver == "highs"
+    auto = planner.auto_plan(model, SMALL, table=table)
+    assert auto.table is table and auto.solve_s["trace"] == 0.0  # nothing traced again
+    assert auto.cost == result["auto"].cost and auto.stages == result["auto"].stages
+    same = planner.auto_plan(table=table)  # model and cluster default to the table's
+    assert same.cost == auto.cost
+    with pytest.raises(ValueError, match="another cluster"):
+        planner.auto_plan(model, SMALL.with_(devices_per_host=1), table=table)
+    with pytest.raises(ValueError, match="another graph"):
+        planner.auto_plan(al.models.get("mlp").trace(), SMALL, table=table)
+    with pytest.raises(TypeError, match="CostTable"):
+        planner.auto_plan(model, SMALL, table={})
+
+
+def test_old_keyword_names_still_work_with_a_deprecation_warning(model, result):
+    table = result["auto"].table
+    new = planner.megatron_plan(model, SMALL, dp=1, tp=2, pp=2, microbatches=2, mem_limit_bytes=1e9, table=table)
+    with pytest.warns(DeprecationWarning, match=r"megatron_plan\(_table_cache=...\) is deprecated.*use table="):
+        with pytest.warns(DeprecationWarning, match=r"mem_limit=.*use mem_limit_bytes="):
+            old = planner.megatron_plan(model_or_graph=model, cluster=SMALL, dp=1, tp=2, pp=2, microbatches=2,
+                                        mem_limit=1e9, _table_cache=table)
+    assert old.cost == new.cost and old.cost.mem_limit_bytes == 1e9
+    seen = []
+    with pytest.warns(DeprecationWarning, match="on_progress"):
+        planner.auto_plan(model, SMALL, progress=lambda *a: seen.append(a), microbatches=1)
+    assert seen and seen[0][0].startswith("intra-op")
+    with pytest.raises(TypeError, match="got both"):
+        planner.auto_plan(model, SMALL, mem_limit=1.0, mem_limit_bytes=2.0)
+    with pytest.warns(DeprecationWarning, match="CostTable.build"):
+        t, times = planner._table(model, SMALL, "highs", None)
+    assert isinstance(t, planner.CostTable) and times == {"trace": t.trace_s}
+
+
+def test_one_default_solver():
+    import inspect
+
+    from autopar_lab.solve import exhaustive
+    from autopar_lab.solve.ilp import DEFAULT_SOLVER
+    from autopar_lab.widgets.session import Session
+
+    for fn in (planner.auto_plan, planner.megatron_plan, planner.data_parallel_plan, planner.compare,
+               exhaustive.global_optimum, Session.__init__, planner.CostTable.__init__):
+        assert inspect.signature(fn).parameters["solver"].default == DEFAULT_SOLVER == "highs", fn

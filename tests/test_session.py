@@ -6,31 +6,8 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.plan import Plan
-from autopar_lab.planner import CostTable
+from autopar_lab.pricing import CostTable
 from autopar_lab.widgets.session import Event, Selection, Session, SolveCancelled
-
-
-@pytest.fixture(scope="module")
-def graph():
-    return al.models.get("gpt-tiny", batch_size=8, num_layers=2, dtype="float32").trace()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    return al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
-
-
-@pytest.fixture(scope="module")
-def plan(graph, cluster):
-    # Two stages of two layers each, 1x2 submeshes: every stage action has room to act.
-    return al.megatron_plan(graph, cluster, dp=1, tp=2, pp=2, microbatches=2)
-
-
-@pytest.fixture(scope="module")
-def small_plan(graph):
-    # Two devices: few logical meshes, so solves and the exhaustive optimum run in seconds.
-    c2 = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=2)
-    return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1)
 
 
 @pytest.fixture
@@ -225,12 +202,13 @@ def test_inter_solve_reports_progress_keeps_pins_and_is_no_worse(small_plan):
     s.pin(op, name)
     seen = []
     c = small_plan.cluster
-    missing = {(sub, lm) for sub in c.submesh_shapes() for lm in c.logical_mesh_shapes(sub)} - set(small_plan.table._mesh)
-    p = s.solve("inter", progress=lambda msg, frac: seen.append((msg, frac)))
+    missing = {(sub, lm) for sub in c.submesh_shapes() for lm in c.logical_mesh_shapes(sub)
+               if small_plan.table.solved_mesh(sub, lm) is None}
+    p = s.solve("inter", on_progress=lambda msg, frac: seen.append((msg, frac)))
     assert seen[0][0] == "inter solve started" and seen[-1] == ("inter solve done", 1.0)
     # Each ILP the cost table had not run yet reports as it finishes; then the pins are re-solved around.
     assert sum(m.startswith("intra-op") for m, _ in seen) == len(missing)
-    assert ("re-solving around the operator pins", None) in seen
+    assert ("re-solving around the pins", None) in seen
     assert p.pins == {op: name} and p.choice(op).name == name
     assert p.cost.step_time_s <= small_plan.cost.step_time_s * (1 + 1e-9)
 
@@ -245,7 +223,7 @@ def test_cancel_leaves_the_session_unchanged(small_plan):
     # Cancelled from inside: the first report of an ILP sets the event, the next report raises.
     stop2 = threading.Event()
     with pytest.raises(SolveCancelled):
-        s.solve("full", cancel=stop2, progress=lambda msg, frac: stop2.set())
+        s.solve("full", cancel=stop2, on_progress=lambda msg, frac: stop2.set())
     assert s.plan is small_plan and not s.can_undo
     assert all(e.name == "progress" for e in events)
     with pytest.raises(ValueError, match="solve kind"):
@@ -282,7 +260,7 @@ def test_solve_op_maps_a_deep_graph_onto_its_shallow_copy(cluster):
     deep = al.models.get("gpt-tiny", batch_size=8, num_layers=5, dtype="float32").trace()
     shallow = al.models.get("gpt-tiny", batch_size=8, num_layers=4, dtype="float32").trace()
     table = CostTable(deep, cluster, solve_graph=shallow)  # no ILP runs until a mesh is priced
-    m = Session._build_op_map(table)
+    m = dict(table.op_map.items())
     assert len(m) == len(deep.ops)
     for full, small in m.items():
         a, b = deep.op(full), shallow.op(small)
@@ -307,3 +285,36 @@ def test_session_imports_no_widget_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_what_if_replan_keeps_operator_pins(small_plan, graph):
+    """Issue 12 item 3: an operator pinned to a strategy came back with the fresh plan's own strategy after a
+    what-if re-plan while still counted as pinned. Every pin that still holds is kept, and honoured."""
+    s = Session(small_plan, model=graph)
+    op = _dot(s, "layer_1")
+    other = next(a.strategy for a in s.alternatives(op) if a.strategy != small_plan.choice(op).name)
+    s.set_choice(op, other)
+    for change in (dict(devices_per_host=4), dict(hosts=2)):
+        events = _record(s)
+        p = s.set_cluster(**change)
+        assert p.pins == {op: other} and p.choice(op).name == other
+        assert s.dropped_pins == [] and events[-1].detail["dropped_pins"] == []
+        s.undo()
+    # The inter solve keeps it too.
+    assert s.solve("inter").choice(op).name == other
+
+
+def test_what_if_replan_drops_what_cannot_hold_and_says_why(small_plan, graph):
+    s = Session(small_plan, model=graph)
+    op = _dot(s, "layer_1")
+    split = next(a.strategy for a in s.alternatives(op) if "S" in a.strategy.split("=")[0])
+    s.set_choice(op, split)
+    s.set_stages(submeshes=[(1, 2)])  # a stage pin that a one-device cluster cannot keep
+    assert "submeshes" in s.stage_pins
+    events = _record(s)
+    p = s.set_cluster(devices_per_host=1)  # one device: no strategy splits anything
+    assert p.pins == {} and p.stage_pins == {}
+    assert len(s.dropped_pins) == 2 and events[-1].detail["dropped_pins"] == s.dropped_pins
+    assert any(f"#{op}" in m and split in m and "no logical mesh of the new cluster" in m for m in s.dropped_pins)
+    assert any("submeshes" in m and "dropped" in m for m in s.dropped_pins)
+    assert any(e.name == "progress" and e.detail["message"] in s.dropped_pins for e in events)

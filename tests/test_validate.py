@@ -5,7 +5,6 @@ Run with JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu (the tests that need 8 devices 
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

@@ -7,10 +7,10 @@ minimising a *latency formula*. :func:`global_optimum` instead enumerates every 
     contiguous layer partition x in-order submesh sequence that tiles the cluster x logical mesh per stage
     x rematerialisation per stage x microbatch count
 
-and prices each one exactly as :func:`autopar_lab.planner._finish` prices a plan: the makespan of the event-level
+and prices each one exactly as :func:`autopar_lab.pricing.price_plan` prices a plan: the makespan of the event-level
 pipeline simulation (:func:`autopar_lab.simulate.simulate`), with the transfers between stages always priced, and a
 plan counts only if every stage's simulated peak memory fits the device. Both searches read the SAME
-:class:`~autopar_lab.planner.CostTable` (one intra-op ILP per logical mesh), so the gap
+:class:`~autopar_lab.pricing.table.CostTable` (one intra-op ILP per logical mesh), so the gap
 ``auto / optimum - 1 >= 0`` comes from the inter-operator level only:
 
 * **formula vs simulation.** The DP minimises ``sum t_i + sum c_j + (B - 1) * max(t_i, c_j)``; the simulated 1F1B
@@ -24,7 +24,7 @@ plan counts only if every stage's simulated peak memory fits the device. Both se
   pays them; with ``"model"`` a cut costs ``c_j`` as an extra pipeline term in the formula, whereas in the
   simulation a transfer overlaps compute and sits on its own link.
 * **memory and warm-up.** The DP checks ``static + held * act`` with ``held`` from the schedule; a plan here is
-  priced like ``_finish`` prices it (plain 1F1B, or a deeper warm-up that hides slow transfers when it is faster
+  priced like ``price_plan`` prices it (plain 1F1B, or a deeper warm-up that hides slow transfers when it is faster
   and fits), and counts if the simulated peak fits. (No candidate dominance pruning: with the deeper warm-up,
   whose depth depends on the stage times, makespan and memory are no longer monotone in one candidate's times.)
 
@@ -38,7 +38,8 @@ device offset, then a candidate), with two exact prunings (``prune=True``), chec
 1. *Lower bound.* In the simulator stage ``i`` cannot start before the first microbatch has gone through stages
    ``0..i-1`` and their cuts, it is busy ``B * (fwd_i + bwd_i)``, and its last task (the last microbatch's backward)
    must still travel back through ``i-1..0`` (true for plain 1F1B, GPipe and the deeper 1F1B warm-up
-   ``_finish`` may pick, since every order ends with the last microbatch's backward). So every completion of a prefix costs at least
+   ``price_plan`` may pick, since every order ends with the last microbatch's backward). So every completion of a
+   prefix costs at least
    ``max_i [sum_{k<i} (fwd_k + bwd_k + send_fwd_k + send_bwd_k) + B * (fwd_i + bwd_i)]``; a prefix whose bound
    reaches the incumbent is dropped. The incumbent starts as the auto plan (it lies in the space).
 2. *Memory.* A candidate whose ``static + act`` (one microbatch in flight) exceeds the device is dropped early.
@@ -52,21 +53,28 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any
 
-from ..simulate import simulate
-from .inter import StageCandidate, placement_fits
+from .. import planner
+from ..deprecation import renamed_keywords
+from ..pricing import CostTable, price_plan, simulate_pipeline
+from .ilp import DEFAULT_SOLVER
+from .inter import NoFeasiblePlanError, StageCandidate, placement_fits, transfer_s
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
 
 __all__ = ["global_optimum", "count_plans", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 2_000_000
 
 
-def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
+def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
     """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
 
     >>> import autopar_lab as al
-    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)  # 1 stage: 2 meshes x 2; 2 stages: 2 x 2
+    >>> # 1 stage: 2 meshes x 2 remat; 2 stages: 2 x 2
+    >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)
     8
     """
     L, NM = int(num_layers), cluster.num_devices
@@ -84,29 +92,26 @@ def count_plans(num_layers: int, cluster, microbatch_choices: int, remat_choices
     return microbatch_choices * per_b
 
 
-def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False, True), schedule: str = "1f1b",
-                   stage_comm: str = "model", mem_limit: float | None = None, solver: str = "cbc",
-                   limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True, _table_cache=None) -> dict:
+@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
+def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=(False, True),
+                   schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
+                   solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
+                   table: CostTable | None = None) -> dict:
     """Enumerate every plan of a small instance, price each with the pipeline simulator, and compare with Alpa's.
 
-    ``model_or_graph``/``cluster``/``microbatches``/``stage_comm``/``mem_limit``/``solver``: as for
+    ``model``/``cluster``/``microbatches``/``stage_comm``/``mem_limit_bytes``/``solver``/``table``: as for
     :func:`autopar_lab.planner.auto_plan` (``stage_comm`` only changes the auto plan's objective; both plans are
     reported with transfers priced). ``remat``: the rematerialisation choices per stage. ``limit``: refuse (a
     ValueError) when the space holds more plans than this. ``prune=False`` prices every plan (for tests);
     ``seed=False`` starts the pruned search without the auto plan as its incumbent (for tests of the bound).
 
-    Returns a dict: ``optimum`` and ``auto`` (Plans built by ``planner._finish``, so priced identically),
+    Returns a dict: ``optimum`` and ``auto`` (Plans priced by ``price_plan``, so priced identically),
     ``optimum_step_s``, ``auto_step_s``, ``gap`` (``auto / optimum - 1``), ``plans_total`` (size of the space),
     ``plans_priced`` (simulations run), ``plans_feasible`` (of those, how many fit memory), ``auto_fits``,
     ``solve_s`` ({"table", "auto", "search", "total"}) and ``table`` (the shared CostTable).
     """
-    from .. import planner  # planner imports solve.inter; import here to keep the module import order simple
-
     t_start = time.perf_counter()
-    if _table_cache is not None:
-        table = _table_cache
-    else:
-        table, _ = planner._table(model_or_graph, cluster, solver, None)
+    table, cluster, _ = planner.table_for(model, cluster, table, solver)
     choices = planner.microbatch_choices(table.batch_size, microbatches)
     remat = tuple(dict.fromkeys(bool(r) for r in remat))
     if not remat:
@@ -116,7 +121,7 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
     total = count_plans(L, cluster, len(choices), len(remat))
     if total > limit:
         raise ValueError(f"too many plans to enumerate: {total:,} (limit {limit:,}); use fewer layers or devices")
-    mem = float(cluster.device.memory_bytes if mem_limit is None else mem_limit)
+    mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
 
     # Every logical mesh's layer costs (the ILPs), before any timing of the search itself.
     shapes = cluster.submesh_shapes()
@@ -126,14 +131,14 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
     t_table = time.perf_counter()
 
     auto = planner.auto_plan(table.graph, cluster, microbatches=microbatches, stage_comm=stage_comm,
-                             schedule=schedule, mem_limit=mem, solver=solver, _table_cache=table)
+                             schedule=schedule, mem_limit_bytes=mem, solver=solver, table=table)
     auto_fits = all(m <= mem for m in auto.cost.peak_mem_bytes)
     t_auto = time.perf_counter()
 
     # Per-cut transfer time for a microbatch count B: the cut in front of layer k, into a stage at device offset o.
     def send_s(k: int, o: int, B: int) -> float:
         link = cluster.intra_host if o % M else cluster.inter_host
-        return link.latency + table.cut_bytes[k - 1] / B / link.bandwidth
+        return transfer_s(table.cut_bytes[k - 1] / B, link)
 
     # Can devices offset..NM be tiled by at most `stages` more stages?
     @functools.lru_cache(maxsize=None)
@@ -156,25 +161,16 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
             cand_cache[key] = cs
         return cand_cache[key]
 
-    best = {"T": math.inf, "stages": None, "B": None}
+    best: dict[str, Any] = {"T": math.inf, "stages": None, "B": None}
     if prune and seed and auto_fits:
         best.update(T=auto.cost.step_time_s, stages="auto", B=auto.microbatches)
     stats = {"priced": 0, "feasible": 0}
 
     def leaf(stages: list[StageCandidate], sends: list[float], B: int) -> None:
-        # Exactly planner._finish's pricing: plain 1F1B, or its deeper warm-up when that is faster and fits.
+        # Exactly price_plan's pricing: plain 1F1B, or its deeper warm-up when that is faster and fits.
         stats["priced"] += 1
-        fwd, bwd = [s.fwd_s for s in stages], [s.bwd_s for s in stages]
-        act, static = [s.act_bytes for s in stages], [s.static_bytes for s in stages]
-        tl = simulate(fwd, bwd, B, schedule, send_fwd_s=sends, send_bwd_s=sends, act_bytes=act, static_bytes=static)
-        if schedule == "1f1b" and any(sends):
-            t_ref = max(f + b for f, b in zip(fwd, bwd)) or 1.0
-            extra = [math.ceil(2 * x / t_ref - 1e-9) if x > 0 else 0 for x in sends]
-            S = len(stages)
-            deep = simulate(fwd, bwd, B, schedule, send_fwd_s=sends, send_bwd_s=sends, act_bytes=act,
-                            static_bytes=static, warmup=[S - i + sum(extra[i:]) for i in range(S)])
-            if deep.makespan < tl.makespan and all(m <= mem for m in deep.peak_mem_bytes):
-                tl = deep
+        tl = simulate_pipeline([s.fwd_s for s in stages], [s.bwd_s for s in stages], B, schedule, sends,
+                               [s.act_bytes for s in stages], [s.static_bytes for s in stages], mem)
         if any(m > mem for m in tl.peak_mem_bytes):
             return
         stats["feasible"] += 1
@@ -216,17 +212,16 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
 
     solve_s = {"table": t_table - t_start, "auto": t_auto - t_table, "search": t_search - t_auto}
     if best["stages"] is None:
-        from .inter import NoFeasiblePlanError
         raise NoFeasiblePlanError(
             f"no plan fits in {mem / 2**30:.3g} GiB per device under any of microbatches {choices}; use more "
             "devices, a larger batch split or a smaller model", math.inf)
     if best["stages"] == "auto":
-        opt_stages = [_candidate_of(s) for s in auto.stages]
-        opt_B = auto.microbatches
+        opt_stages, opt_B = list(auto.stages), auto.microbatches
     else:
         opt_stages, opt_B = best["stages"], best["B"]
-    optimum = planner._finish(table, cluster, "optimum", opt_stages, opt_B, schedule, "model", mem,
-                              {"search": solve_s["search"]})
+    optimum = price_plan(table, opt_stages, microbatches=opt_B, schedule=schedule, stage_comm="model",
+                         mem_limit_bytes=mem, method="optimum",
+                         solve_s=planner.planning_times(table, {"search": solve_s["search"]}))
     solve_s["total"] = time.perf_counter() - t_start
     a, o = auto.cost.step_time_s, optimum.cost.step_time_s
     return {
@@ -243,9 +238,3 @@ def global_optimum(model_or_graph, cluster, *, microbatches="auto", remat=(False
         "solve_s": solve_s,
         "table": table,
     }
-
-
-def _candidate_of(st) -> StageCandidate:
-    """A plan Stage back to the StageCandidate it was built from (same times and bytes)."""
-    return StageCandidate(tuple(st.layers), tuple(st.submesh), tuple(st.logical_mesh), st.remat, st.fwd_s, st.bwd_s,
-                          st.static_bytes, st.act_bytes, payload=st.intra)

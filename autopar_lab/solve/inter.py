@@ -42,7 +42,8 @@ Example (two layers, one host of two devices, one candidate per stage):
 ...     n = end - start + 1
 ...     size = submesh[0] * submesh[1]
 ...     slowdown = 1.5 if size > 1 else 1.0   # splitting a layer across devices costs communication
-...     return [StageCandidate((start, end), submesh, submesh, False, slowdown * n / size, 2 * slowdown * n / size, 0, 0)]
+...     t = slowdown * n / size
+...     return [StageCandidate((start, end), submesh, submesh, False, t, 2 * t, 0, 0)]
 >>> r = stage_dp(2, 1, 2, cands, microbatches=4)
 >>> [(s.layers, s.submesh) for s in r.stages], r.latency_s
 ([((0, 0), (1, 1)), ((1, 1), (1, 1))], 15.0)
@@ -65,6 +66,7 @@ __all__ = [
     "NoFeasiblePlanError",
     "stage_dp",
     "stage_dp_auto",
+    "transfer_s",
     "brute_force_stages",
     "pipeline_latency",
     "submesh_shapes",
@@ -228,10 +230,10 @@ class StageConstraints:
     def allows(self, j: int, cand: "StageCandidate") -> bool:
         """Whether candidate ``cand`` may be stage ``j`` (its submesh, logical mesh and remat)."""
         if self.submeshes is not None and self.submeshes[j] is not None \
-                and tuple(self.submeshes[j]) != tuple(cand.submesh):
+                and tuple(self.submeshes[j] or ()) != tuple(cand.submesh):
             return False
         if self.logical_meshes is not None and self.logical_meshes[j] is not None \
-                and tuple(self.logical_meshes[j]) != tuple(cand.logical_mesh):
+                and tuple(self.logical_meshes[j] or ()) != tuple(cand.logical_mesh):
             return False
         if self.remat is not None and self.remat[j] is not None and bool(self.remat[j]) != bool(cand.remat):
             return False
@@ -378,7 +380,9 @@ def _positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
-def _transfer_s(nbytes: float, link: Any) -> float:
+def transfer_s(nbytes: float, link: Any) -> float:
+    """Seconds to send ``nbytes`` over ``link`` (one direction): its latency plus bytes over bandwidth. The one
+    stage-transfer formula: the DP, the pricing of a plan and the global-optimum search all use it."""
     return float(link.latency) + float(nbytes) / float(link.bandwidth)
 
 
@@ -423,7 +427,7 @@ def _build_problem(
             raise ValueError("cut_bytes needs intra_link and inter_link (objects with .bandwidth and .latency).")
     for k in range(1, L):
         for kind, link in (("intra", intra_link), ("inter", inter_link)):
-            t = 0.0 if cut_bytes is None else _transfer_s(cb[k - 1], link)
+            t = 0.0 if cut_bytes is None else transfer_s(cb[k - 1], link)
             cut_cost[(k, kind)] = (t, t)  # gradients are the same size as activations
 
     shapes = tuple(submesh_shapes(N, M))
@@ -461,7 +465,7 @@ class _Tables(NamedTuple):
     """
 
     best_time: np.ndarray
-    index: Callable[[int, int, int, int], int]
+    index: Callable[[int, int, int, int], int]  # type: ignore[assignment]  # a field, not tuple.index
     min_req: Callable[[], np.ndarray]
 
 
@@ -576,7 +580,7 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
     L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
     F_prev = np.full((L + 1, NM + 1), np.inf)
     F_prev[L, 0] = 0.0
-    Fs, args = [F_prev], [None]
+    Fs, args = [F_prev], [None]  # type: list[Any], list[Any]
     d_idx = np.arange(NM + 1)
     places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
     for s in range(1, p.max_stages + 1):
@@ -783,7 +787,7 @@ def stage_dp(
     tables = _tables(p)
     best_time = tables.best_time
     valid, size, cut_full = _structure(p)
-    L, NM, B, SH = p.num_layers, p.num_devices, p.microbatches, len(p.shapes)
+    L, NM, B = p.num_layers, p.num_devices, p.microbatches
 
     values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
@@ -796,7 +800,7 @@ def stage_dp(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
 
-    best = {"T": float(upper_bound), "t_max": None, "shapes": None}
+    best: dict[str, Any] = {"T": float(upper_bound), "t_max": None, "shapes": None}
     tried: list[float] = []
     finite: list[bool] = []  # whether each DP solved found any plan
 
@@ -920,16 +924,16 @@ def stage_dp_auto(
     for B in choices:
         cb = cut_bytes(B) if callable(cut_bytes) else cut_bytes
         try:
-            r = stage_dp(
-                num_layers, hosts, devices_per_host,
-                lambda a, b, sub, _B=B: candidates(a, b, sub, _B),
-                B, cut_bytes=cb, **kwargs,
-            )
+            def at_b(a: int, b: int, sub: tuple[int, int], _B: int = B) -> Sequence[StageCandidate]:
+                return candidates(a, b, sub, _B)
+
+            r = stage_dp(num_layers, hosts, devices_per_host, at_b, B, cut_bytes=cb, **kwargs)
         except NoFeasiblePlanError as e:
             table[B] = None
             least_mem = min(least_mem, e.min_mem_bytes)
             last_error = e
             continue
+        assert r is not None  # None only under an upper_bound, which this search does not give
         table[B] = r.latency_s
         if best is None or r.latency_s < best.latency_s:
             best = r

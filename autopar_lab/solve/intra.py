@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,7 +49,11 @@ from ..graph.opgraph import (
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy, strategies_for
+from ..deprecation import renamed_keywords
 from . import ilp
+
+if TYPE_CHECKING:
+    from ..cluster import LogicalMesh
 
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
 
@@ -140,7 +144,7 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     parts = []
     for op in ops:
         node = graph.op(op)
-        refs = []
+        refs: list[tuple] = []
         for t in node.inputs:
             p = graph.tensor(t).producer
             refs.append(("in", pos[p], graph.op(p).outputs.index(t)) if p in pos else ("ext",))
@@ -152,7 +156,7 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     return tuple(parts)
 
 
-class _StrategyCache:
+class StrategyCache:
     """Strategies per operator signature, and resharding costs per (specs, shape), on one mesh."""
 
     def __init__(self, mesh):
@@ -221,7 +225,7 @@ def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, i
     """(producer, consumer, producer output index, consumer input index) for every tensor read, plus alias edges
     (updated parameter -> parameter: producer is the parameter op, consumer the output op, indices -1)."""
     memo = _graph_memo(graph, "in_edges")
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for v in ops:
         edges = memo.get(v)
         if edges is None:
@@ -232,7 +236,7 @@ def _edges_of(graph: OpGraph, ops: Iterable[int]) -> list[tuple[int, int, int, i
 
 def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
     node = graph.op(v)
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     for j, t in enumerate(node.inputs):
         u = graph.tensor(t).producer
         if u is None:
@@ -240,7 +244,8 @@ def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
         out.append((u, v, graph.op(u).outputs.index(t), j))
     if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:
         p = graph.tensor(node.params["alias_of"]).producer
-        out.append((p, v, -1, -1))
+        if p is not None:
+            out.append((p, v, -1, -1))
     return tuple(out)
 
 
@@ -284,10 +289,11 @@ def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]
     return tuple(live)
 
 
-def _to_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
+def strategy_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
     if isinstance(pin, (int, np.integer)):
         if not 0 <= pin < len(strats):
-            raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of range")
+            raise ValueError(f"operator {node.describe()} has {len(strats)} strategies; pin index {pin} is out of "
+                             "range")
         return int(pin)
     if isinstance(pin, Strategy):
         for k, s in enumerate(strats):
@@ -317,8 +323,10 @@ def _project(s: Strategy, drop_axis: int) -> tuple:
             tuple(x.without_axes((drop_axis,)) for x in s.in_specs))
 
 
-def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, context: Mapping[int, Strategy] = {},
-                  pins: Mapping[int, Any] = {}, mem_limit: float = math.inf, cache: _StrategyCache | None = None,
+@renamed_keywords(mem_limit="mem_limit_bytes")
+def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *,
+                  context: Mapping[int, Strategy] = {}, pins: Mapping[int, Any] = {},
+                  mem_limit_bytes: float = math.inf, cache: StrategyCache | None = None,
                   mirror: Mapping[int, int] = {}, restrict: Mapping[int, tuple] = {}) -> _Built:
     """The ILP for ``ops`` (default: all) on ``mesh``.
 
@@ -329,7 +337,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
     operator, only the strategies whose specs without mesh axis 1 equal the given projection (see ``axes`` in
     :func:`solve_intra`).
     """
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     inside = set(ops)
     near = inside | set(mirror)  # an identical layer's operators stand for this layer's
@@ -351,7 +359,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
     pin_idx = {}
     for op, pin in pins.items():
         if op in index:
-            pin_idx[index[op]] = _to_index(pin, strats[index[op]], graph.op(op))
+            pin_idx[index[op]] = strategy_index(pin, strats[index[op]], graph.op(op))
     node_costs = [np.array([s.cost for s in ss]) for ss in strats]
     # Keeping a parameter or optimizer state whole costs no time when its readers slice it locally, but it costs
     # memory: among plans equally fast, prefer the one that stores step inputs sharded (a tie-break, 1e-15 s per byte).
@@ -389,12 +397,12 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
         if a > b:
             edges[k], mats[k] = (b, a), mat.T
     node_mem = live = None
-    if math.isfinite(mem_limit):
+    if math.isfinite(mem_limit_bytes):
         node_mem = tuple(np.array([s.mem_bytes for s in ss]) for ss in strats)
         live = _liveness(graph, nodes)
     problem = ilp.IntraProblem(
         node_costs=tuple(node_costs),
-        edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit,
+        edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit_bytes,
         pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes),
     )
     return _Built(problem, nodes, strats)
@@ -406,7 +414,7 @@ def build_problem(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, con
 
 def _solve_group(graph, mesh, ops, *, context, pins, mem_limit, cache, solver, time_limit, merge, name,
                  mirror={}, restrict={}):
-    built = build_problem(graph, mesh, ops, context=context, pins=pins, mem_limit=mem_limit, cache=cache,
+    built = build_problem(graph, mesh, ops, context=context, pins=pins, mem_limit_bytes=mem_limit, cache=cache,
                           mirror=mirror, restrict=restrict)
     problem, merges = built.problem, 0
     record = None
@@ -445,13 +453,15 @@ class _OneAxisView:
         return lambda nbytes, axis: fn(nbytes, 0) if axis in (0, (0, 1)) else 0.0
 
 
-def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
-                mem_limit: float | None = None, reuse_layers: bool = True, merge: bool = False, solver: str = "cbc",
-                time_limit: float | None = None, axes: str = "auto", cache: _StrategyCache | None = None,
+@renamed_keywords(mem_limit="mem_limit_bytes")
+def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
+                mem_limit_bytes: float | None = None, reuse_layers: bool = True, merge: bool = False,
+                solver: str = "cbc",
+                time_limit: float | None = None, axes: str = "auto", cache: StrategyCache | None = None,
                 rounds: int = 2, memo: dict | None = None) -> IntraPlan:
     """Choose a strategy for every operator in ``ops`` (default: the whole graph) on ``mesh``.
 
-    ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit`` (bytes per device) adds
+    ``pins`` fix operators' strategies; the ILP solves the rest around them. ``mem_limit_bytes`` (per device) adds
     Alpa's memory constraint over program points; it is applied to the whole graph as one ILP, since the layers'
     memory adds up. ``merge`` applies Alpa's follower merging (smaller ILPs, possibly worse plans: see
     :func:`autopar_lab.solve.ilp.merge_followers`).
@@ -471,9 +481,9 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
     with 8 pairs sharing a host's NICs); it is solved once per such axis.
     """
     t0 = time.perf_counter()
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
-    mem_limit = math.inf if mem_limit is None else float(mem_limit)
+    mem_limit = math.inf if mem_limit_bytes is None else float(mem_limit_bytes)
     if axes not in ("auto", "joint", "sequential"):
         raise ValueError(f"axes must be 'auto', 'joint' or 'sequential', got {axes!r}")
     restrict: dict[int, tuple] = {}
@@ -483,9 +493,9 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
         key = ("first pass", tuple(ops), mesh.shape[0], float(link.bandwidth), float(link.latency),
                reuse_layers, merge, solver, time_limit, rounds)
         if memo is None or key not in memo:
-            view = _OneAxisView(mesh)
-            vcache = _StrategyCache(view)
-            first = solve_intra(graph, view, ops, mem_limit=None, reuse_layers=reuse_layers, merge=merge,
+            view: Any = _OneAxisView(mesh)  # axis 0 alone, standing in for a LogicalMesh
+            vcache = StrategyCache(view)
+            first = solve_intra(graph, view, ops, mem_limit_bytes=None, reuse_layers=reuse_layers, merge=merge,
                                 solver=solver, time_limit=time_limit, axes="joint", rounds=rounds, cache=vcache)
             restrict = {op: vcache.project(s) for op, s in first.strategies.items()}
             if memo is not None:
@@ -535,7 +545,7 @@ def solve_intra(graph: OpGraph, mesh, ops: Sequence[int] | None = None, *, pins:
                     chosen[b] = chosen[a]
                 infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
                 continue
-            mirror = {}
+            mirror: dict[int, int] = {}
             for other in copies[sigs[k]]:
                 if other != k:
                     mirror.update(zip(groups[other][1], group))
@@ -580,10 +590,11 @@ def _weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
     return {op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4)}
 
 
-def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops: Sequence[int] | None = None,
-                   cache: _StrategyCache | None = None, groups: tuple = (), solve_s: float = 0.0) -> IntraPlan:
+def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strategy], *,
+                   ops: Sequence[int] | None = None, cache: StrategyCache | None = None, groups: tuple = (),
+                   solve_s: float = 0.0) -> IntraPlan:
     """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
-    cache = cache or _StrategyCache(mesh)
+    cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     missing = [op for op in ops if op not in chosen]
     if missing:
@@ -614,7 +625,7 @@ def evaluate_intra(graph: OpGraph, mesh, chosen: Mapping[int, Strategy], *, ops:
                      {k: dict(v) for k, v in colls.items()}, groups, solve_s)
 
 
-def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], cache: _StrategyCache):
+def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], cache: StrategyCache):
     """The resharding a choice costs: (producer, consumer, is_alias, tensor, src spec, dst spec, seconds) for every
     conversion with a cost, between operators both in ``ops``.
 
@@ -645,25 +656,34 @@ def mesh_axis_size(mesh, axis) -> int:
     return mesh.axis_size(axis)
 
 
+def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...]):
+    """The bytes per device one operator adds to a stage, term by term: ``("static", bytes)`` for a parameter (x2:
+    its gradient) or optimizer state as sharded, ``("act", bytes)`` for each forward output a backward operator
+    reads. The one memory formula: the IntraPlan's totals and the per-layer costs of
+    :mod:`autopar_lab.pricing` both add these terms, in this order."""
+    if node.primitive == INPUT_PRIMITIVE:
+        kind = graph.tensor(node.outputs[0]).kind
+        if kind == PARAM:
+            yield "static", 2 * s.mem_bytes
+        elif kind == OPT_STATE:
+            yield "static", s.mem_bytes
+        return
+    if node.role != FORWARD:
+        return
+    for k, t in enumerate(node.outputs):
+        if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
+            info = graph.tensor(t)
+            yield "act", s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
+
+
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
-    """(static, activation) bytes per device: parameters x2 (their gradients) and optimizer state as sharded;
-    forward outputs that backward operators read."""
+    """(static, activation) bytes per device: the sum of :func:`memory_terms` over ``ops``."""
     mshape = tuple(mesh.shape)
     static = act = 0.0
     for op in ops:
-        node = graph.op(op)
-        s = chosen[op]
-        if node.primitive == INPUT_PRIMITIVE:
-            kind = graph.tensor(node.outputs[0]).kind
-            if kind == PARAM:
-                static += 2 * s.mem_bytes
-            elif kind == OPT_STATE:
-                static += s.mem_bytes
-            continue
-        if node.role != FORWARD:
-            continue
-        for k, t in enumerate(node.outputs):
-            if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
-                info = graph.tensor(t)
-                act += s.out_specs[k].bytes_per_device(info.shape, info.dtype, mshape)
+        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape):
+            if kind == "static":
+                static += nbytes
+            else:
+                act += nbytes
     return static, act

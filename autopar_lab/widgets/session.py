@@ -13,8 +13,8 @@ pushes the new plan and tells the observers with an :class:`Event` carrying the 
     plan undo
 
 Operator ids are those of the graph the plan's strategies refer to (``session.op_graph``: the plan's own graph, or for
-a deep zoo model its shallower copy, see :mod:`autopar_lab.planner`); :meth:`Session.solve_op` maps an operator of the
-full graph onto it.
+a deep zoo model its shallower copy, see :mod:`autopar_lab.planner`); :attr:`Session.op_map` (an
+:class:`~autopar_lab.pricing.opmap.OpMap`) maps the full graph's operators and layers onto it and back.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from ..deprecation import renamed_keywords
+from ..solve.ilp import DEFAULT_SOLVER
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..pricing.opmap import OpMap
+    from ..pricing.table import CostTable
 
 __all__ = ["Session", "Event", "SolveCancelled", "Selection"]
 
@@ -69,14 +77,15 @@ class Session:
 
     ``plan``: the starting plan (from :func:`~autopar_lab.auto_plan`, :func:`~autopar_lab.megatron_plan`, ...).
     ``model``: the zoo ModelSpec or OpGraph it was made from (a full re-solve traces it again only if it is a model;
-    by default the plan's graph is used).
+    by default the plan's graph is used). ``solver``: the ILP solver of every solve (the planner's default).
     """
 
-    def __init__(self, plan, *, model=None, solver: str = "cbc"):
+    def __init__(self, plan: Plan, *, model=None, solver: str = DEFAULT_SOLVER):
         from ..plan import Plan
 
         if not isinstance(plan, Plan):
-            raise TypeError(f"Session needs a Plan (from al.auto_plan, al.megatron_plan, ...), got {type(plan).__name__}")
+            raise TypeError(f"Session needs a Plan (from al.auto_plan, al.megatron_plan, ...), got "
+                            f"{type(plan).__name__}")
         self._history: list = [plan]
         self._actions: list[str] = ["start"]
         self._index = 0
@@ -86,12 +95,13 @@ class Session:
         self.comparison: dict | None = None
         self._observers: list[Callable[[Event], None]] = []
         self._lock = threading.RLock()
-        self._op_maps: dict[int, dict] = {}
+        # Messages about pins a solve had to drop (a what-if re-plan on a cluster that cannot keep them).
+        self.dropped_pins: list[str] = []
         # Training (run_local / launch): the latest measured per-stage times and the plan they were measured for.
         self._measured: tuple | None = None  # (plan, rows)
         self._runs = 0
-        self.job = None  # the latest Ray job from launch()
-        self.runner = None  # the latest local Runner from run_local()
+        self.job: Any = None  # the latest Ray job from launch()
+        self.runner: Any = None  # the latest local Runner from run_local()
 
     # --- state ----------------------------------------------------------------------------------------------------
     @property
@@ -116,8 +126,16 @@ class Session:
     @property
     def op_graph(self):
         """The graph whose operator ids the plan's strategies use (see the module docstring)."""
+        return self.plan.op_graph
+
+    @property
+    def op_map(self) -> OpMap:
+        """Full graph <-> :attr:`op_graph`, for operators and layers (the identity for a model solved on its own
+        graph)."""
+        from ..pricing.opmap import OpMap
+
         t = self.plan.table
-        return t.solve_graph if t is not None else self.plan.graph
+        return t.op_map if t is not None else OpMap(self.plan.graph)
 
     @property
     def cluster(self):
@@ -158,7 +176,7 @@ class Session:
         for cb in list(self._observers):
             cb(ev)
 
-    def _push(self, plan, action: str) -> Any:
+    def _push(self, plan, action: str, **detail) -> Any:
         with self._lock:
             before = self.plan
             del self._history[self._index + 1:]
@@ -167,7 +185,7 @@ class Session:
             self._actions.append(action)
             self._index += 1
         self._fix_selection()
-        self._emit("plan", action, before, plan)
+        self._emit("plan", action, before, plan, **detail)
         return plan
 
     def _fix_selection(self) -> None:
@@ -198,7 +216,8 @@ class Session:
         elif layer is not None:
             names = list(plan.layer_names)
             if layer not in names:
-                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{'...' if len(names) > 6 else ''}")
+                more = "..." if len(names) > 6 else ""
+                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{more}")
             k = names.index(layer)
             stage = next(s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1])
         elif stage is not None:
@@ -211,33 +230,8 @@ class Session:
 
     def solve_op(self, full_op: int) -> int | None:
         """The operator of ``op_graph`` that stands for operator ``full_op`` of the full graph (the same position in
-        the layer its layer maps to), or None when it has no counterpart."""
-        plan = self.plan
-        if plan.table is None or plan.table.solve_graph is plan.graph:
-            return int(full_op)
-        table = plan.table
-        m = self._op_maps.get(id(table))
-        if m is None:
-            m = self._build_op_map(table)
-            self._op_maps = {id(table): m}
-        return m.get(int(full_op))
-
-    @staticmethod
-    def _build_op_map(table) -> dict:
-        full, small = table.graph, table.solve_graph
-        small_names = list(small.layers)
-        out: dict[int, int] = {}
-        small_ops = {name: small.ops_in_layer(name) for name in small_names}
-        for k, name in enumerate(table.layer_names):
-            src = full.ops_in_layer(name)
-            dst = small_ops.get(small_names[table.layer_map[k]], []) if small_names else []
-            if len(src) == len(dst):
-                out.update(zip(src, dst))
-        src = [n.id for n in full if n.layer is None]
-        dst = [n.id for n in small if n.layer is None]
-        if len(src) == len(dst):
-            out.update(zip(src, dst))
-        return out
+        the layer its layer maps to), or None when it has no counterpart (see :attr:`op_map`)."""
+        return self.op_map.solve_op(int(full_op))
 
     # --- overrides -------------------------------------------------------------------------------------------------
     def set_choice(self, op: int, strategy) -> Any:
@@ -287,7 +281,8 @@ class Session:
         return [st.layers[0] for st in self.plan.stages[1:]]
 
     def move_cut(self, cut: int, first_layer: int) -> Any:
-        """Move cut ``cut`` (between stage ``cut`` and ``cut + 1``) so that stage ``cut + 1`` starts at ``first_layer``."""
+        """Move cut ``cut`` (between stage ``cut`` and ``cut + 1``) so that stage ``cut + 1`` starts at
+        ``first_layer``."""
         b = self.boundaries()
         if not 0 <= cut < len(b):
             raise ValueError(f"cut {cut} does not exist; this plan has {len(b)} cut(s) between {len(b) + 1} stage(s)")
@@ -327,11 +322,11 @@ class Session:
     def resolve(self) -> Any:
         """Re-solve every decision that is not pinned, around the operator and stage pins
         (:func:`autopar_lab.resolve`: the stage DP over the plan's cost table, then the ILP of each stage with pins)."""
-        from ..overrides import resolve
+        from ..pins import resolve
 
         return self._push(resolve(self.plan, solver=self.solver), "resolve")
 
-    def adopt(self, plan, action: str = "adopt") -> Any:
+    def adopt(self, plan: Plan, action: str = "adopt") -> Any:
         """Make ``plan`` (a baseline from :meth:`compare`, a loaded file) the current plan, undoably."""
         from ..plan import Plan
 
@@ -378,121 +373,94 @@ class Session:
 
         return hook
 
-    def solve(self, kind: str = "full", *, progress: Callable[[str, float | None], None] | None = None,
+    @renamed_keywords(progress="on_progress")
+    def solve(self, kind: str = "full", *, on_progress: Callable[[str, float | None], None] | None = None,
               cancel: threading.Event | None = None, microbatches="auto", cluster=None) -> Any:
-        """Run a solver and make its plan current; operator pins are kept (re-solved around).
+        """Run a solver and make its plan current; pins are kept (re-solved around) wherever they still hold.
 
         ``kind``: ``"intra"`` (the current stages kept, each stage's operator shardings re-solved by the intra-op
         ILP around the pins), ``"inter"`` (the stage DP again over the plan's cost table: stages, submeshes, logical
-        meshes, microbatches; stage pins are dropped), or ``"full"`` (both, with a fresh cost table; ``cluster``
-        replaces the cluster, for what-if questions). ``progress(message, fraction or None)`` is called as the
-        intra-op ILPs finish; when ``cancel`` (a threading.Event) is set the solve stops at the next report with
-        :class:`SolveCancelled` and the session is unchanged.
+        meshes, microbatches, around the pins), or ``"full"`` (both, with a fresh cost table; ``cluster`` replaces
+        the cluster, for what-if questions). Every pin the new plan cannot keep (a strategy no mesh of the new
+        cluster has, submeshes that do not tile it, pins that together do not fit) is dropped with a message saying
+        which and why: in :attr:`dropped_pins` and in the ``plan`` event's ``detail["dropped_pins"]``.
+        ``on_progress(message, fraction or None)`` is called as the intra-op ILPs finish; when ``cancel`` (a
+        threading.Event) is set the solve stops at the next report with :class:`SolveCancelled` and the session is
+        unchanged.
         """
         from .. import planner
+        from ..pins import keep_pins, solve_intra_around_pins
 
         if kind not in ("intra", "inter", "full"):
             raise ValueError(f"solve kind must be 'intra', 'inter' or 'full', got {kind!r}")
-        hook = self._hooks(progress, cancel)
+        hook = self._hooks(on_progress, cancel)
         hook(f"{kind} solve started")
         plan = self.plan
+        dropped: list[str] = []
         if kind == "intra":
-            new = self._solve_intra(plan, hook)
+            if plan.table is None:
+                raise ValueError("this plan has no cost table; run a full solve")
+            new = solve_intra_around_pins(plan, solver=self.solver, on_progress=hook)
         else:
             new_cluster = cluster if cluster is not None else plan.cluster
             mem = plan.cost.mem_limit_bytes if new_cluster == plan.cluster else None
-            kw = dict(microbatches=microbatches, stage_comm=plan.stage_comm, schedule=plan.schedule, mem_limit=mem,
-                      solver=self.solver)
+            kw = dict(microbatches=microbatches, stage_comm=plan.stage_comm, schedule=plan.schedule,
+                      mem_limit_bytes=mem, solver=self.solver)
             if kind == "inter" and cluster is None and plan.table is not None:
-                old = plan.table.progress
-                plan.table.progress = hook
+                old = plan.table.on_progress
+                plan.table.on_progress = hook
                 try:
-                    new = planner.auto_plan(plan.graph, new_cluster, _table_cache=plan.table, **kw)
+                    new = planner.auto_plan(plan.graph, new_cluster, table=plan.table, **kw)
                 finally:
-                    plan.table.progress = old
+                    plan.table.on_progress = old
             else:
                 source = self.model if self.model is not None else plan.graph
-                new = planner.auto_plan(source, new_cluster, progress=hook, **kw)
-                new.table.progress = None  # the hook belongs to this solve only
-            new = self._repin(new, dict(plan.pins), hook)
+                new = planner.auto_plan(source, new_cluster, on_progress=hook, **kw)
+                if new.table is not None:
+                    new.table.on_progress = None  # the hook belongs to this solve only
+            new, dropped = keep_pins(new, plan, solver=self.solver, on_progress=hook)
         if cancel is not None and cancel.is_set():
             raise SolveCancelled("solve cancelled")
+        for message in dropped:
+            hook(message)
         hook(f"{kind} solve done", 1, 1)
-        return self._push(new, f"solve_{kind}")
+        self.dropped_pins = list(dropped)
+        return self._push(new, f"solve_{kind}", dropped_pins=list(dropped))
 
-    def _solve_intra(self, plan, hook):
-        """The same stages, each stage's operators from the intra-op ILP of its mesh, re-solved around its pins."""
-        from ..overrides import _PinIndex, assemble
-        from ..solve.intra import solve_intra
-
-        table = plan.table
-        if table is None:
-            raise ValueError("this plan has no cost table; run a full solve")
-        pins = _PinIndex(plan)
-        g = self.op_graph
-        intras = []
-        for k, st in enumerate(plan.stages):
-            hook(f"intra-op ILP of stage {k} on {st.logical_mesh[0]}x{st.logical_mesh[1]}", k, len(plan.stages))
-            _, base = table.mesh_costs(st.submesh, st.logical_mesh)
-            mine = pins.in_range(*st.layers)
-            if not mine:
-                intras.append(base)
-                continue
-            kw = dict(ops=base.ops, pins=mine, solver=self.solver, rounds=1,
-                      cache=pins.cache(st.submesh, st.logical_mesh))
-            try:
-                intras.append(solve_intra(g, base.mesh, **kw))
-            except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
-                intras.append(solve_intra(g, base.mesh, axes="joint", **kw))
-        specs = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
-        return assemble(table, plan.cluster, plan.method, specs, intras, plan.microbatches, plan.schedule,
-                        plan.stage_comm, plan.cost.mem_limit_bytes, solve_s=plan.solve_s, notes=plan.notes,
-                        pins=plan.pins, stage_pins=plan.stage_pins)
-
-    def _repin(self, plan, pins: Mapping[int, str], hook):
-        """The old operator pins on a freshly solved plan, re-solved around (pins no mesh can run are dropped)."""
-        from ..overrides import resolve
-
-        old, new = self.op_graph, (plan.table.solve_graph if plan.table is not None else plan.graph)
-        if not pins or old.fingerprint != new.fingerprint:
-            return plan
-        hook("re-solving around the operator pins")
-        try:
-            return resolve(dataclasses.replace(plan, pins=dict(pins)), solver=self.solver)
-        except ValueError:
-            return plan  # the pins do not fit this cluster: the fresh plan without them
-
-    def set_cluster(self, cluster=None, *, progress=None, cancel=None, **changes) -> Any:
+    @renamed_keywords(progress="on_progress")
+    def set_cluster(self, cluster=None, *, on_progress=None, cancel=None, **changes) -> Any:
         """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
-        ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve."""
+        ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve, keeping every pin that still holds (see
+        :meth:`solve`)."""
         if cluster is None:
             if not changes:
                 raise ValueError("set_cluster needs a Cluster or changes such as hosts=2, inter_host_bandwidth=1e9")
             cluster = self.cluster.with_(**changes)
         elif changes:
             raise ValueError("pass either a Cluster or changes, not both")
-        return self.solve("full", progress=progress, cancel=cancel, cluster=cluster)
+        return self.solve("full", on_progress=on_progress, cancel=cancel, cluster=cluster)
 
     # --- comparisons -----------------------------------------------------------------------------------------------
-    def compare(self, *, optimum: bool | None = None, optimum_limit: int = 20_000, progress=None,
+    @renamed_keywords(progress="on_progress")
+    def compare(self, *, optimum: bool | None = None, optimum_limit: int = 20_000, on_progress=None,
                 cancel: threading.Event | None = None) -> dict:
         """The current plan against the best Megatron-style layout and data parallelism, priced by the plan's own cost
         table; with ``optimum`` (default: when the plan space has at most ``optimum_limit`` plans) also the
         exhaustive global optimum. Returns {name: Plan} plus ``"megatron_config"``; also kept in ``comparison``.
-        ``progress``/``cancel``: as for :meth:`solve` (the ILPs of meshes the table has not priced yet report)."""
+        ``on_progress``/``cancel``: as for :meth:`solve` (the ILPs of meshes the table has not priced yet report)."""
         plan = self.plan
         table = plan.table
         if table is None:
             raise ValueError("this plan has no cost table to price the baselines with; run a full solve")
-        hook = self._hooks(progress, cancel, "compare")
-        old = table.progress
-        table.progress = hook
+        hook = self._hooks(on_progress, cancel, "compare")
+        old = table.on_progress
+        table.on_progress = hook
         try:
             return self._compare(plan, table, optimum, optimum_limit, hook)
         finally:
-            table.progress = old
+            table.on_progress = old
 
-    def _compare(self, plan, table, optimum, optimum_limit, hook) -> dict:
+    def _compare(self, plan: Plan, table: CostTable, optimum, optimum_limit, hook) -> dict:
         from .. import planner
         from ..solve import exhaustive
 
@@ -505,7 +473,7 @@ class Session:
         n = exhaustive.count_plans(len(table.layer_names), cluster, len(mbs))
         if optimum or (optimum is None and n <= optimum_limit):
             hook(f"searching all {n} plans for the global optimum")
-            res = exhaustive.global_optimum(plan.graph, cluster, solver=self.solver, _table_cache=table,
+            res = exhaustive.global_optimum(plan.graph, cluster, solver=self.solver, table=table,
                                             limit=max(optimum_limit, n) if optimum else optimum_limit)
             out["optimum"] = res["optimum"]
         self.comparison = out

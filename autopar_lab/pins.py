@@ -1,0 +1,441 @@
+"""Pins: the decisions a user fixed, checked, and everything else re-solved around them.
+
+Overrides record pins (:mod:`autopar_lab.overrides`): operators' strategies in ``Plan.pins`` (op -> strategy name),
+stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_meshes", "remat", "microbatches",
+"schedule"). This module re-solves around them:
+
+- :func:`resolve`: the stage DP with the stage pins as constraints (:class:`~autopar_lab.solve.inter.StageConstraints`,
+  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`), then the intra-op ILP of each stage
+  around its operator pins;
+- :func:`solve_intra_around_pins`: the same stages, each stage's ILP again around its pins (the workbench's "intra"
+  solve);
+- :func:`keep_pins`: a fresh plan (another cluster: a what-if question) re-solved around every pin of the old one
+  that still holds there, with one message per pin it had to drop.
+
+Operator ids are those of the graph the plan was solved on (``plan.op_graph``); a pin on a deep model's shallower
+copy holds for every layer that copy's layer stands for (:class:`~autopar_lab.pricing.opmap.OpMap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from . import planner
+from .pricing import LazyIntraPlan, pareto, price_plan
+from .pricing.price import StageSpec, table_of
+from .solve.ilp import DEFAULT_SOLVER
+from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
+from .solve.intra import IntraPlan, solve_intra
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .plan import Plan
+    from .pricing import CostTable
+    from .sharding.strategies import Strategy
+    from .solve.intra import StrategyCache
+
+Hook = Callable[..., None]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checking stage decisions
+
+
+def pair(value, what: str) -> tuple[int, int]:
+    """``value`` as a pair of integers; a ValueError naming ``what`` otherwise."""
+    try:
+        a, b = value
+        if isinstance(a, bool) or isinstance(b, bool) or int(a) != a or int(b) != b:
+            raise TypeError
+        return int(a), int(b)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a pair of integers, got {value!r}") from None
+
+
+def stage_ranges(boundaries, num_layers: int) -> list[tuple[int, int]]:
+    """Stage layer ranges from ``boundaries``: the first layer of each stage after the first, or the ranges
+    themselves as (first, last) pairs. ValueError naming the problem when they do not cover every layer in order.
+
+    >>> stage_ranges([2, 3], 5), stage_ranges([(0, 1), (2, 4)], 5)
+    ([(0, 1), (2, 2), (3, 4)], [(0, 1), (2, 4)])
+    """
+    items = list(boundaries)
+    L = num_layers
+    if items and all(isinstance(x, (tuple, list)) for x in items):
+        ranges = [pair(x, f"stage range {x!r}") for x in items]
+        expect = 0
+        for j, (a, b) in enumerate(ranges):
+            if a != expect or b < a:
+                raise ValueError(f"stage {j}'s layers ({a}, {b}) do not continue the stages before it: it must "
+                                 f"start at layer {expect} and end at or after its start (layers 0..{L - 1}).")
+            expect = b + 1
+        if expect != L:
+            raise ValueError(f"the stages cover layers 0..{expect - 1}, but the model has layers 0..{L - 1}; "
+                             "the last stage must end at the last layer.")
+        return ranges
+    cuts = []
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"boundaries must be layer indices (the first layer of each stage after the first) or "
+                             f"(first, last) ranges, got {x!r}")
+        cuts.append(x)
+    if any(not 0 < c < L for c in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"boundaries {cuts} must be increasing layer indices in 1..{L - 1} (the first layer of "
+                         f"each stage after the first; this model has {L} layers).")
+    bounds = [0, *cuts, L]
+    return [(bounds[j], bounds[j + 1] - 1) for j in range(len(bounds) - 1)]
+
+
+def check_submeshes(cluster: Cluster, submeshes) -> list[tuple[int, int]]:
+    """The submeshes as pairs, checked to tile ``cluster`` in order (each stage starts where the previous one
+    ended, a submesh never straddles a host, every device used once); a ValueError naming the stage otherwise."""
+    shapes = [pair(x, f"submesh {x!r}") for x in submeshes]
+    valid = [tuple(s) for s in cluster.submesh_shapes()]
+    offset = 0
+    for j, sh in enumerate(shapes):
+        if sh not in valid:
+            raise ValueError(f"stage {j}'s submesh {sh} is not a submesh shape of this cluster "
+                             f"({cluster.hosts} x {cluster.devices_per_host} devices); use one of {valid}.")
+        if not placement_fits(sh, offset, cluster.hosts, cluster.devices_per_host):
+            end = offset + sh[0] * sh[1]
+            why = (f"it would run past the cluster's {cluster.num_devices} devices" if end > cluster.num_devices
+                   else f"it would straddle hosts of {cluster.devices_per_host} devices")
+            raise ValueError(f"stage {j}'s submesh {sh} does not fit at device {offset} (stages are placed in order, "
+                             f"each after the previous one): {why}; change the submeshes so they tile the cluster.")
+        offset += sh[0] * sh[1]
+    if offset != cluster.num_devices:
+        raise ValueError(f"the submeshes {shapes} use {offset} devices, but the cluster has {cluster.num_devices}; "
+                         "the stages' submeshes must use every device exactly once.")
+    return shapes
+
+
+def constraints_of(stage_pins: Mapping[str, Any]) -> StageConstraints | None:
+    """The stage DP's constraints for these stage pins (None when they fix nothing the DP decides)."""
+    c = StageConstraints(cuts=tuple(stage_pins["boundaries"]) if "boundaries" in stage_pins else None,
+                         submeshes=stage_pins.get("submeshes"), logical_meshes=stage_pins.get("logical_meshes"),
+                         remat=stage_pins.get("remat"))
+    return c if c.num_stages is not None else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Operator pins
+
+
+class PinIndex:
+    """Operator pins, looked up by layer and by mesh: which stages they fall in and which meshes can run them."""
+
+    def __init__(self, plan: Plan, pins: Mapping[int, str] | None = None):
+        self.plan = plan
+        self.pins = dict(plan.pins if pins is None else pins)
+        self.table = table_of(plan)
+        self.g = plan.op_graph
+        self.layers = {op: self.table.op_map.full_layers_of(op) for op in self.pins}
+        self._ok: dict[tuple, bool] = {}
+
+    def in_range(self, a: int, b: int) -> dict[int, str]:
+        """The pins on operators of layers a..b (for a shallower copy's operator: any layer it stands for)."""
+        return {op: name for op, name in self.pins.items() if any(a <= i <= b for i in self.layers[op])}
+
+    def cache(self, submesh, shape) -> StrategyCache:
+        return self.table.strategy_cache(self.plan.cluster.logical_mesh(submesh, shape))
+
+    def strategy(self, op: int, submesh, shape) -> Strategy | None:
+        """The pinned strategy of ``op`` on that logical mesh, or None when that mesh has no strategy so named."""
+        name = self.pins[op]
+        hit = [s for s in self.cache(submesh, shape).strategies(self.g.op(op)) if s.name == name]
+        return hit[0] if hit else None
+
+    def anywhere(self, op: int) -> bool:
+        """Whether some logical mesh of the cluster has ``op``'s pinned strategy."""
+        cluster = self.plan.cluster
+        return any(self.strategy(op, sub, shape) is not None
+                   for sub in cluster.submesh_shapes() for shape in cluster.logical_mesh_shapes(sub))
+
+    def mesh_ok(self, a: int, b: int, submesh, shape) -> bool:
+        """Whether every pinned operator of layers a..b has its strategy on this mesh."""
+        for op in self.in_range(a, b):
+            key = (op, tuple(submesh), tuple(shape))
+            if key not in self._ok:
+                self._ok[key] = self.strategy(op, submesh, shape) is not None
+            if not self._ok[key]:
+                return False
+        return True
+
+    def honoured_by(self, intra: IntraPlan, a: int, b: int) -> bool:
+        """Whether ``intra`` runs every pinned operator of layers a..b by its pinned strategy."""
+        return all(op in intra.strategies and intra.strategies[op].name == name
+                   for op, name in self.in_range(a, b).items())
+
+
+def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage: int) -> IntraPlan:
+    """The table's IntraPlan of a mesh with the stage's operator pins applied (re-priced, not re-solved)."""
+    _, base = table.mesh_costs(submesh, shape)
+    mine = pins.in_range(*layers)
+    if not mine:
+        return base
+    chosen = dict(base.strategies)
+    for op, name in mine.items():
+        s = pins.strategy(op, submesh, shape)
+        if s is None:
+            raise ValueError(f"operator {pins.g.op(op).describe()} is pinned to {name!r}, which is not one of its "
+                             f"strategies on stage {stage}'s {shape[0]}x{shape[1]} logical mesh; choose another "
+                             "logical mesh for that stage, or pin the operator to a strategy of that mesh.")
+        chosen[op] = s
+    return LazyIntraPlan(pins.g, base.mesh, chosen, base.ops, pins.cache(submesh, shape), base.groups, base.solve_s)
+
+
+def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSpec], solver: str,
+                       hook: Hook | None = None) -> list[IntraPlan]:
+    """Each stage's IntraPlan: the table's solution of its mesh, or, for a stage that runs pinned operators, the
+    intra-op ILP of that mesh solved again with those pins fixed."""
+    out = []
+    for k, spec in enumerate(specs):
+        if hook is not None:
+            hook(f"intra-op ILP of stage {k} on {spec.logical_mesh[0]}x{spec.logical_mesh[1]}", k, len(specs))
+        _, base = table.mesh_costs(spec.submesh, spec.logical_mesh)
+        mine = pins.in_range(*spec.layers)
+        if not mine:
+            out.append(base)
+            continue
+        kw: dict[str, Any] = dict(ops=base.ops, pins=mine, solver=solver, rounds=1,
+                                  cache=pins.cache(spec.submesh, spec.logical_mesh))
+        try:
+            out.append(solve_intra(pins.g, base.mesh, **kw))
+        except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
+            out.append(solve_intra(pins.g, base.mesh, axes="joint", **kw))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The stage DP around pins
+
+
+def constrained_candidates(table: CostTable, cluster: Cluster, constraints: StageConstraints | None,
+                           pins: PinIndex | None, *, prune: bool = True):
+    """The DP's candidates(start, end, submesh, B) from ``table``: every logical mesh x remat, less the meshes that
+    cannot run a pinned operator, less the ranges the pinned cuts forbid. Pareto-pruned unless a per-stage pin
+    (logical mesh, remat) could pick a dominated candidate."""
+    L = len(table.layer_names)
+    allowed = None
+    if constraints is not None and constraints.cuts is not None:
+        allowed = set(zip((0, *constraints.cuts), (*(c - 1 for c in constraints.cuts), L - 1)))
+    shapes: dict[tuple, list] = {}
+    keep_all = not prune or (constraints is not None and (constraints.logical_meshes is not None
+                                                          or constraints.remat is not None))
+
+    def candidates(a, b, sub, B):
+        if allowed is not None and (a, b) not in allowed:
+            return []
+        sub = tuple(sub)
+        if sub not in shapes:
+            shapes[sub] = cluster.logical_mesh_shapes(sub)
+        out = [table.stage(a, b, sub, shape, B, r) for shape in shapes[sub]
+               if pins is None or pins.mesh_ok(a, b, sub, shape) for r in (False, True)]
+        return out if keep_all else pareto(out)
+
+    return candidates
+
+
+def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_choices: Sequence[int], schedule: str,
+                 mem_limit_bytes: float, pins: PinIndex | None, *, prune: bool = True):
+    """The stage DP over the plan's table, around the stage pins (``constraints``) and on meshes that can run the
+    operator pins, for each microbatch count (:func:`~autopar_lab.planner.search_microbatches`)."""
+    table, cluster = table_of(plan), plan.cluster
+    cands = constrained_candidates(table, cluster, constraints, pins, prune=prune)
+    return planner.search_microbatches(
+        table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
+        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
+        stage_comm=plan.stage_comm, schedule=schedule, constraints=constraints)
+
+
+def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, mem_limit_bytes: float,
+                     pins: PinIndex):
+    """The stage DP when the cuts are fixed: each stage's layer range becomes one "layer" of a problem with S
+    layers and the same cluster, so the DP only chooses submeshes, logical meshes and remat (exactly the choice
+    the full problem has with those cuts pinned, at a fraction of its size)."""
+    table, cluster = table_of(plan), plan.cluster
+    S = len(ranges)
+    views: dict[tuple, list] = {}
+
+    def candidates(a, b, sub):
+        if a != b:
+            return []
+        sub = tuple(sub)
+        if sub not in views:
+            views[sub] = cluster.logical_mesh_shapes(sub)
+        first, last = ranges[a]
+        return [table.stage(first, last, sub, shape, B, r) for shape in views[sub]
+                if pins.mesh_ok(first, last, sub, shape) for r in (False, True)]
+
+    con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
+                           logical_meshes=constraints.logical_meshes, remat=constraints.remat)
+    return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
+                    cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
+                    intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
+                    schedule=plan.schedule, constraints=con)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolve
+
+
+def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
+    """Re-solve every decision that is not pinned, around the pins.
+
+    1. The stage DP runs again over the plan's cost table with the stage pins as constraints (pinned cuts,
+       submeshes, logical meshes, remat flags, microbatch count; schedule kept) and only on logical meshes where
+       every pinned operator of a stage has its pinned strategy. The DP prices stages with the table's unpinned
+       sharding (a pin can only make its stage slower; the final plan is priced exactly).
+    2. Each chosen stage that runs pinned operators gets the intra-op ILP again with those pins fixed; the other
+       stages take the table's solution for their mesh.
+
+    Raises ValueError naming the operator when a pinned strategy exists on no mesh of the cluster, and
+    :class:`~autopar_lab.solve.inter.NoFeasiblePlanError` (with ``min_mem_bytes``, the smallest memory per device
+    the pins need) when the pins do not fit in memory.
+    """
+    t0 = time.perf_counter()
+    table = table_of(plan)
+    g = plan.op_graph
+    pins = PinIndex(plan)
+    for op, name in plan.pins.items():
+        if not pins.anywhere(op):
+            raise ValueError(f"operator {g.op(op).describe()} is pinned to {name!r}, which is a strategy of it on "
+                             "no logical mesh of this cluster; pin it to another strategy.")
+    sp = dict(plan.stage_pins)
+    constraints = constraints_of(sp)
+    schedule = sp.get("schedule", plan.schedule)
+    choices = [sp["microbatches"]] if "microbatches" in sp else planner.microbatch_choices(table.batch_size, "auto")
+    mem = plan.cost.mem_limit_bytes
+    try:
+        res = solve_stages(plan, constraints, choices, schedule, mem, pins if plan.pins else None)
+    except NoFeasiblePlanError as e:
+        if plan.pins and e.min_mem_bytes == float("inf"):
+            raise NoFeasiblePlanError(f"{e} (operator pins limit each stage to the logical meshes that have the "
+                                      f"pinned strategies: {dict(plan.pins)})", e.min_mem_bytes) from None
+        raise
+    specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
+    intras = intras_around_pins(pins, table, specs, solver or table.solver)
+    solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
+    kw = dict(microbatches=res.microbatches, schedule=schedule, stage_comm=plan.stage_comm, mem_limit_bytes=mem,
+              method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins, stage_pins=sp)
+    out = price_plan(table, specs, intras=intras, **kw)
+    # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
+    # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
+    # every pin of its layers, keep that sharding if it wins.
+    old = {StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat): st for st in plan.stages}
+    kept, costs = [], []
+    for spec, intra in zip(specs, intras):
+        st = old.get(spec)
+        if pins.in_range(*spec.layers) and st is not None and st.intra is not None and \
+                pins.honoured_by(st.intra, *spec.layers):
+            kept.append(st.intra)
+            costs.append(st.layer_costs)
+        else:
+            kept.append(intra)
+            costs.append(None)
+    if any(a is not b for a, b in zip(kept, intras)):
+        alt = price_plan(table, specs, intras=kept, layer_costs=costs, **kw)
+        if alt.cost.step_time_s < out.cost.step_time_s:
+            return alt
+    return out
+
+
+def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progress: Hook | None = None) -> Plan:
+    """The same stages, each stage's operators from the intra-op ILP of its mesh, re-solved around its pins
+    (an operator that is no longer pinned goes back to the ILP's choice)."""
+    table = table_of(plan)
+    specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
+    intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress)
+    return price_plan(table, specs, intras=intras, microbatches=plan.microbatches, schedule=plan.schedule,
+                      stage_comm=plan.stage_comm, mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method,
+                      solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What-if re-plans
+
+
+def _stage_pins_that_hold(stage_pins: Mapping[str, Any], plan: Plan) -> tuple[dict, list[str]]:
+    """The stage pins that still describe a valid choice on ``plan``'s model and cluster, and why the others
+    do not."""
+    cluster, L = plan.cluster, len(plan.layer_names)
+    batch = table_of(plan).batch_size
+    kept, dropped = {}, []
+    for key, value in stage_pins.items():
+        try:
+            if key == "boundaries":
+                stage_ranges(value, L)
+            elif key == "submeshes":
+                check_submeshes(cluster, value)
+            elif key == "logical_meshes":
+                views = {tuple(v) for sub in cluster.submesh_shapes() for v in cluster.logical_mesh_shapes(sub)}
+                bad = [v for v in value if v is not None and tuple(v) not in views]
+                if bad:
+                    raise ValueError(f"{tuple(bad[0])} is a logical mesh of no submesh of this cluster")
+            elif key == "microbatches":
+                planner.microbatch_choices(batch, value)
+        except ValueError as e:
+            dropped.append(f"stage pin {key}={value!r} dropped: {str(e).rstrip('.')}.")
+            continue
+        kept[key] = value
+    return kept, dropped
+
+
+def keep_pins(plan: Plan, old: Plan, *, solver: str = DEFAULT_SOLVER,
+              on_progress: Hook | None = None) -> tuple[Plan, list[str]]:
+    """``plan`` (a fresh solve, e.g. on another cluster) re-solved around every pin of ``old`` that still holds, and
+    one message per pin dropped, saying which and why.
+
+    An operator pin holds when the model's graph is the same and some logical mesh of the new cluster has the
+    pinned strategy; a stage pin when it still describes a valid choice (boundaries inside the model, submeshes that
+    tile the new cluster, logical meshes it has, a microbatch count dividing the batch). When the pins that hold
+    cannot all be kept together (no layout keeping them fits in memory), the stage pins are dropped first, then the
+    operator pins, each with the reason.
+    """
+    if not old.pins and not old.stage_pins:
+        return plan, []
+    messages: list[str] = []
+    if old.op_graph.fingerprint != plan.op_graph.fingerprint:
+        n = len(old.pins) + len(old.stage_pins)
+        return plan, [f"{n} pin(s) dropped: the new plan is of another graph, whose operators they do not name."]
+    pins = PinIndex(plan, old.pins)
+    op_pins = {}
+    for op, name in old.pins.items():
+        if pins.anywhere(op):
+            op_pins[op] = name
+        else:
+            messages.append(f"pin of operator {plan.op_graph.op(op).describe()} to {name!r} dropped: no logical mesh "
+                            "of the new cluster has that strategy.")
+    stage_pins, dropped = _stage_pins_that_hold(old.stage_pins, plan)
+    messages += dropped
+    if not op_pins and not stage_pins:
+        return plan, messages
+    if on_progress is not None:
+        on_progress("re-solving around the pins")
+    attempts = [(op_pins, stage_pins)]
+    if stage_pins:
+        attempts.append((op_pins, {}))
+    if op_pins:
+        attempts.append(({}, {}))
+    last: Exception | None = None
+    for ops, stages in attempts:
+        if not ops and not stages:
+            break
+        try:
+            out = resolve(dataclasses.replace(plan, pins=dict(ops), stage_pins=dict(stages)), solver=solver)
+        except (ValueError, NoFeasiblePlanError) as e:
+            last = e
+            continue
+        if last is not None:
+            what = []
+            if stage_pins and not stages:
+                what.append(f"stage pins {sorted(stage_pins)}")
+            if op_pins and not ops:
+                what.append(f"operator pins {sorted(op_pins)}")
+            messages.append(f"{' and '.join(what)} dropped: the new cluster cannot keep them all "
+                            f"({str(last).rstrip('.')}).")
+        return out, messages
+    messages.append(f"every pin dropped: the new cluster cannot keep them ({str(last).rstrip('.')}).")
+    return plan, messages

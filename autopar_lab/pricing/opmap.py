@@ -1,0 +1,167 @@
+"""The one map between a model's full graph and the graph its plan was solved on.
+
+A deep zoo model is solved on a shallower copy (:func:`autopar_lab.pricing.table.solve_graph_for`): its repeated
+layers are identical, so each layer of the full graph is priced by a layer of the copy with the same structure, and
+each operator of the full graph stands for the copy's operator at the same place in that layer. Strategies of such
+a plan are keyed by the copy's operator ids; this map is how the session, the sharding table, export and overrides
+get from one graph to the other. For a model solved on its own graph the map is the identity.
+
+Layer indices are positions in ``graph.layers`` (a graph without layers has one, ``""``); an operator without a
+layer belongs to the last layer, as the layer costs count it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..graph.opgraph import INPUT_PRIMITIVE, OpGraph
+from ..solve.intra import layer_signature
+
+
+def plain_signature(graph: OpGraph, layer: str) -> tuple:
+    """A layer's structure without its boundary: which operators, not which layer feeds them."""
+    ops = graph.ops_in_layer(layer)
+    return tuple((p[0], tuple(r for r in p[1] if r[0] == "in")) for p in layer_signature(graph, ops))
+
+
+def _names(graph: OpGraph) -> list[str]:
+    return list(graph.layers) or [""]
+
+
+class OpMap:
+    """Full graph <-> solve graph, for operators and for layers.
+
+    ``layer_map[k]``: the solve graph's layer that prices full-graph layer ``k`` (the middle one of the copy's
+    layers with its structure). Raises LookupError when some layer of the full graph has no counterpart.
+
+    >>> import autopar_lab as al
+    >>> deep = al.models.get("gpt-tiny", num_layers=6).trace()
+    >>> m = OpMap(deep, al.models.get("gpt-tiny", num_layers=4).trace())
+    >>> m.layer_map
+    [0, 3, 3, 3, 3, 3, 3, 5]
+    >>> m.layer_groups()[1]
+    (3, [1, 2, 3, 4, 5, 6])
+    >>> op = deep.ops_in_layer("layer_3")[5]
+    >>> m.full_ops(m.solve_op(op))[2] == op and m.is_identity
+    False
+    """
+
+    def __init__(self, graph: OpGraph, solve_graph: OpGraph | None = None):
+        self.graph = graph
+        self.solve_graph = solve_graph if solve_graph is not None else graph
+        self.full_layer_names = _names(graph)
+        self.solve_layer_names = _names(self.solve_graph)
+        self.layer_map = self._layer_map()
+        self._to_solve: dict[int, int] | None = None
+        self._to_full: dict[int, list[int]] | None = None
+        self._solve_layer_index: dict[int, int] | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the plan was solved on the full graph itself."""
+        return self.solve_graph is self.graph
+
+    def _layer_map(self) -> list[int]:
+        if self.is_identity:
+            return list(range(len(self.full_layer_names)))
+        by_sig: dict[tuple, list[int]] = {}
+        for k, name in enumerate(list(self.solve_graph.layers)):
+            by_sig.setdefault(plain_signature(self.solve_graph, name), []).append(k)
+        out = []
+        for name in self.full_layer_names:
+            ks = by_sig.get(plain_signature(self.graph, name))
+            if not ks:
+                raise LookupError(name)
+            out.append(ks[len(ks) // 2])
+        return out
+
+    # --- layers ---------------------------------------------------------------------------------------------------
+    def solve_layer(self, full_layer: int) -> int:
+        """The solve graph's layer index that prices full-graph layer ``full_layer``."""
+        return self.layer_map[full_layer]
+
+    def full_layers(self, solve_layer: int) -> list[int]:
+        """Every full-graph layer the solve graph's layer ``solve_layer`` stands for (ascending)."""
+        return [k for k, m in enumerate(self.layer_map) if m == solve_layer]
+
+    def layer_groups(self) -> list[tuple[int, list[int]]]:
+        """(solve layer, [full layers it prices]) in full-graph order of first appearance: the layers that share one
+        solution (for a deep model, e.g. layers 1..24 all priced by one middle layer of the copy)."""
+        out: dict[int, list[int]] = {}
+        for k, m in enumerate(self.layer_map):
+            out.setdefault(m, []).append(k)
+        return list(out.items())
+
+    def sharing(self, full_layer: int) -> list[int]:
+        """The full-graph layers that share ``full_layer``'s solution (itself included)."""
+        return self.full_layers(self.layer_map[full_layer])
+
+    # --- operators ------------------------------------------------------------------------------------------------
+    def solve_layer_of(self, solve_op: int) -> int:
+        """The index of the solve graph's layer that operator ``solve_op`` counts in (no layer: the last)."""
+        if self._solve_layer_index is None:
+            index: dict[str | None, int] = {name: k for k, name in enumerate(self.solve_layer_names)}
+            last = len(index) - 1
+            self._solve_layer_index = {op: index.get(self.solve_graph.op(op).layer, last)
+                                       for op in self.solve_graph.ops}
+        return self._solve_layer_index[solve_op]
+
+    def full_layers_of(self, solve_op: int) -> list[int]:
+        """The full-graph layers operator ``solve_op`` of the solve graph stands for."""
+        return self.full_layers(self.solve_layer_of(solve_op))
+
+    def solve_op(self, full_op: int) -> int | None:
+        """The solve graph's operator that stands for operator ``full_op`` of the full graph (the same position in
+        the layer :attr:`layer_map` prices it with; operators outside layers: the input with the same pytree path,
+        else the one at the same position when both graphs have as many); None when there is none."""
+        if self.is_identity:
+            return int(full_op)
+        return self._forward().get(int(full_op))
+
+    def full_ops(self, solve_op: int) -> list[int]:
+        """Every operator of the full graph that operator ``solve_op`` of the solve graph stands for (ascending)."""
+        if self.is_identity:
+            return [int(solve_op)]
+        if self._to_full is None:
+            back: dict[int, list[int]] = {}
+            for full, small in sorted(self._forward().items()):
+                back.setdefault(small, []).append(full)
+            self._to_full = back
+        return list(self._to_full.get(int(solve_op), []))
+
+    def items(self) -> Iterable[tuple[int, int]]:
+        """(full op, solve op) for every full-graph operator that has a counterpart."""
+        return self._forward().items() if not self.is_identity else ((op, op) for op in self.graph.ops)
+
+    def __len__(self) -> int:
+        return len(self.graph.ops) if self.is_identity else len(self._forward())
+
+    def _forward(self) -> dict[int, int]:
+        if self._to_solve is None:
+            self._to_solve = self._build()
+        return self._to_solve
+
+    def _build(self) -> dict[int, int]:
+        full, small = self.graph, self.solve_graph
+        out: dict[int, int] = {}
+        for k, name in enumerate(self.full_layer_names):
+            src = full.ops_in_layer(name)
+            dst = small.ops_in_layer(self.solve_layer_names[self.layer_map[k]])
+            if len(src) == len(dst):  # equal plain signatures: the same operators in the same order
+                out.update(zip(src, dst))
+        # Operators outside layers: by position when both graphs have as many, and inputs by pytree path (which
+        # holds even when they do not).
+        src = [n.id for n in full if n.layer is None]
+        dst = [n.id for n in small if n.layer is None]
+        if len(src) == len(dst):
+            out.update(zip(src, dst))
+        by_path = {}
+        for node in small:
+            if node.layer is None and node.primitive == INPUT_PRIMITIVE:
+                by_path[small.tensor(node.outputs[0]).path] = node.id
+        for node in full:
+            if node.layer is None and node.primitive == INPUT_PRIMITIVE:
+                hit = by_path.get(full.tensor(node.outputs[0]).path)
+                if hit is not None:
+                    out[node.id] = hit
+        return out

@@ -1,0 +1,44 @@
+"""Fixtures several test files share (each is module-scoped: every test module gets its own, as when it defined
+them itself). A test module may still define a fixture of the same name for a different model or cluster; its own
+definition wins there."""
+
+import pytest
+
+import autopar_lab as al
+
+
+@pytest.fixture(scope="module")
+def model():
+    """gpt-tiny in float32 with a batch of 8: two layers (four with embedding and head), plans in seconds."""
+    return al.models.get("gpt-tiny", dtype="float32", batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """The same gpt-tiny, traced."""
+    return al.models.get("gpt-tiny", batch_size=8, num_layers=2, dtype="float32").trace()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One host of four devices."""
+    return al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+
+
+@pytest.fixture(scope="module")
+def small_cluster():
+    """Two hosts of two devices: every submesh shape (1x1, 1x2, 2x2) and both links appear, and the ILPs stay small."""
+    return al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
+
+
+@pytest.fixture(scope="module")
+def plan(graph, cluster):
+    """Two stages of two layers each on 1x2 submeshes: every stage action has room to act."""
+    return al.megatron_plan(graph, cluster, dp=1, tp=2, pp=2, microbatches=2)
+
+
+@pytest.fixture(scope="module")
+def small_plan(graph):
+    """Two devices: few logical meshes, so solves and the exhaustive optimum run in seconds."""
+    c2 = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=2)
+    return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1)

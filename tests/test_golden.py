@@ -1,0 +1,153 @@
+"""Plans priced to the bit: the auto, Megatron and data-parallel plans (and a few overrides of them) of a fixed set
+of zoo configurations, against numbers recorded in tests/golden/plans.json before the pricing code was refactored.
+
+Every float is compared with ``==`` (JSON keeps a float's repr, so the round trip is exact): a refactor of the
+pricing layer must not move a single bit. A change that is meant to change the numbers (a new cost formula)
+regenerates the file on purpose, with ``AUTOPAR_REGEN_GOLDEN=1 pytest tests/test_golden.py``, and says why in its
+commit.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import autopar_lab as al
+from autopar_lab import planner
+from autopar_lab.cluster import Cluster
+
+GOLDEN = Path(__file__).parent / "golden" / "plans.json"
+
+SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
+
+# name -> (zoo model, get() keywords, cluster, auto_plan keywords, megatron_plan keywords (list), data-parallel kw)
+CONFIGS = {
+    # Two layers, 2 hosts x 2 devices: both links, every submesh shape.
+    "gpt-tiny": ("gpt-tiny", dict(dtype="float32", batch_size=8), SMALL, {}, [
+        dict(dp=1, tp=2, pp=2, microbatches=2),
+        dict(dp=1, tp=2, pp=2, microbatches=4, remat=True, schedule="gpipe"),
+        dict(dp=2, tp=1, pp=2, microbatches=8, remat=True),
+    ], [dict(microbatches=2), dict(microbatches=2, remat=True)]),
+    # A deep zoo model planned on its shallow copy (24 layers priced by a 4-layer trace).
+    "gpt-1.3b": ("gpt-1.3b", dict(batch_size=2, seq_len=32), SMALL, {}, [
+        dict(dp=1, tp=2, pp=2, microbatches=2),
+        dict(dp=2, tp=1, pp=2, microbatches=2, remat=True, schedule="gpipe"),
+    ], [dict(), dict(remat=True)]),
+    # The same deep model where memory forces a pipeline (the auto plan then has several stages and microbatches).
+    "gpt-1.3b-tight": ("gpt-1.3b", dict(batch_size=8, seq_len=32), SMALL, dict(mem_limit=2.7e9), [
+        dict(dp=1, tp=2, pp=2, microbatches=8, remat=True),
+    ], [dict(microbatches=8, remat=True)]),
+    "moe-tiny": ("moe-tiny", {}, SMALL, {}, [dict(dp=1, tp=2, pp=2, microbatches=2)], [dict()]),
+    "wresnet-tiny": ("wresnet-tiny", {}, SMALL, {}, [dict(dp=2, tp=1, pp=2, microbatches=2)], [dict()]),
+    # The cpu preset charges a per-task overhead (CostTable.task_overhead_s).
+    "gpt-tiny-cpu": ("gpt-tiny", dict(dtype="float32", batch_size=8), Cluster.preset("cpu").with_(devices_per_host=4),
+                     dict(microbatches="auto"), [dict(dp=1, tp=2, pp=2, microbatches=4)], [dict(microbatches=2)]),
+}
+
+
+def _stage(st) -> dict:
+    choices = sorted((op, s.name) for op, s in st.intra.strategies.items())
+    return {
+        "layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
+        "devices": list(st.devices), "remat": st.remat, "fwd_s": st.fwd_s, "bwd_s": st.bwd_s,
+        "compute_s": st.compute_s, "comm_s": st.comm_s, "reshard_s": st.reshard_s,
+        "static_bytes": st.static_bytes, "act_bytes": st.act_bytes, "peak_mem_bytes": st.peak_mem_bytes,
+        "choices_sha1": hashlib.sha1(repr(choices).encode()).hexdigest(),
+    }
+
+
+def record(plan) -> dict:
+    """Everything a plan's pricing decides: the cost report's terms, the stages' layout, times and memory."""
+    return {
+        "method": plan.method, "microbatches": plan.microbatches, "schedule": plan.schedule,
+        "stage_comm": plan.stage_comm, "layer_names": len(plan.layer_names), "cost": plan.cost.to_dict(),
+        "stages": [_stage(st) for st in plan.stages],
+        "pins": {str(k): v for k, v in sorted(plan.pins.items())},
+        "stage_pins": {k: repr(v) for k, v in sorted(plan.stage_pins.items())},
+    }
+
+
+def _table(model, cluster):
+    """One cost table per configuration, shared by its plans (what a user does with ``table=``)."""
+    return planner.CostTable.build(model, cluster)
+
+
+def _with_table(fn, model, cluster, table, **kw):
+    return fn(model, cluster, table=table, **{"mem_limit_bytes" if k == "mem_limit" else k: v for k, v in kw.items()})
+
+
+def _overrides(plan) -> dict:
+    """A few overrides of one plan: a strategy change, remat, schedule, new stages, resolve around a pin."""
+    g = plan.table.solve_graph
+    dot = next(o for o in g.ops if g.op(o).primitive == "dot_general")
+    alts = plan.alternatives(dot)
+    other = next(a.strategy for a in alts if a.strategy != plan.choice(dot).name)
+    chosen = plan.with_choice(dot, other)
+    out = {
+        "alternatives": [[a.strategy, a.delta_s] for a in alts],
+        "with_choice": record(chosen),
+        "with_remat": record(plan.with_remat(0, not plan.stages[0].remat)),
+        "with_schedule": record(plan.with_schedule("gpipe" if plan.schedule == "1f1b" else "1f1b")),
+        "resolve": record(al.resolve(chosen)),
+    }
+    L = len(plan.layer_names)
+    if L > 1:
+        out["with_stages"] = record(plan.with_stages(boundaries=[L // 2]))
+    return out
+
+
+def compute(name: str) -> dict:
+    zoo, get_kw, cluster, auto_kw, megatron_kws, dp_kws = CONFIGS[name]
+    model = al.models.get(zoo, **get_kw)
+    table = _table(model, cluster)
+    auto = _with_table(planner.auto_plan, model, cluster, table, **auto_kw)
+    out = {
+        "auto": record(auto),
+        "megatron": [record(_with_table(planner.megatron_plan, model, cluster, table, **kw)) for kw in megatron_kws],
+        "data_parallel": [record(_with_table(planner.data_parallel_plan, model, cluster, table, **kw))
+                          for kw in dp_kws],
+        "overrides": _overrides(auto),
+    }
+    if name == "gpt-tiny":
+        base = planner.baselines(table, cluster)
+        out["baselines"] = {"megatron_best": record(base["megatron_best"]), "megatron_config": base["megatron_config"],
+                            "megatron_tried": base["megatron_tried"], "data_parallel": record(base["data_parallel"])}
+    return out
+
+
+def _load() -> dict:
+    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plans_price_to_the_recorded_bits(name):
+    got = json.loads(json.dumps(compute(name)))  # through JSON, as stored (tuples become lists)
+    if os.environ.get("AUTOPAR_REGEN_GOLDEN"):
+        data = _load()
+        data[name] = got
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        pytest.skip("golden file regenerated")
+    want = _load().get(name)
+    assert want is not None, f"no golden numbers for {name!r}; regenerate with AUTOPAR_REGEN_GOLDEN=1"
+    assert got == want
+
+
+@pytest.mark.slow
+def test_a_plan_file_reloads_to_the_recorded_bits(tmp_path):
+    """load_plan re-prices a saved plan: the same numbers as the plan that was saved, for a deep model too."""
+    want = _load()["gpt-1.3b"]["overrides"]["resolve"]
+    zoo, get_kw, cluster, *_ = CONFIGS["gpt-1.3b"]
+    model = al.models.get(zoo, **get_kw)
+    table = _table(model, cluster)
+    plan = _with_table(planner.auto_plan, model, cluster, table)
+    g = table.solve_graph
+    dot = next(o for o in g.ops if g.op(o).primitive == "dot_general")
+    other = next(a.strategy for a in plan.alternatives(dot) if a.strategy != plan.choice(dot).name)
+    resolved = al.resolve(plan.with_choice(dot, other))
+    al.save_plan(resolved, tmp_path / "p.json")
+    loaded = al.load_plan(tmp_path / "p.json", table.graph, cluster, model=model)
+    assert json.loads(json.dumps(record(loaded))) == want
