@@ -89,6 +89,12 @@ def cmd_plan(args) -> dict:
     if args.remat and args.method == "auto":
         raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
                          "stage itself")
+    given = [f"--{k}" for k in ("dp", "tp", "pp") if getattr(args, k) is not None]
+    if given and args.method != "megatron":
+        raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
+                         f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
+    if args.out:
+        check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
     if args.method == "auto":
@@ -104,8 +110,13 @@ def cmd_plan(args) -> dict:
     out = plan.report(model.name)
     out["cluster"] = args.cluster
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2, default=_json_default)
+        from .planfile import save_plan
+
+        try:
+            save_plan(plan, args.out)  # the plan file `train --plan` and al.load_plan read (its cluster included)
+        except OSError as e:
+            raise UsageError(f"cannot write --out {args.out!r} ({e.strerror or e})") from None
+        out["plan_file"] = os.path.abspath(args.out)
     return out
 
 
@@ -153,12 +164,17 @@ def _print_compare(out: dict) -> None:
         print(f"megatron_best / auto = {out['megatron_best_over_auto']:.3f}")
 
 
+MAX_VALIDATE_DEVICES = 64
+
+
 def cmd_validate(args) -> dict:
     """The intra-op plan against what XLA compiles and runs on N local devices."""
     import jax
 
     from .validate import validate_plan
 
+    if not 1 <= args.devices <= MAX_VALIDATE_DEVICES:  # XLA's CPU client aborts (no Python error) far past this
+        raise UsageError(f"--devices must be between 1 and {MAX_VALIDATE_DEVICES}, got {args.devices}")
     if "JAX_NUM_CPU_DEVICES" not in os.environ and args.devices > 1:
         try:  # give the CPU backend the devices asked for, if it has not started yet
             jax.config.update("jax_num_cpu_devices", args.devices)
@@ -211,23 +227,14 @@ def _print_optimum(out: dict) -> None:
 # --- train (Ray: embedded local cluster, or a cluster's Jobs API) -------------------------------------------------
 def cmd_train(args) -> dict:
     """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json."""
-    import json as _json
-
-    from .cluster import Cluster
     from .planfile import load_plan
     from .runtime.launch import launch, shutdown_local_ray
 
     if args.steps < 1:
         raise UsageError(f"--steps must be a positive whole number, got {args.steps}")
     model = _model(args)
-    try:
-        data = _json.loads(open(args.plan).read())
-        cluster = Cluster.from_json(data["cluster"])
-    except OSError as e:
-        raise UsageError(f"cannot read plan file {args.plan!r} ({e.strerror or e})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"plan file {args.plan!r} is not a valid plan file ({e})") from None
-    plan = load_plan(args.plan, model.trace(), cluster, model=model)
+    # The cluster is the one the plan file describes (data, never a path or preset to resolve).
+    plan = load_plan(args.plan, model.trace(), model=model)
 
     def show(ev):
         if ev.kind == "step":
@@ -305,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --method megatron or data: recompute activations in the backward")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
-    sp.add_argument("--out", help="also write the JSON report to this file")
+    sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")
     model_args(sp)
@@ -335,6 +342,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fast-compile", dest="fast_compile", action="store_true",
                     help="compile the stage programs without XLA's backend optimisations (quicker on CPU)")
     return p
+
+
+def check_writable_file(path: str, what: str) -> None:
+    """Refuse (UsageError) a path a file cannot be written to: a directory, a missing or read-only folder. Checked
+    by creating and removing a file beside it, which works for root and read-only file systems alike."""
+    import tempfile
+
+    if path.endswith(os.sep) or os.path.isdir(path):
+        raise UsageError(f"{what} {path!r} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".autopar-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"cannot write {what} {path!r} ({e.strerror or e} in {folder!r}); pick a folder you can "
+                         "write to") from None
 
 
 def _one_sentence(e: BaseException) -> str:

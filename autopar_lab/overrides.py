@@ -32,6 +32,7 @@ import dataclasses
 import weakref
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from . import checks
 from .sharding.strategies import Strategy
 from .solve.intra import IntraPlan, _StrategyCache, _to_index, evaluate_intra, solve_intra
 
@@ -337,6 +338,7 @@ def _with_strategy(plan, k, intra, g, cache, op, s: Strategy):
 
 def with_choice(plan, op: int, strategy):
     """A new plan with operator ``op`` run by ``strategy``; the original is left as it was."""
+    op = checks.op_id(op)
     k, intra, g, cache, s = _stage_choice(plan, op, strategy)
     return _with_strategy(plan, k, intra, g, cache, op, s)
 
@@ -444,7 +446,7 @@ def with_remat(plan, stage: int, on: bool = True):
 
     The CostTable prices remat as: only the stage's input activations are held (its entry cut's bytes per
     microbatch, sharded over the stage's devices) and the backward pass runs the forward pass again."""
-    k = _stage_index(plan, stage)
+    k = _stage_index(plan, checks.stage_index(plan, stage))
     if not isinstance(on, bool):
         raise ValueError(f"on must be True or False, got {on!r}")
     specs = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import checks
 from .graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OpGraph
 from .plan import CostReport, Plan, Stage
 from .simulate import simulate
@@ -579,6 +580,8 @@ def megatron_plan(model_or_graph, cluster, *, dp: int, tp: int, pp: int, microba
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
     ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``)."""
+    dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
+    remat = checks.flag(remat, "remat")
     table = _table_cache
     solve_s = {}
     if table is None:
@@ -614,6 +617,7 @@ def data_parallel_plan(model_or_graph, cluster, *, microbatches: int = 1, remat:
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
     ``remat``: the forward is recomputed in the backward (gradient checkpointing)."""
+    microbatches, remat = checks.whole(microbatches, "microbatches"), checks.flag(remat, "remat")
     table = _table_cache
     solve_s = {}
     if table is None:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .. import checks
 from .progress import ProgressChannel, ProgressEvent, parse_event
 from .train_entry import RESULT_PREFIX, JobFailed, check_resources, job_spec, run_job
 
@@ -352,6 +353,7 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
     cluster without enough devices for the plan.
     """
+    checks.plan_object(plan, "al.launch")
     spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
                     compiler_options=compiler_options, max_restarts=max_restarts)
