@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 
@@ -226,12 +228,18 @@ def _print_optimum(out: dict) -> None:
 
 # --- train (Ray: embedded local cluster, or a cluster's Jobs API) -------------------------------------------------
 def cmd_train(args) -> dict:
-    """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json."""
-    from .planfile import load_plan
+    """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json.
+
+    SIGINT (Ctrl-C) or SIGTERM stops the job at the end of its current step, writes a final checkpoint when
+    --checkpoint-dir is set, stops the embedded Ray this command started (nothing else) and exits 130 or 143 with one
+    sentence; a second signal stops at once."""
     from .runtime.launch import launch, shutdown_local_ray
+    from .planfile import load_plan
 
     if args.steps < 1:
         raise UsageError(f"--steps must be a positive whole number, got {args.steps}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --checkpoint-dir and --overwrite replaces it; pass one")
     model = _model(args)
     # The cluster is the one the plan file describes (data, never a path or preset to resolve).
     plan = load_plan(args.plan, model.trace(), model=model)
@@ -241,29 +249,65 @@ def cmd_train(args) -> dict:
             times = " ".join(f"{t * 1e3:.1f}" for t in ev.stage_times)
             print(f"step {ev.step}/{args.steps}  loss {ev.loss:.5f}  {ev.samples_per_s:.1f} samples/s  "
                   f"stage ms [{times}]", flush=True)
-        elif ev.kind == "restart":
-            print(f"restart: {ev.message}", flush=True)
+        elif ev.kind in ("restart", "note"):
+            print(f"{ev.kind}: {ev.message}", flush=True)
+
+    state: dict = {"signum": None, "job": None}
+
+    def on_signal(signum, _frame):
+        if state["signum"] is not None or state["job"] is None:
+            state["signum"] = state["signum"] or signum
+            raise Interrupted(signum, "before training started" if state["job"] is None else "at once")
+        state["signum"] = signum
+        state["job"].cancel()  # the driver stops after this step and writes the final checkpoint
 
     ours = not args.ray_address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    handlers = _install(on_signal)
+    forced = False
     try:
         job = launch(plan, model, args.steps, ray_address=args.ray_address, seed=args.seed,
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     device_kind=args.device_kind,
+                     overwrite=args.overwrite, device_kind=args.device_kind,
                      compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None,
                      on_progress=None if args.json else show)
-        try:
-            result = job.wait()
-        except KeyboardInterrupt:
-            job.cancel()
-            result = job.wait()
+        state["job"] = job
+        result = job.wait()
+    except Interrupted:
+        forced = True
+        raise
     except RuntimeError as e:  # the job failed (JobFailed) or the embedded Ray did not start
+        if state["signum"] is not None:  # a job cut short by the signal: the signal is the news
+            raise Interrupted(state["signum"], "while stopping") from None
         raise UsageError(f"training failed: {e}") from None
     finally:
+        _install(handlers)
         if ours:
-            shutdown_local_ray()
+            shutdown_local_ray(timeout_s=10 if forced else 120)
+    if state["signum"] is not None:
+        ck = result.get("checkpoint_step")
+        where = f"; checkpoint at step {ck} in {args.checkpoint_dir}" if args.checkpoint_dir and ck else ""
+        raise Interrupted(state["signum"], f"stopped after step {result.get('steps_run', 0)} of {args.steps}{where}")
     result = dict(result)
     result["stages"] = len(plan.stages)
     return result
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM: the command stopped; exit status 128 + the signal's number, one sentence."""
+
+    def __init__(self, signum: int, what: str = ""):
+        super().__init__(what)
+        self.signum = int(signum)
+        self.what = what
+
+
+def _install(handler):
+    """Set ``handler`` for SIGINT and SIGTERM (or a {signal: handler} dict as returned); the previous ones. Only the
+    main thread may set handlers: elsewhere (main() called from a thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    wanted = handler if isinstance(handler, dict) else {signal.SIGINT: handler, signal.SIGTERM: handler}
+    return {sig: signal.signal(sig, h) for sig, h in wanted.items()}
 
 
 def _print_train(out: dict) -> None:
@@ -338,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint-dir", dest="checkpoint_dir")
     sp.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
     sp.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the checkpoints of another run in --checkpoint-dir (refused otherwise)")
     sp.add_argument("--device-kind", dest="device_kind", choices=["cpu", "gpu"])
     sp.add_argument("--fast-compile", dest="fast_compile", action="store_true",
                     help="compile the stage programs without XLA's backend optimisations (quicker on CPU)")
@@ -369,10 +415,19 @@ def _one_sentence(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     parser = build_parser()
+
+    def on_sigterm(signum, _frame):  # like Ctrl-C: unwind (finally blocks run), then exit 143
+        raise Interrupted(signum)
+
+    handlers = _install({signal.SIGTERM: on_sigterm})
     try:
         args = parser.parse_args(argv)
         run, pretty = COMMANDS[args.command]
         out = run(args)
+    except Interrupted as e:
+        name = {2: "SIGINT", 15: "SIGTERM"}.get(e.signum, f"signal {e.signum}")
+        print(f"autopar-lab: interrupted ({name}){': ' + e.what if e.what else ''}.", file=sys.stderr)
+        return 128 + e.signum
     except UsageError as e:
         print(f"autopar-lab: {_one_sentence(e)}", file=sys.stderr)
         return 2
@@ -384,8 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("autopar-lab: interrupted.", file=sys.stderr)
+        print("autopar-lab: interrupted (SIGINT).", file=sys.stderr)
         return 130
+    finally:
+        _install(handlers)
     if args.json:
         json.dump(out, sys.stdout, default=_json_default)
         sys.stdout.write("\n")
