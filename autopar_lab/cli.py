@@ -393,15 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
 def check_writable_file(path: str, what: str) -> None:
     """Refuse (UsageError) a path a file cannot be written to: a directory, a missing or read-only folder. Checked
     by creating and removing a file beside it, which works for root and read-only file systems alike."""
-    import tempfile
+    from .safeio import probe_writable
 
     if path.endswith(os.sep) or os.path.isdir(path):
         raise UsageError(f"{what} {path!r} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')!r}")
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        fd, probe = tempfile.mkstemp(prefix=".autopar-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(folder)
     except OSError as e:
         raise UsageError(f"cannot write {what} {path!r} ({e.strerror or e} in {folder!r}); pick a folder you can "
                          "write to") from None

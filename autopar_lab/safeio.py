@@ -22,7 +22,7 @@ import os
 import stat
 
 __all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "read_text_file", "loads_json", "read_json_file", "json_depth",
-           "write_atomic"]
+           "write_atomic", "probe_writable"]
 
 #: Plan files of the deepest zoo models are a few MiB (one strategy name per operator); 64 MiB leaves room.
 MAX_JSON_BYTES = 64 * 2**20
@@ -124,6 +124,16 @@ def loads_json(text: str, where: str, max_depth: int = MAX_JSON_DEPTH):
 def read_json_file(path, what: str, limit: int = MAX_JSON_BYTES):
     """:func:`read_text_file` then :func:`loads_json`."""
     return loads_json(read_text_file(path, what, limit), f"{what} {os.fspath(path)!r}")
+
+
+def probe_writable(folder) -> None:
+    """Raise OSError unless a file can be created in ``folder``: one is made and removed. Asking ``os.access`` is not
+    enough (root passes it everywhere, a read-only file system does not show in the mode bits)."""
+    import tempfile
+
+    fd, probe = tempfile.mkstemp(prefix=".autopar-probe-", dir=os.fspath(folder))
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_atomic(path, data) -> None:

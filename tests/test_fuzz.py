@@ -55,20 +55,24 @@ def _paths(data, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
-@st.composite
-def broken_plan(draw, good):
-    data = copy.deepcopy(good)
+def _mutate(draw, data, values, may_delete: bool):
+    """``data`` with one to three places replaced by a drawn value (or a key deleted)."""
+    data = copy.deepcopy(data)
     for _ in range(draw(st.integers(1, 3))):
-        paths = [p for p, _ in _paths(data) if p]
-        path = draw(st.sampled_from(paths))
+        path = draw(st.sampled_from([p for p, _ in _paths(data) if p]))
         parent = data
         for key in path[:-1]:
             parent = parent[key]
-        if draw(st.booleans()) and isinstance(parent, dict):
+        if may_delete and draw(st.booleans()) and isinstance(parent, dict):
             del parent[path[-1]]
         else:
-            parent[path[-1]] = draw(JSON)
+            parent[path[-1]] = draw(values)
     return data
+
+
+@st.composite
+def broken_plan(draw, good):
+    return _mutate(draw, good, JSON, may_delete=True)
 
 
 def _one_sentence_value_error(fn):
@@ -99,15 +103,8 @@ def test_fuzzed_plan_files_load_or_are_refused_in_one_sentence(plan, plan_dict, 
 
 @st.composite
 def broken_cluster(draw):
-    data = al.Cluster.preset("dgx-a100", hosts=2).to_dict()
-    for _ in range(draw(st.integers(1, 3))):
-        paths = [p for p, _ in _paths(data) if p]
-        path = draw(st.sampled_from(paths))
-        parent = data
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = draw(JSON | st.integers(1, 2**50) | st.sampled_from([1e400, -0.0, 2**40]))
-    return data
+    values = JSON | st.integers(1, 2**50) | st.sampled_from([1e400, -0.0, 2**40])
+    return _mutate(draw, al.Cluster.preset("dgx-a100", hosts=2).to_dict(), values, may_delete=False)
 
 
 def test_fuzzed_cluster_json_builds_or_is_refused_in_one_sentence(tmp_path):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..safeio import write_atomic
+from ..safeio import probe_writable, write_atomic
 
 __all__ = ["save_stage", "load_stage", "latest_step", "steps_of", "save_job", "load_job", "CheckpointError", "claim",
            "verify_step", "resume_point"]
@@ -207,14 +207,11 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
     writable: a probe file is created and removed (which works for root and read-only file systems alike).
     """
     import shutil
-    import tempfile
 
     d = Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=d)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(d)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoints to {d} ({e.strerror or e}); pick a folder you can write "
                               "to.") from None
