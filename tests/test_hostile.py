@@ -274,3 +274,20 @@ def test_cli_plan_out_then_train_reads_the_cluster_from_the_file(tmp_path):
                         "--steps", "0", "--json"], cwd=tmp_path / "b", env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "--steps" in r.stderr and "cluster file" not in r.stderr, r.stderr
+
+
+def test_cli_train_refuses_checkpoint_dirs_it_may_not_use_before_ray_starts(capsys, plan, tmp_path):
+    path = tmp_path / "plan.json"
+    al.save_plan(plan, path)
+    argv = ["train", "gpt-tiny", "--batch", "8", "--layers", "2", "--plan", str(path), "--steps", "2"]
+    (tmp_path / "file").write_text("x")
+    one_sentence(capsys, [*argv, "--checkpoint-dir", str(tmp_path / "file" / "ck")], "cannot write checkpoints")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "job.json").write_text('{"format": "autopar-lab-stage-checkpoint", "version": 1, "run_id": "r1", '
+                                   '"step": 5, "losses": [1, 2, 3, 4, 5]}')
+    one_sentence(capsys, [*argv, "--checkpoint-dir", str(used)], "run r1 (step 5)", "--overwrite")
+    (used / "job.json").write_text("{")
+    one_sentence(capsys, [*argv, "--checkpoint-dir", str(used), "--resume"], "job.json is damaged")
+    one_sentence(capsys, [*argv, "--checkpoint-dir", str(used), "--resume", "--overwrite"], "pass one")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # refused before Ray started
