@@ -52,7 +52,7 @@ def test_readme_ray_launch_block_runs(tmp_path, monkeypatch):
     builds = next(b for b in blocks if "al.execute(" in b)  # the block that makes `plan` and `model`
     monkeypatch.chdir(tmp_path)  # the launch writes ckpt/
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # explicit: the embedded Ray's token auth, throwaway token
-    scope: dict = {}
+    scope: dict = {"al": __import__("autopar_lab")}
     exec(compile(builds.replace("runner.train(3)", "").replace("runner.stage_times()", ""), "README.md", "exec"),
          scope)
     try:

@@ -147,6 +147,14 @@ class RayHead:
 
 # ------------------------------------------------------------------------------------------------ the watcher
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return os.getppid() == pid  # re-parented: the owner is gone even if its pid was reused
+    except ProcessLookupError:
+        return False
+
+
 def kill_group(group: int, wait_s: float = 10.0) -> None:
     """SIGKILL every process of process group ``group`` but this one, then wait (up to ``wait_s``) for them to be
     gone. The groups are the head's own sessions, so this reaches only what the head started."""
@@ -183,6 +191,7 @@ def main(argv=None) -> int:
     closes (see the module doc)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     head_dir, owner_dir, ray_args = argv[0], argv[1], argv[2:]
+    owner = os.getppid()
     heard: list[bytes] = []
     # A session of its own: Ray's shutdown signals its whole process group, which must not include this watcher.
     child = subprocess.Popen([sys.executable, "-c", "from ray.scripts.scripts import main; main()", *ray_args],
@@ -201,12 +210,16 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             child.kill()
         kill_group(child.pid)  # whatever of Ray's session is left
-        folder = head_dir if b"stop" in b"".join(heard) else owner_dir
+        # An owner that asked for the stop cleans its own folder, unless it died meanwhile (a kernel killed right
+        # after its clean-up began): then nobody else will, and the token must not outlive it.
+        folder = head_dir if b"stop" in b"".join(heard) and _alive(owner) else owner_dir
         for _ in range(10):  # a dying process may still write a log line into it: try again
             shutil.rmtree(folder, ignore_errors=True)
             if not os.path.exists(folder):
                 break
             time.sleep(0.5)
+        if folder == head_dir and not _alive(owner):
+            shutil.rmtree(owner_dir, ignore_errors=True)
         os._exit(0)
 
     def watch():
