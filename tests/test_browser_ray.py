@@ -9,7 +9,6 @@ RAY_AUTH_MODE is set explicitly (token auth with a throwaway token); the Ray fol
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,10 +38,6 @@ def _notebook(path: Path) -> None:
                                 "nbformat": 4, "nbformat_minor": 5}))
 
 
-def _ray_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
-
-
 def test_launch_on_ray_from_the_workbench_keeps_the_kernel_alive(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
@@ -51,7 +46,6 @@ def test_launch_on_ray_from_the_workbench_keeps_the_kernel_alive(tmp_path, monke
     _notebook(root / "ray.ipynb")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    before = _ray_folders()
     with jupyter_lab(root, scratch) as (url, token), chromium_page(viewport=(1400, 1400)) as page:
         open_and_run_all(page, url, token, "ray.ipynb", timeout_s=90)
         panel = page.locator(".autopar-training").first
@@ -79,13 +73,17 @@ def test_launch_on_ray_from_the_workbench_keeps_the_kernel_alive(tmp_path, monke
             " nb.content.activeCellIndex = nb.content.widgets.length - 1;"
             " await app.commands.execute('notebook:insert-cell-below');"
             " nb.content.activeCell.model.sharedModel.setSource("
-            "   \"print('kernel alive', wb.training.job.status(), len(wb.training.job.losses))\");"
+            "   \"import os; from autopar_lab.runtime.launch import local_ray_head\\n\""
+            " + \"print('ray folder', os.path.dirname(local_ray_head().head_dir))\\n\""
+            " + \"print('kernel alive', wb.training.job.status(), len(wb.training.job.losses))\");"
             " await app.commands.execute('notebook:run-cell'); }")
         page.wait_for_function("() => document.body.innerText.includes('kernel alive cancelled')", timeout=120_000,
                                polling=500)
         assert not cell_errors(page), cell_errors(page)
-    # JupyterLab stopped its kernel: the head noticed its owner was gone and removed its folder (token included).
+        folder = Path(page.evaluate("() => document.body.innerText.split('ray folder ')[1].split('\\n')[0].trim()"))
+        assert folder.name.startswith("autopar-ray-") and (folder / "auth_token").exists()
+    # JupyterLab stopped its kernel: its Ray went with it, folder and token included.
     deadline = time.monotonic() + 120
-    while _ray_folders() - before and time.monotonic() < deadline:
+    while folder.exists() and time.monotonic() < deadline:
         time.sleep(1)
-    assert _ray_folders() - before == set()
+    assert not folder.exists()

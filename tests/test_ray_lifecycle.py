@@ -165,3 +165,15 @@ def test_sigterm_while_ray_starts_exits_143_and_leaves_nothing(token_auth, plan_
     assert err.strip() == "autopar-lab: interrupted (SIGTERM): before training started."
     time.sleep(1)
     assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - mine == set()
+
+
+def test_a_head_that_does_not_start_in_time_is_a_clear_error_and_leaves_nothing(token_auth):
+    from autopar_lab.runtime import launch as L
+
+    before = set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
+    with pytest.raises(RuntimeError, match=r"the embedded Ray did not start \(the Ray head did not start within 1 s"):
+        L.start_local_ray(num_cpus=1, attempts=1, timeout_s=1)
+    assert L.local_ray_head() is None and not L._LOCAL["owned"]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    time.sleep(1)
+    assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - before == set()
