@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Sequence
 
 
@@ -89,6 +91,12 @@ def cmd_plan(args) -> dict:
     if args.remat and args.method == "auto":
         raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
                          "stage itself")
+    given = [f"--{k}" for k in ("dp", "tp", "pp") if getattr(args, k) is not None]
+    if given and args.method != "megatron":
+        raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
+                         f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
+    if args.out:
+        check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
     if args.method == "auto":
@@ -104,8 +112,13 @@ def cmd_plan(args) -> dict:
     out = plan.report(model.name)
     out["cluster"] = args.cluster
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2, default=_json_default)
+        from .planfile import save_plan
+
+        try:
+            save_plan(plan, args.out)  # the plan file `train --plan` and al.load_plan read (its cluster included)
+        except OSError as e:
+            raise UsageError(f"cannot write --out {args.out!r} ({e.strerror or e})") from None
+        out["plan_file"] = os.path.abspath(args.out)
     return out
 
 
@@ -153,12 +166,17 @@ def _print_compare(out: dict) -> None:
         print(f"megatron_best / auto = {out['megatron_best_over_auto']:.3f}")
 
 
+MAX_VALIDATE_DEVICES = 64
+
+
 def cmd_validate(args) -> dict:
     """The intra-op plan against what XLA compiles and runs on N local devices."""
     import jax
 
     from .validate import validate_plan
 
+    if not 1 <= args.devices <= MAX_VALIDATE_DEVICES:  # XLA's CPU client aborts (no Python error) far past this
+        raise UsageError(f"--devices must be between 1 and {MAX_VALIDATE_DEVICES}, got {args.devices}")
     if "JAX_NUM_CPU_DEVICES" not in os.environ and args.devices > 1:
         try:  # give the CPU backend the devices asked for, if it has not started yet
             jax.config.update("jax_num_cpu_devices", args.devices)
@@ -210,53 +228,86 @@ def _print_optimum(out: dict) -> None:
 
 # --- train (Ray: embedded local cluster, or a cluster's Jobs API) -------------------------------------------------
 def cmd_train(args) -> dict:
-    """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json."""
-    import json as _json
+    """Train a zoo model with a saved plan on Ray; per-step progress on stdout unless --json.
 
-    from .cluster import Cluster
-    from .planfile import load_plan
+    SIGINT (Ctrl-C) or SIGTERM stops the job at the end of its current step, writes a final checkpoint when
+    --checkpoint-dir is set, stops the embedded Ray this command started (nothing else) and exits 130 or 143 with one
+    sentence; a second signal stops at once."""
     from .runtime.launch import launch, shutdown_local_ray
+    from .planfile import load_plan
 
     if args.steps < 1:
         raise UsageError(f"--steps must be a positive whole number, got {args.steps}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --checkpoint-dir and --overwrite replaces it; pass one")
     model = _model(args)
-    try:
-        data = _json.loads(open(args.plan).read())
-        cluster = Cluster.from_json(data["cluster"])
-    except OSError as e:
-        raise UsageError(f"cannot read plan file {args.plan!r} ({e.strerror or e})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"plan file {args.plan!r} is not a valid plan file ({e})") from None
-    plan = load_plan(args.plan, model.trace(), cluster, model=model)
+    # The cluster is the one the plan file describes (data, never a path or preset to resolve).
+    plan = load_plan(args.plan, model.trace(), model=model)
 
     def show(ev):
         if ev.kind == "step":
             times = " ".join(f"{t * 1e3:.1f}" for t in ev.stage_times)
             print(f"step {ev.step}/{args.steps}  loss {ev.loss:.5f}  {ev.samples_per_s:.1f} samples/s  "
                   f"stage ms [{times}]", flush=True)
-        elif ev.kind == "restart":
-            print(f"restart: {ev.message}", flush=True)
+        elif ev.kind in ("restart", "note"):
+            print(f"{ev.kind}: {ev.message}", flush=True)
+
+    state: dict = {"signum": None, "job": None}
+
+    def on_signal(signum, _frame):
+        if state["signum"] is not None or state["job"] is None:
+            state["signum"] = state["signum"] or signum
+            raise Interrupted(signum, "before training started" if state["job"] is None else "at once")
+        state["signum"] = signum
+        state["job"].cancel()  # the driver stops after this step and writes the final checkpoint
 
     ours = not args.ray_address and not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+    handlers = _install(on_signal)
+    forced = False
     try:
         job = launch(plan, model, args.steps, ray_address=args.ray_address, seed=args.seed,
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     device_kind=args.device_kind,
+                     overwrite=args.overwrite, device_kind=args.device_kind,
                      compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None,
                      on_progress=None if args.json else show)
-        try:
-            result = job.wait()
-        except KeyboardInterrupt:
-            job.cancel()
-            result = job.wait()
+        state["job"] = job
+        result = job.wait()
+    except Interrupted:
+        forced = True
+        raise
     except RuntimeError as e:  # the job failed (JobFailed) or the embedded Ray did not start
+        if state["signum"] is not None:  # a job cut short by the signal: the signal is the news
+            raise Interrupted(state["signum"], "while stopping") from None
         raise UsageError(f"training failed: {e}") from None
     finally:
+        _install(handlers)
         if ours:
-            shutdown_local_ray()
+            shutdown_local_ray(timeout_s=10 if forced else 120)
+    if state["signum"] is not None:
+        ck = result.get("checkpoint_step")
+        where = f"; checkpoint at step {ck} in {args.checkpoint_dir}" if args.checkpoint_dir and ck else ""
+        raise Interrupted(state["signum"], f"stopped after step {result.get('steps_run', 0)} of {args.steps}{where}")
     result = dict(result)
     result["stages"] = len(plan.stages)
     return result
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM: the command stopped; exit status 128 + the signal's number, one sentence."""
+
+    def __init__(self, signum: int, what: str = ""):
+        super().__init__(what)
+        self.signum = int(signum)
+        self.what = what
+
+
+def _install(handler):
+    """Set ``handler`` for SIGINT and SIGTERM (or a {signal: handler} dict as returned); the previous ones. Only the
+    main thread may set handlers: elsewhere (main() called from a thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    wanted = handler if isinstance(handler, dict) else {signal.SIGINT: handler, signal.SIGTERM: handler}
+    return {sig: signal.signal(sig, h) for sig, h in wanted.items()}
 
 
 def _print_train(out: dict) -> None:
@@ -305,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --method megatron or data: recompute activations in the backward")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
-    sp.add_argument("--out", help="also write the JSON report to this file")
+    sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")
     model_args(sp)
@@ -331,10 +382,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint-dir", dest="checkpoint_dir")
     sp.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
     sp.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the checkpoints of another run in --checkpoint-dir (refused otherwise)")
     sp.add_argument("--device-kind", dest="device_kind", choices=["cpu", "gpu"])
     sp.add_argument("--fast-compile", dest="fast_compile", action="store_true",
                     help="compile the stage programs without XLA's backend optimisations (quicker on CPU)")
     return p
+
+
+def check_writable_file(path: str, what: str) -> None:
+    """Refuse (UsageError) a path a file cannot be written to: a directory, a missing or read-only folder. Checked
+    by creating and removing a file beside it, which works for root and read-only file systems alike."""
+    from .safeio import probe_writable
+
+    if path.endswith(os.sep) or os.path.isdir(path):
+        raise UsageError(f"{what} {path!r} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        probe_writable(folder)
+    except OSError as e:
+        raise UsageError(f"cannot write {what} {path!r} ({e.strerror or e} in {folder!r}); pick a folder you can "
+                         "write to") from None
 
 
 def _one_sentence(e: BaseException) -> str:
@@ -345,10 +413,19 @@ def _one_sentence(e: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     parser = build_parser()
+
+    def on_sigterm(signum, _frame):  # like Ctrl-C: unwind (finally blocks run), then exit 143
+        raise Interrupted(signum)
+
+    handlers = _install({signal.SIGTERM: on_sigterm})
     try:
         args = parser.parse_args(argv)
         run, pretty = COMMANDS[args.command]
         out = run(args)
+    except Interrupted as e:
+        name = {2: "SIGINT", 15: "SIGTERM"}.get(e.signum, f"signal {e.signum}")
+        print(f"autopar-lab: interrupted ({name}){': ' + e.what if e.what else ''}.", file=sys.stderr)
+        return 128 + e.signum
     except UsageError as e:
         print(f"autopar-lab: {_one_sentence(e)}", file=sys.stderr)
         return 2
@@ -360,8 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("autopar-lab: interrupted.", file=sys.stderr)
+        print("autopar-lab: interrupted (SIGINT).", file=sys.stderr)
         return 130
+    finally:
+        _install(handlers)
     if args.json:
         json.dump(out, sys.stdout, default=_json_default)
         sys.stdout.write("\n")

@@ -42,6 +42,11 @@ Axis = Union[int, tuple]
 #: Where the ``cpu`` preset reads its measured figures (regenerate with ``python -m autopar_lab.calibrate``).
 CPU_PROFILE_PATH = Path(__file__).resolve().parent / "profiles" / "cpu.json"
 
+#: Bounds on a cluster's size, checked where a Cluster is made: past them the planner's tables (a submesh shape per
+#: host count, a mesh view per divisor) would take longer than anyone waits. Alpa's largest runs used 8 hosts x 8.
+MAX_HOSTS = 1024
+MAX_DEVICES_PER_HOST = 1024
+
 #: The names :meth:`Cluster.preset` and :meth:`Cluster.parse` accept.
 PRESETS = ("p3.16xlarge", "dgx-a100", "dgx-h100", "cpu")
 
@@ -358,9 +363,13 @@ class Cluster:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field, value in (("hosts", self.hosts), ("devices_per_host", self.devices_per_host)):
+        for field, value, most in (("hosts", self.hosts, MAX_HOSTS),
+                                   ("devices_per_host", self.devices_per_host, MAX_DEVICES_PER_HOST)):
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{field} must be a positive whole number, got {value!r}; set it to 1 or more.")
+            if value > most:  # the planner's tables grow with both: a typo must not eat the machine's memory
+                raise ValueError(f"{field} is {value}, more than the {most} autopar-lab plans for; set it to at "
+                                 f"most {most}.")
         if not _is_power_of_two(self.devices_per_host):
             lower = 1 << (self.devices_per_host.bit_length() - 1)
             raise ValueError(
@@ -396,6 +405,9 @@ class Cluster:
         key = str(name).strip().lower()
         if not _is_int(hosts) or hosts <= 0:
             raise ValueError(f"hosts must be a positive whole number, got {hosts!r}; set it to 1 or more.")
+        if hosts > MAX_HOSTS:
+            raise ValueError(f"hosts is {hosts}, more than the {MAX_HOSTS} autopar-lab plans for; set it to at most "
+                             f"{MAX_HOSTS}.")
         if key == "cpu":
             return _cpu_preset(hosts)
         if key not in _GPU_PRESETS:
@@ -414,7 +426,7 @@ class Cluster:
         if not isinstance(spec, (str, os.PathLike)):
             raise ValueError(f"bad cluster spec {spec!r}; {_SPEC_HELP}.")
         text = os.fspath(spec).strip()
-        if text.lower().endswith(".json") or os.path.isfile(text):
+        if text.lower().endswith(".json") or os.path.exists(text):
             return cls.from_json(text)
         name, sep, hosts_text = text.partition(":")
         if not sep:
@@ -462,23 +474,27 @@ class Cluster:
 
         ``inter_host.bandwidth`` is the whole host's network bandwidth. ``name`` and ``version`` are optional.
         """
+        from .safeio import loads_json, read_text_file
+
         where = "cluster dict"
         if isinstance(source, Mapping):
             data = source
+        elif not isinstance(source, (str, os.PathLike)):
+            raise ValueError(f"a cluster must be a dict, JSON text or a JSON file path, got {type(source).__name__}; "
+                             "use the form shown in Cluster.from_json.")
         else:
             text = os.fspath(source)
             if text.lstrip().startswith("{"):
                 where = "cluster JSON text"
             else:
                 where = f"cluster file {text!r}"
-                try:
-                    text = Path(text).read_text()
-                except OSError as e:
-                    raise ValueError(f"cannot read {where} ({e.strerror or e}); {_SPEC_HELP}.") from None
+                # Untrusted like a plan file: a regular file, bounded in size (safeio says why).
+                text = read_text_file(text, "cluster file", limit=1 << 20)
             try:
-                data = json.loads(text)
+                data = loads_json(text, where)
             except ValueError as e:
-                raise ValueError(f"{where} is not valid JSON ({e}); fix it to the form shown in Cluster.from_json.") from None
+                hint = "" if ";" in str(e) else "; fix it to the form shown in Cluster.from_json"
+                raise ValueError(f"{str(e).rstrip('.')}{hint}.") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"{where} must hold a JSON object, got {type(data).__name__}; use the form shown in Cluster.from_json.")
 

@@ -22,6 +22,13 @@ from .graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
 AXIS_NAMES = ("x", "y")
 
 
+def _comment_text(text) -> str:
+    """``text`` for the inside of a ``#`` comment: as it is when it is one printable line, else its repr (which
+    escapes line breaks and every other control character), so it cannot end the comment and start code."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def _spec_text(spec) -> str:
     entries = []
     for d in spec.dims:
@@ -103,19 +110,21 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
 def to_jax_code(plan, stage: int = 0) -> str:
     """Python source building one stage's mesh, PartitionSpecs, NamedShardings and the sharding constraints of its
     forward matmuls (see the module doc)."""
-    if not 0 <= stage < len(plan.stages):
-        raise ValueError(f"stage {stage} does not exist: this plan has stages 0..{len(plan.stages) - 1}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(plan.stages):
+        raise ValueError(f"stage must be a stage index 0..{len(plan.stages) - 1} of this plan, got {stage!r:.40}")
     st = plan.stages[stage]
     n0, n1 = (int(x) for x in st.logical_mesh)
     specs = input_specs(plan, stage)
     acts = activation_specs(plan, stage)
+    # Every value below is an int, a float formatted as a number, a repr() (a closed string literal) or
+    # _comment_text (one printable line): no string of a plan, however hostile, can leave its comment or literal.
     lines = [
-        f"# autopar-lab plan: {plan.method}, {len(plan.stages)} stage(s), {plan.microbatches} microbatch(es), "
-        f"predicted step {plan.cost.step_time_s:.4g} s",
+        f"# autopar-lab plan: {_comment_text(plan.method)}, {len(plan.stages)} stage(s), {int(plan.microbatches)} "
+        f"microbatch(es), predicted step {float(plan.cost.step_time_s):.4g} s",
     ]
     if len(plan.stages) > 1:
-        lines.append(f"# Stage {stage} (layers {st.layers[0]}..{st.layers[1]}) of {len(plan.stages)}: each pipeline "
-                     "stage has a mesh of its own (to_jax_code(plan, stage=k) writes stage k).")
+        lines.append(f"# Stage {stage} (layers {int(st.layers[0])}..{int(st.layers[1])}) of {len(plan.stages)}: each "
+                     "pipeline stage has a mesh of its own (to_jax_code(plan, stage=k) writes stage k).")
     lines += [
         "import jax",
         "import numpy as np",

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-from . import planner
+from . import checks, planner
 from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve were first offered here
     PinIndex,
     check_submeshes,
@@ -135,6 +135,7 @@ def _with_strategy(plan: Plan, k: int, intra: IntraPlan, g: OpGraph, cache: Stra
 
 def with_choice(plan: Plan, op: int, strategy) -> Plan:
     """A new plan with operator ``op`` run by ``strategy``; the original is left as it was."""
+    op = checks.op_id(op)
     k, intra, g, cache, s = _stage_choice(plan, op, strategy)
     return _with_strategy(plan, k, intra, g, cache, op, s)
 
@@ -242,7 +243,7 @@ def with_remat(plan: Plan, stage: int, on: bool = True) -> Plan:
 
     The stage-cost formula prices remat as: only the stage's input activations are held (its entry cut's bytes per
     microbatch, sharded over the stage's devices) and the backward pass runs the forward pass again."""
-    k = _stage_index(plan, stage)
+    k = _stage_index(plan, checks.stage_index(plan, stage))
     if not isinstance(on, bool):
         raise ValueError(f"on must be True or False, got {on!r}")
     specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]

@@ -24,11 +24,12 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
+
+from .safeio import write_atomic
 
 VERSION = 2
 READS = (1, 2)  # file versions load_plan accepts
-_KEYS = ("version", "graph_fingerprint", "cluster", "method", "microbatches", "schedule", "stage_comm",
-         "layer_names", "stages", "choices", "pins")
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
 
@@ -117,41 +118,36 @@ def save_plan(plan, path: str | os.PathLike) -> None:
     if plan.table is None or any(st.intra is None for st in plan.stages):
         raise ValueError("this plan has no per-stage strategies to save; build it with autopar_lab.planner")
     text = json.dumps(plan_to_dict(plan), indent=1)
-    Path(path).write_text(text + "\n")
+    write_atomic(path, (text + "\n").encode())  # a reader never sees half a plan, an old plan survives a failed write
 
 
 def _bad(where: str, what: str) -> ValueError:
     return ValueError(f"{where} is not a valid plan file: {what}.")
 
 
-def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
-    """The plan saved in ``path``, for ``graph`` on ``cluster``, re-priced.
+def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
+    """The plan saved in ``path``, for ``graph`` on ``cluster`` (default: the cluster the file describes), re-priced.
 
     Refuses (ValueError, one sentence) a file of another version, a plan made for another graph or cluster, and a
-    corrupt or hand-broken file. ``model``: the zoo model, needed only for a deep model planned on a shallower copy.
+    corrupt, hand-broken or hostile file (see :mod:`autopar_lab.planschema`: every field is checked before use).
+    ``model``: the zoo model, needed only for a deep model planned on a shallower copy.
     """
+    from . import planschema
     from .cluster import Cluster
     from .planner import microbatch_choices
     from .pricing import CostTable, price_plan, solve_graph_for
     from .solve.intra import StrategyCache, evaluate_intra
 
     where = f"plan file {os.fspath(path)!r}"
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read {where} ({e.strerror or e}).") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise _bad(where, f"it is not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise _bad(where, "it does not hold a JSON object")
-    if "version" in data and data["version"] not in READS:
-        raise ValueError(f"{where} has version {data['version']!r}, but this autopar-lab reads versions "
-                         f"{', '.join(map(str, READS))}.")
-    missing = [k for k in _KEYS if k not in data]
-    if missing:
-        raise _bad(where, f"key {missing[0]!r} is missing")
+    if isinstance(path, (bytes, int)) or not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"load_plan takes the path of a plan file, got {type(path).__name__}.")
+    data = planschema.read_plan_file(path)
+    planschema.check_form(data, where)
+    if cluster is None:
+        try:
+            cluster = Cluster.from_json(data["cluster"])
+        except (ValueError, TypeError) as e:
+            raise _bad(where, f"its cluster is broken ({str(e).rstrip('.')})") from None
     if data["graph_fingerprint"] != graph.fingerprint:
         raise ValueError(f"{where} was made for another graph (fingerprint {data['graph_fingerprint']!r}, this graph "
                          f"has {graph.fingerprint!r}); plan this model again or load the plan with the graph it was "
@@ -172,6 +168,8 @@ def load_plan(path: str | os.PathLike, graph, cluster, *, model=None):
                 raise ValueError(f"{where} was planned on a shallower copy of the model; pass model= (the zoo model "
                                  "it was made for) to load it.")
         table = CostTable(graph, cluster, solve_graph=solve_graph)
+        planschema.check_fits(data, where, ops=solve_graph.ops, num_layers=len(table.layer_names), cluster=cluster,
+                              batch_size=table.batch_size)
         if list(data["layer_names"]) != list(table.layer_names):
             raise _bad(where, "its layer names are not this graph's")
         B = data["microbatches"]

@@ -21,6 +21,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from . import checks
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
 from .plan import Plan
@@ -191,6 +192,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
     ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``).
     ``table``: as for :func:`auto_plan`."""
+    dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
+    remat = checks.flag(remat, "remat")
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
@@ -225,6 +228,7 @@ def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatch
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
     ``remat``: the forward is recomputed in the backward (gradient checkpointing). ``table``: as for
     :func:`auto_plan`."""
+    microbatches, remat = checks.whole(microbatches, "microbatches"), checks.flag(remat, "remat")
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices

@@ -126,7 +126,7 @@ def test_load_refuses_other_graph_cluster_and_broken_files(plan, cluster, tmp_pa
     assert "layers" in broken(lambda d: d["stages"][0].update(layers=[1, 3]))
     broken(lambda d: d["stages"][0].update(logical_mesh="2x2"))
     path.write_text("{not json")
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match="not valid JSON"):
         al.load_plan(path, plan.graph, cluster)
 
 

@@ -47,10 +47,31 @@ def config_of(name: str, batch_size=None, num_layers=None, dtype=None, **overrid
         overrides["num_layers"] = num_layers
     if dtype is not None:
         try:
-            overrides["dtype"] = jnp.dtype(dtype).name
+            kind = jnp.dtype(dtype)
         except TypeError:
             raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'float16' or 'bfloat16'.") from None
+        if not jnp.issubdtype(kind, jnp.floating):  # gradients of integer parameters do not exist
+            raise ValueError(f"dtype {kind.name!r} cannot be trained (gradients need floating point); use "
+                             "'float32', 'float16' or 'bfloat16'.")
+        overrides["dtype"] = kind.name
+    _check_bounds(overrides)
     return replace_config(cfg, **overrides)
+
+
+#: The largest size a config field may take. Tracing unrolls every layer and shapes are Python ints, so a typo such as
+#: ``--layers 100000`` or ``--batch 99999999999999999999`` would trace for hours or overflow far from the input.
+MAX_LAYERS = 1024
+MAX_BATCH = 1 << 20
+MAX_DIM = 1 << 24  # any other size (hidden, sequence, vocabulary, experts ...)
+
+
+def _check_bounds(overrides: dict) -> None:
+    for key, value in overrides.items():
+        if key == "dtype" or not isinstance(value, int) or isinstance(value, bool):
+            continue  # flags, factors and names: the family's own config checks them
+        most = MAX_LAYERS if key == "num_layers" else MAX_BATCH if key == "batch_size" else MAX_DIM
+        if not 1 <= value <= most:
+            raise ValueError(f"{key} must be between 1 and {most:,}, got {value:,}; pick a size in that range.")
 
 
 def get(name: str, batch_size: int | None = None, num_layers: int | None = None, dtype=None,

@@ -27,24 +27,30 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .. import checks
 from .progress import ProgressChannel, ProgressEvent, parse_event
 from .train_entry import RESULT_PREFIX, JobFailed, check_resources, job_spec, run_job
 
-__all__ = ["launch", "Job", "RemoteJob", "start_local_ray", "shutdown_local_ray", "remote_submission", "JobFailed"]
+__all__ = ["launch", "Job", "RemoteJob", "start_local_ray", "shutdown_local_ray", "local_ray_head", "remote_submission",
+           "JobFailed"]
 
-_LOCAL: dict = {"owned": False, "temp_dir": None, "env_set": ()}
-_LOCK = threading.Lock()
+_LOCAL: dict = {"owned": False, "temp_dir": None, "env_set": (), "head": None}
+_LOCK = threading.RLock()
+_RUNNING: "weakref.WeakSet[Job]" = weakref.WeakSet()  # local jobs whose driver thread may still call Ray
 
 
 # ------------------------------------------------------------------------------------------------ embedded Ray
@@ -59,19 +65,28 @@ def _has_token() -> bool:
         return False
 
 
-def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None = None, attempts: int = 4):
+def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None = None, attempts: int = 2,
+                    timeout_s: float | None = None):
     """The embedded Ray (started once per process), or the Ray this process is already connected to; the ``ray``
     module, connected.
 
-    Every service listens on 127.0.0.1: Ray's single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` while it
-    starts), node address 127.0.0.1, no dashboard. Authentication: ``RAY_AUTH_MODE=token`` unless the environment sets
-    ``RAY_AUTH_MODE`` (then that is respected); the token is Ray's (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
-    ``~/.ray/auth_token``) or, when none exists, a fresh random one in the cluster's private temporary directory
-    (mode 0700), for its lifetime only; nothing is written to the home directory.
+    The head runs in a process group this library owns (:mod:`autopar_lab.runtime.rayhead`): it outlives the thread
+    that started it, a Ctrl-C in the terminal does not reach it, and it is stopped (with its temporary directory) by
+    :func:`shutdown_local_ray`, at exit, or when this process dies. Every service listens on 127.0.0.1 (Ray's
+    single-machine mode, node address 127.0.0.1, no dashboard). Authentication: ``RAY_AUTH_MODE=token`` unless the
+    environment sets ``RAY_AUTH_MODE`` (then that is respected); the token is Ray's (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) or, when none exists, a fresh random one in the cluster's
+    private temporary directory (mode 0700), for its lifetime only; nothing is written to the home directory.
+    A head that does not start within ``timeout_s`` (default ``AUTOPAR_RAY_START_TIMEOUT`` or 300 s) raises
+    RuntimeError, and nothing of it is left behind.
     """
+    from .rayhead import HeadFailed, RayHead
+
     with _LOCK:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             return sys.modules["ray"]
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("AUTOPAR_RAY_START_TIMEOUT", 300))
         set_here = []
         if "RAY_AUTH_MODE" not in os.environ:
             os.environ["RAY_AUTH_MODE"] = "token"
@@ -84,40 +99,75 @@ def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None
             os.environ["RAY_AUTH_TOKEN_PATH"] = str(token_file)
             set_here.append("RAY_AUTH_TOKEN_PATH")
         _LOCAL.update(temp_dir=temp_dir, env_set=tuple(set_here))
-        saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         try:
-            import ray
-            from ray._private import ray_constants
-
             last = None
             for _ in range(max(int(attempts), 1)):
-                was = ray_constants.ENABLE_RAY_CLUSTER
-                ray_constants.ENABLE_RAY_CLUSTER = False  # in case Ray was imported before the variable was set
                 try:
-                    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                             _temp_dir=os.path.join(temp_dir, "ray"), object_store_memory=object_store_memory,
-                             log_to_driver=False, configure_logging=False, namespace="autopar-lab")
-                    _LOCAL["owned"] = True
-                    return ray
-                except Exception as e:  # noqa: BLE001
-                    # On a loaded machine Ray's agents can start slower than the raylet's hard-coded 15 s wait
-                    # for them (ray-project/ray#65983); ray.init then says "timed out during startup" and a fresh
-                    # attempt often gets through.
+                    head = RayHead.start(temp_dir, num_cpus=num_cpus, object_store_memory=object_store_memory,
+                                         timeout_s=timeout_s)
+                except HeadFailed as e:
+                    # On a loaded machine Ray's agents can start slower than the raylet's hard-coded wait for them
+                    # (ray-project/ray#65983); a fresh attempt often gets through.
                     last = e
-                    ray.shutdown()
-                    if "timed out during startup" not in str(e):
-                        break
-                finally:
-                    ray_constants.ENABLE_RAY_CLUSTER = was
+                    continue
+                _LOCAL["head"] = head
+                ray = _connect(head.address)
+                _LOCAL["owned"] = True
+                return ray
+            raise RuntimeError(f"the embedded Ray did not start ({str(last)[:300]}); on a busy machine try again "
+                               "(AUTOPAR_RAY_START_TIMEOUT sets how long to wait), or start Ray yourself and pass "
+                               "its address.")
+        except BaseException:
+            _stop_head()
             _cleanup_local()
-            raise RuntimeError(f"the embedded Ray did not start ({' '.join(str(last).split())[:200]}); on a busy "
-                               "machine try again, or start Ray yourself and pass its address.")
-        finally:
-            if saved is None:
-                os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-            else:
-                os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+            raise
+
+
+class _QuietThreadWarning(logging.Filter):
+    """Drops Ray's "SIGTERM handler is not set" warning: connecting from a worker thread is how this module works."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _connect(address: str):
+    """``ray.init`` as a driver of the head at ``address``, from any thread. Ray's own SIGTERM handler (installed when
+    connecting from the main thread) is put back to what it was: this process's signals are its owner's."""
+    import ray
+    from ray._private import auto_init_hook, ray_constants
+
+    quiet = _QuietThreadWarning()
+    logging.getLogger("ray._private.worker").addFilter(quiet)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    # Single-machine mode while connecting, or Ray rewrites 127.0.0.1 to this host's network address, where the
+    # loopback-only head does not listen (ray_constants read the variable at import: set both).
+    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address=address, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
+                 namespace="autopar-lab")
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        if saved[0] is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved[0]
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+        if main and before is not None:
+            signal.signal(signal.SIGTERM, before)
+    # A Ray call after shutdown_local_ray must fail, never quietly start a second head with Ray's defaults.
+    _LOCAL["auto_connect"] = auto_init_hook.enable_auto_connect
+    auto_init_hook.enable_auto_connect = False
+    return ray
+
+
+def _stop_head() -> None:
+    head = _LOCAL.get("head")
+    if head is not None:
+        head.stop()
+        _LOCAL["head"] = None
 
 
 def _cleanup_local() -> None:
@@ -128,15 +178,36 @@ def _cleanup_local() -> None:
     _LOCAL.update(owned=False, temp_dir=None, env_set=())
 
 
-def shutdown_local_ray() -> None:
-    """Stop the embedded Ray (if this module started it), remove its temporary directory and token."""
+def local_ray_head():
+    """The :class:`~autopar_lab.runtime.rayhead.RayHead` of the embedded Ray, or None (for inspection and tests)."""
+    return _LOCAL.get("head")
+
+
+def shutdown_local_ray(timeout_s: float = 120.0) -> None:
+    """Stop the embedded Ray (if this module started it), remove its temporary directory and token.
+
+    Jobs still running on it are cancelled and waited for first (up to ``timeout_s``), so no job thread makes a Ray
+    call after Ray is gone."""
     with _LOCK:
         if not _LOCAL["owned"]:
             return
+        for job in list(_RUNNING):
+            job.cancel()
+        deadline = time.monotonic() + timeout_s
+        for job in list(_RUNNING):
+            if job._thread is not None:
+                job._thread.join(max(deadline - time.monotonic(), 0.1))
         import ray
 
-        ray.shutdown()
-        _cleanup_local()
+        try:
+            ray.shutdown()
+        finally:
+            _stop_head()
+            _cleanup_local()
+            if not any(job._thread is not None and job._thread.is_alive() for job in _RUNNING):
+                from ray._private import auto_init_hook
+
+                auto_init_hook.enable_auto_connect = _LOCAL.pop("auto_connect", auto_init_hook.enable_auto_connect)
 
 
 atexit.register(shutdown_local_ray)
@@ -168,8 +239,11 @@ class Job:
                 self.result = {"status": "error", "message": f"{type(e).__name__}: {e}", "losses": []}
                 if not self.channel.finished:
                     self.channel.publish(ProgressEvent(kind="error", message=self.result["message"]))
+            finally:
+                _RUNNING.discard(self)
 
         self._thread = threading.Thread(target=body, name="autopar-lab-job", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _set_actors(self, handles):
@@ -190,6 +264,8 @@ class Job:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the job is still running after {timeout} s.")
+        if self.result is None:
+            raise JobFailed("the job ended without a result.")
         if self.result["status"] == "error":
             raise JobFailed(self.result["message"])
         return self.result
@@ -339,28 +415,36 @@ def _submit(spec: dict, address: str, channel: ProgressChannel) -> RemoteJob:
 def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int = 0,
            checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0, resume: bool = False,
            device_kind: str | None = None, num_cpus: int | None = None, max_restarts: int = 3,
-           compiler_options: dict | None = None, on_progress=None, wait: bool = False) -> Job:
+           compiler_options: dict | None = None, on_progress=None, wait: bool = False, overwrite: bool = False) -> Job:
     """Train ``model`` with ``plan`` for ``steps`` steps on Ray; returns a :class:`Job` (or waits for it).
 
     ``ray_address``: None for an embedded local Ray (loopback only), or a cluster's dashboard address
     (``http://HEAD:8265``) to submit through the Jobs API. ``checkpoint_dir`` / ``checkpoint_every``: per-stage
     checkpoints every N steps (and at the end); a dead stage actor restarts from the last one; ``resume=True``
-    continues a run from its directory. ``device_kind``: "cpu" (stages on CPU devices, JAX_NUM_CPU_DEVICES per actor)
+    continues a run from its directory; a directory holding another run's checkpoints is refused unless
+    ``overwrite=True`` (then they are replaced). ``device_kind``: "cpu" (stages on CPU devices, JAX_NUM_CPU_DEVICES per actor)
     or "gpu" (num_gpus per actor); default: what the plan's cluster has. ``num_cpus``: CPUs of the embedded Ray
     (default: one per stage). ``on_progress(event)``: subscribed before the job starts.
 
     Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
-    cluster without enough devices for the plan.
+    cluster without enough devices for the plan, a checkpoint directory that is not writable, belongs to another
+    run, or cannot be resumed. The embedded Ray failing to start raises RuntimeError.
     """
+    checks.plan_object(plan, "al.launch")
     spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
-                    compiler_options=compiler_options, max_restarts=max_restarts)
+                    compiler_options=compiler_options, max_restarts=max_restarts, overwrite=overwrite)
     channel = ProgressChannel()
     if on_progress is not None:
         channel.subscribe(on_progress)
     if ray_address:
         job = _submit(spec, str(ray_address), channel)
     else:
+        if spec["checkpoint_dir"]:  # refuse a directory that is not ours to write before Ray starts
+            from .checkpoint import claim
+
+            spec["run_id"], _ = claim(spec["checkpoint_dir"], spec["run_id"], resume=spec["resume"],
+                                      overwrite=spec["overwrite"])
         S = len(spec["plan"]["stages"])
         ray = start_local_ray(num_cpus=num_cpus if num_cpus is not None else max(S, 1))
         check_resources(ray, spec)

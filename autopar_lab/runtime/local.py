@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from .. import checks
 from ..simulate import ScheduleStuck, issue_order, stage_order
 from .partition import StagedModel, _mesh, check_plan_matches, move, split_stages, stage_device_blocks
 
@@ -284,5 +285,6 @@ def execute(plan, model, *, seed: int = 0, devices=None, timing: bool = True, mo
     ``optimizer``: the optax transformation the model's step uses, for a ModelSpec outside the zoo that has no
     ``optimizer`` attribute (pipelines apply it per stage).
     """
+    checks.plan_object(plan, "al.execute")
     return Runner(plan, model, seed=seed, devices=devices, timing=timing, mode=mode,
                   compiler_options=compiler_options, optimizer=optimizer)

@@ -26,7 +26,7 @@ __all__ = ["ProgressEvent", "ProgressChannel", "EVENT_PREFIX", "format_event", "
 # Jobs submitted to a remote cluster report progress as lines on stdout; this prefix tells them from other output.
 EVENT_PREFIX = "AUTOPAR_EVENT "
 
-KINDS = ("step", "restart", "done", "cancelled", "error")
+KINDS = ("step", "restart", "note", "done", "cancelled", "error")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class ProgressEvent:
     """One thing that happened in a job.
 
     kind: "step" (a step finished), "restart" (a stage actor died; the job went back to ``step``, its last
-    checkpoint), "done", "cancelled" or "error" (``message`` says what). ``step`` counts finished steps (1-based for
+    checkpoint), "note" (something the user should know, e.g. a damaged checkpoint skipped on resume), "done",
+    "cancelled" or "error" (``message`` says what). ``step`` counts finished steps (1-based for
     "step" events). ``stage_times``: seconds each stage computed during the step (forward + backward + update),
     measured inside the stage actor.
     """

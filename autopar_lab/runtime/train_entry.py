@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import uuid
 
 from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
 
@@ -45,7 +46,8 @@ def _config_dict(config) -> dict:
 
 def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | None = None,
              checkpoint_every: int = 0, resume: bool = False, device_kind: str | None = None,
-             compiler_options: dict | None = None, max_restarts: int = 3, env_vars: dict | None = None) -> dict:
+             compiler_options: dict | None = None, max_restarts: int = 3, env_vars: dict | None = None,
+             overwrite: bool = False) -> dict:
     """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring).
 
     Checks, before anything starts: ``steps`` and checkpoint settings; that ``plan`` was made for ``model``; that the
@@ -64,6 +66,8 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
         raise ValueError("checkpoint_every needs a checkpoint_dir to write into; pass checkpoint_dir=... .")
     if resume and not checkpoint_dir:
         raise ValueError("resume=True needs the checkpoint_dir of the run to resume.")
+    if resume and overwrite:
+        raise ValueError("resume=True continues the run in checkpoint_dir and overwrite=True replaces it; pass one.")
     check_plan_matches(model, plan)
     from .. import models
 
@@ -84,7 +88,7 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
     return {
         "version": 1, "model": model.name, "config": config, "plan": data, "steps": int(steps), "seed": int(seed),
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": int(checkpoint_every),
-        "resume": bool(resume), "device_kind": kind, "compiler_options": dict(compiler_options or {}),
+        "resume": bool(resume), "overwrite": bool(overwrite), "run_id": uuid.uuid4().hex[:12], "device_kind": kind, "compiler_options": dict(compiler_options or {}),
         "max_restarts": int(max_restarts), "env_vars": dict(env_vars or {}),
         "batch_size": int(_batch_size(model)),
         "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s} for st in plan.stages],
@@ -190,21 +194,6 @@ def _dead(ray, actors) -> list[int]:
     return out
 
 
-def _resume_point(directory, S: int) -> tuple[int, list[float]]:
-    """The step to go on from (the newest checkpoint every stage committed and the job recorded) and its losses."""
-    from .checkpoint import load_job, steps_of
-
-    if not directory:
-        return 0, []
-    rec = load_job(directory)
-    if not rec:
-        return 0, []
-    step = int(rec["step"])
-    if all(step in steps_of(directory, k) for k in range(S)):
-        return step, [float(x) for x in rec["losses"]][:step]
-    return 0, []
-
-
 def _summary_rows(job: dict, per_step: list[list[dict]]) -> list[dict]:
     """Measured per-stage times beside the plan's predictions (medians over the steps after the first)."""
     later = per_step[1:] or per_step
@@ -261,7 +250,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     """
     if ray is None:
         import ray  # noqa: F811 - the runtime's launch path is the only place Ray is imported
-    from .checkpoint import save_job
+    from .checkpoint import CheckpointError, claim, resume_point, save_job
 
     channel = channel or ProgressChannel()
     stages = job["plan"]["stages"]
@@ -269,7 +258,22 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
     check_resources(ray, job)
     t_start = time.perf_counter()
-    step, losses = _resume_point(ck_dir, S) if job.get("resume") else (0, [])
+    step, losses, run_id = 0, [], job.get("run_id")
+    if ck_dir:
+        try:  # launch() claimed a local directory already (claiming again is a no-op); a remote one is claimed here
+            run_id, _ = claim(ck_dir, run_id or uuid.uuid4().hex[:12], resume=bool(job.get("resume")),
+                              overwrite=bool(job.get("overwrite")))
+        except CheckpointError as e:
+            channel.publish(ProgressEvent(kind="error", message=str(e)))
+            return {"status": "error", "message": str(e), "model": job["model"], "steps": steps, "steps_run": 0,
+                    "losses": [], "step_times_s": [], "step_time_s": None, "samples_per_s": None,
+                    "predicted_step_s": job.get("predicted_step_s"), "stage_times": _summary_rows(job, []),
+                    "restarts": 0, "checkpoint_dir": ck_dir, "elapsed_s": time.perf_counter() - t_start}
+        if job.get("resume"):
+            step, losses, note = resume_point(ck_dir, S)
+            if note:
+                channel.publish(ProgressEvent(kind="note", step=step, message=note))
+    saved = step  # the newest step on disk: a cancelled run writes one more checkpoint if it got past it
     first = step
     per_step: list[list[dict]] = []
     step_times: list[float] = []
@@ -300,11 +304,12 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                 if restarts > int(job.get("max_restarts", 3)):
                     raise JobFailed(f"a stage actor died {restarts} times; giving up (max_restarts="
                                     f"{job.get('max_restarts', 3)}).") from None
-                step, kept = _resume_point(ck_dir, S)
+                step, kept, note = resume_point(ck_dir, S) if ck_dir else (0, [], "")
                 losses = losses[:step] if len(losses) >= step else kept
                 del step_times[max(step - first, 0):], per_step[max(step - first, 0):]
                 channel.publish(ProgressEvent(kind="restart", step=step, elapsed_s=time.perf_counter() - t_start,
-                                              message=f"a stage actor died ({_short(e)}); restarting from step {step}"))
+                                              message=f"a stage actor died ({_short(e)}); restarting from step {step}"
+                                                      + (f" ({note})" if note else "")))
                 continue
             dt = time.perf_counter() - t0
             loss = float(sum(float(o["loss"]) for o in outs[:B]) / B)
@@ -315,15 +320,22 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
             step += 1
             if ck_dir and ck_every and (step % ck_every == 0 or step == steps):
                 ray.get([a.save.remote(ck_dir, step) for a in actors.handles])
-                save_job(ck_dir, step, losses)
+                save_job(ck_dir, step, losses, run_id)
+                saved = step
             channel.publish(ProgressEvent(kind="step", step=step, loss=loss, step_time_s=dt,
                                           samples_per_s=job["batch_size"] / dt if dt > 0 else None,
                                           stage_times=tuple(r["busy_s"] for r in rows),
                                           elapsed_s=time.perf_counter() - t_start))
+        if status == "cancelled" and ck_dir and actors is not None and step > saved:
+            # a clean stop keeps the work done: the state after the last finished step becomes a checkpoint
+            ray.get([a.save.remote(ck_dir, step) for a in actors.handles])
+            save_job(ck_dir, step, losses, run_id)
+            saved = step
+            message = f"cancelled after step {step}; checkpoint at step {step} in {ck_dir}"
     except JobFailed as e:
         status, message = "error", str(e)
     except Exception as e:  # noqa: BLE001 - reported to the user as the job's error, not a dead thread
-        status, message = "error", f"{type(e).__name__}: {e}"
+        status, message = "error", f"{type(e).__name__}: {_short(e)}"
     finally:
         if actors is not None:
             actors.kill()
@@ -335,6 +347,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
         "samples_per_s": (job["batch_size"] / step_s) if step_s else None,
         "predicted_step_s": job.get("predicted_step_s"), "stage_times": _summary_rows(job, per_step),
         "restarts": restarts, "checkpoint_dir": ck_dir, "elapsed_s": time.perf_counter() - t_start,
+        "checkpoint_step": saved if ck_dir else None, "run_id": run_id,
     }
     kind = {"done": "done", "cancelled": "cancelled", "error": "error"}[status]
     channel.publish(ProgressEvent(kind=kind, step=len(losses), elapsed_s=result["elapsed_s"], message=message))

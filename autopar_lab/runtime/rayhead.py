@@ -1,0 +1,249 @@
+"""The embedded Ray head as a process group the library owns, outliving whichever thread started it.
+
+Why not ``ray.init()`` in the caller's thread: Ray starts its head processes (GCS, raylet, agents) with
+``PR_SET_PDEATHSIG``, which Linux ties to the *thread* that forked them, so a head started from a short-lived thread
+(a notebook button's worker) dies with that thread, and the kernel follows ("Failed to connect to GCS"). Ray's
+processes also sit in the caller's process group, so a Ctrl-C in the terminal reaches them and kills the cluster
+before the job can stop cleanly.
+
+So the head runs as ``ray start --head --block`` under a small watcher process (this module's :func:`main`), started
+in a new session: its own process group, out of reach of the terminal's Ctrl-C, owned by no thread. The watcher
+reads its stdin, a pipe from the owning process; when the pipe closes it stops ``ray start`` (which stops Ray's
+processes), kills whatever is left in its group and removes the head's folder. A pipe closed without the word
+``stop`` first means the owner died (a SIGKILL included): then the owner's whole temporary folder goes too (the
+auth token in it), since nobody is left to remove it. The owning process then connects to the head as
+an ordinary driver (``ray.init(address=...)``), from any thread.
+
+    >>> head = RayHead.start(temp_dir, num_cpus=2, env=os.environ)   # doctest: +SKIP
+    >>> head.address                                                   # doctest: +SKIP
+    '127.0.0.1:40123'
+    >>> head.stop()                                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["RayHead", "HeadFailed", "main"]
+
+READY = "Ray runtime started."  # what `ray start` prints once the head is up (its log is ours to read)
+
+
+class HeadFailed(RuntimeError):
+    """The head did not start (it exited, or did not come up in time); the message carries its last log lines."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayHead:
+    """A running head: ``address`` (``127.0.0.1:PORT``), ``head_dir`` (its files), ``pid`` (the watcher, also its
+    process group), :meth:`alive`, :meth:`stop`."""
+
+    def __init__(self, proc: subprocess.Popen, address: str, head_dir: str, log_path: str):
+        self.proc = proc
+        self.address = address
+        self.head_dir = head_dir
+        self.ray_group: int | None = None  # the process group (session) of `ray start` and Ray's processes
+        self.log_path = log_path
+        self.pid = proc.pid
+
+    @classmethod
+    def start(cls, temp_dir: str, *, num_cpus: int | None = None, object_store_memory: int | None = None,
+              env=None, timeout_s: float = 300.0) -> "RayHead":
+        """Start a loopback-only head whose files live in a new folder under ``temp_dir`` (the owner's private
+        temporary folder); HeadFailed if it is not up within ``timeout_s`` (then nothing of it is left running)."""
+        import tempfile
+
+        head_dir = tempfile.mkdtemp(prefix="head-", dir=temp_dir)
+        port = _free_port()
+        args = ["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(head_dir, 'ray')}",
+                "--min-worker-port=0", "--max-worker-port=0"]
+        if num_cpus is not None:
+            args.append(f"--num-cpus={int(num_cpus)}")
+        if object_store_memory is not None:
+            args.append(f"--object-store-memory={int(object_store_memory)}")
+        env = dict(os.environ if env is None else env)
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-machine mode: services on the loopback address
+        env.pop("RAY_ADDRESS", None)
+        log_path = os.path.join(head_dir, "head.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "autopar_lab.runtime.rayhead", head_dir, temp_dir, *args],
+                                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, close_fds=True)
+        head = cls(proc, f"127.0.0.1:{port}", head_dir, log_path)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise HeadFailed(f"the Ray head exited with status {proc.returncode}: {head.log_tail()}")
+                if READY in head.log_tail(4000):
+                    with open(os.path.join(head_dir, "ray.pgid")) as f:
+                        head.ray_group = int(f.read())
+                    return head
+                if time.monotonic() > deadline:
+                    raise HeadFailed(f"the Ray head did not start within {timeout_s:.0f} s: {head.log_tail()}")
+                time.sleep(0.2)
+        except BaseException:  # a failure, or the caller interrupted (Ctrl-C, SIGTERM): leave nothing running
+            head.stop()
+            raise
+
+    def log_tail(self, chars: int = 300) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(os.path.getsize(self.log_path) - chars, 0))
+                return " ".join(f.read().decode(errors="replace").split())
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        """Whether the watcher and Ray's processes are running."""
+        if self.proc.poll() is not None:
+            return False
+        if self.ray_group is None:
+            return True
+        try:
+            os.killpg(self.ray_group, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the head and everything in its process group (never anything else); idempotent."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.write(b"stop\n")  # the watcher's cue: a stop, not the owner's death
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        for group in (self.pid, self.ray_group):  # the watcher's session and Ray's: only what they started
+            if group is None:
+                continue
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        shutil.rmtree(self.head_dir, ignore_errors=True)  # in case the watcher was cut short
+
+
+# ------------------------------------------------------------------------------------------------ the watcher
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return os.getppid() == pid  # re-parented: the owner is gone even if its pid was reused
+    except ProcessLookupError:
+        return False
+
+
+def kill_group(group: int, wait_s: float = 10.0) -> None:
+    """SIGKILL every process of process group ``group`` but this one, then wait (up to ``wait_s``) for them to be
+    gone. The groups are the head's own sessions, so this reaches only what the head started."""
+    me = os.getpid()
+
+    def members():
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) != me:
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == group and fields[0] != "Z":  # field 5 of stat: the process group
+                    out.append(int(name))
+        return out
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = members()
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def main(argv=None) -> int:
+    """``python -m autopar_lab.runtime.rayhead HEAD_DIR OWNER_DIR RAY_START_ARGS...``: run ``ray start`` until stdin
+    closes (see the module doc)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head_dir, owner_dir, ray_args = argv[0], argv[1], argv[2:]
+    owner = os.getppid()
+    heard: list[bytes] = []
+    # A session of its own: Ray's shutdown signals its whole process group, which must not include this watcher.
+    child = subprocess.Popen([sys.executable, "-c", "from ray.scripts.scripts import main; main()", *ray_args],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    with open(os.path.join(head_dir, "ray.pgid"), "w") as f:
+        f.write(str(child.pid))
+    stopping = threading.Event()
+
+    def stop(*_):
+        if stopping.is_set():
+            return
+        stopping.set()
+        child.terminate()  # `ray start --block` drains and stops Ray's processes (and their PDEATHSIG follows it)
+        try:
+            child.wait(20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        kill_group(child.pid)  # whatever of Ray's session is left
+        # An owner that asked for the stop cleans its own folder, unless it died meanwhile (a kernel killed right
+        # after its clean-up began): then nobody else will, and the token must not outlive it.
+        folder = head_dir if b"stop" in b"".join(heard) and _alive(owner) else owner_dir
+        for _ in range(10):  # a dying process may still write a log line into it: try again
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.exists(folder):
+                break
+            time.sleep(0.5)
+        if folder == head_dir and not _alive(owner):
+            shutil.rmtree(owner_dir, ignore_errors=True)
+        os._exit(0)
+
+    def watch():
+        try:
+            while True:
+                chunk = sys.stdin.buffer.read1(1 << 16)
+                if not chunk:
+                    break
+                heard.append(chunk)
+        except OSError:
+            pass
+        stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the owner stops the head
+    threading.Thread(target=watch, daemon=True).start()
+    code = child.wait()
+    if not stopping.is_set():
+        print(f"autopar-lab: `ray start` exited with status {code}", flush=True)
+        heard.append(b"stop")  # the owner lives on: only the head's own folder goes
+        stop()
+    while True:  # the watching thread is stopping the head: it ends this process (os._exit) when the folder is gone
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The embedded Ray's life (issues 12 and 19): started from a thread that ends, it lives until the job ends and is
+stopped after; Ctrl-C and SIGTERM during `train` stop the job cleanly, keep a final checkpoint, stop the Ray the
+command started and nothing else, exit 130 / 143 with one sentence, and never start a second Ray head.
+
+Each test starts its own Ray (a minute on two busy cores), so all are marked slow. RAY_AUTH_MODE is set explicitly
+(token, with a throwaway token) and everything a test creates is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import autopar_lab as al
+
+OPTS = {"xla_backend_optimization_level": 0}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def token_auth(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _ray_default_sessions() -> set[str]:
+    """Session folders in Ray's default temporary directory: a second, unhardened head would leave one there."""
+    base = Path(tempfile.gettempdir()) / "ray"
+    return {p.name for p in base.glob("session_2*")} if base.is_dir() else set()
+
+
+def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(token_auth):
+    from autopar_lab.runtime import launch as L
+
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+    plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=2, tp=2, pp=2, microbatches=2)
+    before = _ray_default_sessions()
+    holder, seen = {}, []
+
+    def on_step(ev):  # runs in the job's thread, long after the launching thread ended
+        if ev.kind == "step":
+            head = L.local_ray_head()
+            seen.append((ev.step, head is not None and head.alive() and _group_alive(head.ray_group)))
+
+    def work():  # what the workbench's "launch on Ray" button does: launch from a worker thread that then ends
+        holder["job"] = al.launch(plan, model, 3, compiler_options=OPTS, on_progress=on_step)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not t.is_alive() and "job" in holder
+    head = L.local_ray_head()
+    temp_dir = L._LOCAL["temp_dir"]
+    try:
+        result = holder["job"].wait(timeout=900)
+        assert result["status"] == "done" and len(result["losses"]) == 3
+        assert seen == [(1, True), (2, True), (3, True)]  # the head was up for every step
+        assert head.alive() and _group_alive(head.ray_group)  # and still is, until it is stopped
+    finally:
+        L.shutdown_local_ray()
+    assert not head.alive() and not _group_alive(head.pid) and not _group_alive(head.ray_group)  # all gone
+    assert not os.path.exists(temp_dir)  # token and Ray's session files with it
+    assert _ray_default_sessions() == before
+
+
+def test_a_head_whose_owner_dies_is_stopped_and_its_token_removed(token_auth, tmp_path):
+    """A SIGKILLed notebook kernel cannot clean up: the head notices its owner is gone and removes itself."""
+    code = ("import os, sys, time\n"
+            "from autopar_lab.runtime.launch import start_local_ray, local_ray_head, _LOCAL\n"
+            "start_local_ray(num_cpus=1)\n"
+            "print(local_ray_head().ray_group, _LOCAL['temp_dir'], flush=True)\n"
+            "time.sleep(600)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("RAY_AUTH_TOKEN")  # the throwaway token is written into the session's private folder
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pgid, temp_dir = owner.stdout.readline().split()
+        assert (Path(temp_dir) / "auth_token").exists() and _group_alive(int(pgid))
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 120
+    while (_group_alive(int(pgid)) or os.path.exists(temp_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group_alive(int(pgid)) and not os.path.exists(temp_dir)
+
+
+def _train(args, cwd, env):
+    return subprocess.Popen([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.fixture()
+def plan_file(tmp_path):
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+    plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=2, tp=2, pp=2, microbatches=2)
+    path = tmp_path / "plan.json"
+    al.save_plan(plan, path)
+    return path
+
+
+def test_ctrl_c_during_train_stops_cleanly_keeps_a_checkpoint_and_resumes(token_auth, plan_file, tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group, Ray's processes included."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    before = _ray_default_sessions()
+    common = ["--batch", "8", "--layers", "2", "--plan", str(plan_file), "--fast-compile", "--checkpoint-dir", "ck"]
+    proc = _train([*common, "--steps", "40", "--checkpoint-every", "100"], tmp_path, env)
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("autopar-lab: interrupted (SIGINT): stopped after step ")
+    stopped = int(lines[0].split("stopped after step ")[1].split()[0])
+    assert stopped >= 2 and f"checkpoint at step {stopped} in ck" in lines[0]
+    record = json.loads((tmp_path / "ck" / "job.json").read_text())
+    assert record["step"] == stopped and len(record["losses"]) == stopped  # the final checkpoint, never configured
+    assert _ray_default_sessions() == before  # no second head behind the user's back
+    # a new run may not overwrite it; --resume goes on from where Ctrl-C stopped it
+    r = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *common, "--steps", "4"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "holds the checkpoints of run" in r.stderr and "--resume" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *common, "--steps",
+                        str(stopped + 1), "--resume", "--json"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["steps_run"] == stopped + 1 and result["losses"][:stopped] == record["losses"]
+
+
+def test_sigterm_while_ray_starts_exits_143_and_leaves_nothing(token_auth, plan_file, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    mine = set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
+    proc = _train(["--batch", "8", "--layers", "2", "--plan", str(plan_file), "--steps", "5"], tmp_path, env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait for its Ray folder to appear: the head is starting
+        new = set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - mine
+        if any((p / "auth_token").exists() or any(p.glob("head-*")) for p in new if p.is_dir()):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert err.strip() == "autopar-lab: interrupted (SIGTERM): before training started."
+    time.sleep(1)
+    assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - mine == set()
+
+
+def test_a_head_that_does_not_start_in_time_is_a_clear_error_and_leaves_nothing(token_auth):
+    from autopar_lab.runtime import launch as L
+
+    before = set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
+    with pytest.raises(RuntimeError, match=r"the embedded Ray did not start \(the Ray head did not start within 1 s"):
+        L.start_local_ray(num_cpus=1, attempts=1, timeout_s=1)
+    assert L.local_ray_head() is None and not L._LOCAL["owned"]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    time.sleep(1)
+    assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - before == set()
