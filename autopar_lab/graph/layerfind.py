@@ -95,6 +95,8 @@ class Group:
         return len(self.prefix) > n and self.prefix[:n] == other.prefix and self.prefix[n] in other.members
 
     def describe(self) -> str:
+        if not self.stem and all(str(m).isdigit() for m in self.members):
+            return _join(self.prefix) + "[*]"
         return "/".join(self.prefix + (f"{self.stem}*",))
 
 
