@@ -18,7 +18,7 @@
     No scope says it, but the parameters' pytree paths do: ``.blocks[3].linear.weight`` (Equinox),
     ``['blocks'][3]['kernel'].value`` (Flax NNX), ``['transformer/~/layer_3/linear']['w']`` (Haiku). Each forward
     operator that reads a parameter is anchored to that parameter's block; between two blocks the cut falls where the
-    fewest bytes cross (ties: the earliest place).
+    fewest bytes cross (ties: the latest place, so a block keeps its activation and residual add).
 ``"top-scopes"``
     The children of the outermost scope all operators share (Flax puts the top module's name first), as before.
 ``"cluster"``
@@ -307,7 +307,8 @@ def _from_runs(graph: OpGraph, fwd: list[int], runs) -> list[str]:
     starts = [0]
     for (_, a), (_, b) in zip(runs, runs[1:]):
         lo, hi = pos[a[-1]] + 1, pos[b[0]]  # the next layer starts somewhere in lo..hi
-        c = lo + int(np.argmin(crossing[lo:hi + 1]))
+        gap = crossing[lo:hi + 1]
+        c = lo + int(np.flatnonzero(gap == gap.min())[-1])  # ties: the latest place (a block keeps its tail)
         starts.append(c)
     layer_of = np.searchsorted(np.asarray(starts), np.arange(len(fwd)), side="right") - 1
     fwd_layer = {op: int(layer_of[k]) for k, op in enumerate(fwd)}

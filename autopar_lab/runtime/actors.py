@@ -108,12 +108,6 @@ class StageWorker:
         devices[self.stage] = list(local[:n])
         self.staged = split_stages(self.model, self.plan, devices=devices,
                                    compiler_options=job.get("compiler_options") or None)
-        if self.staged.update_inputs(self.stage):
-            name, src = self.staged.update_inputs(self.stage)[0]
-            raise ValueError(f"this step's update on stage {self.stage} reads {name} from stage {src} (an optimizer "
-                             "that looks at every gradient at once, such as clipping by global norm); each Ray actor "
-                             "runs its stage's update alone, so train this step with al.execute, or use an "
-                             "element-wise optimizer.")
         self.seed = int(job.get("seed", 0))
         self.state = self.staged.init_state(self.stage, self.seed)
         self._batch_step = None
@@ -133,7 +127,8 @@ class StageWorker:
                 "platform": jax.default_backend(), "setup_s": self.setup_s,
                 "inputs": list(sm.inputs(k, "fwd")), "outputs": list(sm.exports(k, "fwd")),
                 "fwd_from": [list(x) for x in sm.sources(k, "fwd")],
-                "bwd_from": [list(x) for x in sm.sources(k, "bwd")]}
+                "bwd_from": [list(x) for x in sm.sources(k, "bwd")],
+                "update_from": [list(x) for x in sm.update_sources(k)]}
 
     # --- state ----------------------------------------------------------------------------------------------------
     def _tree(self):
@@ -198,17 +193,28 @@ class StageWorker:
         (``info()["bwd_from"]``: later stages' backwards, other stages' forwards). Returns what it sends."""
         return self._task("bwd", step, mb, produced)
 
-    def finish_step(self, step: int) -> dict:
-        """This stage's part of the step's update, on the gradients summed over the microbatches; returns its
+    def finish_step(self, step: int, *produced: dict) -> dict:
+        """This stage's part of the step's update, on the gradients summed over the microbatches; ``produced``: the
+        exports of every microbatch of the tasks in ``info()["update_from"]`` (what this update reads from other
+        stages, such as a gradient another stage finished, or all of them for clipping by global norm). Returns its
         measured times for the step: ``fwd_s``/``bwd_s`` (mean per microbatch), ``update_s`` and ``busy_s``
         (everything this stage computed), and ``loss`` when this stage holds the step's loss."""
         import jax
+        import numpy as np
 
         t0 = time.perf_counter()
         if not self._acc:
             raise RuntimeError(f"stage {self.stage} finished step {step} without a forward or backward pass.")
         acc = {**self._acc.get("fwd", {}), **self._acc.get("bwd", {})}
-        self.state, outputs = self.staged.update(self.stage, self.state, acc)
+        need = dict(self.staged.update_inputs(self.stage))
+        received: dict = {}
+        for d in produced:  # in microbatch order: summed as the local runner sums them
+            for n, v in d.items():
+                if n not in need:
+                    continue
+                summed = self.staged.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
+                received[n] = received[n] + v if summed and n in received else v
+        self.state, outputs = self.staged.update(self.stage, self.state, acc, received)
         jax.block_until_ready(self.state)
         self._acc = {}
         self._stash.clear()

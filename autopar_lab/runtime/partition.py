@@ -524,12 +524,20 @@ class StagedModel:
                     (own_acc if acc_stage[t] == k else recv).append(t)
                 else:
                     raise ValueError(f"the update of stage {k} reads {self._names.get(t, t)}, which no stage makes.")
-            for t in recv:
+            sources = set()
+            for t in recv:  # what another stage has: its task exports it (every microbatch) for this update
                 self._names.setdefault(t, f"%{t}")
-                src = min(holders[t]) if t in holders else acc_stage[t]
-                self.update_crosses_stages.append(f"stage {k}'s update reads {self._names[t]} from stage {src}")
+                if t in holders:
+                    src = (min(holders[t]), "fwd")
+                    if t not in self._tasks[src].state_in:
+                        self._tasks[src].state_in.append(t)
+                else:
+                    src = next(key for key, task in self._tasks.items() if t in task.acc_out)
+                self._tasks[src].exports.add(t)
+                sources.add(src)
+                self.update_crosses_stages.append(f"stage {k}'s update reads {self._names[t]} from stage {src[0]}")
             self._update.append({"ops": ops, "state": own_state, "acc": own_acc, "recv": recv,
-                                 "targets": sorted(targets[k])})
+                                 "targets": sorted(targets[k]), "sources": sorted(sources)})
         self._var_of = {name: t for t, name in self._names.items()}
         # The loss: the step's first scalar floating output that is not a new value of an input.
         self.loss_output = next((k for k, o in enumerate(outs) if g.op(o).params.get("alias_of") is None
@@ -779,6 +787,17 @@ class StagedModel:
 
             self._compiled[key] = jax.jit(add, compiler_options=self.compiler_options)
         return self._compiled[key](acc, part)
+
+    def update_sources(self, k: int) -> list[tuple[int, str]]:
+        """The tasks ``(stage, kind)`` whose exports of *every* microbatch stage k's update reads (what
+        :meth:`update_inputs` names); a Ray stage actor receives them in ``finish_step``."""
+        return list(self._update[self._check(k)]["sources"])
+
+    def is_accumulated(self, name: str) -> bool:
+        """Whether value ``name`` is summed over the microbatches before the update reads it (else: a step input,
+        the same in every microbatch)."""
+        t = self._var_of[name]
+        return any(t in task.acc_out for task in self._tasks.values())
 
     def update_inputs(self, k: int) -> list[tuple[str, int]]:
         """``(name, stage)`` of what stage k's update reads from another stage (an accumulated value or a step

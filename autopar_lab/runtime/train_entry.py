@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -78,6 +79,9 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
             raise ValueError(f"model {model.name!r} cannot be rebuilt from its config ({e}).") from None
         check_plan_matches(rebuilt, plan)
         json.dumps(config)  # the spec must be JSON: fail here, not on the cluster
+    env_vars = dict(env_vars or {})
+    if own:  # the actors (local processes of the embedded Ray) import what the model's functions import, from here
+        env_vars.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
     data = plan_to_dict(plan)
     kind = device_kind or ("gpu" if is_gpu_plan(data) else "cpu")
     if kind not in ("cpu", "gpu"):
@@ -89,7 +93,7 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
         "model_spec": model if own else None, "op_layers": [n.layer for n in plan.graph],
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": int(checkpoint_every),
         "resume": bool(resume), "device_kind": kind, "compiler_options": dict(compiler_options or {}),
-        "max_restarts": int(max_restarts), "env_vars": dict(env_vars or {}),
+        "max_restarts": int(max_restarts), "env_vars": env_vars,
         "batch_size": int(_batch_size(model)),
         "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s} for st in plan.stages],
         "predicted_step_s": plan.cost.step_time_s,
@@ -134,14 +138,16 @@ def check_resources(ray, job: dict) -> None:
 
 class _Routes:
     """Which tasks of the same microbatch each stage's forward and backward read from (``info()["fwd_from"]`` and
-    ``["bwd_from"]`` of the stage actors), and, per stage, the stages its forward reads from (``producers``) and
-    those whose backward its backward waits for (``consumers``)."""
+    ``["bwd_from"]`` of the stage actors), which tasks' every microbatch its update reads (``["update_from"]``),
+    and, per stage, the stages its forward reads from (``producers``) and those whose backward its backward waits
+    for (``consumers``)."""
 
     def __init__(self, infos: list[dict]):
         self.sources = {}
         for k, info in enumerate(infos):
             for kind in ("fwd", "bwd"):
                 self.sources[(k, kind)] = [(int(s), str(kd)) for s, kd in info[f"{kind}_from"]]
+        self.update_from = [[(int(s), str(kd)) for s, kd in info.get("update_from", [])] for info in infos]
         S = len(infos)
         self.producers = [sorted({s for s, _ in self.sources[(k, "fwd")]}) for k in range(S)]
         self.consumers = [sorted({s for s, kd in self.sources[(k, "bwd")] if kd == "bwd"}) for k in range(S)]
@@ -167,7 +173,8 @@ def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: s
             refs[(k, kind, j)] = method.remote(step, j, *[refs[(s, kd, j)] for s, kd in routes.sources[(k, kind)]])
     except ScheduleStuck:
         raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).") from None
-    return [a.finish_step.remote(step) for a in actors]
+    return [a.finish_step.remote(step, *[refs[(s, kd, j)] for s, kd in routes.update_from[k] for j in range(B)])
+            for k, a in enumerate(actors)]
 
 
 def step_loss(rows: list[dict]) -> float:
