@@ -40,7 +40,7 @@ Example (2 stages of gpt-tiny on 8 CPU devices):
     >>> plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=4, tp=1, pp=2, microbatches=2)  # doctest: +SKIP
     >>> staged = split_stages(model, plan)                                          # doctest: +SKIP
     >>> staged.sources(1, "fwd"), staged.sources(0, "bwd")                          # doctest: +SKIP
-    ([(0, 'fwd')], [(0, 'fwd'), (1, 'bwd')])
+    ([(0, 'fwd')], [(1, 'bwd')])
 """
 
 from __future__ import annotations
@@ -696,7 +696,7 @@ class StagedModel:
         flat = {}
         for part in reversed(parts):  # an input several stages hold: its owner's (earliest) copy wins
             flat.update(part)
-        values, it = [], iter(self._g.inputs)
+        it = iter(self._g.inputs)
         out = []
         for i, d in enumerate(self._args_def):
             tids = [next(it) for _ in range(d.num_leaves)]
@@ -707,7 +707,6 @@ class StagedModel:
             if missing:
                 raise ValueError(f"step input {missing[0]} is in no stage's state.")
             out.append(jax.tree_util.tree_unflatten(d, [flat[self._names[t]] for t in tids]))
-        del values
         return out
 
     def merge_params(self, parts: Sequence[dict]):
