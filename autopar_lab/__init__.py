@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 # (plotting, Ray) never breaks the engine.
 _LAZY = {
     "models": ("autopar_lab.models", None),
+    "ModelSpec": ("autopar_lab.models.base", "ModelSpec"),
     "Cluster": ("autopar_lab.cluster", "Cluster"),
     "Device": ("autopar_lab.cluster", "Device"),
     "Link": ("autopar_lab.cluster", "Link"),

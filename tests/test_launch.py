@@ -145,7 +145,7 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
     """The actors' contract and the driver's routing, in one process: same losses as the single-process run, and a
     worker restored from a checkpoint goes on exactly where the saved one was."""
     from autopar_lab.runtime.actors import StageWorker
-    from autopar_lab.runtime.train_entry import _Routes, _submit_step, job_spec
+    from autopar_lab.runtime.train_entry import _Routes, _submit_step, job_spec, step_loss
 
     model, plan = setup
     spec = job_spec(plan, model, 3, compiler_options=OPTS)
@@ -163,8 +163,8 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
             for w in workers:
                 w.restore(str(tmp_path), 2)
             handles = [_Now(w) for w in workers]
-        outs, finish = _submit_step(handles, routes, step, 2, 2, plan.schedule)
-        losses.append((float(outs[0]["loss"]) + float(outs[1]["loss"])) / 2)
+        finish = _submit_step(handles, routes, step, 2, 2, plan.schedule)
+        losses.append(step_loss(finish))
         assert [f["stage"] for f in finish] == [0, 1] and all(f["busy_s"] > 0 for f in finish)
     np.testing.assert_allclose(losses, reference[:3], rtol=1e-6)
 

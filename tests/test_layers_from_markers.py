@@ -153,7 +153,8 @@ def test_clustering_splits_a_scopeless_chain_evenly():
         return [wi - 0.1 * gi for wi, gi in zip(ws, jax.grad(loss)(ws))]
 
     graph = al.trace(step, [w] * n_mm, x, batch_argnums=(1,))
-    assert len(graph.layers) <= 1  # no scopes: capture finds no layers
+    # no scopes: capture finds the layers from the parameters' list indices
+    assert graph.layer_rule == "indexed-params" and graph.layers == [f"[{i}]" for i in range(n_mm)]
     g = al.relayer(graph, boundaries="cluster", num_layers=3)
     assert g.layers == ["cluster_0", "cluster_1", "cluster_2"]
     fwd_mm = [n for n in g if n.primitive == "dot_general" and n.role == FORWARD]

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import warnings
@@ -32,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 import numpy as np
 
 from . import opcost
@@ -93,18 +95,26 @@ class _Builder:
     tensors: dict = field(default_factory=dict)
     unknown: Counter = field(default_factory=Counter)
     notes: list = field(default_factory=list)
+    # With keep_program: per operator the function that computes it, and the values of constant tensors.
+    keep_program: bool = False
+    fns: list = field(default_factory=list)
+    const_values: dict = field(default_factory=dict)
 
-    def new_tensor(self, aval, kind: str, producer: int | None, path: str = "") -> int:
+    def new_tensor(self, aval, kind: str, producer: int | None, path: str = "", value: Any = None) -> int:
         tid = len(self.tensors)
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
         dtype = str(getattr(aval, "dtype", "opaque"))
         self.tensors[tid] = TensorInfo(tid, shape, dtype, kind, producer, path)
+        if self.keep_program and kind == CONST:
+            self.const_values[tid] = value
         return tid
 
     def add_op(self, primitive: str, inputs: Sequence[int], out_avals: Sequence[Any], params: dict, scope: str,
                scan_layer: str | None, flops: float | None = None, opaque: bool = False,
-               out_kind: str = ACTIVATION) -> list[int]:
+               out_kind: str = ACTIVATION, fn: Callable | None = None) -> list[int]:
         op_id = len(self.nodes)
+        if self.keep_program:
+            self.fns.append(fn)
         outs = [self.new_tensor(a, out_kind, op_id) for a in out_avals]
         in_t = [self.tensors[t] for t in inputs]
         out_t = [self.tensors[t] for t in outs]
@@ -263,7 +273,7 @@ def _walk(b: _Builder, jaxpr, env: dict, scope: str, scan_layer: str | None) -> 
         if name in _INLINE and body is not None:
             inner_env = {}
             for cv, c in zip(body.constvars, consts):
-                inner_env[cv] = b.new_tensor(c, CONST, None)
+                inner_env[cv] = b.new_tensor(c, CONST, None, value=c)
             for iv, t in zip(body.invars, inputs):
                 inner_env[iv] = t
             _walk(b, body, inner_env, eqn_scope, scan_layer)
@@ -287,7 +297,11 @@ def _walk(b: _Builder, jaxpr, env: dict, scope: str, scan_layer: str | None) -> 
         elif name not in opcost.KNOWN_PRIMITIVES:
             opaque = True
             b.unknown[name] += 1
-        outs = b.add_op(name, inputs, out_avals, _plain_params(eqn.params), eqn_scope, scan_layer, flops, opaque)
+        fn = None
+        if b.keep_program:
+            fn = functools.partial(_bind_eqn, eqn.primitive, eqn.primitive.get_bind_params(eqn.params), eqn.ctx)
+        outs = b.add_op(name, inputs, out_avals, _plain_params(eqn.params), eqn_scope, scan_layer, flops, opaque,
+                        fn=fn)
         for v, t in zip(eqn.outvars, outs):
             env[v] = t
 
@@ -308,9 +322,9 @@ def _unroll_scan(b: _Builder, eqn, inputs: list[int], env: dict, scope: str, out
             # A slice of a stacked parameter is still a parameter (of this iteration's layer).
             aval = body.jaxpr.invars[n_consts + n_carry + k].aval
             (s,) = b.add_op("scan_slice", [x], [aval], {"axis": 0, "index": idx}, scope, layer,
-                            out_kind=b.tensors[x].kind)
+                            out_kind=b.tensors[x].kind, fn=functools.partial(_scan_slice, idx))
             x_slices.append(s)
-        inner_env = {cv: b.new_tensor(c, CONST, None) for cv, c in zip(body.jaxpr.constvars, body.consts)}
+        inner_env = {cv: b.new_tensor(c, CONST, None, value=c) for cv, c in zip(body.jaxpr.constvars, body.consts)}
         for iv, t in zip(body.jaxpr.invars, consts + carry + x_slices):
             inner_env[iv] = t
         _walk(b, body.jaxpr, inner_env, scope, layer)
@@ -322,7 +336,8 @@ def _unroll_scan(b: _Builder, eqn, inputs: list[int], env: dict, scope: str, out
     for k in range(n_ys):
         ys = [ys_per_iter[i][k] for i in range(length)]
         out_aval = eqn.outvars[n_carry + k].aval
-        (stacked,) = b.add_op("scan_stack", ys, [out_aval], {"axis": 0}, scope, outer_layer)
+        (stacked,) = b.add_op("scan_stack", ys, [out_aval], {"axis": 0}, scope, outer_layer,
+                              fn=functools.partial(_scan_stack, out_aval))
         results.append(stacked)
     for v, t in zip(eqn.outvars, results):
         env[v] = t
@@ -331,8 +346,25 @@ def _unroll_scan(b: _Builder, eqn, inputs: list[int], env: dict, scope: str, out
 def _read(b: _Builder, env: dict, v) -> int:
     """The tensor id of a jaxpr atom: a Var bound in env, or a literal (a fresh constant tensor)."""
     if isinstance(v, jex_core.Literal):
-        return b.new_tensor(v.aval, CONST, None)
+        return b.new_tensor(v.aval, CONST, None, value=v.val)
     return env[v]
+
+
+# --- what each operator computes (kept with keep_program, for running the step cut into pieces) ---------------------
+def _bind_eqn(primitive, params, ctx, *args) -> list:
+    with ctx.manager:  # the equation's context (e.g. its abstract mesh), as eval_jaxpr binds it
+        ans = primitive.bind(*args, **params)
+    return list(ans) if primitive.multiple_results else [ans]
+
+
+def _scan_slice(idx: int, x) -> list:
+    return [jax.lax.index_in_dim(x, idx, axis=0, keepdims=False)]
+
+
+def _scan_stack(aval, *ys) -> list:
+    if not ys:
+        return [jnp.zeros(aval.shape, aval.dtype)]
+    return [jnp.stack(ys, axis=0).astype(aval.dtype)]
 
 
 def _abstractify(args: tuple) -> tuple:
@@ -379,12 +411,19 @@ def trace(
     opt_state_argnums: Sequence[int] | None = None,
     name: str = "",
     max_unroll: int = 4096,
+    layers: str | None = None,
 ) -> OpGraph:
     """Capture the operator graph of ``step_fn(*args)``.
 
     ``args`` may be arrays or pytrees of ``jax.ShapeDtypeStruct`` (nothing is allocated). ``param_argnums`` and
     ``batch_argnums`` say which arguments hold parameters and batch data; ``opt_state_argnums`` which hold optimizer
     state (operators that read it are the update). Any other argument is plain state.
+
+    The graph's layers (the units a pipeline may cut between) are found by the first rule that applies (see
+    :mod:`autopar_lab.graph.layerfind`; ``graph.layer_rule`` says which): ``layers="backbone/block_*"`` names the
+    level; else name scopes that differ only by an index (``layer_3``, ``h_3``, ``transformer_layer_3``); else a scan
+    over layers; else parameter paths that differ only by an index (``blocks[3]``); else the top module's children;
+    else Alpa's operator clustering.
 
     >>> import jax, jax.numpy as jnp
     >>> w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
@@ -393,6 +432,34 @@ def trace(
     >>> g.flops_by("role")["backward"] == 2 * 64 * 1024 * 1024 + 64 * 1024 * 3
     True
     """
+    graph, _b = _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, name, max_unroll, False)
+    from .layerfind import find_layers
+
+    return find_layers(graph, layers=layers)
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """A step captured to be run in pieces: its graph (layers as capture found them) and, per operator, the function
+    that computes it (``fns[op](*input values) -> [output values]``; None for ``parameter`` and ``output``
+    operators), and the values of the constant tensors (``consts[tensor id]``)."""
+
+    graph: OpGraph
+    fns: tuple
+    consts: dict
+
+
+def capture_program(step_fn: Callable, *args, batch_argnums: Sequence[int] = (), param_argnums: Sequence[int] = (0,),
+                    opt_state_argnums: Sequence[int] | None = None, max_unroll: int = 4096) -> StepProgram:
+    """Capture ``step_fn(*args)`` like :func:`trace` (the same operators, in the same order, with the same ids), and
+    keep what each operator computes, so that any subset of the operators can be run (see
+    :mod:`autopar_lab.runtime.partition`). Layers are not searched for (the caller brings its own)."""
+    graph, b = _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, "", max_unroll, True)
+    return StepProgram(graph, tuple(b.fns), dict(b.const_values))
+
+
+def _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, name, max_unroll,
+             keep_program) -> tuple[OpGraph, _Builder]:
     t0 = time.perf_counter()
     if not callable(step_fn):
         raise TraceError(f"step_fn must be a function, got a {type(step_fn).__name__}")
@@ -414,7 +481,7 @@ def trace(
             f"{type(e).__name__}: {first}"
         ) from e
 
-    b = _Builder(max_unroll=max_unroll)
+    b = _Builder(max_unroll=max_unroll, keep_program=keep_program)
     env: dict = {}
     # One `parameter` operator per input leaf, as HLO has, so every input gets a sharding decision of its own.
     leaves_with_paths = [jax.tree_util.tree_flatten_with_path(a)[0] for a in abstract]
@@ -432,7 +499,7 @@ def trace(
             env[var] = t
             input_tensors.append(t)
     for cv, c in zip(closed.jaxpr.constvars, closed.consts):
-        env[cv] = b.new_tensor(c, CONST, None)
+        env[cv] = b.new_tensor(c, CONST, None, value=c)
 
     _walk(b, closed.jaxpr, env, "", None)
 
@@ -442,7 +509,7 @@ def trace(
     aliases = _output_aliases(abstract, out_shape, input_tensors)
     output_tensors = []
     for k, ((path, _), var) in enumerate(zip(out_leaves, closed.jaxpr.outvars)):
-        t = env[var] if var in env else b.new_tensor(var.aval, CONST, None)
+        t = env[var] if var in env else b.new_tensor(var.aval, CONST, None, value=getattr(var, "val", None))
         b.add_op(OUTPUT_PRIMITIVE, [t], [], {"index": k, "path": jax.tree_util.keystr(path), "alias_of": aliases.get(k)},
                  "", None)
         output_tensors.append(t)
@@ -452,12 +519,14 @@ def trace(
         msg = (f"primitive '{prim}' ({count} operator{'s' if count > 1 else ''}) is unknown to autopar-lab's cost "
                "model: kept as an opaque operator (bytes only, no FLOPs, replicated); register a rule for it to plan it")
         warn.append(msg)
-        warnings.warn(msg, UnknownPrimitiveWarning, stacklevel=2)
+        if not keep_program:
+            warnings.warn(msg, UnknownPrimitiveWarning, stacklevel=3)
     warn.extend(dict.fromkeys(b.notes))
 
     nodes = _finish_nodes(b)
-    return OpGraph(nodes, b.tensors, tuple(input_tensors), tuple(output_tensors), tuple(warn), name=name,
-                   trace_s=time.perf_counter() - t0)
+    graph = OpGraph(nodes, b.tensors, tuple(input_tensors), tuple(output_tensors), tuple(warn), name=name,
+                    trace_s=time.perf_counter() - t0)
+    return graph, b
 
 
 def _describe_arg(a) -> str:
@@ -524,33 +593,10 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
         layers[i] = node["scan_layer"] or layer
         if node["primitive"] == "scan_stack" and not node["scan_layer"]:
             layers[i] = None  # joins the layer of what it stacks (below), not a pseudo-layer named after the scan
-    # Unscoped operators take a neighbour's layer; repeat, since each rule can unlock the others.
-    consumers: dict[int, list[int]] = {}
-    for node in raw:
-        for t in node["inputs"]:
-            consumers.setdefault(t, []).append(node["id"])
     alias_output = {node["params"]["alias_of"]: node["id"] for node in raw
                     if node["primitive"] == OUTPUT_PRIMITIVE and node["params"].get("alias_of") is not None}
-    for _ in range(3):
-        changed = False
-        for node in raw:  # parameters: their first reader that has a layer, else the output that updates them
-            i = node["id"]
-            if node["primitive"] == INPUT_PRIMITIVE and layers[i] is None:
-                readers = [c for c in consumers.get(node["outputs"][0], []) if layers[c] is not None]
-                out = alias_output.get(node["outputs"][0])
-                layers[i] = layers[readers[0]] if readers else (layers[out] if out is not None else None)
-                changed |= layers[i] is not None
-        for node in raw:  # everything else: the layer of the first input whose producer has one
-            i = node["id"]
-            if layers[i] is None and node["primitive"] != INPUT_PRIMITIVE:
-                for t in node["inputs"]:
-                    p = producer.get(t)
-                    if p is not None and layers[p] is not None:
-                        layers[i] = layers[p]
-                        changed = True
-                        break
-        if not changed:
-            break
+    layers = propagate_layers([node["primitive"] for node in raw], [node["inputs"] for node in raw],
+                              [node["outputs"] for node in raw], producer, alias_output, layers)
     kinds = {tid: t.kind for tid, t in b.tensors.items()}
     out = []
     for node in raw:
@@ -576,6 +622,38 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
                 layer=layers[i],
                 params=node["params"],
                 opaque=node["opaque"],
+                scan_layer=node["scan_layer"],
             )
         )
     return out
+
+
+def propagate_layers(primitives: Sequence[str], inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                     producer: dict, alias_output: dict, layers: Sequence[str | None]) -> list[str | None]:
+    """Operators without a layer take a neighbour's: a step input the layer of its first reader that has one (else of
+    the output that updates it), any other operator the layer of the first input whose producer has one (an optimizer
+    update joins its gradient's layer); repeated, since each rule can unlock the others."""
+    layers = list(layers)
+    consumers: dict[int, list[int]] = {}
+    for i, ins in enumerate(inputs):
+        for t in ins:
+            consumers.setdefault(t, []).append(i)
+    for _ in range(3):
+        changed = False
+        for i, prim in enumerate(primitives):  # parameters: their first reader that has a layer, else their update
+            if prim == INPUT_PRIMITIVE and layers[i] is None:
+                readers = [c for c in consumers.get(outputs[i][0], []) if layers[c] is not None]
+                out = alias_output.get(outputs[i][0])
+                layers[i] = layers[readers[0]] if readers else (layers[out] if out is not None else None)
+                changed |= layers[i] is not None
+        for i, prim in enumerate(primitives):  # everything else: the layer of the first input whose producer has one
+            if layers[i] is None and prim != INPUT_PRIMITIVE:
+                for t in inputs[i]:
+                    p = producer.get(t)
+                    if p is not None and layers[p] is not None:
+                        layers[i] = layers[p]
+                        changed = True
+                        break
+        if not changed:
+            break
+    return layers

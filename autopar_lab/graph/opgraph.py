@@ -91,6 +91,7 @@ class OpNode:
     layer: str | None = None  # the outermost user name scope ("layer_3"), or "scan[2]" for scan iterations
     params: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     opaque: bool = False  # a primitive whose cost the project does not know: kept, priced at bytes only
+    scan_layer: str | None = None  # "<scope>[i]" for an operator of iteration i of an unrolled scan
 
     @property
     def bytes_accessed(self) -> float:
@@ -146,8 +147,13 @@ class OpGraph:
         warnings: tuple[str, ...] = (),
         name: str = "",
         trace_s: float = 0.0,
+        layer_rule: str = "",
+        layer_note: str = "",
     ):
         self._nodes = tuple(nodes)
+        # How the layers were found (see autopar_lab.graph.layerfind): a rule's key, and a sentence for people.
+        self.layer_rule = layer_rule
+        self.layer_note = layer_note
         self._tensors = dict(tensors)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -256,6 +262,8 @@ class OpGraph:
             "num_ops": len(self._nodes),
             "num_tensors": len(self._tensors),
             "num_layers": len(self.layers),
+            "layer_rule": self.layer_rule,
+            "layer_note": self.layer_note,
             "total_flops": self.total_flops,
             "flops_by_primitive": self.flops_by("primitive"),
             "flops_by_role": self.flops_by("role"),

@@ -21,6 +21,10 @@ graph, same operators and tensors, whose ``OpNode.layer`` fields say where the p
     ``"markers"`` if the graph has any, else ``"scopes"`` if it has more than one layer, else ``"cluster"`` with
     ``num_layers = min(8, number of forward dot_general/conv operators)`` (at least 1).
 
+``layers="backbone/transformer_layer_*"`` instead names the level of the name-scope tree (or of the parameters'
+paths) whose members are the layers (see :mod:`autopar_lab.graph.layerfind`); ``graph.layer_rule`` of the result
+says which rule made its layers.
+
 The rest of the step follows the forward layers:
 
 - **Backward operators.** With markers, JAX's transpose puts each marker's twin (same ``index``) into the backward
@@ -67,7 +71,7 @@ from .layering import cluster_layers
 from .markers import MARKER_PRIMITIVE
 from .opgraph import BACKWARD, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph
 
-__all__ = ["relayer", "BOUNDARIES", "MAX_CLUSTER_OPS"]
+__all__ = ["relayer", "layers_from_forward", "BOUNDARIES", "MAX_CLUSTER_OPS"]
 
 BOUNDARIES = ("auto", "markers", "scopes", "cluster")
 MAX_CLUSTER_OPS = 2000
@@ -76,15 +80,20 @@ _PSEUDO = frozenset([INPUT_PRIMITIVE, OUTPUT_PRIMITIVE])
 
 
 def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None = None,
-            delta: float = 0.5) -> OpGraph:
+            delta: float = 0.5, layers: str | None = None) -> OpGraph:
     """A new OpGraph, same operators, tensors, inputs, outputs, warnings, name and trace time, whose operators'
     ``layer`` fields are re-assigned (see the module docstring for the rules).
 
     ``boundaries``: ``"auto"``, ``"markers"``, ``"scopes"`` or ``"cluster"``. ``num_layers`` and ``delta`` are for
-    the clustering (``num_layers`` defaults to ``min(8, forward matmuls/convolutions)``).
+    the clustering (``num_layers`` defaults to ``min(8, forward matmuls/convolutions)``). ``layers``: a pattern that
+    names the layers' level (``"backbone/transformer_layer_*"``), instead of ``boundaries``.
     """
     if not isinstance(graph, OpGraph):
         raise TypeError(f"relayer expects an OpGraph (from autopar_lab.trace), got a {type(graph).__name__}")
+    if layers is not None:
+        from .layerfind import find_layers
+
+        return find_layers(graph, layers=layers)
     if boundaries not in BOUNDARIES:
         raise ValueError(f"boundaries={boundaries!r} is not one of {', '.join(map(repr, BOUNDARIES))}")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer))
@@ -106,8 +115,19 @@ def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None 
     else:
         layers = _cluster_layers(graph, num_layers, delta)
     new_nodes = [n if n.layer == lay else dataclasses.replace(n, layer=lay) for n, lay in zip(nodes, layers)]
+    rule, note = (graph.layer_rule, graph.layer_note) if mode == "scopes" else (mode, _NOTES[mode])
     return OpGraph(new_nodes, graph.tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
-                   trace_s=graph.trace_s)
+                   trace_s=graph.trace_s, layer_rule=rule, layer_note=note)
+
+
+_NOTES = {"markers": "layers cut at the al.pipeline_boundary markers",
+          "cluster": "layers from Alpa's operator clustering (the fewest bytes between layers, balanced FLOPs)"}
+
+
+def layers_from_forward(graph: OpGraph, fwd_layer: dict[int, int], names: Sequence[str]) -> list[str]:
+    """Per operator, its layer name, given the layer (an index into ``names``) of every forward operator: backward,
+    update, input and output operators follow the forward ones by the rules of the module docstring."""
+    return _complete(graph, fwd_layer, len(names), list(names), None)
 
 
 # --- forward layers ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ class ModelSpec:
     step_fn(params, opt_state, batch) -> (new_params, new_opt_state, loss); loss_fn(params, batch) -> scalar.
     abstract_args = (params, opt_state, batch) as pytrees of jax.ShapeDtypeStruct (never allocated).
     init_fn(seed) -> concrete (params, opt_state, batch); only sensible at small sizes.
+    A step of your own: :meth:`from_step` (any arguments, any library; ``loss_fn`` is then None).
     """
 
     name: str
@@ -41,8 +42,80 @@ class ModelSpec:
     # The optax optimizer inside step_fn: a pipeline runtime applies it per stage (exact for element-wise ones).
     optimizer: Any = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def from_step(cls, step_fn: Callable, init_fn: Callable, *, batch_argnums, param_argnums=(0,),
+                  name: str = "my-model") -> "ModelSpec":
+        """A ModelSpec for a training step of your own, written with any JAX library.
+
+        ``step_fn(*args)`` is one training step: it returns the new value of each argument it updates *in that
+        argument's place* (same pytree structure) and a scalar loss, e.g. ``(params, opt_state, batch) -> (params,
+        opt_state, loss)``. ``init_fn(seed)`` returns the step's arguments (concrete, deterministic in ``seed``; the
+        batch of seed ``i`` is what step ``i`` trains on); tracing and planning use only its shapes
+        (``jax.eval_shape``), so nothing is allocated until you run the plan. ``batch_argnums``: which arguments hold
+        the batch (split into microbatches along their leading axis); ``param_argnums``: which hold the parameters
+        (the other arguments are optimizer or other state). The optimizer needs no naming: a pipeline runs the
+        step's own update.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> opt = optax.sgd(0.1)
+        >>> def step(w, s, x):
+        ...     loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        ...     u, s = opt.update(g, s, w)
+        ...     return optax.apply_updates(w, u), s, loss
+        >>> def init(seed):
+        ...     w = jax.random.normal(jax.random.key(seed), (4, 2))
+        ...     return w, opt.init(w), jnp.ones((8, 4))
+        >>> spec = ModelSpec.from_step(step, init, batch_argnums=(2,), name="linear")
+        >>> spec.param_count, len(spec.trace().layers)
+        (8, 1)
+        """
+        if not callable(step_fn) or not callable(init_fn):
+            raise ValueError("from_step needs the training step and an init function: from_step(step_fn, init_fn, "
+                             "batch_argnums=...), with init_fn(seed) returning the step's arguments.")
+        try:
+            args = jax.eval_shape(lambda: init_fn(0))  # shapes only; the seed stays a Python int
+        except Exception as e:  # noqa: BLE001 - the user's function: say what failed, in one sentence
+            raise ValueError(f"init_fn(0) failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                             "init_fn(seed) must return the step's arguments.") from None
+        if not isinstance(args, (tuple, list)):
+            raise ValueError(f"init_fn(seed) must return the step's arguments as a tuple, got a {type(args).__name__}.")
+        args = tuple(args)
+        n = len(args)
+
+        def argnums(label, nums):
+            nums = (nums,) if isinstance(nums, int) else tuple(nums)
+            if not nums or any(not isinstance(i, int) or not 0 <= i < n for i in nums):
+                raise ValueError(f"{label}={nums} must name arguments among the {n} that init_fn returns "
+                                 f"(0..{n - 1}).")
+            return nums
+
+        batch_argnums = argnums("batch_argnums", batch_argnums)
+        param_argnums = argnums("param_argnums", param_argnums)
+        if set(batch_argnums) & set(param_argnums):
+            raise ValueError(f"argument {sorted(set(batch_argnums) & set(param_argnums))[0]} cannot be both batch and "
+                             "parameters.")
+        try:
+            out = jax.eval_shape(step_fn, *args)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"step_fn does not run on init_fn's arguments ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0][:200]}).") from None
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        for i in param_argnums:
+            if i >= len(outs) or jax.tree_util.tree_structure(outs[i]) != jax.tree_util.tree_structure(args[i]):
+                raise ValueError(f"step_fn must return the new parameters in the place of argument {i} (same pytree "
+                                 "structure), e.g. (params, opt_state, batch) -> (params, opt_state, loss).")
+        if not any(x.shape == () and jnp.issubdtype(x.dtype, jnp.inexact)
+                   for j, o in enumerate(outs) if j >= n or j in batch_argnums
+                   or jax.tree_util.tree_structure(o) != jax.tree_util.tree_structure(args[j])
+                   for x in jax.tree_util.tree_leaves(o)):
+            raise ValueError("step_fn must also return the scalar loss (a float scalar, e.g. the last of (params, "
+                             "opt_state, loss)).")
+        return cls(name=name, family="custom", config=None, step_fn=step_fn, loss_fn=None, abstract_args=args,
+                   init_fn=lambda seed=0: tuple(init_fn(seed)), batch_argnums=batch_argnums,
+                   param_argnums=param_argnums)
+
     def init(self, seed: int = 0):
-        """Concrete (params, opt_state, batch), deterministic in ``seed``."""
+        """Concrete arguments of the step (zoo: (params, opt_state, batch)), deterministic in ``seed``."""
         return self.init_fn(seed)
 
     @property

@@ -1,11 +1,12 @@
 """The stage actor: one pipeline stage of a plan, on its own devices, in its own process.
 
-A :class:`StageWorker` rebuilds everything from JSON (the model by zoo name and config, the graph by
-``model.trace()``, the plan by :func:`autopar_lab.planfile.load_plan`), splits the model with
-:func:`autopar_lab.runtime.partition.split_stages`, keeps only its stage's parameters and optimizer state, and runs
-that stage's SPMD functions on the devices of its process: ``forward`` and ``backward`` per microbatch (in the order
-the driver submits them, which is the plan's schedule) and ``finish_step`` (the optimizer update). Values crossing
-stages travel as numpy arrays inside Ray object refs.
+A :class:`StageWorker` rebuilds everything from the job spec (the model by zoo name and config, or, for a model
+of your own on the embedded Ray, the ModelSpec object itself, which Ray's serialization carries to the actor; the
+graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`),
+cuts the step with :func:`autopar_lab.runtime.partition.split_stages`, keeps only the step inputs its stage holds,
+and runs that stage's SPMD programs on the devices of its process: ``forward`` and ``backward`` per microbatch (in
+the order the driver submits them, which is the plan's schedule) and ``finish_step`` (its part of the step's
+update). Values crossing stages travel as numpy arrays inside Ray object refs.
 
 Ray is not imported here: :func:`remote_class` wraps the class with ``ray.remote`` when the runtime needs it, and
 :func:`actor_options` says what each actor asks of Ray. JAX starts inside the actor only after the runtime_env has
@@ -29,24 +30,33 @@ __all__ = ["StageWorker", "remote_class", "actor_options", "build_model", "build
 
 
 def build_model(job: dict):
-    """The zoo model of a job spec (``job["model"]`` name, ``job["config"]`` fields)."""
+    """The model of a job spec: ``job["model_spec"]`` when the job carries the ModelSpec itself (a model of your own,
+    embedded Ray), else the zoo model ``job["model"]`` with ``job["config"]`` fields."""
+    if job.get("model_spec") is not None:
+        return job["model_spec"]
     from .. import models
 
     return models.get(job["model"], **dict(job.get("config") or {}))
 
 
 def build_plan(job: dict, model):
-    """The plan of a job spec (``job["plan"]``, the planfile JSON object), loaded for ``model``."""
+    """The plan of a job spec (``job["plan"]``, the planfile JSON object), loaded for ``model``'s graph with the
+    plan's layers (``job["op_layers"]``, one per operator, when the spec has them: layers from markers, clustering
+    or a ``layers=`` pattern are not what ``model.trace()`` finds by itself)."""
     from ..cluster import Cluster
+    from ..graph.layerfind import assign_layers
     from ..planfile import load_plan
 
     data = job["plan"]
     cluster = Cluster.from_json(data["cluster"])
+    graph = model.trace()
+    if job.get("op_layers") is not None:
+        graph = assign_layers(graph, job["op_layers"])
     fd, path = tempfile.mkstemp(prefix="autopar-plan-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
-        return load_plan(path, model.trace(), cluster, model=model)
+        return load_plan(path, graph, cluster, model=model)
     finally:
         os.unlink(path)
 
@@ -99,11 +109,11 @@ class StageWorker:
         self.staged = split_stages(self.model, self.plan, devices=devices,
                                    compiler_options=job.get("compiler_options") or None)
         self.seed = int(job.get("seed", 0))
-        self.params, self.opt_state = self.staged.init_stage(self.stage, self.seed)
+        self.state = self.staged.init_state(self.stage, self.seed)
         self._batch_step = None
         self._mbs = None
-        self._inputs: dict = {}  # microbatch -> the inputs its forward read (backward recomputes from them)
-        self._grads = None
+        self._stash: dict = {}  # microbatch -> what its forward keeps for its backward
+        self._acc: dict = {}  # "fwd"/"bwd" -> values the update reads, summed over the step's microbatches
         self._times = {"fwd": [], "bwd": [], "update": []}
         self.setup_s = time.perf_counter() - t0
         self.device_names = [str(d) for d in local[:n]]
@@ -112,40 +122,38 @@ class StageWorker:
     def info(self) -> dict:
         import jax
 
-        return {"stage": self.stage, "pid": os.getpid(), "devices": self.device_names,
+        k, sm = self.stage, self.staged
+        return {"stage": k, "pid": os.getpid(), "devices": self.device_names,
                 "platform": jax.default_backend(), "setup_s": self.setup_s,
-                "inputs": list(self.staged.stage_inputs(self.stage)),
-                "outputs": list(self.staged.stage_outputs(self.stage))}
+                "inputs": list(sm.inputs(k, "fwd")), "outputs": list(sm.exports(k, "fwd")),
+                "fwd_from": [list(x) for x in sm.sources(k, "fwd")],
+                "bwd_from": [list(x) for x in sm.sources(k, "bwd")],
+                "update_from": [list(x) for x in sm.update_sources(k)]}
 
     # --- state ----------------------------------------------------------------------------------------------------
     def _tree(self):
-        return {"params": self.params, "opt_state": self.opt_state}
+        return {"state": self.state}
 
     def save(self, directory: str, step: int) -> str:
-        """Write this stage's parameters and optimizer state as checkpoint ``step`` (see runtime.checkpoint)."""
+        """Write this stage's step inputs (parameters, optimizer state) as checkpoint ``step`` (see
+        runtime.checkpoint)."""
         from .checkpoint import save_stage
 
         return str(save_stage(directory, step, self.stage, self._tree()))
 
     def restore(self, directory: str, step: int) -> int:
         """Load checkpoint ``step`` of this stage (checked against the stage's own state) and place it on its mesh."""
-        import jax
-
         from .checkpoint import load_stage
 
         tree = load_stage(directory, step, self.stage, template=self._tree())
-        placed_now = self._tree()
         # each leaf goes back where the freshly initialised one lives (the plan's sharding on this stage's mesh)
-        self.params = jax.tree_util.tree_map(lambda new, old: jax.device_put(new, old.sharding),
-                                             tree["params"], placed_now["params"])
-        self.opt_state = jax.tree_util.tree_map(lambda new, old: jax.device_put(new, old.sharding),
-                                                tree["opt_state"], placed_now["opt_state"])
+        self.state = self.staged.place_state(self.stage, tree["state"])
         return int(step)
 
     def params_numpy(self) -> dict:
         import numpy as np
 
-        return {k: np.asarray(v) for k, v in self.params.items()}
+        return {k: np.asarray(v) for k, v in self.state.items()}
 
     # --- one step -------------------------------------------------------------------------------------------------
     def _microbatch(self, step: int, mb: int):
@@ -157,60 +165,65 @@ class StageWorker:
             self._batch_step = step
         return self._mbs[mb]
 
-    def forward(self, step: int, mb: int, *produced: dict) -> dict:
-        """Stage forward on microbatch ``mb`` of step ``step``; ``produced``: output dicts of the stages it reads
-        from (their refs are resolved by Ray). Returns ``{name: numpy}`` of this stage's outputs."""
+    def _task(self, kind: str, step: int, mb: int, received: tuple) -> dict:
+        import jax
         import numpy as np
 
         t0 = time.perf_counter()
-        need = self.staged.stage_inputs(self.stage)
         pool = {}
-        for d in produced:
+        for d in received:
             pool.update(d)
-        inputs = {n: pool[n] for n in need}
-        out = self.staged.forward(self.stage, self.params, inputs, self._microbatch(step, mb))
-        out = {n: np.asarray(v) for n, v in out.items()}  # np.asarray waits for the result
-        self._inputs[mb] = inputs
-        self._times["fwd"].append(time.perf_counter() - t0)
+        res = self.staged.run_task(self.stage, kind, self.state, pool, self._microbatch(step, mb),
+                                   self._stash.pop(mb) if kind == "bwd" else None)
+        if kind == "fwd":
+            self._stash[mb] = res.stash
+        self._acc[kind] = self.staged.accumulate(self.stage, self._acc.get(kind), res.acc)
+        jax.block_until_ready(self._acc[kind])
+        out = {n: np.asarray(v) for n, v in res.exports.items()}  # np.asarray waits for the result
+        self._times[kind].append(time.perf_counter() - t0)
         return out
 
-    def backward(self, step: int, mb: int, *d_from_consumers: dict) -> dict:
-        """Stage backward on microbatch ``mb``; ``d_from_consumers``: the ``d_inputs`` dicts of the stages that read
-        this stage's outputs (summed per name, in stage order). Returns this stage's ``d_inputs`` as numpy."""
+    def forward(self, step: int, mb: int, *produced: dict) -> dict:
+        """Stage forward on microbatch ``mb`` of step ``step``; ``produced``: the exports of the tasks it reads from
+        (``info()["fwd_from"]``, their refs resolved by Ray). Returns ``{name: numpy}`` of what it sends."""
+        return self._task("fwd", step, mb, produced)
+
+    def backward(self, step: int, mb: int, *produced: dict) -> dict:
+        """Stage backward on microbatch ``mb``; ``produced``: the exports of the tasks it reads from
+        (``info()["bwd_from"]``: later stages' backwards, other stages' forwards). Returns what it sends."""
+        return self._task("bwd", step, mb, produced)
+
+    def finish_step(self, step: int, *produced: dict) -> dict:
+        """This stage's part of the step's update, on the gradients summed over the microbatches; ``produced``: the
+        exports of every microbatch of the tasks in ``info()["update_from"]`` (what this update reads from other
+        stages, such as a gradient another stage finished, or all of them for clipping by global norm). Returns its
+        measured times for the step: ``fwd_s``/``bwd_s`` (mean per microbatch), ``update_s`` and ``busy_s``
+        (everything this stage computed), and ``loss`` when this stage holds the step's loss."""
         import jax
         import numpy as np
 
         t0 = time.perf_counter()
-        outs = set(self.staged.stage_outputs(self.stage))
-        d_out: dict = {}
-        for d in d_from_consumers:
+        if not self._acc:
+            raise RuntimeError(f"stage {self.stage} finished step {step} without a forward or backward pass.")
+        acc = {**self._acc.get("fwd", {}), **self._acc.get("bwd", {})}
+        need = dict(self.staged.update_inputs(self.stage))
+        received: dict = {}
+        for d in produced:  # in microbatch order: summed as the local runner sums them
             for n, v in d.items():
-                if n in outs:
-                    d_out[n] = v if n not in d_out else d_out[n] + v
-        g, d_inputs = self.staged.backward(self.stage, self.params, self._inputs.pop(mb), self._microbatch(step, mb),
-                                           d_out)
-        self._grads = g if self._grads is None else self.staged.add_grads(self.stage, self._grads, g)
-        jax.block_until_ready(self._grads)
-        res = {n: np.asarray(v) for n, v in d_inputs.items()}
-        self._times["bwd"].append(time.perf_counter() - t0)
-        return res
-
-    def finish_step(self, step: int) -> dict:
-        """Apply the optimizer to the summed gradients; returns this stage's measured times for the step:
-        ``fwd_s``/``bwd_s`` (mean per microbatch), ``update_s`` and ``busy_s`` (everything this stage computed)."""
-        import jax
-
-        t0 = time.perf_counter()
-        if self._grads is None:
-            raise RuntimeError(f"stage {self.stage} finished step {step} without a backward pass.")
-        self.params, self.opt_state = self.staged.update(self.stage, self.params, self.opt_state, self._grads)
-        jax.block_until_ready(self.params)
-        self._grads = None
-        self._inputs.clear()
+                if n not in need:
+                    continue
+                summed = self.staged.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
+                received[n] = received[n] + v if summed and n in received else v
+        self.state, outputs = self.staged.update(self.stage, self.state, acc, received)
+        jax.block_until_ready(self.state)
+        self._acc = {}
+        self._stash.clear()
         upd = time.perf_counter() - t0
         fwd, bwd = self._times["fwd"], self._times["bwd"]
         out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / max(len(fwd), 1),
                "bwd_s": sum(bwd) / max(len(bwd), 1), "update_s": upd, "busy_s": sum(fwd) + sum(bwd) + upd}
+        if self.staged.loss_output in outputs:
+            out["loss"] = float(outputs[self.staged.loss_output])
         self._times = {"fwd": [], "bwd": [], "update": []}
         return out
 

@@ -434,6 +434,10 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
                     compiler_options=compiler_options, max_restarts=max_restarts, overwrite=overwrite)
+    if ray_address and spec.get("model_spec") is not None:
+        raise ValueError(f"model {model.name!r} is your own (its step function lives in this Python process), and a "
+                         "job on a remote cluster rebuilds its model by zoo name; train it on the embedded Ray (leave "
+                         "ray_address out) or with al.execute.")
     channel = ProgressChannel()
     if on_progress is not None:
         channel.subscribe(on_progress)

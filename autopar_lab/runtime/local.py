@@ -2,14 +2,14 @@
 
 :func:`execute` returns a :class:`Runner`. Two ways to run a step:
 
-- **pipeline** (any plan with several stages, or one stage with several microbatches): the model's forward loss is
-  split into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), each stage jitted on a mesh of
-  its own devices. One step splits the batch into microbatches and drives every stage's task list in the plan's
-  schedule order (:func:`autopar_lab.simulate.stage_order`, GPipe or 1F1B) from one thread: a task runs as soon as
-  what it needs is there (activations of earlier stages for a forward, gradients of later stages for a backward),
-  values move between stage meshes with ``jax.device_put``, a forward keeps its residuals for its backward (no
-  recomputation, unless the plan rematerialises the stage), gradients are summed over microbatches inside the
-  backward programs, and then each stage applies the optimizer to its own parameters.
+- **pipeline** (any plan with several stages, or one stage with several microbatches): the model's own training step
+  is cut into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), whatever made the plan's
+  layers, each stage's pieces jitted on a mesh of its own devices. One step splits the batch into microbatches and
+  drives every stage's task list in the plan's schedule order (:func:`autopar_lab.simulate.stage_order`, GPipe or
+  1F1B) from one thread: a task runs as soon as what it needs is there (activations of earlier stages for a
+  forward, gradients of later stages for a backward), values move between stage meshes with ``jax.device_put``, a
+  forward keeps what its backward reads (no recomputation, unless the plan rematerialises the stage), gradients are
+  summed over microbatches, and then each stage runs the step's own update for its parameters.
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
@@ -33,19 +33,17 @@ import time
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 from .. import checks
 from ..simulate import ScheduleStuck, issue_order, stage_order
-from .partition import StagedModel, _mesh, check_plan_matches, move, split_stages, stage_device_blocks
+from .partition import StagedModel, _mesh, batch_of, check_plan_matches, move, split_stages, stage_device_blocks
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
 
 
 def synthetic_batch(model, seed: int):
     """The model's own synthetic batch for ``seed`` (the batch of ``model.init(seed)``)."""
-    return model.init(seed)[2]
+    return batch_of(model, model.init(seed))
 
 
 def _block(tree):
@@ -84,11 +82,11 @@ class Runner:
                 self.notes.append(f"per-operator replay unavailable ({type(e).__name__}: {str(e)[:160]}); "
                                   "ran as a one-stage pipeline with the plan's input shardings")
         if self.mode == "pipeline":
-            self.staged: StagedModel = split_stages(model, plan, devices=devices, compiler_options=compiler_options,
-                                                    optimizer=optimizer)
-            parts = [self.staged.init_stage(k, seed) for k in range(self.staged.num_stages)]
-            self._params = [p for p, _ in parts]
-            self._opt = [o for _, o in parts]
+            self.staged: StagedModel = split_stages(model, plan, devices=devices, compiler_options=compiler_options)
+            if self.staged.loss_output is None:
+                raise ValueError("the step returns no scalar loss (a floating scalar output that is not a new value of "
+                                 "one of its inputs); return the loss from the step to train it.")
+            self._state = [self.staged.init_state(k, seed) for k in range(self.staged.num_stages)]
 
     # --- one-stage SPMD ---------------------------------------------------------------------------------------
     def _init_spmd(self, seed, devices):
@@ -105,19 +103,35 @@ class Runner:
                                        output_specs=output_specs)
         self._replay = replay
         self._spmd_step = replay.jit(compiler_options=self._compiler_options)
-        params, opt_state, _ = self.model.init(seed)
-        self._spmd_state = (jax.tree_util.tree_map(move, params, replay.in_shardings[0]),
-                            jax.tree_util.tree_map(move, opt_state, replay.in_shardings[1]))
+        args = self.model.init(seed)
+        batch_argnums = set(self.model.batch_argnums)
+        self._spmd_state = [None if i in batch_argnums else jax.tree_util.tree_map(move, a, replay.in_shardings[i])
+                            for i, a in enumerate(args)]
+        self._spmd_io = _output_roles(plan.graph, args)
         self.mesh = mesh
 
     def _step_spmd(self, batch) -> float:
-        params, opt_state = self._spmd_state
-        batch = jax.tree_util.tree_map(move, batch, self._replay.in_shardings[2])
+        args = list(self._spmd_state)
+        batch_argnums = self.model.batch_argnums
+        parts = (batch,) if len(batch_argnums) == 1 else tuple(batch)
+        for i, b in zip(batch_argnums, parts):
+            args[i] = jax.tree_util.tree_map(move, b, self._replay.in_shardings[i])
         t0 = time.perf_counter()
-        params, opt_state, loss = self._spmd_step(params, opt_state, batch)
-        loss = float(loss)
+        outs = jax.tree_util.tree_leaves(self._spmd_step(*args))
+        new_leaf, loss_index = self._spmd_io
+        if loss_index is None:
+            raise ValueError("the step returns no scalar loss (a floating scalar output that is not a new value of "
+                             "one of its inputs); return the loss from the step to train it.")
+        loss = float(outs[loss_index])
         self.step_times.append(time.perf_counter() - t0)
-        self._spmd_state = (params, opt_state)
+        for i, a in enumerate(self._spmd_state):
+            if a is not None:
+                leaves, tree = jax.tree_util.tree_flatten(a)
+                for j in range(len(leaves)):
+                    k = new_leaf.get((i, j))
+                    if k is not None:
+                        leaves[j] = outs[k]
+                self._spmd_state[i] = jax.tree_util.tree_unflatten(tree, leaves)
         return loss
 
     # --- pipeline ----------------------------------------------------------------------------------------------
@@ -126,62 +140,56 @@ class Runner:
         S, B = sm.num_stages, sm.microbatches
         mbs = sm.split_batch(batch, B)
         orders = [stage_order(k, S, B, plan.schedule) for k in range(S)]
-        outs: dict[tuple[int, int], dict] = {}  # (stage, mb) -> forward outputs
-        ins: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (inputs its forward read, or its stash)
-        d_out: dict[tuple[int, int], dict] = {}  # (stage, mb) -> summed gradients of its outputs
-        # A stage's backward of microbatch j waits for the backward j of every stage that read its outputs (their
-        # gradients come back then; an integer output has none, but its reader must have run before it is freed).
-        pending = {(k, j): {(c, n) for n in sm.stage_outputs(k) if n != "loss" for c in sm.consumers(n)}
-                   for k in range(S) for j in range(B)}
-        grads: list[Any] = [None] * S
-        losses = []
+        tasks = [(k, kind) for k in range(S) for kind in ("fwd", "bwd")]
+        readers = {t: sum(t in sm.sources(*r) for r in tasks) for t in tasks}
+        exports: dict[tuple, dict] = {}  # (stage, kind, mb) -> what the task sent to other stages
+        left: dict[tuple, int] = {}  # how many readers of those exports have not run yet
+        stash: dict[tuple[int, int], dict] = {}  # (stage, mb) -> what its forward keeps for its backward
+        acc: dict[tuple[int, str], Any] = {}  # (stage, kind) -> values the update reads, summed over microbatches
         times: dict = {}
         done: list[tuple[int, str, int]] = []
 
         def ready(k, kind, j):
-            if kind == "fwd":
-                return all((sm.producer(n), j) in outs for n in sm.stage_inputs(k))
-            return (k, j) in outs and not pending[(k, j)]
+            if kind == "bwd" and (k, j) not in stash:
+                return False
+            return all((s, kd, j) in exports for s, kd in sm.sources(k, kind))
 
         t_step = time.perf_counter()
         try:
             for k, kind, j in issue_order(orders, ready):
+                received = {}
+                for s, kd in sm.sources(k, kind):
+                    received.update(exports[(s, kd, j)])
+                t0 = time.perf_counter()
+                res = sm.run_task(k, kind, self._state[k], received, mbs[j],
+                                  stash.pop((k, j)) if kind == "bwd" else None)
+                acc[(k, kind)] = sm.accumulate(k, acc.get((k, kind)), res.acc)
+                if self.timing:
+                    _block((res.exports, res.stash, acc[(k, kind)]))
+                times.setdefault((k, kind), []).append(time.perf_counter() - t0)
                 if kind == "fwd":
-                    inputs = {n: outs[(sm.producer(n), j)][n] for n in sm.stage_inputs(k)}
-                    t0 = time.perf_counter()
-                    res, stash = sm.forward_stash(k, self._params[k], inputs, mbs[j])
-                    if self.timing:
-                        _block(res)
-                    times.setdefault((k, "fwd"), []).append(time.perf_counter() - t0)
-                    outs[(k, j)] = res
-                    # The backward needs the forward's residuals, or (a rematerialised stage) its inputs.
-                    ins[(k, j)] = (None, stash) if stash is not None else (inputs, None)
-                    if k == S - 1:
-                        losses.append(res["loss"])
-                else:
-                    t0 = time.perf_counter()
-                    inputs, stash = ins.pop((k, j))
-                    grads[k], d_inputs = sm.backward(k, self._params[k], inputs, mbs[j], d_out.pop((k, j), {}),
-                                                     stash=stash, acc=grads[k])
-                    for n in sm.stage_inputs(k):
-                        pending[(sm.producer(n), j)].discard((k, n))
-                    if self.timing:
-                        _block(grads[k])
-                    times.setdefault((k, "bwd"), []).append(time.perf_counter() - t0)
-                    for n, d in d_inputs.items():  # gradients go back to their producer's mesh, summed there
-                        p = sm.producer(n)
-                        d = move(d, sm.value_sharding(p, n))
-                        acc = d_out.setdefault((p, j), {})
-                        acc[n] = d if n not in acc else acc[n] + d
-                    outs.pop((k, j), None)  # every reader of it has run its backward: free it
+                    stash[(k, j)] = res.stash
+                if readers[(k, kind)]:
+                    exports[(k, kind, j)] = res.exports
+                    left[(k, kind, j)] = readers[(k, kind)]
+                for s, kd in sm.sources(k, kind):  # every reader has run: free the values
+                    left[(s, kd, j)] -= 1
+                    if not left[(s, kd, j)]:
+                        del exports[(s, kd, j)]
                 done.append((k, kind, j))
         except ScheduleStuck:
             raise RuntimeError("the pipeline driver is stuck (a stage waits for a value nobody produces); this "
                                "is a bug in the stage split.") from None
-        for k in range(S):
-            self._params[k], self._opt[k] = sm.update(k, self._params[k], self._opt[k], grads[k])
-        loss = float(np.mean([float(x) for x in losses]))
-        _block(self._params)
+        new_state, outputs = [], {}
+        acc = [{**acc.get((k, "fwd"), {}), **acc.get((k, "bwd"), {})} for k in range(S)]
+        for k in range(S):  # every stage's update reads the state as it was before any update
+            received = {name: acc[src].get(name, self._state[src].get(name)) for name, src in sm.update_inputs(k)}
+            st, outs = sm.update(k, self._state[k], acc[k], received)
+            new_state.append(st)
+            outputs.update(outs)
+        self._state = new_state
+        loss = float(outputs[sm.loss_output])
+        _block(self._state)
         self.step_times.append(time.perf_counter() - t_step)
         self._task_times.append(times)
         self.last_tasks = tuple(done)
@@ -212,13 +220,20 @@ class Runner:
     def params(self):
         """The full parameter pytree (stages merged)."""
         if self.mode == "spmd":
-            return self._spmd_state[0]
-        return self.staged.merge_params(self._params)
+            return self._spmd_state[self.model.param_argnums[0]]
+        return self.staged.merge_params(self._state)
+
+    @property
+    def state(self) -> list:
+        """The step's non-batch arguments as they are now (``None`` for batch arguments), stages merged."""
+        if self.mode == "spmd":
+            return list(self._spmd_state)
+        return self.staged.merge_state(self._state)
 
     @property
     def stage_params(self) -> list:
-        """Each stage's parameters (flat dicts keyed by pytree path); one full pytree in spmd mode."""
-        return [self._spmd_state[0]] if self.mode == "spmd" else list(self._params)
+        """Each stage's step inputs (flat dicts keyed by path, ``"args[0]['wte']"``); one full pytree in spmd mode."""
+        return [self.params] if self.mode == "spmd" else list(self._state)
 
     def measured_step_s(self) -> float | None:
         """Median wall time of the steps after the first (which compiles); None before two steps."""
@@ -273,6 +288,26 @@ class Runner:
                 f"{self.plan.microbatches} microbatch(es), {len(self.losses)} step(s) run)")
 
 
+def _output_roles(graph, args) -> tuple[dict, int | None]:
+    """``({(argnum, leaf): output leaf}, loss output leaf)``: which output leaf is the new value of which argument
+    leaf (from the graph's aliases), and the first scalar floating output that is none."""
+    where, it = {}, iter(graph.inputs)
+    for i, a in enumerate(args):
+        for j in range(len(jax.tree_util.tree_leaves(a))):
+            where[next(it)] = (i, j)
+    new_leaf, loss = {}, None
+    outs = [n for n in graph if n.primitive == "output"]
+    for k, node in enumerate(outs):
+        alias = node.params.get("alias_of")
+        if alias is not None:
+            new_leaf[where[alias]] = k
+        elif loss is None:
+            t = graph.tensor(node.inputs[0])
+            if t.shape == () and "float" in t.dtype:
+                loss = k
+    return new_leaf, loss
+
+
 def execute(plan, model, *, seed: int = 0, devices=None, timing: bool = True, mode: str = "auto",
             compiler_options=None, optimizer=None) -> Runner:
     """Run ``plan`` for ``model`` on local JAX devices; returns a :class:`Runner` (``.step(batch)``, ``.train(n)``).
@@ -282,8 +317,10 @@ def execute(plan, model, *, seed: int = 0, devices=None, timing: bool = True, mo
     ``mode``: ``"auto"`` (spmd for one stage and one microbatch, else pipeline), ``"pipeline"`` or ``"spmd"``.
     ``compiler_options``: XLA options for the compiled programs (``{"xla_backend_optimization_level": 0}`` compiles
     several times faster on CPU). ``timing``: wait for each pipeline task so ``stage_times()`` can measure it.
-    ``optimizer``: the optax transformation the model's step uses, for a ModelSpec outside the zoo that has no
-    ``optimizer`` attribute (pipelines apply it per stage).
+    ``optimizer`` is accepted for compatibility and not needed: a pipeline runs the step's own update.
+
+    ``model``: a :class:`~autopar_lab.models.base.ModelSpec` (the zoo's, or yours from
+    ``ModelSpec.from_step(step_fn, init_fn, batch_argnums=...)``).
     """
     checks.plan_object(plan, "al.execute")
     return Runner(plan, model, seed=seed, devices=devices, timing=timing, mode=mode,

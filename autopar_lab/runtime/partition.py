@@ -1,268 +1,93 @@
-"""Split a model's forward loss into the pipeline stages of a plan: Alpa's MPMD partition, on the jaxpr.
+"""Cut a traced training step into the pipeline stages of a plan, and run the pieces: Alpa's MPMD partition, on the
+step's own jaxpr.
 
-:func:`split_stages` traces ``model.loss_fn`` on one microbatch's shapes (``jax.make_jaxpr``), inlines nested calls
-(``pjit``, ``closed_call``, ``remat``; custom-derivative calls stay whole so their rules survive), unrolls a scan over
-layers when the plan names its iterations as layers (as :mod:`autopar_lab.graph.capture` does), and gives every
-equation a layer:
+:func:`split_stages` captures ``model.step_fn`` once more, on one microbatch's shapes, keeping what every operator
+computes (:func:`autopar_lab.graph.capture.capture_program`: the same walk as :func:`autopar_lab.trace`, so operator
+``i`` here is operator ``i`` of the plan's graph). Every operator then takes its stage from the layer the *plan's*
+graph gives it, however those layers were made (name scopes, ``al.pipeline_boundary`` markers, clustering, a
+``layers=`` pattern): nothing is re-derived from a loss function.
 
-- from its name scope, at the depth where scopes first differ (the capture's rule, same helpers); or
-- in a plan whose layers came from ``al.pipeline_boundary`` markers (``stage_0``, ``stage_1``, ...), from how many
-  marker calls ran before it (a marker starts the layer its output flows into).
+The step's operators fall in three parts, by their role in the graph:
 
-An equation runs on the stage that holds its layer; one without a layer joins the stage of its first consumer (else
-of its producer). An equation never runs before the stages that produce its inputs (it moves later if it must), so
-values only flow forward. Each stage is then a pure function ``(params_k, inputs, batch) -> outputs``.
+- **forward** (per microbatch): an operator runs on its layer's stage, or later if an input comes from a later
+  stage (values flow forward);
+- **backward** (per microbatch): on its layer's stage, or earlier if an input gradient comes from an earlier stage
+  (gradients flow backward). The backward is the step's own (``jax.grad``'s transposes, custom rules, ``remat``), not
+  a re-derivation: a backward task reads the forward values it needs from its stage's forward (the *stash*, held
+  until then, as the plan's activation memory assumes), or, for a stage the plan rematerialises (``remat=True``),
+  recomputes them from the forward's inputs;
+- **update** (once per step): every value the update or the step's outputs read from the per-microbatch part (the
+  gradients, the loss) is summed over the microbatches and divided by their number, then each stage runs the update
+  operators that produce its own outputs (its parameters' and optimizer state's new values). For a loss that is a
+  mean over the batch this is the full batch's step, exactly (up to rounding), whatever the optimizer: even one that
+  looks at every gradient at once (global-norm clipping) sees the full batch's gradients.
 
-Parameters: a leaf is *owned* by the first stage that reads it. A later stage that reads it too (GPT's tied token
-embedding: ``embed`` and ``head``) receives its value as an input named ``"params['wte']"`` and sends its gradient
-back, so the owner's gradient is the sum over every use. Parameters of stage ``k`` are a flat dict
-``{"['wte']": array, ...}`` keyed by pytree path (``jax.tree_util.keystr``); ``merge_params`` rebuilds the tree.
+Step inputs: a leaf (parameter, optimizer state, any non-batch argument) is *owned* by the earliest stage whose
+forward or backward reads it; a later stage that reads it too (GPT's tied token embedding) receives it from the
+owner's forward task, per microbatch, and the step's own backward sums the gradient of every use. A leaf that only
+the update reads (Adam's step count) is held by every stage whose update reads it, each updating its copy the same
+way. Batch leaves are split along their leading axis into the plan's microbatches.
 
-Loss scaling: a step's loss is the mean of its microbatch losses, so the last stage's backward seeds the loss
-cotangent with ``1 / microbatches``; the gradients summed over microbatches are then those of the mean loss (for a
-loss that is a mean over equal-sized microbatches, the full batch's gradient).
-
-Backward without recomputation: :meth:`StagedModel.forward_stash` runs the forward as ``jax.vjp`` in one jitted
-program and returns the pullback with the outputs (the pullback is a pytree holding the residuals, so it can leave
-one compiled program and enter another); :meth:`StagedModel.backward` given that stash applies it. That is what the
-plan assumes of a stage with ``remat=False`` (it holds its activations until the backward). A rematerialised stage
-(``remat=True``), or a caller without a stash, gets the backward that recomputes the forward (``jax.vjp`` inside
-the jitted backward), which keeps only the stage's inputs between the tasks.
-
-The optimizer is ``model.optimizer`` when the ModelSpec has one, else the zoo's ``optax.adam(LEARNING_RATE)`` (which
-every zoo step uses), else whatever ``optimizer=`` says. It is applied per stage, which is exact for element-wise
-optimizers (SGD, Adam) and not for ones that look at every gradient at once (global-norm clipping).
+Tasks: ``(stage, "fwd")`` and ``(stage, "bwd")`` per microbatch, then ``update`` per stage. :meth:`StagedModel.sources`
+says which tasks of the same microbatch a task reads from; values that cross stages are *exports* (named
+``"args[0]['wte']"`` for a step input, ``"%123"`` for the value of tensor 123); what a stage keeps for itself stays
+in its stash and accumulators. The local runner (:mod:`.local`) and the Ray driver (:mod:`.train_entry`) both walk
+these tasks in the plan's schedule order.
 
 Example (2 stages of gpt-tiny on 8 CPU devices):
     >>> import autopar_lab as al                                                    # doctest: +SKIP
     >>> model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)               # doctest: +SKIP
     >>> plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=4, tp=1, pp=2, microbatches=2)  # doctest: +SKIP
     >>> staged = split_stages(model, plan)                                          # doctest: +SKIP
-    >>> params = [staged.init_stage(k, 0)[0] for k in range(staged.num_stages)]     # doctest: +SKIP
-    >>> mb = staged.split_batch(model.init(0)[2], 2)[0]                             # doctest: +SKIP
-    >>> acts = staged.forward(0, params[0], {}, mb)                                 # doctest: +SKIP
-    >>> staged.forward(1, params[1], acts, mb)["loss"]                              # doctest: +SKIP
+    >>> staged.sources(1, "fwd"), staged.sources(0, "bwd")                          # doctest: +SKIP
+    ([(0, 'fwd')], [(1, 'bwd')])
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..graph.capture import _sub_jaxpr, layer_depth, scope_path_and_role
-from ..graph.markers import MARKER_PRIMITIVE
-from ..graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
+from ..graph.capture import capture_program
+from ..graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, OUTPUT_PRIMITIVE, PARAM, UPDATE
 from ..sharding.spec import DEFAULT_AXIS_NAMES, ShardingSpec
 
-__all__ = ["StagedModel", "split_stages", "check_plan_matches", "stage_device_blocks", "move"]
+__all__ = ["StagedModel", "TaskResult", "split_stages", "check_plan_matches", "stage_device_blocks", "move",
+           "batch_of", "LOSS"]
 
-# Calls inlined into the caller (their equations may belong to different layers). custom_jvp/custom_vjp calls are
-# NOT inlined: re-binding them whole keeps their differentiation rules (softmax, gelu, user rules).
-_SPLIT_INLINE = frozenset(["pjit", "jit", "closed_call", "core_call", "named_call", "xla_call", "checkpoint",
-                           "remat", "remat2"])
-_MARKER_LAYER = re.compile(r"^stage_\d+$")
 LOSS = "loss"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The flat program: equations over integer value ids
-
-
-@dataclass(frozen=True)
-class _Eqn:
-    fn: Callable  # (*values) -> list of values
-    ins: tuple  # value ids
-    outs: tuple  # value ids
-    layer: str | None
-    label: str
-
-
-def _bind(primitive, params, ctx, *args):
-    with ctx.manager:  # the equation's context (e.g. its abstract mesh), as eval_jaxpr binds it
-        ans = primitive.bind(*args, **params)
-    return list(ans) if primitive.multiple_results else [ans]
-
-
-class _Program:
-    """The forward loss as a list of equations on value ids, with each equation's layer."""
-
-    def __init__(self, closed, layer_names: Sequence[str]):
-        self.layer_names = tuple(layer_names)
-        self.eqns: list[_Eqn] = []
-        self.consts: dict[int, Any] = {}
-        self.avals: dict[int, Any] = {}
-        self._next = 0
-        self._scopes: list[str] = []  # per equation, the joined name stack (for the layer rule)
-        self._scan_layers: list[str | None] = []
-        self._marker = _MARKER_LAYER.match(self.layer_names[0] or "") is not None and all(
-            _MARKER_LAYER.match(n) for n in self.layer_names)
-        env: dict = {}
-        self.invars = [self._new(v.aval) for v in closed.jaxpr.invars]
-        env.update(zip(closed.jaxpr.invars, self.invars))
-        for cv, c in zip(closed.jaxpr.constvars, closed.consts):
-            env[cv] = self._const(c, cv.aval)
-        self._walk(closed.jaxpr, env, "", None)
-        self.outvars = [self._read(env, v) for v in closed.jaxpr.outvars]
-        self._assign_layers()
-
-    # --- building -------------------------------------------------------------------------------------------
-    def _new(self, aval) -> int:
-        i = self._next
-        self._next += 1
-        self.avals[i] = aval
-        return i
-
-    def _const(self, value, aval) -> int:
-        i = self._new(aval)
-        self.consts[i] = value
-        return i
-
-    def _read(self, env, v) -> int:
-        if isinstance(v, jex_core.Literal):
-            return self._const(v.val, v.aval)
-        return env[v]
-
-    def _add(self, fn, ins, out_avals, scope, scan_layer, label) -> list[int]:
-        outs = [self._new(a) for a in out_avals]
-        self.eqns.append(_Eqn(fn, tuple(ins), tuple(outs), None, label))
-        self._scopes.append(scope)
-        self._scan_layers.append(scan_layer)
-        return outs
-
-    def _walk(self, jaxpr, env, scope, scan_layer):
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            stack = str(eqn.source_info.name_stack)
-            eqn_scope = f"{scope}/{stack}" if scope and stack else (scope or stack)
-            ins = [self._read(env, v) for v in eqn.invars]
-            body, consts = _sub_jaxpr(eqn.params)
-            if name in _SPLIT_INLINE and body is not None:
-                inner = {cv: self._const(c, cv.aval) for cv, c in zip(body.constvars, consts)}
-                inner.update(zip(body.invars, ins))
-                self._walk(body, inner, eqn_scope, scan_layer)
-                for ov, outer in zip(body.outvars, eqn.outvars):
-                    env[outer] = self._read(inner, ov)
-                continue
-            if name == "scan" and scan_layer is None and self._unroll(eqn, eqn_scope):
-                self._unroll_scan(eqn, ins, env, eqn_scope)
-                continue
-            params = eqn.primitive.get_bind_params(eqn.params)
-            fn = functools.partial(_bind, eqn.primitive, params, eqn.ctx)
-            outs = self._add(fn, ins, [v.aval for v in eqn.outvars], eqn_scope, scan_layer, name)
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-
-    def _scan_base(self, scope) -> str:
-        path, _ = scope_path_and_role(scope)
-        return path[-1] if path else "scan"  # the capture's rule: the innermost scope names the scanned block
-
-    def _unroll(self, eqn, scope) -> bool:
-        """Unroll a scan only when the plan names its iterations as layers (else it stays one equation)."""
-        return f"{self._scan_base(scope)}[0]" in self.layer_names
-
-    def _unroll_scan(self, eqn, ins, env, scope):
-        p = eqn.params
-        body = p["jaxpr"]
-        n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-        consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
-        base = self._scan_base(scope)
-        ys: dict[int, list[int]] = {}
-        for step in range(length):
-            idx = length - 1 - step if p["reverse"] else step
-            layer = f"{base}[{idx}]"
-            slices = []
-            for k, x in enumerate(xs):
-                aval = body.jaxpr.invars[n_consts + n_carry + k].aval
-                fn = functools.partial(_index, idx)
-                slices += self._add(fn, [x], [aval], scope, layer, "scan_slice")
-            inner = {cv: self._const(c, cv.aval) for cv, c in zip(body.jaxpr.constvars, body.consts)}
-            inner.update(zip(body.jaxpr.invars, list(consts) + list(carry) + slices))
-            self._walk(body.jaxpr, inner, scope, layer)
-            outs = [self._read(inner, v) for v in body.jaxpr.outvars]
-            carry, ys[idx] = outs[:n_carry], outs[n_carry:]
-        results = list(carry)
-        for k in range(len(body.jaxpr.outvars) - n_carry):
-            aval = eqn.outvars[n_carry + k].aval
-            fn = functools.partial(_stack, aval.dtype)
-            results += self._add(fn, [ys[i][k] for i in range(length)], [aval], scope, None, "scan_stack")
-        for v, r in zip(eqn.outvars, results):
-            env[v] = r
-
-    # --- layers ---------------------------------------------------------------------------------------------
-    def _assign_layers(self):
-        names = set(self.layer_names)
-        if self._marker and any(e.label == MARKER_PRIMITIVE for e in self.eqns):
-            layers, count, prev_marker = [], 0, None
-            for e in self.eqns:
-                if e.label == MARKER_PRIMITIVE:
-                    if prev_marker is None:  # leaves of one marker call are adjacent: one boundary
-                        count += 1
-                    prev_marker = e
-                else:
-                    prev_marker = None
-                layers.append(f"stage_{count}")
-        else:
-            paths = [scope_path_and_role(s)[0] for s in self._scopes]
-            depth = layer_depth([p for p in paths if p]) if any(paths) else 0
-            # The step graph may see one more or one less wrapper scope; take the depth that names plan layers.
-            depths = [depth] + [d for d in range(max((len(p) for p in paths), default=0)) if d != depth]
-            best, best_hits = depth, -1
-            for d in depths:
-                hits = sum(1 for p in paths if len(p) > d and p[d] in names)
-                if hits > best_hits:
-                    best, best_hits = d, hits
-            layers = [sl or (p[best] if len(p) > best else None) for sl, p in zip(self._scan_layers, paths)]
-        self.eqns = [_Eqn(e.fn, e.ins, e.outs, lay if lay in names else None, e.label)
-                     for e, lay in zip(self.eqns, layers)]
-        if not any(e.layer for e in self.eqns) and len(self.layer_names) > 1:
-            raise ValueError(
-                f"no operator of the model's loss falls in any of the plan's layers {list(self.layer_names)[:4]}...: "
-                "executing a pipeline needs layers from jax.named_scope or al.pipeline_boundary markers (a plan "
-                "whose layers came from operator clustering cannot be mapped back onto the loss function)")
-
-
-def _index(idx, x):
-    return [jax.lax.index_in_dim(x, idx, axis=0, keepdims=False)]
-
-
-def _stack(dtype, *ys):
-    return [jnp.stack(ys, axis=0).astype(dtype)]
+_PSEUDO = frozenset([INPUT_PRIMITIVE, OUTPUT_PRIMITIVE])
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Plan checks and devices
 
 
-def _leaf_paths(tree, prefix: str) -> list[tuple[str, tuple, str]]:
-    return [(prefix + jax.tree_util.keystr(p), tuple(x.shape), str(x.dtype))
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+def _arg_leaves(model) -> dict[str, tuple]:
+    out = {}
+    for i, arg in enumerate(model.abstract_args):
+        for p, x in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            out[f"args[{i}]{jax.tree_util.keystr(p)}"] = (tuple(x.shape), str(x.dtype))
+    return out
 
 
 def check_plan_matches(model, plan) -> None:
-    """Raise ValueError unless ``plan`` was made for ``model``: same parameter and batch leaves (path, shape, dtype)
-    as the plan's graph inputs."""
+    """Raise ValueError unless ``plan`` was made for ``model``: the same step inputs (path, shape, dtype) as the plan's
+    graph."""
     graph = plan.graph
     want = {}
     for op in graph.ops:
         node = graph.op(op)
-        if node.primitive != INPUT_PRIMITIVE:
-            continue
-        t = graph.tensor(node.outputs[0])
-        if t.kind in (PARAM, BATCH):
+        if node.primitive == INPUT_PRIMITIVE:
+            t = graph.tensor(node.outputs[0])
             want[t.path] = (tuple(t.shape), str(t.dtype))
-    have = {}
-    for i in (0, 2):
-        for path, shape, dtype in _leaf_paths(model.abstract_args[i], f"args[{i}]"):
-            have[path] = (shape, dtype)
+    have = _arg_leaves(model)
     if want == have:
         return
     missing = sorted(set(want) - set(have))
@@ -275,6 +100,12 @@ def check_plan_matches(model, plan) -> None:
     raise ValueError(f"this plan was made for another model ({graph.name or 'unnamed graph'}, fingerprint "
                      f"{graph.fingerprint}) than {getattr(model, 'name', 'this model')}: {what}; plan this model "
                      "(al.auto_plan(model, cluster)) before executing it.")
+
+
+def batch_of(model, args: Sequence) -> Any:
+    """The batch among a step's arguments: the batch argument itself when there is one, else a tuple of them."""
+    picked = tuple(args[i] for i in model.batch_argnums)
+    return picked[0] if len(picked) == 1 else picked
 
 
 def stage_device_blocks(plan, devices=None) -> list[list]:
@@ -388,25 +219,6 @@ def _sharding(mesh: Mesh, spec: ShardingSpec | None, shape) -> NamedSharding:
     return NamedSharding(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The staged model
-
-
-def _zoo_optimizer(model):
-    opt = getattr(model, "optimizer", None)
-    if opt is not None:
-        return opt
-    from ..models import _FAMILIES
-    from ..models.base import LEARNING_RATE
-
-    if getattr(model, "family", None) in _FAMILIES:
-        import optax
-
-        return optax.adam(LEARNING_RATE)
-    raise ValueError(f"model {getattr(model, 'name', model)!r} does not say which optimizer its step uses; pass "
-                     "split_stages(..., optimizer=<an optax GradientTransformation>).")
-
-
 def _batch_axis_spec(spec: ShardingSpec | None, rank: int) -> ShardingSpec | None:
     """The batch dimension's split of a batch leaf's spec, for a value of ``rank`` dims (the rest replicated)."""
     if spec is None or spec.rank == 0 or rank == 0:
@@ -414,150 +226,384 @@ def _batch_axis_spec(spec: ShardingSpec | None, rank: int) -> ShardingSpec | Non
     return ShardingSpec((spec.dims[0],) + ((),) * (rank - 1))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The staged model
+
+
+@dataclass
+class TaskResult:
+    """What one forward or backward task returns: ``exports`` (values tasks of other stages read, by name),
+    ``stash`` (values this stage's backward of the same microbatch reads) and ``acc`` (this microbatch's part of the
+    values the update reads: gradients, the loss)."""
+
+    exports: dict
+    stash: dict
+    acc: dict
+
+
+@dataclass
+class _Task:
+    ops: list
+    state_in: list = None  # step inputs this stage holds
+    recv: list = None  # values from other stages' tasks
+    stash_in: list = None  # values from this stage's forward (a backward task only)
+    batch_in: list = None  # batch leaves
+    exports: set = None
+    stash_out: set = None
+    acc_out: set = None
+    sources: set = None  # (stage, kind) of the tasks it receives from
+
+    def __post_init__(self):
+        for name in ("exports", "stash_out", "acc_out", "sources"):
+            setattr(self, name, set())
+
+
+def _inexact(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
 class StagedModel:
-    """A model's forward loss split into the stages of a plan (see the module docstring for the contract)."""
+    """A model's training step cut into the stages of a plan (see the module docstring for the contract)."""
 
     def __init__(self, model, plan, *, devices=None, optimizer=None, compiler_options=None):
         check_plan_matches(model, plan)
+        del optimizer  # the optimizer is part of the step's own program: nothing to be told
         self.compiler_options = dict(compiler_options) if compiler_options else None
         self.model = model
         self.plan = plan
-        self.num_stages = len(plan.stages)
-        self.microbatches = int(plan.microbatches)
-        self.optimizer = optimizer if optimizer is not None else _zoo_optimizer(model)
+        self.num_stages = S = len(plan.stages)
+        self.microbatches = M = int(plan.microbatches)
         self._blocks = stage_device_blocks(plan, devices)
-        params_abs, batch_abs = model.abstract_args[0], model.abstract_args[2]
-        self._params_def = jax.tree_util.tree_structure(params_abs)
-        self._param_keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params_abs)[0]]
-        self._batch_def = jax.tree_util.tree_structure(batch_abs)
-        b_leaves = jax.tree_util.tree_leaves(batch_abs)
-        self._batch_paths = ["args[2]" + jax.tree_util.keystr(p)
-                             for p, _ in jax.tree_util.tree_flatten_with_path(batch_abs)[0]]
-        self.batch_size = int(b_leaves[0].shape[0]) if b_leaves and b_leaves[0].shape else 1
-        for x in b_leaves:
-            if not x.shape or int(x.shape[0]) != self.batch_size:
-                raise ValueError("every batch leaf needs the batch on its leading axis (same size) to be split into "
-                                 f"microbatches; got shapes {[tuple(y.shape) for y in b_leaves]}.")
-        if self.batch_size % self.microbatches:
-            raise ValueError(f"the plan's {self.microbatches} microbatches do not divide the batch of "
-                             f"{self.batch_size}; choose a divisor.")
-        mb = self.batch_size // self.microbatches
-        mb_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((mb,) + tuple(x.shape[1:]), x.dtype),
-                                        batch_abs)
-        self.microbatch_size = mb
-        closed = jax.make_jaxpr(model.loss_fn)(params_abs, mb_abs)
-        if len(closed.jaxpr.outvars) != 1 or getattr(closed.jaxpr.outvars[0].aval, "shape", None) != ():
-            raise ValueError("model.loss_fn must return one scalar loss to be split into pipeline stages.")
-        self._prog = _Program(closed, plan.layer_names)
-        self._partition()
-        self._init_cache: dict = {}
-        self._compiled: dict = {}
         self._meshes: dict = {}
+        self._compiled: dict = {}
+        self._init_cache: dict = {}
+        self._split_inputs(model, M)
+        prog = capture_program(model.step_fn, *self._mb_args, batch_argnums=model.batch_argnums,
+                               param_argnums=model.param_argnums, opt_state_argnums=self._opt_argnums)
+        self._check_same_program(prog.graph, plan.graph)
+        self._prog = prog
+        self._g = g = prog.graph
+        self._n_inputs = len(g.inputs)
+        self._kind = self._op_kinds(plan.graph)
+        self._stage = self._op_stages(plan, S)
+        self._place_inputs_and_tasks(S)
+        self._plan_update(S)
 
-    # --- partition ------------------------------------------------------------------------------------------
-    def _partition(self):
-        prog, S = self._prog, self.num_stages
+    # --- inputs ---------------------------------------------------------------------------------------------------
+    def _split_inputs(self, model, M):
+        args = model.abstract_args
+        self._opt_argnums = tuple(i for i in range(len(args)) if i not in model.batch_argnums
+                                  and i not in model.param_argnums)
+        self._args_def = [jax.tree_util.tree_structure(a) for a in args]
+        b_leaves = [x for i in model.batch_argnums for x in jax.tree_util.tree_leaves(args[i])]
+        if not b_leaves:
+            raise ValueError(f"model {getattr(model, 'name', '')!r} names no batch argument (batch_argnums); a "
+                             "pipeline splits the batch into microbatches, so say which argument holds it.")
+        sizes = {int(x.shape[0]) if x.shape else None for x in b_leaves}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError("every batch leaf needs the batch on its leading axis (same size) to be split into "
+                             f"microbatches; got shapes {[tuple(x.shape) for x in b_leaves]}.")
+        self.batch_size = sizes.pop()
+        if self.batch_size % M:
+            raise ValueError(f"the plan's {M} microbatches do not divide the batch of {self.batch_size}; choose a "
+                             "divisor.")
+        self.microbatch_size = mb = self.batch_size // M
+
+        def shrink(x):
+            return jax.ShapeDtypeStruct((mb,) + tuple(x.shape[1:]), x.dtype)
+
+        self._mb_args = tuple(jax.tree_util.tree_map(shrink, a) if i in model.batch_argnums else a
+                              for i, a in enumerate(args))
+
+    @staticmethod
+    def _check_same_program(g, full):
+        if len(g) == len(full) and all(a.primitive == b.primitive for a, b in zip(g, full)):
+            return
+        i = next((i for i, (a, b) in enumerate(zip(g, full)) if a.primitive != b.primitive), min(len(g), len(full)))
+        here = g.op(i).describe() if i < len(g) else "nothing"
+        there = full.op(i).describe() if i < len(full) else "nothing"
+        raise ValueError(f"the step's program on one microbatch differs from the plan's graph at operator {i} "
+                         f"({here} vs {there}): a pipeline needs a step whose operators do not depend on the batch "
+                         "size; trace the plan's graph from this model's step (model.trace()).")
+
+    def _op_kinds(self, full) -> list[str]:
+        kinds = []
+        for node in full:
+            if node.primitive == INPUT_PRIMITIVE:
+                kinds.append("in")
+            elif node.primitive == OUTPUT_PRIMITIVE:
+                kinds.append("out")
+            else:
+                kinds.append({FORWARD: "fwd", BACKWARD: "bwd", UPDATE: "upd"}[node.role])
+        return kinds
+
+    def _op_stages(self, plan, S) -> list:
+        """Each forward/backward operator's stage (None for the rest): its layer's, moved so values flow forward in
+        the forward and backward in the backward."""
+        g, kind = self._g, self._kind
         layer_stage = {}
-        for k, st in enumerate(self.plan.stages):
+        for k, st in enumerate(plan.stages):
             for i in range(st.layers[0], st.layers[1] + 1):
-                layer_stage[self.plan.layer_names[i]] = k
-        n_params = len(self._param_keys)
-        self._param_vars = prog.invars[:n_params]
-        self._batch_vars = prog.invars[n_params:]
-        consumers: dict[int, list[int]] = {}
-        for i, e in enumerate(prog.eqns):
-            for v in e.ins:
-                consumers.setdefault(v, []).append(i)
-        loss_var = prog.outvars[0]
-        # Unlayered equations join their first consumer's stage (walk backwards so consumers are known first).
-        tentative: list[int | None] = [layer_stage.get(e.layer) if e.layer else None for e in prog.eqns]
-        for i in range(len(prog.eqns) - 1, -1, -1):
-            if tentative[i] is None:
-                cands = [tentative[c] for o in prog.eqns[i].outs for c in consumers.get(o, ()) if tentative[c] is not None]
-                if any(o == loss_var for o in prog.eqns[i].outs):
-                    cands.append(S - 1)
-                tentative[i] = min(cands) if cands else None
-        # ... and never before the stages that feed them (values only flow forward).
-        stage_of_var: dict[int, int] = {}
-        eqn_stage = []
-        for i, e in enumerate(prog.eqns):
-            feed = [stage_of_var[v] for v in e.ins if v in stage_of_var]
-            s = max([tentative[i] if tentative[i] is not None else 0] + feed)
-            eqn_stage.append(s)
-            for o in e.outs:
-                stage_of_var[o] = s
-        # Parameters: owned by their first user.
-        self._param_owner = []
-        for key, v in zip(self._param_keys, self._param_vars):
-            users = [eqn_stage[c] for c in consumers.get(v, ())]
-            if v == loss_var:
-                users.append(S - 1)
-            owner = min(users) if users else S - 1
-            self._param_owner.append(owner)
-            stage_of_var[v] = owner
-        self._names: dict[int, str] = {v: f"params{key}" for key, v in zip(self._param_keys, self._param_vars)}
-        for i, e in enumerate(prog.eqns):
-            for j, o in enumerate(e.outs):
-                self._names.setdefault(o, f"{e.layer or e.label}:{o}")
-        batch_set = set(self._batch_vars)
-        ins = [set() for _ in range(S)]
-        outs = [set() for _ in range(S)]
-        uses = [(eqn_stage[i], v) for i, e in enumerate(prog.eqns) for v in e.ins]
-        uses.append((S - 1, loss_var))
-        for s, v in uses:
-            if v in prog.consts or v in batch_set or v not in stage_of_var:
+                layer_stage[plan.layer_names[i]] = k
+        n = len(g)
+        producer = {tid: t.producer for tid, t in g.tensors.items()}
+        ts = [layer_stage.get(node.layer) if kind[node.id] not in ("in", "out") else None for node in plan.graph]
+        consumers = g.consumers
+        for i in range(n - 1, -1, -1):  # an operator without a layer joins its first consumer's stage...
+            if ts[i] is None and kind[i] not in ("in", "out"):
+                cs = [ts[c] for t in g.op(i).outputs for c in consumers.get(t, ()) if ts[c] is not None]
+                ts[i] = min(cs) if cs else None
+        for i in range(n):  # ... else its producers'
+            if ts[i] is None and kind[i] not in ("in", "out"):
+                ps = [ts[producer[t]] for t in g.op(i).inputs if producer.get(t) is not None
+                      and ts[producer[t]] is not None]
+                ts[i] = max(ps) if ps else 0
+        stage: list = [None] * n
+        for i in range(n):
+            if kind[i] not in ("fwd", "bwd"):
                 continue
-            p = stage_of_var[v]
-            if p != s:
-                ins[s].add(v)
-                outs[p].add(v)
-        self._eqn_stage = eqn_stage
-        self._stage_of_var = stage_of_var
-        self._in_vars = [sorted(x) for x in ins]
-        self._out_vars = [sorted(x) for x in outs]
-        self._var_of = {self._names[v]: v for v in stage_of_var}
-        self._stage_eqns = [[e for e, s in zip(prog.eqns, eqn_stage) if s == k] for k in range(S)]
-        self._stage_params = [[i for i, o in enumerate(self._param_owner) if o == k] for k in range(S)]
-        used_batch = [set() for _ in range(S)]
-        for s, v in uses:
-            if v in batch_set:
-                used_batch[s].add(v)
-        self._stage_batch = [[j for j, v in enumerate(self._batch_vars) if v in used_batch[k]] for k in range(S)]
-        if loss_var in batch_set or loss_var in prog.consts:
-            raise ValueError("the loss does not depend on the parameters; nothing to train.")
+            preds = [producer[t] for t in g.op(i).inputs if producer.get(t) is not None]
+            if kind[i] == "fwd":
+                bad = [p for p in preds if kind[p] in ("bwd", "upd")]
+                stage[i] = max([ts[i]] + [stage[p] for p in preds if kind[p] == "fwd"])
+            else:
+                bad = [p for p in preds if kind[p] == "upd"]
+                stage[i] = min([ts[i]] + [stage[p] for p in preds if kind[p] == "bwd"])
+            if bad:
+                raise ValueError(f"operator {g.op(i).describe()} ({kind[i]}ward) reads {g.op(bad[0]).describe()}; a "
+                                 "pipeline runs the forward, then the backward, then the update, so this step cannot "
+                                 "be cut into stages.")
+        return stage
 
-    # --- the contract ---------------------------------------------------------------------------------------
-    def stage_inputs(self, k: int) -> tuple[str, ...]:
-        """Names of the values stage k consumes that another stage produces (tied parameters included)."""
-        return tuple(self._names[v] for v in self._in_vars[self._check(k)])
+    def _place_inputs_and_tasks(self, S):
+        g, kind, stage = self._g, self._kind, self._stage
+        producer = {tid: t.producer for tid, t in g.tensors.items()}
+        consumers = g.consumers
+        self._batch_tids = [t for t in g.inputs if g.tensor(t).kind == BATCH]
+        self._state_tids = [t for t in g.inputs if g.tensor(t).kind != BATCH]
+        batch_set, state_set = set(self._batch_tids), set(self._state_tids)
+        self._names = {t: g.tensor(t).path for t in g.inputs}
+        self.owner: dict[int, int] = {}
+        for t in self._state_tids:
+            users = [stage[c] for c in consumers.get(t, ()) if kind[c] in ("fwd", "bwd")]
+            if users:
+                self.owner[t] = min(users)
+        tasks = {(k, kd): _Task([i for i in range(len(g)) if kind[i] == kd and stage[i] == k])
+                 for k in range(S) for kd in ("fwd", "bwd")}
+        self._remat = [bool(st.remat) for st in self.plan.stages]
+        for k in range(S):
+            if self._remat[k]:  # the backward recomputes what it reads of its stage's forward
+                fwd_ops = set(tasks[(k, "fwd")].ops)
+                need, todo = set(), [t for i in tasks[(k, "bwd")].ops for t in g.op(i).inputs]
+                while todo:
+                    p = producer.get(todo.pop())
+                    if p is not None and p in fwd_ops and p not in need:
+                        need.add(p)
+                        todo.extend(g.op(p).inputs)
+                tasks[(k, "bwd")].ops = sorted(need | set(tasks[(k, "bwd")].ops))
+        consts = self._prog.consts
+        for (k, kd), task in tasks.items():
+            inside = {t for i in task.ops for t in g.op(i).outputs}
+            reads = list(dict.fromkeys(t for i in task.ops for t in g.op(i).inputs))
+            task.state_in, task.recv, task.stash_in, task.batch_in = [], [], [], []
+            for t in reads:
+                if t in inside or (t in consts and producer.get(t) is None):
+                    continue
+                if t in batch_set:
+                    task.batch_in.append(t)
+                elif t in state_set:
+                    o = self.owner[t]
+                    if o == k:
+                        task.state_in.append(t)
+                    else:  # a step input another stage owns: its forward passes it on
+                        task.recv.append(t)
+                        task.sources.add((o, "fwd"))
+                        tasks[(o, "fwd")].exports.add(t)
+                else:
+                    p = producer[t]
+                    src = (stage[p], kind[p])
+                    if src == (k, "fwd") and kd == "bwd":
+                        task.stash_in.append(t)
+                        tasks[src].stash_out.add(t)
+                    else:
+                        task.recv.append(t)
+                        task.sources.add(src)
+                        tasks[src].exports.add(t)
+        for t in self._state_tids:  # an owner's forward that passes a step input on reads it from its state
+            o = self.owner.get(t)
+            if o is not None and t in tasks[(o, "fwd")].exports and t not in tasks[(o, "fwd")].state_in:
+                tasks[(o, "fwd")].state_in.append(t)
+        # What the update or the step's outputs read from the per-microbatch part is accumulated where it is made.
+        for i in range(len(g)):
+            if kind[i] not in ("upd", "out"):
+                continue
+            for t in g.op(i).inputs:
+                p = producer.get(t)
+                if t in batch_set:
+                    raise ValueError(f"the step's update ({g.op(i).describe()}) reads the batch directly; a pipeline "
+                                     "splits the batch into microbatches, so only the forward and backward may read it.")
+                if p is not None and kind[p] in ("fwd", "bwd"):
+                    tasks[(stage[p], kind[p])].acc_out.add(t)
+        for task in tasks.values():
+            for t in task.exports | task.acc_out | task.stash_out:
+                self._names.setdefault(t, f"%{t}")
+            for t in task.recv:
+                self._names.setdefault(t, f"%{t}")
+        self._tasks = tasks
+        self._var_of = {name: t for t, name in self._names.items()}
 
-    def stage_outputs(self, k: int) -> tuple[str, ...]:
-        """Names of the values stage k produces for later stages; the last stage: ``("loss",)``."""
-        if self._check(k) == self.num_stages - 1:
-            return (LOSS,)
-        return tuple(self._names[v] for v in self._out_vars[k])
+    def _plan_update(self, S):
+        """Which update operators each stage runs (those its own outputs need), which step inputs it holds."""
+        g, kind, stage = self._g, self._kind, self._stage
+        producer = {tid: t.producer for tid, t in g.tensors.items()}
+        outs = [i for i in range(len(g)) if kind[i] == "out"]
+        self._outputs = outs
+        u_only = [t for t in self._state_tids if t not in self.owner]
+        holders: dict[int, set] = {t: {self.owner[t]} for t in self.owner}
+        for t in u_only:
+            holders[t] = set()
+        alias_out = {g.op(o).params.get("alias_of"): o for o in outs if g.op(o).params.get("alias_of") is not None}
+        targets: list[set] = [set() for _ in range(S)]
+        for o in outs:
+            x, alias = g.op(o).inputs[0], g.op(o).params.get("alias_of")
+            if alias is not None and alias in self.owner:
+                targets[self.owner[alias]].add(o)
+            elif alias is not None:
+                continue  # an update-only input: updated by every stage that holds it (below)
+            else:
+                p = producer.get(x)
+                if p is not None and kind[p] in ("fwd", "bwd"):
+                    targets[stage[p]].add(o)
+                elif x in self.owner:
+                    targets[self.owner[x]].add(o)
+                else:
+                    targets[S - 1].add(o)
+        while True:  # update-only inputs are held by every stage whose update reads them, and updated there
+            slices = [self._update_slice(targets[k], producer) for k in range(S)]
+            changed = False
+            for k in range(S):
+                for i in slices[k]:
+                    for t in g.op(i).inputs:
+                        if t in holders and t not in self.owner and k not in holders[t]:
+                            holders[t].add(k)
+                            changed = True
+                for o in targets[k]:
+                    t = g.op(o).inputs[0]
+                    if t in holders and t not in self.owner and k not in holders[t]:
+                        holders[t].add(k)
+                        changed = True
+            for t in u_only:
+                if not holders[t]:
+                    holders[t].add(0)
+                    changed = True
+                o = alias_out.get(t)
+                if o is not None:
+                    for k in holders[t]:
+                        if o not in targets[k]:
+                            targets[k].add(o)
+                            changed = True
+            if not changed:
+                break
+        self._holders = holders
+        self._held = [[t for t in self._state_tids if k in holders[t]] for k in range(S)]
+        acc_stage = {t: k for (k, _), task in self._tasks.items() for t in task.acc_out}
+        self._update: list[dict] = []
+        self.update_crosses_stages: list[str] = []
+        for k in range(S):
+            ops = slices[k]
+            inside = {t for i in ops for t in g.op(i).outputs}
+            reads = list(dict.fromkeys([t for i in ops for t in g.op(i).inputs]
+                                       + [g.op(o).inputs[0] for o in sorted(targets[k])]))
+            own_state, own_acc, recv = [], [], []
+            for t in reads:
+                if t in inside or (t in self._prog.consts and producer.get(t) is None):
+                    continue
+                if t in holders:
+                    (own_state if k in holders[t] else recv).append(t)
+                elif t in acc_stage:
+                    (own_acc if acc_stage[t] == k else recv).append(t)
+                else:
+                    raise ValueError(f"the update of stage {k} reads {self._names.get(t, t)}, which no stage makes.")
+            sources = set()
+            for t in recv:  # what another stage has: its task exports it (every microbatch) for this update
+                self._names.setdefault(t, f"%{t}")
+                if t in holders:
+                    src = (min(holders[t]), "fwd")
+                    if t not in self._tasks[src].state_in:
+                        self._tasks[src].state_in.append(t)
+                else:
+                    src = next(key for key, task in self._tasks.items() if t in task.acc_out)
+                self._tasks[src].exports.add(t)
+                sources.add(src)
+                self.update_crosses_stages.append(f"stage {k}'s update reads {self._names[t]} from stage {src[0]}")
+            self._update.append({"ops": ops, "state": own_state, "acc": own_acc, "recv": recv,
+                                 "targets": sorted(targets[k]), "sources": sorted(sources)})
+        self._var_of = {name: t for t, name in self._names.items()}
+        # The loss: the step's first scalar floating output that is not a new value of an input.
+        self.loss_output = next((k for k, o in enumerate(outs) if g.op(o).params.get("alias_of") is None
+                                 and g.tensor(g.op(o).inputs[0]).shape == ()
+                                 and _inexact(g.tensor(g.op(o).inputs[0]).dtype)), None)
 
-    def producer(self, name: str) -> int:
-        """The stage that produces value ``name`` (``"loss"``: the last stage)."""
-        if name == LOSS:
-            return self.num_stages - 1
-        if name not in self._var_of:
-            raise KeyError(f"no value named {name!r}; stage outputs are {[self.stage_outputs(k) for k in range(self.num_stages)]}")
-        return self._stage_of_var[self._var_of[name]]
+    def _update_slice(self, targets, producer) -> list[int]:
+        g, kind = self._g, self._kind
+        need, todo = set(), [g.op(o).inputs[0] for o in targets]
+        while todo:
+            p = producer.get(todo.pop())
+            if p is not None and kind[p] == "upd" and p not in need:
+                need.add(p)
+                todo.extend(g.op(p).inputs)
+        return sorted(need)
 
-    def consumers(self, name: str) -> tuple[int, ...]:
-        """The stages that read value ``name`` from its producer (whose gradients the producer sums)."""
-        v = self._var_of[name]
-        return tuple(k for k in range(self.num_stages) if v in self._in_vars[k])
+    # --- the contract -----------------------------------------------------------------------------------------
+    def _check(self, k: int) -> int:
+        if not isinstance(k, (int, np.integer)) or not 0 <= k < self.num_stages:
+            raise ValueError(f"stage index {k!r} is out of range; this plan has stages 0..{self.num_stages - 1}.")
+        return int(k)
 
-    def is_differentiable(self, name: str) -> bool:
-        """Whether a cross-stage value carries a gradient back (integer values do not)."""
-        v = self._var_of[name] if name != LOSS else self._prog.outvars[0]
-        return jnp.issubdtype(self._prog.avals[v].dtype, jnp.inexact)
+    def _task(self, k, kind) -> _Task:
+        if kind not in ("fwd", "bwd"):
+            raise ValueError(f"a task is 'fwd' or 'bwd', got {kind!r}.")
+        return self._tasks[(self._check(k), kind)]
+
+    def sources(self, k: int, kind: str) -> list[tuple[int, str]]:
+        """The tasks of the same microbatch that task ``(k, kind)`` receives values from (other stages only)."""
+        return sorted(self._task(k, kind).sources)
+
+    def inputs(self, k: int, kind: str) -> tuple[str, ...]:
+        """Names of the values task ``(k, kind)`` receives from other stages' tasks."""
+        return tuple(self._names[t] for t in self._task(k, kind).recv)
+
+    def exports(self, k: int, kind: str) -> tuple[str, ...]:
+        """Names of the values task ``(k, kind)`` produces for other stages' tasks."""
+        return tuple(self._names[t] for t in sorted(self._task(k, kind).exports))
+
+    def producer(self, name: str) -> tuple[int, str]:
+        """The task ``(stage, kind)`` whose exports hold value ``name``."""
+        t = self._var_of.get(name)
+        for key, task in self._tasks.items():
+            if t in task.exports:
+                return key
+        raise KeyError(f"no task exports a value named {name!r}.")
+
+    def task_ops(self, k: int, kind: str) -> tuple[int, ...]:
+        """The operator ids (of the plan's graph) task ``(k, kind)`` runs, in program order."""
+        return tuple(self._task(k, kind).ops)
+
+    def update_ops(self, k: int) -> tuple[int, ...]:
+        return tuple(self._update[self._check(k)]["ops"])
+
+    def stage_state_paths(self, k: int) -> tuple[str, ...]:
+        """The step inputs (pytree paths, ``"args[0]['wte']"``) stage k holds."""
+        return tuple(self._names[t] for t in self._held[self._check(k)])
 
     def stage_param_keys(self, k: int) -> tuple[str, ...]:
-        """The pytree paths (``jax.tree_util.keystr``) of the parameter leaves stage k owns."""
-        return tuple(self._param_keys[i] for i in self._stage_params[self._check(k)])
+        """The parameter leaves stage k owns, as paths inside the parameter argument (``"['wte']"``)."""
+        pre = f"args[{self.model.param_argnums[0]}]"
+        return tuple(p[len(pre):] for p in self.stage_state_paths(k) if p.startswith(pre)
+                     and self.owner.get(self._var_of[p]) == k)
+
+    def value_dtype(self, name: str):
+        return self._g.tensor(self._var_of[name]).dtype
 
     def mesh(self, k: int) -> Mesh:
         """Stage k's ``jax.sharding.Mesh`` (axes ("x", "y") = the plan's logical mesh) over its device block."""
@@ -569,113 +615,57 @@ class StagedModel:
             self._meshes[k] = _mesh(block, self.plan.stages[k].logical_mesh)
         return self._meshes[k]
 
-    def _check(self, k: int) -> int:
-        if not isinstance(k, (int, np.integer)) or not 0 <= k < self.num_stages:
-            raise ValueError(f"stage index {k!r} is out of range; this plan has stages 0..{self.num_stages - 1}.")
-        return int(k)
-
-    # --- shardings ------------------------------------------------------------------------------------------
+    # --- shardings --------------------------------------------------------------------------------------------
     def _specs(self, k):
         key = ("specs", k)
         if key not in self._compiled:
             self._compiled[key] = _plan_input_specs(self.plan, k)
         return self._compiled[key]
 
-    def param_shardings(self, k: int) -> dict[str, NamedSharding]:
-        """{key: NamedSharding} of stage k's parameters, from the plan's strategies of their ``parameter`` ops."""
-        specs, mesh = self._specs(k), self.mesh(k)
-        leaves = jax.tree_util.tree_leaves(self.model.abstract_args[0])
-        return {self._param_keys[i]: _sharding(mesh, specs.get("args[0]" + self._param_keys[i]), leaves[i].shape)
-                for i in self._stage_params[k]}
-
-    def _batch_shardings(self, k):
-        key = ("batch_sh", k)
-        if key not in self._compiled:
-            self._compiled[key] = self._make_batch_shardings(k)
-        return self._compiled[key]
-
-    def _make_batch_shardings(self, k):
-        specs, mesh = self._specs(k), self.mesh(k)
-        leaves = jax.tree_util.tree_leaves(self.model.abstract_args[2])
-        return [_sharding(mesh, specs.get(self._batch_paths[j]),
-                          (self.microbatch_size,) + tuple(leaves[j].shape[1:])) for j in self._stage_batch[k]]
-
     def value_sharding(self, k: int, name: str) -> NamedSharding:
-        """Where cross-stage value ``name`` (or its gradient) lives on stage k's mesh."""
-        return self._value_sharding(self._check(k), self._var_of[name])
+        """Where value ``name`` lives on stage k's mesh: a step input as the plan shards it; another value split
+        along the batch like the batch is, when it has the batch axis; else replicated."""
+        return self._sharding_of(self._check(k), self._var_of[name])
 
-    def _value_sharding(self, k, v):
-        key = ("value_sh", k, v)
+    def _sharding_of(self, k, t):
+        key = ("sh", k, t)
         if key not in self._compiled:
-            self._compiled[key] = self._make_value_sharding(k, v)
+            info = self._g.tensor(t)
+            shape = tuple(info.shape)
+            specs = self._specs(k)
+            if t in self._names and info.producer is not None and self._g.op(info.producer).primitive == INPUT_PRIMITIVE:
+                spec = specs.get(info.path)
+            else:
+                spec = None
+                batch_spec = specs.get(self._g.tensor(self._batch_tids[0]).path) if self._batch_tids else None
+                if shape and shape[0] == self.microbatch_size:
+                    spec = _batch_axis_spec(batch_spec, len(shape))
+            self._compiled[key] = _sharding(self.mesh(k), spec, shape)
         return self._compiled[key]
 
-    def _make_value_sharding(self, k, v):
-        """A cross-stage value on stage k: split along the batch like the batch is, when it has the batch axis."""
-        aval = self._prog.avals[v]
-        shape = tuple(getattr(aval, "shape", ()))
-        if v in self._param_vars:
-            i = self._param_vars.index(v)
-            return _sharding(self.mesh(k), self._specs(k).get("args[0]" + self._param_keys[i]), shape)
-        spec = None
-        if shape and shape[0] == self.microbatch_size and self._batch_paths:
-            spec = _batch_axis_spec(self._specs(k).get(self._batch_paths[0]), len(shape))
-        return _sharding(self.mesh(k), spec, shape)
-
-    # --- init, batches, merge -------------------------------------------------------------------------------
+    # --- init, batches, merge -----------------------------------------------------------------------------------
     def _full_init(self, seed):
         if seed not in self._init_cache:
             self._init_cache = {seed: self.model.init(seed)}
         return self._init_cache[seed]
 
-    def _slice_params(self, params, k) -> dict:
-        leaves = jax.tree_util.tree_leaves(params)
-        return {self._param_keys[i]: leaves[i] for i in self._stage_params[k]}
+    def _leaf_values(self, args) -> dict[int, Any]:
+        """Tensor id -> value of every non-batch leaf of a step's arguments."""
+        out, it = {}, iter(self._g.inputs)
+        for i, a in enumerate(args):
+            for x in jax.tree_util.tree_leaves(a):
+                out[next(it)] = x
+        return {t: v for t, v in out.items() if t not in set(self._batch_tids)}
 
-    def _slice_opt_state(self, opt_state, k):
-        keys = set(self.stage_param_keys(k))
+    def init_state(self, k: int, seed: int = 0) -> dict:
+        """The step inputs stage k holds, ``{path: array}``: its slice of ``model.init(seed)`` (same numbers), placed
+        on its mesh by the plan's shardings."""
+        values = self._leaf_values(self._full_init(seed))
+        return self.place_state(k, {self._names[t]: values[t] for t in self._held[self._check(k)]})
 
-        def is_params(x):
-            try:
-                return jax.tree_util.tree_structure(x) == self._params_def
-            except Exception:  # noqa: BLE001 - odd leaves: not a params tree
-                return False
-
-        def cut(x):
-            if is_params(x):
-                flat = jax.tree_util.tree_leaves(x)
-                return {self._param_keys[i]: flat[i] for i in range(len(flat)) if self._param_keys[i] in keys}
-            return x
-
-        return jax.tree_util.tree_map(cut, opt_state, is_leaf=is_params)
-
-    def init_stage(self, k: int, seed: int = 0):
-        """Stage k's parameters and optimizer state: its slice of ``model.init(seed)`` (same numbers), placed on its
-        mesh by the plan's shardings."""
-        self._check(k)
-        params, opt_state, _ = self._full_init(seed)
-        params_k = self._slice_params(params, k)
-        opt_k = self._slice_opt_state(opt_state, k)
-        want = jax.tree_util.tree_structure(jax.eval_shape(self.optimizer.init, params_k))
-        if jax.tree_util.tree_structure(opt_k) != want:
-            opt_k = self.optimizer.init(params_k)  # an optimizer state that does not mirror the params tree
-        return self.place_params(k, params_k), self._place_opt(k, opt_k)
-
-    def place_params(self, k: int, params_k: dict) -> dict:
-        """``params_k`` put on stage k's mesh with the plan's shardings."""
-        sh = self.param_shardings(k)
-        return {key: move(x, sh[key]) for key, x in params_k.items()}
-
-    def _place_opt(self, k, opt_k):
-        sh = self.param_shardings(k)
-        mesh = self.mesh(k)
-
-        def place(x):
-            if isinstance(x, dict) and set(x) <= set(sh) and x:
-                return {key: move(v, sh[key]) for key, v in x.items()}
-            return move(x, NamedSharding(mesh, PartitionSpec()))
-
-        return jax.tree_util.tree_map(place, opt_k, is_leaf=lambda x: isinstance(x, dict) and x and set(x) <= set(sh))
+    def place_state(self, k: int, state: dict) -> dict:
+        """``state`` (``{path: array}``) put on stage k's mesh with the plan's shardings."""
+        return {name: move(x, self._sharding_of(k, self._var_of[name])) for name, x in state.items()}
 
     def split_batch(self, batch, microbatches: int | None = None) -> list:
         """``microbatches`` equal microbatches along the leading (batch) axis of every batch leaf (host arrays).
@@ -685,192 +675,211 @@ class StagedModel:
         if m != self.microbatches:
             raise ValueError(f"this split was traced for the plan's {self.microbatches} microbatches, not {m}; make "
                              "a plan with the count you want (plan.with_stages(microbatches=...)).")
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        if tree != self._batch_def:
-            raise ValueError(f"the batch has structure {tree}, the model expects {self._batch_def}.")
-        n = int(leaves[0].shape[0])
+        want = [self._args_def[i] for i in self.model.batch_argnums]
+        tree = jax.tree_util.tree_structure(batch if len(want) > 1 else (batch,))
+        if tree != jax.tree_util.tree_structure(tuple(jax.tree_util.tree_unflatten(d, [0] * d.num_leaves)
+                                                      for d in want)):
+            raise ValueError(f"the batch has structure {jax.tree_util.tree_structure(batch)}, the model expects "
+                             f"{want[0] if len(want) == 1 else want}.")
+        leaves = jax.tree_util.tree_leaves(batch)
+        n = int(np.shape(leaves[0])[0])
         if n != self.batch_size:
             raise ValueError(f"the batch has {n} samples but the model (and its plan) take {self.batch_size}.")
         size = n // m
-        # Sliced on the host: each stage then copies just its microbatch to its own devices.
-        leaves = [np.asarray(x) for x in leaves]
-        return [jax.tree_util.tree_unflatten(tree, [x[j * size:(j + 1) * size] for x in leaves]) for j in range(m)]
+        leaves = [np.asarray(x) for x in leaves]  # sliced on the host: each stage copies just its microbatch
+        return [[x[j * size:(j + 1) * size] for x in leaves] for j in range(m)]
+
+    def merge_state(self, parts: Sequence[dict]) -> list:
+        """The step's non-batch arguments (pytrees, ``None`` for batch arguments) from every stage's state."""
+        if len(parts) != self.num_stages:
+            raise ValueError(f"merge_state needs one state dict per stage ({self.num_stages}), got {len(parts)}.")
+        flat = {}
+        for part in reversed(parts):  # an input several stages hold: its owner's (earliest) copy wins
+            flat.update(part)
+        it = iter(self._g.inputs)
+        out = []
+        for i, d in enumerate(self._args_def):
+            tids = [next(it) for _ in range(d.num_leaves)]
+            if i in self.model.batch_argnums:
+                out.append(None)
+                continue
+            missing = [self._names[t] for t in tids if self._names[t] not in flat]
+            if missing:
+                raise ValueError(f"step input {missing[0]} is in no stage's state.")
+            out.append(jax.tree_util.tree_unflatten(d, [flat[self._names[t]] for t in tids]))
+        return out
 
     def merge_params(self, parts: Sequence[dict]):
-        """The full parameter pytree from every stage's ``params_k`` (for checks and checkpoints)."""
-        if len(parts) != self.num_stages:
-            raise ValueError(f"merge_params needs one params dict per stage ({self.num_stages}), got {len(parts)}.")
-        flat = {}
-        for part in parts:
-            flat.update(part)
-        missing = [key for key in self._param_keys if key not in flat]
-        if missing:
-            raise ValueError(f"parameter {missing[0]} is in no stage's params.")
-        return jax.tree_util.tree_unflatten(self._params_def, [flat[key] for key in self._param_keys])
+        """The parameter pytree (the first parameter argument) from every stage's state."""
+        return self.merge_state(parts)[self.model.param_argnums[0]]
 
-    # --- the stage functions --------------------------------------------------------------------------------
-    def _run(self, k, params_k: dict, inputs: dict, batch_leaves: Sequence) -> dict:
-        """Stage k's forward as plain JAX (traced inside the jitted functions)."""
-        prog = self._prog
-        env = {}
-        for key, x in params_k.items():
-            env[self._param_vars[self._param_keys.index(key)]] = x
-        for name, x in inputs.items():
-            env[self._var_of[name]] = x
-        for j, x in zip(self._stage_batch[k], batch_leaves):
-            env[self._batch_vars[j]] = x
+    # --- the stage programs -----------------------------------------------------------------------------------
+    def _run_ops(self, ops, env: dict) -> dict:
+        g, fns, consts = self._g, self._prog.fns, self._prog.consts
+        for i in ops:
+            node = g.op(i)
+            outs = fns[i](*[env[t] if t in env else consts[t] for t in node.inputs])
+            env.update(zip(node.outputs, outs))
+        return env
 
-        def read(v):
-            return prog.consts[v] if v in prog.consts else env[v]
-
-        for e in self._stage_eqns[k]:
-            for o, val in zip(e.outs, e.fn(*[read(v) for v in e.ins])):
-                env[o] = val
-        if k == self.num_stages - 1:
-            return {LOSS: read(prog.outvars[0])}
-        return {self._names[v]: read(v) for v in self._out_vars[k]}
-
-    def _fns(self, k):
-        key = ("fns", k)
+    def _task_fn(self, k, kind):
+        key = ("task", k, kind)
         if key in self._compiled:
             return self._compiled[key]
-        run = functools.partial(self._run, k)
-        diff_names = [n for n in self.stage_inputs(k) if self.is_differentiable(n)]
-        opt = self.optimizer
-        last = k == self.num_stages - 1
-        out_avals = {n: self._prog.avals[self._var_of[n] if n != LOSS else self._prog.outvars[0]]
-                     for n in self.stage_outputs(k)}
+        task = self._tasks[(k, kind)]
+        ins = list(task.state_in) + list(task.recv) + list(task.stash_in) + list(task.batch_in)
+        exports, stash, acc = sorted(task.exports), sorted(task.stash_out), sorted(task.acc_out)
+        consts = self._prog.consts
 
-        def linearized(params_k, inputs, batch_leaves):
-            diff = {n: inputs[n] for n in diff_names}
-            rest = {n: x for n, x in inputs.items() if n not in diff}
-            return jax.vjp(lambda p, d: run(p, {**d, **rest}, batch_leaves), params_k, diff)
+        def run(*vals):
+            env = self._run_ops(task.ops, dict(zip(ins, vals)))
+            pick = lambda ts: tuple(env[t] if t in env else consts[t] for t in ts)  # noqa: E731
+            return pick(exports), pick(stash), pick(acc)
 
-        def cotangent(d_outputs):
-            cot = {}
-            for n, o in out_avals.items():
-                if not jnp.issubdtype(o.dtype, jnp.inexact):
-                    cot[n] = np.zeros(o.shape, jax.dtypes.float0)
-                else:
-                    cot[n] = d_outputs[n].astype(o.dtype) if n in d_outputs else jnp.zeros(o.shape, o.dtype)
-            return cot
+        fn = jax.jit(run, compiler_options=self.compiler_options)
+        self._compiled[key] = (fn, ins, exports, stash, acc)
+        return self._compiled[key]
 
-        def backward(params_k, inputs, batch_leaves, d_outputs):
-            _, vjp = linearized(params_k, inputs, batch_leaves)  # the forward again (rematerialisation)
-            return vjp(cotangent(d_outputs))
+    def run_task(self, k: int, kind: str, state: dict, received: dict, batch_mb, stash: dict | None = None
+                 ) -> TaskResult:
+        """Task ``(k, kind)`` on one microbatch (``batch_mb``: a list of batch leaves from :meth:`split_batch`).
 
-        def apply_pullback(pullback, d_outputs, acc):
-            # jax.vjp's pullback is a pytree (a Partial holding the residuals), so the forward program can return
-            # it and this program apply it: the backward without the forward. Accumulating here saves a program.
-            grads, d_inputs = pullback(cotangent(d_outputs))
-            if acc is not None:
-                grads = jax.tree_util.tree_map(jnp.add, acc, grads)
-            return grads, d_inputs
+        ``state``: stage k's step inputs (:meth:`init_state`); ``received``: the exports of the tasks in
+        :meth:`sources` (a dict by name; extra names are ignored; values may live on any device, they are moved
+        here); ``stash``: the forward's stash of the same microbatch (a backward task only)."""
+        task = self._task(k, kind)
+        fn, ins, exports, stash_out, acc = self._task_fn(k, kind)
+        vals = [state[self._names[t]] for t in task.state_in]
+        for t in task.recv:
+            name = self._names[t]
+            if name not in received:
+                raise ValueError(f"task ({k}, {kind!r}) needs {name!r} from task {self.producer(name)}; it received "
+                                 f"{sorted(received)[:6]}.")
+            vals.append(move(received[name], self._sharding_of(k, t)))
+        if task.stash_in:
+            if stash is None:
+                raise ValueError(f"the backward of stage {k} needs its forward's stash of the same microbatch.")
+            vals += [stash[t] for t in task.stash_in]
+        leaf_index = {t: j for j, t in enumerate(self._batch_tids)}
+        vals += [move(batch_mb[leaf_index[t]], self._batch_sharding(k, t)) for t in task.batch_in]
+        e, s, a = fn(*vals)
+        return TaskResult({self._names[t]: v for t, v in zip(exports, e)}, dict(zip(stash_out, s)),
+                          {self._names[t]: v for t, v in zip(acc, a)})
 
-        def update(params_k, opt_state_k, grads_k):
-            import optax
+    def _batch_sharding(self, k, t):
+        key = ("batch_sh", k, t)
+        if key not in self._compiled:
+            info = self._g.tensor(t)
+            self._compiled[key] = _sharding(self.mesh(k), self._specs(k).get(info.path), tuple(info.shape))
+        return self._compiled[key]
 
-            updates, opt_state_k = opt.update(grads_k, opt_state_k, params_k)
-            return optax.apply_updates(params_k, updates), opt_state_k
+    def accumulate(self, k: int, acc: dict | None, part: dict) -> dict:
+        """``acc + part``, value by value, in one jitted program on stage k's mesh (floating values are summed over
+        the microbatches, the update divides them by the count; any other value keeps the latest microbatch's).
+        Keep one accumulator per task kind (the forward's and the backward's hold different values)."""
+        if not acc or not part:
+            return dict(part or acc or {})
+        key = ("add", self._check(k))
+        if key not in self._compiled:
+            def add(a, b):
+                return {**a, **{n: (a[n] + b[n]) if n in a and _inexact(b[n].dtype) else b[n] for n in b}}
 
-        jit = functools.partial(jax.jit, compiler_options=self.compiler_options)
-        fns = dict(forward=jit(run), backward=jit(backward), update=jit(update),
-                   forward_stash=jit(linearized), apply_pullback=jit(apply_pullback),
-                   add=jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)),
-                   diff=tuple(diff_names), last=last, out_avals=out_avals)
-        self._compiled[key] = fns
-        return fns
+            self._compiled[key] = jax.jit(add, compiler_options=self.compiler_options)
+        return self._compiled[key](acc, part)
 
-    def _place_inputs(self, k, inputs: dict) -> dict:
-        want = self.stage_inputs(k)
-        missing = [n for n in want if n not in inputs]
-        if missing:
-            raise ValueError(f"stage {k} needs input {missing[0]!r} (from stage {self.producer(missing[0])}); "
-                             f"its inputs are {list(want)}.")
-        return {n: move(inputs[n], self._value_sharding(k, self._var_of[n])) for n in want}
+    def update_sources(self, k: int) -> list[tuple[int, str]]:
+        """The tasks ``(stage, kind)`` whose exports of *every* microbatch stage k's update reads (what
+        :meth:`update_inputs` names); a Ray stage actor receives them in ``finish_step``."""
+        return list(self._update[self._check(k)]["sources"])
 
-    def _place_batch(self, k, batch_mb) -> tuple:
-        leaves, tree = jax.tree_util.tree_flatten(batch_mb)
-        if tree != self._batch_def:
-            raise ValueError(f"the microbatch has structure {tree}, the model expects {self._batch_def}.")
-        return tuple(move(leaves[j], s) for j, s in zip(self._stage_batch[k], self._batch_shardings(k)))
+    def is_accumulated(self, name: str) -> bool:
+        """Whether value ``name`` is summed over the microbatches before the update reads it (else: a step input,
+        the same in every microbatch)."""
+        t = self._var_of[name]
+        return any(t in task.acc_out for task in self._tasks.values())
 
-    def forward(self, k: int, params_k: dict, inputs: dict, batch_mb) -> dict:
-        """Stage k's forward on one microbatch: ``{name: value}`` for every name in ``stage_outputs(k)``
-        (the last stage: ``{"loss": scalar}``). Inputs may live on any device; they are moved to stage k's mesh."""
-        fns = self._fns(self._check(k))
-        return fns["forward"](params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb))
+    def update_inputs(self, k: int) -> list[tuple[str, int]]:
+        """``(name, stage)`` of what stage k's update reads from another stage (an accumulated value or a step
+        input it does not hold; a step clipping by global norm reads every stage's gradients)."""
+        info = self._update[self._check(k)]
+        acc_stage = {t: s for (s, _), task in self._tasks.items() for t in task.acc_out}
+        return [(self._names[t], min(self._holders[t]) if t in self._holders else acc_stage[t]) for t in info["recv"]]
 
-    def forward_stash(self, k: int, params_k: dict, inputs: dict, batch_mb):
-        """Stage k's forward keeping what its backward needs: ``(outputs, stash)``, outputs as :meth:`forward`'s.
+    def _update_fn(self, k):
+        key = ("update", k)
+        if key in self._compiled:
+            return self._compiled[key]
+        info = self._update[k]
+        g, consts, M = self._g, self._prog.consts, self.microbatches
+        acc_set = {t for task in self._tasks.values() for t in task.acc_out}
+        ins = list(info["state"]) + list(info["acc"]) + list(info["recv"])
+        held = self._held[k]
+        new_of = {}
+        for o in info["targets"]:
+            alias = g.op(o).params.get("alias_of")
+            if alias is not None:
+                new_of[alias] = g.op(o).inputs[0]
+        results = [o for o in info["targets"] if g.op(o).params.get("alias_of") is None]
 
-        ``stash`` holds the forward's residuals (the pullback of ``jax.vjp``, a pytree of arrays on stage k's mesh);
-        :meth:`backward` given it applies it and does not run the forward again. A stage the plan rematerialises
-        (``remat=True``: it keeps only its inputs) returns ``None`` and its backward recomputes the forward. The
-        stash lives until the backward, as the plan's activation memory assumes.
-        """
-        fns = self._fns(self._check(k))
-        args = (params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb))
-        if self.plan.stages[k].remat:
-            return fns["forward"](*args), None
-        return fns["forward_stash"](*args)
+        def run(*vals):
+            env = {}
+            for t, v in zip(ins, vals):
+                # the update sees the mean over the microbatches of what the forward and backward made
+                env[t] = v / M if t in acc_set and _inexact(v.dtype) and M > 1 else v
+            env = self._run_ops(info["ops"], env)
+            val = lambda t: env[t] if t in env else consts[t]  # noqa: E731
+            new_state = tuple(val(new_of[t]) if t in new_of else val(t) for t in held)
+            return new_state, tuple(val(g.op(o).inputs[0]) for o in results)
 
-    def backward(self, k: int, params_k: dict, inputs: dict, batch_mb, d_outputs: dict | None = None, *,
-                 stash=None, acc: dict | None = None):
-        """``(grads_k, d_inputs)`` of stage k on one microbatch. ``d_outputs[name]``: the gradient of the step's loss
-        w.r.t. output ``name`` (summed over every stage that reads it; a missing one counts as zero). The last stage
-        seeds ``d loss = 1 / microbatches`` (a step's loss is the mean of its microbatch losses) unless
-        ``d_outputs["loss"]`` says otherwise. ``d_inputs`` holds the differentiable inputs (integer values carry no
-        gradient).
+        fn = jax.jit(run, compiler_options=self.compiler_options)
+        self._compiled[key] = (fn, ins, results)
+        return self._compiled[key]
 
-        With ``stash`` (from :meth:`forward_stash` of the same microbatch) the saved residuals are used and
-        ``inputs`` / ``batch_mb`` are not read; without it the forward is recomputed (``jax.vjp`` in one jitted
-        program) from ``inputs`` and ``batch_mb``. ``acc``: gradients to add ``grads_k`` to (returned summed, as
-        :meth:`add_grads` would, in the same program when a stash is given)."""
-        fns = self._fns(self._check(k))
-        d_outputs = dict(d_outputs or {})
-        if fns["last"] and LOSS not in d_outputs:
-            d_outputs[LOSS] = np.float32(1.0 / self.microbatches)
-        mesh = self.mesh(k)
-        placed = {}
-        for n in self.stage_outputs(k):
-            if n in d_outputs and self.is_differentiable(n):
-                v = self._var_of[n] if n != LOSS else self._prog.outvars[0]
-                sh = self._value_sharding(k, v) if n != LOSS else NamedSharding(mesh, PartitionSpec())
-                placed[n] = move(d_outputs[n], sh)
-        if stash is not None:
-            return fns["apply_pullback"](stash, placed, acc)
-        grads, d_inputs = fns["backward"](params_k, self._place_inputs(k, inputs), self._place_batch(k, batch_mb),
-                                          placed)
-        if acc is not None:
-            grads = fns["add"](acc, grads)
-        return grads, d_inputs
-
-    def update(self, k: int, params_k: dict, opt_state_k, grads_k: dict):
-        """``(params_k, opt_state_k)`` after the model's optimizer step on stage k's parameters."""
-        return self._fns(self._check(k))["update"](params_k, opt_state_k, grads_k)
-
-    def add_grads(self, k: int, a: dict, b: dict) -> dict:
-        """``a + b`` leaf by leaf, in one jitted program on stage k's mesh (gradient accumulation)."""
-        return self._fns(self._check(k))["add"](a, b)
+    def update(self, k: int, state: dict, acc: dict, received: dict | None = None) -> tuple[dict, dict]:
+        """Stage k's part of the update, once per step: ``(new_state, outputs)``. ``acc``: this stage's accumulated
+        values (:meth:`accumulate` over the microbatches); ``received``: what :meth:`update_inputs` names, from the
+        other stages. ``outputs``: the step's outputs this stage holds that are not new values of its inputs, by
+        output index (the loss is output :attr:`loss_output`)."""
+        info = self._update[self._check(k)]
+        fn, ins, results = self._update_fn(k)
+        received = received or {}
+        vals = []
+        for t in ins:
+            name = self._names[t]
+            if t in info["state"]:
+                vals.append(state[name])
+            elif t in info["acc"]:
+                vals.append(acc[name])
+            else:
+                if name not in received:
+                    raise ValueError(f"stage {k}'s update needs {name!r} from another stage.")
+                vals.append(move(received[name], self._sharding_of(k, t)))
+        new_state, outs = fn(*vals)
+        names = [self._names[t] for t in self._held[k]]
+        index = {o: n for n, o in enumerate(self._outputs)}
+        return dict(zip(names, new_state)), {index[o]: v for o, v in zip(results, outs)}
 
     def describe(self) -> list[dict]:
-        """Per stage: layers, devices, equations, parameters owned, inputs and outputs (what crosses each cut)."""
+        """Per stage: layers, devices, operators per part, step inputs held, and what crosses each cut."""
         out = []
         for k, st in enumerate(self.plan.stages):
-            out.append({"stage": k, "layers": [self.plan.layer_names[st.layers[0]], self.plan.layer_names[st.layers[1]]],
-                        "num_eqns": len(self._stage_eqns[k]), "params": len(self._stage_params[k]),
-                        "inputs": list(self.stage_inputs(k)), "outputs": list(self.stage_outputs(k)),
+            out.append({"stage": k, "layers": [self.plan.layer_names[st.layers[0]],
+                                               self.plan.layer_names[st.layers[1]]],
+                        "num_ops": {kd: len(self._tasks[(k, kd)].ops) for kd in ("fwd", "bwd")}
+                        | {"update": len(self._update[k]["ops"])},
+                        "holds": len(self._held[k]), "remat": self._remat[k],
+                        "receives": {kd: list(self.inputs(k, kd)) for kd in ("fwd", "bwd")},
+                        "sends": {kd: list(self.exports(k, kd)) for kd in ("fwd", "bwd")},
                         "devices": [str(d) for d in self._blocks[k]] if self._blocks[k] is not None else None})
         return out
 
 
-def _cache_key(model, plan, devices, optimizer, compiler_options):
+def _cache_key(model, plan, devices, compiler_options):
     stages = tuple((st.layers, st.submesh, st.logical_mesh, st.devices, st.remat, id(st.intra)) for st in plan.stages)
     dev = None if devices is None else tuple(str(d) for d in jax.tree_util.tree_leaves(
         [list(d) if isinstance(d, (list, tuple)) else d for d in devices], is_leaf=lambda x: x is None))
     opts = tuple(sorted((compiler_options or {}).items()))
-    return (id(model), id(plan.graph), plan.layer_names, stages, int(plan.microbatches), dev, id(optimizer), opts)
+    return (id(model), id(plan.graph), plan.layer_names, stages, int(plan.microbatches), dev, opts)
 
 
 _CACHE: dict = {}
@@ -879,20 +888,22 @@ _CACHE_SIZE = 8
 
 def split_stages(model, plan, *, devices=None, optimizer=None, compiler_options=None,
                  cache: bool = True) -> StagedModel:
-    """Split ``model``'s forward loss into ``plan``'s pipeline stages (see the module docstring).
+    """Cut ``model``'s training step into ``plan``'s pipeline stages (see the module docstring).
 
     ``devices``: the local jax devices (stage k takes the k-th contiguous block), or one list per stage. A plan that
     needs more devices than that raises ValueError naming both numbers; a plan made for another model raises
     ValueError. ``compiler_options``: XLA options for every stage program (e.g. ``{"xla_backend_optimization_level":
-    0}`` compiles several times faster on CPU, for tests). ``cache``: reuse the StagedModel (and so its compiled programs) of an earlier call with the same
-    model, stage layout, shardings and devices (a GPipe and a 1F1B plan of one layout share one).
+    0}`` compiles several times faster on CPU, for tests). ``optimizer`` is accepted for compatibility and not needed:
+    the step's own update runs. ``cache``: reuse the StagedModel (and so its compiled programs) of an earlier call with
+    the same model, stage layout, shardings and devices (a GPipe and a 1F1B plan of one layout share one).
     """
-    key = _cache_key(model, plan, devices, optimizer, compiler_options)
+    del optimizer
+    key = _cache_key(model, plan, devices, compiler_options)
     if cache and key in _CACHE:
         staged, held = _CACHE[key]
         if held[0] is model and held[1] is plan.graph:
             return staged
-    staged = StagedModel(model, plan, devices=devices, optimizer=optimizer, compiler_options=compiler_options)
+    staged = StagedModel(model, plan, devices=devices, compiler_options=compiler_options)
     if cache:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ import uuid
 
 from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
 
-__all__ = ["job_spec", "run_job", "check_resources", "main", "RESULT_PREFIX", "JobFailed"]
+__all__ = ["job_spec", "run_job", "check_resources", "main", "step_loss", "RESULT_PREFIX", "JobFailed"]
 
 RESULT_PREFIX = "AUTOPAR_RESULT "
 
@@ -50,9 +51,11 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
              overwrite: bool = False) -> dict:
     """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring).
 
-    Checks, before anything starts: ``steps`` and checkpoint settings; that ``plan`` was made for ``model``; that the
-    model is a zoo model (the actors rebuild it by name); ``device_kind`` ("cpu": the stages run on CPU devices,
-    "gpu": on GPUs; default: what the plan's cluster has).
+    Checks, before anything starts: ``steps`` and checkpoint settings; that ``plan`` was made for ``model``; that a
+    zoo model can be rebuilt from its name and config (the actors rebuild it so); ``device_kind`` ("cpu": the stages
+    run on CPU devices, "gpu": on GPUs; default: what the plan's cluster has). A model of your own
+    (``ModelSpec.from_step``) is carried as the object under ``"model_spec"``: the spec is then not JSON, and trains
+    on an embedded Ray only.
     """
     from ..planfile import plan_to_dict
     from .actors import is_gpu_plan
@@ -71,25 +74,30 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
     check_plan_matches(model, plan)
     from .. import models
 
-    if model.name not in models.names():
-        raise ValueError(f"model {model.name!r} is not in the zoo; a Ray job rebuilds its model by zoo name in each "
-                         "stage actor, so launch a zoo model (al.models.get(...)) or run it locally with al.execute.")
-    config = _config_dict(model.config)
-    try:
-        rebuilt = models.get(model.name, **config)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"model {model.name!r} cannot be rebuilt from its config ({e}).") from None
-    check_plan_matches(rebuilt, plan)
+    own = model.name not in models.names() or getattr(model, "family", None) == "custom"
+    config = {} if own else _config_dict(model.config)
+    if not own:
+        try:
+            rebuilt = models.get(model.name, **config)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"model {model.name!r} cannot be rebuilt from its config ({e}).") from None
+        check_plan_matches(rebuilt, plan)
+        json.dumps(config)  # the spec must be JSON: fail here, not on the cluster
+    env_vars = dict(env_vars or {})
+    if own:  # the actors (local processes of the embedded Ray) import what the model's functions import, from here
+        env_vars.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
     data = plan_to_dict(plan)
     kind = device_kind or ("gpu" if is_gpu_plan(data) else "cpu")
     if kind not in ("cpu", "gpu"):
         raise ValueError(f"device_kind must be 'cpu' or 'gpu', got {device_kind!r}.")
-    json.dumps(config)  # the spec must be JSON: fail here, not on the cluster
     return {
         "version": 1, "model": model.name, "config": config, "plan": data, "steps": int(steps), "seed": int(seed),
+        # A model of your own travels as the object (Ray's serialization carries its functions to the actors of an
+        # embedded Ray); the plan's layers travel per operator, whatever made them (scopes, markers, clustering).
+        "model_spec": model if own else None, "op_layers": [n.layer for n in plan.graph],
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None, "checkpoint_every": int(checkpoint_every),
-        "resume": bool(resume), "overwrite": bool(overwrite), "run_id": uuid.uuid4().hex[:12], "device_kind": kind, "compiler_options": dict(compiler_options or {}),
-        "max_restarts": int(max_restarts), "env_vars": dict(env_vars or {}),
+        "resume": bool(resume), "overwrite": bool(overwrite), "run_id": uuid.uuid4().hex[:12], "device_kind": kind,
+        "compiler_options": dict(compiler_options or {}), "max_restarts": int(max_restarts), "env_vars": env_vars,
         "batch_size": int(_batch_size(model)),
         "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s} for st in plan.stages],
         "predicted_step_s": plan.cost.step_time_s,
@@ -99,7 +107,7 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
 def _batch_size(model) -> int:
     import jax
 
-    leaves = jax.tree_util.tree_leaves(model.abstract_args[2])
+    leaves = jax.tree_util.tree_leaves([model.abstract_args[i] for i in model.batch_argnums])
     return int(leaves[0].shape[0]) if leaves and leaves[0].shape else 1
 
 
@@ -133,43 +141,52 @@ def check_resources(ray, job: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------- driver
 
 class _Routes:
-    """Which stages each stage's forward reads from and which stages its backward waits for, from value names."""
+    """Which tasks of the same microbatch each stage's forward and backward read from (``info()["fwd_from"]`` and
+    ``["bwd_from"]`` of the stage actors), which tasks' every microbatch its update reads (``["update_from"]``),
+    and, per stage, the stages its forward reads from (``producers``) and those whose backward its backward waits
+    for (``consumers``)."""
 
     def __init__(self, infos: list[dict]):
-        S = len(infos)
-        made_by = {}
+        self.sources = {}
         for k, info in enumerate(infos):
-            for n in info["outputs"]:
-                made_by.setdefault(n, k)
-        self.producers = [sorted({made_by[n] for n in info["inputs"]}) for info in infos]
-        self.consumers = [sorted({c for c in range(S) if set(infos[c]["inputs"]) & set(infos[k]["outputs"])})
-                          for k in range(S)]
-        for k, ps in enumerate(self.producers):
-            if any(p >= k for p in ps):
-                raise JobFailed(f"stage {k} reads values of stage(s) {ps}; values must flow forward.")
+            for kind in ("fwd", "bwd"):
+                self.sources[(k, kind)] = [(int(s), str(kd)) for s, kd in info[f"{kind}_from"]]
+        self.update_from = [[(int(s), str(kd)) for s, kd in info.get("update_from", [])] for info in infos]
+        S = len(infos)
+        self.producers = [sorted({s for s, _ in self.sources[(k, "fwd")]}) for k in range(S)]
+        self.consumers = [sorted({s for s, kd in self.sources[(k, "bwd")] if kd == "bwd"}) for k in range(S)]
+        for k in range(S):
+            if any(s >= k for s in self.producers[k]) or any(kd != "fwd" for _, kd in self.sources[(k, "fwd")]):
+                raise JobFailed(f"stage {k}'s forward reads {self.sources[(k, 'fwd')]}; values must flow forward.")
 
 
 def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str):
+    """Submit one step's tasks in the schedule's order; the refs of every stage's ``finish_step`` (its measured
+    times, and the step's loss from the stage that holds it)."""
     from ..simulate import ScheduleStuck, issue_order, stage_order
 
     orders = [stage_order(k, S, B, schedule) for k in range(S)]
-    fwd, bwd = {}, {}
+    refs = {}
 
     def ready(k, kind, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
-        if kind == "fwd":
-            return all((p, j) in fwd for p in routes.producers[k])
-        return all((c, j) in bwd for c in routes.consumers[k])
+        return all((s, kd, j) in refs for s, kd in routes.sources[(k, kind)])
 
     try:
         for k, kind, j in issue_order(orders, ready):
-            if kind == "fwd":
-                fwd[(k, j)] = actors[k].forward.remote(step, j, *[fwd[(p, j)] for p in routes.producers[k]])
-            else:
-                bwd[(k, j)] = actors[k].backward.remote(step, j, *[bwd[(c, j)] for c in routes.consumers[k]])
+            method = actors[k].forward if kind == "fwd" else actors[k].backward
+            refs[(k, kind, j)] = method.remote(step, j, *[refs[(s, kd, j)] for s, kd in routes.sources[(k, kind)]])
     except ScheduleStuck:
         raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).") from None
-    finish = [a.finish_step.remote(step) for a in actors]
-    return [fwd[(S - 1, j)] for j in range(B)], finish
+    return [a.finish_step.remote(step, *[refs[(s, kd, j)] for s, kd in routes.update_from[k] for j in range(B)])
+            for k, a in enumerate(actors)]
+
+
+def step_loss(rows: list[dict]) -> float:
+    """The step's loss from the stages' ``finish_step`` rows (the stage holding the loss reports it)."""
+    for r in rows:
+        if r.get("loss") is not None:
+            return float(r["loss"])
+    raise JobFailed("no stage reported the step's loss; does the step return a scalar loss?")
 
 
 def _is_actor_death(ray, err) -> bool:
@@ -293,8 +310,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                         on_actors(list(actors.handles))
                     routes = _Routes(actors.infos)
                 t0 = time.perf_counter()
-                loss_refs, finish = _submit_step(actors.handles, routes, step, S, B, schedule)
-                outs = ray.get(loss_refs + finish)
+                rows = ray.get(_submit_step(actors.handles, routes, step, S, B, schedule))
             except ray.exceptions.RayError as e:
                 if actors is None or not (_is_actor_death(ray, e) or _dead(ray, actors.handles)):
                     raise JobFailed(f"step {step + 1} failed: {_short(e)}") from None
@@ -312,8 +328,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                                                       + (f" ({note})" if note else "")))
                 continue
             dt = time.perf_counter() - t0
-            loss = float(sum(float(o["loss"]) for o in outs[:B]) / B)
-            rows = outs[B:]
+            loss = step_loss(rows)
             losses.append(loss)
             step_times.append(dt)
             per_step.append(rows)
