@@ -18,7 +18,7 @@ In a notebook::
 >>> check_answer(2, 1.996, rel_tol=0.1).correct
 True
 >>> print(check_answer("tensor", "data", choices=("data", "tensor", "replicated"), hint="Count the bytes."))
-✘ Not yet: you predicted tensor; the library says data. Hint: Count the bytes.
+✘ Not yet: you predicted tensor; the answer is data. Hint: Count the bytes.
 """
 
 from __future__ import annotations
@@ -72,6 +72,10 @@ def _as_number(value: Any) -> float | None:
     return None
 
 
+def _then(prefix: str, text: str) -> str:
+    return f"{prefix}{text}" if text else ""
+
+
 def _norm(text: Any) -> str:
     return " ".join(str(text).split()).casefold()
 
@@ -109,8 +113,8 @@ def check_answer(prediction: Any, expected: Any, *, rel_tol: float = 0.1, abs_to
                                   f"{', '.join(options)}.")
         said, truth = str(prediction).strip(), str(expected).strip()
         if _norm(said) == _norm(truth):
-            return Verdict(True, f"✔ Right: you predicted {said}; the library says {truth}." + (f" {explain}" if explain else ""))
-        return Verdict(False, f"✘ Not yet: you predicted {said}; the library says {truth}." + (f" Hint: {hint}" if hint else ""))
+            return Verdict(True, f"✔ Right: you predicted {said}; the answer is {truth}." + _then(" ", explain))
+        return Verdict(False, f"✘ Not yet: you predicted {said}; the answer is {truth}." + _then(" Hint: ", hint))
     truth = _as_number(expected)
     if truth is None or not math.isfinite(truth):
         raise ValueError(f"expected must be a finite number or a string, got {expected!r}.")
@@ -122,11 +126,11 @@ def check_answer(prediction: Any, expected: Any, *, rel_tol: float = 0.1, abs_to
     tol = max(rel_tol * abs(truth), abs_tol)
     within = f"within {rel_tol:.0%}" if tol == rel_tol * abs(truth) and rel_tol else f"within {_fmt(tol)}{suffix}"
     if abs(said - truth) <= tol * (1 + 1e-9):  # 2.2 is within 10% of 2.0, float rounding aside
-        return Verdict(True, f"✔ Right: you predicted {_fmt(said)}{suffix}; the library computes {_fmt(truth)}{suffix} "
-                             f"({within})." + (f" {explain}" if explain else ""))
+        return Verdict(True, f"✔ Right: you predicted {_fmt(said)}{suffix}; the answer is {_fmt(truth)}{suffix} "
+                             f"({within})." + _then(" ", explain))
     side = "high" if said > truth else "low"
-    return Verdict(False, f"✘ Not yet: you predicted {_fmt(said)}{suffix}; the library computes {_fmt(truth)}{suffix} "
-                          f"(too {side}; right means {within})." + (f" Hint: {hint}" if hint else ""))
+    return Verdict(False, f"✘ Not yet: you predicted {_fmt(said)}{suffix}; the answer is {_fmt(truth)}{suffix} "
+                          f"(too {side}; right means {within})." + _then(" Hint: ", hint))
 
 
 class Exercise:
