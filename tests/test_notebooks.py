@@ -1,12 +1,26 @@
-"""Every notebook runs top to bottom, headless."""
+"""Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
 import pathlib
+import re
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+# What an exercise's answer check prints (autopar_lab.widgets.exercise.check_answer).
+VERDICT = re.compile(r"(✔ Right|✘ Not yet): you predicted")
+# Notebooks without a predict-try-check exercise yet: 05 is being rewritten this round and gets its own.
+WITHOUT_EXERCISE = {"05_bring_your_own_model"}
+
+
+def _output_text(nb) -> str:
+    """Printed text and the plain-text form of every displayed value, over all code cells."""
+    parts = []
+    for c in nb.cells:
+        for o in c.get("outputs", []) if c.cell_type == "code" else []:
+            parts.append(o.get("text", "") + o.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -15,10 +29,22 @@ def test_notebook_runs(path, tmp_path):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    text = _output_text(nb)
     # The tour's Megatron check prints a ratio of 1.0000.
     if path.stem == "01_tour":
-        text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
         assert "ratio 1.0000" in text
+    # Run headless, each exercise checks the notebook's stored default prediction and prints the verdict.
+    if path.stem not in WITHOUT_EXERCISE:
+        assert VERDICT.search(text), "no exercise printed an answer check"
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem not in WITHOUT_EXERCISE],
+                         ids=[p.stem for p in NOTEBOOKS if p.stem not in WITHOUT_EXERCISE])
+def test_notebook_has_a_prediction_exercise(path):
+    """A question with a prediction box (an Exercise with a stored default) and an answer check with a hint."""
+    source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+    assert re.search(r"Exercise\(.*default=my_prediction", source, re.S)
+    assert "hint=" in source and re.search(r"\.check\(", source)
 
 
 def test_there_is_a_tour():
@@ -27,7 +53,7 @@ def test_there_is_a_tour():
 
 def test_every_teaching_notebook_is_there():
     expected = {"01_tour", "02_concepts", "03_alpa_walkthrough", "04_overrides", "05_bring_your_own_model",
-                "06_open_questions"}
+                "06_open_questions", "07_rooflines_mfu"}
     assert expected <= {p.stem for p in NOTEBOOKS}
 
 
