@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
-from typing import Any
 
 from .safeio import write_atomic
 

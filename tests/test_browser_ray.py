@@ -33,8 +33,8 @@ CELLS = [
 def _notebook(path: Path) -> None:
     cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
              for src in CELLS]
-    path.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                            "language": "python"}},
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": kernelspec},
                                 "nbformat": 4, "nbformat_minor": 5}))
 
 

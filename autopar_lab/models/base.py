@@ -101,16 +101,17 @@ class ModelSpec:
                              f"{str(e).strip().splitlines()[0][:200]}).") from None
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         for i in param_argnums:
-            if i >= len(outs) or jax.tree_util.tree_structure(outs[i]) != jax.tree_util.tree_structure(args[i]):
+            if i >= len(outs) or not _same_structure(outs[i], args[i]):
                 raise ValueError(f"step_fn must return the new parameters in the place of argument {i} (same pytree "
                                  "structure), e.g. (params, opt_state, batch) -> (params, opt_state, loss).")
         if not any(x.shape == () and jnp.issubdtype(x.dtype, jnp.inexact)
                    for j, o in enumerate(outs) if j >= n or j in batch_argnums
-                   or jax.tree_util.tree_structure(o) != jax.tree_util.tree_structure(args[j])
+                   or not _same_structure(o, args[j])
                    for x in jax.tree_util.tree_leaves(o)):
             raise ValueError("step_fn must also return the scalar loss (a float scalar, e.g. the last of (params, "
                              "opt_state, loss)).")
-        return cls(name=name, family="custom", config=None, step_fn=step_fn, loss_fn=None, abstract_args=args,
+        return cls(name=name, family="custom", config=None, step_fn=step_fn, loss_fn=None,  # type: ignore[arg-type]
+                   abstract_args=args,
                    init_fn=lambda seed=0: tuple(init_fn(seed)), batch_argnums=batch_argnums,
                    param_argnums=param_argnums)
 
@@ -171,6 +172,10 @@ def make_spec(name: str, family: str, config: Any, init_params: Callable, make_b
     abstract_args = tuple(jax.eval_shape(init_all, 0))
     return ModelSpec(name=name, family=family, config=config, step_fn=step_fn, loss_fn=loss_fn,
                      abstract_args=abstract_args, init_fn=init_fn, optimizer=opt)
+
+
+def _same_structure(a, b) -> bool:
+    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------- small shared pieces (plain JAX)

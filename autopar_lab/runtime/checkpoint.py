@@ -293,5 +293,6 @@ def resume_point(directory, num_stages: int, upto: int | None = None) -> tuple[i
                     "one") if skipped else ""
             return step, [float(x) for x in rec["losses"]][:step], note
         skipped.append((step, reasons[0]))
-    note = f"no checkpoint up to step {last} can be read back ({skipped[0][1]}); starting from step 0" if skipped else ""
+    note = (f"no checkpoint up to step {last} can be read back ({skipped[0][1]}); starting from step 0"
+            if skipped else "")
     return 0, [], note

@@ -422,9 +422,10 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     (``http://HEAD:8265``) to submit through the Jobs API. ``checkpoint_dir`` / ``checkpoint_every``: per-stage
     checkpoints every N steps (and at the end); a dead stage actor restarts from the last one; ``resume=True``
     continues a run from its directory; a directory holding another run's checkpoints is refused unless
-    ``overwrite=True`` (then they are replaced). ``device_kind``: "cpu" (stages on CPU devices, JAX_NUM_CPU_DEVICES per actor)
-    or "gpu" (num_gpus per actor); default: what the plan's cluster has. ``num_cpus``: CPUs of the embedded Ray
-    (default: one per stage). ``on_progress(event)``: subscribed before the job starts.
+    ``overwrite=True`` (then they are replaced). ``device_kind``: "cpu" (stages on CPU devices,
+    JAX_NUM_CPU_DEVICES per actor) or "gpu" (num_gpus per actor); default: what the plan's cluster has.
+    ``num_cpus``: CPUs of the embedded Ray (default: one per stage). ``on_progress(event)``: subscribed before the
+    job starts.
 
     Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
     cluster without enough devices for the plan, a checkpoint directory that is not writable, belongs to another

@@ -111,10 +111,12 @@ def check_answer(prediction: Any, expected: Any, *, rel_tol: float = 0.1, abs_to
         if options and _norm(prediction) not in {_norm(c) for c in options}:
             return Verdict(False, f"{str(prediction).strip()!r} is not one of the choices; answer one of: "
                                   f"{', '.join(options)}.")
-        said, truth = str(prediction).strip(), str(expected).strip()
-        if _norm(said) == _norm(truth):
-            return Verdict(True, f"✔ Right: you predicted {said}; the answer is {truth}." + _then(" ", explain))
-        return Verdict(False, f"✘ Not yet: you predicted {said}; the answer is {truth}." + _then(" Hint: ", hint))
+        said_text, truth_text = str(prediction).strip(), str(expected).strip()
+        if _norm(said_text) == _norm(truth_text):
+            return Verdict(True, f"✔ Right: you predicted {said_text}; the answer is {truth_text}."
+                           + _then(" ", explain))
+        return Verdict(False, f"✘ Not yet: you predicted {said_text}; the answer is {truth_text}."
+                       + _then(" Hint: ", hint))
     truth = _as_number(expected)
     if truth is None or not math.isfinite(truth):
         raise ValueError(f"expected must be a finite number or a string, got {expected!r}.")
@@ -179,7 +181,7 @@ class Exercise:
         """The verdict on :attr:`value`; ``answer`` (the expected value) is remembered for the Check button."""
         if answer is not None:
             self.answer = answer
-        verdict = check_answer(self.value, self._expected(None), **self.options)
+        verdict = check_answer(self.value, self._expected(None), **self.options)  # type: ignore[arg-type]
         if self._result is not None:
             self._result.value = verdict._repr_html_()
         return verdict
@@ -188,7 +190,9 @@ class Exercise:
         try:
             self.check()
         except (LookupError, NameError):  # the cells that compute the answer have not run yet
-            self._result.value = "<i>No answer yet: run the cells below that compute it, then press Check again.</i>"
+            if self._result is not None:
+                self._result.value = ("<i>No answer yet: run the cells below that compute it, then press Check "
+                                      "again.</i>")
 
     @property
     def widget(self):
