@@ -24,10 +24,9 @@ import json
 import math
 import os
 
+from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .safeio import write_atomic
 
-VERSION = 2
-READS = (1, 2)  # file versions load_plan accepts
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
 

@@ -24,6 +24,9 @@ from collections.abc import Mapping
 
 from .safeio import read_json_file
 
+VERSION = 2  # the plan-file version save_plan writes
+READS = (1, 2)  # file versions load_plan accepts
+
 __all__ = ["REQUIRED", "read_plan_file", "check_form", "check_fits", "bad", "printable_name"]
 
 REQUIRED = ("version", "graph_fingerprint", "cluster", "method", "microbatches", "schedule", "stage_comm",
@@ -95,8 +98,6 @@ def check_form(data: Mapping, where: str) -> None:
     """Every field of a plan file's object has the type, range and value set the format allows (see the module doc).
 
     Keys this version does not know are ignored (never used), so a newer writer's extra fields do not break it."""
-    from .planfile import READS
-
     if "version" in data and (isinstance(data["version"], bool) or data["version"] not in READS):
         raise ValueError(f"{where} has version {data['version']!r:.40}, but this autopar-lab reads versions "
                          f"{', '.join(map(str, READS))}.")

@@ -131,3 +131,11 @@ def test_zoo_models_keep_their_layers_and_a_deep_one_is_found_in_full():
     assert g.layers == ["embed", *[f"layer_{i}" for i in range(24)], "head"]
     scanned = al.models.get("gpt-tiny", num_layers=4, scan_layers=True).trace()
     assert scanned.layer_rule == "scan" and len(scanned.layers) == 6
+
+
+def test_siblings_sharing_a_stem_are_not_blocks_in_a_one_block_model():
+    """A one-layer zoo GPT: fc1/fc2 and ln1/ln2 are not repeated blocks (fc1 and fc2 differ in shape, the layer
+    norms hold a sliver of the parameters), so the top scopes name the layers, as they did before the finder."""
+    for name in ("gpt-tiny", "gpt-1.3b"):
+        g = al.models.get(name, num_layers=1, batch_size=1).trace()
+        assert g.layers == ["embed", "layer_0", "head"] and g.layer_rule == "top-scopes"

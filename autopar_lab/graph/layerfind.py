@@ -52,11 +52,12 @@ import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .capture import layer_depth, propagate_layers, scope_path_and_role
+from .complete import layers_from_forward
+from .scopes import layer_depth, propagate_layers, scope_path_and_role
 from .opgraph import FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, OpGraph
 
 __all__ = ["find_layers", "assign_layers", "indexed_groups", "split_key_path", "RULES", "Group"]
@@ -131,6 +132,33 @@ def indexed_groups(paths: Iterable[Sequence[str]]) -> list[Group]:
     return keep
 
 
+# Repeated blocks hold most of a model's parameters; siblings that merely share a stem (``fc1``/``fc2``,
+# ``ln1``/``ln2`` inside a one-block model) are not blocks. A group is taken for layers when its members hold at
+# least this share of the parameter bytes and, with only two members, have parameters of the same shapes (fc1 and
+# fc2 of an MLP are transposes of each other; two repeated blocks are alike).
+MIN_PARAM_SHARE = 0.25
+
+
+def _weighty(groups: list[Group], params: dict, graph: OpGraph) -> list[Group]:
+    """The parameter-path groups that look like repeated blocks (see :data:`MIN_PARAM_SHARE`)."""
+    size = {t: graph.tensor(t).nbytes for t in params}
+    total = sum(size.values()) or 1
+    out = []
+    for g in groups:
+        held = [(t, p) for t, p in params.items() if g.holds(p)]
+        if sum(size[t] for t, _ in held) < MIN_PARAM_SHARE * total:
+            continue
+        if len(g.members) == 2:
+            n = len(g.prefix)
+            shapes: dict[str, list] = {}
+            for t, p in held:
+                shapes.setdefault(p[n], []).append((p[n + 1:], tuple(graph.tensor(t).shape)))
+            if len({tuple(sorted(v)) for v in shapes.values()}) > 1:
+                continue
+        out.append(g)
+    return out
+
+
 def _join(parts: Sequence[str]) -> str:
     """Scope parts joined with "/"; a list index as ``[i]`` (``blocks[3]``, not ``blocks/3``)."""
     out = ""
@@ -171,11 +199,14 @@ def _pattern_groups(paths: Sequence[Sequence[str]], pattern: str, d0: int) -> tu
     return None
 
 
-def find_layers(graph: OpGraph, layers: str | None = None) -> OpGraph:
+def find_layers(graph: OpGraph, layers: str | None = None, *,
+                cluster: Callable[[OpGraph], OpGraph] | None = None) -> OpGraph:
     """``graph`` with its operators' layers found by the first rule that applies (see the module docstring).
 
     ``layers``: a pattern naming the level (``"backbone/transformer_layer_*"``); ValueError when it matches no scope
-    and no parameter path.
+    and no parameter path. ``cluster``: how to make layers when no rule names any (the last rule; the caller passes
+    Alpa's clustering, :func:`autopar_lab.graph.relayer.relayer` with ``boundaries="cluster"``); None leaves the
+    graph with the one layer the other rules found.
     """
     nodes = list(graph)
     fwd = [n.id for n in nodes if n.role == FORWARD and n.primitive not in _PSEUDO]
@@ -219,7 +250,7 @@ def find_layers(graph: OpGraph, layers: str | None = None) -> OpGraph:
         if len(out.layers) > 1:
             return out
     p_paths = list(params.values())
-    p_groups = indexed_groups(p_paths)
+    p_groups = _weighty(indexed_groups(p_paths), params, graph)
     if p_groups:
         p_d0 = min(layer_depth(p_paths), min(len(p) for p in p_paths))
         what = " and ".join(f"{g.describe()} ({len(g.members)})" for g in p_groups)
@@ -230,11 +261,9 @@ def find_layers(graph: OpGraph, layers: str | None = None) -> OpGraph:
     top = [p[d0] if len(p) > d0 else None for p in paths]
     out = _finish(graph, top, "top-scopes", "layers from the top module's children (the first scope level that "
                                             "differs between operators)")
-    if len(out.layers) > 1 or not fwd:
+    if len(out.layers) > 1 or not fwd or cluster is None:
         return out
-    from .relayer import relayer
-
-    clustered = relayer(graph, boundaries="cluster")
+    clustered = cluster(graph)
     return _with(clustered, [n.layer for n in clustered], "cluster",
                  f"no scope or parameter path names layers: Alpa's operator clustering made {len(clustered.layers)}")
 
@@ -293,8 +322,6 @@ def _from_params(graph: OpGraph, fwd: list[int], params: dict, groups, d0, rule:
 def _from_runs(graph: OpGraph, fwd: list[int], runs) -> list[str]:
     """Per operator, a layer: the forward cut into one layer per run of anchors (names repeated later get ``#2``,
     ``#3``, ...), each cut between two runs where the fewest bytes cross; everything else by relayer's rules."""
-    from .relayer import layers_from_forward
-
     if not runs:
         return [None] * len(graph)
     pos = {op: k for k, op in enumerate(fwd)}

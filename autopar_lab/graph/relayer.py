@@ -67,6 +67,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .complete import complete_layers, layers_from_forward  # noqa: F401 - offered here as before
 from .layering import cluster_layers
 from .markers import MARKER_PRIMITIVE
 from .opgraph import BACKWARD, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph
@@ -93,7 +94,7 @@ def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None 
     if layers is not None:
         from .layerfind import find_layers
 
-        return find_layers(graph, layers=layers)
+        return find_layers(graph, layers=layers, cluster=lambda g: relayer(g, boundaries="cluster"))
     if boundaries not in BOUNDARIES:
         raise ValueError(f"boundaries={boundaries!r} is not one of {', '.join(map(repr, BOUNDARIES))}")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer))
@@ -122,12 +123,6 @@ def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None 
 
 _NOTES = {"markers": "layers cut at the al.pipeline_boundary markers",
           "cluster": "layers from Alpa's operator clustering (the fewest bytes between layers, balanced FLOPs)"}
-
-
-def layers_from_forward(graph: OpGraph, fwd_layer: dict[int, int], names: Sequence[str]) -> list[str]:
-    """Per operator, its layer name, given the layer (an index into ``names``) of every forward operator: backward,
-    update, input and output operators follow the forward ones by the rules of the module docstring."""
-    return _complete(graph, fwd_layer, len(names), list(names), None)
 
 
 # --- forward layers ---------------------------------------------------------------------------------------------
@@ -167,7 +162,7 @@ def _marker_layers(graph: OpGraph) -> list[str | None]:
         layer[i] = cur
     bwd = [n.id for n in graph if n.role == BACKWARD and n.primitive not in _PSEUDO]
     bwd_layer = _backward_by_markers(graph, bwd, groups, L)
-    return _complete(graph, layer, L, [f"stage_{k}" for k in range(L)], bwd_layer)
+    return complete_layers(graph, layer, L, [f"stage_{k}" for k in range(L)], bwd_layer)
 
 
 def _backward_by_markers(graph: OpGraph, bwd: Sequence[int], fwd_groups, L: int) -> dict[int, int] | None:
@@ -224,92 +219,6 @@ def _cluster_layers(graph: OpGraph, num_layers: int | None, delta: float) -> lis
     starts = cluster_layers(flops, [(u, v, b) for (u, v, _), b in edges.items()], num_layers, delta)
     unit_layer = np.searchsorted(np.asarray(starts), np.arange(n_units), side="right") - 1
     layer = {op: int(unit_layer[unit[op]]) for op in fwd}
-    return _complete(graph, layer, num_layers, [f"cluster_{k}" for k in range(num_layers)], None)
+    return complete_layers(graph, layer, num_layers, [f"cluster_{k}" for k in range(num_layers)], None)
 
 
-# --- everything else follows the forward layers -----------------------------------------------------------------
-def _complete(graph: OpGraph, fwd_layer: dict[int, int], L: int, names: Sequence[str],
-              bwd_layer: dict[int, int] | None) -> list[str | None]:
-    n = len(graph)
-    layer: list[int | None] = [None] * n
-    for i, k in fwd_layer.items():
-        layer[i] = k
-    producer = {tid: t.producer for tid, t in graph.tensors.items()}
-    consumers = graph.consumers
-    # Step inputs read by the forward pass: the layer of their first forward reader.
-    for node in graph:
-        if node.primitive == INPUT_PRIMITIVE:
-            readers = [c for c in consumers.get(node.outputs[0], ()) if c in fwd_layer]
-            if readers:
-                layer[node.id] = fwd_layer[readers[0]]
-    bwd = [node.id for node in graph if node.role == BACKWARD and node.primitive not in _PSEUDO]
-    if bwd:
-        if bwd_layer is None:
-            bwd_layer = _fit_backward(graph, bwd, layer, producer, L)
-        for i, k in bwd_layer.items():
-            layer[i] = k
-    alias_output = {node.params.get("alias_of"): node.id for node in graph
-                    if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None}
-    # Update operators, outputs, optimizer state: the largest input with a layer; repeat until nothing changes.
-    for _ in range(n + 1):
-        changed = False
-        for node in graph:
-            i = node.id
-            if layer[i] is not None:
-                continue
-            if node.primitive == INPUT_PRIMITIVE:
-                t = node.outputs[0]
-                readers = [c for c in consumers.get(t, ()) if layer[c] is not None]
-                out = alias_output.get(t)
-                k = layer[readers[0]] if readers else (layer[out] if out is not None else None)
-            else:
-                best, k = -1, None
-                for t in node.inputs:
-                    p = producer.get(t)
-                    if p is not None and layer[p] is not None and graph.tensor(t).nbytes > best:
-                        best, k = graph.tensor(t).nbytes, layer[p]
-            if k is not None:
-                layer[i] = k
-                changed = True
-        if not changed:
-            break
-    # Whatever is left (reads nothing with a layer): its first consumer's layer, else the last layer.
-    for node in reversed(list(graph)):
-        if layer[node.id] is None:
-            ks = [layer[c] for t in node.outputs for c in consumers.get(t, ()) if layer[c] is not None]
-            layer[node.id] = ks[0] if ks else L - 1
-    return [names[k] for k in layer]
-
-
-def _fit_backward(graph: OpGraph, bwd: Sequence[int], layer: list, producer: dict, L: int) -> dict[int, int]:
-    """Non-increasing layers along the backward operators (program order), each near the latest forward layer it
-    reads directly (isotonic regression, FLOP-weighted, ten times the penalty for sitting before that layer)."""
-    m = len(bwd)
-    levels = np.arange(L)
-    fl = np.array([graph.op(i).flops for i in bwd], dtype=float)
-    mean = fl.mean() if m and fl.mean() > 0 else 1.0
-    best = np.zeros(L)
-    back = np.zeros((m, L), dtype=np.int64)
-    for p, i in enumerate(bwd):
-        hints = []
-        for t in graph.op(i).inputs:
-            q = producer.get(t)
-            if q is not None and layer[q] is not None and graph.op(q).role == FORWARD:
-                hints.append(layer[q])
-        if hints:
-            h = max(hints)
-            w = 1.0 + fl[p] / mean
-            cost = np.where(levels >= h, w * (levels - h), 10.0 * w * (h - levels))
-        else:
-            cost = np.zeros(L)
-        # suffix minimum of the previous row (the previous operator's layer must be >= this one's), and where
-        suffix = np.minimum.accumulate(best[::-1])[::-1]
-        idx_rev = np.minimum.accumulate(np.where(best == suffix, levels, L)[::-1])[::-1]
-        back[p] = idx_rev
-        best = cost + suffix
-    out = {}
-    k = int(np.argmin(best))
-    for p in range(m - 1, -1, -1):
-        out[bwd[p]] = k
-        k = int(back[p][k])
-    return out

@@ -135,7 +135,11 @@ def _connect(address: str):
     connecting from the main thread) is put back to what it was: this process's signals are its owner's."""
     import ray
     from ray._private import auto_init_hook, ray_constants
+    from ray._raylet import AuthenticationTokenLoader
 
+    # Ray loads the auth token once per process and caches it: a second embedded Ray in this process (a new throwaway
+    # token in a new folder) would be refused with the first one's ("InvalidAuthToken"). Read it afresh.
+    AuthenticationTokenLoader.instance().reset_cache()
     quiet = _QuietThreadWarning()
     logging.getLogger("ray._private.worker").addFilter(quiet)
     main = threading.current_thread() is threading.main_thread()

@@ -160,34 +160,19 @@ def _plan_input_specs(plan, k: int) -> dict[str, ShardingSpec]:
 
 
 def _specs_via_solve_graph(plan, k: int) -> dict[str, ShardingSpec]:
-    """A plan solved on a shallower copy of the model: each input of a layer takes the spec of the same-position
-    input (same shape) of the copy's layer that priced it (identical layers get identical strategies)."""
+    """A plan solved on a shallower copy of the model: each input takes the spec of the copy's operator that stands
+    for it (:class:`~autopar_lab.pricing.OpMap`: identical layers get identical strategies)."""
     table, intra = plan.table, plan.stages[k].intra
-    small = getattr(table, "solve_graph", None)
-    layer_map = getattr(table, "_map", None)
-    if small is None or layer_map is None or intra is None:
+    if table is None or intra is None:
         return {}
-
-    def inputs_by_layer(g):
-        by: dict[tuple, list] = {}
-        for op in g.ops:
-            node = g.op(op)
-            if node.primitive != INPUT_PRIMITIVE:
-                continue
-            t = g.tensor(node.outputs[0])
-            by.setdefault((node.layer, t.kind), []).append((op, t))
-        return by
-
-    big, little = inputs_by_layer(plan.graph), inputs_by_layer(small)
-    small_names = list(small.layers)
     out = {}
-    for (layer, kind), items in big.items():
-        if layer not in plan.layer_names:
+    for op in plan.graph.ops:
+        node = plan.graph.op(op)
+        if node.primitive != INPUT_PRIMITIVE:
             continue
-        twin = little.get((small_names[layer_map[plan.layer_names.index(layer)]], kind), [])
-        for (op, t), (sop, st) in zip(items, twin):
-            if tuple(t.shape) == tuple(st.shape) and sop in intra.strategies:
-                out[t.path] = intra.strategies[sop].out_specs[0]
+        sop = table.op_map.solve_op(op)
+        if sop is not None and sop in intra.strategies:
+            out[plan.graph.tensor(node.outputs[0]).path] = intra.strategies[sop].out_specs[0]
     return out
 
 

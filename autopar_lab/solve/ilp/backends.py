@@ -52,6 +52,10 @@ def solve(problem, *, solver, time_limit, warm_start, msg, rel_gap, min_memory) 
         if start is not None:
             warm = set_start(model, start)
         status, absgap = run(model, solver, time_limit, warm, msg, rel_gap)
+        if status == "infeasible" and warm and time_limit is not None:
+            # The start is an allowed plan, so the model is feasible: a solver stopped by its time limit before it
+            # read the start (CBC on a loaded machine) reports "infeasible". It found nothing: keep the start.
+            status = "no_solution"
         if status == "infeasible":
             return None
         if status == "no_solution":
