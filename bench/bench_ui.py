@@ -81,7 +81,7 @@ def main() -> None:
     t0 = time.perf_counter()
     wb.graph.on_click(f"L:{mid}")  # a click on a layer node: expand it (and select it in every view)
     t_expand = time.perf_counter() - t0
-    n_nodes = len(wb.graph._keys)
+    n_nodes = len(wb.graph.keys)
     t0 = time.perf_counter()
     wb.graph.on_click(f"L:{mid}")  # collapse again
     t_collapse = time.perf_counter() - t0
