@@ -282,7 +282,8 @@ def test_runs_are_kept_overlaid_and_measured_against_predicted(model, plan, monk
     panel.run_local(3, background=False)
     panel.run_local(4, background=False)
     runs = s.training.runs
-    assert [(r.run, r.kind, r.status, len(r.losses)) for r in runs] == [(1, "local", "done", 3), (2, "local", "done", 4)]
+    assert [(r.run, r.kind, r.status, len(r.losses)) for r in runs] == [(1, "local", "done", 3),
+                                                                         (2, "local", "done", 4)]
     assert runs[0].plan is plan and runs[1].losses == [5.0, 4.0, 3.0, 2.0]
     # Measured: the median step after the first (which compiles), beside the plan's prediction.
     m = runs[1].measured_step_s

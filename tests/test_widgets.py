@@ -85,10 +85,14 @@ def test_views_sit_in_a_grid_that_fits_the_width(wb):
     assert [c for c in grid.children] == [wb.graph.widget, wb.table.widget, wb.cost.widget, wb.layout.widget,
                                           wb.timeline.widget, wb.training.widget]
     for wide in (wb.graph, wb.timeline, wb.training):
-        assert wide.widget.layout.grid_column == "1 / -1"
+        assert "autopar-wide" in wide.widget._dom_classes  # across every column
+    assert ".autopar-grid > .autopar-wide { grid-column: 1 / -1; }" in STYLE
     # Side figures are narrower than a grid column, so nothing in a column scrolls sideways.
     for fig in (wb.cost.cost_fig, wb.cost.mem_fig, wb.layout.figure):
         assert fig.layout.width is not None and fig.layout.width <= COLUMN_PX - 10
+    # Full-width figures take the width the graph reports from the browser.
+    wb.graph.canvas.handle_message(None, {"type": "width", "px": 1234})
+    assert wb.timeline.figure.layout.width == 1226 and wb.training.loss_fig.layout.width == 1226
 
 
 def test_dropdown_change_overrides_and_updates_table_and_cost_panel(wb, plan):
@@ -156,8 +160,11 @@ def test_graph_clicks_expand_and_select(wb):
     assert len(layer_summary(wb.session.graph)[0]) == n_overview  # 2 layers on 2 stages: nothing to group
     g.on_click("L:layer_1")
     assert g.expanded == "layer_1" and wb.session.selection.layer == "layer_1"
-    ops = wb.session.graph.ops_in_layer("layer_1")
-    assert len(g.keys) == n_overview + len(ops)
+    graph = wb.session.graph
+    ops = [o for o in graph.ops_in_layer("layer_1") if graph.op(o).primitive not in ("parameter", "output")]
+    assert len(g.keys) == n_overview + len(ops)  # the step's inputs and outputs are folded into their neighbours
+    folded = [n["hover"] for n in g.data["detail"]["nodes"] if "reads param" in n["hover"]]
+    assert folded and "folded into their readers" in g.data["detail"]["title"]
     # Every operator is named (its primitive) in its box.
     labels = {n["key"]: n["label"] for n in g.data["detail"]["nodes"]}
     assert all(labels[f"O:{o}"] == wb.session.graph.op(o).primitive for o in ops)
@@ -232,7 +239,8 @@ def test_deep_model_groups_repeated_layers(deep):
     assert [n["label"] for n in wb.graph.data["overview"]].count("layer_5") == 1
     wb.graph.on_click("L:layer_5")
     detail = wb.graph.data["detail"]
-    n = len(wb.session.graph.ops_in_layer("layer_5"))
+    graph = wb.session.graph
+    n = len([o for o in graph.ops_in_layer("layer_5") if graph.op(o).primitive not in ("parameter", "output")])
     assert n > 400 and len(detail["nodes"]) == n and "layer_5" in detail["title"]
     # Forward-to-backward edges do not shape the layout; every edge drawn is laid out or resharded.
     assert all(e.get("layout", True) or e["resharded"] for e in detail["edges"])
@@ -343,6 +351,7 @@ def test_controls_save_load_export_and_background_solve(wb, plan, tmp_path):
     assert t is not None
     c.wait(120)
     assert not c.busy and c.progress.description == "done" and c.progress.value == 1.0
+    assert c.status.value.startswith("intra solve done in")  # not the last progress report
     assert wb.session.last_action == "solve_intra" and wb.plan.pins == {}
     assert wb.plan.choice(op).name == plan.choice(op).name and wb.table.row(op)["strategy"] == plan.choice(op).name
     assert _ms(plan.cost.step_time_s) in wb.header.step_time.value
@@ -474,7 +483,7 @@ def test_timeline_opens_on_the_first_microbatches(graph, monkeypatch):
     labelled = [t for tr in view.figure.data if tr.name in ("fwd", "bwd") for t in tr.text if t]
     assert labelled and max(int(t) for t in labelled) < 2 * tv.ZOOM_TO
     assert "first 4 microbatches" in view.caption.value
-    view.window.value = None  # "whole step"
+    view.window.value = 0  # "whole step"
     assert view.first is None and view.figure.layout.xaxis.range[1] == pytest.approx(makespan * 1.01)
 
 

@@ -39,15 +39,17 @@ COLUMN_PX = 470
 STYLE = """<style>
 .autopar-workbench { max-width: 100%; box-sizing: border-box; }
 /* The header sticks to the top of the notebook's scroll area: no box between it and that area may clip. */
-.jp-OutputArea-output:has(.autopar-workbench), .jp-OutputArea-child:has(.autopar-workbench),
+.jp-OutputArea:has(.autopar-workbench), .jp-OutputArea-output:has(.autopar-workbench),
+.jp-OutputArea-child:has(.autopar-workbench), .output_area:has(.autopar-workbench),
 .output_subarea:has(.autopar-workbench), .autopar-workbench { overflow: visible !important; }
 .autopar-header { position: sticky; top: 0; z-index: 30; background: var(--jp-layout-color0, #fff);
   border-bottom: 1px solid #ccc; padding: 4px 6px; box-shadow: 0 2px 4px rgba(0,0,0,0.06); }
 .autopar-header .widget-html-content { white-space: normal; line-height: 1.35; }
 .autopar-toolbar { gap: 2px 4px; padding: 2px 0; }
 .autopar-toolbar .widget-button, .autopar-toolbar .widget-toggle-button { margin: 1px; }
-.autopar-grid > * { min-width: 0; overflow: hidden; }
-.autopar-grid .widget-html-content { white-space: normal; }
+.autopar-grid > * { min-width: 0; }
+.autopar-grid > .autopar-wide { grid-column: 1 / -1; }
+.autopar-grid .widget-html-content { white-space: normal; line-height: 1.4; }
 .autopar-sharding-table select { font-family: monospace; font-size: 12px; }
 .autopar-cost-table td, .autopar-cost-table th { padding: 1px 8px; text-align: right; white-space: nowrap; }
 .autopar-cost-table td:first-child, .autopar-cost-table th:first-child { text-align: left; white-space: normal; }
@@ -93,7 +95,7 @@ class Workbench:
         self.status.add_class("autopar-status")
         session.subscribe(self._on_event)
         for v in (self.graph, self.timeline, self.training):
-            v.widget.layout.grid_column = "1 / -1"
+            v.widget.add_class("autopar-wide")  # across every column (CSS below)
         self.grid = w.GridBox(
             [self.graph.widget, self.table.widget, self.cost.widget, self.layout.widget, self.timeline.widget,
              self.training.widget],
@@ -103,8 +105,18 @@ class Workbench:
         self.widget = w.VBox([w.HTML(STYLE), self.header.widget, self.controls.widget, self.status, self.grid],
                              layout=w.Layout(width="100%"))
         self.widget.add_class("autopar-workbench")
+        # The graph spans the notebook's width and says how wide it is: the full-width figures take that width (a
+        # plotly figure without one keeps the 700 px it was first drawn at).
+        self.graph.width_listeners.append(self.fit_width)
         self.timings = {"plan_s": t1 - t0, "views_s": time.perf_counter() - t1}
         self._update_status()
+
+    def fit_width(self, px: int) -> None:
+        """Size the full-width figures (timeline, loss curve) to ``px`` pixels, the width of the notebook's grid."""
+        width = max(int(px) - 8, 320)
+        for fig in (self.timeline.figure, self.training.loss_fig):
+            if fig.layout.width != width:
+                fig.layout.width = width
 
     @property
     def plan(self):

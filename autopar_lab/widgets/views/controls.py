@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import threading
+import time
 from typing import Any, Callable
 
 import ipywidgets as w
@@ -73,7 +74,7 @@ class Controls(View):
         self.load_button.on_click(lambda _: self.load())
         self.export_button = B("export JAX code", "the current plan as JAX sharding code")
         self.export_button.on_click(lambda _: self.export())
-        self.code = w.Textarea(value="", layout=w.Layout(width="100%", height="160px", display="none"))
+        self.code = w.Textarea(value="", layout=w.Layout(width="auto", height="160px", display="none"))  # stretches
         self.code.add_class("autopar-code")
         # What-if sliders: moving one re-plans with a full solve on the changed cluster (when "re-plan" is ticked).
         S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
@@ -155,9 +156,12 @@ class Controls(View):
         self._set_running(True)
 
         def work():
+            t0 = time.perf_counter()
             try:
                 job(report, cancel)
                 self.progress.value, self.progress.description = 1.0, "done"
+                # Not the last progress report ("intra-op 1x1 as 1x1"): what finished, and how long it took.
+                self.status.value = f"{name} done in {fmt_s(time.perf_counter() - t0)}"
                 self.message.value = ""
                 self.last_error = None
             except SolveCancelled:

@@ -73,6 +73,15 @@ def step_time_text(before, after) -> str:
     return text + f" · {fmt_rate(after.samples_per_s)}"
 
 
+def explain_text(cost) -> str:
+    """:meth:`CostReport.explain` in the views' number format: the step time as the sum of its terms."""
+    return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} + collectives "
+            f"{fmt_s(cost.comm_s)} + resharding {fmt_s(cost.reshard_s)} (the busiest stage, S{cost.busiest_stage}, "
+            f"over all microbatches) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, "
+            f"waiting for transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip "
+            "in all")
+
+
 def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
@@ -129,7 +138,7 @@ class CostPanel(View):
         before = prev.cost if prev is not None else None
         after = plan.cost
         self.breakdown.value = breakdown_html(before, after)
-        self.explain.value = f"<small>{html.escape(after.explain())}</small>"
+        self.explain.value = f"<small>{html.escape(explain_text(after))}</small>"
         r = roofline(plan)
         self.utilisation.value = (f"utilisation {fmt_pct(r['utilisation'])} of peak; roofline bound "
                                   f"{fmt_pct(r['bound'])} (ideal step {fmt_s(r['ideal_s'])} for "
@@ -142,7 +151,8 @@ class CostPanel(View):
         self.mem_rows = now
         mem = figures.memory_figure(now, was, after.mem_limit_bytes)
         sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations,
-                                        "title.text": mem.layout.title.text, "yaxis.title.text": mem.layout.yaxis.title.text})
+                                        "title.text": mem.layout.title.text,
+                                        "yaxis.title.text": mem.layout.yaxis.title.text})
         self.memory.value = memory_text(now, after.mem_limit_bytes)
         self.show_measured()
         self.last_refresh = time.perf_counter()

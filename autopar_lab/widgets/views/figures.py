@@ -65,10 +65,11 @@ def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], 
     for term, v in after.items():
         xs = ([before.get(term, 0.0)] if before is not None else []) + [v]
         fig.add_trace(go.Bar(y=rows, x=xs, name=term, orientation="h", marker_color=TERM_COLOURS.get(term),
-                             customdata=[fmt_s(x) for x in xs], hovertemplate=f"{term}: %{{customdata}}<extra></extra>"))
-    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25), width=width)
+                             customdata=[fmt_s(x) for x in xs],
+                             hovertemplate=f"{term}: %{{customdata}}<extra></extra>"))
+    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25, traceorder="normal"), width=width)
     fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(exponentformat="SI", ticksuffix="s")  # 0.005 reads "5ms"
+    fig.update_xaxes(exponentformat="SI", minexponent=0, ticksuffix="s")  # 0.005 reads "5ms"
     return _layout(fig, title, height)
 
 
@@ -161,7 +162,7 @@ def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
 
 
 def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipeline timeline",
-                    height: int = 260, max_labels: int = 64, label_upto: int | None = None) -> go.Figure:
+                    height: int = 290, max_labels: int = 64, label_upto: int | None = None) -> go.Figure:
     """A Gantt chart of a pipeline simulation (rows as :meth:`simulate.Timeline.to_rows` gives them): one bar trace
     per task kind, plus the idle gaps of each stage in grey ("bubble"). Microbatch numbers are written on the bars
     when there are at most ``max_labels`` tasks, or (``label_upto``) on the bars of microbatches below that number
@@ -185,7 +186,7 @@ def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipe
         fig.add_trace(go.Bar(
             y=[r["resource"] for r in rs], x=[r["end"] - r["start"] for r in rs], base=[r["start"] for r in rs],
             orientation="h", name=kind, marker_color=KIND_COLOURS[kind],
-            text=[label(r) for r in rs], textposition="inside",
+            text=[label(r) if kind in ("fwd", "bwd") else "" for r in rs], textposition="inside",
             customdata=[[r["microbatch"], fmt_s(r["start"]), fmt_s(r["end"] - r["start"])] for r in rs],
             hovertemplate=(f"{kind} of microbatch %{{customdata[0]}}: starts at %{{customdata[1]}}, "
                            "takes %{customdata[2]}<extra>%{y}</extra>")))
@@ -196,16 +197,16 @@ def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipe
             orientation="h", name="bubble", marker_color=KIND_COLOURS["idle"], opacity=0.8,
             customdata=[[fmt_s(r["start"]), fmt_s(r["end"] - r["start"])] for r in idle],
             hovertemplate="idle from %{customdata[0]} for %{customdata[1]}<extra>%{y}</extra>"))
-    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
+    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.42))
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(order)))
     fig.update_xaxes(title_text="time into the step", range=[0, makespan * 1.01 if makespan > 0 else 1],
-                     exponentformat="SI", ticksuffix="s")
+                     exponentformat="SI", minexponent=0, ticksuffix="s")
     return _layout(fig, title, height)
 
 
 def mesh_grid_figure(hosts: int, devices_per_host: int, stages: Sequence[Mapping], selected: int | None = None,
                      title: str = "stages on the cluster (hosts x devices)", height: int | None = None,
-                     width: int | None = None) -> go.Figure:
+                     width: int | None = None, legend: bool = True) -> go.Figure:
     """The cluster as a hosts x devices grid, each device a square coloured by the stage that runs on it.
 
     ``stages``: [{devices: [global device ids], label: "S0 1x4 as 2x2 L0-3"}]. Clicking a square reports the stage
@@ -243,5 +244,5 @@ def mesh_grid_figure(hosts: int, devices_per_host: int, stages: Sequence[Mapping
     fig.update_xaxes(title_text="device in host", dtick=1, range=[-0.7, devices_per_host - 0.3])
     fig.update_yaxes(title_text="host", dtick=1, range=[hosts - 0.3, -0.7])  # host 0 on top
     fig = _layout(fig, title, height or 120 + 50 * hosts)
-    fig.update_layout(width=width, legend=dict(orientation="h", y=-0.35, font=dict(size=10)))
+    fig.update_layout(width=width, showlegend=legend, legend=dict(orientation="h", y=-0.6, font=dict(size=10)))
     return fig

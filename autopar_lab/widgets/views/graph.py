@@ -8,7 +8,9 @@ sharding (an operator's output spec; a layer takes its stage's logical mesh), wi
 edge whose two ends use different shardings is resharded: drawn thick and red, its hover says which collectives
 convert it, over which mesh axis, how many bytes and how long. Edges from the forward pass into the backward pass
 (activations kept for the backward) are left out of the layout: they would tie every forward operator to its
-backward twin across the whole drawing; those that are resharded are still drawn.
+backward twin across the whole drawing; those that are resharded are still drawn. The step's inputs and outputs in
+a layer (its parameters and optimizer state, a third of its operators, each a lone source or sink) are folded into
+the hover of the operators that read or write them.
 
     >>> data = graph_data(session, expanded="layer_0", mode="sharding")     # doctest: +SKIP
     >>> [n["label"] for n in data["overview"]]                                 # doctest: +SKIP
@@ -24,6 +26,7 @@ import ipywidgets as w
 
 from . import figures
 from ._base import View
+from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
 from .fmt import fmt_bytes, fmt_flops, fmt_s, strategy_text
 
 OTHER = "(no layer)"  # the pseudo-layer of operators outside every layer
@@ -241,10 +244,33 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
     return {"title": title, "overview": overview, "detail": detail, "legends": legends, "summary": summary}
 
 
+def _folded(graph, members: list[int]) -> dict[int, list[str]]:
+    """The step's inputs and outputs among ``members`` (parameters, optimizer state: a third of a layer's operators,
+    each a source or a sink), folded into the operators that read or write them: {reader or writer: [lines]}."""
+    inside = set(members)
+    notes: dict[int, list[str]] = defaultdict(list)
+    for o in members:
+        node = graph.op(o)
+        if node.primitive == INPUT_PRIMITIVE:
+            t = graph.tensor(node.outputs[0])
+            for c in graph.consumers.get(t.id, ()):
+                if c in inside:
+                    notes[c].append(f"reads {t.kind.replace('_', ' ')} {t.dtype}{list(t.shape)}")
+        elif node.primitive == OUTPUT_PRIMITIVE:
+            for t in node.inputs:
+                p = graph.tensor(t).producer
+                if p in inside:
+                    notes[p].append("its result leaves the step (an updated parameter or optimizer state)")
+    return notes
+
+
 def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, layer_colour: str):
     plan, graph = session.plan, session.graph
     _, ops, _, _ = layer_summary(graph)
     members = ops[layer][:max_ops]
+    notes = _folded(graph, members)
+    io = {o for o in members if graph.op(o).primitive in (INPUT_PRIMITIVE, OUTPUT_PRIMITIVE)}
+    members = [o for o in members if o not in io]
     inside = set(members)
     pins = plan.pins
     strategies = {o: _strategy(session, o) for o in members}
@@ -263,8 +289,11 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
         else:
             colour = spec_colours.setdefault(spec, figures.colour(len(spec_colours)))
         pinned = session.solve_op(o) in pins
+        hover = _op_hover(session, node, strat, stage, pinned)
+        if notes.get(o):
+            hover += "\n" + "\n".join(notes[o])
         nodes.append({"key": f"O:{o}", "label": node.primitive, "colour": colour, "selected": selected == f"O:{o}",
-                      "pinned": pinned, "hover": _op_hover(session, node, strat, stage, pinned)})
+                      "pinned": pinned, "hover": hover})
     edges, hidden, resharded = [], 0, 0
     mesh_cache: dict = {}
     mesh = _mesh_text(plan.stages[stage])
@@ -295,8 +324,9 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
             else:
                 hidden += 1
     role_text = ", ".join(f"{r} {n}" for r, n in roles.items())
-    more = f" (first {max_ops} of {len(ops[layer])})" if len(ops[layer]) > max_ops else ""
+    more = f" of the first {max_ops}" if len(ops[layer]) > max_ops else ""
     title = (f"{_label(layer)}: {len(members)} operators{more} ({role_text}) on stage {stage}'s {mesh} mesh; "
+             f"{len(io)} inputs and outputs of the step folded into their readers and writers; "
              f"{resharded} resharded edge(s); {hidden} forward→backward edges (activations kept) not drawn")
     detail = {"title": title, "nodes": nodes, "edges": edges}
     return detail, spec_colours, {"operators": len(members), "edges": len(edges), "resharded": resharded,
@@ -319,7 +349,8 @@ class GraphView(View):
         self.expanded: str | None = None
         self.open_groups: set[str] = set()
         self.selected_key: str | None = None
-        self.canvas = GraphCanvas(on_click=self.on_click, height=height)
+        self.width_listeners: list = []  # called with the graph's width in pixels (it spans the notebook)
+        self.canvas = GraphCanvas(on_click=self.on_click, on_width=self._on_width, height=height)
         self.canvas.layout = w.Layout(width="100%")
         self.data: dict = {}
         self.mode_buttons = w.ToggleButtons(options=["stage", "sharding"], value=mode, description="colour by",
@@ -362,6 +393,10 @@ class GraphView(View):
                 self.run("select", lambda: self.session.select(op=sop))
         else:
             raise ValueError(f"unknown node key {key!r}")
+
+    def _on_width(self, px: int) -> None:
+        for cb in list(self.width_listeners):
+            cb(px)
 
     def set_mode(self, mode: str) -> None:
         if mode not in ("stage", "sharding"):

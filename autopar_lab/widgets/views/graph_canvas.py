@@ -2,8 +2,9 @@
 
 Python sends the whole picture as one ``data`` dict (see :func:`autopar_lab.widgets.views.graph.graph_data`); the
 browser lays the expanded layer out (dagre), draws it, and handles zoom, pan and hover. A click comes back as a
-``{"type": "click", "key": ...}`` message and is handed to ``on_click``. The bundle ``extensions/graph/static/graph.js``
-is committed (``make -C extensions`` or ``npm run build`` there rebuilds it).
+``{"type": "click", "key": ...}`` message and is handed to ``on_click``; the drawing's width in pixels comes back as
+``{"type": "width", "px": ...}`` when it settles or changes, and is handed to ``on_width``. The bundle
+``extensions/graph/static/graph.js`` is committed (``make -C extensions`` or ``npm run build`` there rebuilds it).
 """
 
 from __future__ import annotations
@@ -33,12 +34,21 @@ class GraphCanvas(anywidget.AnyWidget):
     data = traitlets.Dict().tag(sync=True)
     height = traitlets.Int(440).tag(sync=True)
 
-    def __init__(self, on_click: Callable[[str], None] | None = None, **kwargs):
+    def __init__(self, on_click: Callable[[str], None] | None = None,
+                 on_width: Callable[[int], None] | None = None, **kwargs):
         super().__init__(**kwargs)
         self._click = on_click
+        self._width = on_width
+        self.width_px: int | None = None  # the drawing's width in the browser, once it said
         self.on_msg(self.handle_message)
 
     def handle_message(self, _widget, content, _buffers=None) -> None:
-        """A message from the browser: a click on a node calls ``on_click(key)``."""
-        if isinstance(content, dict) and content.get("type") == "click" and self._click is not None:
+        """A message from the browser: a click on a node calls ``on_click(key)``, a width ``on_width(px)``."""
+        if not isinstance(content, dict):
+            return
+        if content.get("type") == "click" and self._click is not None:
             self._click(str(content.get("key", "")))
+        elif content.get("type") == "width" and isinstance(content.get("px"), (int, float)) and content["px"] > 0:
+            self.width_px = int(content["px"])
+            if self._width is not None:
+                self._width(self.width_px)

@@ -110,12 +110,12 @@ class ShardingTable(View):
         for f in (self.layer_filter, self.stage_filter, self.primitive_filter):
             f.layout.width = "220px"
             f.observe(lambda ch: self.refresh_rows(), names="value")
-        self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="100%"))
+        self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="auto"))  # stretches, margins inside
         self.rows_select.add_class("autopar-op-rows")
         self.rows_select.observe(self._select_changed, names="value")
         self.count = w.HTML("")
         self.detail = w.HTML("")
-        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="100%"))
+        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"))
         self.alternatives.add_class("autopar-strategy-choice")
         self.alternatives.observe(self._alternative_changed, names="value")
         self.pin_button = w.Button(description="pin", tooltip="keep this operator's strategy through re-solves",

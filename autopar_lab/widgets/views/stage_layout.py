@@ -6,8 +6,8 @@ the schedule.
 Editing one stage at a time cannot work when stages must tile the cluster in order: a stage that grows pushes the
 next one across a host boundary. So edits go to a draft of all stages; each edit re-prices the draft
 (:meth:`Plan.with_stages`, then remat per stage) and "apply" makes the previewed plan current in one undoable step.
-Adding or removing a stage lets the stage DP choose every submesh for the new cuts ("auto"), which the draft then
-shows and the user can change.
+Adding or removing a stage lets the stage DP choose every submesh for the new cuts ("auto"); the draft then shows
+its choice, which the user can change.
 
     >>> stage_blocks(session.plan)[0]["label"]          # doctest: +SKIP
     'S0: layers 0-3 (embed..layer_2) on 1x4 as 2x2'
@@ -82,7 +82,7 @@ class StageLayout(View):
         c = plan.cluster
         self.stage = 0
         self.figure = go.FigureWidget(figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), 0,
-                                                               width=figures.SIDE_WIDTH))
+                                                               width=figures.SIDE_WIDTH, legend=False))
         self.figure.data[0].on_click(self._plotly_click)
         self.summary = w.HTML("")
         self.rows_box = w.GridBox([], layout=w.Layout(grid_template_columns="34px minmax(0,1.6fr) minmax(0,1fr) "
@@ -104,7 +104,7 @@ class StageLayout(View):
         self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="190px"),
                                        style={"description_width": "initial"})
         self.schedule = w.ToggleButtons(options=["1f1b", "gpipe"], description="schedule",
-                                        style={"button_width": "56px", "description_width": "initial"})
+                                        style={"button_width": "auto", "description_width": "initial"})
         self.unpin_button = B("unpin stage decisions",
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
@@ -122,7 +122,8 @@ class StageLayout(View):
             w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
                    layout=w.Layout(flex_flow="row wrap")),
             self.preview,
-            w.HBox([self.microbatches, self.schedule], layout=w.Layout(flex_flow="row wrap")), self.unpin_button,
+            w.HBox([self.microbatches, self.schedule], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.unpin_button]),
             self.message], layout=w.Layout(min_width="0")))
 
     def _plotly_click(self, trace, points, state) -> None:
@@ -208,11 +209,18 @@ class StageLayout(View):
             self.apply_button.disabled = True
             return None
         self.preview_plan, self.preview_error = new, None
+        if any(d["submesh"] is None for d in self.draft):
+            # The DP chose the submeshes: the draft shows its choice, so the next edit starts from it.
+            for d, st in zip(self.draft, new.stages):
+                d["submesh"], d["logical_mesh"] = tuple(st.submesh), tuple(st.logical_mesh)
+            self._previewed = ([dict(d) for d in self.draft], plan)
+            self._draw_rows()
         peak, limit = max(new.cost.peak_mem_bytes), new.cost.mem_limit_bytes
         fits = "fits" if peak <= limit else "<span style='color:#B00020'>does not fit in memory</span>"
         self.preview.value = (
             f"preview: step time <b>{fmt_s(new.cost.step_time_s)}</b> "
-            f"({fmt_delta_s(plan.cost.step_time_s, new.cost.step_time_s)} against now) · peak memory {fmt_bytes(peak)} of "
+            f"({fmt_delta_s(plan.cost.step_time_s, new.cost.step_time_s)} against now) · peak memory "
+            f"{fmt_bytes(peak)} of "
             f"{fmt_bytes(limit)} ({fmt_pct(peak / limit)}), {fits}<br><small>"
             + "<br>".join(html.escape(b["label"]) for b in stage_blocks(new)) + "</small>")
         self.apply_button.disabled = False
@@ -335,7 +343,7 @@ class StageLayout(View):
         plan = self.session.plan
         c = plan.cluster
         fresh = figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), self.stage,
-                                         width=figures.SIDE_WIDTH)
+                                         width=figures.SIDE_WIDTH, legend=False)  # the labels are listed below
         first = self.figure.data[0]
         sync_figure(self.figure, fresh, {"height": fresh.layout.height, "xaxis.range": fresh.layout.xaxis.range,
                                          "yaxis.range": fresh.layout.yaxis.range})

@@ -58,7 +58,7 @@ class TimelineView(View):
         self.figure = go.FigureWidget()
         self.caption = w.HTML("")
         self.window = w.Dropdown(description="show", layout=w.Layout(width="260px"))
-        self.window.observe(lambda ch: None if self._quiet else self.zoom(ch["new"]), names="value")
+        self.window.observe(lambda ch: None if self._quiet else self.zoom(ch["new"] or None), names="value")
         self._quiet = False
         self.first: int | None = None  # the microbatches the window shows (None: the whole step)
         self.refresh()
@@ -80,8 +80,9 @@ class TimelineView(View):
         choices = [k for k in (2, 4, 8, 16, 32) if k < B]
         self._quiet = True
         try:
-            self.window.options = [(f"first {k} microbatches", k) for k in choices] + [(f"whole step ({B})", None)]
-            self.window.value = self.first
+            # 0 stands for the whole step: a Dropdown shows a value of None as blank.
+            self.window.options = [(f"first {k} microbatches", k) for k in choices] + [(f"whole step ({B})", 0)]
+            self.window.value = self.first or 0
         finally:
             self._quiet = False
         rows, makespan, cut = timeline_data(plan)

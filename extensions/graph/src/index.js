@@ -3,7 +3,8 @@
 // DAG; legends for the node colours and the edges; hover shows each node's and each resharded edge's details.
 // Clicks go back to Python as {type: "click", key}; everything else about the graph is decided there.
 import {
-  FONT_PX, NODE_H, fitTransform, labelsVisible, layoutDag, overviewLayout, pathOf, structureKey, zoomAt,
+  FONT_PX, NODE_H, fitTransform, initialTransform, labelsVisible, layoutDag, overviewLayout, pathOf, structureKey,
+  zoomAt,
 } from "./model.js";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -200,8 +201,11 @@ function render({ model, el }) {
       t.textContent = n.label;
     }
     root.dataset.nodes = String(detail.nodes.length);
-    if (fresh) fit();
-    else schedule();
+    if (fresh) {
+      const [vw, vh] = viewport();
+      state.t = initialTransform(L, vw, vh, detail.nodes[0].key);
+    }
+    schedule();
   };
 
   const drawLegends = (items) => {
@@ -238,14 +242,23 @@ function render({ model, el }) {
   };
   model.on("change:data", redraw);
   model.on("change:height", redraw);
-  // The strip is laid out for its width: draw it again when the notebook's width changes.
+  // The strip is laid out for its width: draw it again when the notebook's width changes. The width also goes back
+  // to Python (once it settles), which sizes the workbench's full-width figures to it.
+  let widthTimer = 0;
+  let sentWidth = -1;
   const ro = typeof ResizeObserver !== "undefined" ? new ResizeObserver(() => {
     if (Math.abs((over.clientWidth || 0) - state.lastWidth) > 2) drawOverview((model.get("data") || {}).overview || []);
+    const w = root.clientWidth;
+    if (w > 0 && Math.abs(w - sentWidth) > 4) {
+      clearTimeout(widthTimer);
+      widthTimer = setTimeout(() => { sentWidth = w; model.send({ type: "width", px: w }); }, 150);
+    }
   }) : null;
   if (ro) ro.observe(root);
   requestAnimationFrame(redraw);
   redraw();
   return () => {
+    clearTimeout(widthTimer);
     if (ro) ro.disconnect();
     window.removeEventListener("pointermove", onMove);
     window.removeEventListener("pointerup", onUp);

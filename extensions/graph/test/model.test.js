@@ -2,7 +2,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  NODE_H, boxWidth, fitTransform, labelsVisible, layoutDag, overviewLayout, pathOf, sparseLabels, structureKey,
+  NODE_H, boxWidth, fitTransform, initialTransform, labelsVisible, layoutDag, overviewLayout, pathOf, sparseLabels, structureKey,
   zoomAt,
 } from "../src/model.js";
 
@@ -118,4 +118,16 @@ test("edges marked layout:false do not move the boxes and are drawn straight", (
   assert.equal(pts.length, 2);
   assert.equal(pts[0].y, base.nodes.a.y + NODE_H / 2);
   assert.equal(pts[1].y, base.nodes.c.y - NODE_H / 2);
+});
+
+test("a big layer opens legible, on its first operator; a small one whole", () => {
+  const { nodes, edges } = layerDag(300);
+  const L = layoutDag(nodes, edges);
+  const t = initialTransform(L, 800, 400, "O:0");
+  assert.ok(labelsVisible(t.k));
+  const b = L.nodes["O:0"];
+  assert.ok(Math.abs(t.y + (b.y - NODE_H / 2) * t.k - 44) < 1e-9);  // its top edge below the caption
+  assert.ok(Math.abs(t.x + b.x * t.k - 400) < 1e-9);  // centred
+  const small = layoutDag(nodes.slice(0, 3), edges.slice(0, 2));
+  assert.deepEqual(initialTransform(small, 800, 400, "O:0"), fitTransform(small.width, small.height, 800, 400));
 });
