@@ -82,8 +82,9 @@ def test_every_view_is_findable_by_its_css_class(wb):
 def test_views_sit_in_a_grid_that_fits_the_width(wb):
     grid = wb.grid
     assert "minmax(min(100%" in grid.layout.grid_template_columns and grid.layout.width == "100%"
-    assert [c for c in grid.children] == [wb.graph.widget, wb.table.widget, wb.cost.widget, wb.layout.widget,
-                                          wb.timeline.widget, wb.training.widget]
+    assert [c for c in grid.children] == [wb.graph.widget, wb.column, wb.cost.widget, wb.timeline.widget,
+                                          wb.training.widget]
+    assert list(wb.column.children) == [wb.table.widget, wb.layout.widget]  # one column: no gap under the table
     for wide in (wb.graph, wb.timeline, wb.training):
         assert "autopar-wide" in wide.widget._dom_classes  # across every column
     assert ".autopar-grid > .autopar-wide { grid-column: 1 / -1; }" in STYLE

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .training import TrainingController
+
 __all__ = ["Session", "Event", "SolveCancelled", "Selection"]
 
 EVENTS = ("plan", "selection", "progress", "compare", "error", "training", "measured")
@@ -87,8 +89,6 @@ class Session:
         self._observers: list[Callable[[Event], None]] = []
         self._lock = threading.RLock()
         self._op_maps: dict[int, dict] = {}
-        from .training import TrainingController
-
         #: Local runs and Ray launches of the current plan (widgets/training.py); the methods below delegate to it.
         self.training = TrainingController(self)
 

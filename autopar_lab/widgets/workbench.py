@@ -6,8 +6,8 @@
 
 In a notebook the last line shows a dashboard: a header that stays in view (the plan, its step time, its memory, the
 pins, undo / redo), a compact toolbar (solves, save / load, export, compare, what if), and the views in a grid that
-fits the notebook's width: the operator graph across the top, then the sharding table, the cost panel and the stage
-layout side by side (as many as fit, the others wrap under them), the pipeline timeline and the training panel.
+fits the notebook's width: the operator graph across the top, then the sharding table over the stage layout beside
+the cost panel (one under the other when the notebook is narrow), the pipeline timeline and the training panel.
 
 Every view follows one shared selection (an operator, a layer, a stage) and redraws when the plan changes. Each view's
 top widget carries a stable CSS class (``autopar-header``, ``autopar-controls``, ``autopar-graph``,
@@ -96,9 +96,11 @@ class Workbench:
         session.subscribe(self._on_event)
         for v in (self.graph, self.timeline, self.training):
             v.widget.add_class("autopar-wide")  # across every column (CSS below)
+        # The table and the stage layout share a column beside the (taller) cost panel: no empty space under either.
+        self.column = w.VBox([self.table.widget, self.layout.widget], layout=w.Layout(min_width="0"))
+        self.column.add_class("autopar-column")
         self.grid = w.GridBox(
-            [self.graph.widget, self.table.widget, self.cost.widget, self.layout.widget, self.timeline.widget,
-             self.training.widget],
+            [self.graph.widget, self.column, self.cost.widget, self.timeline.widget, self.training.widget],
             layout=w.Layout(grid_template_columns=f"repeat(auto-fill, minmax(min(100%, {COLUMN_PX}px), 1fr))",
                             grid_gap="10px 14px", width="100%", align_items="flex-start"))
         self.grid.add_class("autopar-grid")
