@@ -250,8 +250,10 @@ def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypa
     monkeypatch.setattr(local, "execute", lambda plan_, model_, **kw: runners.append(FakeRunner(plan_)) or runners[-1])
     s = Session(plan, model=model)
     panel = TrainingPanel(s)
+    assert panel.cancel_button.disabled and panel.cancel_button.button_style == ""  # idle: not coloured
     thread = panel.run_local(10)
     assert thread is not None and panel.busy and panel.run_button.disabled
+    assert not panel.cancel_button.disabled and panel.cancel_button.button_style == "warning"
     assert _wait_for(lambda: bool(runners))
     runner = runners[0]
     runner.gate.release(2)
@@ -260,6 +262,7 @@ def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypa
     runner.gate.release()
     panel.wait(10)
     assert not thread.is_alive() and not panel.busy and not panel.run_button.disabled
+    assert panel.cancel_button.button_style == ""
     assert panel.last_result["status"] == "cancelled" and panel.last_result["losses"] == [5.0, 4.0, 3.0]
     assert list(panel.loss_fig.data[0].y) == [5.0, 4.0, 3.0] and panel.progress.max == 10
     assert panel.progress.description == "cancelled" and "cancelled after 3 of 10" in panel.throughput.value
