@@ -213,7 +213,8 @@ def cmd_optimum(args) -> dict:
 
 
 def _print_optimum(out: dict) -> None:
-    print(f"{out['model']} on {out['cluster']}: auto {out['auto_step_s']:.4g} s, optimum {out['optimum_step_s']:.4g} s, "
+    print(f"{out['model']} on {out['cluster']}: auto {out['auto_step_s']:.4g} s, "
+          f"optimum {out['optimum_step_s']:.4g} s, "
           f"gap {out['gap']:.2%}")
     for key in ("auto", "optimum"):
         r = out[key]
@@ -347,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="plan a model on a cluster")
     model_args(sp)
-    sp.add_argument("--cluster", required=True, help="PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, cpu) or a JSON file")
+    sp.add_argument("--cluster", required=True,
+                    help="PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, cpu) or a JSON file")
     sp.add_argument("--method", choices=["auto", "megatron", "data"], default="auto")
     sp.add_argument("--dp", type=int)
     sp.add_argument("--tp", type=int)

@@ -1,13 +1,16 @@
 """Benchmark: UI latency of the workbench (issue: the workbench), headless.
 
-1. First render: building every view of the GPT-1.3B workbench (graph, sharding table, stage layout, cost panel,
-   timeline, controls) from a ready plan. Tracing and planning are EXCLUDED (timed and printed separately): the
-   plan is Megatron-style, so one intra-op ILP prices it. "cold" is the first Workbench of the process (plotly's
+1. First render: building every view of the GPT-1.3B workbench (header, graph, sharding table, stage layout, cost
+   panel, timeline, controls, training) from a ready plan. Tracing and planning are EXCLUDED (timed and printed
+   separately): the plan is Megatron-style, so one intra-op ILP prices it. "cold" is the first Workbench of the process (plotly's
    FigureWidget and ipywidgets load then); "warm" a second one.
-2. A click on a layer of the operator graph: expand it (its operators drawn), then collapse it.
+2. A click on a layer of the operator graph: expand it (its operators, edges and their resharding priced and sent to
+   the browser), then collapse it. The browser's layout of those operators (dagre) is timed by the browser test.
 3. One override from the dropdown: the sharding table's alternatives dropdown set to another strategy, timed until
    the cost panel has redrawn (it observes first) and until every view has (the table re-prices the operator's
    alternatives last).
+4. The stage editor: one stage's first layer moved in the draft, timed until its preview is priced; and the memory
+   breakdown of the plan (autopar_lab.memory).
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_ui.py                     # gpt-1.3b on 4 V100s, dp=1 tp=2 pp=2
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_ui.py gpt-tiny --repeat 5
@@ -50,9 +53,11 @@ def main() -> None:
 
     go.FigureWidget()
     t_import = time.perf_counter() - t0
+    from autopar_lab.memory import memory_breakdown
     from autopar_lab.widgets.views.controls import Controls
     from autopar_lab.widgets.views.cost_panel import CostPanel
     from autopar_lab.widgets.views.graph import GraphView
+    from autopar_lab.widgets.views.header import Header
     from autopar_lab.widgets.views.sharding_table import ShardingTable
     from autopar_lab.widgets.views.stage_layout import StageLayout
     from autopar_lab.widgets.views.timeline import TimelineView
@@ -66,8 +71,9 @@ def main() -> None:
     t_warm = time.perf_counter() - t0
     wb2.close()
     per_view = {}
-    for name, cls in (("graph", GraphView), ("sharding table", ShardingTable), ("stage layout", StageLayout),
-                      ("cost panel", CostPanel), ("timeline", TimelineView), ("controls", Controls)):
+    for name, cls in (("header", Header), ("graph", GraphView), ("sharding table", ShardingTable),
+                      ("stage layout", StageLayout), ("cost panel", CostPanel), ("timeline", TimelineView),
+                      ("controls", Controls)):
         t0 = time.perf_counter()
         v = cls(wb.session)
         per_view[name] = time.perf_counter() - t0
@@ -81,11 +87,12 @@ def main() -> None:
     t0 = time.perf_counter()
     wb.graph.on_click(f"L:{mid}")  # a click on a layer node: expand it (and select it in every view)
     t_expand = time.perf_counter() - t0
-    n_nodes = len(wb.graph._keys)
+    summary = dict(wb.graph.data["summary"])
     t0 = time.perf_counter()
     wb.graph.on_click(f"L:{mid}")  # collapse again
     t_collapse = time.perf_counter() - t0
-    print(f"graph: {len(layers)} layer nodes; expanding {mid} ({n_nodes - len(layers)} operators drawn) "
+    print(f"graph: {len(layers)} layers as {summary['overview_nodes']} overview node(s); expanding {mid} "
+          f"({summary['operators']} operators, {summary['edges']} edges, {summary['resharded']} resharded) "
           f"{t_expand:.3f} s, collapsing {t_collapse:.3f} s")
 
     g = wb.session.op_graph
@@ -109,6 +116,17 @@ def main() -> None:
           f"{statistics.median(to_cost):.3f} s, to every view updated {statistics.median(total):.3f} s")
     print(f"  each: cost panel {', '.join(f'{x:.3f}' for x in to_cost)} s; all views "
           f"{', '.join(f'{x:.3f}' for x in total)} s")
+
+    if len(wb.plan.stages) > 1:
+        first = wb.layout.draft[1]["first"]
+        t0 = time.perf_counter()
+        wb.layout.edit_stage(1, first=first + 1)  # the draft only: priced for the preview
+        t_preview = time.perf_counter() - t0
+        print(f"stage editor: stage 1 starting one layer later, previewed in {t_preview:.3f} s "
+              f"({'valid' if wb.layout.preview_plan is not None else wb.layout.preview_error})")
+    t0 = time.perf_counter()
+    memory_breakdown(wb.plan)
+    print(f"memory breakdown of {len(wb.plan.stages)} stage(s): {time.perf_counter() - t0:.3f} s")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """The workbench in a real browser: JupyterLab on localhost (with a token), Chromium driven by Playwright.
 
-The test copies the tour notebook into a temporary folder, starts JupyterLab there, opens the notebook, runs every
-cell, waits for each of the workbench's views (found by their stable CSS classes), screenshots each one, then changes
-one operator's sharding in the table's dropdown and checks that the step time shown changes. Screenshots are kept
-under the test's tmp dir; with ``AUTOPAR_SCREENSHOTS=docs`` they are also written to ``docs/`` (the README uses them).
+The test copies the tour notebook into a temporary folder, starts JupyterLab there, opens the notebook and runs every
+cell. The tour's workbench is on a plan as deep as GPT-1.3B (24 layers, two pipeline stages on 2 hosts x 4 devices).
+The test waits for every view (found by their stable CSS classes), checks that none scrolls sideways and that the
+header stays in view, screenshots each one, then clicks every control it owns and checks what each click shows: the
+operator graph (open a group of repeated layers, expand a layer of 500 operators, zoom, hover, colour by sharding),
+an override in the sharding table, a cut moved by layer name, submeshes edited for every stage, undo, a what-if
+re-plan, compare and adopt, export, and a local training run. Screenshots are kept under the test's tmp dir; with
+``AUTOPAR_SCREENSHOTS=docs`` they are also written to ``docs/`` (the README uses them).
 
     AUTOPAR_SCREENSHOTS=docs .venv/bin/python -m pytest -q -m slow tests/test_browser.py
 
-It needs Debian's Chromium at /usr/bin/chromium (skipped without it; never ``playwright install``).
+It needs Debian's Chromium at /usr/bin/chromium (skipped without it; never ``playwright install``) and, for the local
+training run, 8 JAX devices (``JAX_NUM_CPU_DEVICES=8``, as ``make test`` sets).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import signal
@@ -31,8 +37,8 @@ CHROMIUM = pathlib.Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 # The workbench's views, by the CSS class each one's top widget carries (autopar_lab/widgets/workbench.py).
-VIEWS = ("autopar-controls", "autopar-graph", "autopar-sharding-table", "autopar-cost-panel", "autopar-stage-layout",
-         "autopar-timeline", "autopar-training")
+VIEWS = ("autopar-header", "autopar-controls", "autopar-graph", "autopar-sharding-table", "autopar-cost-panel",
+         "autopar-stage-layout", "autopar-timeline", "autopar-training")
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium")
 
@@ -173,38 +179,168 @@ def _save(locator, name: str, dirs) -> pathlib.Path:
     return first
 
 
+def sideways_scrolls(page) -> list:
+    """Every view (and the workbench, and the notebook) whose content is wider than its box: [(class, content
+    width, box width)]."""
+    return page.evaluate(
+        "(views) => { const out = []; const sel = ['.autopar-workbench', '.jp-WindowedPanel-outer',"
+        " ...views.map(v => '.' + v)];"
+        " for (const s of sel) for (const e of document.querySelectorAll(s))"
+        "   if (e.scrollWidth > e.clientWidth + 1) out.push([s, e.scrollWidth, e.clientWidth]);"
+        " return out; }", list(VIEWS))
+
+
+def settle(page, timeout_s: float = 600) -> None:
+    """Wait until the kernel has handled every message the page sent it (a widget callback may price plans for a
+    while; the page shows its result only after)."""
+    page.wait_for_timeout(300)
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp.shell.currentWidget;"
+        " return w.sessionContext.session.kernel.status === 'idle'; }",
+        timeout=int(timeout_s * 1000), polling=200)
+    page.wait_for_timeout(300)  # the last messages' effects reach the page
+
+
+def assert_fits(page, timeout_s: float = 30) -> None:
+    """No view scrolls sideways, once the figures settled (a plotly figure is first drawn at its default width and
+    takes its own a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while sideways_scrolls(page) and time.monotonic() < deadline:
+        page.wait_for_timeout(500)
+    assert not sideways_scrolls(page), sideways_scrolls(page)
+
+
+def text_of(page, selector: str) -> str:
+    return page.locator(selector).first.inner_text()
+
+
+def wait_for_text(page, selector: str, needle: str, timeout_s: float = 60, gone: bool = False) -> str:
+    """Wait until the first element matching ``selector`` shows (or, ``gone``, no longer shows) ``needle``; on a
+    time-out, fail with what the workbench's header, controls and status said."""
+    try:
+        page.wait_for_function(
+            "([sel, needle, gone]) => { const e = document.querySelector(sel);"
+            " return !!e && e.innerText.includes(needle) !== gone; }",
+            arg=[selector, needle, gone], timeout=int(timeout_s * 1000), polling=250)
+    except Exception as e:  # noqa: BLE001 - re-raised with the page's state
+        places = (selector, ".autopar-header", ".autopar-controls", ".autopar-status")
+        state = {s: text_of(page, s)[:600] for s in places if page.locator(s).count()}
+        raise AssertionError(f"{selector} did not {'lose' if gone else 'show'} {needle!r} in {timeout_s:.0f} s: "
+                             f"{state}") from e
+    return text_of(page, selector)
+
+
+def svg_texts(locator) -> list[str]:
+    """The text of SVG elements (``inner_text`` is for HTML only)."""
+    return locator.evaluate_all("els => els.map(e => e.textContent)")
+
+
+def button(page, scope: str, name: str):
+    return page.locator(scope).first.get_by_role("button", name=name, exact=True).first
+
+
+def editor_select(page, stage: int, column: int):
+    """The stage editor's dropdown of ``stage`` (column 0: first layer, 1: submesh, 2: logical mesh)."""
+    return page.locator(".autopar-stage-editor select").nth(3 * stage + column)
+
+
 @pytest.mark.slow
-def test_tour_workbench_in_chromium(tmp_path):
+def test_deep_workbench_in_chromium(tmp_path):
     root = tmp_path / "notebooks"
     root.mkdir()
     shutil.copy(ROOT / "notebooks" / "01_tour.ipynb", root)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     dirs = _shots_dirs(tmp_path)
-    with jupyter_lab(root, scratch) as (url, token), chromium_page() as page:
+    log = []
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 3400)) as page:
         open_and_run_all(page, url, token, "01_tour.ipynb", timeout_s=90)
-        # Every view renders (the tour's planning cells run first: allow for a loaded machine).
-        for cls in VIEWS:
-            page.wait_for_selector(f".{cls}", state="visible", timeout=240_000)
-        wait_until_idle(page, timeout_s=240)
+        for cls in VIEWS:  # the tour's planning cells run first: allow for a loaded machine
+            page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
+        wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
         wait_for_plots(page, ".autopar-workbench")
+        page.wait_for_timeout(1500)  # the figures fit their grid cells after the first resize
+        header = text_of(page, ".autopar-header")
+        assert "2 stages on 8 devices" in header and "peak memory" in header and "operator pins" in header
+        assert_fits(page)
+
+        # --- the operator graph: 24 repeated layers as two groups; open one; expand a layer ----------------------
+        graph = page.locator(".autopar-graph").first
+        labels = svg_texts(graph.locator(".apg-ov-label"))
+        assert "layer_0..layer_11" in labels and "layer_12..layer_23" in labels and len(labels) <= 6
+        assert svg_texts(graph.locator(".apg-badge")) == ["\u00d712", "\u00d712"]
+        legends = graph.locator(".apg-legend-title").all_inner_texts()
+        assert "colour: stage" in legends and "edges" in legends
         for cls in VIEWS:
             view = page.locator(f".{cls}").first
             view.scroll_into_view_if_needed()
             wait_for_plots(page, f".{cls}", timeout_s=10)
-            shot = _save(view, f"workbench-{cls.removeprefix('autopar-')}.png", dirs)
-            assert shot.stat().st_size > 2000, f"the {cls} screenshot is empty"
+            if cls != "autopar-graph":
+                shot = _save(view, f"workbench-{cls.removeprefix('autopar-')}.png", dirs)
+                assert shot.stat().st_size > 2000, f"the {cls} screenshot is empty"
         workbench = page.locator(".autopar-workbench").first
         workbench.scroll_into_view_if_needed()
         _save(workbench, "workbench.png", dirs)
 
-        # Override one operator's sharding in the table, and see the cost panel re-price the plan: pick an operator
-        # in the table's rows, then another strategy in its "strategy" dropdown (ipywidgets Select / Dropdown).
+        graph.locator('[data-key="G:layer_0"]').click()
+        page.wait_for_function("() => document.querySelectorAll('.autopar-graph .apg-ov').length >= 16",
+                               timeout=60_000)
+        drawn = svg_texts(graph.locator(".apg-ov-label"))
+        assert "embed" in drawn and "outside layers" in drawn and len(drawn) < 16  # 16 nodes, sparse labels
+        t0 = time.monotonic()
+        graph.locator('[data-key="L:layer_5"]').click()
+        page.wait_for_function("() => Number(document.querySelector('.autopar-graph .apg-root').dataset.nodes) > 300",
+                               timeout=60_000)
+        root_el = graph.locator(".apg-root").first
+        layout_ms = root_el.get_attribute("data-layout-ms")
+        log.append(f"expand layer_5: {time.monotonic() - t0:.2f} s (layout {layout_ms} ms)")
+        assert re.search(r"layer_5: \d{3} operators", text_of(page, ".autopar-graph .apg-detail-title"))
+        # Named operators, legible where the view opens (the top of the layer).
+        assert "apg-nolabels" not in (root_el.get_attribute("class") or "")
+        names = svg_texts(graph.locator(".apg-op-label"))
+        assert len(names) > 300 and "dot_general" in names
+        page.mouse.move(0, 0)  # no tooltip in the screenshot
+        page.wait_for_timeout(300)
+        _save(graph, "workbench-graph.png", dirs)
+        # Zoom and pan stay fast at 500 operators: 20 wheel steps and a drag, then the frame is drawn.
+        box = graph.locator(".apg-detail").first.bounding_box()
+        cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(cx, cy)
+        scale0 = float(root_el.get_attribute("data-scale"))
+        t0 = time.monotonic()
+        for _ in range(20):
+            page.mouse.wheel(0, 120)
+        page.mouse.down()
+        page.mouse.move(cx + 150, cy + 60, steps=10)
+        page.mouse.up()
+        page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        zoom_s = time.monotonic() - t0
+        scale1 = float(root_el.get_attribute("data-scale"))
+        log.append(f"20 wheel steps + a 10-step drag, drawn: {zoom_s:.2f} s; scale {scale0:.3f} -> {scale1:.3f}")
+        assert scale1 < scale0 and zoom_s < 10
+        assert "apg-nolabels" in (root_el.get_attribute("class") or "")  # names hide when too small to read
+        button(page, ".autopar-graph", "fit").click()
+        # Hover: an operator tells its shapes and sharding; a resharded edge its collective, bytes and time.
+        node = graph.locator('.apg-op[data-key^="O:"]').first
+        node.dispatch_event("mousemove", {"clientX": int(cx), "clientY": int(cy)})
+        tip = graph.locator(".apg-tip").first
+        assert tip.is_visible() and "sharding: output" in tip.inner_text() and "read and written" in tip.inner_text()
+        graph.get_by_role("button", name="sharding").first.click()
+        wait_for_text(page, ".autopar-graph .apg-legends", "operators: output sharding")
+        assert_fits(page)
+
+        # --- an override in the table re-prices the plan ------------------------------------------------------------
         step = page.locator(".autopar-step-time").first
         before = step.inner_text()
         table = page.locator(".autopar-sharding-table").first
+        # A layer in the middle of the model (the layer every deep block is priced as, on the planner's copy).
+        layer_filter = table.locator(".widget-dropdown").filter(has=page.locator("label", has_text="layer")).locator(
+            "select").first
+        if "layer_2" in layer_filter.locator("option").evaluate_all("els => els.map(e => e.value)"):
+            layer_filter.select_option("layer_2")
         rows = table.locator(".widget-select select").first
+        page.wait_for_function("(el) => el.options.length > 0", arg=rows.element_handle(), timeout=30_000)
         ops = rows.locator("option").evaluate_all("els => els.map(e => e.value)")
         assert ops, "the sharding table lists no operator"
         rows.select_option(ops[0])
@@ -218,14 +354,135 @@ def test_tour_workbench_in_chromium(tmp_path):
         for value in options[-3:]:  # the dearest alternatives come last: their step time differs for sure
             strategy.select_option(value)
             with contextlib.suppress(Exception):
-                page.wait_for_function("([el, old]) => el.innerText !== old", arg=[step.element_handle(), before],
-                                       timeout=60_000)
+                wait_for_text(page, ".autopar-step-time", before, gone=True)
             if step.inner_text() != before:
                 changed = value
                 break
-        after = step.inner_text()
         assert changed is not None, f"the step time stayed {before!r} after overriding a sharding"
-        assert not cell_errors(page), cell_errors(page)
+        assert "was " in step.inner_text() and "1 operator pin" in text_of(page, ".autopar-header")
+        # The graph redrew layer_5 for the new plan: edges the override made resharded are red, their hover says how.
+        settle(page)
+        said = int(re.search(r"(\d+) resharded edge", text_of(page, ".autopar-graph")).group(1))
+        hot = graph.locator(".apg-resharded")
+        assert hot.count() == said
+        log.append(f"resharded edges drawn in layer_5 after the override: {said}")
+        if said:
+            hot.first.dispatch_event("mousemove", {"clientX": int(cx), "clientY": int(cy)})
+            text = tip.inner_text()
+            assert "→" in text and "costs" in text and ("over mesh axis" in text or "local slicing" in text)
         wait_for_plots(page, ".autopar-cost-panel")
         _save(page.locator(".autopar-cost-panel").first, "workbench-cost-panel-after-override.png", dirs)
-        (dirs[0] / "override.txt").write_text(f"{before}\n-> {changed}\n{after}\n")
+        log.append(f"override: {before} -> {step.inner_text()}")
+
+        # --- stages: a cut moved by layer name, then every submesh edited together ------------------------------
+        layout = ".autopar-stage-layout"
+        editor_select(page, 1, 0).select_option(label="layer_15")
+        settle(page)
+        wait_for_text(page, ".autopar-stage-preview", "preview: step time")
+        assert "S1: layers 16-25 (layer_15..head)" in text_of(page, ".autopar-stage-preview")
+        button(page, layout, "apply stages").click()
+        settle(page)
+        wait_for_text(page, layout, "S1: layers 16-25 (layer_15..head)")
+        button(page, layout, "+ stage").click()
+        settle(page)
+        wait_for_text(page, ".autopar-stage-preview", "S2:")
+        editor_select(page, 0, 1).select_option(label="1x4")  # alone it cannot tile the cluster: said so
+        settle(page)
+        editor_select(page, 1, 1).select_option(label="1x4")
+        settle(page)
+        wait_for_text(page, ".autopar-stage-preview", "not valid")
+        editor_select(page, 0, 1).select_option(label="1x2")
+        settle(page)
+        editor_select(page, 1, 1).select_option(label="1x2")
+        settle(page)
+        editor_select(page, 2, 1).select_option(label="1x4")
+        settle(page)
+        editor_select(page, 2, 2).select_option(label="2x2")  # stage 2's 4 devices as a 2x2 logical mesh
+        settle(page)
+        wait_for_text(page, ".autopar-stage-preview", "S2: layers 16-25 (layer_15..head) on 1x4 as 2x2")
+        page.locator(layout).first.scroll_into_view_if_needed()
+        _save(page.locator(layout).first, "workbench-stage-layout.png", dirs)
+        button(page, layout, "apply stages").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "3 stages on 8 devices")
+        assert "S2: layers 16-25 (layer_15..head) on 1x4 as 2x2" in text_of(page, layout)
+
+        # --- undo (header) ------------------------------------------------------------------------------------------
+        button(page, ".autopar-header", "undo").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "2 stages on 8 devices")
+        assert "not valid" not in text_of(page, layout)
+
+        # --- what if: 2 devices per host, re-planned; then back -------------------------------------------------
+        page.locator(".autopar-toolbar").first.get_by_role("button", name="what if…").click()
+        settle(page)
+        slider = page.locator(".autopar-controls .widget-slider").filter(
+            has=page.locator("label", has_text="devices per host")).first
+        slider.locator(".noUi-handle").first.focus()
+        page.keyboard.press("ArrowLeft")  # 4 -> 2 devices per host
+        settle(page)
+        button(page, ".autopar-controls", "re-plan on this cluster").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "on 4 devices", timeout_s=300)
+        log.append("what-if: " + text_of(page, ".autopar-header").splitlines()[0])
+        button(page, ".autopar-header", "undo").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "on 8 devices")
+
+        # --- compare and adopt; export follows the plan -----------------------------------------------------------
+        button(page, ".autopar-toolbar", "export JAX code").click()
+        settle(page)
+        code = page.locator(".autopar-code textarea").first
+        page.wait_for_function("(el) => el.value.includes('PartitionSpec')", arg=code.element_handle(), timeout=60_000)
+        old_code = code.input_value()
+        button(page, ".autopar-toolbar", "compare baselines").click()
+        settle(page)
+        wait_for_text(page, ".autopar-controls", "data_parallel", timeout_s=300)
+        pick = page.locator(".autopar-controls .widget-dropdown").filter(
+            has=page.locator("label", has_text="use plan")).locator("select").first
+        assert pick.input_value() == "megatron"  # never blank
+        pick.select_option("data_parallel")
+        settle(page)
+        button(page, ".autopar-controls", "make current").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "adopt_data_parallel")
+        wait_for_text(page, ".autopar-controls", "data_parallel (current)")
+        page.wait_for_function("([el, old]) => el.value !== old", arg=[code.element_handle(), old_code],
+                               timeout=60_000)
+        _save(page.locator(".autopar-controls").first, "workbench-controls.png", dirs)
+        button(page, ".autopar-header", "undo").click()
+        settle(page)
+        wait_for_text(page, ".autopar-header", "2 stages on 8 devices")
+
+        # --- a local training run: the loss curve, measured against predicted ------------------------------------
+        training = page.locator(".autopar-training").first
+        steps = training.locator("input").first
+        steps.fill("2")
+        steps.press("Tab")
+        settle(page)
+        t0 = time.monotonic()
+        button(page, ".autopar-training", "run locally").click()
+        settle(page)
+        wait_for_text(page, ".autopar-training", "done", timeout_s=600)
+        log.append(f"run locally, 2 steps: {time.monotonic() - t0:.1f} s")
+        assert "training failed" not in training.inner_text()
+        runs = text_of(page, ".autopar-runs")
+        assert "local" in runs and "2/2" in runs and "→" in runs
+        points = page.evaluate("() => { const p = document.querySelector('.autopar-training .js-plotly-plot');"
+                               " return p && p._fullData ? p._fullData[0].y.length : -1; }")
+        assert points == 2
+        wait_for_plots(page, ".autopar-training")
+        _save(training, "workbench-training.png", dirs)
+
+        # --- the header stays in view while the notebook scrolls --------------------------------------------------
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.wait_for_timeout(500)
+        training.scroll_into_view_if_needed()
+        page.wait_for_timeout(300)
+        top = page.evaluate("() => document.querySelector('.autopar-header').getBoundingClientRect().top")
+        outer = page.evaluate("() => document.querySelector('.jp-WindowedPanel-outer').getBoundingClientRect().top")
+        assert abs(top - outer) <= 2, (top, outer)
+        assert page.locator(".autopar-header").first.get_by_role("button", name="undo").is_visible()
+        assert_fits(page)
+        assert not cell_errors(page), cell_errors(page)
+        (dirs[0] / "clicks.txt").write_text("\n".join(log) + "\n")

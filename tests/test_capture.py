@@ -1,7 +1,5 @@
 """Graph capture: FLOPs against hand formulas, inlining, scan/cond/while treatment, roles, kinds, errors."""
 
-import functools
-import warnings
 
 import jax
 import jax.numpy as jnp

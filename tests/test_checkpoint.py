@@ -1,4 +1,5 @@
-"""Per-stage checkpoints: round trip (bfloat16 included), commit rule, refusal of foreign or corrupt files, no pickle."""
+"""Per-stage checkpoints: round trip (bfloat16 included), commit rule, refusal of foreign or corrupt files, no
+pickle."""
 
 import json
 import zipfile

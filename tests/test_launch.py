@@ -1,6 +1,7 @@
 """Training on Ray: embedded local cluster, stage actors, progress, cancel, kill-and-resume, errors, CLI.
 
-The Ray tests (marked slow: Ray's start and each job's actor start dominate) share one embedded Ray (module fixture; token auth with a throwaway token, loopback only) and one
+The Ray tests (marked slow: Ray's start and each job's actor start dominate) share one embedded Ray (module fixture;
+token auth with a throwaway token, loopback only) and one
 2-stage plan of a small GPT on 8 CPU devices (2 actors x 4 devices); their losses are checked against the
 single-process execution of the same plan (:func:`autopar_lab.runtime.local.execute`).
 """

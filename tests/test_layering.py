@@ -92,7 +92,6 @@ def test_chain_cut_at_tiny_edge():
 
 def test_skip_edges_count():
     # A residual edge 0 -> 3 crosses every cut between them.
-    flops = [1, 1, 1, 1]
     edges = [(0, 1, 10), (1, 2, 10), (2, 3, 10), (0, 3, 4)]
     C = cut_bytes_matrix(4, edges)
     assert C[1, 3] == 14 and C[2, 3] == 14 and C[3, 3] == 14 and C[1, 1] == 10 and C[0, 3] == 0

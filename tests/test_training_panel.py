@@ -250,8 +250,10 @@ def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypa
     monkeypatch.setattr(local, "execute", lambda plan_, model_, **kw: runners.append(FakeRunner(plan_)) or runners[-1])
     s = Session(plan, model=model)
     panel = TrainingPanel(s)
+    assert panel.cancel_button.disabled and panel.cancel_button.button_style == ""  # idle: not coloured
     thread = panel.run_local(10)
     assert thread is not None and panel.busy and panel.run_button.disabled
+    assert not panel.cancel_button.disabled and panel.cancel_button.button_style == "warning"
     assert _wait_for(lambda: bool(runners))
     runner = runners[0]
     runner.gate.release(2)
@@ -260,8 +262,54 @@ def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypa
     runner.gate.release()
     panel.wait(10)
     assert not thread.is_alive() and not panel.busy and not panel.run_button.disabled
+    assert panel.cancel_button.button_style == ""
     assert panel.last_result["status"] == "cancelled" and panel.last_result["losses"] == [5.0, 4.0, 3.0]
     assert list(panel.loss_fig.data[0].y) == [5.0, 4.0, 3.0] and panel.progress.max == 10
     assert panel.progress.description == "cancelled" and "cancelled after 3 of 10" in panel.throughput.value
     assert panel.rows[0]["measured_bwd_s"] == 2e-3 and panel.rows[0]["bwd_ratio"] == pytest.approx(
         2e-3 / plan.stages[0].bwd_s)
+
+
+def test_runs_are_kept_overlaid_and_measured_against_predicted(model, plan, monkeypatch):
+    from autopar_lab.runtime import local
+    from autopar_lab.widgets.views.fmt import fmt_s
+
+    def execute(plan_, model_, **kw):
+        r = FakeRunner(plan_)
+        r.gate.release(100)
+        return r
+
+    monkeypatch.setattr(local, "execute", execute)
+    s = Session(plan, model=model)
+    panel = TrainingPanel(s)
+    panel.run_local(3, background=False)
+    panel.run_local(4, background=False)
+    runs = s.training.runs
+    assert [(r.run, r.kind, r.status, len(r.losses)) for r in runs] == [(1, "local", "done", 3),
+                                                                         (2, "local", "done", 4)]
+    assert runs[0].plan is plan and runs[1].losses == [5.0, 4.0, 3.0, 2.0]
+    # Measured: the median step after the first (which compiles), beside the plan's prediction.
+    m = runs[1].measured_step_s
+    assert m == sorted(runs[1].step_times[1:])[1] and runs[1].measured_samples_per_s == pytest.approx(8 / m)
+    table = panel.runs_table.value
+    assert table.index("<td>2</td>") < table.index("<td>1</td>")  # newest first
+    assert fmt_s(m) in table and fmt_s(plan.cost.step_time_s) in table and "5 → 2" in table
+    # The current run's curve first, the earlier run beside it.
+    names = [t.name for t in panel.loss_fig.data]
+    assert names == ["run 2", "run 1 (local, 3 steps)"]
+    assert list(panel.loss_fig.data[0].y) == [5.0, 4.0, 3.0, 2.0] and list(panel.loss_fig.data[1].y) == [5.0, 4.0, 3.0]
+
+
+@pytest.mark.slow
+@needs8
+def test_twenty_local_steps_of_gpt_tiny_learn():
+    # Issue 12, item 9: on random tokens the loss went 4.15 -> 4.18; the zoo's batches now carry a task.
+    model = al.models.get("gpt-tiny")
+    plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=2, tp=2, pp=2, microbatches=2)
+    wb = Workbench(model, plan.cluster, plan=plan)
+    wb.training.compiler_options = FAST
+    wb.training.run_local(20, background=False)
+    ys = list(wb.training.loss_fig.data[0].y)
+    assert len(ys) == 20 and ys[0] > 4.0 and ys[-1] < ys[0] - 0.6, ys
+    run = wb.session.training.runs[-1]
+    assert run.measured_step_s > 0 and "measured ÷ predicted" in wb.training.runs_table.value

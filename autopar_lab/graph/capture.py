@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import re
 import time
 import warnings
 from collections import Counter
@@ -34,7 +33,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
-import numpy as np
 
 from . import opcost
 from .scopes import layer_depth, propagate_layers, scope_layer_and_role, scope_path_and_role  # noqa: F401
@@ -224,7 +222,8 @@ def _walk(b: _Builder, jaxpr, env: dict, scope: str, scan_layer: str | None) -> 
         opaque = False
         if name == "scan":
             flops = eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr)
-            b.notes.append(f"scan of {eqn.params['length']} iterations kept as one operator (max_unroll={b.max_unroll})")
+            b.notes.append(f"scan of {eqn.params['length']} iterations kept as one operator "
+                           f"(max_unroll={b.max_unroll})")
         elif name == "cond":
             flops = max(_jaxpr_flops(br.jaxpr) for br in eqn.params["branches"])
         elif name == "while":
@@ -447,14 +446,16 @@ def _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, nam
     output_tensors = []
     for k, ((path, _), var) in enumerate(zip(out_leaves, closed.jaxpr.outvars)):
         t = env[var] if var in env else b.new_tensor(var.aval, CONST, None, value=getattr(var, "val", None))
-        b.add_op(OUTPUT_PRIMITIVE, [t], [], {"index": k, "path": jax.tree_util.keystr(path), "alias_of": aliases.get(k)},
+        b.add_op(OUTPUT_PRIMITIVE, [t], [],
+                 {"index": k, "path": jax.tree_util.keystr(path), "alias_of": aliases.get(k)},
                  "", None)
         output_tensors.append(t)
 
     warn = []
     for prim, count in b.unknown.items():
         msg = (f"primitive '{prim}' ({count} operator{'s' if count > 1 else ''}) is unknown to autopar-lab's cost "
-               "model: kept as an opaque operator (bytes only, no FLOPs, replicated); register a rule for it to plan it")
+               "model: kept as an opaque operator (bytes only, no FLOPs, replicated); register a rule for it to plan "
+               "it")
         warn.append(msg)
         if not keep_program:
             warnings.warn(msg, UnknownPrimitiveWarning, stacklevel=3)

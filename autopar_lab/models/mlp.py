@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import check, cross_entropy, dense_init, dtype_of, make_spec
+from .data import teacher_labels
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,8 @@ def loss_fn(params, batch, c: MLPConfig):
 
 
 def make_batch(key, c: MLPConfig):
-    k_x, k_y = jax.random.split(key)
-    return {"x": jax.random.normal(k_x, (c.batch_size, c.input_dim), jnp.float32).astype(dtype_of(c)),
-            "labels": jax.random.randint(k_y, (c.batch_size,), 0, c.num_classes, jnp.int32)}
+    x = jax.random.normal(key, (c.batch_size, c.input_dim), jnp.float32)
+    return {"x": x.astype(dtype_of(c)), "labels": teacher_labels(x, c.num_classes)}  # learnable (models/data.py)
 
 
 def validate(c: MLPConfig):

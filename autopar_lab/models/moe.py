@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .base import check, cross_entropy, dense_init, dtype_of, layer_norm, ln_init, make_spec, normal
+from .data import counting_tokens
 from .gpt import attention
 
 
@@ -147,8 +148,7 @@ def loss_fn(params, batch, c: MoEConfig):
 
 
 def make_batch(key, c: MoEConfig):
-    seq = jax.random.randint(key, (c.batch_size, c.seq_len + 1), 0, c.vocab_size, jnp.int32)
-    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+    return counting_tokens(key, c.batch_size, c.seq_len, c.vocab_size)  # a learnable task (models/data.py)
 
 
 def validate(c: MoEConfig):

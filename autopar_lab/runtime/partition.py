@@ -426,7 +426,8 @@ class StagedModel:
                 p = producer.get(t)
                 if t in batch_set:
                     raise ValueError(f"the step's update ({g.op(i).describe()}) reads the batch directly; a pipeline "
-                                     "splits the batch into microbatches, so only the forward and backward may read it.")
+                                     "splits the batch into microbatches, so only the forward and backward may read "
+                                     "it.")
                 if p is not None and kind[p] in ("fwd", "bwd"):
                     tasks[(stage[p], kind[p])].acc_out.add(t)
         for task in tasks.values():
@@ -618,7 +619,8 @@ class StagedModel:
             info = self._g.tensor(t)
             shape = tuple(info.shape)
             specs = self._specs(k)
-            if t in self._names and info.producer is not None and self._g.op(info.producer).primitive == INPUT_PRIMITIVE:
+            if (t in self._names and info.producer is not None
+                    and self._g.op(info.producer).primitive == INPUT_PRIMITIVE):
                 spec = specs.get(info.path)
             else:
                 spec = None

@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..deprecation import renamed_keywords
 from ..solve.ilp import DEFAULT_SOLVER
+from .training import TrainingController
 
 if TYPE_CHECKING:
     from ..plan import Plan
     from ..pricing.opmap import OpMap
     from ..pricing.table import CostTable
+
 
 __all__ = ["Session", "Event", "SolveCancelled", "Selection"]
 
@@ -97,11 +99,8 @@ class Session:
         self._lock = threading.RLock()
         # Messages about pins a solve had to drop (a what-if re-plan on a cluster that cannot keep them).
         self.dropped_pins: list[str] = []
-        # Training (run_local / launch): the latest measured per-stage times and the plan they were measured for.
-        self._measured: tuple | None = None  # (plan, rows)
-        self._runs = 0
-        self.job: Any = None  # the latest Ray job from launch()
-        self.runner: Any = None  # the latest local Runner from run_local()
+        #: Local runs and Ray launches of the current plan (widgets/training.py); the methods below delegate to it.
+        self.training = TrainingController(self)
 
     # --- state ----------------------------------------------------------------------------------------------------
     @property
@@ -499,156 +498,45 @@ class Session:
     def export_code(self) -> str:
         return self.plan.to_jax_code()
 
-    # --- training --------------------------------------------------------------------------------------------------
+    # --- training (delegates to self.training, a TrainingController) -------------------------------------------------
     @property
     def measured(self) -> list[dict] | None:
-        """The latest measured per-stage times of the current plan: ``[{stage, predicted_fwd_s, predicted_bwd_s,
-        measured_fwd_s, measured_bwd_s}]`` (seconds per microbatch), or None. Times measured for another plan are
-        stale: any plan change hides them (they come back only if that very plan becomes current again)."""
-        m = self._measured
-        if m is None or m[0] is not self.plan:
-            return None
-        return [dict(r) for r in m[1]]
+        """The latest measured per-stage times of the current plan (see :attr:`TrainingController.measured`)."""
+        return self.training.measured
 
     def record_measured(self, plan, rows, action: str = "record_measured") -> None:
-        """Keep ``rows`` (stage-time rows as :meth:`Runner.stage_times` gives) as measured for ``plan`` and tell the
-        observers with a ``measured`` event. Rows without any measured time are ignored."""
-        rows = [dict(r) for r in rows or ()]
-        if not any(r.get("measured_fwd_s") is not None or r.get("measured_bwd_s") is not None for r in rows):
-            return
-        self._measured = (plan, tuple(rows))
-        self._emit("measured", action, plan, plan, stage_times=[dict(r) for r in rows],
-                   current=plan is self.plan)
+        self.training.record_measured(plan, rows, action)
 
-    def _training_model(self, action: str):
-        m = self.model
-        if m is None or not (hasattr(m, "init") and hasattr(m, "step_fn")):
-            what = "no model" if m is None else f"a {type(m).__name__}"
-            raise ValueError(f"{action} needs the model to train, and this session has {what}: build the session or "
-                             "workbench from a zoo ModelSpec (al.models.get(...)) or pass model=... to Session.")
-        return m
-
-    def _training_event(self, action: str, run: int, plan):
-        """A ProgressEvent callback that re-emits the event as a session ``training`` event."""
-        def on_event(ev) -> None:
-            self._emit("training", action, plan, plan, event=ev, run=run)
-        return on_event
-
-    def run_local(self, steps: int, *, progress: Callable | None = None, cancel: threading.Event | None = None,
-                  seed: int = 0, compiler_options: dict | None = None, devices=None) -> dict:
-        """Train the current plan on the local JAX devices (:func:`autopar_lab.execute`) for ``steps`` steps.
-
-        Steps run one at a time on the model's synthetic batches (those of ``Runner.train``, so the losses are the
-        same); after each a ``training`` event carries a :class:`~autopar_lab.runtime.progress.ProgressEvent`
-        (kind "step"; a last one "done", "cancelled" or "error") and ``progress(event)`` is called with it. ``cancel``
-        (a threading.Event) stops the run between steps. From the second step on (the first compiles), the measured
-        per-stage times are recorded (:attr:`measured`) and each step event's ``stage_times`` is every stage's median
-        forward + backward time per step so far. Returns the runner's report plus ``status`` and ``run``.
+    def run_local(self, steps: int, **kw) -> dict:
+        """Train the current plan on the local devices (:meth:`TrainingController.run_local`).
 
             >>> s = al.Session(plan, model=model)       # doctest: +SKIP
             >>> s.run_local(3)["losses"]                # doctest: +SKIP
-            [4.16..., 4.17..., 4.15...]
+            [4.2..., 3.9..., 3.7...]
         """
-        from ..runtime.local import execute, synthetic_batch
-        from ..runtime.progress import ProgressChannel, ProgressEvent
-
-        model = self._training_model("run_local")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        plan = self.plan
-        with self._lock:
-            self._runs += 1
-            run = self._runs
-        channel = ProgressChannel()
-        channel.subscribe(self._training_event("run_local", run, plan))
-        if progress is not None:
-            channel.subscribe(progress)
-        batch_size = plan.table.batch_size if plan.table is not None else getattr(model.config, "batch_size", None)
-        t0 = time.perf_counter()
-        status, message = "done", ""
-        try:
-            runner = execute(plan, model, seed=seed, devices=devices, compiler_options=compiler_options)
-            self.runner = runner
-            for i in range(steps):
-                if cancel is not None and cancel.is_set():
-                    status = "cancelled"
-                    break
-                t = time.perf_counter()
-                loss = runner.step(synthetic_batch(model, seed + i))
-                dt = time.perf_counter() - t
-                busy: tuple = ()
-                if i >= 1:
-                    rows = runner.stage_times()
-                    self.record_measured(plan, rows, "run_local")
-                    # Each stage's compute per step: its median forward + backward per microbatch, times microbatches.
-                    if all(r.get("measured_fwd_s") is not None and r.get("measured_bwd_s") is not None for r in rows):
-                        busy = tuple((r["measured_fwd_s"] + r["measured_bwd_s"]) * int(plan.microbatches)
-                                     for r in rows)
-                channel.publish(ProgressEvent(kind="step", step=i + 1, loss=loss, step_time_s=dt,
-                                              samples_per_s=batch_size / dt if batch_size and dt > 0 else None,
-                                              stage_times=busy, elapsed_s=time.perf_counter() - t0))
-        except Exception as e:
-            channel.publish(ProgressEvent(kind="error", step=len(channel.losses), elapsed_s=time.perf_counter() - t0,
-                                          message=f"{type(e).__name__}: {e}"))
-            raise
-        if status == "cancelled":
-            message = f"cancelled after {len(runner.losses)} of {steps} step(s)"
-        channel.publish(ProgressEvent(kind=status, step=len(runner.losses), elapsed_s=time.perf_counter() - t0,
-                                      message=message))
-        return dict(runner.report(), status=status, run=run)
+        return self.training.run_local(steps, **kw)
 
     def launch(self, steps: int, **launch_kw):
-        """Train the current plan on Ray (:func:`autopar_lab.launch`; ``launch_kw`` as it takes: ``ray_address``,
-        ``checkpoint_dir``, ``checkpoint_every``, ``on_progress``, ``wait``, ...). Every progress event is re-emitted
-        as a session ``training`` event; when the job ends its measured per-stage times are recorded
-        (:attr:`measured`). Returns the :class:`~autopar_lab.runtime.launch.Job` (also kept in ``job``).
+        """Train the current plan on Ray (:meth:`TrainingController.launch`); returns the Job.
 
             >>> job = s.launch(100, ray_address="http://head:8265")   # doctest: +SKIP
             >>> job.cancel()                                            # doctest: +SKIP
         """
-        from ..runtime import launch as launch_mod
+        return self.training.launch(steps, **launch_kw)
 
-        model = self._training_model("launch")
-        plan = self.plan
-        with self._lock:
-            self._runs += 1
-            run = self._runs
-        user_cb = launch_kw.pop("on_progress", None)
-        emit = self._training_event("launch", run, plan)
-        holder: dict = {}
+    @property
+    def job(self):
+        """The latest Ray job from :meth:`launch`."""
+        return self.training.job
 
-        def on_progress(ev) -> None:
-            emit(ev)
-            if user_cb is not None:
-                user_cb(ev)
-            if ev.kind in ("done", "cancelled", "error"):
-                # The job stores its result just after this last event: collect the stage times off this thread.
-                threading.Thread(target=self._collect_job_times, args=(holder, plan), daemon=True,
-                                 name="autopar-job-times").start()
+    @property
+    def runner(self):
+        """The latest local Runner from :meth:`run_local`."""
+        return self.training.runner
 
-        job = launch_mod.launch(plan, model, steps, on_progress=on_progress, **launch_kw)
-        holder["job"] = job
-        self.job = job
-        return job
-
-    def _collect_job_times(self, holder: dict, plan, timeout_s: float = 60.0) -> None:
-        deadline = time.perf_counter() + timeout_s
-        while "job" not in holder and time.perf_counter() < deadline:  # events may end before launch() returns
-            time.sleep(0.05)
-        job = holder.get("job")
-        if job is None:
-            return
-        wait = getattr(job, "wait", None)
-        if wait is not None:
-            try:
-                wait(timeout_s)
-            except Exception:  # noqa: BLE001 - a failed job: its times are whatever it measured
-                pass
-        try:
-            rows = job.stage_times()
-        except Exception:  # noqa: BLE001 - no times to show
-            return
-        self.record_measured(plan, rows, "launch")
+    def notify(self, name: str, action: str, before=None, after=None, **detail) -> None:
+        """Tell every observer an :class:`Event` ``name`` happened (how the training controller reports)."""
+        self._emit(name, action, before, after, **detail)
 
     def error(self, action: str, exc: BaseException) -> None:
         """Tell observers an action failed (views show the message; the plan is unchanged)."""

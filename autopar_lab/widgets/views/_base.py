@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import ipywidgets as w
 
+from .fmt import fmt_bytes, fmt_flops, fmt_s  # noqa: F401 - the views' number format, re-exported
+
 #: Errors an action may raise on bad input; the view reports them (the session keeps its plan) instead of raising.
 USER_ERRORS = (ValueError, NotImplementedError, TypeError, KeyError)
 
@@ -23,6 +25,7 @@ class View:
 
     def _on_event(self, event) -> None:
         if event.name == "plan":
+            self.message.value = ""  # an error about the plan before no longer applies to this one
             self.on_plan(event)
         elif event.name == "selection":
             self.on_selection(event)
@@ -55,30 +58,6 @@ class View:
 
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def fmt_s(x: float) -> str:
-    """Seconds with a readable unit: ``fmt_s(0.00123) == '1.23 ms'``."""
-    a = abs(x)
-    if a >= 1 or a == 0:
-        return f"{x:.4g} s"
-    if a >= 1e-3:
-        return f"{x * 1e3:.4g} ms"
-    return f"{x * 1e6:.4g} µs"
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= size:
-            return f"{b / size:.3g} {unit}"
-    return f"{b:.0f} B"
-
-
-def fmt_flops(f: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if abs(f) >= size:
-            return f"{f / size:.3g} {unit}"
-    return f"{f:.0f} FLOP"
 
 
 def sync_figure(widget, fresh, layout: dict | None = None) -> None:

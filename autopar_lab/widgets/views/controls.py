@@ -1,19 +1,24 @@
-"""Controls: solves (intra-op, inter-op, full) with a progress bar and cancel, resolve around pins, undo/redo,
-save/load, export JAX code, what-if cluster sliders that re-plan, and the comparison with the baselines.
+"""Controls: a compact toolbar of solves (intra-op, inter-op, full) with a progress bar and cancel, resolve around pins,
+save/load, export JAX code, what-if cluster sliders that re-plan, and the comparison with the baselines; undo / redo
+buttons the workbench puts in its header.
 
 Solves run on a worker thread (the notebook stays responsive; cancel sets a threading.Event the session checks at
-each progress report). ``start_solve(..., background=False)`` runs on the caller's thread, as tests do.
+each progress report). ``start_solve(..., background=False)`` runs on the caller's thread, as tests do. What the
+panels below the toolbar show always describes the current plan: the exported code is made again when the plan
+changes, and the comparison's "current" row is the current plan (baselines priced for another cluster are dropped).
 """
 
 from __future__ import annotations
 
 import html
 import threading
+import time
 from typing import Any, Callable
 
 import ipywidgets as w
 
-from ._base import USER_ERRORS, View, fmt_s
+from ._base import USER_ERRORS, View
+from .fmt import fmt_ratio, fmt_s
 from ..session import SolveCancelled
 
 
@@ -42,67 +47,88 @@ class Controls(View):
     def __init__(self, session):
         super().__init__(session)
         c = session.cluster
-        B = w.Button
-        self.solve_buttons = {k: B(description=f"{k} solve", tooltip=t) for k, t in (
+
+        def B(description, tooltip="", **kw):  # sized to its label: no truncated "re-plan on this cl..."
+            return w.Button(description=description, tooltip=tooltip, layout=w.Layout(width="auto"), **kw)
+
+        self.solve_buttons = {k: B(f"{k} solve", t) for k, t in (
             ("intra", "re-solve each stage's operator shardings (ILP), around the pins"),
             ("inter", "re-run the stage DP over the cached layer costs"),
             ("full", "trace, ILPs and stage DP from scratch"))}
         for k, b in self.solve_buttons.items():
             b.on_click(lambda _, k=k: self.start_solve(k))
-        self.cancel_button = B(description="cancel", disabled=True, button_style="warning")
+        self.cancel_button = B("cancel", "stop the running solve at its next progress report", disabled=True)
+        self.cancel_button.add_class("autopar-cancel")
         self.cancel_button.on_click(lambda _: self.cancel())
-        self.resolve_button = B(description="resolve around pins")
+        self.resolve_button = B("resolve around pins", "re-solve every decision that is not pinned")
         self.resolve_button.on_click(lambda _: self.resolve())
-        self.undo_button, self.redo_button = B(description="undo"), B(description="redo")
+        self.undo_button, self.redo_button = B("undo", "back to the plan before the last change"), B("redo")
         self.undo_button.on_click(lambda _: self.undo())
         self.redo_button.on_click(lambda _: self.redo())
-        self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, description="idle")
-        self.status = w.HTML("")
-        self.path = w.Text(value="plan.json", description="file", layout=w.Layout(width="260px"))
-        self.save_button, self.load_button = B(description="save"), B(description="load")
+        self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, description="idle",
+                                        layout=w.Layout(width="220px"))
+        self.status = w.HTML("", layout=w.Layout(min_width="0"))
+        self.path = w.Text(value="plan.json", placeholder="plan file", layout=w.Layout(width="140px"))
+        self.save_button, self.load_button = B("save", "save the plan to the file"), B("load", "load a plan file")
         self.save_button.on_click(lambda _: self.save())
         self.load_button.on_click(lambda _: self.load())
-        self.export_button = B(description="export JAX code")
+        self.export_button = B("export JAX code", "the current plan as JAX sharding code")
         self.export_button.on_click(lambda _: self.export())
-        self.code = w.Textarea(value="", layout=w.Layout(width="100%", height="160px", display="none"))
+        self.code = w.Textarea(value="", layout=w.Layout(width="auto", height="160px", display="none"))  # stretches
+        self.code.add_class("autopar-code")
         # What-if sliders: moving one re-plans with a full solve on the changed cluster (when "re-plan" is ticked).
-        self.hosts = w.IntSlider(value=c.hosts, min=1, max=max(8, c.hosts), description="hosts",
-                                 continuous_update=False)
-        self.devices = w.SelectionSlider(options=[1, 2, 4, 8, 16], value=c.devices_per_host, description="dev/host",
-                                         continuous_update=False)
+        S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
+        self.hosts = w.IntSlider(value=c.hosts, min=1, max=max(8, c.hosts), description="hosts", **S)
+        self.devices = w.SelectionSlider(options=[1, 2, 4, 8, 16], value=c.devices_per_host,
+                                         description="devices per host", **S)
         self.intra_bw = w.FloatLogSlider(value=c.intra_host.bandwidth / 1e9, base=10, min=-1, max=4,
-                                         description="intra GB/s", continuous_update=False)
+                                         description="within a host (GB/s)", **S)
         self.inter_bw = w.FloatLogSlider(value=c.inter_host.bandwidth / 1e9, base=10, min=-2, max=3,
-                                         description="inter GB/s", continuous_update=False)
-        self.auto_replan = w.Checkbox(value=False, description="re-plan when a slider moves")
-        self.whatif_button = B(description="re-plan on this cluster")
+                                         description="between hosts (GB/s)", **S)
+        self.auto_replan = w.Checkbox(value=False, description="re-plan when a slider moves", indent=False,
+                                      layout=w.Layout(width="auto"))
+        self.whatif_button = B("re-plan on this cluster", "a full solve on the cluster the sliders describe")
         self.whatif_button.on_click(lambda _: self.what_if())
         for s in (self.hosts, self.devices, self.intra_bw, self.inter_bw):
             s.observe(lambda ch: self.what_if() if self.auto_replan.value and not self._quiet else None, names="value")
-        self.compare_button = B(description="compare baselines")
+        self.whatif_toggle = w.ToggleButton(value=False, description="what if…", tooltip="show the cluster sliders",
+                                            layout=w.Layout(width="auto"))
+        self.whatif_panel = w.VBox([
+            w.HTML("<b>what if</b> the cluster were different:"),
+            w.HBox([self.hosts, self.devices, self.intra_bw, self.inter_bw], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.auto_replan, self.whatif_button])], layout=w.Layout(display="none"))
+        self.whatif_toggle.observe(lambda ch: self.show_what_if(ch["new"]), names="value")
+        self.compare_button = B("compare baselines", "price Megatron-style and data-parallel plans beside this one")
         self.compare_button.on_click(lambda _: self.compare())
         self.comparison = w.HTML("")
-        self.adopt_pick = w.Dropdown(options=[], description="use plan", layout=w.Layout(width="220px"))
-        self.adopt_button = B(description="make current")
+        self.adopt_pick = w.Dropdown(options=[], description="use plan", layout=w.Layout(width="200px"))
+        self.adopt_button = B("make current", "make the picked plan the current one (undoable)")
         self.adopt_button.on_click(lambda _: self.adopt(self.adopt_pick.value))
+        self.compare_panel = w.VBox([self.comparison, w.HBox([self.adopt_pick, self.adopt_button])],
+                                    layout=w.Layout(display="none"))
         self._quiet = False
         self._thread: threading.Thread | None = None
         self._cancel: threading.Event | None = None
         self._ticks = 0
         self.last_error: str | None = None
-        self._sync()
-        self._finish(w.VBox([
-            w.HBox([*self.solve_buttons.values(), self.cancel_button, self.resolve_button]),
-            w.HBox([self.progress, self.status]),
-            w.HBox([self.undo_button, self.redo_button, self.path, self.save_button, self.load_button,
-                    self.export_button]),
-            self.code,
-            w.HTML("<b>what if</b> the cluster were different:"),
-            w.HBox([self.hosts, self.devices]), w.HBox([self.intra_bw, self.inter_bw]),
-            w.HBox([self.auto_replan, self.whatif_button]),
-            w.HBox([self.compare_button, self.adopt_pick, self.adopt_button]), self.comparison, self.message]))
+        self._exported = None  # the plan whose code the code box shows
+        self._set_running(False)
+        sep = lambda: w.HTML("<span style='color:#bbb'>|</span>")  # noqa: E731
+        self.toolbar = w.HBox([*self.solve_buttons.values(), self.cancel_button, self.resolve_button, sep(),
+                               self.path, self.save_button, self.load_button, self.export_button, sep(),
+                               self.compare_button, self.whatif_toggle, self.progress, self.status],
+                              layout=w.Layout(flex_flow="row wrap", align_items="center", width="100%"))
+        self.toolbar.add_class("autopar-toolbar")
+        self._finish(w.VBox([self.toolbar, self.whatif_panel, self.compare_panel, self.code, self.message],
+                            layout=w.Layout(width="100%", min_width="0")))
 
-    # --- long jobs -----------------------------------------------------------------------------------------------------
+    def show_what_if(self, on: bool = True) -> None:
+        """Show (or hide) the what-if sliders below the toolbar."""
+        self.whatif_panel.layout.display = None if on else "none"
+        if self.whatif_toggle.value != on:
+            self.whatif_toggle.value = on
+
+    # --- long jobs ----------------------------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -130,9 +156,12 @@ class Controls(View):
         self._set_running(True)
 
         def work():
+            t0 = time.perf_counter()
             try:
                 job(report, cancel)
                 self.progress.value, self.progress.description = 1.0, "done"
+                # Not the last progress report ("intra-op 1x1 as 1x1"): what finished, and how long it took.
+                self.status.value = f"{name} done in {fmt_s(time.perf_counter() - t0)}"
                 self.message.value = ""
                 self.last_error = None
             except SolveCancelled:
@@ -158,6 +187,8 @@ class Controls(View):
                   self.load_button, self.undo_button, self.redo_button):
             b.disabled = running
         self.cancel_button.disabled = not running
+        # Coloured only while it can act: a greyed-out orange button still reads as "press me".
+        self.cancel_button.button_style = "warning" if running else ""
         if not running:
             self._sync()
 
@@ -172,7 +203,7 @@ class Controls(View):
         try:
             cluster = self.slider_cluster()
         except USER_ERRORS as e:
-            self.run("what_if", lambda: (_ for _ in ()).throw(e))
+            self.run("what_if", lambda err=e: (_ for _ in ()).throw(err))
             return None
         s = self.session
         return self._start("what-if re-plan",
@@ -199,7 +230,7 @@ class Controls(View):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # --- quick actions -------------------------------------------------------------------------------------------------
+    # --- quick actions ------------------------------------------------------------------------------------------------
     def resolve(self) -> None:
         self.run("resolve", self.session.resolve)
 
@@ -219,19 +250,24 @@ class Controls(View):
         self.run("load", lambda: self.session.load(p))
 
     def export(self) -> str:
+        """The current plan as JAX code, shown below the toolbar (and made again whenever the plan changes)."""
         code = self.run("export", self.session.export_code) or ""
         self.code.value = code
         self.code.layout.display = None if code else "none"
+        self._exported = self.session.plan if code else None
         return code
 
     def adopt(self, name: str | None) -> None:
         comp = self.session.comparison or {}
-        if name not in comp or comp.get(name) is None or name == "current":
-            self.message.value = "run compare first, then pick a baseline"
+        if not comp:
+            self.message.value = "press compare baselines first, then pick a plan to use"
+            return
+        if name is None or comp.get(name) is None or name == "current":
+            self.message.value = f"pick a plan to use ({', '.join(self.adopt_pick.options)}) in the dropdown"
             return
         self.run("adopt", lambda: self.session.adopt(comp[name], action=f"adopt_{name}"))
 
-    # --- drawing -------------------------------------------------------------------------------------------------------
+    # --- drawing ------------------------------------------------------------------------------------------------------
     def _sync(self) -> None:
         s = self.session
         self.undo_button.disabled = not s.can_undo
@@ -249,16 +285,44 @@ class Controls(View):
         finally:
             self._quiet = False
 
-    def show_comparison(self, comparison: dict) -> None:
-        rows = comparison_rows(comparison)
-        body = "".join(f"<tr><td>{r['name']}</td><td>{fmt_s(r['step_time_s'])}</td><td>{r['ratio']:.3f}</td>"
-                       f"<td>{'yes' if r['fits'] else 'no'}</td><td>{html.escape(r['detail'])}</td></tr>" for r in rows)
-        self.comparison.value = ("<table><tr><th>plan</th><th>step time</th><th>/ current</th><th>fits</th>"
-                                 f"<th>what</th></tr>{body}</table>")
-        self.adopt_pick.options = [r["name"] for r in rows if r["name"] != "current"]
+    def show_comparison(self, comparison: dict | None) -> None:
+        """The comparison table against the *current* plan (a baseline adopted since is the current row now; one
+        priced on another cluster than the current plan's is left out); nothing when there is none."""
+        plan = self.session.plan
+        if comparison:
+            comparison = {**comparison, "current": plan}
+            for name in ("megatron", "data_parallel", "optimum"):
+                p = comparison.get(name)
+                if p is not None and p.cluster != plan.cluster:
+                    comparison[name] = None
+        rows = comparison_rows(comparison) if comparison else []
+        others = [r for r in rows if r["name"] != "current"]
+        if not others:
+            self.comparison.value = ""
+            self.adopt_pick.options = []
+            self.compare_panel.layout.display = "none"
+            return
+        adopted = {n for n in ("megatron", "data_parallel", "optimum") if comparison.get(n) is plan}
+        body = "".join(
+            f"<tr><td>{r['name']}{' (current)' if r['name'] in adopted else ''}</td><td>{fmt_s(r['step_time_s'])}</td>"
+            f"<td>{fmt_ratio(r['ratio'])}</td><td>{'yes' if r['fits'] else 'no'}</td>"
+            f"<td>{html.escape(r['detail'])}</td></tr>" for r in rows)
+        self.comparison.value = ("<table class='autopar-cost-table autopar-comparison'><tr><th>plan</th>"
+                                 "<th>step time</th><th>÷ current</th><th>fits</th><th>what</th></tr>"
+                                 f"{body}</table>")
+        names = [r["name"] for r in others]
+        keep = self.adopt_pick.value if self.adopt_pick.value in names else names[0]
+        self.adopt_pick.options = names
+        self.adopt_pick.value = keep  # never blank: "make current" acts on what the dropdown shows
+        self.compare_panel.layout.display = None
 
     def _on_event(self, event) -> None:
         if event.name == "plan":
+            self.message.value = ""  # an error about the plan before no longer applies to this one
             self._sync()
+            if self.session.comparison:
+                self.show_comparison(self.session.comparison)
+            if self._exported is not None and self._exported is not self.session.plan:
+                self.export()  # the code box shows the current plan's code, never an older one's
         elif event.name == "compare":
             self.show_comparison(event.detail["comparison"])

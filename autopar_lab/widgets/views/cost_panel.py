@@ -1,5 +1,6 @@
-"""Cost panel: the step time split into its terms, before -> after the last change; memory per stage against the
-device limit; utilisation against the roofline bound.
+"""Cost panel: the step time split into its terms, before -> after the last change; memory per stage split into
+parameters, gradients, optimizer state and activations (:mod:`autopar_lab.memory`), before -> after; utilisation
+against the roofline bound.
 
 The stacked bar sums exactly to the step time: compute + collectives + resharding (the busiest stage's work) + bubble
 (its idle time). Stage transfers overlap compute and are part of that idle time where they are exposed, so the table
@@ -15,12 +16,15 @@ with no communication or bubble.
 
 from __future__ import annotations
 
+import html
 import time
 
 import ipywidgets as w
 
+from ...memory import memory_breakdown
 from . import figures
-from ._base import View, fmt_bytes, fmt_s, sync_figure
+from ._base import View, sync_figure
+from .fmt import fmt_bytes, fmt_delta_bytes, fmt_delta_s, fmt_flops, fmt_pct, fmt_rate, fmt_ratio, fmt_s
 
 _ROOF_CACHE: dict = {}
 
@@ -61,28 +65,29 @@ def roofline(plan) -> dict:
     return {"flops": flops, "ideal_s": ideal, "utilisation": util, "bound": bound}
 
 
-def _delta(before: float | None, after: float) -> str:
-    if before is None:
-        return ""
-    d = after - before
-    if d == 0:
-        return "="
-    rel = f" ({d / before:+.1%})" if before else ""
-    return f"{'+' if d > 0 else ''}{fmt_s(d)}{rel}"
-
-
 def step_time_text(before, after) -> str:
-    """``"step time 1.23 s"`` and, after a change, what it was."""
+    """``"step time 1.23 s · 4.56k samples/s"`` and, after a change, what it was and the change."""
     text = f"step time {fmt_s(after.step_time_s)}"
     if before is not None and before.step_time_s != after.step_time_s:
-        text += f" (was {fmt_s(before.step_time_s)}, {_delta(before.step_time_s, after.step_time_s)})"
-    return text + f" · {after.samples_per_s:.4g} samples/s"
+        text += f" (was {fmt_s(before.step_time_s)}: {fmt_delta_s(before.step_time_s, after.step_time_s)})"
+    return text + f" · {fmt_rate(after.samples_per_s)}"
+
+
+def explain_text(cost) -> str:
+    """:meth:`CostReport.explain` in the views' number format: the step time as the sum of its terms."""
+    return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} + collectives "
+            f"{fmt_s(cost.comm_s)} + resharding {fmt_s(cost.reshard_s)} (the busiest stage, S{cost.busiest_stage}, "
+            f"over all microbatches) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, "
+            f"waiting for transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip "
+            "in all")
 
 
 def breakdown_html(before, after) -> str:
-    """The terms before -> after as an HTML table."""
+    """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
+    1% of the step time (see :mod:`.fmt`)."""
     rows = [("compute", "compute_s"), ("collectives", "comm_s"), ("resharding", "reshard_s"), ("bubble", "bubble_s"),
-            ("stage transfer (overlapped, in bubble)", "stage_comm_s"), ("step time", "step_time_s")]
+            ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"), ("step time", "step_time_s")]
+    ref = before.step_time_s if before is not None else None
     head = "<tr><th style='text-align:left'>term</th>" + ("<th>before</th>" if before is not None else "") + \
            "<th>now</th>" + ("<th>change</th>" if before is not None else "") + "</tr>"
     body = []
@@ -90,19 +95,22 @@ def breakdown_html(before, after) -> str:
         a = getattr(after, f)
         b = getattr(before, f) if before is not None else None
         cells = (f"<td>{fmt_s(b)}</td>" if before is not None else "") + f"<td>{fmt_s(a)}</td>" + \
-                (f"<td>{_delta(b, a)}</td>" if before is not None else "")
+                (f"<td>{fmt_delta_s(b, a, ref)}</td>" if before is not None else "")
         style = " style='font-weight:bold'" if f == "step_time_s" else ""
         body.append(f"<tr{style}><td>{label}</td>{cells}</tr>")
     mem_b = max(before.peak_mem_bytes) if before is not None else None
     mem_a = max(after.peak_mem_bytes)
     over = " <span style='color:#B00020'>over the limit</span>" if mem_a > after.mem_limit_bytes else ""
-    mem = (f"<tr><td>peak memory (max stage)</td>" + (f"<td>{fmt_bytes(mem_b)}</td>" if before is not None else "")
-           + f"<td>{fmt_bytes(mem_a)}{over}</td>" + ("<td></td>" if before is not None else "") + "</tr>")
+    mem = ("<tr><td>peak memory (largest stage)</td>" + (f"<td>{fmt_bytes(mem_b)}</td>" if before is not None else "")
+           + f"<td>{fmt_bytes(mem_a)}{over}</td>"
+           + (f"<td>{fmt_delta_bytes(mem_b, mem_a)}</td>" if before is not None else "") + "</tr>")
     return f"<table class='autopar-cost-table'>{head}{''.join(body)}{mem}</table>"
 
 
 class CostPanel(View):
-    """Step time (text, CSS class ``autopar-step-time``), the breakdown before -> after, memory and utilisation."""
+    """The step time's terms before -> after the last change, memory per stage by part, utilisation, and measured
+    against predicted times once a run measured them. "Before" is the plan shown before the last change, whatever
+    it was (an undo's before is the plan undone)."""
 
     css = "autopar-cost-panel"
 
@@ -111,34 +119,41 @@ class CostPanel(View):
         import plotly.graph_objects as go
 
         plan = session.plan
-        self.step_time = w.HTML("")
-        self.step_time.add_class("autopar-step-time")
+        self.before = session.previous  # the plan before the last change (None at the start)
         self.breakdown = w.HTML("")
         self.explain = w.HTML("")
         self.utilisation = w.HTML("")
+        self.memory = w.HTML("")
         self.measured = w.HTML("")  # measured / predicted stage times, once a training run measured them
         self.cost_fig = go.FigureWidget(figures.cost_figure(None, cost_terms(plan.cost)))
-        self.mem_fig = go.FigureWidget(figures.memory_figure(plan.cost.peak_mem_bytes, plan.cost.mem_limit_bytes))
+        self.mem_fig = go.FigureWidget(figures.memory_figure(memory_breakdown(plan), None,
+                                                             plan.cost.mem_limit_bytes))
         self.last_refresh: float | None = None
         self.refresh()
-        self._finish(w.VBox([self.step_time, self.breakdown, self.cost_fig, self.mem_fig, self.utilisation,
-                             self.measured, self.explain, self.message]))
+        self._finish(w.VBox([self.breakdown, self.cost_fig, self.memory, self.mem_fig, self.utilisation,
+                             self.measured, self.explain, self.message], layout=w.Layout(min_width="0")))
 
     def refresh(self) -> None:
-        plan, prev = self.session.plan, self.session.previous
+        plan, prev = self.session.plan, self.before
         before = prev.cost if prev is not None else None
         after = plan.cost
-        self.step_time.value = f"<b>{step_time_text(before, after)}</b>"
         self.breakdown.value = breakdown_html(before, after)
-        self.explain.value = f"<small>{after.explain()}</small>"
+        self.explain.value = f"<small>{html.escape(explain_text(after))}</small>"
         r = roofline(plan)
-        self.utilisation.value = (f"utilisation {r['utilisation']:.1%} of peak; roofline bound {r['bound']:.1%} "
-                                  f"(ideal step {fmt_s(r['ideal_s'])} for {r['flops']:.3g} FLOPs on "
-                                  f"{plan.cluster.num_devices} devices)")
+        self.utilisation.value = (f"utilisation {fmt_pct(r['utilisation'])} of peak; roofline bound "
+                                  f"{fmt_pct(r['bound'])} (ideal step {fmt_s(r['ideal_s'])} for "
+                                  f"{fmt_flops(r['flops'])} on {plan.cluster.num_devices} devices)")
         sync_figure(self.cost_fig, figures.cost_figure(cost_terms(before) if before is not None else None,
                                                        cost_terms(after)))
-        mem = figures.memory_figure(after.peak_mem_bytes, after.mem_limit_bytes)
-        sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations})
+        now = memory_breakdown(plan)
+        was = memory_breakdown(prev) if prev is not None and prev.cost.peak_mem_bytes != after.peak_mem_bytes \
+            else None
+        self.mem_rows = now
+        mem = figures.memory_figure(now, was, after.mem_limit_bytes)
+        sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations,
+                                        "title.text": mem.layout.title.text,
+                                        "yaxis.title.text": mem.layout.yaxis.title.text})
+        self.memory.value = memory_text(now, after.mem_limit_bytes)
         self.show_measured()
         self.last_refresh = time.perf_counter()
 
@@ -150,16 +165,31 @@ class CostPanel(View):
         if not measured:
             self.measured.value = ""
             return
-        parts = [f"stage {r['stage']}: fwd {r['fwd_ratio']:.2f}×, bwd {r['bwd_ratio']:.2f}×"
+        parts = [f"stage {r['stage']}: forward {fmt_ratio(r['fwd_ratio'])}, backward {fmt_ratio(r['bwd_ratio'])}"
                  for r in stage_rows(self.session.plan, measured)
                  if r["fwd_ratio"] is not None and r["bwd_ratio"] is not None]
         self.measured.value = ("<small>measured / predicted time per microbatch: " + "; ".join(parts) + "</small>"
                                if parts else "")
 
     def on_plan(self, event) -> None:
+        self.before = event.before if event.before is not event.after else self.before
         self.refresh()
 
     def _on_event(self, event) -> None:
         super()._on_event(event)
         if event.name == "measured":
             self.show_measured()
+
+
+def memory_text(rows, limit_bytes: float) -> str:
+    """One line per stage: its peak and what holds it (the figure's numbers, as text)."""
+    lines = []
+    for r in rows:
+        parts = (f"parameters {fmt_bytes(r['params_bytes'])}, gradients {fmt_bytes(r['grads_bytes'])}, optimizer "
+                 f"{fmt_bytes(r['optimizer_bytes'])}, activations {fmt_bytes(r['activations_bytes'])} "
+                 f"({r['microbatches_in_flight']} microbatch(es) in flight)")
+        if r["remat"]:
+            parts += f"; remat saves {fmt_bytes(r['remat_saved_bytes'])}"
+        lines.append(f"S{r['stage']}: <b>{fmt_bytes(r['total_bytes'])}</b> of {fmt_bytes(limit_bytes)} "
+                     f"({fmt_pct(r['total_bytes'] / limit_bytes)}) = {parts}")
+    return "<div class='autopar-memory-text'><small>" + "<br>".join(lines) + "</small></div>"

@@ -14,6 +14,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from .fmt import fmt_bytes, fmt_s
+
 # One colour per stage / category, cycling (plotly's qualitative "Plotly" palette plus "D3").
 PALETTE = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF",
            "#FECB52", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B")
@@ -45,44 +47,12 @@ def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     return fig
 
 
-def dag_figure(nodes: Sequence[Mapping], edges: Sequence[tuple[float, float, float, float]],
-               selected: str | None = None, title: str = "operator graph", height: int = 380) -> go.Figure:
-    """A layered DAG: ``nodes`` [{key, x, y, label, colour, hover, size}], ``edges`` [(x0, y0, x1, y1)].
-
-    All edges are one line trace (None-separated segments) and all nodes one marker trace whose ``customdata`` is the
-    node key, so a graph of any size is two traces. The node whose key is ``selected`` gets a thick outline.
-
-    >>> f = dag_figure([{"key": "a", "x": 0, "y": 0}, {"key": "b", "x": 1, "y": 0}], [(0, 0, 1, 0)], selected="b")
-    >>> list(f.data[1].customdata), list(f.data[1].marker.line.width)
-    ([['a'], ['b']], [0.5, 3])
-    """
-    ex, ey = [], []
-    for x0, y0, x1, y1 in edges:
-        ex += [x0, x1, None]
-        ey += [y0, y1, None]
-    fig = _figure()
-    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#C8C8C8", width=1), hoverinfo="skip",
-                             name="edges", showlegend=False))
-    fig.add_trace(go.Scatter(
-        x=[n["x"] for n in nodes], y=[n["y"] for n in nodes], mode="markers+text",
-        text=[n.get("label", "") for n in nodes], textposition="top center", textfont=dict(size=9),
-        hovertext=[n.get("hover", n["key"]) for n in nodes], hoverinfo="text",
-        customdata=[[n["key"]] for n in nodes], name="nodes", showlegend=False,
-        marker=dict(color=[n.get("colour", PALETTE[0]) for n in nodes], size=[n.get("size", 12) for n in nodes],
-                    line=dict(color="#111111", width=[3 if n["key"] == selected else 0.5 for n in nodes]))))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    fig = _layout(fig, title, height)
-    fig.update_layout(showlegend=False, clickmode="event", dragmode="pan")
-    return fig
-
-
 # The cost panel shares a row with the graph and table: a fixed width keeps its figures inside their column (a
 # FigureWidget otherwise takes the width of the page it first renders in, and is cut off when the columns wrap).
 SIDE_WIDTH = 460
 
 
-def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], title: str = "step time (s)",
+def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], title: str = "step time by term",
                 height: int = 220, width: int | None = SIDE_WIDTH) -> go.Figure:
     """Stacked horizontal bars of the step-time terms, "before" above "after" (``before`` None: one bar).
 
@@ -90,41 +60,90 @@ def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], 
     >>> [(t.name, t.x) for t in f.data]
     [('compute', (2.0,)), ('bubble', (1.0,))]
     """
-    rows = (["before", "after"] if before is not None else ["now"])
+    rows = ["before", "now"] if before is not None else ["now"]
     fig = _figure()
     for term, v in after.items():
         xs = ([before.get(term, 0.0)] if before is not None else []) + [v]
         fig.add_trace(go.Bar(y=rows, x=xs, name=term, orientation="h", marker_color=TERM_COLOURS.get(term),
-                             hovertemplate=f"{term}: %{{x:.4g}} s<extra></extra>"))
-    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25), width=width)
+                             customdata=[fmt_s(x) for x in xs],
+                             hovertemplate=f"{term}: %{{customdata}}<extra></extra>"))
+    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.25, traceorder="normal"), width=width)
     fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(exponentformat="SI", minexponent=0, ticksuffix="s")  # 0.005 reads "5ms"
     return _layout(fig, title, height)
 
 
-def memory_figure(peak_bytes: Sequence[float], limit_bytes: float, title: str = "peak memory per device (GiB)",
-                  height: int = 220, width: int | None = SIDE_WIDTH) -> go.Figure:
-    """One bar per stage (red when over the limit) and the device limit as a dashed line.
+PART_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state",
+               "activations_bytes": "activations (x microbatches in flight)"}
+PART_COLOURS = {"params_bytes": "#636EFA", "grads_bytes": "#19D3F3", "optimizer_bytes": "#AB63FA",
+                "activations_bytes": "#FFA15A", "remat_saved_bytes": "#FFFFFF"}
+_UNITS = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
-    >>> f = memory_figure([1 * 2**30, 3 * 2**30], 2 * 2**30)
-    >>> list(f.data[0].marker.color)
-    ['#00CC96', '#D62728']
+
+def byte_unit(largest: float) -> tuple[str, float]:
+    """The binary unit a chart of values up to ``largest`` bytes reads best in: ``byte_unit(3e6) == ('MiB', 2**20)``."""
+    return next(((u, s) for u, s in _UNITS if largest >= s), ("B", 1))
+
+
+def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = None, limit_bytes: float | None = None,
+                  title: str = "peak memory per device, by stage", height: int = 260,
+                  width: int | None = SIDE_WIDTH) -> go.Figure:
+    """Each stage's peak memory stacked by part (parameters, gradients, optimizer state, activations), ``before``
+    beside "now" when given; rows as :func:`autopar_lab.memory.memory_breakdown` gives them. The axis takes the unit
+    of the largest bar (so small usage is not flattened by a far device limit); the limit is a dashed line when it is
+    within reach of the bars, else named in the title. Activations that remat saves are an outlined, unfilled
+    segment on top ("saved by remat", not held).
+
+    >>> rows = [{"params_bytes": 2**20, "grads_bytes": 2**20, "optimizer_bytes": 2**21, "activations_bytes": 0,
+    ...          "remat_saved_bytes": 0}]
+    >>> f = memory_figure(rows, limit_bytes=16 * 2**30)
+    >>> [t.name for t in f.data][:2], f.data[0].y, f.layout.yaxis.title.text
+    (['parameters', 'gradients'], (1.0,), 'MiB')
     """
-    gib = [b / 2**30 for b in peak_bytes]
-    lim = limit_bytes / 2**30
-    fig = _figure(go.Bar(x=[f"stage {i}" for i in range(len(gib))], y=gib, name="peak",
-                           marker_color=["#D62728" if g > lim else "#00CC96" for g in gib],
-                           hovertemplate="%{x}: %{y:.3g} GiB<extra></extra>"))
-    fig.add_hline(y=lim, line_dash="dash", line_color="#444", annotation_text=f"limit {lim:.3g} GiB")
-    fig = _layout(fig, title, height)
-    fig.update_layout(showlegend=False, width=width)
-    return fig
+    sets = ([("before", before)] if before is not None else []) + [("now", after)]
+    largest = max((sum(r[p] for p in PART_LABELS) for _, rows in sets for r in rows), default=0.0)
+    unit, scale = byte_unit(largest)
+    x0, x1 = [], []
+    for label, rows in sets:
+        for k in range(len(rows)):
+            x0.append(f"S{k}")
+            x1.append(label)
+    # Stages across, before / now within each stage.
+    order = sorted(range(len(x0)), key=lambda i: (int(x0[i][1:]), x1[i] != "before"))
+    xs = [[x0[i] for i in order], [x1[i] for i in order]]
+    flat = [r for _, rows in sets for r in rows]
+    fig = _figure()
+    for part, name in PART_LABELS.items():
+        ys = [flat[i][part] / scale for i in order]
+        fig.add_trace(go.Bar(x=xs, y=ys, name=name, marker_color=PART_COLOURS[part],
+                             customdata=[fmt_bytes(flat[i][part]) for i in order],
+                             hovertemplate=f"{name}: %{{customdata}}<extra>%{{x}}</extra>"))
+    saved = [flat[i].get("remat_saved_bytes", 0.0) / scale for i in order]
+    if any(saved):
+        fig.add_trace(go.Bar(x=xs, y=saved, name="saved by remat (not held)",
+                             marker=dict(color="rgba(0,0,0,0)", line=dict(color="#FFA15A", width=1.5)),
+                             customdata=[fmt_bytes(flat[i].get("remat_saved_bytes", 0.0)) for i in order],
+                             hovertemplate="remat saves %{customdata}<extra>%{x}</extra>"))
+    note = ""
+    if limit_bytes is not None:
+        lim = limit_bytes / scale
+        if limit_bytes <= 1.5 * largest:
+            fig.add_hline(y=lim, line_dash="dash", line_color="#D62728",
+                          annotation_text=f"device limit {fmt_bytes(limit_bytes)}", annotation_position="top left")
+        else:
+            note = f" (device limit {fmt_bytes(limit_bytes)}, off the scale)"
+    fig.update_layout(barmode="stack", width=width, legend=dict(orientation="h", y=-0.3, font=dict(size=10)))
+    fig.update_yaxes(title_text=unit, rangemode="tozero")
+    return _layout(fig, title + note, height)
 
 
 def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
     """The gaps on every compute row of a timeline (the bubbles): [{resource, stage, start, end}].
 
     >>> idle_intervals([{"resource": "stage 0", "stage": 0, "kind": "fwd", "start": 1.0, "end": 2.0}], 3.0)
-    [{'resource': 'stage 0', 'stage': 0, 'start': 0.0, 'end': 1.0}, {'resource': 'stage 0', 'stage': 0, 'start': 2.0, 'end': 3.0}]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [{'resource': 'stage 0', 'stage': 0, 'start': 0.0, 'end': 1.0},
+     {'resource': 'stage 0', 'stage': 0, 'start': 2.0, 'end': 3.0}]
     """
     by: dict[str, list] = {}
     stage_of = {}
@@ -145,17 +164,22 @@ def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
 
 
 def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipeline timeline",
-                    height: int = 260, max_labels: int = 64) -> go.Figure:
+                    height: int = 290, max_labels: int = 64, label_upto: int | None = None) -> go.Figure:
     """A Gantt chart of a pipeline simulation (rows as :meth:`simulate.Timeline.to_rows` gives them): one bar trace
     per task kind, plus the idle gaps of each stage in grey ("bubble"). Microbatch numbers are written on the bars
-    when there are at most ``max_labels`` tasks.
+    when there are at most ``max_labels`` tasks, or (``label_upto``) on the bars of microbatches below that number
+    (the ones a window on the first microbatches shows).
 
     >>> rows = [{"resource": "stage 0", "stage": 0, "kind": "fwd", "microbatch": 0, "start": 0.0, "end": 1.0}]
     >>> [t.name for t in timeline_figure(rows, 2.0).data]
     ['fwd', 'bubble']
     """
     fig = _figure()
-    label = len(rows) <= max_labels
+    def label(r) -> str:
+        if label_upto is not None:
+            return str(r["microbatch"]) if r["microbatch"] < label_upto else ""
+        return str(r["microbatch"]) if len(rows) <= max_labels else ""
+
     order = sorted({r["resource"] for r in rows}, key=lambda s: (s.startswith("link"), s))
     for kind in ("fwd", "bwd", "send_fwd", "send_bwd"):
         rs = [r for r in rows if r["kind"] == kind]
@@ -164,23 +188,27 @@ def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipe
         fig.add_trace(go.Bar(
             y=[r["resource"] for r in rs], x=[r["end"] - r["start"] for r in rs], base=[r["start"] for r in rs],
             orientation="h", name=kind, marker_color=KIND_COLOURS[kind],
-            text=[str(r["microbatch"]) for r in rs] if label else None, textposition="inside",
-            customdata=[[r["microbatch"], r["start"], r["end"]] for r in rs],
-            hovertemplate=f"{kind} mb %{{customdata[0]}}: %{{customdata[1]:.4g}}-%{{customdata[2]:.4g}} s<extra></extra>"))
+            text=[label(r) if kind in ("fwd", "bwd") else "" for r in rs], textposition="inside",
+            customdata=[[r["microbatch"], fmt_s(r["start"]), fmt_s(r["end"] - r["start"])] for r in rs],
+            hovertemplate=(f"{kind} of microbatch %{{customdata[0]}}: starts at %{{customdata[1]}}, "
+                           "takes %{customdata[2]}<extra>%{y}</extra>")))
     idle = idle_intervals(rows, makespan)
     if idle:
         fig.add_trace(go.Bar(
             y=[r["resource"] for r in idle], x=[r["end"] - r["start"] for r in idle], base=[r["start"] for r in idle],
             orientation="h", name="bubble", marker_color=KIND_COLOURS["idle"], opacity=0.8,
-            hovertemplate="idle %{base:.4g} s + %{x:.4g} s<extra></extra>"))
-    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
+            customdata=[[fmt_s(r["start"]), fmt_s(r["end"] - r["start"])] for r in idle],
+            hovertemplate="idle from %{customdata[0]} for %{customdata[1]}<extra>%{y}</extra>"))
+    fig.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.42))
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(order)))
-    fig.update_xaxes(title_text="seconds", range=[0, makespan * 1.01 if makespan > 0 else 1])
+    fig.update_xaxes(title_text="time into the step", range=[0, makespan * 1.01 if makespan > 0 else 1],
+                     exponentformat="SI", minexponent=0, ticksuffix="s")
     return _layout(fig, title, height)
 
 
 def mesh_grid_figure(hosts: int, devices_per_host: int, stages: Sequence[Mapping], selected: int | None = None,
-                     title: str = "stages on the cluster (hosts x devices)", height: int | None = None) -> go.Figure:
+                     title: str = "stages on the cluster (hosts x devices)", height: int | None = None,
+                     width: int | None = None, legend: bool = True) -> go.Figure:
     """The cluster as a hosts x devices grid, each device a square coloured by the stage that runs on it.
 
     ``stages``: [{devices: [global device ids], label: "S0 1x4 as 2x2 L0-3"}]. Clicking a square reports the stage
@@ -217,4 +245,6 @@ def mesh_grid_figure(hosts: int, devices_per_host: int, stages: Sequence[Mapping
                                  name=st["label"]))
     fig.update_xaxes(title_text="device in host", dtick=1, range=[-0.7, devices_per_host - 0.3])
     fig.update_yaxes(title_text="host", dtick=1, range=[hosts - 0.3, -0.7])  # host 0 on top
-    return _layout(fig, title, height or 120 + 50 * hosts)
+    fig = _layout(fig, title, height or 120 + 50 * hosts)
+    fig.update_layout(width=width, showlegend=legend, legend=dict(orientation="h", y=-0.6, font=dict(size=10)))
+    return fig

@@ -1,11 +1,20 @@
-"""Operator graph view: one node per layer (a 30k-operator GPT-39B stays two plotly traces), one layer expanded.
+"""Operator graph view: the model's layers in an overview strip, repeated layers collapsed, one layer expanded as a
+layered DAG of its operators.
 
-Layers sit left to right in forward order; the expanded layer's operators are drawn below them, placed by their
-depth inside the layer (longest path from the layer's entry, as networkx's topological generations would give). Nodes
-are coloured by stage or by sharding (the operator's output spec; a layer takes its stage's logical mesh). Hover shows
-shapes, FLOPs and bytes; a click selects (a layer also expands).
+Consecutive layers with the same operators (the same primitives in the same order) on the same stage are one group
+node, "layer_0..layer_11 ×12"; a click opens the group into its layers, a click on a layer expands it below as a DAG
+with every operator named, laid out in the browser by dagre (``extensions/graph``). Nodes are coloured by stage or by
+sharding (an operator's output spec; a layer takes its stage's logical mesh), with a legend for each colouring. An
+edge whose two ends use different shardings is resharded: drawn thick and red, its hover says which collectives
+convert it, over which mesh axis, how many bytes and how long. Edges from the forward pass into the backward pass
+(activations kept for the backward) are left out of the layout: they would tie every forward operator to its
+backward twin across the whole drawing; those that are resharded are still drawn. The step's inputs and outputs in
+a layer (its parameters and optimizer state, a third of its operators, each a lone source or sink) are folded into
+the hover of the operators that read or write them.
 
-    >>> nodes, edges = graph_data(session, expanded="layer_0", mode="stage")     # doctest: +SKIP
+    >>> data = graph_data(session, expanded="layer_0", mode="sharding")     # doctest: +SKIP
+    >>> [n["label"] for n in data["overview"]]                                 # doctest: +SKIP
+    ['embed', 'layer_0..layer_23', 'head', 'outside layers']
 """
 
 from __future__ import annotations
@@ -16,15 +25,30 @@ from typing import Any
 import ipywidgets as w
 
 from . import figures
-from ._base import View, fmt_bytes, fmt_flops
+from ._base import View
+from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
+from .fmt import fmt_bytes, fmt_flops, fmt_s, strategy_text
 
-OTHER = "(no layer)"
+OTHER = "(no layer)"  # the pseudo-layer of operators outside every layer
+OTHER_LABEL = "outside layers"
+RESHARD_COLOUR = "#d62728"
+EDGE_COLOUR = "#bdbdbd"
+UNKNOWN_COLOUR = "#9e9e9e"
 _LAYER_CACHE: dict[int, tuple] = {}
 
 
 def layer_summary(graph) -> tuple[list[str], dict, dict, set]:
     """Per layer of ``graph``: names (forward order, plus ``(no layer)`` when some operators have none),
     {layer: [ops]}, {layer: (flops, bytes)}, and the layer-to-layer edges. Cached per graph (graphs are immutable)."""
+    return _summary(graph)[:4]
+
+
+def layer_shapes(graph) -> dict[str, tuple]:
+    """{layer: its operators' primitives in order}: layers with equal values have the same structure."""
+    return _summary(graph)[4]
+
+
+def _summary(graph):
     hit = _LAYER_CACHE.get(id(graph))
     if hit is not None and hit[0] is graph:
         return hit[1]
@@ -45,25 +69,12 @@ def layer_summary(graph) -> tuple[list[str], dict, dict, set]:
             if src is not None and layer_of[src] != layer_of[n.id]:
                 edges.add((layer_of[src], layer_of[n.id]))
     names = list(graph.layers) + ([OTHER] if OTHER in ops else [])
-    out = (names, dict(ops), {k: tuple(v) for k, v in stats.items()}, edges)
+    shapes = {name: tuple(graph.op(o).primitive for o in ops[name]) for name in names}
+    out = (names, dict(ops), {k: tuple(v) for k, v in stats.items()}, edges, shapes)
     if len(_LAYER_CACHE) > 8:
         _LAYER_CACHE.clear()
     _LAYER_CACHE[id(graph)] = (graph, out)
     return out
-
-
-def _depths(graph, ops: list[int]) -> dict[int, int]:
-    """Longest-path depth of each operator inside the set ``ops`` (ids are topological, so one pass)."""
-    inside = set(ops)
-    depth: dict[int, int] = {}
-    for o in ops:
-        d = 0
-        for t in graph.op(o).inputs:
-            p = graph.tensor(t).producer
-            if p in inside and p in depth:
-                d = max(d, depth[p] + 1)
-        depth[o] = d
-    return depth
 
 
 def _layer_stage(plan, names: list[str]) -> dict[str, int]:
@@ -76,107 +87,296 @@ def _layer_stage(plan, names: list[str]) -> dict[str, int]:
     return out
 
 
-def graph_data(session, expanded: str | None = None, mode: str = "stage", max_ops: int = 2000):
-    """The nodes and edges :func:`figures.dag_figure` draws: every layer, plus the operators of ``expanded``
-    (at most ``max_ops`` of them). Node keys: ``"L:<layer>"`` and ``"O:<op id in the full graph>"``."""
+def layer_groups(session) -> list[dict]:
+    """Runs of consecutive layers with the same structure on the same stage: [{key, layers, stage}] in forward
+    order (a layer that repeats nothing is a group of one). ``key`` is ``"G:<first layer>"``."""
+    names, _, _, _, shapes = _summary(session.graph)
+    stage = _layer_stage(session.plan, names)
+    groups: list[dict] = []
+    for name in names:
+        g = groups[-1] if groups else None
+        if (g is not None and name != OTHER and g["layers"][0] != OTHER and stage[name] == g["stage"]
+                and shapes[name] == shapes[g["layers"][0]]):
+            g["layers"].append(name)
+        else:
+            groups.append({"key": f"G:{name}", "layers": [name], "stage": stage[name]})
+    return groups
+
+
+def _mesh_text(st) -> str:
+    return f"{st.logical_mesh[0]}x{st.logical_mesh[1]}"
+
+
+def _label(name: str) -> str:
+    return OTHER_LABEL if name == OTHER else name
+
+
+def _strategy(session, full_op: int):
+    sop = session.solve_op(full_op)
+    if sop is None:
+        return None
+    try:
+        return session.plan.choice(sop)
+    except KeyError:
+        return None
+
+
+def _shapes_text(shapes, dtypes) -> str:
+    return ", ".join(f"{d}{list(s)}" for s, d in zip(shapes, dtypes)) or "none"
+
+
+def _op_hover(session, node, strat, stage: int, pinned: bool) -> str:
+    plan = session.plan
+    st = plan.stages[stage]
+    lines = [f"#{node.id} {node.primitive} ({node.role})",
+             f"in: {_shapes_text(node.in_shapes, node.in_dtypes)}",
+             f"out: {_shapes_text(node.out_shapes, node.out_dtypes)}",
+             f"{fmt_flops(node.flops)}, {fmt_bytes(node.bytes_accessed)} read and written"]
+    if strat is not None:
+        lines.append(f"sharding: {strategy_text(strat.name)} on stage {stage}'s {_mesh_text(st)} mesh"
+                     + (" (pinned)" if pinned else ""))
+        lines.append(f"time: compute {fmt_s(strat.compute_s)}, collectives {fmt_s(strat.comm_s)}")
+        for kind, axis, nbytes in strat.collectives:
+            lines.append(f"  {kind.replace('_', '-')} over mesh axis {axis}: {fmt_bytes(nbytes)}")
+    else:
+        lines.append("sharding: none recorded for this operator")
+    return "\n".join(lines)
+
+
+def _reshard(mesh_cache: dict, plan, stage: int, tensor, src, dst) -> tuple[float, tuple] | None:
+    from ...sharding.reshard import reshard_cost
+
+    mesh = mesh_cache.get(stage)
+    if mesh is None:
+        st = plan.stages[stage]
+        mesh = mesh_cache[stage] = plan.cluster.logical_mesh(st.submesh, st.logical_mesh)
+    try:
+        return reshard_cost(src, dst, tensor.shape, tensor.dtype, mesh)
+    except ValueError:  # a spec the tensor's shape cannot take on this mesh: nothing to say
+        return None
+
+
+def _edge_hover(tensor, src, dst, cost: float, cols, mesh: str) -> str:
+    lines = [f"{tensor.dtype}{list(tensor.shape)} ({fmt_bytes(tensor.nbytes)}): {src} → {dst} on the {mesh} mesh"]
+    if cols:
+        for kind, axis, nbytes in cols:
+            lines.append(f"{kind.replace('_', '-')} over mesh axis {axis}: {fmt_bytes(nbytes)}")
+    else:
+        lines.append("local slicing only (no communication)")
+    lines.append(f"costs {fmt_s(cost)} per microbatch")
+    return "\n".join(lines)
+
+
+def graph_data(session, expanded: str | None = None, mode: str = "stage", open_groups=(), selected: str | None = None,
+               max_ops: int = 4000) -> dict:
+    """What the graph canvas draws: ``{"title", "overview": [node], "detail": {"title", "nodes", "edges"} or None,
+    "legends": [...], "summary": {...}}``. Node keys: ``"G:<first layer>"`` (a collapsed group), ``"L:<layer>"``,
+    ``"O:<operator id in the full graph>"``. ``open_groups``: group keys shown as their layers; ``selected``: the key
+    outlined. ``summary`` holds counts the tests and captions use (operators drawn, resharded edges, ...)."""
     if mode not in ("stage", "sharding"):
         raise ValueError(f"colour mode must be 'stage' or 'sharding', got {mode!r}")
     plan, graph = session.plan, session.graph
-    names, ops, stats, ledges = layer_summary(graph)
+    names, ops, stats, _ = layer_summary(graph)
     stage = _layer_stage(plan, names)
-    x = {name: float(k) for k, name in enumerate(names)}
-    meshes: dict[str, int] = {}
-    nodes = []
-    for name in names:
+    meshes: dict[str, str] = {}  # mesh text -> colour (sharding mode)
+
+    def layer_colour(name: str) -> str:
         st = plan.stages[stage[name]]
-        mesh = f"{st.logical_mesh[0]}x{st.logical_mesh[1]}"
-        c = figures.colour(stage[name]) if mode == "stage" else figures.colour(meshes.setdefault(mesh, len(meshes)))
+        if mode == "stage":
+            return figures.colour(stage[name])
+        m = _mesh_text(st)
+        return meshes.setdefault(m, figures.colour(len(meshes)))
+
+    def layer_hover(name: str) -> str:
+        st = plan.stages[stage[name]]
         fl, by = stats[name]
-        nodes.append({"key": f"L:{name}", "x": x[name], "y": 0.0, "label": name, "colour": c, "size": 18,
-                      "hover": f"<b>{name}</b>: {len(ops[name])} operators, {fmt_flops(fl)}, {fmt_bytes(by)} accessed"
-                               f"<br>stage {stage[name]} on {st.submesh[0]}x{st.submesh[1]} as {mesh}"})
-    edges = [(x[a], 0.0, x[b], 0.0) for a, b in ledges]
+        return (f"{_label(name)}: {len(ops[name])} operators, {fmt_flops(fl)}, {fmt_bytes(by)} read and written\n"
+                f"stage {stage[name]} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}\n"
+                "click: show its operators")
+
+    open_groups = set(open_groups)
+    overview = []
+    groups = layer_groups(session)
+    for g in groups:
+        members = g["layers"]
+        if len(members) > 1 and g["key"] not in open_groups:
+            first, last = members[0], members[-1]
+            st = plan.stages[g["stage"]]
+            fl = sum(stats[n][0] for n in members)
+            overview.append({
+                "key": g["key"], "label": f"{first}..{last}", "count": len(members), "colour": layer_colour(first),
+                "selected": selected == g["key"] or selected in {f"L:{n}" for n in members},
+                "expanded": expanded in members,
+                "hover": (f"{first} .. {last}: {len(members)} layers with the same {len(ops[first])} operators\n"
+                          f"stage {g['stage']} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}; "
+                          f"{fmt_flops(fl)} in all\nclick: show them one by one")})
+        else:
+            for n in members:
+                overview.append({"key": f"L:{n}", "label": _label(n), "count": 1, "colour": layer_colour(n),
+                                 "selected": selected == f"L:{n}", "expanded": expanded == n,
+                                 "hover": layer_hover(n)})
+    legends = []
+    if mode == "stage":
+        legends.append({"title": "colour: stage", "items": [
+            {"colour": figures.colour(k), "label": f"S{k}: {_label(plan.layer_names[st.layers[0]])}.."
+                                                     f"{_label(plan.layer_names[st.layers[1]])} on "
+                                                     f"{st.submesh[0]}x{st.submesh[1]} as {_mesh_text(st)}"}
+            for k, st in enumerate(plan.stages)]})
+    summary = {"layers": len(names), "overview_nodes": len(overview), "operators": 0, "edges": 0, "resharded": 0,
+               "hidden_edges": 0}
+    detail = None
     if expanded is not None and expanded in ops:
-        members = ops[expanded][:max_ops]
-        depth = _depths(graph, members)
-        width = max(len(names) - 1, 1)
-        dmax = max(depth.values(), default=0) or 1
-        rows: dict[int, int] = defaultdict(int)
-        pos = {}
-        for o in members:
-            d = depth[o]
-            pos[o] = (width * d / dmax, -1.0 - 0.25 * rows[d])
-            rows[d] += 1
-        specs: dict[str, int] = {}
-        for o in members:
-            n = graph.op(o)
-            sop = session.solve_op(o)
-            strat = None
-            if sop is not None:
-                try:
-                    strat = plan.choice(sop)
-                except KeyError:
-                    strat = None
-            spec = str(strat.out_specs[0]) if strat is not None and strat.out_specs else "?"
-            if mode == "stage":
-                c = figures.colour(stage[expanded])
-            else:
-                c = figures.colour(specs.setdefault(spec, len(specs)))
-            shapes = ", ".join(f"{d}{list(s)}" for s, d in zip(n.out_shapes, n.out_dtypes))
-            hover = (f"<b>#{o} {n.primitive}</b> [{n.role}]<br>in: "
-                     + ", ".join(f"{d}{list(s)}" for s, d in zip(n.in_shapes, n.in_dtypes))
-                     + f"<br>out: {shapes}<br>{fmt_flops(n.flops)}, {fmt_bytes(n.bytes_accessed)} accessed"
-                     + (f"<br>strategy {strat.name}" if strat is not None else ""))
-            nodes.append({"key": f"O:{o}", "x": pos[o][0], "y": pos[o][1], "label": "", "colour": c, "size": 8,
-                          "hover": hover})
-        inside = set(members)
-        for o in members:
-            for t in graph.op(o).inputs:
+        detail, spec_colours, counts = _detail(session, expanded, stage[expanded], mode, selected, max_ops,
+                                               layer_colour(expanded))
+        summary.update(counts)
+        if mode == "sharding":
+            legends.append({"title": "operators: output sharding", "items": [
+                {"colour": c, "label": s} for s, c in spec_colours.items()]})
+    if mode == "sharding":
+        legends.insert(0, {"title": "layers: their stage's logical mesh", "items": [
+            {"colour": c, "label": m} for m, c in meshes.items()]})
+    legends.append({"title": "edges", "items": [
+        {"kind": "line", "colour": EDGE_COLOUR, "label": "same sharding at both ends"},
+        {"kind": "line", "colour": RESHARD_COLOUR, "width": 3,
+         "label": "resharded (hover: collective, bytes, time)"}]})
+    title = (f"{len(names)} layers in {len(overview)} node(s): repeated layers are grouped (×n); click a group to "
+             "open it, a layer to see its operators")
+    return {"title": title, "overview": overview, "detail": detail, "legends": legends, "summary": summary}
+
+
+def _folded(graph, members: list[int]) -> dict[int, list[str]]:
+    """The step's inputs and outputs among ``members`` (parameters, optimizer state: a third of a layer's operators,
+    each a source or a sink), folded into the operators that read or write them: {reader or writer: [lines]}."""
+    inside = set(members)
+    notes: dict[int, list[str]] = defaultdict(list)
+    for o in members:
+        node = graph.op(o)
+        if node.primitive == INPUT_PRIMITIVE:
+            t = graph.tensor(node.outputs[0])
+            for c in graph.consumers.get(t.id, ()):
+                if c in inside:
+                    notes[c].append(f"reads {t.kind.replace('_', ' ')} {t.dtype}{list(t.shape)}")
+        elif node.primitive == OUTPUT_PRIMITIVE:
+            for t in node.inputs:
                 p = graph.tensor(t).producer
                 if p in inside:
-                    edges.append((pos[p][0], pos[p][1], pos[o][0], pos[o][1]))
-        # A thin link from the layer node down to its operators, so the eye finds where they came from.
-        edges.append((x[expanded], 0.0, x[expanded], -0.7))
-    return nodes, edges
+                    notes[p].append("its result leaves the step (an updated parameter or optimizer state)")
+    return notes
+
+
+def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, layer_colour: str):
+    plan, graph = session.plan, session.graph
+    _, ops, _, _ = layer_summary(graph)
+    members = ops[layer][:max_ops]
+    notes = _folded(graph, members)
+    io = {o for o in members if graph.op(o).primitive in (INPUT_PRIMITIVE, OUTPUT_PRIMITIVE)}
+    members = [o for o in members if o not in io]
+    inside = set(members)
+    pins = plan.pins
+    strategies = {o: _strategy(session, o) for o in members}
+    spec_colours: dict[str, str] = {}
+    roles: dict[str, int] = defaultdict(int)
+    nodes = []
+    for o in members:
+        node = graph.op(o)
+        roles[node.role] += 1
+        strat = strategies[o]
+        spec = str(strat.out_specs[0]) if strat is not None and strat.out_specs else None
+        if mode == "stage":
+            colour = layer_colour
+        elif spec is None:
+            colour = UNKNOWN_COLOUR
+        else:
+            colour = spec_colours.setdefault(spec, figures.colour(len(spec_colours)))
+        pinned = session.solve_op(o) in pins
+        hover = _op_hover(session, node, strat, stage, pinned)
+        if notes.get(o):
+            hover += "\n" + "\n".join(notes[o])
+        nodes.append({"key": f"O:{o}", "label": node.primitive, "colour": colour, "selected": selected == f"O:{o}",
+                      "pinned": pinned, "hover": hover})
+    edges, hidden, resharded = [], 0, 0
+    mesh_cache: dict = {}
+    mesh = _mesh_text(plan.stages[stage])
+    for o in members:
+        node = graph.op(o)
+        for j, t in enumerate(node.inputs):
+            tensor = graph.tensor(t)
+            p = tensor.producer
+            if p not in inside:
+                continue
+            pnode = graph.op(p)
+            layout = not (pnode.role == "forward" and node.role != "forward")
+            sp, so = strategies[p], strategies[o]
+            edge = {"source": f"O:{p}", "target": f"O:{o}", "resharded": False}
+            if sp is not None and so is not None and j < len(so.in_specs):
+                i = pnode.outputs.index(t)
+                src, dst = sp.out_specs[i], so.in_specs[j]
+                if src != dst:
+                    priced = _reshard(mesh_cache, plan, stage, tensor, src, dst)
+                    if priced is not None and (priced[0] > 0 or priced[1]):
+                        edge.update(resharded=True, cost_s=priced[0],
+                                    collectives=[[k, str(a), b] for k, a, b in priced[1]],
+                                    hover=_edge_hover(tensor, src, dst, priced[0], priced[1], mesh))
+                        resharded += 1
+            if layout or edge["resharded"]:
+                edge["layout"] = layout
+                edges.append(edge)
+            else:
+                hidden += 1
+    role_text = ", ".join(f"{r} {n}" for r, n in roles.items())
+    more = f" of the first {max_ops}" if len(ops[layer]) > max_ops else ""
+    title = (f"{_label(layer)}: {len(members)} operators{more} ({role_text}) on stage {stage}'s {mesh} mesh; "
+             f"{len(io)} inputs and outputs of the step folded into their readers and writers; "
+             f"{resharded} resharded edge(s); {hidden} forward→backward edges (activations kept) not drawn")
+    detail = {"title": title, "nodes": nodes, "edges": edges}
+    return detail, spec_colours, {"operators": len(members), "edges": len(edges), "resharded": resharded,
+                                  "hidden_edges": hidden}
 
 
 class GraphView(View):
-    """The operator graph: layers, one expanded; colour by stage or sharding; click selects."""
+    """The operator graph: layers (repeats grouped), one layer's operators; colour by stage or sharding; clicks
+    select (see the module docstring)."""
 
     css = "autopar-graph"
 
-    def __init__(self, session, mode: str = "stage"):
+    def __init__(self, session, mode: str = "stage", height: int = 440):
         super().__init__(session)
+        from .graph_canvas import GraphCanvas
+
+        if mode not in ("stage", "sharding"):
+            raise ValueError(f"colour mode must be 'stage' or 'sharding', got {mode!r}")
         self.mode = mode
         self.expanded: str | None = None
+        self.open_groups: set[str] = set()
         self.selected_key: str | None = None
-        nodes, edges = graph_data(session, None, mode)
-        self._keys = [n["key"] for n in nodes]
-        self._drawn = (nodes, edges, None)
-        self.figure = self._make_figure(nodes, edges)
+        self.width_listeners: list = []  # called with the graph's width in pixels (it spans the notebook)
+        self.canvas = GraphCanvas(on_click=self.on_click, on_width=self._on_width, height=height)
+        self.canvas.layout = w.Layout(width="100%")
+        self.data: dict = {}
         self.mode_buttons = w.ToggleButtons(options=["stage", "sharding"], value=mode, description="colour by",
                                             style={"button_width": "80px"})
         self.mode_buttons.observe(lambda ch: self.set_mode(ch["new"]), names="value")
         self.info = w.HTML("")
-        self._finish(w.VBox([w.HBox([self.mode_buttons, self.info]), self.figure, self.message]))
+        self.redraw()
+        self._finish(w.VBox([w.HBox([self.mode_buttons, self.info], layout=w.Layout(flex_flow="row wrap")),
+                             self.canvas, self.message], layout=w.Layout(width="100%", min_width="0")))
 
-    def _make_figure(self, nodes, edges):
-        import plotly.graph_objects as go
-
-        fig = go.FigureWidget(figures.dag_figure(nodes, edges))
-        fig.data[1].on_click(self._plotly_click)
-        return fig
-
-    def _plotly_click(self, trace, points, state) -> None:
-        if points.point_inds:
-            self.on_click(self._keys[points.point_inds[0]])
+    @property
+    def keys(self) -> list[str]:
+        """Every node key drawn: the overview's, then the expanded layer's operators."""
+        d = self.data
+        return [n["key"] for n in d.get("overview", ())] + [n["key"] for n in (d.get("detail") or {}).get("nodes", ())]
 
     # --- actions (plain methods: a click calls these) --------------------------------------------------------------
     def on_click(self, key: str) -> None:
-        """A node was clicked: ``"L:<layer>"`` expands (or collapses) it and selects it; ``"O:<op>"`` selects the
-        operator (by its counterpart in the plan's graph)."""
+        """A node was clicked: ``"G:<layer>"`` opens (or closes) a group of repeated layers; ``"L:<layer>"`` shows
+        (or hides) that layer's operators and selects it; ``"O:<op>"`` selects the operator (by its counterpart in
+        the plan's graph)."""
         kind, _, rest = key.partition(":")
-        if kind == "L":
+        if kind == "G":
+            self.open_groups ^= {key}
+            self.redraw()
+        elif kind == "L":
             self.expanded = None if self.expanded == rest else rest
             self.selected_key = key
             if rest in self.session.plan.layer_names:
@@ -194,7 +394,13 @@ class GraphView(View):
         else:
             raise ValueError(f"unknown node key {key!r}")
 
+    def _on_width(self, px: int) -> None:
+        for cb in list(self.width_listeners):
+            cb(px)
+
     def set_mode(self, mode: str) -> None:
+        if mode not in ("stage", "sharding"):
+            raise ValueError(f"colour mode must be 'stage' or 'sharding', got {mode!r}")
         self.mode = mode
         self.redraw()
 
@@ -204,23 +410,16 @@ class GraphView(View):
 
     # --- drawing -----------------------------------------------------------------------------------------------------
     def redraw(self) -> None:
-        nodes, edges = graph_data(self.session, self.expanded, self.mode)
-        self._keys = [n["key"] for n in nodes]
-        sel = self.selected_key
-        self.info.value = f"selected: {sel}" if sel else f"{len(self._keys)} nodes; click a layer to expand it"
-        state = (nodes, edges, sel)
-        if state == self._drawn:
-            return  # nothing visible changed (most overrides): no figure update to send
-        self._drawn = state
-        fresh = figures.dag_figure(nodes, edges, selected=self.selected_key)
-        with self.figure.batch_update():
-            for i in (0, 1):
-                tr = self.figure.data[i]
-                src = fresh.data[i]
-                tr.x, tr.y = src.x, src.y
-                if i == 1:
-                    tr.text, tr.hovertext, tr.customdata = src.text, src.hovertext, src.customdata
-                    tr.marker = src.marker
+        data = graph_data(self.session, self.expanded, self.mode, self.open_groups, self.selected_key)
+        s = data["summary"]
+        sel = f"selected {self.selected_key}; " if self.selected_key else ""
+        self.info.value = (f"<small>{sel}{s['layers']} layers as {s['overview_nodes']} node(s)"
+                           + (f"; {s['operators']} operators, {s['resharded']} resharded edge(s)"
+                              if s["operators"] else "") + "</small>")
+        if data == self.data:
+            return  # nothing visible changed (most overrides): no message to the browser
+        self.data = data
+        self.canvas.data = data
 
     def on_plan(self, event) -> None:
         self.redraw()

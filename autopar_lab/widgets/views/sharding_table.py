@@ -8,11 +8,13 @@ a ``PartitionSpec``; for the selected one a dropdown of alternatives with their 
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 import ipywidgets as w
 
-from ._base import View, _escape, fmt_s
+from ._base import View
+from .fmt import fmt_s, strategy_text
 
 ALL = "(all)"
 
@@ -76,9 +78,18 @@ def _groups(plan) -> dict:
 
 
 def row_label(r: dict) -> str:
+    """One row of the table in fixed columns; nothing is cut short (a long name widens its column)."""
     pin = "*" if r["pinned"] else " "
-    return (f"{pin}#{r['op']:<5} {r['primitive'][:14]:<14} {str(r['layer'])[:10]:<10} S{r['stage']} "
+    layer = r["layer"] if r["layer"] is not None else "—"
+    return (f"{pin}#{r['op']:<5} {r['primitive']:<14} {layer:<10} S{r['stage']} "
             f"{r['alpa']:<8} {r['partition_spec']}")
+
+
+def delta_text(delta_s: float) -> str:
+    """An alternative's step-time change: ``+1.2 ms``, ``-300 µs``, or ``no change``."""
+    if delta_s == 0:
+        return "no change"
+    return f"{'+' if delta_s > 0 else '-'}{fmt_s(abs(delta_s))}"
 
 
 class ShardingTable(View):
@@ -94,21 +105,24 @@ class ShardingTable(View):
         self.layer_filter = w.Dropdown(options=[ALL] + [n for n in g.layers], value=ALL, description="layer")
         self.stage_filter = w.Dropdown(options=[ALL] + [str(k) for k in range(len(plan.stages))], value=ALL,
                                        description="stage")
-        self.primitive_filter = w.Dropdown(options=[ALL] + prims, value="dot_general" if "dot_general" in prims else ALL,
+        self.primitive_filter = w.Dropdown(options=[ALL] + prims,
+                                           value="dot_general" if "dot_general" in prims else ALL,
                                            description="primitive")
         for f in (self.layer_filter, self.stage_filter, self.primitive_filter):
             f.layout.width = "220px"
             f.observe(lambda ch: self.refresh_rows(), names="value")
-        self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="100%"))
+        self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="auto"))  # stretches, margins inside
         self.rows_select.add_class("autopar-op-rows")
         self.rows_select.observe(self._select_changed, names="value")
         self.count = w.HTML("")
         self.detail = w.HTML("")
-        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="100%"))
+        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"))
         self.alternatives.add_class("autopar-strategy-choice")
         self.alternatives.observe(self._alternative_changed, names="value")
-        self.pin_button = w.Button(description="pin", tooltip="keep this operator's strategy through re-solves")
-        self.unpin_button = w.Button(description="unpin")
+        self.pin_button = w.Button(description="pin", tooltip="keep this operator's strategy through re-solves",
+                                   layout=w.Layout(width="auto"))
+        self.unpin_button = w.Button(description="unpin", tooltip="let re-solves change this operator again",
+                                     layout=w.Layout(width="auto"))
         self.pin_button.on_click(lambda _: self.pin())
         self.unpin_button.on_click(lambda _: self.unpin())
         self._quiet = False
@@ -206,18 +220,17 @@ class ShardingTable(View):
                 return
             plan, node = self.session.plan, self.session.op_graph.op(op)
             cur = plan.choice(op)
-            alpa, ps = _spec_texts(cur)
+            _, ps = _spec_texts(cur)
             k = plan.stage_of(op)
             group = _groups(plan).get((k, node.layer), "")
             pinned = "pinned" if op in plan.pins else "not pinned"
             self.detail.value = (
-                f"<b>{_escape(node.describe())}</b><br>strategy <code>{_escape(cur.name)}</code> = output "
-                f"<code>{alpa}</code> = <code>{_escape(ps)}</code> on stage {k}'s "
+                f"<b>{html.escape(node.describe())}</b><br>strategy <code>{html.escape(cur.name)}</code>: "
+                f"{html.escape(strategy_text(cur.name))}; output <code>{html.escape(ps)}</code> on stage {k}'s "
                 f"{plan.stages[k].logical_mesh[0]}x{plan.stages[k].logical_mesh[1]} mesh; {pinned}"
-                + (f"<br>ILP group {_escape(group)}" if group else ""))
+                + (f"<br>ILP group {html.escape(group)}" if group else ""))
             self._alts = self.session.alternatives(op)
-            opts = [(f"{a.strategy}  ({'+' if a.delta_s >= 0 else ''}{fmt_s(a.delta_s)})", a.strategy)
-                    for a in self._alts]
+            opts = [(f"{a.strategy}  ({delta_text(a.delta_s)})", a.strategy) for a in self._alts]
             if cur.name not in [a.strategy for a in self._alts]:
                 opts.insert(0, (f"{cur.name} (current)", cur.name))
             self.alternatives.options = opts

@@ -1,16 +1,29 @@
-"""Stage-to-submesh layout: the cluster as a hosts x devices grid with the stages as coloured blocks; controls to give a
-stage another submesh or logical mesh, move a stage cut, set the microbatch count, the schedule and remat.
+"""Stage-to-submesh layout: the cluster as a hosts x devices grid with the stages as coloured blocks, and a stage
+editor: every stage's first layer (chosen by name), submesh, logical mesh and remat edited together, with a preview
+of the plan they make (step time, memory, or why it is not valid) before it is applied; plus the microbatch count and
+the schedule.
+
+Editing one stage at a time cannot work when stages must tile the cluster in order: a stage that grows pushes the
+next one across a host boundary. So edits go to a draft of all stages; each edit re-prices the draft
+(:meth:`Plan.with_stages`, then remat per stage) and "apply" makes the previewed plan current in one undoable step.
+Adding or removing a stage lets the stage DP choose every submesh for the new cuts ("auto"); the draft then shows
+its choice, which the user can change.
 
     >>> stage_blocks(session.plan)[0]["label"]          # doctest: +SKIP
-    'S0: layers 0-3 (embed..head) on 1x4 as 2x2'
+    'S0: layers 0-3 (embed..layer_2) on 1x4 as 2x2'
 """
 
 from __future__ import annotations
 
+import html
+
 import ipywidgets as w
 
 from . import figures
-from ._base import View, sync_figure
+from ._base import USER_ERRORS, View, sync_figure
+from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
+
+AUTO = "auto"
 
 
 def stage_blocks(plan) -> list[dict]:
@@ -32,8 +45,32 @@ def microbatch_choices(plan) -> list[int]:
     return [d for d in range(1, batch + 1) if batch % d == 0]
 
 
+def draft_of(plan) -> list[dict]:
+    """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat}] (``first``: layer index)."""
+    return [{"first": st.layers[0], "submesh": tuple(st.submesh), "logical_mesh": tuple(st.logical_mesh),
+             "remat": bool(st.remat)} for st in plan.stages]
+
+
+def plan_from_draft(plan, draft: list[dict]):
+    """The plan ``draft`` describes, priced from ``plan``'s cost table (a ValueError says what is wrong). A submesh
+    of ``None`` (auto) anywhere lets the stage DP choose every submesh and logical mesh for the draft's cuts."""
+    if not draft or draft[0]["first"] != 0:
+        raise ValueError("the first stage must start at the first layer")
+    boundaries = [d["first"] for d in draft[1:]]
+    auto = any(d["submesh"] is None for d in draft)
+    kw = {"boundaries": boundaries}
+    if not auto:
+        kw["submeshes"] = [d["submesh"] for d in draft]
+        kw["logical_meshes"] = [d["logical_mesh"] for d in draft]
+    new = plan.with_stages(**kw)
+    for k, d in enumerate(draft):
+        if d["remat"] is not None and bool(d["remat"]) != new.stages[k].remat:
+            new = new.with_remat(k, bool(d["remat"]))
+    return new
+
+
 class StageLayout(View):
-    """The hosts x devices grid and the stage controls."""
+    """The hosts x devices grid, the stage editor with its preview, microbatches and schedule."""
 
     css = "autopar-stage-layout"
 
@@ -44,39 +81,50 @@ class StageLayout(View):
         plan = session.plan
         c = plan.cluster
         self.stage = 0
-        self.figure = go.FigureWidget(figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), 0))
+        self.figure = go.FigureWidget(figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), 0,
+                                                               width=figures.SIDE_WIDTH, legend=False))
         self.figure.data[0].on_click(self._plotly_click)
-        self.stage_pick = w.Dropdown(description="stage", layout=w.Layout(width="160px"))
-        self.submesh = w.Dropdown(description="submesh", layout=w.Layout(width="180px"))
-        self.logical = w.Dropdown(description="as mesh", layout=w.Layout(width="180px"))
-        self.apply_mesh = w.Button(description="apply submesh")
-        self.cut = w.Dropdown(description="cut", layout=w.Layout(width="160px"))
-        self.cut_layer = w.BoundedIntText(description="starts at", min=1, max=max(len(plan.layer_names) - 1, 1),
-                                          layout=w.Layout(width="160px"))
-        self.apply_cut = w.Button(description="move cut")
-        self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="220px"),
+        self.summary = w.HTML("")
+        self.rows_box = w.GridBox([], layout=w.Layout(grid_template_columns="34px minmax(0,1.6fr) minmax(0,1fr) "
+                                                                            "minmax(0,1fr) 64px",
+                                                      grid_gap="2px 4px", width="100%"))
+        self.rows_box.add_class("autopar-stage-editor")
+        self.preview = w.HTML("")
+        self.preview.add_class("autopar-stage-preview")
+        B = lambda d, t="": w.Button(description=d, tooltip=t, layout=w.Layout(width="auto"))  # noqa: E731
+        self.add_button = B("+ stage", "split the stage with the most layers in two (the DP picks the submeshes)")
+        self.remove_button = B("− stage", "merge the last stage into the one before it")
+        self.reset_button = B("reset", "the draft back to the current plan's stages")
+        self.apply_button = B("apply stages", "make the previewed plan current (undoable)")
+        self.apply_button.add_class("autopar-apply-stages")
+        self.add_button.on_click(lambda _: self.add_stage())
+        self.remove_button.on_click(lambda _: self.remove_stage())
+        self.reset_button.on_click(lambda _: self.reset())
+        self.apply_button.on_click(lambda _: self.apply())
+        self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="190px"),
                                        style={"description_width": "initial"})
         self.schedule = w.ToggleButtons(options=["1f1b", "gpipe"], description="schedule",
-                                        style={"button_width": "60px"})
-        self.remat = w.Checkbox(description="rematerialise this stage")
-        self.unpin_button = w.Button(description="unpin stage decisions",
-                                     tooltip="let the next resolve change cuts, submeshes, microbatches, schedule")
+                                        style={"button_width": "auto", "description_width": "initial"})
+        self.unpin_button = B("unpin stage decisions",
+                              "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
         self._quiet = False
-        self.stage_pick.observe(lambda ch: None if self._quiet else self.pick_stage(int(ch["new"])), names="value")
-        self.submesh.observe(lambda ch: None if self._quiet else self._fill_logical(), names="value")
-        self.apply_mesh.on_click(lambda _: self.apply_submesh())
-        self.apply_cut.on_click(lambda _: self.move_cut())
         self.microbatches.observe(lambda ch: None if self._quiet else self.set_microbatches(ch["new"]), names="value")
         self.schedule.observe(lambda ch: None if self._quiet else self.set_schedule(ch["new"]), names="value")
-        self.remat.observe(lambda ch: None if self._quiet else self.set_remat(ch["new"]), names="value")
-        self.summary = w.HTML("")
+        self.draft: list[dict] = []
+        self.preview_plan = None
+        self.preview_error: str | None = None
+        self._previewed: tuple = ([], None)  # (draft, plan) the preview was priced for
+        self._row_widgets: list[dict] = []
         self.refresh()
-        self._finish(w.VBox([self.figure, self.summary,
-                             w.HBox([self.stage_pick, self.submesh, self.logical, self.apply_mesh]),
-                             w.HBox([self.cut, self.cut_layer, self.apply_cut]),
-                             w.HBox([self.microbatches, self.schedule, self.remat]), self.unpin_button,
-                             self.message]))
+        self._finish(w.VBox([
+            self.figure, self.summary, w.HTML("<b>stages</b> (edit any, then apply):"), self.rows_box,
+            w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
+                   layout=w.Layout(flex_flow="row wrap")),
+            self.preview,
+            w.HBox([self.microbatches, self.schedule], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.unpin_button]),
+            self.message], layout=w.Layout(min_width="0")))
 
     def _plotly_click(self, trace, points, state) -> None:
         if points.point_inds:
@@ -84,28 +132,113 @@ class StageLayout(View):
             if k >= 0:
                 self.on_click_stage(int(k))
 
-    # --- actions -------------------------------------------------------------------------------------------------------
+    # --- actions ------------------------------------------------------------------------------------------------------
     def on_click_stage(self, k: int) -> None:
         """A device square was clicked: select its stage."""
         self.run("select", lambda: self.session.select(stage=k))
 
-    def pick_stage(self, k: int) -> None:
-        self.stage = k
-        self.refresh()
+    def edit_stage(self, k: int, first=None, submesh=None, logical_mesh=None, remat=None) -> None:
+        """Change stage ``k`` in the draft (``first``: a layer index or name; ``submesh`` / ``logical_mesh``: a
+        pair, or ``"auto"`` to let the DP choose) and preview the result."""
+        if not 0 <= k < len(self.draft):
+            raise ValueError(f"stage {k} is not in the draft (stages 0..{len(self.draft) - 1})")
+        d = self.draft[k]
+        if first is not None:
+            if k == 0:
+                raise ValueError("the first stage always starts at the first layer")
+            d["first"] = self._layer_index(first)
+        if submesh is not None:
+            d["submesh"] = None if submesh == AUTO else tuple(submesh)
+            views = self._views(d["submesh"])
+            if d["logical_mesh"] not in views:
+                d["logical_mesh"] = d["submesh"]
+        if logical_mesh is not None:
+            d["logical_mesh"] = None if logical_mesh == AUTO else tuple(logical_mesh)
+        if remat is not None:
+            d["remat"] = bool(remat)
+        self._draw_rows()
+        self.update_preview()
 
-    def apply_submesh(self, submesh=None, logical_mesh=None) -> None:
-        """Give the picked stage the submesh and logical mesh in the dropdowns (or the arguments)."""
-        sub = tuple(submesh) if submesh is not None else self.submesh.value
-        lm = tuple(logical_mesh) if logical_mesh is not None else self.logical.value
-        self.run("set_submesh", lambda: self.session.set_submesh(self.stage, sub, lm))
-
-    def move_cut(self, cut: int | None = None, first_layer: int | None = None) -> None:
-        c = self.cut.value if cut is None else cut
-        f = self.cut_layer.value if first_layer is None else first_layer
-        if c is None:
-            self.message.value = "this plan has one stage: there is no cut to move"
+    def add_stage(self) -> None:
+        """Split the draft's stage with the most layers at its middle; every submesh becomes "auto"."""
+        L = len(self.session.plan.layer_names)
+        ends = [d["first"] for d in self.draft[1:]] + [L]
+        sizes = [e - d["first"] for d, e in zip(self.draft, ends)]
+        k = max(range(len(sizes)), key=lambda i: sizes[i])
+        if sizes[k] < 2:
+            self.message.value = "every stage has one layer: no stage can be split"
             return
-        self.run("move_cut", lambda: self.session.move_cut(int(c), int(f)))
+        mid = self.draft[k]["first"] + sizes[k] // 2
+        self.draft.insert(k + 1, {"first": mid, "submesh": None, "logical_mesh": None, "remat": False})
+        for d in self.draft:
+            d["submesh"] = d["logical_mesh"] = None
+        self._draw_rows()
+        self.update_preview()
+
+    def remove_stage(self) -> None:
+        """Merge the draft's last stage into the one before it; every submesh becomes "auto"."""
+        if len(self.draft) < 2:
+            self.message.value = "the plan has one stage: there is none to merge"
+            return
+        self.draft.pop()
+        for d in self.draft:
+            d["submesh"] = d["logical_mesh"] = None
+        self._draw_rows()
+        self.update_preview()
+
+    def reset(self) -> None:
+        """The draft back to the current plan's stages."""
+        self.draft = draft_of(self.session.plan)
+        self._draw_rows()
+        self.update_preview()
+
+    def update_preview(self):
+        """Price the draft (no plan change): the preview shows its step time and memory, or what is wrong."""
+        plan = self.session.plan
+        self._previewed = ([dict(d) for d in self.draft], plan)
+        if self.draft == draft_of(plan):
+            self.preview_plan, self.preview_error = plan, None
+            self.preview.value = "<small>the draft is the current plan's stages</small>"
+            self.apply_button.disabled = True
+            return plan
+        try:
+            new = plan_from_draft(plan, self.draft)
+        except USER_ERRORS as e:
+            self.preview_plan, self.preview_error = None, str(e)
+            self.preview.value = f"<span style='color:#B00020'>not valid: {html.escape(str(e))}</span>"
+            self.apply_button.disabled = True
+            return None
+        self.preview_plan, self.preview_error = new, None
+        if any(d["submesh"] is None for d in self.draft):
+            # The DP chose the submeshes: the draft shows its choice, so the next edit starts from it.
+            for d, st in zip(self.draft, new.stages):
+                d["submesh"], d["logical_mesh"] = tuple(st.submesh), tuple(st.logical_mesh)
+            self._previewed = ([dict(d) for d in self.draft], plan)
+            self._draw_rows()
+        peak, limit = max(new.cost.peak_mem_bytes), new.cost.mem_limit_bytes
+        fits = "fits" if peak <= limit else "<span style='color:#B00020'>does not fit in memory</span>"
+        self.preview.value = (
+            f"preview: step time <b>{fmt_s(new.cost.step_time_s)}</b> "
+            f"({fmt_delta_s(plan.cost.step_time_s, new.cost.step_time_s)} against now) · peak memory "
+            f"{fmt_bytes(peak)} of "
+            f"{fmt_bytes(limit)} ({fmt_pct(peak / limit)}), {fits}<br><small>"
+            + "<br>".join(html.escape(b["label"]) for b in stage_blocks(new)) + "</small>")
+        self.apply_button.disabled = False
+        return new
+
+    def apply(self) -> None:
+        """Make the previewed draft the current plan (one undoable step)."""
+        fresh = self._previewed == (self.draft, self.session.plan) and self.preview_plan is not None
+        new = self.preview_plan if fresh else self.update_preview()
+        if new is None or new is self.session.plan:
+            return
+        self.run("set_stages", lambda: self.session.adopt(new, action="set_stages"))
+
+    def move_cut(self, cut: int, first_layer) -> None:
+        """Move cut ``cut`` so that stage ``cut + 1`` starts at ``first_layer`` (an index or a layer name), now."""
+        def go():
+            return self.session.move_cut(int(cut), self._layer_index(first_layer))
+        self.run("move_cut", go)
 
     def set_microbatches(self, n: int) -> None:
         if n is not None and n != self.session.plan.microbatches:
@@ -116,65 +249,106 @@ class StageLayout(View):
             self.run("set_schedule", lambda: self.session.set_schedule(name))
             self._sync_controls()
 
-    def set_remat(self, on: bool) -> None:
-        if bool(on) != self.session.plan.stages[self.stage].remat:
-            self.run("set_remat", lambda: self.session.set_remat(self.stage, bool(on)))
-            self._sync_controls()
+    def set_remat(self, stage: int, on: bool) -> None:
+        """Switch remat of ``stage`` now (the editor's remat boxes edit the draft instead)."""
+        if bool(on) != self.session.plan.stages[stage].remat:
+            self.run("set_remat", lambda: self.session.set_remat(stage, bool(on)))
 
     def unpin_stages(self) -> None:
         if self.session.plan.stage_pins:
             self.run("unpin_stages", self.session.unpin_stages)
 
-    # --- drawing -------------------------------------------------------------------------------------------------------
-    def _fill_logical(self) -> None:
-        sub = self.submesh.value
-        if sub is None:
-            return
-        shapes = self.session.cluster.logical_mesh_shapes(sub)
-        cur = tuple(self.session.plan.stages[self.stage].logical_mesh)
-        self.logical.options = [(f"{a}x{b}", (a, b)) for a, b in shapes]
-        self.logical.value = cur if cur in shapes else shapes[0]
+    # --- drawing ------------------------------------------------------------------------------------------------------
+    def _layer_index(self, layer) -> int:
+        names = list(self.session.plan.layer_names)
+        if isinstance(layer, str):
+            if layer not in names:
+                raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[0]}..{names[-1]}")
+            return names.index(layer)
+        return int(layer)
+
+    def _views(self, submesh) -> list:
+        return [] if submesh is None else [tuple(v) for v in self.session.cluster.logical_mesh_shapes(submesh)]
+
+    def _draw_rows(self) -> None:
+        """The editor's rows for the draft (widgets rebuilt only when the stage count changes)."""
+        plan = self.session.plan
+        names = list(plan.layer_names)
+        subs = [tuple(s) for s in plan.cluster.submesh_shapes()]
+        if len(self._row_widgets) != len(self.draft):
+            self._row_widgets = [self._make_row(k) for k in range(len(self.draft))]
+            head = [w.HTML(f"<b>{t}</b>") for t in ("", "first layer", "submesh", "as mesh", "remat")]
+            self.rows_box.children = head + [x for r in self._row_widgets for x in
+                                             (r["label"], r["first"], r["submesh"], r["logical"], r["remat"])]
+        self._quiet = True
+        try:
+            for k, (d, r) in enumerate(zip(self.draft, self._row_widgets)):
+                sel = k == self.stage
+                r["label"].value = f"<b>S{k}</b>" if sel else f"S{k}"
+                r["first"].options = [(names[0], 0)] if k == 0 else [(n, i) for i, n in enumerate(names) if i > 0]
+                r["first"].value = d["first"]
+                r["first"].disabled = k == 0
+                r["submesh"].options = [(AUTO, AUTO)] + [(f"{a}x{b}", (a, b)) for a, b in subs]
+                r["submesh"].value = AUTO if d["submesh"] is None else d["submesh"]
+                views = self._views(d["submesh"])
+                r["logical"].options = [(AUTO, AUTO)] + [(f"{a}x{b}", (a, b)) for a, b in views]
+                r["logical"].value = AUTO if d["logical_mesh"] is None or d["logical_mesh"] not in views \
+                    else d["logical_mesh"]
+                r["remat"].value = bool(d["remat"])
+        finally:
+            self._quiet = False
+
+    def _make_row(self, k: int) -> dict:
+        lay = w.Layout(width="auto", min_width="0")
+        r = {"label": w.HTML(f"S{k}"), "first": w.Dropdown(layout=lay), "submesh": w.Dropdown(layout=lay),
+             "logical": w.Dropdown(layout=lay), "remat": w.Checkbox(indent=False, layout=w.Layout(width="auto"))}
+
+        def on(field):
+            def cb(ch):
+                if not self._quiet:
+                    self.run("edit stages", lambda: self.edit_stage(k, **{field: ch["new"]}))
+            return cb
+
+        r["first"].observe(on("first"), names="value")
+        r["submesh"].observe(on("submesh"), names="value")
+        r["logical"].observe(on("logical_mesh"), names="value")
+        r["remat"].observe(on("remat"), names="value")
+        return r
 
     def _sync_controls(self) -> None:
         plan = self.session.plan
         self._quiet = True
         try:
-            n = len(plan.stages)
-            self.stage = min(self.stage, n - 1)
-            self.stage_pick.options = [(f"S{k}", k) for k in range(n)]
-            self.stage_pick.value = self.stage
-            st = plan.stages[self.stage]
-            subs = [tuple(s) for s in plan.cluster.submesh_shapes()]
-            self.submesh.options = [(f"{a}x{b}", (a, b)) for a, b in subs]
-            self.submesh.value = tuple(st.submesh)
-            self._fill_logical()
-            cuts = [s.layers[0] for s in plan.stages[1:]]
-            self.cut.options = [(f"S{k}|S{k + 1}", k) for k in range(len(cuts))]
-            self.cut.value = 0 if cuts else None
-            if cuts:
-                self.cut_layer.value = cuts[0]
-            mbs = microbatch_choices(plan)
-            self.microbatches.options = mbs
+            self.stage = min(self.stage, len(plan.stages) - 1)
+            self.microbatches.options = microbatch_choices(plan)
             self.microbatches.value = plan.microbatches
             self.schedule.value = plan.schedule
-            self.remat.value = bool(st.remat)
         finally:
             self._quiet = False
 
     def refresh(self) -> None:
+        """Redraw for the current plan; the draft starts again from its stages."""
         plan = self.session.plan
         self._sync_controls()
+        self._draw_grid()
+        pinned = ", ".join(sorted(plan.stage_pins)) or "none"
+        self.summary.value = ("<small>" + "<br>".join(html.escape(b["label"]) for b in stage_blocks(plan))
+                              + f"<br>{plan.microbatches} microbatch(es), {plan.schedule}; pinned: {pinned}</small>")
+        self.unpin_button.disabled = not plan.stage_pins
+        self.draft = draft_of(plan)
+        self._draw_rows()
+        self.update_preview()
+
+    def _draw_grid(self) -> None:
+        plan = self.session.plan
         c = plan.cluster
-        fresh = figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), self.stage)
+        fresh = figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), self.stage,
+                                         width=figures.SIDE_WIDTH, legend=False)  # the labels are listed below
         first = self.figure.data[0]
         sync_figure(self.figure, fresh, {"height": fresh.layout.height, "xaxis.range": fresh.layout.xaxis.range,
                                          "yaxis.range": fresh.layout.yaxis.range})
         if self.figure.data[0] is not first:  # traces were replaced (stages came or went): click handler again
             self.figure.data[0].on_click(self._plotly_click)
-        pinned = ", ".join(sorted(plan.stage_pins)) or "none"
-        self.summary.value = "<br>".join(b["label"] for b in stage_blocks(plan)) + \
-            f"<br>{plan.microbatches} microbatch(es), {plan.schedule}; pinned: {pinned}"
-        self.unpin_button.disabled = not plan.stage_pins
 
     def on_plan(self, event) -> None:
         self.refresh()
@@ -183,4 +357,5 @@ class StageLayout(View):
         sel = event.detail["selection"]
         if sel.stage is not None and sel.stage != self.stage:
             self.stage = sel.stage
-            self.refresh()
+            self._draw_grid()  # the outline moves; the draft being edited stays
+            self._draw_rows()

@@ -1,8 +1,10 @@
 """Training panel: run the current plan on the local devices or launch it on Ray, with live progress.
 
 A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray), a
-progress bar, a live loss curve, throughput text, a cancel button, and a table of each stage's predicted and measured
-forward / backward time per microbatch with their ratio.
+progress bar, a live loss curve with the earlier runs' curves beside it, throughput text, a cancel button, a table of
+every run with its measured step time and throughput against the plan's predicted ones, and a table of each stage's
+predicted and measured forward / backward time per microbatch with their ratio. The runs themselves live in the
+session's :class:`~autopar_lab.widgets.training.TrainingController` (``session.training``).
 
 Everything arrives as session ``training`` events (one :class:`~autopar_lab.runtime.progress.ProgressEvent` per
 step), called from the job's thread; the panel only sets widget values there. A ``restart`` event (a stage actor
@@ -22,7 +24,8 @@ import threading
 
 import ipywidgets as w
 
-from ._base import USER_ERRORS, View, fmt_s
+from ._base import USER_ERRORS, View
+from .fmt import fmt_rate, fmt_ratio, fmt_s
 
 _END = ("done", "cancelled", "error")
 
@@ -46,16 +49,39 @@ def stage_rows(plan, measured: list[dict] | None) -> list[dict]:
     return out
 
 
+def _t(x):
+    return "—" if x is None else fmt_s(x)
+
+
+def runs_table_html(runs) -> str:
+    """Every run (:class:`~autopar_lab.widgets.training.RunRecord`), newest first: where it ran, its losses, and its
+    measured step time and throughput beside the plan's predicted ones (class ``autopar-runs``)."""
+    if not runs:
+        return ""
+    head = ("<tr><th>run</th><th>where</th><th>steps</th><th>loss first → last</th><th>step time measured</th>"
+            "<th>predicted</th><th>measured ÷ predicted</th><th>samples/s measured</th><th>predicted</th>"
+            "<th>status</th></tr>")
+    body = []
+    for r in reversed(runs):
+        losses = [x for x in r.losses if x is not None]
+        loss = f"{losses[0]:.4g} → {losses[-1]:.4g}" if losses else "—"
+        m = r.measured_step_s
+        body.append(f"<tr><td>{r.run}</td><td>{r.kind}</td><td>{len(r.losses)}/{r.steps}</td><td>{loss}</td>"
+                    f"<td>{_t(m)}</td><td>{fmt_s(r.predicted_step_s)}</td>"
+                    f"<td>{fmt_ratio(m / r.predicted_step_s if m and r.predicted_step_s else None)}</td>"
+                    f"<td>{fmt_rate(r.measured_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
+                    f"<td>{fmt_rate(r.predicted_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
+                    f"<td>{html.escape(r.status)}</td></tr>")
+    return (f"<table class='autopar-cost-table autopar-runs'>{head}{''.join(body)}</table>"
+            "<small>measured: the median step after the first (which compiles)</small>")
+
+
 def stage_table_html(rows: list[dict]) -> str:
     """The rows of :func:`stage_rows` as an HTML table (class ``autopar-stage-times``)."""
-    def t(x):
-        return "—" if x is None else fmt_s(x)
+    t, r = _t, fmt_ratio
 
-    def r(x):
-        return "—" if x is None else f"{x:.2f}×"
-
-    head = ("<tr><th>stage</th><th>fwd predicted</th><th>fwd measured</th><th>ratio</th>"
-            "<th>bwd predicted</th><th>bwd measured</th><th>ratio</th></tr>")
+    head = ("<tr><th>stage</th><th>forward predicted</th><th>measured</th><th>ratio</th>"
+            "<th>backward predicted</th><th>measured</th><th>ratio</th></tr>")
     body = "".join(
         f"<tr><td>{x['stage']}</td><td>{t(x['predicted_fwd_s'])}</td><td>{t(x['measured_fwd_s'])}</td>"
         f"<td>{r(x['fwd_ratio'])}</td><td>{t(x['predicted_bwd_s'])}</td><td>{t(x['measured_bwd_s'])}</td>"
@@ -69,7 +95,7 @@ def progress_text(ev, total: int | None) -> str:
     if ev.loss is not None:
         parts.append(f"loss {ev.loss:.4f}")
     if ev.samples_per_s is not None:
-        parts.append(f"{ev.samples_per_s:.4g} samples/s")
+        parts.append(fmt_rate(ev.samples_per_s))
     if ev.step_time_s is not None:
         parts.append(f"{fmt_s(ev.step_time_s)}/step")
     if ev.stage_times:
@@ -79,7 +105,8 @@ def progress_text(ev, total: int | None) -> str:
 
 
 def loss_figure():
-    """An empty loss-against-step figure with one line trace named ``loss`` (the panel appends to it).
+    """An empty loss-against-step figure with one line trace named ``loss`` (the current run; the panel appends to
+    it, and adds one fainter trace per earlier run after it).
 
         >>> loss_figure().data[0].name
         'loss'
@@ -88,10 +115,27 @@ def loss_figure():
 
     # One null point, drawn as nothing: a trace with no points at all gets no trace element in the browser, and
     # tests (and screenshots) wait for every figure to have one.
-    fig = go.Figure(go.Scatter(x=[None], y=[None], mode="lines+markers", name="loss"))
-    fig.update_layout(height=260, margin=dict(l=50, r=20, t=30, b=40), title="training loss",
-                      xaxis_title="step", yaxis_title="loss", showlegend=False)
+    fig = go.Figure(go.Scatter(x=[None], y=[None], mode="lines+markers", name="loss", line=dict(width=2.5)))
+    fig.update_layout(height=280, margin=dict(l=50, r=20, t=30, b=40), title="training loss",
+                      xaxis_title="step", yaxis_title="loss", showlegend=True,
+                      legend=dict(orientation="h", y=-0.3, font=dict(size=10)))
     return fig
+
+
+def _past_traces(runs, current: int | None) -> list:
+    """One faint line per earlier run with losses (the overlay), oldest first."""
+    import plotly.graph_objects as go
+
+    out = []
+    for r in runs:
+        if r.run == current:
+            continue
+        pts = [(i + 1, x) for i, x in enumerate(r.losses) if x is not None]
+        if not pts:
+            continue
+        out.append(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines", name=r.label,
+                              opacity=0.45, line=dict(width=1.5, dash="dot")))
+    return out
 
 
 class TrainingPanel(View):
@@ -109,7 +153,9 @@ class TrainingPanel(View):
 
         self.compiler_options = compiler_options
         self.launch_kw = dict(launch_kw)
-        B = w.Button
+        def B(**kw):  # sized to its label
+            return w.Button(layout=w.Layout(width="auto"), **kw)
+
         self.steps = w.BoundedIntText(value=20, min=1, max=1_000_000, description="steps",
                                       layout=w.Layout(width="160px"))
         self.run_button = B(description="run locally", tooltip="train on this machine's JAX devices")
@@ -118,11 +164,13 @@ class TrainingPanel(View):
                               layout=w.Layout(width="320px"))
         self.launch_button = B(description="launch on Ray", tooltip="train on a Ray cluster (stage actors)")
         self.launch_button.on_click(lambda _: self.launch())
-        self.cancel_button = B(description="cancel", disabled=True, button_style="warning")
+        self.cancel_button = B(description="cancel", disabled=True)
+        self.cancel_button.add_class("autopar-cancel")
         self.cancel_button.on_click(lambda _: self.cancel())
         self.progress = w.IntProgress(value=0, min=0, max=1, description="idle")
         self.throughput = w.HTML("")
         self.loss_fig = go.FigureWidget(loss_figure())
+        self.runs_table = w.HTML("")
         self.stage_table = w.HTML("")
         self.job = None  # the Ray job this panel launched last
         self.last_result: dict | None = None
@@ -141,8 +189,10 @@ class TrainingPanel(View):
         self._set_running(False)
         self.refresh_table()
         self._finish(w.VBox([
-            w.HBox([self.steps, self.run_button, self.address, self.launch_button, self.cancel_button]),
-            self.note, w.HBox([self.progress, self.throughput]), self.loss_fig, self.stage_table, self.message]))
+            w.HBox([self.steps, self.run_button, self.address, self.launch_button, self.cancel_button],
+                   layout=w.Layout(flex_flow="row wrap")),
+            self.note, w.HBox([self.progress, self.throughput], layout=w.Layout(flex_flow="row wrap")),
+            self.loss_fig, self.runs_table, self.stage_table, self.message], layout=w.Layout(min_width="0")))
 
     # --- state --------------------------------------------------------------------------------------------------------
     @property
@@ -160,6 +210,7 @@ class TrainingPanel(View):
         self.launch_button.disabled = running or not self.can_train
         self.steps.disabled = running
         self.cancel_button.disabled = not running
+        self.cancel_button.button_style = "warning" if running else ""  # coloured only while it can act
 
     def reset(self, total: int | None = None) -> None:
         """Clear the curve and the bar for a new run of ``total`` steps (unknown: the bar grows with the steps)."""
@@ -175,6 +226,19 @@ class TrainingPanel(View):
         with self.loss_fig.batch_update():
             self.loss_fig.data[0].x = xs
             self.loss_fig.data[0].y = ys
+            self.loss_fig.data[0].name = f"run {self._run}" if self._run is not None else "loss"
+
+    def draw_runs(self) -> None:
+        """The earlier runs' curves beside the current one, and the runs table."""
+        runs = list(self.session.training.runs)
+        past = _past_traces(runs, self._run)
+        names = [t.name for t in past]
+        if [t.name for t in self.loss_fig.data[1:]] != names or any(
+                len(a.y or ()) != len(b.y or ()) for a, b in zip(self.loss_fig.data[1:], past)):
+            with self.loss_fig.batch_update():
+                self.loss_fig.data = self.loss_fig.data[:1]
+                self.loss_fig.add_traces(past)
+        self.runs_table.value = runs_table_html(runs)
 
     # --- starting and stopping ----------------------------------------------------------------------------------------
     def _steps(self, steps) -> int:
@@ -278,6 +342,7 @@ class TrainingPanel(View):
             self._run = run
             if self._xs:  # a run started elsewhere (code in the notebook): a fresh curve, length unknown
                 self.reset(None)
+            self.draw_runs()  # the run before this one joins the overlay
         if ev.kind == "step":
             if ev.step > self.progress.max:
                 self.progress.max = ev.step
@@ -288,6 +353,7 @@ class TrainingPanel(View):
                 self._ys.append(float(ev.loss))
                 self._draw_curve()
             self.throughput.value = html.escape(progress_text(ev, self._total))
+            self.runs_table.value = runs_table_html(self.session.training.runs)
         elif ev.kind == "restart":
             keep = sum(1 for x in self._xs if x <= ev.step)
             del self._xs[keep:], self._ys[keep:]
@@ -305,6 +371,7 @@ class TrainingPanel(View):
                 self.throughput.value = html.escape(ev.message)
             if self._thread is None or not self._thread.is_alive() or self.job is not None:
                 self._set_running(False)
+            self.draw_runs()
 
     def refresh_table(self) -> None:
         rows = stage_rows(self.session.plan, self.session.measured)
@@ -315,6 +382,8 @@ class TrainingPanel(View):
         if event.name == "training":
             self.show_event(event.detail["event"], event.detail.get("run"))
         elif event.name in ("plan", "measured"):
+            if event.name == "plan" and not self._running:
+                self.message.value = ""  # an error about the plan before no longer applies to this one
             self.refresh_table()
 
     def close(self) -> None:
