@@ -197,3 +197,53 @@ def test_cli_plans_with_a_schedule_from_another_directory(tmp_path):
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and needle in bad.stderr, bad.stderr
         if needle != "invalid choice":  # argparse prints its usage first; ours is one sentence
             assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_timeline_view_shows_chunks_and_weight_gradients(plan):
+    pytest.importorskip("ipywidgets")
+    from autopar_lab.widgets.views import figures
+    from autopar_lab.widgets.views.stage_layout import StageLayout, stage_blocks
+    from autopar_lab.widgets.views.timeline import TimelineView
+
+    session = al.Session(plan)
+    view = TimelineView(session)
+    layout = StageLayout(session)
+    layout.schedule.value = "interleaved"  # the stage layout's toggle: the default 2 chunks per stage
+    assert session.plan.schedule == "interleaved" and session.plan.virtual_stages == 2
+    assert "chunks 0-1, 4-4 (3 layers)" in stage_blocks(session.plan)[0]["label"]
+    view.refresh()
+    names = [t.name for t in view.figure.data]
+    assert names[:4] == ["fwd chunk 1/2", "fwd chunk 2/2", "bwd chunk 1/2", "bwd chunk 2/2"] and "bubble" in names
+    colours = {t.name: t.marker.color for t in view.figure.data}
+    assert len({colours[n] for n in names[:4]}) == 4  # each chunk of each kind in its own shade
+    bars = {t.name: len(t.x) for t in view.figure.data}
+    assert bars["fwd chunk 1/2"] == bars["fwd chunk 2/2"] == 2 * 4  # two stages x four microbatches per chunk
+    assert "interleaved (2 chunks per stage)" in view.figure.layout.title.text and "told apart" in view.caption.value
+    layout.schedule.value = "zb-h1"
+    tl = session.plan.cost.timeline
+    view.refresh()
+    bars = {t.name: len(t.x) for t in view.figure.data}
+    assert bars["W (weight grad)"] == bars["B (input grad)"] == bars["fwd"] == 2 * 4
+    assert "deferred" in view.caption.value
+    # a W task is work, not bubble: each stage's gaps are the step minus its busy time
+    rows = tl.to_rows()
+    idle = figures.idle_intervals(rows, tl.makespan)
+    for i in range(2):
+        gaps = sum(r["end"] - r["start"] for r in idle if r["stage"] == i)
+        assert gaps == pytest.approx(tl.makespan - tl.busy_s[i], rel=1e-9)
+
+
+def test_memory_export_and_views_follow_an_interleaved_stage_chunks(plan):
+    from autopar_lab.memory import memory_breakdown
+    from autopar_lab.widgets.views.graph import _layer_stage
+
+    q = plan.with_schedule("interleaved", 2)
+    rows, before = memory_breakdown(q), memory_breakdown(plan)
+    for r, st in zip(rows, q.stages):
+        assert r["activations_bytes"] == st.peak_mem_bytes - st.static_bytes
+        assert r["total_bytes"] == st.peak_mem_bytes
+    # the same layers in all, on the same mesh: the parameters move between stages but add up the same
+    assert sum(r["params_bytes"] for r in rows) == pytest.approx(sum(r["params_bytes"] for r in before))
+    assert "(layers 0..1, 4..4)" in q.to_jax_code(0)
+    assert _layer_stage(q, list(q.layer_names)) == {"embed": 0, "layer_0": 0, "layer_1": 1, "layer_2": 1,
+                                                    "layer_3": 0, "head": 1}

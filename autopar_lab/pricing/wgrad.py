@@ -9,7 +9,7 @@ The runtime splits a stage's backward task with the same :func:`input_grad_ops`,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from ..graph.opgraph import BACKWARD, FORWARD
 from ..solve.intra import conversions
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
     from .table import CostTable
 
-__all__ = ["input_grad_ops", "weight_grad_fraction"]
+__all__ = ["input_grad_ops", "upstream", "weight_grad_fraction"]
 
 _KEEP = 16  # graphs and IntraPlans whose split is remembered (a plan's stages, a session's few plans)
 _ops_memo: dict[int, tuple[object, frozenset[int]]] = {}
@@ -33,6 +33,19 @@ def _remember(memo: dict, obj, value):
     return value
 
 
+def upstream(graph: OpGraph, seeds: Iterable[int], within: Callable[[int], bool]) -> set[int]:
+    """``seeds`` and every operator they read from, transitively, through the operators ``within`` accepts."""
+    found: set[int] = set()
+    todo = list(seeds)
+    while todo:
+        op = todo.pop()
+        if op in found:
+            continue
+        found.add(op)
+        todo.extend(p for t in graph.op(op).inputs if (p := graph.tensor(t).producer) is not None and within(p))
+    return found
+
+
 def input_grad_ops(graph: OpGraph) -> frozenset[int]:
     """The backward operators of ``graph`` on the input-gradient path (``B``, see the module docstring); an
     operator outside every layer counts in the last layer, as in the layer costs."""
@@ -42,7 +55,6 @@ def input_grad_ops(graph: OpGraph) -> frozenset[int]:
     names = list(graph.layers) or [""]
     index: dict[str | None, int] = {name: k for k, name in enumerate(names)}
     last = len(names) - 1
-    producer = {tid: t.producer for tid, t in graph.tensors.items()}
     todo = []
     for node in graph:
         if node.role != BACKWARD:
@@ -53,16 +65,7 @@ def input_grad_ops(graph: OpGraph) -> frozenset[int]:
                    for c in graph.consumers.get(t, ())):
                 todo.append(node.id)
                 break
-    found: set[int] = set()
-    while todo:
-        op = todo.pop()
-        if op in found:
-            continue
-        found.add(op)
-        for t in graph.op(op).inputs:
-            p = producer.get(t)
-            if p is not None and graph.op(p).role == BACKWARD:
-                todo.append(p)
+    found = upstream(graph, todo, lambda p: graph.op(p).role == BACKWARD)
     return _remember(_ops_memo, graph, frozenset(found))
 
 

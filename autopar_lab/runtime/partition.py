@@ -68,7 +68,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..graph.capture import capture_program
 from ..graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, OUTPUT_PRIMITIVE, PARAM, UPDATE
-from ..pricing.wgrad import input_grad_ops
+from ..pricing.wgrad import input_grad_ops, upstream
 from ..sharding.spec import DEFAULT_AXIS_NAMES, ShardingSpec
 
 __all__ = ["StagedModel", "TaskResult", "split_stages", "check_plan_matches", "stage_device_blocks", "move",
@@ -482,22 +482,15 @@ class StagedModel:
         """ZB-H1: each stage's backward task keeps B (the input-gradient operators, what they need, what another
         stage's task reads, and a rematerialised forward) and gives the rest, W, to its "wgrad" task."""
         g, kind, stage = self._g, self._kind, self._stage
-        producer = {tid: t.producer for tid, t in g.tensors.items()}
         consumers = g.consumers
         b_ops = input_grad_ops(self.plan.graph)  # the plan's graph: the same operators, with the plan's layers
         for k in range(S):
             ops = tasks[(k, "bwd")].ops
             inside = set(ops)
-            todo = [i for i in ops if i in b_ops or kind[i] != "bwd" or any(
+            seeds = [i for i in ops if i in b_ops or kind[i] != "bwd" or any(
                 c not in inside and kind[c] in ("fwd", "bwd") and stage[c] != k
                 for t in g.op(i).outputs for c in consumers.get(t, ()))]
-            keep: set[int] = set()
-            while todo:
-                i = todo.pop()
-                if i in keep:
-                    continue
-                keep.add(i)
-                todo.extend(p for t in g.op(i).inputs if (p := producer.get(t)) in inside)
+            keep = upstream(g, seeds, inside.__contains__)
             tasks[(k, "bwd")].ops = [i for i in ops if i in keep]
             tasks[(k, "wgrad")].ops = [i for i in ops if i not in keep]
 
