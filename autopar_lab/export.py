@@ -88,8 +88,7 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
     strategy = _strategy_of(plan, intra)
-    first, last = plan.stages[stage].layers
-    names = set(plan.layer_names[first:last + 1])
+    names = {plan.layer_names[i] for a, b in plan.stages[stage].layer_ranges for i in range(a, b + 1)}
     seen: dict[str, int] = {}
     out: dict[str, object] = {}
     for op in graph.ops:
@@ -123,7 +122,8 @@ def to_jax_code(plan, stage: int = 0) -> str:
         f"microbatch(es), predicted step {float(plan.cost.step_time_s):.4g} s",
     ]
     if len(plan.stages) > 1:
-        lines.append(f"# Stage {stage} (layers {int(st.layers[0])}..{int(st.layers[1])}) of {len(plan.stages)}: each "
+        where = ", ".join(f"{int(x)}..{int(y)}" for x, y in st.layer_ranges)  # an interleaved stage: its chunks
+        lines.append(f"# Stage {stage} (layers {where}) of {len(plan.stages)}: each "
                      "pipeline stage has a mesh of its own (to_jax_code(plan, stage=k) writes stage k).")
     lines += [
         "import jax",

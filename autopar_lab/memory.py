@@ -47,8 +47,8 @@ def _unremat_act(plan, stage, graph, names: list[str], layer_map: list[int]) -> 
     from .planner import layer_costs
 
     costs = layer_costs(graph, stage.intra, names)
-    a, b = stage.layers
-    return sum(costs[layer_map[k]].act_bytes for k in range(a, b + 1)) / plan.microbatches
+    act = sum(costs[layer_map[k]].act_bytes for a, b in stage.layer_ranges for k in range(a, b + 1))
+    return act / plan.microbatches
 
 
 def memory_breakdown(plan) -> list[dict]:
@@ -68,14 +68,15 @@ def memory_breakdown(plan) -> list[dict]:
             inflight = int(tl.peak_inflight[k])
         else:  # a timeline-less plan: the in-flight count its peak implies
             inflight = round((st.peak_mem_bytes - st.static_bytes) / st.act_bytes) if st.act_bytes else 0
-        act = inflight * st.act_bytes
+        # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
+        act = st.peak_mem_bytes - st.static_bytes if st.chunks else inflight * st.act_bytes
         params = 0.0
         saved = 0.0
         if st.intra is not None:
             per_layer = params_by_intra.get(id(st.intra))
             if per_layer is None:
                 per_layer = params_by_intra[id(st.intra)] = _layer_params(graph, st.intra, names)
-            params = sum(per_layer[layer_map[i]] for i in range(st.layers[0], st.layers[1] + 1))
+            params = sum(per_layer[layer_map[i]] for a, b in st.layer_ranges for i in range(a, b + 1))
             if st.remat:
                 saved = max(_unremat_act(plan, st, graph, names, layer_map) - st.act_bytes, 0.0) * inflight
         out.append({"stage": k, "params_bytes": params, "grads_bytes": params,

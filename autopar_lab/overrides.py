@@ -42,6 +42,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
 )
 from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
+from .schedules import check_schedule
 from .sharding.strategies import Strategy
 from .solve.inter import NoFeasiblePlanError, StageConstraints
 from .solve.intra import IntraPlan, strategy_index
@@ -223,12 +224,20 @@ def diff(plan: Plan, other: Plan) -> dict:
 # Stage overrides: schedule, remat, stages
 
 
-def with_schedule(plan: Plan, schedule: str) -> Plan:
-    """A new plan run with pipeline ``schedule`` ("gpipe" or "1f1b"), pinned; stages and strategies kept."""
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+def with_schedule(plan: Plan, schedule: str, virtual_stages: int | None = None) -> Plan:
+    """A new plan run with pipeline ``schedule``, pinned; stages and strategies kept, re-priced.
+
+    ``schedule``: "gpipe", "1f1b", "interleaved" (``virtual_stages`` model chunks per stage, default 2: each
+    stage's layer count is kept and its layers become chunks, see :func:`~autopar_lab.schedules.interleave`) or
+    "zb-h1" (each backward split into its input-gradient and weight-gradient tasks). The chunk count is pinned
+    with the schedule."""
+    schedule, v = check_schedule(schedule, virtual_stages)
+    pins = {key: val for key, val in plan.stage_pins.items() if key != "virtual_stages"}
+    pins["schedule"] = schedule
+    if schedule == "interleaved":
+        pins["virtual_stages"] = v
     return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins, schedule=schedule,
-                   stage_pins={**plan.stage_pins, "schedule": schedule})
+                   stage_pins=pins)
 
 
 def _stage_index(plan: Plan, stage) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from . import planner
 from .pricing import LazyIntraPlan, pareto, price_plan
 from .pricing.price import StageSpec, table_of
+from .schedules import dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
 from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
 from .solve.intra import IntraPlan, solve_intra
@@ -274,7 +275,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
     return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
                     cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
                     intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
-                    schedule=plan.schedule, constraints=con)
+                    schedule=dp_schedule(plan.schedule), constraints=con)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -46,6 +46,16 @@ class Stage:
     # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
     # kept so that an override re-prices only what it changes.
     layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
+    # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is
+    # then the stage's range in the plan's 1F1B layout, which gives its layer count). Empty otherwise.
+    chunks: tuple[tuple[int, int], ...] = ()
+    # Zero-bubble schedule: the part of ``bwd_s`` that is the weight-gradient task W (0 for the other schedules).
+    wgrad_s: float = 0.0
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) layer ranges the stage runs: its chunks when interleaved, else ``(layers,)``."""
+        return self.chunks or (self.layers,)
 
     def to_dict(self, layer_names=None) -> dict:
         out = {
@@ -60,6 +70,12 @@ class Stage:
         }
         if layer_names is not None:
             out["layer_names"] = [layer_names[self.layers[0]], layer_names[self.layers[1]]]
+        if self.chunks:
+            out["chunks"] = [list(c) for c in self.chunks]
+            if layer_names is not None:
+                out["chunk_layer_names"] = [[layer_names[a], layer_names[b]] for a, b in self.chunks]
+        if self.wgrad_s:
+            out["wgrad_s"] = self.wgrad_s
         return out
 
 
@@ -100,11 +116,18 @@ class CostReport:
 
     def explain(self) -> str:
         """The step time as the sum of its terms, with what each one is."""
+        tl = self.timeline
+        how = ""
+        if tl is not None and tl.schedule == "interleaved":
+            how = (f"; interleaved schedule, {tl.virtual_stages} chunks per stage: fill and drain shrink by "
+                   f"{tl.virtual_stages}, transfers grow by as much")
+        elif tl is not None and tl.schedule == "zb-h1":
+            how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s + collectives {self.comm_s:.4g} s "
             f"+ resharding {self.reshard_s:.4g} s (the busiest stage, #{self.busiest_stage}, over all microbatches) "
             f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
-            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all)"
+            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}"
         )
 
 
@@ -132,6 +155,8 @@ class Plan:
     # The CostTable that priced this plan (layer costs per mesh, cut bytes, batch size): what re-pricing an override
     # needs. Not part of the plan's value.
     table: CostTable | None = field(default=None, compare=False, repr=False)
+    # Model chunks per stage: > 1 only for the interleaved schedule (each stage's chunks in Stage.chunks).
+    virtual_stages: int = 1
 
     @property
     def op_graph(self) -> OpGraph:
@@ -153,7 +178,7 @@ class Plan:
         else:
             layers = self.table.op_map.full_layers_of(op)
         for s, st in enumerate(self.stages):
-            if any(st.layers[0] <= i <= st.layers[1] for i in layers):
+            if any(a <= i <= b for i in layers for a, b in st.layer_ranges):
                 return s
         return len(self.stages) - 1
 
@@ -199,11 +224,12 @@ class Plan:
 
         return with_stages(self, boundaries, submeshes, logical_meshes, microbatches)
 
-    def with_schedule(self, schedule: str) -> "Plan":
-        """This plan run with pipeline schedule ``"gpipe"`` or ``"1f1b"`` (pinned), re-simulated."""
+    def with_schedule(self, schedule: str, virtual_stages: int | None = None) -> "Plan":
+        """This plan run with pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages``
+        model chunks per stage, default 2) or ``"zb-h1"`` (pinned), re-priced and re-simulated."""
         from .overrides import with_schedule
 
-        return with_schedule(self, schedule)
+        return with_schedule(self, schedule, virtual_stages)
 
     def with_remat(self, stage: int, on: bool = True) -> "Plan":
         """This plan with rematerialisation of stage ``stage`` switched ``on`` or off (pinned): its activation
@@ -242,6 +268,7 @@ class Plan:
             "method": self.method,
             "microbatches": self.microbatches,
             "schedule": self.schedule,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
             "stage_comm": self.stage_comm,
             **self.cost.to_dict(),
             "stages": [s.to_dict(self.layer_names) for s in self.stages],

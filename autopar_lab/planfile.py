@@ -14,7 +14,9 @@ way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time 
      "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
 ``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
-differs (they price the edges at the stage's borders). ``stage_pins`` (version 2) holds the stage decisions the user
+differs (they price the edges at the stage's borders). An interleaved plan (``"schedule": "interleaved"``) also has
+``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
+:func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
 fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
 """
 
@@ -26,6 +28,7 @@ import os
 
 from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .safeio import write_atomic
+from .schedules import SCHEDULES
 
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
@@ -46,6 +49,7 @@ def plan_to_dict(plan) -> dict:
         "method": plan.method,
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
+        **({"virtual_stages": plan.virtual_stages} if plan.virtual_stages > 1 else {}),
         "stage_comm": plan.stage_comm,
         "mem_limit_bytes": plan.cost.mem_limit_bytes,
         "layer_names": list(plan.layer_names),
@@ -102,8 +106,12 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
                 raise ValueError("stage_pins['microbatches'] must be an integer")
             out[key] = value
         elif key == "schedule":
-            if value not in ("1f1b", "gpipe"):
-                raise ValueError("stage_pins['schedule'] must be '1f1b' or 'gpipe'")
+            if value not in SCHEDULES:
+                raise ValueError(f"stage_pins['schedule'] must be one of {', '.join(map(repr, SCHEDULES))}")
+            out[key] = value
+        elif key == "virtual_stages":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError("stage_pins['virtual_stages'] must be a whole number of 2 or more")
             out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
@@ -173,8 +181,9 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         if isinstance(B, bool) or not isinstance(B, int):
             raise _bad(where, f"microbatches must be an integer, got {B!r}")
         microbatch_choices(table.batch_size, B)
-        if data["schedule"] not in ("1f1b", "gpipe") or data["stage_comm"] not in ("model", "ignore"):
-            raise _bad(where, "schedule must be '1f1b' or 'gpipe' and stage_comm 'model' or 'ignore'")
+        if data["schedule"] not in SCHEDULES or data["stage_comm"] not in ("model", "ignore"):
+            raise _bad(where, f"schedule must be one of {', '.join(map(repr, SCHEDULES))} and stage_comm 'model' or "
+                              "'ignore'")
         choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}
         pins = {int(op): str(name) for op, name in dict(data["pins"]).items()}
         g = solve_graph
@@ -223,7 +232,8 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
         return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
                           stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
-                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins)
+                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins,
+                          virtual_stages=data.get("virtual_stages"))
     except ValueError as e:
         if where in str(e):
             raise

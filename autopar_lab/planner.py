@@ -37,6 +37,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     price_plan,
 )
 from .solve import inter
+from .schedules import check_schedule, dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes`` among them).
     """
     make = candidates if candidates is not None else table.candidate_fn
+    if "schedule" in kw:  # the DP prices 1F1B for interleaved and ZB-H1 plans (the plan is then priced exactly)
+        kw["schedule"] = dp_schedule(kw["schedule"])
     L = len(table.layer_names)
     mem = kw.get("mem_limit_bytes")
     by: dict[int, float | None] = {B: None for B in choices}
@@ -186,14 +189,18 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
                   schedule: str = "1f1b", remat: bool = False, mem_limit_bytes: float | None = None,
-                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None) -> Plan:
+                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
+                  virtual_stages: int | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
     ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``).
-    ``table``: as for :func:`auto_plan`."""
+    ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
+    per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
+    :mod:`autopar_lab.schedules`). ``table``: as for :func:`auto_plan`."""
     dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
     remat = checks.flag(remat, "remat")
+    schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
@@ -214,8 +221,11 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     microbatch_choices(table.batch_size, microbatches)
     stages = [((bounds[k], bounds[k + 1] - 1), submesh, (dp, tp), bool(remat)) for k in range(pp)]
     name = f"megatron(dp={dp},tp={tp},pp={pp}{',remat' if remat else ''})"
-    return price_plan(table, stages, microbatches=microbatches, schedule=schedule, stage_comm="model",
-                      mem_limit_bytes=mem_limit_bytes, method=name, solve_s=planning_times(table, solve_s))
+    if schedule == "interleaved":
+        name = f"{name[:-1]},v={virtual_stages})"
+    return price_plan(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                      stage_comm="model", mem_limit_bytes=mem_limit_bytes, method=name,
+                      solve_s=planning_times(table, solve_s))
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")

@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 
 from .safeio import read_json_file
+from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
 VERSION = 2  # the plan-file version save_plan writes
 READS = (1, 2)  # file versions load_plan accepts
@@ -112,8 +113,14 @@ def check_form(data: Mapping, where: str) -> None:
                          f"it), got {type(data['cluster']).__name__}; a plan file never names a cluster file or preset")
     printable_name(data["method"], "method", where)
     _int(data["microbatches"], "microbatches", where, 1, MAX_MICROBATCHES)
-    if data["schedule"] not in ("1f1b", "gpipe"):
-        raise bad(where, f"schedule must be '1f1b' or 'gpipe', got {data['schedule']!r:.40}")
+    if data["schedule"] not in SCHEDULES:
+        raise bad(where, f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {data['schedule']!r:.40}")
+    if data["schedule"] == "interleaved" or "virtual_stages" in data:
+        # an interleaved plan's model chunks per stage (written since the schedule exists; 2 when absent)
+        v = _int(data.get("virtual_stages", 2), "virtual_stages", where, 1, MAX_VIRTUAL_STAGES)
+        if (v >= 2) != (data["schedule"] == "interleaved"):
+            raise bad(where, f"virtual_stages {v} does not go with schedule {data['schedule']!r} (2 or more for "
+                             "'interleaved' only)")
     if data["stage_comm"] not in ("model", "ignore"):
         raise bad(where, f"stage_comm must be 'model' or 'ignore', got {data['stage_comm']!r:.40}")
     if "mem_limit_bytes" in data:
@@ -165,6 +172,11 @@ def check_form(data: Mapping, where: str) -> None:
     _op_map(data["pins"], "pins", where)
     if "stage_pins" in data and not isinstance(data["stage_pins"], dict):
         raise bad(where, "stage_pins must be an object")
+    sp = data.get("stage_pins", {})
+    if "schedule" in sp and sp["schedule"] not in SCHEDULES:
+        raise bad(where, f"stage_pins['schedule'] must be one of {', '.join(map(repr, SCHEDULES))}")
+    if "virtual_stages" in sp:
+        _int(sp["virtual_stages"], "stage_pins['virtual_stages']", where, 2, MAX_VIRTUAL_STAGES)
 
 
 def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int) -> None:

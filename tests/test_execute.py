@@ -43,19 +43,6 @@ def plan2(model, cluster):
     return p
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    """Losses of STEPS steps of the model's own step_fn, jitted on one device, on the runner's default batches."""
-    dev = jax.devices()[0]
-    step = jax.jit(model.step_fn, compiler_options=FAST)
-    params, opt_state, _ = jax.device_put(model.init(0), dev)
-    losses = []
-    for i in range(STEPS):
-        params, opt_state, loss = step(params, opt_state, jax.device_put(model.init(i)[2], dev))
-        losses.append(float(loss))
-    return losses, params
-
-
 def _close(a, b, rtol=1e-5):
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=1e-7)
 

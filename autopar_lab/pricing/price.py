@@ -16,9 +16,11 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from ..plan import CostReport, Plan, Stage
+from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
 from .stage import prefix_sums
+from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -65,17 +67,37 @@ def stage_transfers(table: CostTable, stages: Sequence[Any], microbatches: int) 
     return out
 
 
+def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Sequence[Sequence[int]]],
+                    microbatches: int) -> list[float]:
+    """:func:`stage_transfers` of an interleaved plan: one per cut between consecutive chunks (virtual stage ``c``
+    on stage ``c % p``), the link chosen as for the stage the chunk after the cut runs on; the cut from the last
+    stage back to stage 0 crosses hosts unless the whole pipeline sits in one host."""
+    cluster, offsets, p = table.cluster, stage_offsets(stages), len(stages)
+    order = [chunks[c % p][c // p] for c in range(p * len(chunks[0]))]
+    last_device = offsets[-1] + stages[-1].submesh[0] * stages[-1].submesh[1] - 1
+    out = []
+    for c in range(1, len(order)):
+        k = c % p
+        nbytes = table.cut_bytes[order[c][0] - 1] / microbatches
+        inside = offsets[k] % cluster.devices_per_host if k else last_device < cluster.devices_per_host
+        out.append(transfer_s(nbytes, cluster.intra_host if inside else cluster.inter_host))
+    return out
+
+
 def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches: int, schedule: str,
                       sends: Sequence[float], act_bytes: Sequence[float], static_bytes: Sequence[float],
-                      mem_limit_bytes: float) -> Timeline:
+                      mem_limit_bytes: float, wgrad_s: Sequence[float] | None = None,
+                      virtual_stages: int = 1) -> Timeline:
     """The pipeline's timeline: the schedule as is, or for 1F1B with transfers, a deeper warm-up when that is
-    faster and still fits in ``mem_limit_bytes``.
+    faster and still fits in ``mem_limit_bytes``. ``wgrad_s`` and ``virtual_stages``: as for
+    :func:`~autopar_lab.simulate.simulate` (ZB-H1 and interleaved).
 
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
     def run(warmup):
         return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
-                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup)
+                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, wgrad_s=wgrad_s,
+                        virtual_stages=virtual_stages)
 
     tl = run(None)
     if schedule == "1f1b" and any(sends):
@@ -93,7 +115,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                intras: Sequence[IntraPlan | None] | None = None,
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
-               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None) -> Plan:
+               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
+               virtual_stages: int | None = None) -> Plan:
     """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -103,14 +126,22 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
     ``stage_pins`` are stored on the plan as given.
 
+    ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
+    stage runs ``virtual_stages`` chunks (default: ``stage_pins["virtual_stages"]``, else 2), each chunk priced by
+    the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks.
+    ZB-H1: each stage's backward is priced as two tasks, B and W, split by
+    :func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` (W pays its own per-task overhead).
+
     >>> import autopar_lab as al                                                           # doctest: +SKIP
     >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
     >>> price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
     """
     specs = [stage_spec(st) for st in stages]
+    schedule, v = schedule_of(schedule, virtual_stages, stage_pins)
+    check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
-    priced, per_stage = [], []
+    priced, per_stage, stage_sums = [], [], []
     for j, spec in enumerate(specs):
         intra = intras[j] if intras is not None else None
         costs = layer_costs[j] if layer_costs is not None else None
@@ -124,18 +155,47 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
         per_stage.append((tuple(costs), intra))
+        stage_sums.append(sums)
 
-    sends = stage_transfers(table, priced, microbatches)
-    tl = simulate_pipeline([s.fwd_s for s in priced], [s.bwd_s for s in priced], microbatches, schedule, sends,
-                           [s.act_bytes for s in priced], [s.static_bytes for s in priced], mem)
+    p = len(priced)
+    chunks = interleave([s.layers for s in priced], v) if v > 1 else [(s.layers,) for s in priced]
+    wgrad = [0.0] * p
+    if v > 1:
+        # Every chunk is priced as a stage of its own on its stage's mesh (its own tasks, overheads and entry).
+        parts = [[table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh, microbatches, st.remat,
+                                        st.payload) for a, b in chunks[k]] for k, st in enumerate(priced)]
+        order = [parts[c % p][c // p] for c in range(p * v)]
+        sim = dict(fwd=[c.fwd_s for c in order], bwd=[c.bwd_s for c in order], act=[c.act_bytes for c in order],
+                   static=[c.static_bytes for c in order])
+        sends = chunk_transfers(table, priced, chunks, microbatches)
+        totals = [tuple(sum(getattr(c, f) for c in parts[k]) for f in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"))
+                  for k in range(p)]
+    else:
+        totals = [(s.fwd_s, s.bwd_s, s.static_bytes, s.act_bytes) for s in priced]
+        if schedule == "zb-h1":
+            for k, (st, (costs, intra)) in enumerate(zip(priced, per_stage)):
+                task = table.task_overhead_s(st.submesh)
+                # The recomputed forward of a remat stage and the task overhead stay with B; W is a task of its own.
+                core = st.bwd_s - task - (st.fwd_s - task if st.remat else 0.0)
+                w = core * weight_grad_fraction(table, intra, costs, st.layers[0], st.layers[1])
+                wgrad[k] = w + task
+                totals[k] = (st.fwd_s, st.bwd_s + task, st.static_bytes, st.act_bytes)
+        sim = dict(fwd=[t[0] for t in totals], bwd=[t[1] - w for t, w in zip(totals, wgrad)],
+                   act=[t[3] for t in totals], static=[t[2] for t in totals])
+        sends = stage_transfers(table, priced, microbatches)
+    tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, sim["act"], sim["static"], mem,
+                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
-    for st, off, peak, (costs, intra) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
-        part = costs[st.layers[0]:st.layers[1] + 1]
+    for k, (st, off, peak, (costs, intra)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
+                                                            per_stage)):
+        part = [c for a, b in chunks[k] for c in costs[a:b + 1]]
+        fwd, bwd, static, act = totals[k]
         plan_stages.append(Stage(st.layers, st.submesh, st.logical_mesh,
-                                 tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, st.fwd_s, st.bwd_s,
+                                 tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, fwd, bwd,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
-                                 sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra, costs))
+                                 sum(c.reshard_s for c in part), static, act, peak, intra, costs,
+                                 chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     work = b.compute_s + b.comm_s + b.reshard_s
@@ -156,7 +216,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table)
+                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=v)
 
 
 def table_of(plan: Plan) -> CostTable:

@@ -218,7 +218,7 @@ class Session:
                 more = "..." if len(names) > 6 else ""
                 raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{more}")
             k = names.index(layer)
-            stage = next(s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1])
+            stage = next(s for s, st in enumerate(plan.stages) if any(a <= k <= b for a, b in st.layer_ranges))
         elif stage is not None:
             if not 0 <= int(stage) < len(plan.stages):
                 raise ValueError(f"stage {stage} does not exist; this plan has {len(plan.stages)} stage(s)")

@@ -82,7 +82,7 @@ def _layer_stage(plan, names: list[str]) -> dict[str, int]:
     out = {}
     for name in names:
         k = index.get(name, len(plan.layer_names) - 1)
-        out[name] = next((s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1]),
+        out[name] = next((s for s, st in enumerate(plan.stages) if any(a <= k <= b for a, b in st.layer_ranges)),
                          len(plan.stages) - 1)
     return out
 

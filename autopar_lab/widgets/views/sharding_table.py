@@ -39,8 +39,9 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
     names = list(plan.layer_names)
     stage_of_layer = {}
     for k, st in enumerate(plan.stages):
-        for i in range(st.layers[0], st.layers[1] + 1):
-            stage_of_layer[names[i]] = k
+        for a, b in st.layer_ranges:  # an interleaved stage runs several chunks
+            for i in range(a, b + 1):
+                stage_of_layer[names[i]] = k
     groups = _groups(plan)
     out = []
     for node in g:

@@ -19,6 +19,7 @@ import html
 
 import ipywidgets as w
 
+from ...schedules import SCHEDULES
 from . import figures
 from ._base import USER_ERRORS, View, sync_figure
 from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
@@ -33,8 +34,11 @@ def stage_blocks(plan) -> list[dict]:
     for k, st in enumerate(plan.stages):
         a, b = st.layers
         remat = ", remat" if st.remat else ""
+        where = f"layers {a}-{b} ({names[a]}..{names[b]})"
+        if getattr(st, "chunks", ()):  # interleaved: the chunks the stage runs
+            where = "chunks " + ", ".join(f"{x}-{y}" for x, y in st.chunks) + f" ({b - a + 1} layers)"
         out.append({"devices": list(st.devices),
-                    "label": f"S{k}: layers {a}-{b} ({names[a]}..{names[b]}) on {st.submesh[0]}x{st.submesh[1]} "
+                    "label": f"S{k}: {where} on {st.submesh[0]}x{st.submesh[1]} "
                              f"as {st.logical_mesh[0]}x{st.logical_mesh[1]}{remat}"})
     return out
 
@@ -103,7 +107,7 @@ class StageLayout(View):
         self.apply_button.on_click(lambda _: self.apply())
         self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="190px"),
                                        style={"description_width": "initial"})
-        self.schedule = w.ToggleButtons(options=["1f1b", "gpipe"], description="schedule",
+        self.schedule = w.ToggleButtons(options=list(SCHEDULES), description="schedule",
                                         style={"button_width": "auto", "description_width": "initial"})
         self.unpin_button = B("unpin stage decisions",
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
