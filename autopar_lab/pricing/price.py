@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 from ..plan import CostReport, Plan, Stage
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
+from .incremental import split_layer_costs
 from .stage import prefix_sums
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                intras: Sequence[IntraPlan | None] | None = None,
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
-               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None) -> Plan:
+               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
+               layer_pins: Mapping[int, str] | None = None) -> Plan:
     """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -101,7 +103,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     stage's IntraPlan (None or absent: the table's solution for its mesh); ``layer_costs``: each stage's full-graph
     layer costs of that IntraPlan when the caller already has them (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` are stored on the plan as given.
+    ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
+    from the layers that share their solution, each priced on its own
+    (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
 
     >>> import autopar_lab as al                                                           # doctest: +SKIP
     >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
@@ -121,21 +125,28 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
+        own = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
+        if layer_pins:
+            split = split_layer_costs(table, intra, costs, spec.layers, layer_pins, table.strategy_cache(intra.mesh), j)
+            if split is not None:
+                costs = split
+                sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
-        per_stage.append((tuple(costs), intra))
+        per_stage.append((tuple(costs), intra, own))
 
     sends = stage_transfers(table, priced, microbatches)
     tl = simulate_pipeline([s.fwd_s for s in priced], [s.bwd_s for s in priced], microbatches, schedule, sends,
                            [s.act_bytes for s in priced], [s.static_bytes for s in priced], mem)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
-    for st, off, peak, (costs, intra) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
+    for st, off, peak, (costs, intra, own) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
         part = costs[st.layers[0]:st.layers[1] + 1]
         plan_stages.append(Stage(st.layers, st.submesh, st.logical_mesh,
                                  tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, st.fwd_s, st.bwd_s,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
-                                 sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra, costs))
+                                 sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra,
+                                 tuple(own)))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     work = b.compute_s + b.comm_s + b.reshard_s
@@ -156,7 +167,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table)
+                stage_pins=dict(stage_pins or {}), table=table, layer_pins=dict(layer_pins or {}))
 
 
 def table_of(plan: Plan) -> CostTable:
