@@ -7,7 +7,7 @@ run it), each layer split from its group (``Plan.layer_pins``, :meth:`~autopar_l
 on its own, and every other layer alone. For a model solved on its own graph every layer is a group of one.
 
     >>> [g.label for g in layer_groups(plan)]                   # doctest: +SKIP
-    ['embed', 'layer_0..layer_23 (×24, one solution; S0: layer_0..layer_11, S1: layer_12..layer_23)', 'head']
+    ['embed', 'layer_0..23 (×24, one solution; S0: layer_0..11, S1: layer_12..23)', 'head']
 """
 
 from __future__ import annotations
@@ -59,9 +59,20 @@ class LayerGroup:
 
 
 def span_text(names) -> str:
-    """``"layer_0..layer_11"`` for a run of names (one name: itself)."""
+    """``"layer_0..11"`` for a run of names from ``layer_0`` to ``layer_11`` (the last one's common prefix left
+    out; one name: itself).
+
+    >>> span_text(["layer_0", "layer_1", "layer_11"]), span_text(["embed", "head"]), span_text(["head"])
+    ('layer_0..11', 'embed..head', 'head')
+    """
     names = list(names)
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+    if len(names) == 1:
+        return names[0]
+    first, last = names[0], names[-1]
+    stem = first.rstrip("0123456789")
+    if stem and stem == last.rstrip("0123456789") and first != stem and last != stem:
+        return f"{first}..{last[len(stem):]}"
+    return f"{first}..{last}"
 
 
 def stage_of_layer(plan: Plan, k: int) -> int:

@@ -107,6 +107,14 @@ def resolve_strategy(graph: OpGraph, op: int, strategy, strats: Sequence[Strateg
     raise AssertionError("unreachable")
 
 
+def _mesh_of(plan: Plan, k: int):
+    """Stage ``k``'s logical mesh, as its IntraPlan holds it."""
+    intra = plan.stages[k].intra
+    if intra is None:
+        raise ValueError(f"stage {k} of this plan has no per-operator strategies to change")
+    return intra.mesh
+
+
 def _named(cache: StrategyCache, g: OpGraph, op: int, name: str) -> Strategy | None:
     hit = [s for s in cache.strategies(g.op(op)) if s.name == name]
     return hit[0] if hit else None
@@ -135,10 +143,10 @@ def _group(plan: Plan, op: int) -> _Group:
 def _group_strategy(plan: Plan, grp: _Group, strategy) -> Strategy:
     """``strategy`` resolved on the first stage of the group, checked to exist (by name) on every other one."""
     g, table = plan.op_graph, table_of(plan)
-    first = plan.stages[grp.stages[0]].intra
-    s = resolve_strategy(g, grp.rep, strategy, table.strategy_cache(first.mesh).strategies(g.op(grp.rep)))
+    first = _mesh_of(plan, grp.stages[0])
+    s = resolve_strategy(g, grp.rep, strategy, table.strategy_cache(first).strategies(g.op(grp.rep)))
     for k in grp.stages[1:]:
-        mesh = plan.stages[k].intra.mesh
+        mesh = _mesh_of(plan, k)
         if _named(table.strategy_cache(mesh), g, grp.rep, s.name) is None:
             raise ValueError(f"strategy {s.name!r} of operator {g.op(grp.rep).describe()} is not one of its strategies "
                              f"on stage {k}'s {mesh.shape[0]}x{mesh.shape[1]} logical mesh, which runs layers that "
@@ -221,7 +229,7 @@ def alternatives(plan: Plan, op: int) -> list[Alternative]:
     plan.stage_of(op)
     grp = _group(plan, op)
     g, table = plan.op_graph, table_of(plan)
-    meshes = [plan.stages[k].intra.mesh for k in grp.stages]
+    meshes = [_mesh_of(plan, k) for k in grp.stages]
     base = plan.cost.step_time_s
     out = []
     for s in table.strategy_cache(meshes[0]).strategies(g.op(grp.rep)):
@@ -317,11 +325,11 @@ def layer_alternatives(plan: Plan, full_op: int) -> list[Alternative]:
     if not _is_shared(plan, full_op):
         return alternatives(plan, _stand_in(plan, full_op))
     sop, _ = _layer_target(plan, full_op, full_choice(plan, full_op).name)
-    intra = plan.stages[full_stage_of(plan, full_op)].intra
+    mesh = _mesh_of(plan, full_stage_of(plan, full_op))
     base = plan.cost.step_time_s
     intras = [st.intra for st in plan.stages]
     out = []
-    for s in table_of(plan).strategy_cache(intra.mesh).strategies(plan.op_graph.op(sop)):
+    for s in table_of(plan).strategy_cache(mesh).strategies(plan.op_graph.op(sop)):
         p = reprice(plan, intras, plan.microbatches, plan.pins, layer_pins={**plan.layer_pins, full_op: s.name})
         out.append(Alternative(s.name, str(s.out_specs[0]) if s.out_specs else "", p.cost.step_time_s - base))
     out.sort(key=lambda a: (a.delta_s, a.strategy))

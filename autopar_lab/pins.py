@@ -151,7 +151,7 @@ class PinIndex:
     def with_siblings(self, pins: Mapping[int, str]) -> dict[int, str]:
         """``pins`` given to every sibling of each pinned operator (what the ILP and the IntraPlan must hold)."""
         m = self.table.op_map
-        out = {}
+        out: dict[int, str] = {}
         for op, name in pins.items():
             for sib in m.siblings(op):
                 out.setdefault(sib, name)

@@ -100,7 +100,7 @@ def test_a_split_layer_is_priced_alone_by_its_own_strategy(deep):
     # The split layer is a group of its own; the others still share one solution.
     labels = [grp.label for grp in layer_groups(new)]
     assert "layer_13 (split from its group)" in labels
-    assert any(lab.startswith("layer_0..layer_23 but layer_13 (×23, one solution; S0: ") for lab in labels)
+    assert "layer_0..23 but layer_13 (×23, one solution; S0: layer_0..11, S1: layer_12..23)" in labels
 
 
 def test_a_group_override_after_a_split_leaves_the_split_layer_alone(deep):
@@ -207,3 +207,38 @@ def test_unpinning_a_split_layer_rejoins_its_group(deep):
     with pytest.raises(ValueError, match="no strategy of its own"):
         without_layer_pin(back, full)
     assert group_of_layer(plan, "layer_13").names[0] == "layer_0"
+
+
+@pytest.mark.slow
+def test_a_what_if_replan_keeps_split_layer_pins_or_says_why_not(deep):
+    from autopar_lab.pins import keep_pins
+
+    model, plan = deep
+    full = _real_dot(plan, "layer_13")
+    name = next(a.strategy for a in plan.layer_alternatives(full) if "S1" in a.strategy.split(" = ")[0])
+    split = plan.with_layer_choice(full, name)
+    kept, messages = keep_pins(plan, split)  # the same cluster: the pin holds
+    assert messages == [] and kept.layer_pins == {full: name} and kept.full_choice(full).name == name
+    # One device: no mesh axis to shard over, so no strategy splits a tensor; the pin is dropped, saying so.
+    one = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=1)
+    fresh = al.megatron_plan(model, one, dp=1, tp=1, pp=1, microbatches=4)
+    out, messages = keep_pins(fresh, split)
+    assert out.layer_pins == {} and len(messages) == 1
+    assert f"#{full} dot_general" in messages[0] and "in layer_13" in messages[0]
+    assert "in its layer" in messages[0] and "no logical mesh of the new cluster" in messages[0]
+
+
+def test_exported_code_shards_a_split_layer_by_its_own_strategy(deep):
+    from autopar_lab.export import activation_specs
+
+    _, plan = deep
+    full = _real_dot(plan, "layer_13")
+    assert plan.graph.op(full).role == "forward"
+    now = str(plan.full_choice(full).out_specs[0])
+    name = next(a.strategy for a in plan.layer_alternatives(full) if a.spec != now)
+    split = plan.with_layer_choice(full, name)
+    node = plan.graph.op(full)
+    key = f"{node.scope or node.layer} dot_general#0 -> {tuple(node.out_shapes[0])}"
+    before, after = activation_specs(plan, 1), activation_specs(split, 1)
+    assert str(before[key]) == now and str(after[key]) == str(split.full_choice(full).out_specs[0]) != now
+    assert {k: str(v) for k, v in before.items() if k != key} == {k: str(v) for k, v in after.items() if k != key}

@@ -262,12 +262,12 @@ def test_deep_table_shows_real_layers_and_the_groups_that_share_a_solution(deep)
     wb = Workbench(model, plan.cluster, plan=plan)
     t = wb.table
     labels = [label for label, _ in t._layer_options]
-    group = "layer_0..layer_23 (×24, one solution; S0: layer_0..layer_11, S1: layer_12..layer_23)"
+    group = "layer_0..23 (×24, one solution; S0: layer_0..11, S1: layer_12..23)"
     assert labels[:4] == ["(all)", "embed", group, "head"]
     assert [f"layer_{i}" for i in range(24)] == labels[4:28]  # each real layer, to see or change it alone
     copy_only = {"layer_1", "layer_2", "layer_3"}  # names of the copy's blocks: never a row's layer on their own
     assert not any(r["layer"] in copy_only for r in t.rows)
-    blocks = [r for r in t.rows if r["layer"] == "layer_0..layer_23 ×24"]
+    blocks = [r for r in t.rows if r["layer"] == "layer_0..23 ×24"]
     assert blocks and all(r["stage_text"] == "S0+S1" and r["stages"] == [0, 1] for r in blocks)
     assert "S0+S1" in row_label(blocks[0]) and "×24" in row_label(blocks[0])
     # A real layer of stage 1 lists its own operators, on stage 1.

@@ -125,28 +125,30 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
-        own = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
+        kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
-            split = split_layer_costs(table, intra, costs, spec.layers, layer_pins, table.strategy_cache(intra.mesh), j)
+            first, last = spec.layers[0], spec.layers[1]
+            split = split_layer_costs(table, intra, costs, (first, last), layer_pins, table.strategy_cache(intra.mesh),
+                                      j)
             if split is not None:
                 costs = split
                 sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
-        per_stage.append((tuple(costs), intra, own))
+        per_stage.append((tuple(costs), intra, kept))
 
     sends = stage_transfers(table, priced, microbatches)
     tl = simulate_pipeline([s.fwd_s for s in priced], [s.bwd_s for s in priced], microbatches, schedule, sends,
                            [s.act_bytes for s in priced], [s.static_bytes for s in priced], mem)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
-    for st, off, peak, (costs, intra, own) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
+    for st, off, peak, (costs, intra, kept) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
         part = costs[st.layers[0]:st.layers[1] + 1]
         plan_stages.append(Stage(st.layers, st.submesh, st.logical_mesh,
                                  tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, st.fwd_s, st.bwd_s,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
                                  sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra,
-                                 tuple(own)))
+                                 tuple(kept)))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     work = b.compute_s + b.comm_s + b.reshard_s

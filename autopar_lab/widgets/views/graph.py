@@ -24,6 +24,7 @@ from typing import Any
 
 import ipywidgets as w
 
+from ...layergroups import group_of_layer, span_text
 from . import figures
 from ._base import View
 from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
@@ -112,13 +113,11 @@ def layer_groups(session) -> list[dict]:
 
 
 def _sharing_text(session, name: str) -> str:
-    """", one solution shared by 24 layers (layer_0..layer_23)" for a layer whose solution others share, ", split
+    """"; one solution shared by 24 layers (layer_0..23)" for a layer whose solution others share, "; split
     from ..." for one split from them; "" otherwise."""
     plan = session.plan
     if name == OTHER or name not in plan.layer_names:
         return ""
-    from ...layergroups import group_of_layer, span_text
-
     grp = group_of_layer(plan, name)
     if grp.split:
         return f"; split from the {grp.shared - 1} other layers sharing its solution (its own strategies)"

@@ -180,7 +180,7 @@ class ShardingTable(View):
     unpin.
 
     On a deep model solved on a shallower copy the rows are the model's real layers: a group of layers that share one
-    solution is one set of rows ("layer_0..layer_23 ×24"), and the layer filter also offers each real layer alone.
+    solution is one set of rows ("layer_0..23 ×24"), and the layer filter also offers each real layer alone.
     An override of a group's row applies to every layer of the group, on every stage that runs one; on a real
     layer's row, "apply to" chooses between the whole group (the default) and that layer alone (it is split from
     the group, :meth:`Session.set_layer_choice`). Rows are rebuilt after every plan change."""
@@ -373,7 +373,7 @@ class ShardingTable(View):
             if isinstance(self.key, tuple):
                 layer = plan.graph.op(self.key[1]).layer
                 grp = group_of_layer(plan, layer)
-                self.scope.options = [(f"the other layers sharing its solution" if grp.split else
+                self.scope.options = [("the other layers sharing its solution" if grp.split else
                                        f"all {grp.shared} layers sharing its solution", GROUP),
                                       (f"{layer} alone", LAYER)]
                 self.scope.value = LAYER if grp.split else GROUP
