@@ -490,4 +490,6 @@ def detail_html(session, key, scope: str = GROUP) -> str:
                                                   "every layer sharing its solution"))
     sop = session.solve_op(key[1]) if isinstance(key, tuple) else key
     group = _groups(plan).get((stages[0][0], session.op_graph.op(sop).layer), "")
+    if group and session.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
+        group = f"{group} (in the {len(session.op_graph.layers)}-layer copy the planner solved)"
     return text + (f"<br>ILP group {html.escape(group)}" if group else "")
