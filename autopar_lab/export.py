@@ -40,14 +40,23 @@ def _spec_text(spec) -> str:
 def _strategy_of(plan, intra):
     """op of the plan's graph -> its strategy in ``intra``, or None. A plan solved on a shallower copy of a deep model
     keys its strategies by the copy's operators: each of the model's operators takes the one at its place in the
-    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`)."""
+    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`), or its own pin when its layer is split
+    from the others (``plan.layer_pins``)."""
     table = plan.table
     if table is None or table.solve_graph is plan.graph:
         return intra.strategies.get
+    cache = table.strategy_cache(intra.mesh)
 
     def strategy(op):
         stand_in = table.solve_op(op)
-        return None if stand_in is None else intra.strategies.get(stand_in)
+        if stand_in is None:
+            return None
+        own = plan.layer_pins.get(op)  # an operator of a layer split from its group runs its own strategy
+        if own is not None:
+            hit = [s for s in cache.strategies(table.solve_graph.op(stand_in)) if s.name == own]
+            if hit:
+                return hit[0]
+        return intra.strategies.get(stand_in)
 
     return strategy
 

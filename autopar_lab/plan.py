@@ -44,7 +44,8 @@ class Stage:
     peak_mem_bytes: float
     intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
     # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
-    # kept so that an override re-prices only what it changes.
+    # kept so that an override re-prices only what it changes. A layer split from its group (Plan.layer_pins) is
+    # priced on top of these (pricing.incremental.split_layer_costs), so removing its pins restores its cost.
     layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
     # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is
     # then the stage's range in the plan's 1F1B layout, which gives its layer count). Empty otherwise.
@@ -157,6 +158,10 @@ class Plan:
     table: CostTable | None = field(default=None, compare=False, repr=False)
     # Model chunks per stage: > 1 only for the interleaved schedule (each stage's chunks in Stage.chunks).
     virtual_stages: int = 1
+    # Operators of single layers split from the layers that share their solution (full-graph op id -> strategy
+    # name; see with_layer_choice): a deep model solved on a shallower copy prices every block by one copy layer,
+    # and a layer with pins here is priced on its own instead.
+    layer_pins: Mapping[int, str] = field(default_factory=dict, hash=False)
 
     @property
     def op_graph(self) -> OpGraph:
@@ -182,6 +187,29 @@ class Plan:
                 return s
         return len(self.stages) - 1
 
+    def stages_of(self, op: int) -> list[int]:
+        """Every stage that runs a full-graph layer operator ``op`` of :attr:`op_graph` stands for (a block of a deep
+        model's copy stands for blocks that may span stages; an override of it re-prices each of them)."""
+        first = self.stage_of(op)
+        if self.table is None:
+            return [first]
+        layers = self.table.op_map.full_layers_of(op)
+        out = [s for s, st in enumerate(self.stages) if any(a <= i <= b for a, b in st.layer_ranges for i in layers)]
+        return out or [first]
+
+    def full_stage_of(self, full_op: int) -> int:
+        """The stage that runs operator ``full_op`` of the model's full graph (:attr:`graph`): its layer's stage."""
+        from .overrides import full_stage_of
+
+        return full_stage_of(self, full_op)
+
+    def full_choice(self, full_op: int) -> Any:
+        """The sharding strategy operator ``full_op`` of the full graph (:attr:`graph`) runs with: its own pin if its
+        layer is split (:attr:`layer_pins`), else its stand-in's strategy in the stage that runs its layer."""
+        from .overrides import full_choice
+
+        return full_choice(self, full_op)
+
     def choice(self, op: int) -> Any:
         """The sharding strategy of one operator (from the stage that runs its layer)."""
         try:
@@ -201,10 +229,21 @@ class Plan:
     # imports are inside the methods, the one deliberate upward edge of the engine (tests/test_structure.py).
     def with_choice(self, op: int, strategy) -> "Plan":
         """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
-        only the stage running ``op`` is re-priced, then the pipeline is simulated again."""
+        for a deep model's copy, in every layer that shares ``op``'s solution and on every stage that runs one of
+        them (each re-priced), then the pipeline is simulated again."""
         from .overrides import with_choice
 
         return with_choice(self, op, strategy)
+
+    def with_layer_choice(self, full_op: int, strategy) -> "Plan":
+        """This plan with operator ``full_op`` of the full graph (:attr:`graph`) run by ``strategy`` in its layer
+        alone: the layer is split from the layers that share its solution (its own pins from then on, in
+        :attr:`layer_pins`) and re-priced on its stage's mesh; the other layers keep theirs. For a layer that shares
+        its solution with no other (every layer of a model solved on its own graph), the same as
+        :meth:`with_choice` on its operator."""
+        from .overrides import with_layer_choice
+
+        return with_layer_choice(self, full_op, strategy)
 
     def with_microbatches(self, n: int) -> "Plan":
         """This plan with ``n`` microbatches (stages and strategies kept), re-simulated; ``n`` is pinned."""
@@ -244,6 +283,13 @@ class Plan:
         from .overrides import alternatives
 
         return alternatives(self, op)
+
+    def layer_alternatives(self, full_op: int) -> list[Alternative]:
+        """Every strategy of operator ``full_op`` of the full graph on its layer's stage mesh, with the step-time
+        change of choosing it for that layer alone (:meth:`with_layer_choice`), sorted by ``delta_s``."""
+        from .overrides import layer_alternatives
+
+        return layer_alternatives(self, full_op)
 
     def diff(self, other: "Plan") -> dict:
         """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""

@@ -18,6 +18,9 @@ differs (they price the edges at the stage's borders). An interleaved plan (``"s
 ``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
 :func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
 fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
+``layer_pins`` (version 3, written only when the plan has some): the operators of single layers split from the
+layers that share their solution, by their id in the model's full graph, with their strategy names
+(:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 import math
 import os
 
-from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
+from .planschema import READS, SPLIT_VERSION, VERSION  # noqa: F401 - READS is offered here as before
 from .safeio import write_atomic
 from .schedules import SCHEDULES
 
@@ -43,7 +46,7 @@ def plan_to_dict(plan) -> dict:
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
                        "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
     out = {
-        "version": VERSION,
+        "version": SPLIT_VERSION if plan.layer_pins else VERSION,
         "graph_fingerprint": plan.graph.fingerprint,
         "cluster": plan.cluster.to_dict(),
         "method": plan.method,
@@ -62,6 +65,8 @@ def plan_to_dict(plan) -> dict:
     }
     if g is not plan.graph:
         out["solve_graph_fingerprint"] = g.fingerprint
+    if plan.layer_pins:
+        out["layer_pins"] = {str(op): name for op, name in plan.layer_pins.items()}
     return out
 
 
@@ -174,7 +179,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
                                  "it was made for) to load it.")
         table = CostTable(graph, cluster, solve_graph=solve_graph)
         planschema.check_fits(data, where, ops=solve_graph.ops, num_layers=len(table.layer_names), cluster=cluster,
-                              batch_size=table.batch_size)
+                              batch_size=table.batch_size, full_ops=graph.ops)
         if list(data["layer_names"]) != list(table.layer_names):
             raise _bad(where, "its layer names are not this graph's")
         B = data["microbatches"]
@@ -186,6 +191,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
                               "'ignore'")
         choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}
         pins = {int(op): str(name) for op, name in dict(data["pins"]).items()}
+        layer_pins = {int(op): str(name) for op, name in dict(data.get("layer_pins", {})).items()}
         g = solve_graph
         if set(choices) != set(g.ops):
             raise _bad(where, f"choices cover {len(choices)} operators, the graph has {len(g.ops)}")
@@ -233,7 +239,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
                           stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
                           notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins,
-                          virtual_stages=data.get("virtual_stages"))
+                          virtual_stages=data.get("virtual_stages"), layer_pins=layer_pins)
     except ValueError as e:
         if where in str(e):
             raise

@@ -3,7 +3,9 @@
 A plan file is shared between colleagues, so it is untrusted input. :func:`read_plan_file` reads it as
 :mod:`autopar_lab.safeio` does (a regular file, a size limit, finite numbers, bounded nesting). :func:`check_form`
 checks every field's type, range and enum (strictly: ``"remat": "false"`` is a string, not a boolean; operator ids
-are canonical decimal strings; names that end up in generated code are printable one-liners). :func:`check_fits`
+are canonical decimal strings; names that end up in generated code are printable one-liners). Version 3 adds
+``layer_pins`` (operators of layers split from the layers sharing their solution: full-graph op id -> strategy
+name); a plan without split layers is still written as version 2. :func:`check_fits`
 then checks the fields against the graph and cluster the plan is loaded for: pins name operators of the graph, stage
 pins name layers and stages that exist, submeshes are shapes of the cluster and tile it, logical meshes are views of
 their submesh, the microbatch count divides the batch. Every failure is one ValueError that names the field.
@@ -26,7 +28,8 @@ from .safeio import read_json_file
 from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
 VERSION = 2  # the plan-file version save_plan writes
-READS = (1, 2)  # file versions load_plan accepts
+SPLIT_VERSION = 3  # ... for a plan with split layers (``layer_pins``), which a version-2 reader cannot represent
+READS = (1, 2, 3)  # file versions load_plan accepts
 
 __all__ = ["REQUIRED", "read_plan_file", "check_form", "check_fits", "bad", "printable_name"]
 
@@ -170,6 +173,8 @@ def check_form(data: Mapping, where: str) -> None:
         _op_map(st.get("choices_outside", {}), f"stage {k}'s choices_outside", where)
     _op_map(data["choices"], "choices", where)
     _op_map(data["pins"], "pins", where)
+    if "layer_pins" in data:
+        _op_map(data["layer_pins"], "layer_pins", where)
     if "stage_pins" in data and not isinstance(data["stage_pins"], dict):
         raise bad(where, "stage_pins must be an object")
     sp = data.get("stage_pins", {})
@@ -179,10 +184,17 @@ def check_form(data: Mapping, where: str) -> None:
         _int(sp["virtual_stages"], "stage_pins['virtual_stages']", where, 2, MAX_VIRTUAL_STAGES)
 
 
-def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int) -> None:
+def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int,
+               full_ops=None) -> None:
     """The plan file's fields against the graph (its operator ids ``ops``, ``num_layers`` layers, ``batch_size``) and
-    ``cluster`` it is loaded for; run after :func:`check_form`."""
+    ``cluster`` it is loaded for; run after :func:`check_form`. ``full_ops``: the model's full graph's operator ids
+    (those ``layer_pins`` name; default ``ops``)."""
     known = set(ops)
+    full = set(ops if full_ops is None else full_ops)
+    stray = sorted(int(op) for op in data.get("layer_pins", {}) if int(op) not in full)
+    if stray:
+        raise bad(where, f"layer_pins name operator {stray[0]}, which this model's graph does not have (its operators "
+                         f"are {min(full)}..{max(full)})")
     for key in ("pins", "choices"):
         stray = sorted(int(op) for op in data[key] if int(op) not in known)
         if stray:

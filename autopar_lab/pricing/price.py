@@ -19,6 +19,7 @@ from ..plan import CostReport, Plan, Stage
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
+from .incremental import split_layer_costs
 from .stage import prefix_sums
 from .wgrad import weight_grad_fraction
 
@@ -116,7 +117,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
                pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
-               virtual_stages: int | None = None) -> Plan:
+               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None) -> Plan:
     """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -124,7 +125,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     stage's IntraPlan (None or absent: the table's solution for its mesh); ``layer_costs``: each stage's full-graph
     layer costs of that IntraPlan when the caller already has them (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` are stored on the plan as given.
+    ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
+    from the layers that share their solution, each priced on its own
+    (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
     stage runs ``virtual_stages`` chunks (default: ``stage_pins["virtual_stages"]``, else 2), each chunk priced by
@@ -152,9 +155,17 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
+        kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
+        if layer_pins:
+            first, last = spec.layers[0], spec.layers[1]
+            split = split_layer_costs(table, intra, costs, (first, last), layer_pins, table.strategy_cache(intra.mesh),
+                                      j)
+            if split is not None:
+                costs = split
+                sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
-        per_stage.append((tuple(costs), intra))
+        per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
     p = len(priced)
@@ -173,7 +184,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     else:
         totals = [(s.fwd_s, s.bwd_s, s.static_bytes, s.act_bytes) for s in priced]
         if schedule == "zb-h1":
-            for k, (st, (costs, intra)) in enumerate(zip(priced, per_stage)):
+            for k, (st, (costs, intra, _kept)) in enumerate(zip(priced, per_stage)):
                 task = table.task_overhead_s(st.submesh)
                 # The recomputed forward of a remat stage and the task overhead stay with B; W is a task of its own.
                 core = st.bwd_s - task - (st.fwd_s - task if st.remat else 0.0)
@@ -187,14 +198,14 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                            wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
-    for k, (st, off, peak, (costs, intra)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
+    for k, (st, off, peak, (costs, intra, kept)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
                                                             per_stage)):
         part = [c for a, b in chunks[k] for c in costs[a:b + 1]]
         fwd, bwd, static, act = totals[k]
         plan_stages.append(Stage(st.layers, st.submesh, st.logical_mesh,
                                  tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, fwd, bwd,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
-                                 sum(c.reshard_s for c in part), static, act, peak, intra, costs,
+                                 sum(c.reshard_s for c in part), static, act, peak, intra, tuple(kept),
                                  chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
@@ -216,7 +227,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=v)
+                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=v,
+                layer_pins=dict(layer_pins or {}))
 
 
 def table_of(plan: Plan) -> CostTable:
