@@ -242,3 +242,20 @@ def test_exported_code_shards_a_split_layer_by_its_own_strategy(deep):
     before, after = activation_specs(plan, 1), activation_specs(split, 1)
     assert str(before[key]) == now and str(after[key]) == str(split.full_choice(full).out_specs[0]) != now
     assert {k: str(v) for k, v in before.items() if k != key} == {k: str(v) for k, v in after.items() if k != key}
+
+
+def test_a_split_layer_in_a_later_chunk_of_an_interleaved_stage_is_priced_there():
+    """Interleaved: stage 0 runs layers 0-2 and 6-7; layer_5 (index 6) split off and given a dearer strategy makes
+    stage 0's forward dearer by its layer's change (its 1F1B range, 0-4, does not hold it)."""
+    m = al.models.get("gpt-tiny", num_layers=8, batch_size=8, hidden_size=256, seq_len=64, vocab_size=128)
+    c = al.Cluster.preset("p3.16xlarge", hosts=1)
+    q = al.megatron_plan(m, c, dp=2, tp=2, pp=2, microbatches=4).with_schedule("interleaved", virtual_stages=2)
+    g = q.graph
+    full = next(o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_5")
+    k = list(q.layer_names).index("layer_5")
+    assert q.full_stage_of(full) == 0 and any(a <= k <= b for a, b in q.stages[0].chunks)
+    assert not q.stages[0].layers[0] <= k <= q.stages[0].layers[1]
+    dear = max(q.layer_alternatives(full), key=lambda a: a.delta_s).strategy
+    r = q.with_layer_choice(full, dear)
+    assert r.stages[0].fwd_s > q.stages[0].fwd_s
+    assert (r.stages[1].fwd_s, r.stages[1].bwd_s) == (q.stages[1].fwd_s, q.stages[1].bwd_s)

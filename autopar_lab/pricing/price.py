@@ -145,6 +145,10 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     priced, per_stage, stage_sums = [], [], []
+    # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
+    # 1F1B layout), else its layers.
+    ranges: list[tuple[tuple[int, int], ...]] = (interleave([s.layers for s in specs], v) if v > 1
+                                                  else [((s.layers[0], s.layers[1]),) for s in specs])
     for j, spec in enumerate(specs):
         intra = intras[j] if intras is not None else None
         costs = layer_costs[j] if layer_costs is not None else None
@@ -157,19 +161,19 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
-            first, last = spec.layers[0], spec.layers[1]
-            split = split_layer_costs(table, intra, costs, (first, last), layer_pins, table.strategy_cache(intra.mesh),
-                                      j)
-            if split is not None:
-                costs = split
-                sums = prefix_sums(costs)
+            for first, last in ranges[j]:
+                split = split_layer_costs(table, intra, costs, (first, last), layer_pins,
+                                          table.strategy_cache(intra.mesh), j)
+                if split is not None:
+                    costs = split
+                    sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
     p = len(priced)
-    chunks = interleave([s.layers for s in priced], v) if v > 1 else [(s.layers,) for s in priced]
+    chunks = ranges
     wgrad = [0.0] * p
     if v > 1:
         # Every chunk is priced as a stage of its own on its stage's mesh (its own tasks, overheads and entry).
