@@ -249,21 +249,32 @@ class CostTable:
         return pareto(cands)
 
     @renamed_keywords(mem_limit="mem_limit_bytes")
-    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None):
+    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None) -> StageCandidates:
         """``candidates`` for one microbatch count as the stage DP calls it, ``(start, end, submesh)``, computed
         for all layer ranges of a submesh at once with numpy; with ``mem_limit_bytes``, candidates that cannot fit
         even holding one microbatch are left out (the DP could never use them). Same candidates, same order, same
-        numbers as :meth:`candidates` otherwise.
+        numbers as :meth:`candidates` otherwise. The object returned also hands the DP each submesh's arrays
+        (``block(submesh)``, a :class:`StageBlock`), so the DP reads them without building a candidate per range.
         """
-        blocks: dict[tuple, StageBlock] = {}
+        return StageCandidates(self, microbatches, mem_limit_bytes)
 
-        def fn(start, end, submesh):
-            sub = tuple(submesh)
-            if sub not in blocks:
-                blocks[sub] = StageBlock(self, sub, microbatches, mem_limit_bytes)
-            return blocks[sub].candidates(start, end)
 
-        return fn
+class StageCandidates:
+    """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
+    ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
+
+    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None):
+        self.table, self.microbatches, self.mem_limit_bytes = table, microbatches, mem_limit_bytes
+        self._blocks: dict[tuple, StageBlock] = {}
+
+    def block(self, submesh) -> StageBlock:
+        sub = (int(submesh[0]), int(submesh[1]))
+        if sub not in self._blocks:
+            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes)
+        return self._blocks[sub]
+
+    def __call__(self, start: int, end: int, submesh) -> list[StageCandidate]:
+        return self.block(submesh).candidates(start, end)
 
 
 class StageBlock:
@@ -307,12 +318,16 @@ class StageBlock:
         if mem_limit_bytes is not None:
             keep &= keys[2] + keys[3] <= mem_limit_bytes
         self.keys, self.keep = keys, keep
+        # The arrays as the stage DP reads them (see solve.inter.CandidateBlock).
+        self.fwd_s, self.bwd_s, self.static_bytes, self.act_bytes = keys
+        self.usable = keep
+
+    def make(self, k: int, start: int, end: int) -> StageCandidate:
+        """Option k for layers start..end as a StageCandidate (its IntraPlan as the payload)."""
+        shape, r = self.options[k]
+        _, plan = self.table.mesh_costs(self.submesh, shape)
+        f, b, st, a = (float(v[k, start, end]) for v in self.keys)
+        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan)
 
     def candidates(self, start: int, end: int) -> list[StageCandidate]:
-        out = []
-        for k in np.flatnonzero(self.keep[:, start, end]):
-            shape, r = self.options[k]
-            _, plan = self.table.mesh_costs(self.submesh, shape)
-            f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-            out.append(StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan))
-        return out
+        return [self.make(int(k), start, end) for k in np.flatnonzero(self.keep[:, start, end])]
