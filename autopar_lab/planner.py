@@ -56,15 +56,15 @@ def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, 
 
 
 def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None) -> tuple[CostTable, Cluster, float | None]:
+              on_progress: ProgressFn | None = None, space: str = "auto") -> tuple[CostTable, Cluster, float | None]:
     """(the cost table to plan with, the cluster, seconds spent tracing or None when a table was given).
 
     With ``table`` it is checked against ``cluster`` and ``model`` (an OpGraph must be the table's graph); without,
-    one is built (:meth:`CostTable.build`)."""
+    one is built (:meth:`CostTable.build`, with ``space``)."""
     if table is None:
         if model is None or cluster is None:
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
-        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress)
+        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space)
         return built, cluster, built.trace_s
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
@@ -158,7 +158,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
 def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto", stage_comm: str = "model",
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
-              table: CostTable | None = None) -> Plan:
+              table: CostTable | None = None, space: str = "auto") -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -166,9 +166,11 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     prices transfers between stages, ``"ignore"`` reproduces Alpa (the plan's reported step time still includes
     them). ``mem_limit_bytes``: bytes per device (default: the device's memory). ``on_progress(message, done,
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster
-    (its ILPs are reused; ``model`` and ``cluster`` may then be left out).
+    (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
+    when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
+    shape; ``"divisors"``; ``"auto"``, full up to 16 hosts); a given table keeps its own.
     """
-    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()

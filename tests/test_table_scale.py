@@ -1,0 +1,65 @@
+"""The cost table at scale: meshes solved in worker processes give the same numbers as solved in place; the
+"divisors" planning space; a table reused for another number of hosts."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar_lab as al
+from autopar_lab.pricing import CostTable, planning_submeshes
+from autopar_lab.pricing.table_pool import default_workers
+
+SMALL = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return al.models.get("gpt-1.3b", batch_size=8, seq_len=32)
+
+
+def _same_plan(a, b):
+    return ({o: s.name for o, s in a.strategies.items()} == {o: s.name for o, s in b.strategies.items()}
+            and (a.compute_s, a.comm_s, a.reshard_s, a.static_bytes, a.act_bytes, dict(a.role_s), a.sync_s)
+            == (b.compute_s, b.comm_s, b.reshard_s, b.static_bytes, b.act_bytes, dict(b.role_s), b.sync_s))
+
+
+@pytest.mark.slow
+def test_meshes_solved_in_workers_equal_meshes_solved_here(model):
+    """Two worker processes (the pool's threshold lowered to this small table): every layer cost and every
+    IntraPlan rebuilt from the workers' strategy indices equal the in-process solve to the bit, and so do the plans."""
+    here, there = CostTable.build(model, SMALL), CostTable.build(model, SMALL)
+    seen = []
+    there.on_progress = lambda msg, done, total: seen.append((done, total))
+    assert here.solve_meshes(workers=1) == len(here.planned_meshes())
+    import autopar_lab.pricing.table as table_module
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        assert there.solve_meshes(workers=2) == len(there.planned_meshes())
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    n = len(there.planned_meshes())
+    assert sorted(seen) == [(k, n) for k in range(1, n + 1)]  # progress: each mesh once, with the total
+    for key in here.planned_meshes():
+        (ca, pa), (cb, pb) = here.mesh_costs(*key), there.mesh_costs(*key)
+        assert ca == cb and _same_plan(pa, pb)
+    a, b = al.auto_plan(model, SMALL, table=here), al.auto_plan(model, SMALL, table=there)
+    assert a.cost.to_dict() == b.cost.to_dict()
+
+
+def test_default_workers_is_small_and_positive():
+    assert 1 <= default_workers() <= 4
+
+
+def test_divisor_space_keeps_what_splits_the_batch_or_tiles_the_cluster():
+    c = al.Cluster.preset("dgx-a100", hosts=64)
+    full = planning_submeshes(c, 1536, "full")
+    div = planning_submeshes(c, 1536, "divisors")
+    assert planning_submeshes(c, 1536, "auto") == div and len(full) == 67
+    hosts = sorted(n for n, m in div if m == 8)
+    assert hosts == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # 8n divides 1536, or n divides 64
+    assert [s for s in full if s[0] == 1] == [s for s in div if s[0] == 1]  # every shape inside a host
+    small = al.Cluster.preset("dgx-a100", hosts=16)
+    assert planning_submeshes(small, 1536, "auto") == planning_submeshes(small, 1536, "full")  # exact up to 16
+    with pytest.raises(ValueError, match="space"):
+        planning_submeshes(c, 1536, "some")
