@@ -124,7 +124,10 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     mem = kw.get("mem_limit_bytes")
     by: dict[int, float | None] = {B: None for B in choices}
     best: inter.InterResult | None = None
-    for B in sorted(set(choices), reverse=True):
+    order = sorted(set(choices), reverse=True)
+    for n, B in enumerate(order):
+        if table.on_progress:  # the stage DP's progress (and a cancel's chance) once per microbatch count
+            table.on_progress(f"stage DP, {B} microbatches", n, len(order))
         # The best latency so far bounds the DP's t_max search (nextafter: an equal latency with fewer
         # microbatches still wins, as in stage_dp_auto).
         bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
@@ -158,7 +161,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
 def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto", stage_comm: str = "model",
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
-              table: CostTable | None = None, space: str = "auto") -> Plan:
+              table: CostTable | None = None, space: str = "auto", workers: int | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -168,13 +171,15 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster
     (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
     when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
-    shape; ``"divisors"``; ``"auto"``, full up to 16 hosts); a given table keeps its own.
+    shape; ``"divisors"``; ``"auto"``, full up to 16 hosts); a given table keeps its own. ``workers``: processes
+    for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4).
     """
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
     intra_before = table.solve_s
+    table.solve_meshes(workers=workers)  # every mesh the DP prices, side by side where cores allow
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     choices = microbatch_choices(table.batch_size, microbatches)

@@ -696,29 +696,35 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
         # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s.
         n = L - s + 1
         best = F[:n]
-        for sh, ds in enumerate(places):
+        # Device counts the s - 1 stages after this one can fill at all: a stage is placed only where it leaves one.
+        reachable = np.isfinite(F_prev[1:n + 1]).any(axis=0)
+        for sh, all_ds in enumerate(places):
+            ds = all_ds[reachable[all_ds - size[sh]]] if all_ds.size else all_ds
             if ds.size == 0:
                 continue
             cost = stage_cost[:n, :n, sh, s - 1]
             if t_max < math.inf:
                 cost = np.where(cost <= t_max, cost, np.inf)
-            k_fin, i_fin = np.nonzero(np.isfinite(cost))
-            if k_fin.size == 0:
+            fin = np.isfinite(cost)
+            rows = np.flatnonzero(fin.any(axis=1))  # start layers with any stage of this shape
+            if rows.size == 0:
                 continue  # no stage of this shape here (memory, t_max): nothing to take
+            k_fin, i_fin = np.nonzero(fin[rows])
             # Stages longer than the longest finite one cost inf: look only at end layers i = k .. k + w - 1.
-            w = int((i_fin - k_fin).max()) + 1
-            i_of = np.arange(n)[:, None] + np.arange(w)[None, :]  # (k, r) -> end layer k + r
+            w = int((i_fin - rows[k_fin]).max()) + 1
+            i_of = rows[:, None] + np.arange(w)[None, :]  # (row, r) -> end layer k + r
             ends = np.minimum(i_of, n - 1)
-            band = np.where(i_of < n, cost[np.arange(n)[:, None], ends], np.inf)
-            here = band[:, :, None] + cut[:n, None, ds]  # (k, r, d)
+            band = np.where(i_of < n, cost[rows[:, None], ends], np.inf)
+            here = band[:, :, None] + cut[rows][:, None, ds]  # (row, r, d)
             total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
             r_best = np.argmin(total, axis=1)
             v = np.take_along_axis(total, r_best[:, None, :], axis=1)[:, 0, :]
-            flat = (r_best + np.arange(n)[:, None]) * SH + sh
-            cur_v, cur_f = best[:, ds], arg[:n, ds]
+            flat = (r_best + rows[:, None]) * SH + sh
+            at = np.ix_(rows, ds)
+            cur_v, cur_f = best[at], arg[at]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
-            best[:, ds] = np.where(take, v, cur_v)
-            arg[:n, ds] = np.where(take, flat, cur_f)
+            best[at] = np.where(take, v, cur_v)
+            arg[at] = np.where(take, flat, cur_f)
         Fs.append(F)
         args.append(arg)
         F_prev = F
