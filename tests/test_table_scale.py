@@ -63,3 +63,37 @@ def test_divisor_space_keeps_what_splits_the_batch_or_tiles_the_cluster():
     assert planning_submeshes(small, 1536, "auto") == planning_submeshes(small, 1536, "full")  # exact up to 16
     with pytest.raises(ValueError, match="space"):
         planning_submeshes(c, 1536, "some")
+
+
+def test_a_table_moved_to_more_hosts_reuses_every_mesh_and_plans_as_a_fresh_one(model):
+    small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+    bigger = small.with_(hosts=2)
+    table = CostTable.build(model, small)
+    table.solve_meshes(workers=1)
+    moved = table.for_cluster(bigger)
+    assert moved.graph is table.graph and moved.trace_s == 0.0
+    new = set(moved.planned_meshes()) - set(table.planned_meshes())
+    assert new and moved.solve_meshes(workers=1) == len(new)  # only the two-host submeshes' ILPs run
+    fresh = al.auto_plan(model, bigger)
+    again = al.auto_plan(table.graph, bigger, table=moved)
+    assert again.cost.to_dict() == fresh.cost.to_dict()
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in again.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in fresh.stages]
+    assert [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in again.stages] == \
+        [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in fresh.stages]
+    # Another inter-host link: the traces carry over, no mesh does.
+    slower = table.for_cluster(small.with_(intra_host_bandwidth=small.intra_host.bandwidth / 4))
+    assert slower.graph is table.graph and slower.solve_meshes(workers=1) == len(slower.planned_meshes())
+
+
+def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
+    from autopar_lab.widgets.session import Session
+
+    small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+    session = Session(al.auto_plan(model, small), model=model)
+    seen = []
+    plan = session.set_cluster(hosts=2, on_progress=lambda msg, frac: seen.append(msg))
+    assert plan.cluster.hosts == 2 and session.plan is plan
+    solved = [m for m in seen if m.startswith("intra-op")]
+    assert solved and all(m.startswith("intra-op 2x4") for m in solved)  # the one new submesh, nothing else
+    assert plan.cost.step_time_s == al.auto_plan(model, small.with_(hosts=2)).cost.step_time_s

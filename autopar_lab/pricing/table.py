@@ -19,6 +19,7 @@ A table is a value the user may build once and pass to every planning function (
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -167,7 +168,7 @@ class CostTable:
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
         self._caches: dict[tuple, StrategyCache] = {}
         self._memo_space: dict[str, list] = {}
-        self._choices: dict[tuple, dict[int, int]] = {}  # meshes solved in workers: strategy index per operator
+        self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
 
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
@@ -210,13 +211,13 @@ class CostTable:
         key = (tuple(submesh), tuple(shape))
         if key not in self._mesh:
             t0 = time.perf_counter()
-            small, plan, _ = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
+            small, plan, self._choices[key] = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
             self._store(key, small, plan)
             self.solve_s += time.perf_counter() - t0
             self._report(key, len(self._mesh), 0)
         costs, plan = self._mesh[key]
-        if plan is None:  # solved in a worker process: the plan from its strategy indices
-            plan = plan_from_choice(self.solve_graph, self.cluster, key, self._choices.pop(key))
+        if plan is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
+            plan = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
             self._mesh[key] = (costs, plan)
         return costs, plan
 
@@ -241,8 +242,9 @@ class CostTable:
         if workers == 1 or len(todo) < POOL_MIN_MESHES:
             for n, (sub, shape) in enumerate(todo, 1):
                 t0 = time.perf_counter()
-                small, plan, _ = solve_one(self.solve_graph, self.cluster, (sub, shape), self.solver, self._memo)
+                small, plan, choice = solve_one(self.solve_graph, self.cluster, (sub, shape), self.solver, self._memo)
                 self._store((sub, shape), small, plan)
+                self._choices[(sub, shape)] = choice
                 self.solve_s += time.perf_counter() - t0
                 self._report((sub, shape), n, len(todo))
             return len(todo)
@@ -259,6 +261,30 @@ class CostTable:
             results.close()
             self.solve_s += time.perf_counter() - t0
         return len(todo)
+
+    def for_cluster(self, cluster: Cluster) -> CostTable:
+        """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
+        shared, nothing is traced again; when the device, both links and the devices per host are the same (more or
+        fewer hosts), every mesh already solved that the new cluster has carries over, since a mesh's ILP reads
+        nothing else of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked)."""
+        new = copy.copy(self)
+        new.cluster = cluster
+        new.solve_s, new.trace_s = 0.0, 0.0
+        new._caches, new._memo_space = {}, {}
+        same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
+                and cluster.inter_host == self.cluster.inter_host
+                and cluster.devices_per_host == self.cluster.devices_per_host)
+        if not same:
+            new._mesh, new._sums, new._shapes, new._memo, new._choices = {}, {}, {}, {}, {}
+            return new
+        subs = {tuple(s) for s in cluster.submesh_shapes()}
+        keep = [k for k in self._mesh if k[0] in subs and k in self._choices]
+        new._mesh = {k: (self._mesh[k][0], None) for k in keep}
+        new._choices = {k: self._choices[k] for k in keep}
+        new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
+        new._shapes = {k: v for k, v in self._shapes.items() if k in subs}
+        new._memo = dict(self._memo)  # first passes: keyed by axis size and link
+        return new
 
     def _store(self, key, small: list[LayerCost], plan: IntraPlan | None) -> None:
         self._mesh[key] = ([small[k] for k in self.layer_map], plan)

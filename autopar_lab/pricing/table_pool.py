@@ -21,6 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
 
+import numpy as np
+
 from ..graph.opgraph import OpGraph
 from ..solve.intra import IntraPlan, StrategyCache, evaluate_intra, solve_intra
 from .layers import LayerCost, layer_costs
@@ -28,8 +30,8 @@ from .layers import LayerCost, layer_costs
 if TYPE_CHECKING:
     from ..cluster import Cluster
 
-#: One solved mesh: ((submesh, shape), the solve graph's layer costs, {op: strategy index}, seconds).
-MeshResult = tuple[tuple[tuple[int, int], tuple[int, int]], list[LayerCost], dict[int, int], float]
+#: One solved mesh: ((submesh, shape), the solve graph's layer costs, strategy indices in op order, seconds).
+MeshResult = tuple[tuple[tuple[int, int], tuple[int, int]], list[LayerCost], np.ndarray, float]
 
 
 def default_workers() -> int:
@@ -43,26 +45,27 @@ def default_workers() -> int:
 
 
 def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) -> tuple[list[LayerCost], IntraPlan,
-                                                                                         dict[int, int]]:
+                                                                                         np.ndarray]:
     """One mesh's ILP as the table solves it: (the solve graph's layer costs, the IntraPlan, strategy indices)."""
     submesh, shape = key
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
     plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache)
     costs = layer_costs(graph, plan, list(graph.layers) or [""])
-    choice = {}
-    for op, s in plan.strategies.items():
-        options = cache.strategies(graph.op(op))
-        choice[op] = next(k for k, x in enumerate(options) if x is s)
+    choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
+    for n, op in enumerate(graph.ops):
+        s = plan.strategies[op]
+        choice[n] = next(k for k, x in enumerate(cache.strategies(graph.op(op))) if x is s)
     return costs, plan, choice
 
 
-def plan_from_choice(graph: OpGraph, cluster: Cluster, key, choice: dict[int, int]) -> IntraPlan:
-    """The IntraPlan of a mesh solved elsewhere, from its strategy indices (see :func:`solve_one`)."""
+def plan_from_choice(graph: OpGraph, cluster: Cluster, key, choice: np.ndarray) -> IntraPlan:
+    """The IntraPlan of a mesh solved elsewhere (another process, another cluster with the same device and links),
+    from its strategy indices (see :func:`solve_one`)."""
     submesh, shape = key
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
-    chosen = {op: cache.strategies(graph.op(op))[k] for op, k in choice.items()}
+    chosen = {op: cache.strategies(graph.op(op))[int(k)] for op, k in zip(graph.ops, choice)}
     return evaluate_intra(graph, mesh, chosen, ops=list(graph.ops), cache=cache)
 
 
