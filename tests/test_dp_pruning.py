@@ -7,40 +7,20 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
-from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
+from test_inter import random_instance as inter_instance
 
 from autopar_lab.solve import dpbounds, inter
-from autopar_lab.solve.inter import CandidateBlock, NoFeasiblePlanError, StageCandidate, stage_dp, submesh_shapes
-
-LINKS = dict(intra_link=NS(bandwidth=100.0, latency=0.01), inter_link=NS(bandwidth=10.0, latency=0.1))
+from autopar_lab.solve.inter import CandidateBlock, NoFeasiblePlanError, stage_dp, submesh_shapes
 
 
 def random_instance(seed: int):
-    """Candidates with random times and memory (some missing), random memory limits, schedules, stage caps."""
-    rng = random.Random(seed)
-    L = rng.randint(1, 6)
-    hosts, dph = rng.choice([(1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (3, 2), (1, 1), (4, 2)])
-    table = {}
-    for a in range(L):
-        for b in range(a, L):
-            for shape in submesh_shapes(hosts, dph):
-                n = shape[0] * shape[1]
-                opts = []
-                for r in range(rng.choice([0, 1, 1, 2, 3])):
-                    f = rng.choice([0.5, 1, 1.5, 2, 3, 4.25]) * (b - a + 1) / rng.choice([1, n ** 0.5, n])
-                    opts.append(StageCandidate((a, b), shape, (1, n), bool(r % 2), f, f * rng.choice([1, 2, 2.5]),
-                                               rng.randint(0, 10), rng.randint(0, 5)))
-                table[(a, b, shape)] = opts
-    kw = dict(microbatches=rng.choice([1, 2, 3, 8, 16]), mem_limit_bytes=rng.choice([math.inf, 12, 20, 30]),
-              stage_comm=rng.choice(["model", "ignore"]), schedule=rng.choice(["1f1b", "gpipe"]),
-              max_stages=rng.choice([None, None, 2, 3]))
-    if rng.random() < 0.7:
-        kw.update(cut_bytes=[rng.choice([0, 1, 5, 20, 80]) for _ in range(L - 1)], **LINKS)
-    return L, hosts, dph, (lambda a, b, s: table[(a, b, s)]), kw
+    """test_inter's random instances (random times and memory, some candidates missing, random limits, schedules
+    and stage caps), unpacked."""
+    (L, hosts, dph, fn), kw = inter_instance(seed)
+    return L, hosts, dph, fn, kw
 
 
 class Blocks:
