@@ -171,7 +171,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster
     (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
     when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
-    shape; ``"divisors"``; ``"auto"``, full up to 16 hosts); a given table keeps its own. ``workers``: processes
+    shape; ``"divisors"``; ``"auto"``, full up to 4 hosts); a given table keeps its own. ``workers``: processes
     for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4).
     """
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)

@@ -59,8 +59,8 @@ def test_divisor_space_keeps_what_splits_the_batch_or_tiles_the_cluster():
     hosts = sorted(n for n, m in div if m == 8)
     assert hosts == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # 8n divides 1536, or n divides 64
     assert [s for s in full if s[0] == 1] == [s for s in div if s[0] == 1]  # every shape inside a host
-    small = al.Cluster.preset("dgx-a100", hosts=16)
-    assert planning_submeshes(small, 1536, "auto") == planning_submeshes(small, 1536, "full")  # exact up to 16
+    small = al.Cluster.preset("dgx-a100", hosts=4)
+    assert planning_submeshes(small, 1536, "auto") == planning_submeshes(small, 1536, "full")  # Alpa's up to 4
     with pytest.raises(ValueError, match="space"):
         planning_submeshes(c, 1536, "some")
 

@@ -84,7 +84,7 @@ def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple
 #: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "auto" (full up
 #: to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above).
 SPACES = ("auto", "full", "divisors")
-FULL_SPACE_MAX_HOSTS = 16
+FULL_SPACE_MAX_HOSTS = 4
 #: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
 POOL_MIN_MESHES = 16
 
@@ -97,8 +97,9 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     whose host count divides the cluster's (a pipeline of equal stages tiles it, Megatron's layouts). The others
     cannot split the batch over all their devices, and the cost model prices them accordingly (GPT-39B on 512 A100s:
     their best layer costs 5 to 50 times the device-seconds of the others); at 64 hosts they are 52 of 67 shapes
-    and 326 of 412 logical meshes, and leaving them out gives the same plan (``bench/RESULTS.md``). ``"auto"``: full
-    up to ``FULL_SPACE_MAX_HOSTS`` hosts (every plan of Alpa's space), divisors above.
+    and 326 of 412 logical meshes, and leaving them out gives the same plan; GPT-39B on 8 p3 hosts (Alpa's case)
+    too, with 22 of 40 meshes (``bench/RESULTS.md``). An approximation all the same: ``"full"`` searches Alpa's
+    whole space. ``"auto"``: full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above.
 
     >>> from autopar_lab.cluster import Cluster
     >>> c = Cluster.preset("dgx-a100", hosts=24)
