@@ -21,6 +21,8 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from . import checks
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
@@ -103,8 +105,45 @@ def microbatch_choices(batch: int, microbatches) -> list[int]:
     return [b]
 
 
+#: Above this many layers the stage DP of a deep model cuts only on a coarser grid (see :func:`layer_grid`).
+LAYER_GRID_MAX = 66
+
+
+def layer_grid(num_layers: int, most: int = LAYER_GRID_MAX) -> list[int]:
+    """The first layer of each block the stage DP may cut between: every layer up to ``most`` layers; above, the
+    first and the last layer alone (a deep zoo model's embedding and head) and the layers between in equal groups,
+    so that at most ``most`` blocks remain. An approximation (a stage boundary falls on a group edge), taken for
+    the DP's cost, which grows with the cube of the layer count; its gap is measured in ``bench/RESULTS.md``.
+
+    >>> layer_grid(5), layer_grid(10, most=6)
+    ([0, 1, 2, 3, 4], [0, 1, 3, 5, 7, 9])
+    """
+    if num_layers <= most:
+        return list(range(num_layers))
+    g = math.ceil((num_layers - 2) / (most - 2))
+    return [0] + list(range(1, num_layers - 1, g)) + [num_layers - 1]
+
+
+class _Coarse:
+    """A :class:`~autopar_lab.pricing.table.StageCandidates` seen on a layer grid: block b of the grid is layers
+    starts[b]..ends[b] (the arrays are sub-arrays, the candidates made are the full-layer ones)."""
+
+    def __init__(self, fine, starts: list[int], ends: list[int]):
+        self.fine, self.starts, self.ends = fine, np.array(starts), np.array(ends)
+
+    def block(self, submesh):
+        b = self.fine.block(submesh)
+        if b is None:
+            return None
+        ix = np.ix_(np.arange(b.usable.shape[0]), self.starts, self.ends)
+        starts, ends = self.starts, self.ends
+        return inter.CandidateBlock(b.fwd_s[ix], b.bwd_s[ix], b.static_bytes[ix], b.act_bytes[ix], b.usable[ix],
+                                    lambda k, a, e: b.make(k, int(starts[a]), int(ends[e])))
+
+
 def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[int], *,
-                        candidates: CandidateFactory | None = None, **kw) -> inter.InterResult:
+                        candidates: CandidateFactory | None = None, grid: Sequence[int] | None = None,
+                        **kw) -> inter.InterResult:
     """The stage DP for each microbatch count, the fastest plan kept: what ``inter.stage_dp_auto`` (the reference)
     does, with the same answer (ties to the smaller count) and the same ``diagnostics["by_microbatches"]``, in less
     time. The one microbatch search: :func:`auto_plan` and :func:`~autopar_lab.pins.resolve` both use it.
@@ -113,7 +152,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     candidate's memory, ``static + min(s, B) * act / B``, never grows with ``B``, so a plan that fits with ``B``
     microbatches fits with any larger count, and a count where nothing fits rules out every smaller one. The
     candidates come from ``candidates(B, mem_limit_bytes)`` (default: :meth:`CostTable.candidate_fn`, vectorised,
-    unusable ones dropped; with ``None`` for the limit every candidate). The best latency found so far is handed to
+    unusable ones dropped; with ``None`` for the limit every candidate; with ``grid`` (first layers of blocks, see
+    :func:`layer_grid`) stages start only at those layers). The best latency found so far is handed to
     each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
     ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
     count is run again with every candidate, for the error's smallest memory requirement.
@@ -121,6 +161,13 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     """
     make = candidates if candidates is not None else table.candidate_fn
     L = len(table.layer_names)
+    cuts = list(table.cut_bytes)
+    if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
+        starts = list(grid)
+        ends = [b - 1 for b in starts[1:]] + [L - 1]
+        fine, L = make, len(starts)
+        cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
+        make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
     mem = kw.get("mem_limit_bytes")
     by: dict[int, float | None] = {B: None for B in choices}
     best: inter.InterResult | None = None
@@ -133,7 +180,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
         try:
             r = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, mem), B,
-                               cut_bytes=[c / B for c in table.cut_bytes], upper_bound=bound, **kw)
+                               cut_bytes=[c / B for c in cuts], upper_bound=bound, **kw)
         except inter.NoFeasiblePlanError:
             break
         if r is None:
@@ -146,7 +193,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         B = max(choices)
         try:
             best = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, None), B,
-                                  cut_bytes=[c / B for c in table.cut_bytes], **kw)
+                                  cut_bytes=[c / B for c in cuts], **kw)
         except inter.NoFeasiblePlanError as e:
             raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
                                             e.min_mem_bytes) from e
@@ -183,7 +230,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     choices = microbatch_choices(table.batch_size, microbatches)
-    result = search_microbatches(table, cluster, choices, **kw)
+    result = search_microbatches(table, cluster, choices, grid=layer_grid(len(table.layer_names)), **kw)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, result.stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",

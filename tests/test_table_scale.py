@@ -97,3 +97,32 @@ def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
     solved = [m for m in seen if m.startswith("intra-op")]
     assert solved and all(m.startswith("intra-op 2x4") for m in solved)  # the one new submesh, nothing else
     assert plan.cost.step_time_s == al.auto_plan(model, small.with_(hosts=2)).cost.step_time_s
+
+
+def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
+    """The coarse DP (blocks of layers, arrays cut from the fine ones) finds what the plain DP finds when only cuts on
+    the grid are allowed: same latency, same stages."""
+    from autopar_lab import planner
+    from autopar_lab.solve import inter
+
+    model = al.models.get("gpt-1.3b", batch_size=8, seq_len=32)
+    table = CostTable.build(model, SMALL)
+    L = len(table.layer_names)
+    grid = planner.layer_grid(L, most=8)
+    assert len(grid) <= 8 and grid[0] == 0 and grid[1] == 1 and grid[-1] == L - 1
+    starts, ends = set(grid), {b - 1 for b in grid[1:]} | {L - 1}
+    kw = dict(mem_limit_bytes=SMALL.device.memory_bytes, intra_link=SMALL.intra_host, inter_link=SMALL.inter_host)
+    choices = planner.microbatch_choices(table.batch_size, "auto")
+
+    def restricted(B, mem):
+        fine = table.candidate_fn(B, mem)
+        return lambda a, b, sub: fine(a, b, sub) if a in starts and b in ends else []
+
+    coarse = planner.search_microbatches(table, SMALL, choices, grid=grid, **kw)
+    plain = planner.search_microbatches(table, SMALL, choices, candidates=restricted, **kw)
+    assert coarse.latency_s == pytest.approx(plain.latency_s, rel=1e-12)
+    assert coarse.microbatches == plain.microbatches
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in coarse.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in plain.stages]
+    assert planner.layer_grid(L) == list(range(L))  # at most 66 layers: every cut
+    assert isinstance(coarse, inter.InterResult)
