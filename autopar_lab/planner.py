@@ -219,7 +219,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
     when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
     shape; ``"divisors"``; ``"auto"``, full up to 4 hosts); a given table keeps its own. ``workers``: processes
-    for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4).
+    for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4). A model of
+    more than ``LAYER_GRID_MAX`` layers is cut on a grid of blocks (:func:`layer_grid`).
     """
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)
     solve_s = {"trace": trace_s or 0.0}
