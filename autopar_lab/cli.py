@@ -71,8 +71,14 @@ def _progress(args):
     if args.json:
         return None
 
-    def show(what, done, _total):
-        print(f"\r  solving: {what} ({done} meshes)        ", end="", file=sys.stderr, flush=True)
+    def show(what, done, total):
+        # A bar when the total is known (the planned meshes, the microbatch counts of the stage DP), else a count.
+        if total:
+            filled = int(20 * min(done, total) / total)
+            bar = f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total}"
+        else:
+            bar = f"({done} meshes)"
+        print(f"\r  solving: {bar} {what}        ", end="", file=sys.stderr, flush=True)
 
     return show
 

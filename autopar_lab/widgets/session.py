@@ -465,6 +465,15 @@ class Session:
                     new = planner.auto_plan(plan.graph, new_cluster, table=plan.table, **kw)
                 finally:
                     plan.table.on_progress = old
+            elif cluster is not None and plan.table is not None and plan.table.graph is plan.graph:
+                # A what-if on the cluster: the table moves to the new cluster (no trace; every mesh it priced
+                # carries over when only the host count changed), the stage DP runs again.
+                table = plan.table.for_cluster(new_cluster)
+                table.on_progress = hook
+                try:
+                    new = planner.auto_plan(plan.graph, new_cluster, table=table, **kw)
+                finally:
+                    table.on_progress = None  # the hook belongs to this solve only
             else:
                 source = self.model if self.model is not None else plan.graph
                 new = planner.auto_plan(source, new_cluster, on_progress=hook, **kw)
@@ -483,7 +492,9 @@ class Session:
     def set_cluster(self, cluster=None, *, on_progress=None, cancel=None, **changes) -> Any:
         """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
         ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve, keeping every pin that still holds (see
-        :meth:`solve`)."""
+        :meth:`solve`). The plan's cost table moves to the new cluster (:meth:`CostTable.for_cluster`): nothing is
+        traced again, and with the same device and links (a host count slider) every mesh already priced is
+        reused, so only the new submeshes' ILPs and the stage DP run."""
         if cluster is None:
             if not changes:
                 raise ValueError("set_cluster needs a Cluster or changes such as hosts=2, inter_host_bandwidth=1e9")
