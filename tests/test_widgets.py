@@ -392,6 +392,20 @@ def test_stage_layout_controls(wb, plan):
     assert lay.message.value == "" and "move_cut" not in wb.status.value
 
 
+def test_interleaved_schedule_with_its_chunks_from_the_stage_layout(wb):
+    lay, plan = wb.layout, wb.plan
+    assert lay.virtual_stages.disabled  # only the interleaved schedule has chunks
+    lay.schedule.value = "interleaved"
+    assert wb.plan.schedule == "interleaved" and wb.plan.virtual_stages == 2 and not lay.virtual_stages.disabled
+    assert wb.plan.cost.step_time_s == plan.with_schedule("interleaved", 2).cost.step_time_s
+    # more chunks than a stage has layers: one clear error, the plan kept
+    current = wb.plan
+    lay.virtual_stages.value = 5
+    assert wb.plan is current and lay.message.value and lay.virtual_stages.value == 2
+    wb.controls.undo()
+    assert wb.plan is plan and lay.virtual_stages.disabled
+
+
 def test_editing_every_stage_together_crosses_what_one_at_a_time_cannot(deep):
     model, plan = deep  # S0 on host 0 (1x4), S1 on host 1 (1x4)
     wb = Workbench(model, plan.cluster, plan=plan)

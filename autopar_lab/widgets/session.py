@@ -355,10 +355,12 @@ class Session:
         lms[stage] = tuple(logical_mesh) if logical_mesh is not None else tuple(submesh)
         return self.set_stages(submeshes=subs, logical_meshes=lms)
 
-    def set_schedule(self, schedule: str) -> Any:
+    def set_schedule(self, schedule: str, virtual_stages: int | None = None) -> Any:
+        """Run the plan with ``schedule`` (``"interleaved"`` with ``virtual_stages`` model chunks per stage),
+        pinned and re-priced, undoably (:meth:`Plan.with_schedule`)."""
         if not hasattr(self.plan, "with_schedule"):
             raise _missing("with_schedule")
-        return self._push(self.plan.with_schedule(schedule), "set_schedule")
+        return self._push(self.plan.with_schedule(schedule, virtual_stages), "set_schedule")
 
     def set_remat(self, stage: int, remat: bool) -> Any:
         if not hasattr(self.plan, "with_remat"):

@@ -109,12 +109,17 @@ class StageLayout(View):
                                        style={"description_width": "initial"})
         self.schedule = w.ToggleButtons(options=list(SCHEDULES), description="schedule",
                                         style={"button_width": "auto", "description_width": "initial"})
+        # Model chunks per stage of the interleaved schedule (enabled only for it).
+        self.virtual_stages = w.BoundedIntText(value=2, min=2, max=64, description="chunks per stage",
+                                               layout=w.Layout(width="170px"), style={"description_width": "initial"})
         self.unpin_button = B("unpin stage decisions",
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
         self._quiet = False
         self.microbatches.observe(lambda ch: None if self._quiet else self.set_microbatches(ch["new"]), names="value")
         self.schedule.observe(lambda ch: None if self._quiet else self.set_schedule(ch["new"]), names="value")
+        self.virtual_stages.observe(
+            lambda ch: None if self._quiet else self.set_schedule("interleaved", ch["new"]), names="value")
         self.draft: list[dict] = []
         self.preview_plan = None
         self.preview_error: str | None = None
@@ -126,7 +131,7 @@ class StageLayout(View):
             w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
                    layout=w.Layout(flex_flow="row wrap")),
             self.preview,
-            w.HBox([self.microbatches, self.schedule], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.microbatches, self.schedule, self.virtual_stages], layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.unpin_button]),
             self.message], layout=w.Layout(min_width="0")))
 
@@ -248,10 +253,16 @@ class StageLayout(View):
         if n is not None and n != self.session.plan.microbatches:
             self.run("set_microbatches", lambda: self.session.set_microbatches(int(n)))
 
-    def set_schedule(self, name: str) -> None:
-        if name != self.session.plan.schedule:
-            self.run("set_schedule", lambda: self.session.set_schedule(name))
-            self._sync_controls()
+    def set_schedule(self, name: str, virtual_stages: int | None = None) -> None:
+        """Run the plan with schedule ``name`` now; ``"interleaved"`` with ``virtual_stages`` chunks per stage (default:
+        the box's value)."""
+        plan = self.session.plan
+        if name == "interleaved" and virtual_stages is None:
+            virtual_stages = int(self.virtual_stages.value)
+        if name != plan.schedule or (name == "interleaved" and virtual_stages != plan.virtual_stages):
+            self.run("set_schedule", lambda: self.session.set_schedule(
+                name, virtual_stages if name == "interleaved" else None))
+        self._sync_controls()
 
     def set_remat(self, stage: int, on: bool) -> None:
         """Switch remat of ``stage`` now (the editor's remat boxes edit the draft instead)."""
@@ -327,6 +338,9 @@ class StageLayout(View):
             self.microbatches.options = microbatch_choices(plan)
             self.microbatches.value = plan.microbatches
             self.schedule.value = plan.schedule
+            self.virtual_stages.disabled = plan.schedule != "interleaved"
+            if plan.schedule == "interleaved":
+                self.virtual_stages.value = plan.virtual_stages
         finally:
             self._quiet = False
 
