@@ -140,7 +140,8 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
 
     Refuses (ValueError, one sentence) a file of another version, a plan made for another graph or cluster, and a
     corrupt, hand-broken or hostile file (see :mod:`autopar_lab.planschema`: every field is checked before use).
-    ``model``: the zoo model, needed only for a deep model planned on a shallower copy.
+    ``model``: the zoo model, needed only for a deep model planned on a shallower copy. ``graph`` may be the model
+    itself (a ``ModelSpec``, as :func:`~autopar_lab.auto_plan` takes it): it is traced, and is the ``model``.
     """
     from . import planschema
     from .cluster import Cluster
@@ -151,6 +152,9 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
     where = f"plan file {os.fspath(path)!r}"
     if isinstance(path, (bytes, int)) or not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"load_plan takes the path of a plan file, got {type(path).__name__}.")
+    if not hasattr(graph, "fingerprint") and callable(getattr(graph, "trace", None)):  # a ModelSpec
+        model = graph if model is None else model
+        graph = graph.trace()
     data = planschema.read_plan_file(path)
     planschema.check_form(data, where)
     if cluster is None:

@@ -168,6 +168,9 @@ def test_resolve_honours_a_pin_on_any_copy_layer_and_files_keep_it(deep, tmp_pat
     back = al.load_plan(tmp_path / "p.json", plan.graph, plan.cluster, model=model)
     assert back.cost.step_time_s == out.cost.step_time_s and back.pins == out.pins
     assert json.loads((tmp_path / "p.json").read_text())["version"] == 2  # no split layer: still a version-2 file
+    # The model itself, as auto_plan takes it, is enough (it is traced and is the model).
+    again = al.load_plan(tmp_path / "p.json", model)
+    assert again.cost.step_time_s == out.cost.step_time_s and again.pins == out.pins
 
 
 def test_split_layer_pins_survive_save_load_and_resolve(deep, tmp_path):
