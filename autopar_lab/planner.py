@@ -160,7 +160,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     count is run again with every candidate, for the error's smallest memory requirement.
     ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes`` among them).
     """
-    make = candidates if candidates is not None else table.candidate_fn
+    make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
     if "schedule" in kw:  # the DP prices 1F1B for interleaved and ZB-H1 plans (the plan is then priced exactly)
         kw["schedule"] = dp_schedule(kw["schedule"])
     L = len(table.layer_names)

@@ -216,11 +216,11 @@ class CostTable:
             self._store(key, small, plan)
             self.solve_s += time.perf_counter() - t0
             self._report(key, len(self._mesh), 0)
-        costs, plan = self._mesh[key]
-        if plan is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
-            plan = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
-            self._mesh[key] = (costs, plan)
-        return costs, plan
+        costs, stored = self._mesh[key]
+        if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
+            stored = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
+            self._mesh[key] = (costs, stored)
+        return costs, stored
 
     def solved_mesh(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan] | None:
         """:meth:`mesh_costs` if that mesh's ILP has run already, else None (nothing is solved)."""

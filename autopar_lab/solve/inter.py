@@ -697,7 +697,7 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
         n = L - s + 1
         best = F[:n]
         # Device counts the s - 1 stages after this one can fill at all: a stage is placed only where it leaves one.
-        reachable = np.isfinite(F_prev[1:n + 1]).any(axis=0)
+        reachable = np.asarray(np.isfinite(F_prev[1:n + 1]).any(axis=0))
         for sh, all_ds in enumerate(places):
             ds = all_ds[reachable[all_ds - size[sh]]] if all_ds.size else all_ds
             if ds.size == 0:
