@@ -488,8 +488,9 @@ def _output_aliases(args, out_shape, input_tensors) -> dict[int, int]:
         o_leaves, o_def = jax.tree_util.tree_flatten(o)
         if j < len(args):
             a_leaves, a_def = jax.tree_util.tree_flatten(args[j])
-            if a_def == o_def and all(getattr(x, "shape", None) == getattr(y, "shape", None)
-                                      for x, y in zip(a_leaves, o_leaves)):
+            same_tree = a_def == o_def  # type: ignore[operator]  # PyTreeDef compares by structure; its stub says not
+            if same_tree and all(getattr(x, "shape", None) == getattr(y, "shape", None)
+                                 for x, y in zip(a_leaves, o_leaves)):
                 for k in range(len(o_leaves)):
                     aliases[out_off + k] = input_tensors[in_offsets[j] + k]
         out_off += len(o_leaves)

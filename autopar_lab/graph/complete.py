@@ -21,7 +21,7 @@ def layers_from_forward(graph: OpGraph, fwd_layer: dict[int, int], names: Sequen
 
 
 def complete_layers(graph: OpGraph, fwd_layer: dict[int, int], L: int, names: Sequence[str],
-                    bwd_layer: dict[int, int] | None) -> list[str | None]:
+                    bwd_layer: dict[int, int] | None) -> list[str]:
     """Per operator, its layer name, given the layer (an index into ``names``) of every forward operator and, when
     known, of every backward operator (``bwd_layer``; None: fitted by :func:`fit_backward`): step inputs take their
     first forward reader's layer, updates and outputs the layer of their largest input, the rest their first
@@ -57,15 +57,15 @@ def complete_layers(graph: OpGraph, fwd_layer: dict[int, int], L: int, names: Se
                 t = node.outputs[0]
                 readers = [c for c in consumers.get(t, ()) if layer[c] is not None]
                 out = alias_output.get(t)
-                k = layer[readers[0]] if readers else (layer[out] if out is not None else None)
+                found: int | None = layer[readers[0]] if readers else (layer[out] if out is not None else None)
             else:
-                best, k = -1, None
+                best, found = -1, None
                 for t in node.inputs:
                     p = producer.get(t)
                     if p is not None and layer[p] is not None and graph.tensor(t).nbytes > best:
-                        best, k = graph.tensor(t).nbytes, layer[p]
-            if k is not None:
-                layer[i] = k
+                        best, found = graph.tensor(t).nbytes, layer[p]
+            if found is not None:
+                layer[i] = found
                 changed = True
         if not changed:
             break
@@ -74,7 +74,7 @@ def complete_layers(graph: OpGraph, fwd_layer: dict[int, int], L: int, names: Se
         if layer[node.id] is None:
             ks = [layer[c] for t in node.outputs for c in consumers.get(t, ()) if layer[c] is not None]
             layer[node.id] = ks[0] if ks else L - 1
-    return [names[k] for k in layer]
+    return [names[k] for k in layer if k is not None]  # every operator has one by now
 
 
 def fit_backward(graph: OpGraph, bwd: Sequence[int], layer: list, producer: dict, L: int) -> dict[int, int]:

@@ -72,7 +72,7 @@ def split_key_path(path: str) -> tuple[str, ...]:
     """The components of a pytree key path (``jax.tree_util.keystr``), the leading ``args[i]`` dropped; a string key
     holding slashes (Haiku's module names) is split at them, Haiku's ``~`` separators dropped."""
     path = re.sub(r"^args\[\d+\]", "", path)
-    out = []
+    out: list[str] = []
     for m in _KEY.finditer(path):
         key = next(g for g in m.groups() if g is not None)
         out.extend(part for part in key.split("/") if part and part != "~")
@@ -309,17 +309,17 @@ def _runs(anchored: Sequence[tuple[int, str]]) -> list[tuple[str, list[int]]]:
 def _from_params(graph: OpGraph, fwd: list[int], params: dict, groups, d0, rule: str, note: str) -> OpGraph:
     """Forward operators anchored by the parameters they read, cut into contiguous layers between the anchors."""
     owner = {t: _name(p, groups, d0) for t, p in params.items()}
-    anchored = []
+    anchored: list[tuple[int, str]] = []
     for i in fwd:
         node = graph.op(i)
-        reads = [(graph.tensor(t).nbytes, owner[t]) for t in node.inputs if owner.get(t)]
+        reads = [(graph.tensor(t).nbytes, name) for t in node.inputs if (name := owner.get(t))]
         if reads:
             anchored.append((i, max(reads)[1]))
     runs = _runs(anchored)
     return _with(graph, _from_runs(graph, fwd, runs), rule, note)
 
 
-def _from_runs(graph: OpGraph, fwd: list[int], runs) -> list[str]:
+def _from_runs(graph: OpGraph, fwd: list[int], runs) -> Sequence[str | None]:
     """Per operator, a layer: the forward cut into one layer per run of anchors (names repeated later get ``#2``,
     ``#3``, ...), each cut between two runs where the fewest bytes cross; everything else by relayer's rules."""
     if not runs:

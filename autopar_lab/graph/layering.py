@@ -54,7 +54,7 @@ def cut_bytes_matrix(num_ops: int, edges: Iterable[tuple[int, int, float]]) -> n
     return np.triu(C)
 
 
-def layer_flops_bound(op_flops: Sequence[float], num_layers: int, delta: float) -> float:
+def layer_flops_bound(op_flops: "Sequence[float] | np.ndarray", num_layers: int, delta: float) -> float:
     """``(1 + delta) * sum(op_flops) / num_layers``."""
     return (1.0 + delta) * float(sum(op_flops)) / num_layers
 
@@ -68,7 +68,7 @@ def _bottleneck(cost: np.ndarray, allowed: np.ndarray, r: int):
     n = cost.shape[0]
     masked = np.where(allowed, cost, np.inf)
     G = masked[0].copy()  # one layer: ops 0..k
-    choice = [None]
+    choice: list[np.ndarray | None] = [None]
     for q in range(2, r + 1):
         newG = np.full(n, np.inf)
         arg = np.zeros(n, dtype=np.int64)
@@ -83,11 +83,14 @@ def _bottleneck(cost: np.ndarray, allowed: np.ndarray, r: int):
     value = float(G[n - 1])
     if not math.isfinite(value):
         return math.inf, None
-    starts, k = [], n - 1
+    starts: list[int] = []
+    k = n - 1
     for q in range(r, 1, -1):
-        i = int(choice[q - 1][k])
-        starts.append(i)
-        k = i - 1
+        arg_q = choice[q - 1]
+        assert arg_q is not None  # filled for every q >= 2
+        start = int(arg_q[k])
+        starts.append(start)
+        k = start - 1
     return value, [0, *reversed(starts)]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterator, Mapping
@@ -238,7 +238,7 @@ class OpGraph:
 
     def flops_by(self, attr: str) -> dict[str, float]:
         """Sum of FLOPs grouped by an operator attribute (``"primitive"``, ``"role"``, ``"layer"``)."""
-        acc: Counter = Counter()
+        acc: dict[str, float] = defaultdict(float)
         for n in self._nodes:
             acc[str(getattr(n, attr))] += n.flops
         return {k: float(v) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}

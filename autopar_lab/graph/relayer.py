@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -109,13 +109,14 @@ def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None 
             mode = "scopes"
         else:
             mode = "cluster"
+    new_layers: Sequence[str | None]
     if mode == "scopes":
-        layers = [n.layer for n in nodes]
+        new_layers = [n.layer for n in nodes]
     elif mode == "markers":
-        layers = _marker_layers(graph)
+        new_layers = _marker_layers(graph)
     else:
-        layers = _cluster_layers(graph, num_layers, delta)
-    new_nodes = [n if n.layer == lay else dataclasses.replace(n, layer=lay) for n, lay in zip(nodes, layers)]
+        new_layers = _cluster_layers(graph, num_layers, delta)
+    new_nodes = [n if n.layer == lay else dataclasses.replace(n, layer=lay) for n, lay in zip(nodes, new_layers)]
     rule, note = (graph.layer_rule, graph.layer_note) if mode == "scopes" else (mode, _NOTES[mode])
     return OpGraph(new_nodes, graph.tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
                    trace_s=graph.trace_s, layer_rule=rule, layer_note=note)
@@ -133,7 +134,7 @@ def _forward_ops(graph: OpGraph) -> list[int]:
 def _marker_groups(graph: OpGraph, ops: Sequence[int]) -> list[tuple[int, list[int]]]:
     """Boundaries among ``ops`` (in order): (index, marker op ids); a marker adjacent to the previous one with the
     same index (the leaves of one pytree) joins its boundary."""
-    groups: list[tuple[int, list[int]]] = []
+    groups: list[tuple[Any, list[int]]] = []
     prev = None
     for i in ops:
         node = graph.op(i)
@@ -147,7 +148,7 @@ def _marker_groups(graph: OpGraph, ops: Sequence[int]) -> list[tuple[int, list[i
     return groups
 
 
-def _marker_layers(graph: OpGraph) -> list[str | None]:
+def _marker_layers(graph: OpGraph) -> Sequence[str | None]:
     fwd = _forward_ops(graph)
     groups = _marker_groups(graph, fwd)
     if not groups:
@@ -190,7 +191,7 @@ def _backward_by_markers(graph: OpGraph, bwd: Sequence[int], fwd_groups, L: int)
     return out
 
 
-def _cluster_layers(graph: OpGraph, num_layers: int | None, delta: float) -> list[str | None]:
+def _cluster_layers(graph: OpGraph, num_layers: int | None, delta: float) -> Sequence[str | None]:
     fwd = _forward_ops(graph)
     if not fwd:
         raise ValueError("the graph has no forward operators to cluster into layers")

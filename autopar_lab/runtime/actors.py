@@ -26,6 +26,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 __all__ = ["StageWorker", "remote_class", "actor_options", "build_model", "build_plan", "is_gpu_plan"]
 
@@ -74,6 +75,7 @@ def actor_options(job: dict, stage: int) -> dict:
     st = job["plan"]["stages"][stage]
     n = int(st["submesh"][0]) * int(st["submesh"][1])
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    opts: dict[str, Any]
     if job.get("device_kind", "cpu") == "gpu":
         opts = {"num_gpus": n, "num_cpus": 1}
     else:
@@ -105,7 +107,7 @@ class StageWorker:
         if len(local) < n:
             raise ValueError(f"stage {stage} needs {n} devices but its actor sees {len(local)} "
                              f"({local[0].platform if local else 'none'}).")
-        devices = [None] * S
+        devices: list[list | None] = [None] * S
         devices[self.stage] = list(local[:n])
         self.staged = split_stages(self.model, self.plan, devices=devices,
                                    compiler_options=job.get("compiler_options") or None)
@@ -113,8 +115,8 @@ class StageWorker:
         #: the stages of the split this actor runs: its own, or for an interleaved plan each of its chunks
         self.chunks = [c for c, d in enumerate(self.staged.device_stage) if d == self.stage]
         self.states = {c: self.staged.init_state(c, self.seed) for c in self.chunks}
-        self._batch_step = None
-        self._mbs = None
+        self._batch_step: int | None = None
+        self._mbs: list | None = None
         self._stash: dict = {}  # (chunk, kind, microbatch) -> what the task keeps for the chunk's later tasks
         self._left: dict = {}  # how many of those later tasks have not read it yet
         self._acc: dict = {}  # (chunk, kind) -> values the update reads, summed over the step's microbatches
@@ -183,6 +185,7 @@ class StageWorker:
             # every actor makes the step's batch itself (same seed, same numbers): no batch crosses the network
             self._mbs = self.staged.split_batch(synthetic_batch(self.model, self.seed + int(step)))
             self._batch_step = step
+        assert self._mbs is not None
         return self._mbs[mb]
 
     def run(self, kind: str, chunk: int, step: int, mb: int, *produced: dict) -> dict:

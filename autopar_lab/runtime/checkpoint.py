@@ -78,7 +78,8 @@ def save_stage(directory, step: int, stage: int, tree) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     base = f"step_{int(step):08d}"
     write_atomic(d / f"{base}.npz",
-                  lambda f: np.savez(f, **{f"leaf_{i:05d}": _to_storable(a) for i, a in enumerate(arrays)}))
+                  lambda f: np.savez(f, **{f"leaf_{i:05d}": _to_storable(a)  # type: ignore[arg-type]
+                                           for i, a in enumerate(arrays)}))
     index = {"format": FORMAT, "version": VERSION, "step": int(step), "stage": int(stage),
              "leaves": [{"path": p, "shape": list(a.shape), "dtype": a.dtype.name}
                         for (p, _), a in zip(entries, arrays)]}
@@ -283,7 +284,7 @@ def resume_point(directory, num_stages: int, upto: int | None = None) -> tuple[i
     for k in range(num_stages):
         steps = {s for s in steps_of(directory, k) if s <= last}
         common = steps if common is None else common & steps
-    skipped = []
+    skipped: list[tuple[int, str]] = []
     for step in sorted(common or (), reverse=True):
         reasons = [r for r in (verify_step(directory, step, k) for k in range(num_stages)) if r]
         if not reasons:

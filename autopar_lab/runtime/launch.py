@@ -135,7 +135,7 @@ def _connect(address: str):
     connecting from the main thread) is put back to what it was: this process's signals are its owner's."""
     import ray
     from ray._private import auto_init_hook, ray_constants
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Ray 2.60+, no stub
 
     # Ray loads the auth token once per process and caches it: a second embedded Ray in this process (a new throwaway
     # token in a new folder) would be refused with the first one's ("InvalidAuthToken"). Read it afresh.
@@ -446,6 +446,7 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     channel = ProgressChannel()
     if on_progress is not None:
         channel.subscribe(on_progress)
+    job: Job
     if ray_address:
         job = _submit(spec, str(ray_address), channel)
     else:

@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import uuid
+from typing import Any
 
 from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
 
@@ -171,7 +172,7 @@ def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: s
     from ..simulate import ScheduleStuck, issue_order, task_order
 
     orders = [task_order(d, S, B, schedule, virtual_stages=virtual_stages) for d in range(S)]
-    refs = {}
+    refs: dict[Any, Any] = {}
 
     def ready(_d, kind, c, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
         return all((s, kd, j) in refs for s, kd in routes.sources[(c, kind)])
@@ -282,7 +283,8 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
     check_resources(ray, job)
     t_start = time.perf_counter()
-    step, losses, run_id = 0, [], job.get("run_id")
+    losses: list[float] = []
+    step, run_id = 0, job.get("run_id")
     if ck_dir:
         try:  # launch() claimed a local directory already (claiming again is a no-op); a remote one is claimed here
             run_id, _ = claim(ck_dir, run_id or uuid.uuid4().hex[:12], resume=bool(job.get("resume")),
