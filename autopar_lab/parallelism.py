@@ -7,7 +7,9 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
 - :func:`with_fsdp`: the plan with every parameter stored sharded over its stage's data-parallel axes (each an
   ordinary ``with_choice`` override, so pinned, re-priced and kept by ``resolve``);
 - :func:`seqpar_regions`: per stage, the operators that run split along the sequence between a reduce-scatter and
-  an all-gather (Megatron-style sequence parallelism).
+  an all-gather (Megatron-style sequence parallelism);
+- :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
+  sharding table.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import TYPE_CHECKING
 
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
 from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
+from .sharding.ring import is_ring, ring_axes_used
 from .sharding.seqpar import SeqRegion, sequence_regions
 
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["data_axes", "fsdp_params", "seqpar_regions", "with_fsdp"]
+__all__ = ["data_axes", "fsdp_params", "op_notes", "seqpar_regions", "with_fsdp"]
 
 
 def data_axes(graph, strategies) -> tuple[int, ...]:
@@ -87,4 +90,28 @@ def seqpar_regions(plan: Plan, stage: int | None = None) -> dict[int, list[SeqRe
         if (stage is not None and k != stage) or st.intra is None:
             continue
         out[k] = sequence_regions(g, st.intra.strategies, tuple(st.intra.mesh.shape))
+    return out
+
+
+def op_notes(plan: Plan, axis_names=("x", "y")) -> dict[int, str]:
+    """Operator of ``plan.op_graph`` -> one line naming the newer parallelism it takes part in: a ZeRO-3 / FSDP
+    parameter (stored and gathered specs), an operator of a sequence-parallel region, a ring-attention matmul
+    (context parallelism). Operators in none of them are absent. The first stage that runs an operator says."""
+    out: dict[int, str] = {}
+    for k, params in fsdp_params(plan).items():
+        for p in params:
+            out.setdefault(p.op, p.describe(axis_names))
+    for k, regions in seqpar_regions(plan).items():
+        for r in regions:
+            over = "+".join(axis_names[a] for a in r.axes)
+            for op in r.ops:
+                out.setdefault(op, f"sequence parallel: split along the sequence over {over}")
+    for st in plan.stages:
+        if st.intra is None:
+            continue
+        for op, s in st.intra.strategies.items():
+            if is_ring(s):
+                over = "+".join(axis_names[a] for a in ring_axes_used(s))
+                out.setdefault(op, f"context parallel: ring attention over {over} (blocks passed around the ring, "
+                                   "overlapping compute)")
     return out

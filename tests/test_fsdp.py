@@ -209,3 +209,44 @@ def test_an_fsdp_plan_trains_like_one_device(cpu):
     w = runner.params["layers"][0]["qkv"]["w"]  # after 3 steps: still stored sharded over the data axis
     assert w.sharding.spec == jax.sharding.PartitionSpec("x", None)
     assert w.addressable_shards[0].data.shape == (32 // 8, 96)
+
+
+def test_the_sharding_table_names_fsdp_parameters(cpu):
+    from autopar_lab.widgets.session import Session
+    from autopar_lab.widgets.views.sharding_table import op_rows, row_label
+
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+    plan = with_fsdp(_data_parallel(al.data_parallel_plan(model, cpu)))
+    session = Session(plan, model=model)
+    rows = {r["op"]: r for r in op_rows(session, primitive="parameter")}
+    g = plan.op_graph
+    w = next(op for op in g.ops if g.tensor(g.op(op).outputs[0]).path == "args[0]['layers'][0]['qkv']['w']")
+    assert rows[w]["partition_spec"] == "P('x', None)"
+    assert rows[w]["note"].startswith("ZeRO-3/FSDP: stored P('x', None), all-gathered over x to P(None, None)")
+    assert "ZeRO-3/FSDP" in row_label(rows[w])
+
+
+@pytest.mark.slow
+def test_a_user_script_exports_an_fsdp_plan(tmp_path):
+    """As a user runs it: a script in another directory plans, overrides to FSDP and writes the JAX code."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "fsdp_export.py"
+    script.write_text(
+        "import autopar_lab as al\n"
+        "model = al.models.get('gpt-tiny', batch_size=8, num_layers=2)\n"
+        "plan = al.data_parallel_plan(model, al.Cluster.preset('cpu', hosts=1))\n"
+        "g = plan.op_graph\n"
+        "for op in g.ops:\n"
+        "    if g.op(op).primitive == 'parameter' and g.tensor(g.op(op).outputs[0]).kind == 'batch':\n"
+        "        plan = plan.with_choice(op, 'S0R')\n"
+        "print(plan.with_fsdp().to_jax_code())\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "# ZeRO-3/FSDP:" in out.stdout
+    assert "\"args[0]['layers'][1]['qkv']['w']\": P('x', None)," in out.stdout
+    compile(out.stdout, "exported.py", "exec")  # the export is Python
