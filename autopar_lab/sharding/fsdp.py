@@ -9,8 +9,10 @@ update runs on the shards, so the alias edge back to the stored parameter costs 
 with Alpa's weight-update sharding (ZeRO-2: the parameter stored whole, the updated shards all-gathered once per
 step) is priced in :mod:`autopar_lab.solve.intra`:
 
-- the gather is paid once per role that reads the parameter (forward, and again in backward: FSDP frees the
-  gathered copy after the forward; ``conversions`` counts it so, as the ILP's per-reader edges do);
+- the gather is paid once per reader of the parameter (its forward matmul, and again its backward one: FSDP
+  frees the gathered copy after use; ``conversion_key`` counts it so, as the ILP's per-reader edges do). XLA left
+  alone may instead gather once and keep the copy until the backward (it does so for activations, which are
+  priced that way): to get the memory saving at run time the step re-gathers, e.g. under ``jax.checkpoint``;
 - under a memory limit the parameter's stored shard is resident all step and the gathered copy only at its
   reader (``gathered_param_terms``), so the memory constraint sees the saving and the transient;
 - the sequential two-axis solve leaves parameters free in its second pass under a memory limit.

@@ -13,7 +13,10 @@ The ILP already holds every piece, nothing new is enumerated: a contraction spli
 layout operators follow any split of their dimensions (the sequence included), and converting ``S1`` on the sequence
 back to ``R`` is an ``all_gather`` resharding edge (:mod:`autopar_lab.sharding.reshard`), all priced with the
 collective functions of :mod:`autopar_lab.cluster`. The ILP picks it where it pays: the layer norm on ``1/t`` of the
-tokens costs less, for one more collective latency per region.
+tokens costs less, for one more collective latency per region. Where activation memory is tight (a memory limit),
+it also keeps the layer norm's output split and gathers it for the matmul, Korthikanti et al.'s layout; the
+activation is then counted split, and its gather once (as XLA compiles it; Megatron gathers it again in the
+backward, one more all-gather per region the cost model does not charge).
 
 This module names it in a plan: :func:`sequence_regions` finds the operators split along the sequence and the
 collectives that open and close each region, and :func:`without_sequence_parallel` turns a plan's regions back into

@@ -676,19 +676,23 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
         else:
             t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
-        # A gathered copy is made once per pass that reads it: the forward's is freed after use and the backward
-        # gathers again (a sequence-parallel activation kept split for the backward), as the memory counts the
-        # tensor at its producer's spec. A parameter stored sharded (ZeRO-3 / FSDP) is gathered for each reader
-        # and freed after it (a tied embedding: once for the lookup, once for the logits), as the ILP's edges count.
-        gathers = i != -1 and bool(src.axes - dst.axes)
-        per = (v if is_param_input(graph, u) else graph.op(v).role) if gathers else None
-        key = (t.id, src, dst, i == -1, per)
+        key = conversion_key(graph, u, v, t.id, src, dst, i == -1)
         if key in seen:
             continue
         seen.add(key)
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
             yield u, v, i == -1, t, src, dst, cost
+
+
+def conversion_key(graph: OpGraph, u: int, v: int, tensor: int, src: ShardingSpec, dst: ShardingSpec,
+                   is_alias: bool = False) -> tuple:
+    """Which conversions of a tensor are one: readers of ``tensor`` (produced by ``u``) in the same spec share a
+    conversion (XLA converts once and keeps the copy, measured by ``validate_plan``), except that a parameter stored
+    sharded (ZeRO-3 / FSDP) is gathered for each reader ``v`` and freed after it: in forward, again in backward (a
+    tied embedding: once for the lookup, once for the logits), as the ILP's per-reader edges count."""
+    gathers = not is_alias and bool(src.axes - dst.axes) and is_param_input(graph, u)
+    return (tensor, src, dst, is_alias, v if gathers else None)
 
 
 def mesh_axis_size(mesh, axis) -> int:
