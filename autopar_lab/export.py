@@ -115,6 +115,25 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
     return out
 
 
+def _parallelism_notes(plan, stage: int) -> list[str]:
+    """Comment lines naming the stage's ZeRO-3 / FSDP parameters and sequence-parallel regions (the specs below and
+    the activation constraints say them; jit inserts the gathers and reduce-scatters they imply)."""
+    from .parallelism import fsdp_params, seqpar_regions
+
+    out = []
+    gathered = fsdp_params(plan, stage).get(stage, [])
+    if gathered:
+        axes = sorted({AXIS_NAMES[a] for p in gathered for a in p.axes})
+        out.append(f"# ZeRO-3/FSDP: {len(gathered)} parameter(s) stored sharded over {'+'.join(axes)} (param_specs), "
+                   "all-gathered where read, in forward and again in backward.")
+    regions = seqpar_regions(plan, stage).get(stage, [])
+    if regions:
+        axes = sorted({AXIS_NAMES[a] for r in regions for a in r.axes})
+        out.append(f"# Sequence parallel over {'+'.join(axes)}: {len(regions)} region(s) split along the sequence "
+                   "between a reduce-scatter and an all-gather (activation_specs).")
+    return out + ([""] if out else [])
+
+
 def to_jax_code(plan, stage: int = 0) -> str:
     """Python source building one stage's mesh, PartitionSpecs, NamedShardings and the sharding constraints of its
     forward matmuls (see the module doc)."""
@@ -147,6 +166,7 @@ def to_jax_code(plan, stage: int = 0) -> str:
         f"    mesh = Mesh(np.array(_devices).reshape(({n0}, {n1})), {AXIS_NAMES!r})",
         "",
     ]
+    lines += _parallelism_notes(plan, stage)
     for var, kind in (("param_specs", PARAM), ("opt_state_specs", OPT_STATE), ("batch_specs", BATCH)):
         lines.append(f"{var} = {{")
         for path, spec in specs.get(kind, {}).items():

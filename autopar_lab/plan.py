@@ -277,6 +277,14 @@ class Plan:
 
         return with_remat(self, stage, on)
 
+    def with_fsdp(self, axes: tuple[int, ...] | None = None) -> "Plan":
+        """This plan with every parameter stored sharded over its stage's data-parallel axes (or ``axes``) and
+        all-gathered where read, in forward and again in backward: ZeRO-3 / FSDP (each a pin, re-priced); see
+        :func:`autopar_lab.parallelism.with_fsdp`."""
+        from .parallelism import with_fsdp
+
+        return with_fsdp(self, axes)
+
     def alternatives(self, op: int) -> list[Alternative]:
         """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
         change if chosen instead), sorted by ``delta_s``: "why this choice"."""

@@ -103,6 +103,7 @@ class Runner:
         block = stage_device_blocks(plan, devices)[0]
         mesh = _mesh(block, st.logical_mesh)
         out_specs, output_specs = specs_from_strategies(plan.graph, st.intra.strategies)
+        output_specs = _stored_like_inputs(plan.graph, out_specs, output_specs)
         replay = replay_with_shardings(plan.graph, self.model.step_fn, self.model.abstract_args, out_specs, mesh,
                                        output_specs=output_specs)
         self._replay = replay
@@ -309,6 +310,21 @@ class Runner:
     def __repr__(self):
         return (f"Runner({self.plan.method}, {self.mode}, {len(self.plan.stages)} stage(s), "
                 f"{self.plan.microbatches} microbatch(es), {len(self.losses)} step(s) run)")
+
+
+def _stored_like_inputs(graph, out_specs: dict, output_specs: dict) -> dict:
+    """``output_specs`` with each new value of a step input (an output aliasing it) in that input's spec: the plan
+    prices converting the update back to how the input is stored (the alias edge; e.g. a ZeRO-3 / FSDP weight
+    updated on other shards), and the next step's jit takes the input in exactly that sharding."""
+    out = dict(output_specs)
+    for node in graph:
+        alias = node.params.get("alias_of") if node.primitive == "output" else None
+        if alias is None:
+            continue
+        src = graph.tensor(alias).producer
+        if src in out_specs and out_specs[src]:
+            out[node.id] = out_specs[src][0]
+    return out
 
 
 def _output_roles(graph, args) -> tuple[dict, int | None]:

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ..graph import opcost
 from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
 from .reshard import Collective, collective_time
+from .ring import RING_KIND, ring_exposed_s, ring_variants
 from .spec import ShardingSpec, assignments, useful_axes
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -291,7 +292,9 @@ def dot_general_rule(op: OpNode, mesh) -> list[Strategy]:
     split += _pick(list(range(nb + nl, nb + nl + nr)), space, mshape)
     contracting = list(range(nb + nl + nr, len(space)))
     split += _pick(contracting, space, mshape)
-    return contraction_strategies(op, mesh, space, [lmap, rmap], [out_map], reduce=contracting, splittable=split)
+    out = contraction_strategies(op, mesh, space, [lmap, rmap], [out_map], reduce=contracting, splittable=split)
+    # Attention on long sequences: ring strategies (context parallelism, see sharding/ring.py).
+    return out + [Strategy(_name(o, i, sfx), o, i, c) for o, i, c, sfx in ring_variants(op, mshape)]
 
 
 def conv_rule(op: OpNode, mesh) -> list[Strategy]:
@@ -654,7 +657,8 @@ def price(op: OpNode, s: Strategy, mesh) -> Strategy:
         device = mesh.cluster.device
         dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
         compute = max(op.flops / n_work / device.peak(dtype), (sum(ins) + sum(outs)) / device.memory_bandwidth)
-    comm = sum(collective_time(mesh, kind, nbytes, axis) for kind, axis, nbytes in s.collectives)
+    comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
+               ring_exposed_s(mesh, nbytes, axis, compute) for kind, axis, nbytes in s.collectives)
     return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
 
 

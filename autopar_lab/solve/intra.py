@@ -46,6 +46,7 @@ from ..graph.opgraph import (
     OpNode,
     op_signature,
 )
+from ..sharding.fsdp import is_param_input
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy, strategies_for
@@ -289,6 +290,33 @@ def _liveness(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple[int, ...], ...]
     return tuple(live)
 
 
+def gathered_param_terms(graph: OpGraph, nodes: Sequence[int], strats: Sequence[Sequence[Strategy]],
+                         mesh_shape: tuple[int, ...]):
+    """The memory constraint's transient terms (``IntraProblem.mem_terms``, one tuple per program point): at the
+    point of an operator reading a parameter, the bytes of the parameter in the spec that operator reads it in.
+
+    A parameter stored sharded (ZeRO-3 / FSDP) is gathered for each reader and freed after it: the gathered copy is
+    live at the reader's point only, which is what this term adds. It cannot see the stored spec (the memory rows are
+    linear in each node's choice), so a reader of a parameter stored as it reads it is charged one copy too many:
+    conservative by one parameter at one point, never under."""
+    index = {op: k for k, op in enumerate(nodes)}
+    out: list[tuple] = [() for _ in nodes]
+    for k, v in enumerate(nodes):
+        node = graph.op(v)
+        if node.primitive == OUTPUT_PRIMITIVE:
+            continue
+        for j, t in enumerate(node.inputs):
+            u = graph.tensor(t).producer
+            if u is None or u not in index or not is_param_input(graph, u):
+                continue
+            info = graph.tensor(t)
+            need = np.array([float(s.in_specs[j].bytes_per_device(info.shape, info.dtype, mesh_shape))
+                             for s in strats[k]])
+            if need.any():
+                out[k] += ((k, need),)
+    return tuple(out) if any(out) else None
+
+
 def strategy_index(pin, strats: Sequence[Strategy], node: OpNode) -> int:
     if isinstance(pin, (int, np.integer)):
         if not 0 <= pin < len(strats):
@@ -396,14 +424,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     for k, ((a, b), mat) in enumerate(zip(edges, mats)):
         if a > b:
             edges[k], mats[k] = (b, a), mat.T
-    node_mem = live = None
+    node_mem = live = terms = None
     if math.isfinite(mem_limit_bytes):
         node_mem = tuple(np.array([s.mem_bytes for s in ss]) for ss in strats)
         live = _liveness(graph, nodes)
+        terms = gathered_param_terms(graph, nodes, strats, tuple(mesh.shape))
     problem = ilp.IntraProblem(
         node_costs=tuple(node_costs),
         edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit_bytes,
-        pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes),
+        pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes), mem_terms=terms,
     )
     return _Built(problem, nodes, strats)
 
@@ -502,6 +531,10 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
                 memo[key] = restrict
         else:
             restrict = memo[key]
+        if math.isfinite(mem_limit):
+            # The second pass may store parameters sharded over axis 0 although the first (which sees no limit)
+            # kept them whole: ZeRO-3 / FSDP, the memory-lean choice, stays open under a memory limit.
+            restrict = {op: r for op, r in restrict.items() if not is_param_input(graph, op)}
     kw = dict(cache=cache, solver=solver, time_limit=time_limit, merge=merge, restrict=restrict)
     chosen: dict[int, Strategy] = {}
     infos: list[GroupSolve] = []
@@ -643,13 +676,23 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
         else:
             t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
-        key = (t.id, src, dst, i == -1)
+        key = conversion_key(graph, u, v, t.id, src, dst, i == -1)
         if key in seen:
             continue
         seen.add(key)
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
             yield u, v, i == -1, t, src, dst, cost
+
+
+def conversion_key(graph: OpGraph, u: int, v: int, tensor: int, src: ShardingSpec, dst: ShardingSpec,
+                   is_alias: bool = False) -> tuple:
+    """Which conversions of a tensor are one: readers of ``tensor`` (produced by ``u``) in the same spec share a
+    conversion (XLA converts once and keeps the copy, measured by ``validate_plan``), except that a parameter stored
+    sharded (ZeRO-3 / FSDP) is gathered for each reader ``v`` and freed after it: in forward, again in backward (a
+    tied embedding: once for the lookup, once for the logits), as the ILP's per-reader edges count."""
+    gathers = not is_alias and bool(src.axes - dst.axes) and is_param_input(graph, u)
+    return (tensor, src, dst, is_alias, v if gathers else None)
 
 
 def mesh_axis_size(mesh, axis) -> int:

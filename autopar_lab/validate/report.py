@@ -93,6 +93,7 @@ def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh: L
       back to the spec of parameter ``op``).
     """
     from ..sharding.reshard import plan_reshard
+    from ..solve.intra import conversion_key
 
     mshape = tuple(int(n) for n in mesh.shape)
     out: list[dict] = []
@@ -125,8 +126,9 @@ def predicted_collectives(graph: OpGraph, strategies: Mapping[int, Any], mesh: L
             i = graph.op(u).outputs.index(t)
             src, dst = strategies[u].out_specs[i], strategies[v].in_specs[j]
             info = graph.tensor(t)
-            if src != dst and info.shape and (t, src, dst) not in converted:
-                converted.add((t, src, dst))  # one conversion serves every consumer (as in evaluate_intra)
+            key = conversion_key(graph, u, v, t, src, dst)
+            if src != dst and info.shape and key not in converted:
+                converted.add(key)  # one conversion serves the consumers conversion_key says (as evaluate_intra)
                 for kind, axis, nbytes in plan_reshard(src, dst, info.shape, info.dtype, mshape):
                     rec(kind, axis, nbytes, "reshard", u, v, t, src, dst)
         if node.primitive == OUTPUT_PRIMITIVE and node.params.get("alias_of") is not None:

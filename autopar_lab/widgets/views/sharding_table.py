@@ -14,6 +14,7 @@ from typing import Any
 import ipywidgets as w
 
 from ...layergroups import group_of_layer, layer_groups, span_text
+from ...parallelism import op_notes
 from ._base import View
 from .fmt import fmt_s, strategy_text
 
@@ -86,7 +87,8 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
     Each row: key, op (the stand-in in the graph the plan was solved on), full_op (the model's operator, None for a
     group's row), primitive, role, layer (the group's or layer's name), stages and stage (the first of them; a
     group spanning stages lists each), stage_text, strategy (its full Alpa name, on the first stage), alpa (output
-    spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved its layer)."""
+    spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved its layer), note
+    (ZeRO-3/FSDP, sequence or context parallelism it takes part in: :func:`autopar_lab.parallelism.op_notes`)."""
     plan = session.plan
     groups = layer_groups(plan)
     pins = plan.pins
@@ -108,6 +110,7 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
             picked.append((grp, _scope_rows(plan, grp, k if len(grp.layers) > 1 else None)))
     ilp = _groups(plan)
     g = plan.op_graph
+    notes = op_notes(plan)
     out = []
     for grp, items in picked:
         for key, sop, full, stages in items:
@@ -137,7 +140,7 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
                         "stage_text": "+".join(f"S{k}" for k in stages),
                         "strategy": strats[0].name if strats[0] is not None else "", "alpa": alpa,
                         "partition_spec": texts[0][1], "pinned": pinned,
-                        "group": ilp.get((stages[0], node.layer), "")})
+                        "group": ilp.get((stages[0], node.layer), ""), "note": notes.get(sop, "")})
             if limit is not None and len(out) >= limit:
                 return out
     return out
@@ -164,8 +167,9 @@ def row_label(r: dict) -> str:
     layer = r["layer"] if r["layer"] is not None else "—"
     op = r.get("full_op") if isinstance(r.get("key"), tuple) else r["op"]
     stage = r.get("stage_text", f"S{r['stage']}")
+    note = f"  ({r['note']})" if r.get("note") else ""  # ZeRO-3/FSDP, sequence or context parallelism
     return (f"{pin}#{op:<5} {r['primitive']:<14} {layer:<10} {stage:<5} "
-            f"{r['alpa']:<8} {r['partition_spec']}")
+            f"{r['alpa']:<8} {r['partition_spec']}{note}")
 
 
 def delta_text(delta_s: float) -> str:

@@ -1,0 +1,117 @@
+"""The newer parallelism dimensions of a plan, named and overridable: ZeRO-3 / FSDP and sequence parallelism.
+
+Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp` and
+:mod:`autopar_lab.sharding.seqpar`); this module reads them off a :class:`~autopar_lab.plan.Plan` and sets them:
+
+- :func:`fsdp_params`: per stage, the parameters stored sharded and gathered for their readers;
+- :func:`with_fsdp`: the plan with every parameter stored sharded over its stage's data-parallel axes (each an
+  ordinary ``with_choice`` override, so pinned, re-priced and kept by ``resolve``);
+- :func:`seqpar_regions`: per stage, the operators that run split along the sequence between a reduce-scatter and
+  an all-gather (Megatron-style sequence parallelism);
+- :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
+  sharding table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .graph.opgraph import BATCH, INPUT_PRIMITIVE
+from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
+from .sharding.ring import is_ring, ring_axes_used
+from .sharding.seqpar import SeqRegion, sequence_regions
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["data_axes", "fsdp_params", "op_notes", "seqpar_regions", "with_fsdp"]
+
+
+def data_axes(graph, strategies) -> tuple[int, ...]:
+    """The mesh axes a plan's batch is split on (its first batch input's leading dimension), in ``strategies``."""
+    for op in graph.ops:
+        node = graph.op(op)
+        if node.primitive == INPUT_PRIMITIVE and graph.tensor(node.outputs[0]).kind == BATCH and op in strategies:
+            spec = strategies[op].out_specs[0]
+            return tuple(spec.dims[0]) if spec.rank else ()
+    return ()
+
+
+def fsdp_params(plan: Plan, stage: int | None = None) -> dict[int, list[GatheredParam]]:
+    """Stage index -> the parameters (operators of ``plan.op_graph``) it stores sharded and all-gathers for their
+    readers; every stage with a solved mesh, or only ``stage``."""
+    g = plan.op_graph
+    out = {}
+    for k, st in enumerate(plan.stages):
+        if (stage is not None and k != stage) or st.intra is None:
+            continue
+        ops = [op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None
+        out[k] = gathered_params(g, st.intra.strategies, tuple(st.intra.mesh.shape), ops)
+    return out
+
+
+def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
+    """``plan`` with every parameter stored sharded over mesh ``axes`` (default: the axes its stage splits the batch
+    on, or every axis of more than one device when the batch is not split): ZeRO-3 / FSDP. Each parameter's spec
+    gains those axes on its first dimension they divide (see :func:`~autopar_lab.sharding.fsdp.fsdp_spec`); its
+    readers keep theirs, so they all-gather it, in forward and again in backward. Parameters that cannot take them
+    (no dimension divides) stay as they are. Every change is a pin, as ``plan.with_choice``.
+
+    >>> fsdp = with_fsdp(plan)                                              # doctest: +SKIP
+    >>> [p.describe() for p in fsdp_params(fsdp)[0]][:1]                    # doctest: +SKIP
+    ["ZeRO-3/FSDP: stored P('x', None), all-gathered over x to P(None, None) in forward and backward"]
+    """
+    if axes is not None and (not isinstance(axes, (tuple, list)) or not all(a in (0, 1) for a in axes)):
+        raise ValueError(f"axes must be a tuple of mesh axes (0 and/or 1), got {axes!r}")
+    g = plan.op_graph
+    for op in g.ops:
+        if not is_param_input(g, op):
+            continue
+        k = plan.stage_of(op)
+        intra = plan.stages[k].intra
+        if intra is None or op not in intra.strategies:
+            continue
+        mshape = tuple(intra.mesh.shape)
+        over = tuple(axes) if axes is not None else (data_axes(g, intra.strategies)
+                                                    or tuple(a for a in (0, 1) if mshape[a] > 1))
+        t = g.tensor(g.op(op).outputs[0])
+        cur = intra.strategies[op].out_specs[0]
+        new = fsdp_spec(cur, t.shape, mshape, over)
+        if new is not None and new != cur:
+            plan = plan.with_choice(op, str(new))
+    return plan
+
+
+def seqpar_regions(plan: Plan, stage: int | None = None) -> dict[int, list[SeqRegion]]:
+    """Stage index -> its sequence-parallel regions (see :func:`~autopar_lab.sharding.seqpar.sequence_regions`)."""
+    g = plan.op_graph
+    out = {}
+    for k, st in enumerate(plan.stages):
+        if (stage is not None and k != stage) or st.intra is None:
+            continue
+        out[k] = sequence_regions(g, st.intra.strategies, tuple(st.intra.mesh.shape))
+    return out
+
+
+def op_notes(plan: Plan, axis_names=("x", "y")) -> dict[int, str]:
+    """Operator of ``plan.op_graph`` -> one line naming the newer parallelism it takes part in: a ZeRO-3 / FSDP
+    parameter (stored and gathered specs), an operator of a sequence-parallel region, a ring-attention matmul
+    (context parallelism). Operators in none of them are absent. The first stage that runs an operator says."""
+    out: dict[int, str] = {}
+    for k, params in fsdp_params(plan).items():
+        for p in params:
+            out.setdefault(p.op, p.describe(axis_names))
+    for k, regions in seqpar_regions(plan).items():
+        for r in regions:
+            over = "+".join(axis_names[a] for a in r.axes)
+            for op in r.ops:
+                out.setdefault(op, f"sequence parallel: split along the sequence over {over}")
+    for st in plan.stages:
+        if st.intra is None:
+            continue
+        for op, s in st.intra.strategies.items():
+            if is_ring(s):
+                over = "+".join(axis_names[a] for a in ring_axes_used(s))
+                out.setdefault(op, f"context parallel: ring attention over {over} (blocks passed around the ring, "
+                                   "overlapping compute)")
+    return out

@@ -1,0 +1,118 @@
+"""Megatron sequence parallelism in the intra-op ILP: expressible with the existing strategies (a row-parallel
+matmul's reduce-scatter onto the sequence, the layer-norm region split along it, an all-gather into the next
+column-parallel matmul), found where it pays, its activation memory against Korthikanti et al.'s formula, shown,
+exported and run."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import autopar_lab as al
+from autopar_lab.cluster import Cluster
+from autopar_lab.parallelism import seqpar_regions
+from autopar_lab.pricing.layers import layer_costs
+from autopar_lab.sharding.seqpar import sequence_length, sequence_regions, without_sequence_parallel
+from autopar_lab.solve.intra import StrategyCache, evaluate_intra, memory_terms, solve_intra
+
+P3 = Cluster.preset("p3.16xlarge")
+T = 8  # the tensor-parallel size
+H, S, B, A = 1024, 512, 2, 8
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return al.models.get("gpt-tiny", num_layers=1, hidden_size=H, seq_len=S, batch_size=B, num_heads=A,
+                         vocab_size=1024, dtype="float16").trace()
+
+
+@pytest.fixture(scope="module")
+def tensor_mesh():
+    m = P3.logical_mesh((1, T), (1, T))
+    return m, StrategyCache(m)
+
+
+def _layer_act(g, plan) -> float:
+    names = list(g.layers)
+    return layer_costs(g, plan, names)[names.index("layer_0")].act_bytes
+
+
+def test_the_ilp_finds_sequence_parallelism_where_it_pays(gpt, tensor_mesh):
+    g, (m, cache) = gpt, tensor_mesh
+    assert sequence_length(g) == S
+    sp = solve_intra(g, m, cache=cache)
+    regions = [r for r in sequence_regions(g, sp.strategies, (1, T)) if r.opened_by]
+    assert len(regions) == 1 and regions[0].axes == (1,)
+    opened = [g.op(op) for op in regions[0].opened_by]
+    # the attention projection and the second MLP matmul reduce-scatter onto the sequence, not all-reduce
+    assert [n.primitive for n in opened] == ["dot_general", "dot_general"]
+    assert all(str(sp.strategies[n.id].out_specs[0]) == "RS1R" for n in opened)
+    inside = [g.op(op) for op in regions[0].ops if g.op(op).layer == "layer_0" and op not in regions[0].opened_by]
+    assert {n.primitive for n in inside} >= {"reduce_sum", "rsqrt", "add"}  # layer norms and residual adds
+    assert "dot_general" not in {n.primitive for n in inside}
+    # replicated again (tensor parallelism alone: the row-parallel matmuls all-reduce): slower, as priced
+    tp = evaluate_intra(g, m, without_sequence_parallel(g, sp.strategies, (1, T), cache.strategies), cache=cache)
+    assert not [r for r in sequence_regions(g, tp.strategies, (1, T)) if r.opened_by]
+    assert all(any(k == "all_reduce" for k, _a, _b in tp.strategies[n.id].collectives) for n in opened)
+    assert sp.total_s < tp.total_s
+    assert sp.compute_s < tp.compute_s  # the layer norms on 1/8 of the tokens
+    assert sp.act_bytes < tp.act_bytes
+
+
+@pytest.mark.slow
+def test_activation_memory_matches_korthikanti(gpt, tensor_mesh):
+    """Korthikanti et al. (published-measurements.md): per layer, no parallelism s b h (34 + 5 a s / h); tensor
+    parallelism s b h (10 + 24 / t + 5 a s / (h t)); tensor + sequence parallelism s b h / t (34 + 5 a s / h). The
+    constants count what Megatron's fp16 layer keeps (dropout masks included); the structure is what a plan must
+    reproduce: with sequence parallelism every activation is divided by t, with tensor parallelism alone the
+    layer-norm regions (Megatron's 10 s b h) are not."""
+    g, (m, cache) = gpt, tensor_mesh
+    one = P3.logical_mesh((1, 1), (1, 1))
+    none = _layer_act(g, solve_intra(g, one))
+    free = solve_intra(g, m, cache=cache)
+    # Where activation memory is tight the ILP also keeps the layer norms' outputs split and gathers them for the
+    # matmuls (and again for the backward), Megatron's layout: the ILP's limit at 90% of the time-optimal plan's.
+    from autopar_lab.solve import ilp
+    from autopar_lab.solve.intra import build_problem
+    built = build_problem(g, m, mem_limit_bytes=1e30, cache=cache)
+    choice = [next(k for k, s in enumerate(built.strats[i]) if s.key == free.strategies[op].key)
+              for i, op in enumerate(built.nodes)]
+    peak = ilp.evaluate(built.problem, choice).peak_mem
+    sp = solve_intra(g, m, cache=cache, mem_limit_bytes=0.9 * peak)
+    a_sp = _layer_act(g, sp)
+    assert a_sp < _layer_act(g, free)
+    # TP + SP: the no-parallelism figure over t (to 0.1%: a bias broadcast and the causal mask stay whole)
+    assert a_sp * T == pytest.approx(none, rel=1e-3)
+    # TP alone: R + (A - R) / t, R the layer-norm regions' activations (one device's bytes without parallelism)
+    tp = evaluate_intra(g, m, without_sequence_parallel(g, sp.strategies, (1, T), cache.strategies), cache=cache)
+    regions = sequence_regions(g, sp.strategies, (1, T))
+    r = sum(b * T for reg in regions for op in reg.ops if g.op(op).layer == "layer_0"
+            for kind, b in memory_terms(g, g.op(op), sp.strategies[op], (1, T)) if kind == "act")
+    assert _layer_act(g, tp) == pytest.approx(r + (none - r) / T, rel=1e-3)
+    # The zoo's layer keeps its layer norms in float32 and no dropout masks, so its constants are its own:
+    # R = 24 s b h (Megatron: 10), A = s b h (84 + 6 a s / h) here; the divisions by t are the formula's.
+    sbh = S * B * H
+    assert r / sbh == pytest.approx(24, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """What ``reference`` (conftest) trains on one device: a GPT whose tensor-parallel plan on a p3 host is
+    sequence parallel (float32, so the losses compare to rounding)."""
+    return al.models.get("gpt-tiny", num_layers=1, hidden_size=512, seq_len=256, batch_size=2, num_heads=8,
+                         vocab_size=256)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
+def test_a_sequence_parallel_plan_trains_like_one_device(model, reference):
+    plan = al.megatron_plan(model, P3, dp=1, tp=8, pp=1)
+    regions = seqpar_regions(plan)[0]
+    assert [r for r in regions if r.opened_by and r.axes == (1,)]
+    code = plan.to_jax_code()
+    assert "# Sequence parallel over y" in code
+    assert "P(None, 'y', None)," in code  # a row-parallel matmul's output, reduce-scattered onto the sequence
+    runner = al.execute(plan, model, compiler_options={"xla_backend_optimization_level": 0})
+    assert runner.mode == "spmd"  # every operator replayed with the plan's sharding, the regions included
+    np.testing.assert_allclose(runner.train(3), reference[0], rtol=2e-5, atol=1e-6)
