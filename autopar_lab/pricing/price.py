@@ -7,7 +7,8 @@ remat and sharding; the microbatch count and schedule) and get the same numbers 
 1. each stage's per-microbatch times and memory from its layer costs (:func:`~autopar_lab.pricing.stage.stage_cost`);
 2. the transfers between stages over the link their placement implies (:func:`stage_transfers`);
 3. the event-level simulation of the pipeline (:func:`simulate_pipeline`): its makespan is the step time;
-4. the cost report, the busiest stage's busy time split in proportion to its terms.
+4. the cost report, the busiest stage's busy time split in proportion to its terms, communication hidden behind its
+   compute (gradient reduction behind the last backward, parameter gathers behind the forward) reported beside them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 from ..plan import CostReport, Plan, Stage
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
-from .stage import prefix_sums
+from .stage import hidden_comm_s, prefix_sums
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -110,7 +111,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     specs = [stage_spec(st) for st in stages]
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
-    priced, per_stage = [], []
+    priced, per_stage, hidden = [], [], []
     for j, spec in enumerate(specs):
         intra = intras[j] if intras is not None else None
         costs = layer_costs[j] if layer_costs is not None else None
@@ -123,6 +124,10 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
+        first, last = spec.layers
+        totals = {f: v[last + 1] - v[first] for f, v in sums.items()}
+        launches = (totals["heavy_fwd"] * (2 if spec.remat else 1) + totals["heavy_bwd"]) * microbatches
+        hidden.append((*hidden_comm_s(totals, microbatches), int(round(launches))))
         per_stage.append((tuple(costs), intra))
 
     sends = stage_transfers(table, priced, microbatches)
@@ -138,14 +143,17 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                                  sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra, costs))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
-    work = b.compute_s + b.comm_s + b.reshard_s
+    # Communication hidden behind compute is not in the busy time: only what shows is split.
+    hid_sync, hid_gather, kernels = hidden[busiest]
+    comm, reshard = max(b.comm_s - hid_sync, 0.0), max(b.reshard_s - hid_gather, 0.0)
+    work = b.compute_s + comm + reshard
     # The busiest stage's busy time, split in proportion to its terms (launch overheads and recomputation included).
     scale = busy / work if work > 0 else 0.0
     cost = CostReport(
         step_time_s=tl.makespan,
         compute_s=b.compute_s * scale,
-        comm_s=b.comm_s * scale,
-        reshard_s=b.reshard_s * scale,
+        comm_s=comm * scale,
+        reshard_s=reshard * scale,
         stage_comm_s=sum(sends) + sum(sends),
         bubble_s=tl.makespan - busy,
         peak_mem_bytes=tuple(tl.peak_mem_bytes),
@@ -153,6 +161,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         samples_per_s=table.batch_size / tl.makespan if tl.makespan > 0 else math.inf,
         busiest_stage=busiest,
         timeline=tl,
+        hidden_comm_s=float(hid_sync + hid_gather),
+        kernels=kernels,
+        flash_attention=cluster.device.efficiency.flash_attention,
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
