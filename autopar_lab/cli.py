@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Callable, Sequence
 
+from .schedules import SCHEDULES, dp_schedule
+
 
 class UsageError(Exception):
     """Bad input from the command line: printed as one sentence, exit status 2."""
@@ -69,8 +71,14 @@ def _progress(args):
     if args.json:
         return None
 
-    def show(what, done, _total):
-        print(f"\r  solving: {what} ({done} meshes)        ", end="", file=sys.stderr, flush=True)
+    def show(what, done, total):
+        # A bar when the total is known (the planned meshes, the microbatch counts of the stage DP), else a count.
+        if total:
+            filled = int(20 * min(done, total) / total)
+            bar = f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total}"
+        else:
+            bar = f"({done} meshes)"
+        print(f"\r  solving: {bar} {what}        ", end="", file=sys.stderr, flush=True)
 
     return show
 
@@ -95,22 +103,35 @@ def cmd_plan(args) -> dict:
     if given and args.method != "megatron":
         raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
                          f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
+    schedule, virtual = _schedule(args)
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
+    notes = []
     if args.method == "auto":
+        # The stage DP prices 1F1B and GPipe; for the other schedules it chooses the stages as for 1F1B.
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
-                                 on_progress=_progress(args))
+                                 schedule=dp_schedule(schedule), on_progress=_progress(args))
+        if schedule != plan.schedule:
+            notes.append(f"stages chosen by the stage DP for 1f1b, then run with {schedule}")
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
         plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
-                                     microbatches=1 if mb == "auto" else mb, remat=args.remat)
+                                     microbatches=1 if mb == "auto" else mb, remat=args.remat, schedule=schedule,
+                                     virtual_stages=virtual)
     else:
         plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=args.remat)
+    if schedule != plan.schedule:
+        try:
+            plan = plan.with_schedule(schedule, virtual)
+        except ValueError as e:
+            raise UsageError(f"the {args.method} plan ({len(plan.stages)} stage(s), {plan.microbatches} "
+                             f"microbatch(es)) cannot run the {schedule} schedule: {str(e).rstrip('.')}") from None
     out = plan.report(model.name)
     out["cluster"] = args.cluster
+    out["notes"] = list(out.get("notes", [])) + notes
     from .pricing.memory import memory_breakdown
 
     out["memory"] = memory_breakdown(plan)  # each stage's peak split into parameters, gradients, ... activations
@@ -125,9 +146,23 @@ def cmd_plan(args) -> dict:
     return out
 
 
+def _schedule(args) -> tuple[str, int | None]:
+    """``--schedule`` and ``--virtual-stages``, checked together."""
+    from .schedules import check_schedule
+
+    schedule = args.schedule or "1f1b"
+    if args.virtual_stages is not None and schedule != "interleaved":
+        raise UsageError("--virtual-stages applies to --schedule interleaved only (add it, or drop --virtual-stages)")
+    try:
+        return check_schedule(schedule, args.virtual_stages)
+    except ValueError as e:
+        raise UsageError(f"--virtual-stages: {str(e).rstrip('.')}") from None
+
+
 def _print_plan(out: dict) -> None:
+    sched = out["schedule"] + (f" with {out['virtual_stages']} chunks per stage" if "virtual_stages" in out else "")
     print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
-          f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches")
+          f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches, {sched}")
     print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s + resharding "
           f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
           f"{out.get('hidden_comm_s', 0.0):.4g} s of communication hidden behind compute; "
@@ -141,9 +176,17 @@ def _print_plan(out: dict) -> None:
                 ("params_bytes", "params"), ("grads_bytes", "grads"), ("master_bytes", "master"),
                 ("optimizer_bytes", "optimizer"), ("copies_bytes", "copies"), ("buffers_bytes", "buffers"),
                 ("recompute_bytes", "recompute"), ("activations_bytes", "activations")) if mem[key])
-        print(f"  stage {k}: layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]}) on submesh "
+        if st.get("chunks"):  # interleaved: the stage runs its chunks, not one range
+            where = "chunks " + ", ".join(
+                f"{a}-{b} ({x} .. {y})" if a != b else f"{a} ({x})"
+                for (a, b), (x, y) in zip(st["chunks"], st.get("chunk_layer_names", st["chunks"])))
+        else:
+            where = f"layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]})"
+        print(f"  stage {k}: {where} on submesh "
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
               f"{' remat' if st['remat'] else ''}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
+    for note in out.get("notes", []):
+        print(f"  note: {note}")
     print(f"  planning took {out['solve_s'].get('total', 0):.1f} s")
 
 
@@ -370,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --method megatron or data: recompute activations in the backward")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
+    sp.add_argument("--schedule", choices=list(SCHEDULES),
+                    help="the pipeline schedule (default 1f1b); interleaved runs --virtual-stages model chunks per "
+                         "stage, zb-h1 splits each backward into its input- and weight-gradient parts")
+    sp.add_argument("--virtual-stages", dest="virtual_stages", type=int,
+                    help="with --schedule interleaved: model chunks per stage (default 2)")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")

@@ -40,14 +40,23 @@ def _spec_text(spec) -> str:
 def _strategy_of(plan, intra):
     """op of the plan's graph -> its strategy in ``intra``, or None. A plan solved on a shallower copy of a deep model
     keys its strategies by the copy's operators: each of the model's operators takes the one at its place in the
-    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`)."""
+    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`), or its own pin when its layer is split
+    from the others (``plan.layer_pins``)."""
     table = plan.table
     if table is None or table.solve_graph is plan.graph:
         return intra.strategies.get
+    cache = table.strategy_cache(intra.mesh)
 
     def strategy(op):
         stand_in = table.solve_op(op)
-        return None if stand_in is None else intra.strategies.get(stand_in)
+        if stand_in is None:
+            return None
+        own = plan.layer_pins.get(op)  # an operator of a layer split from its group runs its own strategy
+        if own is not None:
+            hit = [s for s in cache.strategies(table.solve_graph.op(stand_in)) if s.name == own]
+            if hit:
+                return hit[0]
+        return intra.strategies.get(stand_in)
 
     return strategy
 
@@ -88,8 +97,7 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
     strategy = _strategy_of(plan, intra)
-    first, last = plan.stages[stage].layers
-    names = set(plan.layer_names[first:last + 1])
+    names = {plan.layer_names[i] for a, b in plan.stages[stage].layer_ranges for i in range(a, b + 1)}
     seen: dict[str, int] = {}
     out: dict[str, object] = {}
     for op in graph.ops:
@@ -123,7 +131,8 @@ def to_jax_code(plan, stage: int = 0) -> str:
         f"microbatch(es), predicted step {float(plan.cost.step_time_s):.4g} s",
     ]
     if len(plan.stages) > 1:
-        lines.append(f"# Stage {stage} (layers {int(st.layers[0])}..{int(st.layers[1])}) of {len(plan.stages)}: each "
+        where = ", ".join(f"{int(x)}..{int(y)}" for x, y in st.layer_ranges)  # an interleaved stage: its chunks
+        lines.append(f"# Stage {stage} (layers {where}) of {len(plan.stages)}: each "
                      "pipeline stage has a mesh of its own (to_jax_code(plan, stage=k) writes stage k).")
     lines += [
         "import jax",

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from . import checks, planner
+from .layergroups import stage_of_layer
 from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve were first offered here
     PinIndex,
     check_submeshes,
@@ -42,6 +43,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
 )
 from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
+from .schedules import check_schedule
 from .sharding.strategies import Strategy
 from .solve.inter import NoFeasiblePlanError, StageConstraints
 from .solve.intra import IntraPlan, strategy_index
@@ -69,10 +71,11 @@ def owner_stage(plan: Plan, op: int) -> int:
 def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, pins: Mapping[int, str], *,
             specs: Sequence[StageSpec] | None = None, schedule: str | None = None,
             stage_pins: Mapping[str, Any] | None = None,
-            layer_costs: Sequence[Sequence[LayerCost] | None] | None = None) -> Plan:
+            layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
+            layer_pins: Mapping[int, str] | None = None) -> Plan:
     """``plan`` with some of its decisions replaced (each stage's IntraPlan, the stages themselves, the microbatch
-    count, the schedule, the pins), priced again by its table. Stages whose IntraPlan is unchanged reuse their
-    layer costs."""
+    count, the schedule, the pins, the split layers' pins), priced again by its table. Stages whose IntraPlan is
+    unchanged reuse their layer costs."""
     if specs is None:
         specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
     if layer_costs is None:
@@ -81,7 +84,8 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     return price_plan(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
                       schedule=schedule or plan.schedule, stage_comm=plan.stage_comm,
                       mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method, solve_s=plan.solve_s,
-                      notes=plan.notes, pins=pins, stage_pins=plan.stage_pins if stage_pins is None else stage_pins)
+                      notes=plan.notes, pins=pins, stage_pins=plan.stage_pins if stage_pins is None else stage_pins,
+                      layer_pins=plan.layer_pins if layer_pins is None else layer_pins)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -105,39 +109,244 @@ def resolve_strategy(graph: OpGraph, op: int, strategy, strats: Sequence[Strateg
     raise AssertionError("unreachable")
 
 
-def _stage_choice(plan: Plan, op: int, strategy):
-    table_of(plan)
-    k = plan.stage_of(op)
+def _mesh_of(plan: Plan, k: int):
+    """Stage ``k``'s logical mesh, as its IntraPlan holds it."""
     intra = plan.stages[k].intra
-    if intra is None or op not in intra.strategies:
-        raise ValueError(f"operator {op} has no strategy in stage {k} of this plan")
-    g = plan.op_graph
-    cache = table_of(plan).strategy_cache(intra.mesh)
-    strats = cache.strategies(g.op(op))
-    return k, intra, g, cache, resolve_strategy(g, op, strategy, strats)
+    if intra is None:
+        raise ValueError(f"stage {k} of this plan has no per-operator strategies to change")
+    return intra.mesh
 
 
-def _with_strategy(plan: Plan, k: int, intra: IntraPlan, g: OpGraph, cache: StrategyCache, op: int,
-                   s: Strategy) -> Plan:
-    chosen = dict(intra.strategies)
-    chosen[op] = s
-    new = LazyIntraPlan(g, intra.mesh, chosen, intra.ops, cache, intra.groups, intra.solve_s)
-    st = plan.stages[k]
-    table = table_of(plan)
-    old_costs = st.layer_costs if st.layer_costs is not None else table.layer_costs_of(intra)
-    # Only the layers the change reaches are priced again.
-    costs: list[Sequence[LayerCost] | None] = [other.layer_costs for other in plan.stages]
-    costs[k] = changed_layer_costs(table, intra, new, op, old_costs, cache)
+def _named(cache: StrategyCache, g: OpGraph, op: int, name: str) -> Strategy | None:
+    hit = [s for s in cache.strategies(g.op(op)) if s.name == name]
+    return hit[0] if hit else None
+
+
+class _Group(NamedTuple):
+    """Where a change of one operator's strategy lands: its representative (the id its pin is kept under), its
+    siblings (the copy's operators that take the strategy with it), and the stages that run them."""
+
+    rep: int
+    siblings: list[int]
+    stages: list[int]
+
+
+def _group(plan: Plan, op: int) -> _Group:
+    m = table_of(plan).op_map
+    rep = m.representative(op)
+    stages = plan.stages_of(rep)
+    for k in stages:
+        intra = plan.stages[k].intra
+        if intra is None or rep not in intra.strategies:
+            raise ValueError(f"operator {op} has no strategy in stage {k} of this plan")
+    return _Group(rep, m.siblings(rep), stages)
+
+
+def _group_strategy(plan: Plan, grp: _Group, strategy) -> Strategy:
+    """``strategy`` resolved on the first stage of the group, checked to exist (by name) on every other one."""
+    g, table = plan.op_graph, table_of(plan)
+    first = _mesh_of(plan, grp.stages[0])
+    s = resolve_strategy(g, grp.rep, strategy, table.strategy_cache(first).strategies(g.op(grp.rep)))
+    for k in grp.stages[1:]:
+        mesh = _mesh_of(plan, k)
+        if _named(table.strategy_cache(mesh), g, grp.rep, s.name) is None:
+            raise ValueError(f"strategy {s.name!r} of operator {g.op(grp.rep).describe()} is not one of its strategies "
+                             f"on stage {k}'s {mesh.shape[0]}x{mesh.shape[1]} logical mesh, which runs layers that "
+                             "share its solution; choose a strategy every such stage has.")
+    return s
+
+
+def _frozen_split_layers(plan: Plan, grp: _Group, name: str) -> dict[int, str]:
+    """Layer pins that keep each split layer of the group as it is when the group's strategy of ``grp.rep``
+    changes to ``name``: a split layer has its own strategies from its split on."""
+    if not plan.layer_pins:
+        return {}
+    m = table_of(plan).op_map
+    split = {m.full_layer_of(o) for o in plan.layer_pins}
+    out = {}
+    for k in m.full_layers_of(grp.rep):
+        if k not in split:
+            continue
+        full = m.full_op_in(grp.rep, k)
+        if full is None or full in plan.layer_pins:
+            continue
+        old = plan.full_choice(full).name
+        if old != name:
+            out[full] = old
+    return out
+
+
+def _with_group_strategy(plan: Plan, grp: _Group, s: Strategy) -> Plan:
+    """``plan`` with ``grp``'s operators run by ``s`` (by name, on each stage's mesh), each stage re-priced only in
+    the layers the change reaches; the pin is recorded under the representative (replacing pins on its siblings)."""
+    g, table = plan.op_graph, table_of(plan)
     intras = [other.intra for other in plan.stages]
-    intras[k] = new
-    return reprice(plan, intras, plan.microbatches, {**plan.pins, op: s.name}, layer_costs=costs)
+    costs: list[Sequence[LayerCost] | None] = [other.layer_costs for other in plan.stages]
+    for k in grp.stages:
+        intra = plan.stages[k].intra
+        assert intra is not None  # checked by _group
+        cache = table.strategy_cache(intra.mesh)
+        chosen = dict(intra.strategies)
+        for op in grp.siblings:
+            hit = _named(cache, g, op, s.name) if op in chosen else None
+            if hit is None:
+                raise ValueError(f"operator {g.op(op).describe()} (which shares {g.op(grp.rep).describe()}'s "
+                                 f"solution) has no strategy {s.name!r} on stage {k}'s mesh")
+            chosen[op] = hit
+        new = LazyIntraPlan(g, intra.mesh, chosen, intra.ops, cache, intra.groups, intra.solve_s)
+        st = plan.stages[k]
+        old_costs = st.layer_costs if st.layer_costs is not None else table.layer_costs_of(intra)
+        # Only the layers the change reaches are priced again.
+        costs[k] = changed_layer_costs(table, intra, new, grp.siblings, old_costs, cache)
+        intras[k] = new
+    sibs = set(grp.siblings)
+    pins = {op: name for op, name in plan.pins.items() if op not in sibs}
+    pins[grp.rep] = s.name
+    layer_pins = {**_frozen_split_layers(plan, grp, s.name), **plan.layer_pins}
+    return reprice(plan, intras, plan.microbatches, pins, layer_costs=costs, layer_pins=layer_pins)
 
 
 def with_choice(plan: Plan, op: int, strategy) -> Plan:
-    """A new plan with operator ``op`` run by ``strategy``; the original is left as it was."""
+    """A new plan with operator ``op`` run by ``strategy``; the original is left as it was.
+
+    On a deep model solved on a shallower copy, ``op`` stands for an operator of every layer that shares its
+    solution (:meth:`~autopar_lab.pricing.OpMap.full_layers_of`): the strategy is given to ``op`` and its siblings
+    in the copy (:meth:`~autopar_lab.pricing.OpMap.siblings`) on every stage that runs one of those layers, and the
+    pin is recorded under the representative (:meth:`~autopar_lab.pricing.OpMap.representative`). A layer split from
+    the group (:func:`with_layer_choice`) keeps its own strategy. To change one layer alone, use
+    :func:`with_layer_choice`."""
     op = checks.op_id(op)
-    k, intra, g, cache, s = _stage_choice(plan, op, strategy)
-    return _with_strategy(plan, k, intra, g, cache, op, s)
+    table_of(plan)
+    plan.stage_of(op)  # a ValueError naming the range when op is not in the graph
+    grp = _group(plan, op)
+    return _with_group_strategy(plan, grp, _group_strategy(plan, grp, strategy))
+
+
+def alternatives(plan: Plan, op: int) -> list[Alternative]:
+    """Every strategy of ``op`` (on the meshes of every stage that runs a layer sharing its solution) with the
+    step-time change it would bring (``with_choice(plan, op, s).cost.step_time_s - plan.cost.step_time_s``), best
+    first."""
+    op = checks.op_id(op)
+    table_of(plan)
+    plan.stage_of(op)
+    grp = _group(plan, op)
+    g, table = plan.op_graph, table_of(plan)
+    meshes = [_mesh_of(plan, k) for k in grp.stages]
+    base = plan.cost.step_time_s
+    out = []
+    for s in table.strategy_cache(meshes[0]).strategies(g.op(grp.rep)):
+        if any(_named(table.strategy_cache(mesh), g, grp.rep, s.name) is None for mesh in meshes[1:]):
+            continue  # not a strategy of every stage the change would reach
+        p = _with_group_strategy(plan, grp, s)
+        spec = str(s.out_specs[0]) if s.out_specs else ""
+        out.append(Alternative(s.name, spec, p.cost.step_time_s - base))
+    out.sort(key=lambda a: (a.delta_s, a.strategy))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One layer alone: split from the layers that share its solution
+
+
+def full_stage_of(plan: Plan, full_op: int) -> int:
+    """The stage that runs operator ``full_op`` of the full graph (the stage of its layer; no layer: the last)."""
+    full_op = checks.op_id(full_op)
+    g = plan.graph
+    try:
+        layer = g.op(full_op).layer
+    except (KeyError, IndexError):
+        raise ValueError(f"operator {full_op} is not in this model's graph (ids run 0..{len(g.ops) - 1})") from None
+    names = list(plan.layer_names)
+    k = names.index(layer) if layer in names else len(names) - 1
+    return stage_of_layer(plan, k)
+
+
+def _stand_in(plan: Plan, full_op: int) -> int:
+    full_op = checks.op_id(full_op)
+    if plan.table is None:
+        return full_op
+    sop = plan.table.op_map.solve_op(full_op)
+    if sop is None:
+        raise ValueError(f"operator {plan.graph.op(full_op).describe()} has no counterpart in the graph this plan was "
+                         "solved on, so it has no strategy of its own")
+    return sop
+
+
+def full_choice(plan: Plan, full_op: int) -> Strategy:
+    """The strategy operator ``full_op`` of the full graph runs with (see :meth:`Plan.full_choice`)."""
+    k = full_stage_of(plan, full_op)
+    sop = _stand_in(plan, full_op)
+    intra = plan.stages[k].intra
+    if intra is None or sop not in intra.strategies:
+        return plan.choice(sop)
+    name = plan.layer_pins.get(int(full_op))
+    if name is not None:
+        hit = _named(table_of(plan).strategy_cache(intra.mesh), plan.op_graph, sop, name)
+        if hit is not None:
+            return hit
+    return intra.strategies[sop]
+
+
+def _is_shared(plan: Plan, full_op: int) -> bool:
+    """Whether operator ``full_op``'s layer shares its solution with other layers (a deep model's block)."""
+    if plan.table is None or plan.table.op_map.is_identity:
+        return False
+    m = plan.table.op_map
+    return len(m.sharing(m.full_layer_of(full_op))) > 1 and plan.graph.op(int(full_op)).layer is not None
+
+
+def _layer_target(plan: Plan, full_op: int, strategy) -> tuple[int, Strategy]:
+    k = full_stage_of(plan, full_op)
+    sop = _stand_in(plan, full_op)
+    intra = plan.stages[k].intra
+    if intra is None or sop not in intra.strategies:
+        raise ValueError(f"operator {full_op} has no strategy in stage {k} of this plan")
+    g = plan.op_graph
+    strats = table_of(plan).strategy_cache(intra.mesh).strategies(g.op(sop))
+    return sop, resolve_strategy(g, sop, strategy, strats)
+
+
+def with_layer_choice(plan: Plan, full_op: int, strategy) -> Plan:
+    """A new plan with operator ``full_op`` of the full graph run by ``strategy`` in its layer alone (see
+    :meth:`Plan.with_layer_choice`): recorded in ``layer_pins`` and priced by
+    :func:`~autopar_lab.pricing.incremental.split_layer_costs`."""
+    full_op = checks.op_id(full_op)
+    table_of(plan)
+    if not _is_shared(plan, full_op):
+        return with_choice(plan, _stand_in(plan, full_op), strategy)
+    _, s = _layer_target(plan, full_op, strategy)
+    return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins,
+                   layer_pins={**plan.layer_pins, full_op: s.name})
+
+
+def layer_alternatives(plan: Plan, full_op: int) -> list[Alternative]:
+    """Every strategy of operator ``full_op`` of the full graph on its stage's mesh with the step-time change of
+    running it in that layer alone (:func:`with_layer_choice`), best first."""
+    full_op = checks.op_id(full_op)
+    table_of(plan)
+    if not _is_shared(plan, full_op):
+        return alternatives(plan, _stand_in(plan, full_op))
+    sop, _ = _layer_target(plan, full_op, full_choice(plan, full_op).name)
+    mesh = _mesh_of(plan, full_stage_of(plan, full_op))
+    base = plan.cost.step_time_s
+    intras = [st.intra for st in plan.stages]
+    out = []
+    for s in table_of(plan).strategy_cache(mesh).strategies(plan.op_graph.op(sop)):
+        p = reprice(plan, intras, plan.microbatches, plan.pins, layer_pins={**plan.layer_pins, full_op: s.name})
+        out.append(Alternative(s.name, str(s.out_specs[0]) if s.out_specs else "", p.cost.step_time_s - base))
+    out.sort(key=lambda a: (a.delta_s, a.strategy))
+    return out
+
+
+def without_layer_pin(plan: Plan, full_op: int) -> Plan:
+    """A new plan where operator ``full_op`` of the full graph no longer has a strategy of its own: it runs its
+    group's strategy again (re-priced); a layer left with no pin of its own shares its group's solution again."""
+    full_op = checks.op_id(full_op)
+    if full_op not in plan.layer_pins:
+        raise ValueError(f"operator {full_op} has no strategy of its own in its layer; operators with one: "
+                         f"{sorted(plan.layer_pins)}")
+    rest = {op: name for op, name in plan.layer_pins.items() if op != full_op}
+    return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins, layer_pins=rest)
 
 
 def with_microbatches(plan: Plan, n: int) -> Plan:
@@ -151,19 +360,6 @@ def with_microbatches(plan: Plan, n: int) -> Plan:
                    stage_pins={**plan.stage_pins, "microbatches": n})
 
 
-def alternatives(plan: Plan, op: int) -> list[Alternative]:
-    """Every strategy of ``op`` on its stage's mesh with the step-time change it would bring, best first."""
-    k, intra, g, cache, _ = _stage_choice(plan, op, plan.choice(op).name)
-    base = plan.cost.step_time_s
-    out = []
-    for s in cache.strategies(g.op(op)):
-        p = _with_strategy(plan, k, intra, g, cache, op, s)
-        spec = str(s.out_specs[0]) if s.out_specs else ""
-        out.append(Alternative(s.name, spec, p.cost.step_time_s - base))
-    out.sort(key=lambda a: (a.delta_s, a.strategy))
-    return out
-
-
 def intra_name(plan: Plan, op: int) -> str:
     return plan.choice(op).name
 
@@ -173,7 +369,8 @@ def diff(plan: Plan, other: Plan) -> dict:
 
     ``ops``: [{op, before, after}] operators whose strategy differs (strategy names); ``stages``: [{stage, field,
     before, after}] per-stage differences (layers, submesh, logical_mesh, remat, devices, or the stage itself added or
-    removed); ``microbatches``: (before, after) or None; ``step_time_delta_s``: other's step time minus this one's.
+    removed); ``microbatches``: (before, after) or None; ``pins``, ``stage_pins``, ``layer_pins``: {key: (before,
+    after)} of the pins that differ; ``step_time_delta_s``: other's step time minus this one's.
     """
     ops = []
     g = plan.op_graph
@@ -206,6 +403,9 @@ def diff(plan: Plan, other: Plan) -> dict:
     stage_pins = {k: (plan.stage_pins.get(k), other.stage_pins.get(k))
                   for k in set(plan.stage_pins) | set(other.stage_pins)
                   if plan.stage_pins.get(k) != other.stage_pins.get(k)}
+    layer_pins = {op: (plan.layer_pins.get(op), other.layer_pins.get(op))
+                  for op in set(plan.layer_pins) | set(other.layer_pins)
+                  if plan.layer_pins.get(op) != other.layer_pins.get(op)}
     return {
         "ops": ops,
         "stages": stages,
@@ -213,6 +413,7 @@ def diff(plan: Plan, other: Plan) -> dict:
         "schedule": None if plan.schedule == other.schedule else (plan.schedule, other.schedule),
         "pins": pins,
         "stage_pins": stage_pins,
+        "layer_pins": layer_pins,
         "step_time_before_s": plan.cost.step_time_s,
         "step_time_after_s": other.cost.step_time_s,
         "step_time_delta_s": other.cost.step_time_s - plan.cost.step_time_s,
@@ -223,12 +424,20 @@ def diff(plan: Plan, other: Plan) -> dict:
 # Stage overrides: schedule, remat, stages
 
 
-def with_schedule(plan: Plan, schedule: str) -> Plan:
-    """A new plan run with pipeline ``schedule`` ("gpipe" or "1f1b"), pinned; stages and strategies kept."""
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+def with_schedule(plan: Plan, schedule: str, virtual_stages: int | None = None) -> Plan:
+    """A new plan run with pipeline ``schedule``, pinned; stages and strategies kept, re-priced.
+
+    ``schedule``: "gpipe", "1f1b", "interleaved" (``virtual_stages`` model chunks per stage, default 2: each
+    stage's layer count is kept and its layers become chunks, see :func:`~autopar_lab.schedules.interleave`) or
+    "zb-h1" (each backward split into its input-gradient and weight-gradient tasks). The chunk count is pinned
+    with the schedule."""
+    schedule, v = check_schedule(schedule, virtual_stages)
+    pins = {key: val for key, val in plan.stage_pins.items() if key != "virtual_stages"}
+    pins["schedule"] = schedule
+    if schedule == "interleaved":
+        pins["virtual_stages"] = v
     return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins, schedule=schedule,
-                   stage_pins={**plan.stage_pins, "schedule": schedule})
+                   stage_pins=pins)
 
 
 def _stage_index(plan: Plan, stage) -> int:

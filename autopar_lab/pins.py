@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from . import planner
 from .pricing import LazyIntraPlan, pareto, price_plan
 from .pricing.price import StageSpec, table_of
+from .schedules import dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
 from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
 from .solve.intra import IntraPlan, solve_intra
@@ -124,49 +125,79 @@ def constraints_of(stage_pins: Mapping[str, Any]) -> StageConstraints | None:
 
 
 class PinIndex:
-    """Operator pins, looked up by layer and by mesh: which stages they fall in and which meshes can run them."""
+    """Operator pins, looked up by layer and by mesh: which stages they fall in and which meshes can run them.
 
-    def __init__(self, plan: Plan, pins: Mapping[int, str] | None = None):
+    A pin on an operator of a deep model's copy holds for its siblings too (:meth:`OpMap.siblings`: the same place in
+    every copy layer of that structure), so the layer that prices the blocks reads its input as the pin says; the
+    pins of single layers split from their group (``Plan.layer_pins``, full-graph operators) are checked against the
+    mesh of the stage that runs their layer."""
+
+    def __init__(self, plan: Plan, pins: Mapping[int, str] | None = None,
+                 layer_pins: Mapping[int, str] | None = None):
         self.plan = plan
         self.pins = dict(plan.pins if pins is None else pins)
+        self.layer_pins = dict(plan.layer_pins if layer_pins is None else layer_pins)
         self.table = table_of(plan)
         self.g = plan.op_graph
-        self.layers = {op: self.table.op_map.full_layers_of(op) for op in self.pins}
+        m = self.table.op_map
+        self.layers = {op: m.full_layers_of(op) for op in self.pins}
+        # A layer pin: (its full layer, its stand-in in the solve graph).
+        self.split = {op: (m.full_layer_of(op), m.solve_op(op)) for op in self.layer_pins}
         self._ok: dict[tuple, bool] = {}
 
     def in_range(self, a: int, b: int) -> dict[int, str]:
         """The pins on operators of layers a..b (for a shallower copy's operator: any layer it stands for)."""
         return {op: name for op, name in self.pins.items() if any(a <= i <= b for i in self.layers[op])}
 
+    def with_siblings(self, pins: Mapping[int, str]) -> dict[int, str]:
+        """``pins`` given to every sibling of each pinned operator (what the ILP and the IntraPlan must hold)."""
+        m = self.table.op_map
+        out: dict[int, str] = {}
+        for op, name in pins.items():
+            for sib in m.siblings(op):
+                out.setdefault(sib, name)
+        out.update(pins)  # an operator pinned itself keeps its own pin
+        return out
+
     def cache(self, submesh, shape) -> StrategyCache:
         return self.table.strategy_cache(self.plan.cluster.logical_mesh(submesh, shape))
 
-    def strategy(self, op: int, submesh, shape) -> Strategy | None:
-        """The pinned strategy of ``op`` on that logical mesh, or None when that mesh has no strategy so named."""
-        name = self.pins[op]
+    def strategy(self, op: int, submesh, shape, name: str | None = None) -> Strategy | None:
+        """The pinned strategy of ``op`` (or the one named ``name``) on that logical mesh, or None when that mesh
+        has no strategy so named."""
+        name = self.pins[op] if name is None else name
         hit = [s for s in self.cache(submesh, shape).strategies(self.g.op(op)) if s.name == name]
         return hit[0] if hit else None
 
-    def anywhere(self, op: int) -> bool:
-        """Whether some logical mesh of the cluster has ``op``'s pinned strategy."""
+    def _held(self, op: int, submesh, shape, layer_pin: bool = False) -> bool:
+        key = (op, layer_pin, tuple(submesh), tuple(shape))
+        if key not in self._ok:
+            if layer_pin:
+                sop = self.split[op][1]
+                self._ok[key] = sop is not None and \
+                    self.strategy(sop, submesh, shape, self.layer_pins[op]) is not None
+            else:
+                self._ok[key] = self.strategy(op, submesh, shape) is not None
+        return self._ok[key]
+
+    def anywhere(self, op: int, layer_pin: bool = False) -> bool:
+        """Whether some logical mesh of the cluster has ``op``'s pinned strategy (``layer_pin``: ``op`` is a
+        full-graph operator of :attr:`layer_pins`)."""
         cluster = self.plan.cluster
-        return any(self.strategy(op, sub, shape) is not None
+        return any(self._held(op, sub, shape, layer_pin)
                    for sub in cluster.submesh_shapes() for shape in cluster.logical_mesh_shapes(sub))
 
     def mesh_ok(self, a: int, b: int, submesh, shape) -> bool:
-        """Whether every pinned operator of layers a..b has its strategy on this mesh."""
-        for op in self.in_range(a, b):
-            key = (op, tuple(submesh), tuple(shape))
-            if key not in self._ok:
-                self._ok[key] = self.strategy(op, submesh, shape) is not None
-            if not self._ok[key]:
-                return False
-        return True
+        """Whether every pinned operator of layers a..b (and every pin of a split layer among them) has its
+        strategy on this mesh."""
+        if not all(self._held(op, submesh, shape) for op in self.in_range(a, b)):
+            return False
+        return all(self._held(op, submesh, shape, True) for op, (k, _) in self.split.items() if a <= k <= b)
 
     def honoured_by(self, intra: IntraPlan, a: int, b: int) -> bool:
-        """Whether ``intra`` runs every pinned operator of layers a..b by its pinned strategy."""
+        """Whether ``intra`` runs every pinned operator of layers a..b (and its siblings) by its pinned strategy."""
         return all(op in intra.strategies and intra.strategies[op].name == name
-                   for op, name in self.in_range(a, b).items())
+                   for op, name in self.with_siblings(self.in_range(a, b)).items())
 
 
 def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage: int) -> IntraPlan:
@@ -176,8 +207,8 @@ def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage
     if not mine:
         return base
     chosen = dict(base.strategies)
-    for op, name in mine.items():
-        s = pins.strategy(op, submesh, shape)
+    for op, name in pins.with_siblings(mine).items():
+        s = pins.strategy(op, submesh, shape, name)
         if s is None:
             raise ValueError(f"operator {pins.g.op(op).describe()} is pinned to {name!r}, which is not one of its "
                              f"strategies on stage {stage}'s {shape[0]}x{shape[1]} logical mesh; choose another "
@@ -199,7 +230,7 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
         if not mine:
             out.append(base)
             continue
-        kw: dict[str, Any] = dict(ops=base.ops, pins=mine, solver=solver, rounds=1,
+        kw: dict[str, Any] = dict(ops=base.ops, pins=pins.with_siblings(mine), solver=solver, rounds=1,
                                   cache=pins.cache(spec.submesh, spec.logical_mesh))
         try:
             out.append(solve_intra(pins.g, base.mesh, **kw))
@@ -274,7 +305,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
     return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
                     cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
                     intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
-                    schedule=plan.schedule, constraints=con)
+                    schedule=dp_schedule(plan.schedule), constraints=con)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,13 +334,18 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
         if not pins.anywhere(op):
             raise ValueError(f"operator {g.op(op).describe()} is pinned to {name!r}, which is a strategy of it on "
                              "no logical mesh of this cluster; pin it to another strategy.")
+    for op, name in plan.layer_pins.items():
+        if not pins.anywhere(op, layer_pin=True):
+            raise ValueError(f"operator {plan.graph.op(op).describe()} is pinned in its layer to {name!r}, which is a "
+                             "strategy of it on no logical mesh of this cluster; pin it to another strategy.")
     sp = dict(plan.stage_pins)
     constraints = constraints_of(sp)
     schedule = sp.get("schedule", plan.schedule)
     choices = [sp["microbatches"]] if "microbatches" in sp else planner.microbatch_choices(table.batch_size, "auto")
     mem = plan.cost.mem_limit_bytes
     try:
-        res = solve_stages(plan, constraints, choices, schedule, mem, pins if plan.pins else None)
+        res = solve_stages(plan, constraints, choices, schedule, mem,
+                           pins if plan.pins or plan.layer_pins else None)
     except NoFeasiblePlanError as e:
         if plan.pins and e.min_mem_bytes == float("inf"):
             raise NoFeasiblePlanError(f"{e} (operator pins limit each stage to the logical meshes that have the "
@@ -319,7 +355,8 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     intras = intras_around_pins(pins, table, specs, solver or table.solver)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=schedule, stage_comm=plan.stage_comm, mem_limit_bytes=mem,
-              method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins, stage_pins=sp)
+              method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins, stage_pins=sp,
+              layer_pins=plan.layer_pins)
     out = price_plan(table, specs, intras=intras, **kw)
     # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
     # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
@@ -350,7 +387,8 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
     intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress)
     return price_plan(table, specs, intras=intras, microbatches=plan.microbatches, schedule=plan.schedule,
                       stage_comm=plan.stage_comm, mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method,
-                      solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins)
+                      solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins,
+                      layer_pins=plan.layer_pins)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -394,37 +432,47 @@ def keep_pins(plan: Plan, old: Plan, *, solver: str = DEFAULT_SOLVER,
     cannot all be kept together (no layout keeping them fits in memory), the stage pins are dropped first, then the
     operator pins, each with the reason.
     """
-    if not old.pins and not old.stage_pins:
+    if not old.pins and not old.stage_pins and not old.layer_pins:
         return plan, []
     messages: list[str] = []
-    if old.op_graph.fingerprint != plan.op_graph.fingerprint:
-        n = len(old.pins) + len(old.stage_pins)
+    if old.op_graph.fingerprint != plan.op_graph.fingerprint or \
+            (old.layer_pins and old.graph.fingerprint != plan.graph.fingerprint):
+        n = len(old.pins) + len(old.stage_pins) + len(old.layer_pins)
         return plan, [f"{n} pin(s) dropped: the new plan is of another graph, whose operators they do not name."]
-    pins = PinIndex(plan, old.pins)
-    op_pins = {}
+    pins = PinIndex(plan, old.pins, old.layer_pins)
+    op_pins, layer_pins = {}, {}
     for op, name in old.pins.items():
         if pins.anywhere(op):
             op_pins[op] = name
         else:
             messages.append(f"pin of operator {plan.op_graph.op(op).describe()} to {name!r} dropped: no logical mesh "
                             "of the new cluster has that strategy.")
+    for op, name in old.layer_pins.items():
+        if pins.anywhere(op, layer_pin=True):
+            layer_pins[op] = name
+        else:
+            messages.append(f"pin of operator {plan.graph.op(op).describe()} in its layer to {name!r} dropped: no "
+                            "logical mesh of the new cluster has that strategy.")
     stage_pins, dropped = _stage_pins_that_hold(old.stage_pins, plan)
     messages += dropped
-    if not op_pins and not stage_pins:
+    if not op_pins and not layer_pins and not stage_pins:
         return plan, messages
     if on_progress is not None:
         on_progress("re-solving around the pins")
-    attempts = [(op_pins, stage_pins)]
+    # Operator pins (of groups and of split layers) go together: a split layer's pins assume its group's.
+    ops_all = (op_pins, layer_pins)
+    attempts = [(ops_all, stage_pins)]
     if stage_pins:
-        attempts.append((op_pins, {}))
-    if op_pins:
-        attempts.append(({}, {}))
+        attempts.append((ops_all, {}))
+    if op_pins or layer_pins:
+        attempts.append((({}, {}), {}))
     last: Exception | None = None
-    for ops, stages in attempts:
-        if not ops and not stages:
+    for (ops, lops), stages in attempts:
+        if not ops and not lops and not stages:
             break
         try:
-            out = resolve(dataclasses.replace(plan, pins=dict(ops), stage_pins=dict(stages)), solver=solver)
+            out = resolve(dataclasses.replace(plan, pins=dict(ops), layer_pins=dict(lops), stage_pins=dict(stages)),
+                          solver=solver)
         except (ValueError, NoFeasiblePlanError) as e:
             last = e
             continue
@@ -434,6 +482,8 @@ def keep_pins(plan: Plan, old: Plan, *, solver: str = DEFAULT_SOLVER,
                 what.append(f"stage pins {sorted(stage_pins)}")
             if op_pins and not ops:
                 what.append(f"operator pins {sorted(op_pins)}")
+            if layer_pins and not lops:
+                what.append(f"pins of split layers' operators {sorted(layer_pins)}")
             messages.append(f"{' and '.join(what)} dropped: the new cluster cannot keep them all "
                             f"({str(last).rstrip('.')}).")
         return out, messages

@@ -45,8 +45,19 @@ class Stage:
     peak_mem_bytes: float
     intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
     # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
-    # kept so that an override re-prices only what it changes.
+    # kept so that an override re-prices only what it changes. A layer split from its group (Plan.layer_pins) is
+    # priced on top of these (pricing.incremental.split_layer_costs), so removing its pins restores its cost.
     layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
+    # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is
+    # then the stage's range in the plan's 1F1B layout, which gives its layer count). Empty otherwise.
+    chunks: tuple[tuple[int, int], ...] = ()
+    # Zero-bubble schedule: the part of ``bwd_s`` that is the weight-gradient task W (0 for the other schedules).
+    wgrad_s: float = 0.0
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) layer ranges the stage runs: its chunks when interleaved, else ``(layers,)``."""
+        return self.chunks or (self.layers,)
 
     def to_dict(self, layer_names=None) -> dict:
         out = {
@@ -61,6 +72,12 @@ class Stage:
         }
         if layer_names is not None:
             out["layer_names"] = [layer_names[self.layers[0]], layer_names[self.layers[1]]]
+        if self.chunks:
+            out["chunks"] = [list(c) for c in self.chunks]
+            if layer_names is not None:
+                out["chunk_layer_names"] = [[layer_names[a], layer_names[b]] for a, b in self.chunks]
+        if self.wgrad_s:
+            out["wgrad_s"] = self.wgrad_s
         return out
 
 
@@ -114,12 +131,19 @@ class CostReport:
         """The step time as the sum of its terms, with what each one is."""
         attention = "attention as one fused (flash) kernel" if self.flash_attention else \
             "attention as matmuls and a softmax through memory"
+        tl = self.timeline
+        how = ""
+        if tl is not None and tl.schedule == "interleaved":
+            how = (f"; interleaved schedule, {tl.virtual_stages} chunks per stage: fill and drain shrink by "
+                   f"{tl.virtual_stages}, transfers grow by as much")
+        elif tl is not None and tl.schedule == "zb-h1":
+            how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
             f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}) + collectives "
             f"{self.comm_s:.4g} s + resharding {self.reshard_s:.4g} s (over all microbatches, what is not hidden) "
             f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
-            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all); besides, "
+            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
             f"reduction behind the last backward, parameter gathers behind the forward)"
         )
@@ -149,6 +173,12 @@ class Plan:
     # The CostTable that priced this plan (layer costs per mesh, cut bytes, batch size): what re-pricing an override
     # needs. Not part of the plan's value.
     table: CostTable | None = field(default=None, compare=False, repr=False)
+    # Model chunks per stage: > 1 only for the interleaved schedule (each stage's chunks in Stage.chunks).
+    virtual_stages: int = 1
+    # Operators of single layers split from the layers that share their solution (full-graph op id -> strategy
+    # name; see with_layer_choice): a deep model solved on a shallower copy prices every block by one copy layer,
+    # and a layer with pins here is priced on its own instead.
+    layer_pins: Mapping[int, str] = field(default_factory=dict, hash=False)
 
     @property
     def op_graph(self) -> OpGraph:
@@ -170,9 +200,32 @@ class Plan:
         else:
             layers = self.table.op_map.full_layers_of(op)
         for s, st in enumerate(self.stages):
-            if any(st.layers[0] <= i <= st.layers[1] for i in layers):
+            if any(a <= i <= b for i in layers for a, b in st.layer_ranges):
                 return s
         return len(self.stages) - 1
+
+    def stages_of(self, op: int) -> list[int]:
+        """Every stage that runs a full-graph layer operator ``op`` of :attr:`op_graph` stands for (a block of a deep
+        model's copy stands for blocks that may span stages; an override of it re-prices each of them)."""
+        first = self.stage_of(op)
+        if self.table is None:
+            return [first]
+        layers = self.table.op_map.full_layers_of(op)
+        out = [s for s, st in enumerate(self.stages) if any(a <= i <= b for a, b in st.layer_ranges for i in layers)]
+        return out or [first]
+
+    def full_stage_of(self, full_op: int) -> int:
+        """The stage that runs operator ``full_op`` of the model's full graph (:attr:`graph`): its layer's stage."""
+        from .overrides import full_stage_of
+
+        return full_stage_of(self, full_op)
+
+    def full_choice(self, full_op: int) -> Any:
+        """The sharding strategy operator ``full_op`` of the full graph (:attr:`graph`) runs with: its own pin if its
+        layer is split (:attr:`layer_pins`), else its stand-in's strategy in the stage that runs its layer."""
+        from .overrides import full_choice
+
+        return full_choice(self, full_op)
 
     def choice(self, op: int) -> Any:
         """The sharding strategy of one operator (from the stage that runs its layer)."""
@@ -193,10 +246,21 @@ class Plan:
     # imports are inside the methods, the one deliberate upward edge of the engine (tests/test_structure.py).
     def with_choice(self, op: int, strategy) -> "Plan":
         """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
-        only the stage running ``op`` is re-priced, then the pipeline is simulated again."""
+        for a deep model's copy, in every layer that shares ``op``'s solution and on every stage that runs one of
+        them (each re-priced), then the pipeline is simulated again."""
         from .overrides import with_choice
 
         return with_choice(self, op, strategy)
+
+    def with_layer_choice(self, full_op: int, strategy) -> "Plan":
+        """This plan with operator ``full_op`` of the full graph (:attr:`graph`) run by ``strategy`` in its layer
+        alone: the layer is split from the layers that share its solution (its own pins from then on, in
+        :attr:`layer_pins`) and re-priced on its stage's mesh; the other layers keep theirs. For a layer that shares
+        its solution with no other (every layer of a model solved on its own graph), the same as
+        :meth:`with_choice` on its operator."""
+        from .overrides import with_layer_choice
+
+        return with_layer_choice(self, full_op, strategy)
 
     def with_microbatches(self, n: int) -> "Plan":
         """This plan with ``n`` microbatches (stages and strategies kept), re-simulated; ``n`` is pinned."""
@@ -216,11 +280,12 @@ class Plan:
 
         return with_stages(self, boundaries, submeshes, logical_meshes, microbatches)
 
-    def with_schedule(self, schedule: str) -> "Plan":
-        """This plan run with pipeline schedule ``"gpipe"`` or ``"1f1b"`` (pinned), re-simulated."""
+    def with_schedule(self, schedule: str, virtual_stages: int | None = None) -> "Plan":
+        """This plan run with pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages``
+        model chunks per stage, default 2) or ``"zb-h1"`` (pinned), re-priced and re-simulated."""
         from .overrides import with_schedule
 
-        return with_schedule(self, schedule)
+        return with_schedule(self, schedule, virtual_stages)
 
     def with_remat(self, stage: int, on: bool = True) -> "Plan":
         """This plan with rematerialisation of stage ``stage`` switched ``on`` or off (pinned): its activation
@@ -235,6 +300,13 @@ class Plan:
         from .overrides import alternatives
 
         return alternatives(self, op)
+
+    def layer_alternatives(self, full_op: int) -> list[Alternative]:
+        """Every strategy of operator ``full_op`` of the full graph on its layer's stage mesh, with the step-time
+        change of choosing it for that layer alone (:meth:`with_layer_choice`), sorted by ``delta_s``."""
+        from .overrides import layer_alternatives
+
+        return layer_alternatives(self, full_op)
 
     def diff(self, other: "Plan") -> dict:
         """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""
@@ -259,6 +331,7 @@ class Plan:
             "method": self.method,
             "microbatches": self.microbatches,
             "schedule": self.schedule,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
             "stage_comm": self.stage_comm,
             **self.cost.to_dict(),
             "stages": [s.to_dict(self.layer_names) for s in self.stages],

@@ -14,8 +14,13 @@ way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time 
      "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
 ``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
-differs (they price the edges at the stage's borders). ``stage_pins`` (version 2) holds the stage decisions the user
+differs (they price the edges at the stage's borders). An interleaved plan (``"schedule": "interleaved"``) also has
+``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
+:func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
 fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
+``layer_pins`` (version 3, written only when the plan has some): the operators of single layers split from the
+layers that share their solution, by their id in the model's full graph, with their strategy names
+(:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 import math
 import os
 
-from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
+from .planschema import READS, SPLIT_VERSION, VERSION  # noqa: F401 - READS is offered here as before
 from .safeio import write_atomic
+from .schedules import SCHEDULES
 
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
@@ -40,12 +46,13 @@ def plan_to_dict(plan) -> dict:
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
                        "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
     out = {
-        "version": VERSION,
+        "version": SPLIT_VERSION if plan.layer_pins else VERSION,
         "graph_fingerprint": plan.graph.fingerprint,
         "cluster": plan.cluster.to_dict(),
         "method": plan.method,
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
+        **({"virtual_stages": plan.virtual_stages} if plan.virtual_stages > 1 else {}),
         "stage_comm": plan.stage_comm,
         "mem_limit_bytes": plan.cost.mem_limit_bytes,
         "layer_names": list(plan.layer_names),
@@ -58,6 +65,8 @@ def plan_to_dict(plan) -> dict:
     }
     if g is not plan.graph:
         out["solve_graph_fingerprint"] = g.fingerprint
+    if plan.layer_pins:
+        out["layer_pins"] = {str(op): name for op, name in plan.layer_pins.items()}
     return out
 
 
@@ -102,8 +111,12 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
                 raise ValueError("stage_pins['microbatches'] must be an integer")
             out[key] = value
         elif key == "schedule":
-            if value not in ("1f1b", "gpipe"):
-                raise ValueError("stage_pins['schedule'] must be '1f1b' or 'gpipe'")
+            if value not in SCHEDULES:
+                raise ValueError(f"stage_pins['schedule'] must be one of {', '.join(map(repr, SCHEDULES))}")
+            out[key] = value
+        elif key == "virtual_stages":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError("stage_pins['virtual_stages'] must be a whole number of 2 or more")
             out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
@@ -166,17 +179,19 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
                                  "it was made for) to load it.")
         table = CostTable(graph, cluster, solve_graph=solve_graph)
         planschema.check_fits(data, where, ops=solve_graph.ops, num_layers=len(table.layer_names), cluster=cluster,
-                              batch_size=table.batch_size)
+                              batch_size=table.batch_size, full_ops=graph.ops)
         if list(data["layer_names"]) != list(table.layer_names):
             raise _bad(where, "its layer names are not this graph's")
         B = data["microbatches"]
         if isinstance(B, bool) or not isinstance(B, int):
             raise _bad(where, f"microbatches must be an integer, got {B!r}")
         microbatch_choices(table.batch_size, B)
-        if data["schedule"] not in ("1f1b", "gpipe") or data["stage_comm"] not in ("model", "ignore"):
-            raise _bad(where, "schedule must be '1f1b' or 'gpipe' and stage_comm 'model' or 'ignore'")
+        if data["schedule"] not in SCHEDULES or data["stage_comm"] not in ("model", "ignore"):
+            raise _bad(where, f"schedule must be one of {', '.join(map(repr, SCHEDULES))} and stage_comm 'model' or "
+                              "'ignore'")
         choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}
         pins = {int(op): str(name) for op, name in dict(data["pins"]).items()}
+        layer_pins = {int(op): str(name) for op, name in dict(data.get("layer_pins", {})).items()}
         g = solve_graph
         if set(choices) != set(g.ops):
             raise _bad(where, f"choices cover {len(choices)} operators, the graph has {len(g.ops)}")
@@ -223,7 +238,8 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
         return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
                           stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
-                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins)
+                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins,
+                          virtual_stages=data.get("virtual_stages"), layer_pins=layer_pins)
     except ValueError as e:
         if where in str(e):
             raise

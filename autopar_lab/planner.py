@@ -21,6 +21,8 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from . import checks
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
@@ -37,6 +39,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     price_plan,
 )
 from .solve import inter
+from .schedules import check_schedule, dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
 
 if TYPE_CHECKING:
@@ -56,15 +59,15 @@ def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, 
 
 
 def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None) -> tuple[CostTable, Cluster, float | None]:
+              on_progress: ProgressFn | None = None, space: str = "auto") -> tuple[CostTable, Cluster, float | None]:
     """(the cost table to plan with, the cluster, seconds spent tracing or None when a table was given).
 
     With ``table`` it is checked against ``cluster`` and ``model`` (an OpGraph must be the table's graph); without,
-    one is built (:meth:`CostTable.build`)."""
+    one is built (:meth:`CostTable.build`, with ``space``)."""
     if table is None:
         if model is None or cluster is None:
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
-        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress)
+        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space)
         return built, cluster, built.trace_s
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
@@ -103,8 +106,45 @@ def microbatch_choices(batch: int, microbatches) -> list[int]:
     return [b]
 
 
+#: Above this many layers the stage DP of a deep model cuts only on a coarser grid (see :func:`layer_grid`).
+LAYER_GRID_MAX = 66
+
+
+def layer_grid(num_layers: int, most: int = LAYER_GRID_MAX) -> list[int]:
+    """The first layer of each block the stage DP may cut between: every layer up to ``most`` layers; above, the
+    first and the last layer alone (a deep zoo model's embedding and head) and the layers between in equal groups,
+    so that at most ``most`` blocks remain. An approximation (a stage boundary falls on a group edge), taken for
+    the DP's cost, which grows with the cube of the layer count; its gap is measured in ``bench/RESULTS.md``.
+
+    >>> layer_grid(5), layer_grid(10, most=6)
+    ([0, 1, 2, 3, 4], [0, 1, 3, 5, 7, 9])
+    """
+    if num_layers <= most:
+        return list(range(num_layers))
+    g = math.ceil((num_layers - 2) / (most - 2))
+    return [0] + list(range(1, num_layers - 1, g)) + [num_layers - 1]
+
+
+class _Coarse:
+    """A :class:`~autopar_lab.pricing.table.StageCandidates` seen on a layer grid: block b of the grid is layers
+    starts[b]..ends[b] (the arrays are sub-arrays, the candidates made are the full-layer ones)."""
+
+    def __init__(self, fine, starts: list[int], ends: list[int]):
+        self.fine, self.starts, self.ends = fine, np.array(starts), np.array(ends)
+
+    def block(self, submesh):
+        b = self.fine.block(submesh)
+        if b is None:
+            return None
+        ix = np.ix_(np.arange(b.usable.shape[0]), self.starts, self.ends)
+        starts, ends = self.starts, self.ends
+        return inter.CandidateBlock(b.fwd_s[ix], b.bwd_s[ix], b.static_bytes[ix], b.act_bytes[ix], b.usable[ix],
+                                    lambda k, a, e: b.make(k, int(starts[a]), int(ends[e])))
+
+
 def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[int], *,
-                        candidates: CandidateFactory | None = None, **kw) -> inter.InterResult:
+                        candidates: CandidateFactory | None = None, grid: Sequence[int] | None = None,
+                        **kw) -> inter.InterResult:
     """The stage DP for each microbatch count, the fastest plan kept: what ``inter.stage_dp_auto`` (the reference)
     does, with the same answer (ties to the smaller count) and the same ``diagnostics["by_microbatches"]``, in less
     time. The one microbatch search: :func:`auto_plan` and :func:`~autopar_lab.pins.resolve` both use it.
@@ -113,24 +153,37 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     candidate's memory, ``static + min(s, B) * act / B``, never grows with ``B``, so a plan that fits with ``B``
     microbatches fits with any larger count, and a count where nothing fits rules out every smaller one. The
     candidates come from ``candidates(B, mem_limit_bytes)`` (default: :meth:`CostTable.candidate_fn`, vectorised,
-    unusable ones dropped; with ``None`` for the limit every candidate). The best latency found so far is handed to
+    unusable ones dropped; with ``None`` for the limit every candidate; with ``grid`` (first layers of blocks, see
+    :func:`layer_grid`) stages start only at those layers). The best latency found so far is handed to
     each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
     ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
     count is run again with every candidate, for the error's smallest memory requirement.
     ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes`` among them).
     """
     make = candidates if candidates is not None else table.candidate_fn
+    if "schedule" in kw:  # the DP prices 1F1B for interleaved and ZB-H1 plans (the plan is then priced exactly)
+        kw["schedule"] = dp_schedule(kw["schedule"])
     L = len(table.layer_names)
+    cuts = list(table.cut_bytes)
+    if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
+        starts = list(grid)
+        ends = [b - 1 for b in starts[1:]] + [L - 1]
+        fine, L = make, len(starts)
+        cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
+        make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
     mem = kw.get("mem_limit_bytes")
     by: dict[int, float | None] = {B: None for B in choices}
     best: inter.InterResult | None = None
-    for B in sorted(set(choices), reverse=True):
+    order = sorted(set(choices), reverse=True)
+    for n, B in enumerate(order):
+        if table.on_progress:  # the stage DP's progress (and a cancel's chance) once per microbatch count
+            table.on_progress(f"stage DP, {B} microbatches", n, len(order))
         # The best latency so far bounds the DP's t_max search (nextafter: an equal latency with fewer
         # microbatches still wins, as in stage_dp_auto).
         bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
         try:
             r = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, mem), B,
-                               cut_bytes=[c / B for c in table.cut_bytes], upper_bound=bound, **kw)
+                               cut_bytes=[c / B for c in cuts], upper_bound=bound, **kw)
         except inter.NoFeasiblePlanError:
             break
         if r is None:
@@ -143,7 +196,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         B = max(choices)
         try:
             best = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, None), B,
-                                  cut_bytes=[c / B for c in table.cut_bytes], **kw)
+                                  cut_bytes=[c / B for c in cuts], **kw)
         except inter.NoFeasiblePlanError as e:
             raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
                                             e.min_mem_bytes) from e
@@ -158,7 +211,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
 def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto", stage_comm: str = "model",
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
-              table: CostTable | None = None) -> Plan:
+              table: CostTable | None = None, space: str = "auto", workers: int | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -166,17 +219,22 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     prices transfers between stages, ``"ignore"`` reproduces Alpa (the plan's reported step time still includes
     them). ``mem_limit_bytes``: bytes per device (default: the device's memory). ``on_progress(message, done,
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster
-    (its ILPs are reused; ``model`` and ``cluster`` may then be left out).
+    (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
+    when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
+    shape; ``"divisors"``; ``"auto"``, full up to 4 hosts); a given table keeps its own. ``workers``: processes
+    for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4). A model of
+    more than ``LAYER_GRID_MAX`` layers is cut on a grid of blocks (:func:`layer_grid`).
     """
-    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
     intra_before = table.solve_s
+    table.solve_meshes(workers=workers)  # every mesh the DP prices, side by side where cores allow
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     choices = microbatch_choices(table.batch_size, microbatches)
-    result = search_microbatches(table, cluster, choices, **kw)
+    result = search_microbatches(table, cluster, choices, grid=layer_grid(len(table.layer_names)), **kw)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, result.stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
@@ -186,14 +244,18 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
                   schedule: str = "1f1b", remat: bool = False, mem_limit_bytes: float | None = None,
-                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None) -> Plan:
+                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
+                  virtual_stages: int | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
     ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``).
-    ``table``: as for :func:`auto_plan`."""
+    ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
+    per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
+    :mod:`autopar_lab.schedules`). ``table``: as for :func:`auto_plan`."""
     dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
     remat = checks.flag(remat, "remat")
+    schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
@@ -214,8 +276,11 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     microbatch_choices(table.batch_size, microbatches)
     stages = [((bounds[k], bounds[k + 1] - 1), submesh, (dp, tp), bool(remat)) for k in range(pp)]
     name = f"megatron(dp={dp},tp={tp},pp={pp}{',remat' if remat else ''})"
-    return price_plan(table, stages, microbatches=microbatches, schedule=schedule, stage_comm="model",
-                      mem_limit_bytes=mem_limit_bytes, method=name, solve_s=planning_times(table, solve_s))
+    if schedule == "interleaved":
+        name = f"{name[:-1]},v={virtual_stages})"
+    return price_plan(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                      stage_comm="model", mem_limit_bytes=mem_limit_bytes, method=name,
+                      solve_s=planning_times(table, solve_s))
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")

@@ -3,7 +3,9 @@
 A plan file is shared between colleagues, so it is untrusted input. :func:`read_plan_file` reads it as
 :mod:`autopar_lab.safeio` does (a regular file, a size limit, finite numbers, bounded nesting). :func:`check_form`
 checks every field's type, range and enum (strictly: ``"remat": "false"`` is a string, not a boolean; operator ids
-are canonical decimal strings; names that end up in generated code are printable one-liners). :func:`check_fits`
+are canonical decimal strings; names that end up in generated code are printable one-liners). Version 3 adds
+``layer_pins`` (operators of layers split from the layers sharing their solution: full-graph op id -> strategy
+name); a plan without split layers is still written as version 2. :func:`check_fits`
 then checks the fields against the graph and cluster the plan is loaded for: pins name operators of the graph, stage
 pins name layers and stages that exist, submeshes are shapes of the cluster and tile it, logical meshes are views of
 their submesh, the microbatch count divides the batch. Every failure is one ValueError that names the field.
@@ -23,9 +25,11 @@ import re
 from collections.abc import Mapping
 
 from .safeio import read_json_file
+from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
 VERSION = 2  # the plan-file version save_plan writes
-READS = (1, 2)  # file versions load_plan accepts
+SPLIT_VERSION = 3  # ... for a plan with split layers (``layer_pins``), which a version-2 reader cannot represent
+READS = (1, 2, 3)  # file versions load_plan accepts
 
 __all__ = ["REQUIRED", "read_plan_file", "check_form", "check_fits", "bad", "printable_name"]
 
@@ -112,8 +116,14 @@ def check_form(data: Mapping, where: str) -> None:
                          f"it), got {type(data['cluster']).__name__}; a plan file never names a cluster file or preset")
     printable_name(data["method"], "method", where)
     _int(data["microbatches"], "microbatches", where, 1, MAX_MICROBATCHES)
-    if data["schedule"] not in ("1f1b", "gpipe"):
-        raise bad(where, f"schedule must be '1f1b' or 'gpipe', got {data['schedule']!r:.40}")
+    if data["schedule"] not in SCHEDULES:
+        raise bad(where, f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {data['schedule']!r:.40}")
+    if data["schedule"] == "interleaved" or "virtual_stages" in data:
+        # an interleaved plan's model chunks per stage (written since the schedule exists; 2 when absent)
+        v = _int(data.get("virtual_stages", 2), "virtual_stages", where, 1, MAX_VIRTUAL_STAGES)
+        if (v >= 2) != (data["schedule"] == "interleaved"):
+            raise bad(where, f"virtual_stages {v} does not go with schedule {data['schedule']!r} (2 or more for "
+                             "'interleaved' only)")
     if data["stage_comm"] not in ("model", "ignore"):
         raise bad(where, f"stage_comm must be 'model' or 'ignore', got {data['stage_comm']!r:.40}")
     if "mem_limit_bytes" in data:
@@ -163,14 +173,28 @@ def check_form(data: Mapping, where: str) -> None:
         _op_map(st.get("choices_outside", {}), f"stage {k}'s choices_outside", where)
     _op_map(data["choices"], "choices", where)
     _op_map(data["pins"], "pins", where)
+    if "layer_pins" in data:
+        _op_map(data["layer_pins"], "layer_pins", where)
     if "stage_pins" in data and not isinstance(data["stage_pins"], dict):
         raise bad(where, "stage_pins must be an object")
+    sp = data.get("stage_pins", {})
+    if "schedule" in sp and sp["schedule"] not in SCHEDULES:
+        raise bad(where, f"stage_pins['schedule'] must be one of {', '.join(map(repr, SCHEDULES))}")
+    if "virtual_stages" in sp:
+        _int(sp["virtual_stages"], "stage_pins['virtual_stages']", where, 2, MAX_VIRTUAL_STAGES)
 
 
-def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int) -> None:
+def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int,
+               full_ops=None) -> None:
     """The plan file's fields against the graph (its operator ids ``ops``, ``num_layers`` layers, ``batch_size``) and
-    ``cluster`` it is loaded for; run after :func:`check_form`."""
+    ``cluster`` it is loaded for; run after :func:`check_form`. ``full_ops``: the model's full graph's operator ids
+    (those ``layer_pins`` name; default ``ops``)."""
     known = set(ops)
+    full = set(ops if full_ops is None else full_ops)
+    stray = sorted(int(op) for op in data.get("layer_pins", {}) if int(op) not in full)
+    if stray:
+        raise bad(where, f"layer_pins name operator {stray[0]}, which this model's graph does not have (its operators "
+                         f"are {min(full)}..{max(full)})")
     for key in ("pins", "choices"):
         stray = sorted(int(op) for op in data[key] if int(op) not in known)
         if stray:

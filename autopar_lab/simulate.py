@@ -1,8 +1,8 @@
-"""Event-level pipeline simulator: GPipe and 1F1B schedules as timelines.
+"""Event-level pipeline simulator: GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1) schedules as timelines.
 
 The model is deliberately small so every number can be checked by hand:
 
-* each stage is one compute resource that runs its task list strictly in order;
+* each stage is one compute resource that runs its task list strictly in order (:func:`task_order`);
 * each cut between stage ``i`` and ``i + 1`` is two link resources, one per direction
   (activations forward, gradients backward); transfers on one link are serialised,
   but a transfer overlaps compute on both stages;
@@ -10,6 +10,13 @@ The model is deliberately small so every number can be checked by hand:
   has finished and its activation has crossed the cut; ``bwd j`` on stage ``i`` may start
   once ``bwd j`` on stage ``i + 1`` has finished and its gradient has crossed back
   (the last stage starts ``bwd j`` after its own ``fwd j``).
+
+Interleaved (``virtual_stages = v > 1``): the per-stage figures are given per *virtual stage* (chunk) ``c = 0 ..
+p*v - 1``, chunk ``c`` runs on stage ``c % p``, and the rules above hold between consecutive chunks (so a value goes
+from the last stage back to the first one over a link of its own, ``p-1 -> 0``, once per chunk round). ZB-H1: the
+``bwd`` task is the backward's input-gradient part ``B`` (what the earlier stage waits for) and a ``wgrad`` task,
+the weight-gradient part ``W``, follows it on the same stage whenever the schedule puts it; a microbatch's
+activations are held from its forward until its ``W`` (or its ``bwd``, without one) ends.
 
 Example (2 stages, 2 microbatches, fwd 1 s, bwd 2 s):
 
@@ -26,22 +33,29 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["ScheduleStuck", "Task", "Timeline", "issue_order", "simulate", "stage_order"]
+from .schedules import SCHEDULES, check_layout, check_schedule
 
-SCHEDULES = ("1f1b", "gpipe")
+__all__ = ["SCHEDULES", "COMPUTE_KINDS", "ScheduleStuck", "Task", "Timeline", "issue_order", "simulate",
+           "stage_order", "task_order"]
+
+#: The kinds of compute task: forward, backward (for ZB-H1 its input-gradient part B), weight gradient (ZB-H1's W).
+COMPUTE_KINDS = ("fwd", "bwd", "wgrad")
 
 
 @dataclass(frozen=True)
 class Task:
-    """One interval on a resource. ``stage`` is the compute stage for ``fwd``/``bwd``;
-    for ``send_fwd``/``send_bwd`` it is the cut index (the cut between stage ``stage``
-    and ``stage + 1``)."""
+    """One interval on a resource. ``stage`` is the compute stage for ``fwd``/``bwd``/``wgrad``;
+    for ``send_fwd``/``send_bwd`` it is the link (the one between stage ``stage`` and ``stage + 1``, or
+    between the last stage and stage 0 for an interleaved plan's wrap-around). ``chunk``: the virtual stage the
+    task belongs to (for a transfer: the one sending the activation, or receiving the gradient); it equals
+    ``stage`` unless the plan is interleaved."""
 
     stage: int
-    kind: str  # "fwd" | "bwd" | "send_fwd" | "send_bwd"
+    kind: str  # "fwd" | "bwd" | "wgrad" | "send_fwd" | "send_bwd"
     microbatch: int
     start: float
     end: float
+    chunk: int | None = None
 
     @property
     def duration(self) -> float:
@@ -50,7 +64,7 @@ class Task:
 
 @dataclass(frozen=True)
 class Timeline:
-    """The result of :func:`simulate`. Per-stage figures are tuples indexed by stage."""
+    """The result of :func:`simulate`. Per-stage figures are tuples indexed by (physical) stage."""
 
     tasks: tuple[Task, ...]
     num_stages: int
@@ -58,8 +72,9 @@ class Timeline:
     schedule: str
     makespan: float
     busy_s: tuple[float, ...]
-    peak_inflight: tuple[int, ...]  # most microbatches alive at once (fwd start .. bwd end)
-    peak_mem_bytes: tuple[float, ...]  # static + peak_inflight * act_bytes
+    peak_inflight: tuple[int, ...]  # most microbatches (chunk-microbatches when interleaved) alive at once
+    peak_mem_bytes: tuple[float, ...]  # static + the activations of those in flight at the worst instant
+    virtual_stages: int = 1
 
     @property
     def bubble_fraction(self) -> float:
@@ -70,20 +85,25 @@ class Timeline:
 
     def to_rows(self) -> list[dict]:
         """One dict per task, ready for a Gantt chart (e.g. ``plotly.express.timeline``
-        after mapping seconds to a time axis). ``resource`` names the row."""
+        after mapping seconds to a time axis). ``resource`` names the row; ``chunk`` is the virtual stage (the
+        stage itself unless interleaved) and ``round`` which of its stage's chunks that is (0 unless interleaved)."""
         rows = []
+        p = self.num_stages
         for t in self.tasks:
-            if t.kind in ("fwd", "bwd"):
+            if t.kind in COMPUTE_KINDS:
                 resource = f"stage {t.stage}"
             else:
                 arrow = "->" if t.kind == "send_fwd" else "<-"
-                resource = f"link {t.stage}{arrow}{t.stage + 1}"
+                resource = f"link {t.stage}{arrow}{(t.stage + 1) % p if p > 1 else t.stage + 1}"
+            chunk = t.stage if t.chunk is None else t.chunk
             rows.append(
                 {
                     "resource": resource,
                     "stage": t.stage,
                     "kind": t.kind,
                     "microbatch": t.microbatch,
+                    "chunk": chunk,
+                    "round": chunk // p if p else 0,
                     "start": t.start,
                     "end": t.end,
                     "duration": t.end - t.start,
@@ -92,39 +112,96 @@ class Timeline:
         return rows
 
 
+def _one_f_one_b(warm: int, b: int) -> list[tuple[str, int]]:
+    order = [("fwd", j) for j in range(warm)]
+    for j in range(b - warm):  # steady state: one bwd frees a slot for one more fwd
+        order += [("bwd", j), ("fwd", warm + j)]
+    return order + [("bwd", j) for j in range(b - warm, b)]
+
+
+def _zb_h1(stage: int, s: int, b: int) -> list[tuple[str, int]]:
+    # Qi et al.'s ZB-H1: at step x stage i runs F_x, B_{x-(s-1-i)} and W_{x-(s-1)} (each when it exists), so the
+    # forwards and B's follow 1F1B exactly and each W waits until s - 1 more microbatches have started: the later
+    # the stage, the more of its W's are left for the drain, where 1F1B idles. A microbatch lives from its F to its
+    # W: at most s at once on every stage, 1F1B's peak.
+    order = []
+    for x in range(b + s - 1):
+        for kind, j in (("fwd", x), ("bwd", x - (s - 1 - stage)), ("wgrad", x - (s - 1))):
+            if 0 <= j < b:
+                order.append((kind, j))
+    return order
+
+
+def _interleaved(stage: int, p: int, b: int, v: int) -> list[tuple[str, int, int]]:
+    # Narayanan et al.'s schedule (Megatron-LM's): the stage's m*v chunk-microbatches in groups of p microbatches,
+    # the forwards through chunks 0..v-1 and the backwards through v-1..0; a warm-up of 2(p-1-i) + (v-1)p + 1
+    # forwards (all of them when b == p), then one backward and one forward in turn.
+    total = b * v
+
+    def item(k: int, kind: str) -> tuple[str, int, int]:
+        r = (k // p) % v
+        r = r if kind == "fwd" else v - 1 - r
+        return kind, r * p + stage, (k // (p * v)) * p + k % p
+
+    warm = total if b == p else min(2 * (p - 1 - stage) + (v - 1) * p + 1, total)
+    order = [item(k, "fwd") for k in range(warm)]
+    for k in range(total - warm):
+        order += [item(k, "bwd"), item(warm + k, "fwd")]
+    return order + [item(k, "bwd") for k in range(total - warm, total)]
+
+
+def task_order(stage: int, num_stages: int, microbatches: int, schedule: str = "1f1b", warmup: int | None = None,
+               virtual_stages: int | None = None) -> list[tuple[str, int, int]]:
+    """The order in which one stage runs its compute tasks, as ``(kind, chunk, microbatch)``.
+
+    ``chunk`` is the virtual stage (``r * num_stages + stage`` for the stage's ``r``-th chunk; the stage itself
+    unless interleaved). GPipe: every fwd, then every bwd. 1F1B: ``min(S - i, B)`` warm-up fwds (``min(warmup, B)``
+    when given: a deeper warm-up hides slow transfers at the price of more microbatches in flight), then one bwd
+    and one fwd in turn, then the remaining bwds. ZB-H1 and interleaved: see :func:`_zb_h1` and
+    :func:`_interleaved` (the papers' schedules; interleaved needs ``B`` a multiple of ``S``).
+
+    >>> task_order(0, 2, 2, "interleaved", virtual_stages=2)
+    [('fwd', 0, 0), ('fwd', 0, 1), ('fwd', 2, 0), ('fwd', 2, 1), ('bwd', 2, 0), ('bwd', 2, 1), ('bwd', 0, 0), \
+('bwd', 0, 1)]
+    >>> task_order(1, 2, 2, "zb-h1")
+    [('fwd', 1, 0), ('bwd', 1, 0), ('fwd', 1, 1), ('bwd', 1, 1), ('wgrad', 1, 0), ('wgrad', 1, 1)]
+    """
+    schedule, v = check_schedule(schedule, virtual_stages)
+    s, b = num_stages, microbatches
+    if schedule == "interleaved":
+        check_layout(schedule, v, [v] * s, b)
+        return _interleaved(stage, s, b, v)
+    if schedule == "gpipe":
+        pairs = [("fwd", j) for j in range(b)] + [("bwd", j) for j in range(b)]
+    elif schedule == "zb-h1":
+        pairs = _zb_h1(stage, s, b)
+    else:
+        pairs = _one_f_one_b(min(s - stage if warmup is None else max(int(warmup), 1), b), b)
+    return [(kind, stage, j) for kind, j in pairs]
+
+
 def stage_order(stage: int, num_stages: int, microbatches: int, schedule: str = "1f1b",
                 warmup: int | None = None) -> list[tuple[str, int]]:
-    """The order in which one stage runs its compute tasks.
-
-    GPipe: every fwd, then every bwd, in microbatch order. 1F1B (PipeDream-flush):
-    ``min(S - i, B)`` warm-up fwds (or ``min(warmup, B)`` when given: deeper warm-up hides slow transfers between
-    stages, at the price of more microbatches in flight), then alternate one bwd and one fwd, then drain bwds.
+    """:func:`task_order` as ``(kind, microbatch)`` pairs, for the schedules whose stages run one chunk each (all
+    but interleaved).
 
     >>> stage_order(0, 2, 3)
     [('fwd', 0), ('fwd', 1), ('bwd', 0), ('fwd', 2), ('bwd', 1), ('bwd', 2)]
     """
-    s, b = num_stages, microbatches
-    if schedule == "gpipe":
-        return [("fwd", j) for j in range(b)] + [("bwd", j) for j in range(b)]
-    if schedule != "1f1b":
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
-    warm = min(s - stage if warmup is None else max(int(warmup), 1), b)
-    order = [("fwd", j) for j in range(warm)]
-    for j in range(b - warm):  # steady state: one bwd frees a slot for one more fwd
-        order += [("bwd", j), ("fwd", warm + j)]
-    order += [("bwd", j) for j in range(b - warm, b)]
-    return order
+    if schedule == "interleaved":
+        raise ValueError("an interleaved stage runs several chunks; use task_order, whose tasks name their chunk.")
+    return [(kind, j) for kind, _, j in task_order(stage, num_stages, microbatches, schedule, warmup)]
 
 
 class ScheduleStuck(RuntimeError):
     """No stage's next task can run: each waits for a value no task left to run will produce."""
 
 
-def issue_order(orders: Sequence[Sequence[tuple[str, int]]], ready: Callable[[int, str, int], bool]):
-    """Walk every stage's order (from :func:`stage_order`) and yield ``(stage, kind, microbatch)`` whenever that
-    stage's next task is ``ready``; the caller runs (or submits) the task before asking for the next one, so
-    ``ready`` sees its effects. Each stage keeps its own order; stages interleave. This is how a runtime drives a
-    pipeline: the local runner and the Ray driver both issue their tasks with it.
+def issue_order(orders: Sequence[Sequence[tuple]], ready: Callable[..., bool]):
+    """Walk every stage's order (from :func:`task_order` or :func:`stage_order`) and yield ``(stage, *task)``
+    whenever that stage's next task is ``ready(stage, *task)``; the caller runs (or submits) the task before asking
+    for the next one, so ``ready`` sees its effects. Each stage keeps its own order; stages interleave. This is how
+    a runtime drives a pipeline: the local runner and the Ray driver both issue their tasks with it.
     Raises :class:`ScheduleStuck` when tasks remain but none is ready.
 
     >>> done = set()
@@ -144,10 +221,10 @@ def issue_order(orders: Sequence[Sequence[tuple[str, int]]], ready: Callable[[in
         progressed = False
         for k, order in enumerate(orders):
             while pos[k] < len(order):
-                kind, j = order[pos[k]]
-                if not ready(k, kind, j):
+                item = tuple(order[pos[k]])
+                if not ready(k, *item):
                     break
-                yield k, kind, j
+                yield (k, *item)
                 pos[k] += 1
                 remaining -= 1
                 progressed = True
@@ -175,6 +252,8 @@ def simulate(
     act_bytes: Sequence[float] | None = None,
     static_bytes: Sequence[float] | None = None,
     warmup: Sequence[int] | None = None,
+    wgrad_s: Sequence[float] | None = None,
+    virtual_stages: int | None = None,
 ) -> Timeline:
     """Simulate one training step of a pipeline and return its :class:`Timeline`.
 
@@ -182,106 +261,134 @@ def simulate(
     ``send_bwd_s[c]``: seconds to move one microbatch's activation / gradient over cut ``c``
     (between stage ``c`` and ``c + 1``); zeros by default. ``act_bytes[i]``: bytes stage
     ``i`` keeps per in-flight microbatch; ``static_bytes[i]``: bytes it always holds.
+    ``wgrad_s[i]`` (ZB-H1 only, required there): seconds of the weight-gradient task W, ``bwd_s[i]`` then being the
+    input-gradient part B alone. ``virtual_stages = v`` (interleaved only, default 2): every per-stage list is per
+    virtual stage (``p * v`` entries, chunk ``c`` on stage ``c % p``) and every cut list per cut between
+    consecutive chunks (``p * v - 1``); the timeline's figures are per stage.
 
     Transfer tasks are recorded only on cuts whose transfer time is positive.
 
     >>> tl = simulate([1, 1], [2, 2], 2, "1f1b")
     >>> tl.makespan, tl.peak_inflight
     (9.0, (2, 1))
+    >>> simulate([1, 1], [1, 1], 4, "zb-h1", wgrad_s=[1, 1]).makespan   # 1F1B with bwd 2 s: 15 s
+    13.0
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    schedule, v = check_schedule(schedule, virtual_stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}.")
-    num_stages = len(fwd_s)
-    if num_stages < 1:
+    C = len(fwd_s)  # chunks (virtual stages); the stages themselves unless interleaved
+    if C < 1:
         raise ValueError("fwd_s must name at least one stage.")
-    fwd = _check_vector("fwd_s", fwd_s, num_stages)
-    bwd = _check_vector("bwd_s", bwd_s, num_stages)
-    zeros_cut = [0.0] * (num_stages - 1)
-    zeros_stage = [0.0] * num_stages
-    sf = _check_vector("send_fwd_s", zeros_cut if send_fwd_s is None else send_fwd_s, num_stages - 1)
-    sb = _check_vector("send_bwd_s", zeros_cut if send_bwd_s is None else send_bwd_s, num_stages - 1)
-    act = _check_vector("act_bytes", zeros_stage if act_bytes is None else act_bytes, num_stages)
-    static = _check_vector("static_bytes", zeros_stage if static_bytes is None else static_bytes, num_stages)
+    if C % v:
+        raise ValueError(f"fwd_s has {C} entries, not a multiple of the {v} virtual stages per stage.")
+    S, B = C // v, microbatches
+    check_layout(schedule, v, [v] * S, B)
+    fwd = _check_vector("fwd_s", fwd_s, C)
+    bwd = _check_vector("bwd_s", bwd_s, C)
+    zeros_cut = [0.0] * (C - 1)
+    zeros_chunk = [0.0] * C
+    if (wgrad_s is None) == (schedule == "zb-h1"):
+        raise ValueError("wgrad_s (the weight-gradient task's seconds per stage) is needed by the zb-h1 schedule and "
+                         f"by no other; {'give it' if wgrad_s is None else 'leave it out'} for {schedule!r}.")
+    wgt = _check_vector("wgrad_s", zeros_chunk if wgrad_s is None else wgrad_s, C)
+    sf = _check_vector("send_fwd_s", zeros_cut if send_fwd_s is None else send_fwd_s, C - 1)
+    sb = _check_vector("send_bwd_s", zeros_cut if send_bwd_s is None else send_bwd_s, C - 1)
+    act = _check_vector("act_bytes", zeros_chunk if act_bytes is None else act_bytes, C)
+    static = _check_vector("static_bytes", zeros_chunk if static_bytes is None else static_bytes, C)
 
-    S, B = num_stages, microbatches
     if warmup is not None and len(warmup) != S:
         raise ValueError(f"warmup has {len(warmup)} entries but {S} are needed.")
-    orders = [stage_order(i, S, B, schedule, None if warmup is None else warmup[i]) for i in range(S)]
+    orders = [task_order(i, S, B, schedule, None if warmup is None else warmup[i], v) for i in range(S)]
+    split = schedule == "zb-h1"
     pos = [0] * S  # next task index per stage
     stage_free = [0.0] * S
-    # Arrival times of inputs: fwd_ready[i][j] is when stage i may start fwd j
-    # (its activation has arrived); bwd_ready[i][j] likewise for the gradient.
-    fwd_ready: list[list[float | None]] = [[None] * B for _ in range(S)]
-    bwd_ready: list[list[float | None]] = [[None] * B for _ in range(S)]
-    fwd_ready[0] = [0.0] * B
-    link_fwd_free = [0.0] * (S - 1)
-    link_bwd_free = [0.0] * (S - 1)
+    # Arrival times of inputs: ready[kind][c][j] is when chunk c may start that task of microbatch j (its
+    # activation, gradient or own B has arrived).
+    ready: dict[str, list[list[float | None]]] = {k: [[None] * B for _ in range(C)] for k in COMPUTE_KINDS}
+    ready["fwd"][0] = [0.0] * B
+    # One link per direction from each stage to the next (for interleaving, the last stage's to stage 0 too); each
+    # link has one sender, which emits in its own task order, so a transfer can be placed as soon as it is made.
+    link_fwd_free = [0.0] * S
+    link_bwd_free = [0.0] * S
     tasks: list[Task] = []
-    fwd_start = [[0.0] * B for _ in range(S)]
-    bwd_end = [[0.0] * B for _ in range(S)]
+    fwd_start = [[0.0] * B for _ in range(C)]
+    held_end = [[0.0] * B for _ in range(C)]  # when the microbatch's activations are freed (last bwd or wgrad end)
 
-    remaining = S * 2 * B
+    remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for i in range(S):
             # Run as many tasks of stage i as are ready; the list is strictly in order.
             while pos[i] < len(orders[i]):
-                kind, j = orders[i][pos[i]]
-                ready = fwd_ready[i][j] if kind == "fwd" else bwd_ready[i][j]
-                if ready is None:
+                kind, c, j = orders[i][pos[i]]
+                at = ready[kind][c][j]
+                if at is None:
                     break
-                start = max(stage_free[i], ready)
-                end = start + (fwd[i] if kind == "fwd" else bwd[i])
-                tasks.append(Task(i, kind, j, start, end))
+                start = max(stage_free[i], at)
+                end = start + (fwd[c] if kind == "fwd" else bwd[c] if kind == "bwd" else wgt[c])
+                tasks.append(Task(i, kind, j, start, end, c))
                 stage_free[i] = end
                 pos[i] += 1
                 remaining -= 1
                 progressed = True
                 if kind == "fwd":
-                    fwd_start[i][j] = start
-                    if i == S - 1:
-                        bwd_ready[i][j] = end
+                    fwd_start[c][j] = start
+                    if c == C - 1:
+                        ready["bwd"][c][j] = end
                     else:
-                        # Each stage emits fwds in microbatch order, so FIFO on the link
-                        # is microbatch order and we can place the transfer right away.
                         t0 = max(end, link_fwd_free[i])
-                        t1 = t0 + sf[i]
+                        t1 = t0 + sf[c]
                         link_fwd_free[i] = t1
-                        if sf[i] > 0:
-                            tasks.append(Task(i, "send_fwd", j, t0, t1))
-                        fwd_ready[i + 1][j] = t1
+                        if sf[c] > 0:
+                            tasks.append(Task(i, "send_fwd", j, t0, t1, c))
+                        ready["fwd"][c + 1][j] = t1
+                elif kind == "bwd":
+                    held_end[c][j] = end
+                    if split:
+                        ready["wgrad"][c][j] = end
+                    if c > 0:
+                        link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
+                        t0 = max(end, link_bwd_free[link])
+                        t1 = t0 + sb[c - 1]
+                        link_bwd_free[link] = t1
+                        if sb[c - 1] > 0:
+                            tasks.append(Task(link, "send_bwd", j, t0, t1, c - 1))
+                        ready["bwd"][c - 1][j] = t1
                 else:
-                    bwd_end[i][j] = end
-                    if i > 0:
-                        t0 = max(end, link_bwd_free[i - 1])
-                        t1 = t0 + sb[i - 1]
-                        link_bwd_free[i - 1] = t1
-                        if sb[i - 1] > 0:
-                            tasks.append(Task(i - 1, "send_bwd", j, t0, t1))
-                        bwd_ready[i - 1][j] = t1
-        if not progressed:  # cannot happen for the two schedules above; guard anyway
-            raise RuntimeError("pipeline schedule deadlocked; this is a bug in stage_order.")
+                    held_end[c][j] = end
+        if not progressed:  # cannot happen for the schedules above; guard anyway
+            raise RuntimeError("pipeline schedule deadlocked; this is a bug in task_order.")
 
     makespan = max(t.end for t in tasks)
-    busy = tuple(B * (fwd[i] + bwd[i]) for i in range(S))
-    peak = tuple(_max_overlap([(fwd_start[i][j], bwd_end[i][j]) for j in range(B)]) for i in range(S))
-    mem = tuple(static[i] + peak[i] * act[i] for i in range(S))
-    tasks.sort(key=lambda t: (t.start, t.kind not in ("fwd", "bwd"), t.stage, t.end))
-    return Timeline(tuple(tasks), S, B, schedule, makespan, busy, peak, mem)
+    chunks = [range(i, C, S) for i in range(S)]
+    if v == 1:
+        busy = tuple(B * (fwd[i] + bwd[i] + wgt[i]) if split else B * (fwd[i] + bwd[i]) for i in range(S))
+        peak = tuple(_max_overlap([(fwd_start[i][j], held_end[i][j]) for j in range(B)]) for i in range(S))
+        mem = tuple(static[i] + peak[i] * act[i] for i in range(S))
+    else:
+        busy = tuple(sum(B * (fwd[c] + bwd[c] + wgt[c]) for c in chunks[i]) for i in range(S))
+        peak = tuple(_max_overlap([(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)])
+                     for i in range(S))
+        mem = tuple(sum(static[c] for c in chunks[i]) + _max_overlap(
+            [(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)],
+            [act[c] for c in chunks[i] for _ in range(B)]) for i in range(S))
+    tasks.sort(key=lambda t: (t.start, t.kind not in COMPUTE_KINDS, t.stage, t.end))
+    return Timeline(tuple(tasks), S, B, schedule, makespan, busy, peak, mem, v)
 
 
-def _max_overlap(intervals: list[tuple[float, float]]) -> int:
-    """Most half-open intervals [start, end) alive at one instant.
+def _max_overlap(intervals: list[tuple[float, float]], weights: Sequence[float] | None = None):
+    """Most half-open intervals [start, end) alive at one instant (with ``weights``: the largest sum of the
+    weights of those alive at one instant).
 
     A microbatch whose bwd ends exactly when another's fwd starts frees its memory first,
     so ends sort before starts at equal times.
     """
-    events = [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals]
+    w = [1.0] * len(intervals) if weights is None else [float(x) for x in weights]
+    events = [(s, 1, x) for (s, _), x in zip(intervals, w)] + [(e, -1, x) for (_, e), x in zip(intervals, w)]
     events.sort(key=lambda x: (x[0], x[1]))
-    alive = best = 0
-    for _, delta in events:
-        alive += delta
+    alive = best = 0.0
+    for _, sign, x in events:
+        alive += sign * x
         best = max(best, alive)
-    return best
+    return int(best) if weights is None else best

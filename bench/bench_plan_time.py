@@ -1,47 +1,88 @@
-"""Benchmark: planning time as models and clusters grow (the seed's open question 5).
+"""Benchmark: planning time as models and clusters grow (the seed's open question 5; issue 16: thousands of GPUs).
 
-GPT-39B's layer shape (H 8192, 64 heads, S 1024, V 51200, batch 1024) with L layers on p3.16xlarge hosts; times
-`auto_plan` with microbatches searched, split into trace, intra-op (ILP per logical mesh) and inter-op (stage DP).
-"meshes" counts the logical meshes the intra-op pass solves (one per group of equivalent ones, see
-`planner.distinct_mesh_shapes`); "cpu s" is this process' CPU time, steadier than the wall times on a shared machine.
-An optional third field picks the ILP solver: `48:64:cbc` (default: highs).
+Two kinds of rows, each `auto_plan` with the microbatch count searched, split into trace, intra-op (the ILPs of every
+planned logical mesh) and inter-op (the stage DP):
 
-    .venv/bin/python bench/bench_plan_time.py 48:8 96:8 48:16 48:64
+- ``L:D[:solver]``: GPT-39B's layer shape (H 8192, 64 heads, S 1024, V 51200, batch 1024) with L layers on
+  p3.16xlarge hosts (D devices), the growth table of earlier rounds; ``48:64`` is Alpa's GPT-39B case.
+- Megatron-LM's published sizes on DGX A100 hosts (``../shared/reference/published-measurements.md``, s 2048,
+  V 51200): ``39b@512`` (48 layers, H 8192, 64 heads, batch 1536), ``145b@1536`` (80, 12288, 96, 2304),
+  ``530b@2520`` (105, 20480, 128, 2520), ``1t@3072`` (128, 25600, 160, 3072).
+
+"meshes" counts the logical meshes the table solves (the planning space, `CostTable.planned_meshes`); "cpu s" is
+this process's CPU time and "workers cpu s" the ILP worker processes'; "peak GiB" the largest resident set of this
+process and of any worker (getrusage); "load" the machine's 1-minute load average before and after the row.
+
+    .venv/bin/python bench/bench_plan_time.py 48:64 39b@512 1t@3072 [--workers N] [--space full|divisors|auto]
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import sys
 import time
 
 import autopar_lab as al
-from autopar_lab import planner
+
+MEGATRON = {  # name: (devices, layers, hidden, heads, batch)
+    "39b": (512, 48, 8192, 64, 1536),
+    "145b": (1536, 80, 12288, 96, 2304),
+    "530b": (2520, 105, 20480, 128, 2520),
+    "1t": (3072, 128, 25600, 160, 3072),
+}
 
 
-def main(items: list[str]) -> None:
-    print(f"{'layers':>7}{'devices':>8}{'meshes':>8}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
-          f"{'stages':>8}{'step s':>10}{'cpu s':>9}{'mb':>6}")
-    for item in items:
-        parts = item.split(":")
-        layers, devices = int(parts[0]), int(parts[1])
-        solver = parts[2] if len(parts) > 2 else "highs"
-        cluster = (al.Cluster.preset("p3.16xlarge", hosts=devices // 8) if devices >= 8
-                   else al.Cluster.preset("p3.16xlarge").with_(devices_per_host=devices))
-        model = al.models.get("gpt-39b", num_layers=layers)
-        meshes = sum(len(planner.distinct_mesh_shapes(cluster, s)) for s in cluster.submesh_shapes())
+def config(item: str):
+    """(label, model, cluster, solver) of one row."""
+    if "@" in item:
+        name, devices = item.split("@")
+        _, layers, hidden, heads, batch = MEGATRON[name]
+        model = al.models.get("gpt-39b", num_layers=layers, hidden_size=hidden, num_heads=heads, seq_len=2048,
+                              batch_size=batch)
+        return f"{name} ({layers})", model, al.Cluster.preset("dgx-a100", hosts=int(devices) // 8), "highs"
+    parts = item.split(":")
+    layers, devices = int(parts[0]), int(parts[1])
+    cluster = (al.Cluster.preset("p3.16xlarge", hosts=devices // 8) if devices >= 8
+               else al.Cluster.preset("p3.16xlarge").with_(devices_per_host=devices))
+    return f"{layers}", al.models.get("gpt-39b", num_layers=layers), cluster, parts[2] if len(parts) > 2 else "highs"
+
+
+def main(argv: list[str]) -> None:
+    workers = space = None
+    items = []
+    args = iter(argv)
+    for a in args:
+        if a == "--workers":
+            workers = int(next(args))
+        elif a == "--space":
+            space = next(args)
+        else:
+            items.append(a)
+    print(f"{'model':>10}{'devices':>8}{'meshes':>8}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
+          f"{'stages':>8}{'mb':>6}{'step s':>10}{'cpu s':>8}{'wk cpu s':>9}{'peak GiB':>9}{'load':>12}", flush=True)
+    for item in items or ["48:64", "39b@512"]:
+        label, model, cluster, solver = config(item)
+        load0 = os.getloadavg()[0]
         t0, c0 = time.perf_counter(), time.process_time()
+        k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        table = al.CostTable.build(model, cluster, solver=solver, space=space or "auto")
         try:
-            plan = al.auto_plan(model, cluster, solver=solver)
+            plan = al.auto_plan(table.graph, cluster, solver=solver, table=table, workers=workers)
         except ValueError as e:  # the model does not fit: the search still ran to the end
-            print(f"{layers:>7}{devices:>8}{meshes:>8}   no plan fits in 16 GB ({time.perf_counter() - t0:.1f} s): "
-                  f"{str(e)[:60]}", flush=True)
+            print(f"{label:>10}{cluster.num_devices:>8}   no plan ({time.perf_counter() - t0:.1f} s): {str(e)[:70]}",
+                  flush=True)
             continue
         total = time.perf_counter() - t0
+        k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         s = plan.solve_s
-        print(f"{layers:>7}{devices:>8}{meshes:>8}{s['trace']:>9.1f}{s['intra']:>9.1f}{s['inter']:>9.1f}"
-              f"{total:>9.1f}{len(plan.stages):>8}{plan.cost.step_time_s:>10.4g}{time.process_time() - c0:>9.1f}"
-              f"{plan.microbatches:>6}", flush=True)
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, k1.ru_maxrss) / 2 ** 20
+        print(f"{label:>10}{cluster.num_devices:>8}{len(table.planned_meshes()):>8}{table.trace_s:>9.1f}"
+              f"{s['intra']:>9.1f}{s['inter']:>9.1f}{total:>9.1f}{len(plan.stages):>8}{plan.microbatches:>6}"
+              f"{plan.cost.step_time_s:>10.4g}{time.process_time() - c0:>8.1f}"
+              f"{(k1.ru_utime + k1.ru_stime) - (k0.ru_utime + k0.ru_stime):>9.1f}{peak:>9.2f}"
+              f"{f'{load0:.1f}->{os.getloadavg()[0]:.1f}':>12}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["48:16", "48:32", "48:64", "96:64", "128:64"])
+    main(sys.argv[1:])

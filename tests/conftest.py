@@ -42,3 +42,19 @@ def small_plan(graph):
     """Two devices: few logical meshes, so solves and the exhaustive optimum run in seconds."""
     c2 = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=2)
     return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The module's ``model`` trained 3 steps by its own step_fn, jitted on one device (XLA's CPU optimisation off,
+    as the pipelines it is compared with), on the runner's default batches: ``(losses, params)``."""
+    import jax
+
+    dev = jax.devices()[0]
+    step = jax.jit(model.step_fn, compiler_options={"xla_backend_optimization_level": 0})
+    params, opt_state, _ = jax.device_put(model.init(0), dev)
+    losses = []
+    for i in range(3):
+        params, opt_state, loss = step(params, opt_state, jax.device_put(model.init(i)[2], dev))
+        losses.append(float(loss))
+    return losses, params

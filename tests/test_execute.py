@@ -43,19 +43,6 @@ def plan2(model, cluster):
     return p
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    """Losses of STEPS steps of the model's own step_fn, jitted on one device, on the runner's default batches."""
-    dev = jax.devices()[0]
-    step = jax.jit(model.step_fn, compiler_options=FAST)
-    params, opt_state, _ = jax.device_put(model.init(0), dev)
-    losses = []
-    for i in range(STEPS):
-        params, opt_state, loss = step(params, opt_state, jax.device_put(model.init(i)[2], dev))
-        losses.append(float(loss))
-    return losses, params
-
-
 def _close(a, b, rtol=1e-5):
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=1e-7)
 
@@ -84,7 +71,7 @@ def test_two_stage_1f1b_trains_like_one_device(model, plan2, reference):
 
 def test_gpipe_same_losses_and_its_order(model, cluster, plan2, reference):
     gpipe = al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2, schedule="gpipe",
-                             _table_cache=plan2.table)
+                             table=plan2.table)
     runner = al.execute(gpipe, model, compiler_options=FAST)
     _close(runner.train(STEPS), reference[0])
     # stage 0 ran every forward before any backward (GPipe), the schedule's own order
@@ -94,7 +81,7 @@ def test_gpipe_same_losses_and_its_order(model, cluster, plan2, reference):
 
 @pytest.mark.slow  # 4 stages x 4 programs to compile: ~15 s of CPU
 def test_four_stages_one_layer_each(model, cluster, plan2, reference):
-    plan4 = al.megatron_plan(model, cluster, dp=2, tp=1, pp=4, microbatches=4, _table_cache=plan2.table)
+    plan4 = al.megatron_plan(model, cluster, dp=2, tp=1, pp=4, microbatches=4, table=plan2.table)
     runner = al.execute(plan4, model, compiler_options=FAST)
     sm = runner.staged
     assert sm.num_stages == 4

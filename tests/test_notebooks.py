@@ -10,8 +10,8 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # What an exercise's answer check prints (autopar_lab.widgets.exercise.check_answer).
 VERDICT = re.compile(r"(✔ Right|✘ Not yet): you predicted")
-# Notebooks without a predict-try-check exercise yet: 05 is being rewritten this round and gets its own.
-WITHOUT_EXERCISE = {"05_bring_your_own_model"}
+# Notebooks without a predict-try-check exercise (none now: every notebook has one).
+WITHOUT_EXERCISE: set[str] = set()
 
 
 def _output_text(nb) -> str:

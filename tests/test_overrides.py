@@ -234,7 +234,7 @@ def test_with_schedule_and_microbatches(two):
         assert g.cost.peak_mem_bytes[k] == pytest.approx(st.static_bytes + 4 * st.act_bytes, rel=1e-12)
         assert two.cost.peak_mem_bytes[k] <= g.cost.peak_mem_bytes[k]
     assert g.with_schedule("1f1b").cost.step_time_s == two.cost.step_time_s
-    with pytest.raises(ValueError, match="'1f1b' or 'gpipe'"):
+    with pytest.raises(ValueError, match="'1f1b', 'gpipe', 'interleaved', 'zb-h1'"):
         two.with_schedule("zigzag")
     m = two.with_microbatches(8)
     assert m.stage_pins["microbatches"] == 8 and m.microbatches == 8

@@ -103,7 +103,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="send_fwd_s"):
         simulate([1, 1], [1, 1], 2, send_fwd_s=[1, 1])
     with pytest.raises(ValueError, match="schedule"):
-        simulate([1], [1], 2, schedule="interleaved")
+        simulate([1], [1], 2, schedule="zigzag")
+    with pytest.raises(ValueError, match="at least 2 pipeline stages"):
+        simulate([1, 1], [1, 1], 2, schedule="interleaved", virtual_stages=2)
 
 
 def test_deeper_warmup_hides_a_slow_link_round_trip():

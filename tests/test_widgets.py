@@ -253,6 +253,100 @@ def test_deep_model_groups_repeated_layers(deep):
     assert "layer_0..layer_11" in [n["label"] for n in wb.graph.data["overview"]]
 
 
+# --- a deep model: real layers, the groups that share a solution, overrides that act ----------------------------
+
+def _real_dot(plan, layer, n=0):
+    g = plan.graph
+    return [o for o in g.ops_in_layer(layer) if g.op(o).primitive == "dot_general"][n]
+
+
+def test_deep_table_shows_real_layers_and_the_groups_that_share_a_solution(deep):
+    model, plan = deep
+    wb = Workbench(model, plan.cluster, plan=plan)
+    t = wb.table
+    labels = [label for label, _ in t._layer_options]
+    group = "layer_0..23 (×24, one solution; S0: layer_0..11, S1: layer_12..23)"
+    assert labels[:4] == ["(all)", "embed", group, "head"]
+    assert [f"layer_{i}" for i in range(24)] == labels[4:28]  # each real layer, to see or change it alone
+    copy_only = {"layer_1", "layer_2", "layer_3"}  # names of the copy's blocks: never a row's layer on their own
+    assert not any(r["layer"] in copy_only for r in t.rows)
+    blocks = [r for r in t.rows if r["layer"] == "layer_0..23 ×24"]
+    assert blocks and all(r["stage_text"] == "S0+S1" and r["stages"] == [0, 1] for r in blocks)
+    assert "S0+S1" in row_label(blocks[0]) and "×24" in row_label(blocks[0])
+    # A real layer of stage 1 lists its own operators, on stage 1.
+    t.set_filters(layer="layer_13", primitive="dot_general")
+    full = _real_dot(plan, "layer_13")
+    assert t.rows[0]["key"] == ("layer", full) and t.rows[0]["full_op"] == full
+    assert all(r["stage"] == 1 and r["stage_text"] == "S1" and r["layer"] == "layer_13" for r in t.rows)
+    assert f"#{full}" in row_label(t.rows[0])
+
+
+def test_a_click_on_a_deep_layer_lands_on_that_layer_on_its_stage(deep):
+    # Issue 12, item 2: clicking the real layer_3 landed on the copy's stand-in, whose alternatives all read "+0 s",
+    # and the row said stage S0 while the detail said stage 1.
+    model, plan = deep
+    wb = Workbench(model, plan.cluster, plan=plan)
+    full = _real_dot(plan, "layer_13")
+    wb.graph.on_click("L:layer_13")
+    wb.graph.canvas.handle_message(None, {"type": "click", "key": f"O:{full}"})
+    sel = wb.session.selection
+    assert (sel.full_op, sel.layer, sel.stage) == (full, "layer_13", 1)
+    assert sel.op == plan.table.op_map.solve_op(full)
+    t = wb.table
+    assert t.key == ("layer", full) and t.layer_filter.value == "layer_13"
+    assert t.row(t.key)["stage_text"] == "S1" and "stage 1's 1x4 mesh" in t.detail.value
+    assert "layer_13" in t.detail.value and "one of 24 layers sharing one solution" in t.detail.value
+    assert t.scope.layout.display is None and t.scope.value == "group"
+    deltas = [label for label, _ in t.alternatives.options if "no change" not in label]
+    assert len(deltas) >= 2 and all("µs" in d or "ms" in d for d in deltas)
+    assert wb.graph.expanded == "layer_13" and wb.graph.selected_key == f"O:{full}"
+    assert wb.layout.stage == 1
+
+
+def test_a_deep_override_moves_the_header_by_the_predicted_delta_and_refreshes_the_rows(deep):
+    model, plan = deep
+    wb = Workbench(model, plan.cluster, plan=plan)
+    t, s = wb.table, wb.session
+    full = _real_dot(plan, "layer_13")
+    s.select(full_op=full)
+    # Every layer sharing the solution (the default): both stages re-priced.
+    alts = t._alts
+    worst = alts[-1]
+    t.alternatives.value = worst.strategy
+    group = wb.plan
+    assert group.cost.step_time_s - plan.cost.step_time_s == worst.delta_s > 0
+    assert _ms(group.cost.step_time_s) in wb.header.step_time.value and "1 operator pin" in wb.header.pins.value
+    row = t.row(("layer", full))
+    assert row["strategy"] == worst.strategy and row["pinned"] and row["alpa"] == str(
+        group.full_choice(full).out_specs[0])
+    other = _real_dot(plan, "layer_2")
+    assert group.full_choice(other).name == worst.strategy  # a block on stage 0 too
+    # This layer alone: split from the group, re-priced, the others unchanged.
+    t.scope.value = "layer"
+    layer_alts = t._alts
+    pick = next(a for a in layer_alts if a.strategy != worst.strategy and a.delta_s != 0)
+    t.alternatives.value = pick.strategy
+    split = wb.plan
+    assert split.layer_pins == {full: pick.strategy} and s.last_action == "set_layer_choice"
+    assert split.cost.step_time_s - group.cost.step_time_s == pick.delta_s
+    assert _ms(split.cost.step_time_s) in wb.header.step_time.value
+    assert split.full_choice(other).name == worst.strategy
+    assert t.row(("layer", full))["strategy"] == pick.strategy  # the row shows the new spec at once
+    assert "layer_13 (split from its group)" in [label for label, _ in t._layer_options]
+    assert t.scope.value == "layer" and "pinned in its layer" in t.detail.value
+    # The graph draws the split layer on its own, its operator pinned with the new strategy.
+    labels = [n["label"] for n in wb.graph.data["overview"]]
+    assert "layer_13" in labels and "layer_14..layer_23" in labels
+    node = next(n for n in wb.graph.data["detail"]["nodes"] if n["key"] == f"O:{full}")
+    assert node["pinned"] and "stage 1's 1x4 mesh" in node["hover"]
+    t.unpin_button.click()
+    assert wb.plan.layer_pins == {} and wb.plan.cost.step_time_s == group.cost.step_time_s
+    wb.controls.undo()
+    wb.controls.undo()
+    wb.controls.undo()
+    assert wb.plan is plan and t.row(("layer", full))["strategy"] == plan.full_choice(full).name
+
+
 def test_graph_front_end_is_built():
     # The committed bundle is what the widget loads (a fresh clone works without npm).
     js = (STATIC / "graph.js").read_text()
@@ -299,6 +393,20 @@ def test_stage_layout_controls(wb, plan):
     assert wb.plan.stage_pins == {}
     # The error is gone once the plan changed (issue 12, item 4: it stayed after undo, re-plan and adopt).
     assert lay.message.value == "" and "move_cut" not in wb.status.value
+
+
+def test_interleaved_schedule_with_its_chunks_from_the_stage_layout(wb):
+    lay, plan = wb.layout, wb.plan
+    assert lay.virtual_stages.disabled  # only the interleaved schedule has chunks
+    lay.schedule.value = "interleaved"
+    assert wb.plan.schedule == "interleaved" and wb.plan.virtual_stages == 2 and not lay.virtual_stages.disabled
+    assert wb.plan.cost.step_time_s == plan.with_schedule("interleaved", 2).cost.step_time_s
+    # more chunks than a stage has layers: one clear error, the plan kept
+    current = wb.plan
+    lay.virtual_stages.value = 5
+    assert wb.plan is current and lay.message.value and lay.virtual_stages.value == 2
+    wb.controls.undo()
+    assert wb.plan is plan and lay.virtual_stages.disabled
 
 
 def test_editing_every_stage_together_crosses_what_one_at_a_time_cannot(deep):

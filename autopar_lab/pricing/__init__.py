@@ -20,11 +20,20 @@ from .memory import PARTS, memory_breakdown
 from .opmap import OpMap
 from .price import StageSpec, price_plan, simulate_pipeline, stage_transfers, table_of
 from .stage import LAUNCH_OVERHEAD_S, hidden_comm_s, pareto, prefix_sums, stage_cost, task_overhead_s
-from .table import CostTable, StageBlock, as_graph, distinct_mesh_shapes, mesh_signature, solve_graph_for
+from .table import (
+    CostTable,
+    StageBlock,
+    as_graph,
+    distinct_mesh_shapes,
+    mesh_signature,
+    planning_submeshes,
+    solve_graph_for,
+)
 
 __all__ = [
     "CostTable", "HEAVY_PRIMITIVES", "LAUNCH_OVERHEAD_S", "LayerCost", "LazyIntraPlan", "OpMap", "PARTS",
     "StageBlock", "StageSpec", "as_graph", "batch_size", "changed_layer_costs", "cut_bytes", "distinct_mesh_shapes",
-    "hidden_comm_s", "layer_costs", "memory_breakdown", "mesh_signature", "pareto", "prefix_sums", "price_plan",
+    "hidden_comm_s", "layer_costs", "memory_breakdown", "mesh_signature", "pareto", "planning_submeshes",
+    "prefix_sums", "price_plan",
     "simulate_pipeline", "solve_graph_for", "stage_cost", "stage_transfers", "table_of", "task_overhead_s",
 ]

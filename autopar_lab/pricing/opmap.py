@@ -28,6 +28,16 @@ def _names(graph: OpGraph) -> list[str]:
     return list(graph.layers) or [""]
 
 
+def _ops_by_layer(graph: OpGraph, names: list[str]) -> list[list[int]]:
+    """Each named layer's operators in graph order (operators without a layer are in none of them)."""
+    index = {name: k for k, name in enumerate(names)}
+    out: list[list[int]] = [[] for _ in names]
+    for node in graph:
+        if node.layer is not None and node.layer in index:
+            out[index[node.layer]].append(node.id)
+    return out
+
+
 class OpMap:
     """Full graph <-> solve graph, for operators and for layers.
 
@@ -44,6 +54,16 @@ class OpMap:
     >>> op = deep.ops_in_layer("layer_3")[5]
     >>> m.full_ops(m.solve_op(op))[2] == op and m.is_identity
     False
+
+    Every layer of the copy with that structure holds a *sibling* of each operator: a strategy given to one block
+    operator of the copy is given to its siblings too (so the layer that prices the blocks reads its input from a
+    layer sharded the same way), and the sibling in the pricing layer (:meth:`representative`) names them all:
+
+    >>> first = al.models.get("gpt-tiny", num_layers=4).trace().ops_in_layer("layer_0")[5]
+    >>> len(m.siblings(first)), m.representative(first) == m.solve_op(op), m.full_layers_of(first)
+    (4, True, [1, 2, 3, 4, 5, 6])
+    >>> m.full_op_in(first, 4) == op   # full layer 4 is layer_3 (layer 0 is the embedding)
+    True
     """
 
     def __init__(self, graph: OpGraph, solve_graph: OpGraph | None = None):
@@ -51,8 +71,12 @@ class OpMap:
         self.solve_graph = solve_graph if solve_graph is not None else graph
         self.full_layer_names = _names(graph)
         self.solve_layer_names = _names(self.solve_graph)
+        self._by_sig: dict[tuple, list[int]] = {}
         self.layer_map = self._layer_map()
         self._to_solve: dict[int, int] | None = None
+        self._place: dict[int, tuple[int, int]] | None = None  # solve op -> (its layer, its place in the layer)
+        self._solve_ops: list[list[int]] = []  # per solve layer, its operators (layered ones only)
+        self._full_ops: list[list[int]] | None = None
         self._to_full: dict[int, list[int]] | None = None
         self._solve_layer_index: dict[int, int] | None = None
 
@@ -64,7 +88,7 @@ class OpMap:
     def _layer_map(self) -> list[int]:
         if self.is_identity:
             return list(range(len(self.full_layer_names)))
-        by_sig: dict[tuple, list[int]] = {}
+        by_sig = self._by_sig
         for k, name in enumerate(list(self.solve_graph.layers)):
             by_sig.setdefault(plain_signature(self.solve_graph, name), []).append(k)
         out = []
@@ -107,8 +131,72 @@ class OpMap:
         return self._solve_layer_index[solve_op]
 
     def full_layers_of(self, solve_op: int) -> list[int]:
-        """The full-graph layers operator ``solve_op`` of the solve graph stands for."""
-        return self.full_layers(self.solve_layer_of(solve_op))
+        """The full-graph layers operator ``solve_op`` of the solve graph stands for (for an operator of a copy
+        layer that prices none, those of its :meth:`representative`)."""
+        return self.full_layers(self.solve_layer_of(self.representative(solve_op)))
+
+    # --- siblings: the same place in every copy layer with the same structure -------------------------------------
+    def _places(self) -> dict[int, tuple[int, int]]:
+        if self._place is None:
+            place: dict[int, tuple[int, int]] = {}
+            self._solve_ops = _ops_by_layer(self.solve_graph, self.solve_layer_names)
+            for j, ops in enumerate(self._solve_ops):
+                for i, op in enumerate(ops):
+                    place[op] = (j, i)
+            self._place = place
+        return self._place
+
+    def _same_structure(self, solve_layer: int) -> list[int]:
+        for ks in self._by_sig.values():
+            if solve_layer in ks:
+                return ks
+        return [solve_layer]
+
+    def siblings(self, solve_op: int) -> list[int]:
+        """The solve graph's operators at ``solve_op``'s place in every one of its layers with the structure of
+        ``solve_op``'s layer, itself included (ascending). They stand for the same full-graph operators and take
+        one strategy together (:func:`~autopar_lab.overrides.with_choice`). Just ``[solve_op]`` for a model
+        solved on its own graph and for operators outside layers."""
+        solve_op = int(solve_op)
+        hit = None if self.is_identity else self._places().get(solve_op)
+        if hit is None:
+            return [solve_op]
+        j, i = hit
+        return sorted(self._solve_ops[k][i] for k in self._same_structure(j))
+
+    def representative(self, solve_op: int) -> int:
+        """The sibling of ``solve_op`` in the copy layer that prices full layers (:attr:`layer_map`): the one id a
+        pin on any of the siblings is recorded under. ``solve_op`` itself when it is that one (always, for a model
+        solved on its own graph)."""
+        solve_op = int(solve_op)
+        hit = None if self.is_identity else self._places().get(solve_op)
+        if hit is None:
+            return solve_op
+        priced = set(self.layer_map)
+        for sib in self.siblings(solve_op):
+            if self._places()[sib][0] in priced:
+                return sib
+        return solve_op
+
+    def full_op_in(self, solve_op: int, full_layer: int) -> int | None:
+        """The operator of full-graph layer ``full_layer`` that ``solve_op`` (or its representative) stands for; None
+        when that layer is not one of :meth:`full_layers_of`."""
+        rep = self.representative(solve_op)
+        if self.is_identity:
+            return rep if full_layer in self.full_layers_of(rep) else None
+        hit = self._places().get(rep)
+        if hit is None or self.layer_map[full_layer] != hit[0]:
+            return None
+        if self._full_ops is None:
+            self._full_ops = _ops_by_layer(self.graph, self.full_layer_names)
+        ops = self._full_ops[full_layer]
+        return ops[hit[1]] if hit[1] < len(ops) else None
+
+    def full_layer_of(self, full_op: int) -> int:
+        """The index of the full-graph layer operator ``full_op`` counts in (no layer: the last)."""
+        layer = self.graph.op(int(full_op)).layer
+        names = self.full_layer_names
+        return names.index(layer) if layer in names else len(names) - 1
 
     def solve_op(self, full_op: int) -> int | None:
         """The solve graph's operator that stands for operator ``full_op`` of the full graph (the same position in

@@ -17,9 +17,12 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from ..plan import CostReport, Plan, Stage
+from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
+from .incremental import split_layer_costs
 from .stage import hidden_comm_s, prefix_sums
+from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -66,17 +69,37 @@ def stage_transfers(table: CostTable, stages: Sequence[Any], microbatches: int) 
     return out
 
 
+def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Sequence[Sequence[int]]],
+                    microbatches: int) -> list[float]:
+    """:func:`stage_transfers` of an interleaved plan: one per cut between consecutive chunks (virtual stage ``c``
+    on stage ``c % p``), the link chosen as for the stage the chunk after the cut runs on; the cut from the last
+    stage back to stage 0 crosses hosts unless the whole pipeline sits in one host."""
+    cluster, offsets, p = table.cluster, stage_offsets(stages), len(stages)
+    order = [chunks[c % p][c // p] for c in range(p * len(chunks[0]))]
+    last_device = offsets[-1] + stages[-1].submesh[0] * stages[-1].submesh[1] - 1
+    out = []
+    for c in range(1, len(order)):
+        k = c % p
+        nbytes = table.cut_bytes[order[c][0] - 1] / microbatches
+        inside = offsets[k] % cluster.devices_per_host if k else last_device < cluster.devices_per_host
+        out.append(transfer_s(nbytes, cluster.intra_host if inside else cluster.inter_host))
+    return out
+
+
 def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches: int, schedule: str,
                       sends: Sequence[float], act_bytes: Sequence[float], static_bytes: Sequence[float],
-                      mem_limit_bytes: float) -> Timeline:
+                      mem_limit_bytes: float, wgrad_s: Sequence[float] | None = None,
+                      virtual_stages: int = 1) -> Timeline:
     """The pipeline's timeline: the schedule as is, or for 1F1B with transfers, a deeper warm-up when that is
-    faster and still fits in ``mem_limit_bytes``.
+    faster and still fits in ``mem_limit_bytes``. ``wgrad_s`` and ``virtual_stages``: as for
+    :func:`~autopar_lab.simulate.simulate` (ZB-H1 and interleaved).
 
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
     def run(warmup):
         return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
-                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup)
+                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, wgrad_s=wgrad_s,
+                        virtual_stages=virtual_stages)
 
     tl = run(None)
     if schedule == "1f1b" and any(sends):
@@ -94,7 +117,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                intras: Sequence[IntraPlan | None] | None = None,
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
-               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None) -> Plan:
+               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
+               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None) -> Plan:
     """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -102,16 +126,30 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     stage's IntraPlan (None or absent: the table's solution for its mesh); ``layer_costs``: each stage's full-graph
     layer costs of that IntraPlan when the caller already has them (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` are stored on the plan as given.
+    ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
+    from the layers that share their solution, each priced on its own
+    (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
+
+    ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
+    stage runs ``virtual_stages`` chunks (default: ``stage_pins["virtual_stages"]``, else 2), each chunk priced by
+    the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks.
+    ZB-H1: each stage's backward is priced as two tasks, B and W, split by
+    :func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` (W pays its own per-task overhead).
 
     >>> import autopar_lab as al                                                           # doctest: +SKIP
     >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
     >>> price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
     """
     specs = [stage_spec(st) for st in stages]
+    schedule, v = schedule_of(schedule, virtual_stages, stage_pins)
+    check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
-    priced, per_stage, hidden = [], [], []
+    priced, per_stage, stage_sums, hidden = [], [], [], []
+    # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
+    # 1F1B layout), else its layers.
+    ranges: list[tuple[tuple[int, int], ...]] = (interleave([s.layers for s in specs], v) if v > 1
+                                                  else [((s.layers[0], s.layers[1]),) for s in specs])
     for j, spec in enumerate(specs):
         intra = intras[j] if intras is not None else None
         costs = layer_costs[j] if layer_costs is not None else None
@@ -122,25 +160,67 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
+        kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
+        if layer_pins:
+            for first, last in ranges[j]:
+                split = split_layer_costs(table, intra, costs, (first, last), layer_pins,
+                                          table.strategy_cache(intra.mesh), j)
+                if split is not None:
+                    costs = split
+                    sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
-        first, last = spec.layers
-        totals = {f: v[last + 1] - v[first] for f, v in sums.items()}
-        launches = (totals["heavy_fwd"] * (2 if spec.remat else 1) + totals["heavy_bwd"]) * microbatches
-        hidden.append((*hidden_comm_s(totals, microbatches), int(round(launches))))
-        per_stage.append((tuple(costs), intra))
+        # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
+        # interleaved: each chunk is priced as a stage of its own).
+        hid_sync = hid_gather = launches = 0.0
+        for first, last in ranges[j]:
+            span = {f: run[last + 1] - run[first] for f, run in sums.items()}
+            sync, gather = hidden_comm_s(span, microbatches)
+            hid_sync, hid_gather = hid_sync + sync, hid_gather + gather
+            launches += (span["heavy_fwd"] * (2 if spec.remat else 1) + span["heavy_bwd"]) * microbatches
+        hidden.append((hid_sync, hid_gather, int(round(launches))))
+        per_stage.append((tuple(costs), intra, kept))
+        stage_sums.append(sums)
 
-    sends = stage_transfers(table, priced, microbatches)
-    tl = simulate_pipeline([s.fwd_s for s in priced], [s.bwd_s for s in priced], microbatches, schedule, sends,
-                           [s.act_bytes for s in priced], [s.static_bytes for s in priced], mem)
+    p = len(priced)
+    chunks = ranges
+    wgrad = [0.0] * p
+    if v > 1:
+        # Every chunk is priced as a stage of its own on its stage's mesh (its own tasks, overheads and entry).
+        parts = [[table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh, microbatches, st.remat,
+                                        st.payload) for a, b in chunks[k]] for k, st in enumerate(priced)]
+        order = [parts[c % p][c // p] for c in range(p * v)]
+        sim = dict(fwd=[c.fwd_s for c in order], bwd=[c.bwd_s for c in order], act=[c.act_bytes for c in order],
+                   static=[c.static_bytes for c in order])
+        sends = chunk_transfers(table, priced, chunks, microbatches)
+        totals = [tuple(sum(getattr(c, f) for c in parts[k]) for f in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"))
+                  for k in range(p)]
+    else:
+        totals = [(s.fwd_s, s.bwd_s, s.static_bytes, s.act_bytes) for s in priced]
+        if schedule == "zb-h1":
+            for k, (st, (costs, intra, _kept)) in enumerate(zip(priced, per_stage)):
+                task = table.task_overhead_s(st.submesh)
+                # The recomputed forward of a remat stage and the task overhead stay with B; W is a task of its own.
+                core = st.bwd_s - task - (st.fwd_s - task if st.remat else 0.0)
+                w = core * weight_grad_fraction(table, intra, costs, st.layers[0], st.layers[1])
+                wgrad[k] = w + task
+                totals[k] = (st.fwd_s, st.bwd_s + task, st.static_bytes, st.act_bytes)
+        sim = dict(fwd=[t[0] for t in totals], bwd=[t[1] - w for t, w in zip(totals, wgrad)],
+                   act=[t[3] for t in totals], static=[t[2] for t in totals])
+        sends = stage_transfers(table, priced, microbatches)
+    tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, sim["act"], sim["static"], mem,
+                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
-    for st, off, peak, (costs, intra) in zip(priced, stage_offsets(priced), tl.peak_mem_bytes, per_stage):
-        part = costs[st.layers[0]:st.layers[1] + 1]
+    for k, (st, off, peak, (costs, intra, kept)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
+                                                            per_stage)):
+        part = [c for a, b in chunks[k] for c in costs[a:b + 1]]
+        fwd, bwd, static, act = totals[k]
         plan_stages.append(Stage(st.layers, st.submesh, st.logical_mesh,
-                                 tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, st.fwd_s, st.bwd_s,
+                                 tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, fwd, bwd,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
-                                 sum(c.reshard_s for c in part), st.static_bytes, st.act_bytes, peak, intra, costs))
+                                 sum(c.reshard_s for c in part), static, act, peak, intra, tuple(kept),
+                                 chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     # Communication hidden behind compute is not in the busy time: only what shows is split.
@@ -167,7 +247,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table)
+                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=v,
+                layer_pins=dict(layer_pins or {}))
 
 
 def table_of(plan: Plan) -> CostTable:

@@ -19,6 +19,7 @@ A table is a value the user may build once and pass to every planning function (
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -29,10 +30,11 @@ from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
-from ..solve.intra import IntraPlan, StrategyCache, solve_intra
+from ..solve.intra import IntraPlan, StrategyCache
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
+from .table_pool import default_workers, plan_from_choice, solve_in_workers, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -76,6 +78,40 @@ def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple
     return out
 
 
+#: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "auto" (full up
+#: to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above).
+SPACES = ("auto", "full", "divisors")
+FULL_SPACE_MAX_HOSTS = 4
+#: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
+POOL_MIN_MESHES = 16
+
+
+def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -> list[tuple[int, int]]:
+    """The submesh shapes the stage DP searches, in Alpa's order.
+
+    ``"full"``: every shape of :meth:`Cluster.submesh_shapes` ((1, 1) ... (1, M), (2, M) ... (N, M)). ``"divisors"``:
+    every (1, m), and the (n, M) whose device count divides the batch (data parallelism splits the batch evenly) or
+    whose host count divides the cluster's (a pipeline of equal stages tiles it, Megatron's layouts). The others
+    cannot split the batch over all their devices, and the cost model prices them accordingly (GPT-39B on 512 A100s:
+    their best layer costs 5 to 50 times the device-seconds of the others); at 64 hosts they are 52 of 67 shapes
+    and 326 of 412 logical meshes, and leaving them out gives the same plan; GPT-39B on 8 p3 hosts (Alpa's case)
+    too, with 22 of 40 meshes (``bench/RESULTS.md``). An approximation all the same: ``"full"`` searches Alpa's
+    whole space. ``"auto"``: full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above.
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> c = Cluster.preset("dgx-a100", hosts=24)
+    >>> [n for n, m in planning_submeshes(c, 96, "divisors") if m == 8]
+    [1, 2, 3, 4, 6, 8, 12, 24]
+    """
+    if space not in SPACES:
+        raise ValueError(f"space must be one of {SPACES}, got {space!r}")
+    shapes = [(int(n), int(m)) for n, m in cluster.submesh_shapes()]
+    if space == "full" or (space == "auto" and cluster.hosts <= FULL_SPACE_MAX_HOSTS):
+        return shapes
+    M, N = cluster.devices_per_host, cluster.hosts
+    return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
+
+
 def solve_graph_for(model) -> OpGraph | None:
     """A shallower copy of a zoo model whose layers cover every distinct layer of the full model (None when the
     model is not a deep zoo model: it is then solved on its own graph)."""
@@ -103,14 +139,18 @@ class CostTable:
 
     ``graph``: the model's graph; ``solve_graph``: the graph the intra-op ILPs run on (a deep zoo model's shallower
     copy; default the graph itself); ``solver``: the ILP solver; ``on_progress(message, done, total)``: called as
-    each mesh's ILP finishes. Build one from a model with :meth:`build`.
+    each mesh's ILP finishes; ``space``: the submeshes the stage DP searches (:func:`planning_submeshes`). Build one
+    from a model with :meth:`build`.
     """
 
     @renamed_keywords(progress="on_progress")
     def __init__(self, graph: OpGraph, cluster: Cluster, *, solve_graph: OpGraph | None = None,
-                 solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None):
+                 solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None, space: str = "auto"):
+        if space not in SPACES:
+            raise ValueError(f"space must be one of {SPACES}, got {space!r}")
         self.graph = graph
         self.cluster = cluster
+        self.space = space
         self.layer_names = list(graph.layers) or [""]
         self.solve_graph = solve_graph or graph
         # Every operator's part in its kernel, before any strategy is priced (a plan file re-priced from this
@@ -123,24 +163,26 @@ class CostTable:
         self.batch_size = batch_size(graph)
         self.solve_s = 0.0  # seconds spent in intra-op ILPs so far
         self.trace_s = 0.0  # seconds :meth:`build` spent tracing (0 for a table made from graphs)
-        self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan]] = {}
+        self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan | None]] = {}
         self._sums: dict[tuple, dict[str, list[float]]] = {}
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
         self._caches: dict[tuple, StrategyCache] = {}
+        self._memo_space: dict[str, list] = {}
+        self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
 
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None) -> CostTable:
+              on_progress: ProgressFn | None = None, space: str = "auto") -> CostTable:
         """The table of a zoo ModelSpec (traced; a deep one solved on its shallower copy) or of an OpGraph.
         ``trace_s`` holds the seconds spent tracing and choosing the copy. No ILP runs until a mesh is priced."""
         graph, spec, trace_s = as_graph(model)
         t0 = time.perf_counter()
         small = solve_graph_for(spec) if spec is not None else None
         try:
-            table = cls(graph, cluster, solve_graph=small, solver=solver, on_progress=on_progress)
+            table = cls(graph, cluster, solve_graph=small, solver=solver, on_progress=on_progress, space=space)
         except LookupError:  # the copy lacks some layer's structure: solve the full graph
-            table = cls(graph, cluster, solver=solver, on_progress=on_progress)
+            table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
         table.trace_s = trace_s + (time.perf_counter() - t0)
         return table
 
@@ -170,18 +212,88 @@ class CostTable:
         key = (tuple(submesh), tuple(shape))
         if key not in self._mesh:
             t0 = time.perf_counter()
-            mesh = self.cluster.logical_mesh(submesh, shape)
-            plan = solve_intra(self.solve_graph, mesh, solver=self.solver, rounds=1, memo=self._memo)
-            small = layer_costs(self.solve_graph, plan, list(self.solve_graph.layers) or [""])
-            self._mesh[key] = ([small[k] for k in self.layer_map], plan)
+            small, plan, self._choices[key] = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
+            self._store(key, small, plan)
             self.solve_s += time.perf_counter() - t0
-            if self.on_progress:
-                self.on_progress(f"intra-op {submesh[0]}x{submesh[1]} as {shape[0]}x{shape[1]}", len(self._mesh), 0)
-        return self._mesh[key]
+            self._report(key, len(self._mesh), 0)
+        costs, plan = self._mesh[key]
+        if plan is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
+            plan = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
+            self._mesh[key] = (costs, plan)
+        return costs, plan
 
     def solved_mesh(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan] | None:
         """:meth:`mesh_costs` if that mesh's ILP has run already, else None (nothing is solved)."""
-        return self._mesh.get((tuple(submesh), tuple(shape)))
+        key = (tuple(submesh), tuple(shape))
+        return self.mesh_costs(*key) if key in self._mesh else None
+
+    def planned_meshes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Every (submesh, logical mesh) the stage DP prices: the distinct views of each planning submesh."""
+        return [(sub, shape) for sub in self.submeshes() for shape in self.mesh_shapes(sub)]
+
+    def solve_meshes(self, keys=None, *, workers: int | None = None) -> int:
+        """Solve now the ILPs of ``keys`` ((submesh, shape) pairs; default :meth:`planned_meshes`) not solved yet,
+        in ``workers`` processes (default :func:`~autopar_lab.pricing.table_pool.default_workers`; 1: here, one after
+        the other). Worker processes start only for at least ``POOL_MIN_MESHES`` meshes (starting one costs an
+        import of the library, a few seconds). ``on_progress`` sees each mesh as it finishes, with the count done and
+        the total; the same numbers as solving each on first use. Returns how many were solved."""
+        todo = [k for k in (self.planned_meshes() if keys is None else
+                            [(tuple(a), tuple(b)) for a, b in keys]) if k not in self._mesh]
+        workers = default_workers() if workers is None else max(1, int(workers))
+        if workers == 1 or len(todo) < POOL_MIN_MESHES:
+            for n, (sub, shape) in enumerate(todo, 1):
+                t0 = time.perf_counter()
+                small, plan, choice = solve_one(self.solve_graph, self.cluster, (sub, shape), self.solver, self._memo)
+                self._store((sub, shape), small, plan)
+                self._choices[(sub, shape)] = choice
+                self.solve_s += time.perf_counter() - t0
+                self._report((sub, shape), n, len(todo))
+            return len(todo)
+        # Largest meshes first (they take longest), so that the workers finish together.
+        todo.sort(key=lambda k: -k[0][0] * k[0][1])
+        t0 = time.perf_counter()
+        results = solve_in_workers(self.solve_graph, self.cluster, self.solver, todo, min(workers, len(todo)))
+        try:
+            for n, (key, small, choice, _s) in enumerate(results, 1):
+                self._store(key, small, None)
+                self._choices[key] = choice
+                self._report(key, n, len(todo))
+        finally:
+            results.close()
+            self.solve_s += time.perf_counter() - t0
+        return len(todo)
+
+    def for_cluster(self, cluster: Cluster) -> CostTable:
+        """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
+        shared, nothing is traced again; when the device, both links and the devices per host are the same (more or
+        fewer hosts), every mesh already solved that the new cluster has carries over, since a mesh's ILP reads
+        nothing else of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked)."""
+        new = copy.copy(self)
+        new.cluster = cluster
+        new.solve_s, new.trace_s = 0.0, 0.0
+        new._caches, new._memo_space = {}, {}
+        same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
+                and cluster.inter_host == self.cluster.inter_host
+                and cluster.devices_per_host == self.cluster.devices_per_host)
+        if not same:
+            new._mesh, new._sums, new._shapes, new._memo, new._choices = {}, {}, {}, {}, {}
+            return new
+        subs = {tuple(s) for s in cluster.submesh_shapes()}
+        keep = [k for k in self._mesh if k[0] in subs and k in self._choices]
+        new._mesh = {k: (self._mesh[k][0], None) for k in keep}
+        new._choices = {k: self._choices[k] for k in keep}
+        new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
+        new._shapes = {k: v for k, v in self._shapes.items() if k in subs}
+        new._memo = dict(self._memo)  # first passes: keyed by axis size and link
+        return new
+
+    def _store(self, key, small: list[LayerCost], plan: IntraPlan | None) -> None:
+        self._mesh[key] = ([small[k] for k in self.layer_map], plan)
+
+    def _report(self, key, done: int, total: int) -> None:
+        if self.on_progress:
+            (sub, shape) = key
+            self.on_progress(f"intra-op {sub[0]}x{sub[1]} as {shape[0]}x{shape[1]}", done, total)
 
     def strategy_cache(self, mesh: LogicalMesh) -> StrategyCache:
         """The shared StrategyCache of ``mesh``: strategies and resharding costs are looked up, not recomputed, by
@@ -205,7 +317,7 @@ class CostTable:
         """Running sums of the layer costs on one mesh, so any layer range costs O(1) (the DP asks for many)."""
         key = (tuple(submesh), tuple(shape))
         if key not in self._sums:
-            costs, _ = self.mesh_costs(submesh, shape)
+            costs = self._mesh[key][0] if key in self._mesh else self.mesh_costs(submesh, shape)[0]
             self._sums[key] = prefix_sums(costs)
         return self._sums[key]
 
@@ -234,6 +346,12 @@ class CostTable:
         return self.stage_from_sums(self.prefix_sums(submesh, shape), start, end, submesh, shape, microbatches,
                                     remat, plan)
 
+    def submeshes(self) -> list[tuple[int, int]]:
+        """The submesh shapes the stage DP searches (:func:`planning_submeshes` of the table's ``space``)."""
+        if "submeshes" not in self._memo_space:
+            self._memo_space["submeshes"] = planning_submeshes(self.cluster, self.batch_size, self.space)
+        return self._memo_space["submeshes"]
+
     def mesh_shapes(self, submesh) -> list[tuple[int, int]]:
         """The submesh's distinct logical mesh shapes (:func:`distinct_mesh_shapes`), cached."""
         sub = tuple(submesh)
@@ -249,21 +367,36 @@ class CostTable:
         return pareto(cands)
 
     @renamed_keywords(mem_limit="mem_limit_bytes")
-    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None):
+    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None) -> StageCandidates:
         """``candidates`` for one microbatch count as the stage DP calls it, ``(start, end, submesh)``, computed
         for all layer ranges of a submesh at once with numpy; with ``mem_limit_bytes``, candidates that cannot fit
         even holding one microbatch are left out (the DP could never use them). Same candidates, same order, same
-        numbers as :meth:`candidates` otherwise.
+        numbers as :meth:`candidates` otherwise. The object returned also hands the DP each submesh's arrays
+        (``block(submesh)``, a :class:`StageBlock`), so the DP reads them without building a candidate per range.
         """
-        blocks: dict[tuple, StageBlock] = {}
+        return StageCandidates(self, microbatches, mem_limit_bytes)
 
-        def fn(start, end, submesh):
-            sub = tuple(submesh)
-            if sub not in blocks:
-                blocks[sub] = StageBlock(self, sub, microbatches, mem_limit_bytes)
-            return blocks[sub].candidates(start, end)
 
-        return fn
+class StageCandidates:
+    """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
+    ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
+
+    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None):
+        self.table, self.microbatches, self.mem_limit_bytes = table, microbatches, mem_limit_bytes
+        self._blocks: dict[tuple, StageBlock] = {}
+
+    def block(self, submesh) -> StageBlock | None:
+        """The submesh's candidates as arrays; None for a submesh outside the table's planning space."""
+        sub = (int(submesh[0]), int(submesh[1]))
+        if sub not in self.table.submeshes():
+            return None
+        if sub not in self._blocks:
+            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes)
+        return self._blocks[sub]
+
+    def __call__(self, start: int, end: int, submesh) -> list[StageCandidate]:
+        block = self.block(submesh)
+        return [] if block is None else block.candidates(start, end)
 
 
 class StageBlock:
@@ -307,12 +440,16 @@ class StageBlock:
         if mem_limit_bytes is not None:
             keep &= keys[2] + keys[3] <= mem_limit_bytes
         self.keys, self.keep = keys, keep
+        # The arrays as the stage DP reads them (see solve.inter.CandidateBlock).
+        self.fwd_s, self.bwd_s, self.static_bytes, self.act_bytes = keys
+        self.usable = keep
+
+    def make(self, k: int, start: int, end: int) -> StageCandidate:
+        """Option k for layers start..end as a StageCandidate (its IntraPlan as the payload)."""
+        shape, r = self.options[k]
+        _, plan = self.table.mesh_costs(self.submesh, shape)
+        f, b, st, a = (float(v[k, start, end]) for v in self.keys)
+        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan)
 
     def candidates(self, start: int, end: int) -> list[StageCandidate]:
-        out = []
-        for k in np.flatnonzero(self.keep[:, start, end]):
-            shape, r = self.options[k]
-            _, plan = self.table.mesh_costs(self.submesh, shape)
-            f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-            out.append(StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan))
-        return out
+        return [self.make(int(k), start, end) for k in np.flatnonzero(self.keep[:, start, end])]

@@ -4,9 +4,10 @@ A :class:`StageWorker` rebuilds everything from the job spec (the model by zoo n
 of your own on the embedded Ray, the ModelSpec object itself, which Ray's serialization carries to the actor; the
 graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`),
 cuts the step with :func:`autopar_lab.runtime.partition.split_stages`, keeps only the step inputs its stage holds,
-and runs that stage's SPMD programs on the devices of its process: ``forward`` and ``backward`` per microbatch (in
-the order the driver submits them, which is the plan's schedule) and ``finish_step`` (its part of the step's
-update). Values crossing stages travel as numpy arrays inside Ray object refs.
+and runs that stage's SPMD programs on the devices of its process: its tasks per microbatch (``run(kind, chunk,
+...)``: the forward, the backward and, for a ZB-H1 plan, the weight gradients; for an interleaved plan, of each of
+the stage's chunks) in the order the driver submits them, which is the plan's schedule, and ``finish_step`` (its
+part of the step's update). Values crossing stages travel as numpy arrays inside Ray object refs.
 
 Ray is not imported here: :func:`remote_class` wraps the class with ``ray.remote`` when the runtime needs it, and
 :func:`actor_options` says what each actor asks of Ray. JAX starts inside the actor only after the runtime_env has
@@ -109,30 +110,46 @@ class StageWorker:
         self.staged = split_stages(self.model, self.plan, devices=devices,
                                    compiler_options=job.get("compiler_options") or None)
         self.seed = int(job.get("seed", 0))
-        self.state = self.staged.init_state(self.stage, self.seed)
+        #: the stages of the split this actor runs: its own, or for an interleaved plan each of its chunks
+        self.chunks = [c for c, d in enumerate(self.staged.device_stage) if d == self.stage]
+        self.states = {c: self.staged.init_state(c, self.seed) for c in self.chunks}
         self._batch_step = None
         self._mbs = None
-        self._stash: dict = {}  # microbatch -> what its forward keeps for its backward
-        self._acc: dict = {}  # "fwd"/"bwd" -> values the update reads, summed over the step's microbatches
-        self._times = {"fwd": [], "bwd": [], "update": []}
+        self._stash: dict = {}  # (chunk, kind, microbatch) -> what the task keeps for the chunk's later tasks
+        self._left: dict = {}  # how many of those later tasks have not read it yet
+        self._acc: dict = {}  # (chunk, kind) -> values the update reads, summed over the step's microbatches
+        self._times: dict = {}  # kind -> seconds of each task this step
         self.setup_s = time.perf_counter() - t0
         self.device_names = [str(d) for d in local[:n]]
 
+    @property
+    def state(self) -> dict:
+        """The step inputs this stage holds (``{path: array}``; one plan stage's chunks together)."""
+        return {name: x for c in self.chunks for name, x in self.states[c].items()}
+
     # --- info ---------------------------------------------------------------------------------------------------
     def info(self) -> dict:
+        """Who this actor is and how its tasks connect: ``tasks`` holds ``[chunk, kind, [[chunk, kind], ...]]`` (the
+        tasks of the same microbatch each of its tasks reads from), ``updates`` ``[chunk, [[chunk, kind], ...]]``
+        (the tasks whose every microbatch each chunk's update reads); chunks are the stages of the split."""
         import jax
 
         k, sm = self.stage, self.staged
+        first = self.chunks[0]
         return {"stage": k, "pid": os.getpid(), "devices": self.device_names,
-                "platform": jax.default_backend(), "setup_s": self.setup_s,
-                "inputs": list(sm.inputs(k, "fwd")), "outputs": list(sm.exports(k, "fwd")),
-                "fwd_from": [list(x) for x in sm.sources(k, "fwd")],
-                "bwd_from": [list(x) for x in sm.sources(k, "bwd")],
-                "update_from": [list(x) for x in sm.update_sources(k)]}
+                "platform": jax.default_backend(), "setup_s": self.setup_s, "chunks": list(self.chunks),
+                "inputs": list(sm.inputs(first, "fwd")), "outputs": list(sm.exports(first, "fwd")),
+                "fwd_from": [list(x) for x in sm.sources(first, "fwd")],
+                "bwd_from": [list(x) for x in sm.sources(first, "bwd")],
+                "update_from": [list(x) for x in sm.update_sources(first)],
+                "tasks": [[c, kind, [list(x) for x in sm.sources(c, kind)]] for c in self.chunks for kind in sm.kinds],
+                "updates": [[c, [list(x) for x in sm.update_sources(c)]] for c in self.chunks]}
 
     # --- state ----------------------------------------------------------------------------------------------------
     def _tree(self):
-        return {"state": self.state}
+        if self.chunks == [self.stage]:
+            return {"state": self.states[self.stage]}
+        return {"state": {f"chunk{c}": self.states[c] for c in self.chunks}}
 
     def save(self, directory: str, step: int) -> str:
         """Write this stage's step inputs (parameters, optimizer state) as checkpoint ``step`` (see
@@ -147,7 +164,10 @@ class StageWorker:
 
         tree = load_stage(directory, step, self.stage, template=self._tree())
         # each leaf goes back where the freshly initialised one lives (the plan's sharding on this stage's mesh)
-        self.state = self.staged.place_state(self.stage, tree["state"])
+        if self.chunks == [self.stage]:
+            self.states = {self.stage: self.staged.place_state(self.stage, tree["state"])}
+        else:
+            self.states = {c: self.staged.place_state(c, tree["state"][f"chunk{c}"]) for c in self.chunks}
         return int(step)
 
     def params_numpy(self) -> dict:
@@ -165,66 +185,89 @@ class StageWorker:
             self._batch_step = step
         return self._mbs[mb]
 
-    def _task(self, kind: str, step: int, mb: int, received: tuple) -> dict:
+    def run(self, kind: str, chunk: int, step: int, mb: int, *produced: dict) -> dict:
+        """Task ``kind`` ("fwd", "bwd" or "wgrad") of ``chunk`` (this stage, or one of its chunks: ``info()
+        ["chunks"]``) on microbatch ``mb`` of step ``step``; ``produced``: the exports of the tasks it reads from
+        (``info()["tasks"]``, their refs resolved by Ray). Returns ``{name: numpy}`` of what it sends."""
         import jax
         import numpy as np
 
+        sm, c = self.staged, int(chunk)
+        if c not in self.states:
+            raise ValueError(f"stage {self.stage}'s actor runs chunks {self.chunks}, not {c}.")
         t0 = time.perf_counter()
         pool = {}
-        for d in received:
+        for d in produced:
             pool.update(d)
-        res = self.staged.run_task(self.stage, kind, self.state, pool, self._microbatch(step, mb),
-                                   self._stash.pop(mb) if kind == "bwd" else None)
-        if kind == "fwd":
-            self._stash[mb] = res.stash
-        self._acc[kind] = self.staged.accumulate(self.stage, self._acc.get(kind), res.acc)
-        jax.block_until_ready(self._acc[kind])
+        sources = [e for e in sm.kinds if kind in sm.stash_readers(c, e)]
+        kept = {}
+        for e in sources:  # the stashes of this chunk's earlier tasks it reads, each dropped after its last reader
+            kept.update(self._stash[(c, e, mb)])
+            self._left[(c, e, mb)] -= 1
+            if not self._left[(c, e, mb)]:
+                del self._stash[(c, e, mb)], self._left[(c, e, mb)]
+        res = sm.run_task(c, kind, self.states[c], pool, self._microbatch(step, mb), kept if sources else None)
+        if sm.stash_readers(c, kind):
+            self._stash[(c, kind, mb)] = res.stash
+            self._left[(c, kind, mb)] = len(sm.stash_readers(c, kind))
+        self._acc[(c, kind)] = sm.accumulate(c, self._acc.get((c, kind)), res.acc)
+        jax.block_until_ready(self._acc[(c, kind)])
         out = {n: np.asarray(v) for n, v in res.exports.items()}  # np.asarray waits for the result
-        self._times[kind].append(time.perf_counter() - t0)
+        self._times.setdefault(kind, []).append(time.perf_counter() - t0)
         return out
 
     def forward(self, step: int, mb: int, *produced: dict) -> dict:
         """Stage forward on microbatch ``mb`` of step ``step``; ``produced``: the exports of the tasks it reads from
         (``info()["fwd_from"]``, their refs resolved by Ray). Returns ``{name: numpy}`` of what it sends."""
-        return self._task("fwd", step, mb, produced)
+        return self.run("fwd", self.chunks[0], step, mb, *produced)
 
     def backward(self, step: int, mb: int, *produced: dict) -> dict:
         """Stage backward on microbatch ``mb``; ``produced``: the exports of the tasks it reads from
         (``info()["bwd_from"]``: later stages' backwards, other stages' forwards). Returns what it sends."""
-        return self._task("bwd", step, mb, produced)
+        return self.run("bwd", self.chunks[0], step, mb, *produced)
 
     def finish_step(self, step: int, *produced: dict) -> dict:
         """This stage's part of the step's update, on the gradients summed over the microbatches; ``produced``: the
-        exports of every microbatch of the tasks in ``info()["update_from"]`` (what this update reads from other
-        stages, such as a gradient another stage finished, or all of them for clipping by global norm). Returns its
-        measured times for the step: ``fwd_s``/``bwd_s`` (mean per microbatch), ``update_s`` and ``busy_s``
-        (everything this stage computed), and ``loss`` when this stage holds the step's loss."""
+        exports of every microbatch of the tasks in ``info()["updates"]``, chunk by chunk in order (what each
+        chunk's update reads from other stages, such as a gradient another stage finished, or all of them for
+        clipping by global norm). Returns its measured times for the step: ``fwd_s``/``bwd_s`` (per microbatch;
+        a ZB-H1 backward is B and W, ``wgrad_s`` the W part), ``update_s`` and ``busy_s`` (everything this stage
+        computed), and ``loss`` when this stage holds the step's loss."""
         import jax
         import numpy as np
 
         t0 = time.perf_counter()
         if not self._acc:
             raise RuntimeError(f"stage {self.stage} finished step {step} without a forward or backward pass.")
-        acc = {**self._acc.get("fwd", {}), **self._acc.get("bwd", {})}
-        need = dict(self.staged.update_inputs(self.stage))
-        received: dict = {}
-        for d in produced:  # in microbatch order: summed as the local runner sums them
-            for n, v in d.items():
-                if n not in need:
-                    continue
-                summed = self.staged.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
-                received[n] = received[n] + v if summed and n in received else v
-        self.state, outputs = self.staged.update(self.stage, self.state, acc, received)
-        jax.block_until_ready(self.state)
+        sm, B = self.staged, self.staged.microbatches
+        rest = list(produced)
+        outputs: dict = {}
+        for c in self.chunks:
+            acc = {key: val for kind in sm.kinds for key, val in self._acc.get((c, kind), {}).items()}
+            need = dict(sm.update_inputs(c))
+            mine, rest = rest[:len(sm.update_sources(c)) * B], rest[len(sm.update_sources(c)) * B:]
+            received: dict = {}
+            for d in mine:  # in microbatch order: summed as the local runner sums them
+                for n, v in d.items():
+                    if n not in need:
+                        continue
+                    summed = sm.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
+                    received[n] = received[n] + v if summed and n in received else v
+            self.states[c], outs = sm.update(c, self.states[c], acc, received)
+            outputs.update(outs)
+        jax.block_until_ready(self.states)
         self._acc = {}
         self._stash.clear()
+        self._left.clear()
         upd = time.perf_counter() - t0
-        fwd, bwd = self._times["fwd"], self._times["bwd"]
-        out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / max(len(fwd), 1),
-               "bwd_s": sum(bwd) / max(len(bwd), 1), "update_s": upd, "busy_s": sum(fwd) + sum(bwd) + upd}
-        if self.staged.loss_output in outputs:
-            out["loss"] = float(outputs[self.staged.loss_output])
-        self._times = {"fwd": [], "bwd": [], "update": []}
+        fwd, bwd, wgt = (self._times.get(kind, []) for kind in ("fwd", "bwd", "wgrad"))
+        out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / B, "bwd_s": (sum(bwd) + sum(wgt)) / B,
+               "update_s": upd, "busy_s": sum(fwd) + sum(bwd) + sum(wgt) + upd}
+        if wgt:
+            out["wgrad_s"] = sum(wgt) / B
+        if sm.loss_output in outputs:
+            out["loss"] = float(outputs[sm.loss_output])
+        self._times = {}
         return out
 
 

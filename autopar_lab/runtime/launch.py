@@ -65,7 +65,7 @@ def _has_token() -> bool:
         return False
 
 
-def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None = None, attempts: int = 2,
+def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None = None, attempts: int = 3,
                     timeout_s: float | None = None):
     """The embedded Ray (started once per process), or the Ray this process is already connected to; the ``ray``
     module, connected.

@@ -5,11 +5,13 @@
 - **pipeline** (any plan with several stages, or one stage with several microbatches): the model's own training step
   is cut into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), whatever made the plan's
   layers, each stage's pieces jitted on a mesh of its own devices. One step splits the batch into microbatches and
-  drives every stage's task list in the plan's schedule order (:func:`autopar_lab.simulate.stage_order`, GPipe or
-  1F1B) from one thread: a task runs as soon as what it needs is there (activations of earlier stages for a
-  forward, gradients of later stages for a backward), values move between stage meshes with ``jax.device_put``, a
-  forward keeps what its backward reads (no recomputation, unless the plan rematerialises the stage), gradients are
-  summed over microbatches, and then each stage runs the step's own update for its parameters.
+  drives every stage's task list in the plan's schedule order (:func:`autopar_lab.simulate.task_order`: GPipe,
+  1F1B, interleaved or ZB-H1) from one thread: a task runs as soon as what it needs is there (activations of
+  earlier stages for a forward, gradients of later stages for a backward), values move between stage meshes with
+  ``jax.device_put``, a forward keeps what its backward reads (no recomputation, unless the plan rematerialises the
+  stage), gradients are summed over microbatches, and then each stage runs the step's own update for its
+  parameters. An interleaved plan runs each of its chunks as a stage of its own on its plan stage's devices; a
+  ZB-H1 plan runs each backward as two tasks, B and then, where the schedule puts it, the weight gradients W.
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
@@ -35,7 +37,7 @@ from typing import Any, Sequence
 import jax
 
 from .. import checks
-from ..simulate import ScheduleStuck, issue_order, stage_order
+from ..simulate import ScheduleStuck, issue_order, task_order
 from .partition import StagedModel, _mesh, batch_of, check_plan_matches, move, split_stages, stage_device_blocks
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
@@ -61,8 +63,10 @@ class Runner:
         self.timing = bool(timing)
         self.losses: list[float] = []
         self.step_times: list[float] = []
-        self.last_tasks: tuple = ()  # (stage, "fwd"|"bwd", microbatch) in the order the last step ran them
-        self._task_times: list[dict] = []  # per step: {(stage, kind): [seconds per task]}
+        # (stage, kind, microbatch) in the order the last step ran them; for an interleaved plan the stage is the
+        # chunk (virtual stage), for ZB-H1 a kind may be "wgrad"
+        self.last_tasks: tuple = ()
+        self._task_times: list[dict] = []  # per step: {(stage or chunk, kind): [seconds per task]}
         single = len(plan.stages) == 1 and int(plan.microbatches) == 1
         if mode not in ("auto", "pipeline", "spmd"):
             raise ValueError(f"mode must be 'auto', 'pipeline' or 'spmd', got {mode!r}.")
@@ -139,36 +143,44 @@ class Runner:
         sm, plan = self.staged, self.plan
         S, B = sm.num_stages, sm.microbatches
         mbs = sm.split_batch(batch, B)
-        orders = [stage_order(k, S, B, plan.schedule) for k in range(S)]
-        tasks = [(k, kind) for k in range(S) for kind in ("fwd", "bwd")]
+        P, v = len(plan.stages), plan.virtual_stages
+        orders = [task_order(d, P, B, plan.schedule, virtual_stages=v) for d in range(P)]  # chunks c of stage c % P
+        tasks = [(k, kind) for k in range(S) for kind in sm.kinds]
         readers = {t: sum(t in sm.sources(*r) for r in tasks) for t in tasks}
+        stash_from = {(k, kind): [e for e in sm.kinds if kind in sm.stash_readers(k, e)] for k, kind in tasks}
         exports: dict[tuple, dict] = {}  # (stage, kind, mb) -> what the task sent to other stages
-        left: dict[tuple, int] = {}  # how many readers of those exports have not run yet
-        stash: dict[tuple[int, int], dict] = {}  # (stage, mb) -> what its forward keeps for its backward
+        left: dict[tuple, int] = {}  # how many readers of those exports (or that stash) have not run yet
+        stash: dict[tuple, dict] = {}  # (stage, kind, mb) -> what the task keeps for its stage's later tasks
         acc: dict[tuple[int, str], Any] = {}  # (stage, kind) -> values the update reads, summed over microbatches
         times: dict = {}
         done: list[tuple[int, str, int]] = []
 
-        def ready(k, kind, j):
-            if kind == "bwd" and (k, j) not in stash:
+        def ready(_d, kind, k, j):
+            if any((k, e, j) not in stash for e in stash_from[(k, kind)]):
                 return False
             return all((s, kd, j) in exports for s, kd in sm.sources(k, kind))
 
         t_step = time.perf_counter()
         try:
-            for k, kind, j in issue_order(orders, ready):
+            for _d, kind, k, j in issue_order(orders, ready):
                 received = {}
                 for s, kd in sm.sources(k, kind):
                     received.update(exports[(s, kd, j)])
+                kept = {}
+                for e in stash_from[(k, kind)]:  # the stashes this task reads; each freed after its last reader
+                    kept.update(stash[(k, e, j)])
+                    left[("stash", k, e, j)] -= 1
+                    if not left[("stash", k, e, j)]:
+                        del stash[(k, e, j)]
                 t0 = time.perf_counter()
-                res = sm.run_task(k, kind, self._state[k], received, mbs[j],
-                                  stash.pop((k, j)) if kind == "bwd" else None)
+                res = sm.run_task(k, kind, self._state[k], received, mbs[j], kept if stash_from[(k, kind)] else None)
                 acc[(k, kind)] = sm.accumulate(k, acc.get((k, kind)), res.acc)
                 if self.timing:
                     _block((res.exports, res.stash, acc[(k, kind)]))
                 times.setdefault((k, kind), []).append(time.perf_counter() - t0)
-                if kind == "fwd":
-                    stash[(k, j)] = res.stash
+                if sm.stash_readers(k, kind):
+                    stash[(k, kind, j)] = res.stash
+                    left[("stash", k, kind, j)] = len(sm.stash_readers(k, kind))
                 if readers[(k, kind)]:
                     exports[(k, kind, j)] = res.exports
                     left[(k, kind, j)] = readers[(k, kind)]
@@ -181,7 +193,7 @@ class Runner:
             raise RuntimeError("the pipeline driver is stuck (a stage waits for a value nobody produces); this "
                                "is a bug in the stage split.") from None
         new_state, outputs = [], {}
-        acc = [{**acc.get((k, "fwd"), {}), **acc.get((k, "bwd"), {})} for k in range(S)]
+        acc = [{key: val for kind in sm.kinds for key, val in acc.get((k, kind), {}).items()} for k in range(S)]
         for k in range(S):  # every stage's update reads the state as it was before any update
             received = {name: acc[src].get(name, self._state[src].get(name)) for name, src in sm.update_inputs(k)}
             st, outs = sm.update(k, self._state[k], acc[k], received)
@@ -232,7 +244,8 @@ class Runner:
 
     @property
     def stage_params(self) -> list:
-        """Each stage's step inputs (flat dicts keyed by path, ``"args[0]['wte']"``); one full pytree in spmd mode."""
+        """Each stage's step inputs (flat dicts keyed by path, ``"args[0]['wte']"``; per chunk for an interleaved plan,
+        chunk ``c`` on plan stage ``c % p``); one full pytree in spmd mode."""
         return [self.params] if self.mode == "spmd" else list(self._state)
 
     def measured_step_s(self) -> float | None:
@@ -242,17 +255,26 @@ class Runner:
 
     def stage_times(self) -> list[dict]:
         """Per stage: the plan's predicted forward / backward seconds per microbatch, and the measured ones (median
-        over steps after the first of each step's mean per microbatch; None in spmd mode, with ``timing=False``, or
-        before two steps)."""
+        over steps after the first of each step's time per microbatch; None in spmd mode, with ``timing=False``, or
+        before two steps). An interleaved stage's figures add up its chunks; a ZB-H1 backward is B and W together
+        (``*_wgrad_s``: the W part)."""
         rows = []
         later = self._task_times[1:]
+        B = int(self.plan.microbatches)
         for k, st in enumerate(self.plan.stages):
             row = {"stage": k, "predicted_fwd_s": st.fwd_s, "predicted_bwd_s": st.bwd_s,
                    "measured_fwd_s": None, "measured_bwd_s": None}
+            if st.wgrad_s:
+                row.update(predicted_wgrad_s=st.wgrad_s, measured_wgrad_s=None)
             if self.mode == "pipeline" and later and self.timing:
-                for kind in ("fwd", "bwd"):
-                    per_step = [statistics.fmean(t[(k, kind)]) for t in later if t.get((k, kind))]
-                    row[f"measured_{kind}_s"] = statistics.median(per_step) if per_step else None
+                mine = [c for c, d in enumerate(self.staged.device_stage) if d == k]
+                groups = {"fwd": ("fwd",), "bwd": ("bwd", "wgrad"), "wgrad": ("wgrad",)}
+                for name, kinds in groups.items():
+                    if name == "wgrad" and not st.wgrad_s:
+                        continue
+                    per_step = [sum(sum(t.get((c, kd), ())) for c in mine for kd in kinds) / B for t in later
+                                if any(t.get((c, kd)) for c in mine for kd in kinds)]
+                    row[f"measured_{name}_s"] = statistics.median(per_step) if per_step else None
             rows.append(row)
         return rows
 
@@ -261,7 +283,7 @@ class Runner:
         measured = self.measured_step_s()
         predicted = self.plan.cost.step_time_s
         if self.mode == "pipeline":
-            devices = [[str(d) for d in self.staged.mesh(k).devices.flat] for k in range(self.staged.num_stages)]
+            devices = [[str(d) for d in self.staged.mesh(k).devices.flat] for k in range(len(self.plan.stages))]
         else:
             devices = [[str(d) for d in self.mesh.devices.flat]]
         return {
@@ -271,6 +293,7 @@ class Runner:
             "num_stages": len(self.plan.stages),
             "microbatches": int(self.plan.microbatches),
             "schedule": self.plan.schedule,
+            "virtual_stages": self.plan.virtual_stages,
             "logical_meshes": [list(st.logical_mesh) for st in self.plan.stages],
             "devices": devices,
             "steps": len(self.losses),

@@ -31,8 +31,19 @@ way. Batch leaves are split along their leading axis into the plan's microbatche
 Tasks: ``(stage, "fwd")`` and ``(stage, "bwd")`` per microbatch, then ``update`` per stage. :meth:`StagedModel.sources`
 says which tasks of the same microbatch a task reads from; values that cross stages are *exports* (named
 ``"args[0]['wte']"`` for a step input, ``"%123"`` for the value of tensor 123); what a stage keeps for itself stays
-in its stash and accumulators. The local runner (:mod:`.local`) and the Ray driver (:mod:`.train_entry`) both walk
-these tasks in the plan's schedule order.
+in its stash (read by its later tasks of the same microbatch) and accumulators. The local runner (:mod:`.local`)
+and the Ray driver (:mod:`.train_entry`) both walk these tasks in the plan's schedule order.
+
+The schedules (:mod:`autopar_lab.schedules`) change the tasks two ways:
+
+- **interleaved**: the "stages" here are the plan's *virtual* stages, its model chunks in order (chunk ``c`` is
+  the ``c // p``-th chunk of plan stage ``c % p`` and runs on that stage's devices and mesh):
+  :attr:`StagedModel.num_stages` counts chunks and :attr:`StagedModel.device_stage` names each one's plan stage.
+  Values between two chunks of one plan stage stay on its devices.
+- **zb-h1**: each stage's backward is two tasks, ``"bwd"`` (the input gradients B: the operators of
+  :func:`~autopar_lab.pricing.wgrad.input_grad_ops`, everything they need, and everything another stage reads) and
+  ``"wgrad"`` (the rest: the weight gradients W), which reads the values it needs from the stashes of the stage's
+  forward and B; :attr:`StagedModel.kinds` lists the task kinds.
 
 Example (2 stages of gpt-tiny on 8 CPU devices):
     >>> import autopar_lab as al                                                    # doctest: +SKIP
@@ -45,6 +56,7 @@ Example (2 stages of gpt-tiny on 8 CPU devices):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -56,10 +68,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..graph.capture import capture_program
 from ..graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, OUTPUT_PRIMITIVE, PARAM, UPDATE
+from ..pricing.wgrad import input_grad_ops, upstream
 from ..sharding.spec import DEFAULT_AXIS_NAMES, ShardingSpec
 
 __all__ = ["StagedModel", "TaskResult", "split_stages", "check_plan_matches", "stage_device_blocks", "move",
-           "batch_of", "LOSS"]
+           "batch_of", "virtual_plan", "LOSS"]
 
 LOSS = "loss"
 _PSEUDO = frozenset([INPUT_PRIMITIVE, OUTPUT_PRIMITIVE])
@@ -133,6 +146,17 @@ def stage_device_blocks(plan, devices=None) -> list[list]:
         out.append(devs[o:o + n])
         o += n
     return out
+
+
+def virtual_plan(plan):
+    """``plan`` with one stage per virtual stage: an interleaved plan's chunks in order, chunk ``c`` on the submesh,
+    logical mesh, remat and strategies of plan stage ``c % p``; any other plan as it is."""
+    v, p = int(getattr(plan, "virtual_stages", 1)), len(plan.stages)
+    if v <= 1:
+        return plan
+    stages = tuple(dataclasses.replace(plan.stages[c % p], layers=tuple(plan.stages[c % p].chunks[c // p]), chunks=())
+                   for c in range(p * v))
+    return dataclasses.replace(plan, stages=stages, virtual_stages=1)
 
 
 def _mesh(block, shape) -> Mesh:
@@ -255,10 +279,17 @@ class StagedModel:
         del optimizer  # the optimizer is part of the step's own program: nothing to be told
         self.compiler_options = dict(compiler_options) if compiler_options else None
         self.model = model
-        self.plan = plan
+        self.schedule = plan.schedule
+        P = len(plan.stages)
+        self.plan = plan = virtual_plan(plan)  # an interleaved plan's chunks are the stages here
         self.num_stages = S = len(plan.stages)
+        #: the plan stage (devices) each stage here runs on: itself, or for a chunk its plan stage
+        self.device_stage = tuple(c % P for c in range(S))
+        #: the task kinds per stage and microbatch, in the order one microbatch runs them
+        self.kinds = ("fwd", "bwd", "wgrad") if self.schedule == "zb-h1" else ("fwd", "bwd")
         self.microbatches = M = int(plan.microbatches)
-        self._blocks = stage_device_blocks(plan, devices)
+        physical = stage_device_blocks(dataclasses.replace(plan, stages=plan.stages[:P]), devices)
+        self._blocks = [physical[d] for d in self.device_stage]
         self._meshes: dict = {}
         self._compiled: dict = {}
         self._init_cache: dict = {}
@@ -374,7 +405,7 @@ class StagedModel:
             if users:
                 self.owner[t] = min(users)
         tasks = {(k, kd): _Task([i for i in range(len(g)) if kind[i] == kd and stage[i] == k])
-                 for k in range(S) for kd in ("fwd", "bwd")}
+                 for k in range(S) for kd in self.kinds}
         self._remat = [bool(st.remat) for st in self.plan.stages]
         for k in range(S):
             if self._remat[k]:  # the backward recomputes what it reads of its stage's forward
@@ -386,6 +417,13 @@ class StagedModel:
                         need.add(p)
                         todo.extend(g.op(p).inputs)
                 tasks[(k, "bwd")].ops = sorted(need | set(tasks[(k, "bwd")].ops))
+        if "wgrad" in self.kinds:
+            self._split_backward(tasks, S)
+        home = {i: key for key, task in tasks.items() for i in task.ops if kind[i] == key[1]}
+        for key, task in tasks.items():  # a recomputed forward operator also lives in its stage's backward
+            for i in task.ops:
+                home.setdefault(i, key)
+        order = {kd: n for n, kd in enumerate(self.kinds)}
         consts = self._prog.consts
         for (k, kd), task in tasks.items():
             inside = {t for i in task.ops for t in g.op(i).outputs}
@@ -406,8 +444,10 @@ class StagedModel:
                         tasks[(o, "fwd")].exports.add(t)
                 else:
                     p = producer[t]
-                    src = (stage[p], kind[p])
-                    if src == (k, "fwd") and kd == "bwd":
+                    # the latest earlier task of this stage that made it (a W task reads what its B recomputed)
+                    mine = [e for e in self.kinds[:order[kd]] if p in tasks[(k, e)].ops]
+                    src = (k, mine[-1]) if mine else home[p]
+                    if src[0] == k and order[src[1]] < order[kd]:
                         task.stash_in.append(t)
                         tasks[src].stash_out.add(t)
                     else:
@@ -429,7 +469,7 @@ class StagedModel:
                                      "splits the batch into microbatches, so only the forward and backward may read "
                                      "it.")
                 if p is not None and kind[p] in ("fwd", "bwd"):
-                    tasks[(stage[p], kind[p])].acc_out.add(t)
+                    tasks[home[p]].acc_out.add(t)
         for task in tasks.values():
             for t in task.exports | task.acc_out | task.stash_out:
                 self._names.setdefault(t, f"%{t}")
@@ -437,6 +477,22 @@ class StagedModel:
                 self._names.setdefault(t, f"%{t}")
         self._tasks = tasks
         self._var_of = {name: t for t, name in self._names.items()}
+
+    def _split_backward(self, tasks, S):
+        """ZB-H1: each stage's backward task keeps B (the input-gradient operators, what they need, what another
+        stage's task reads, and a rematerialised forward) and gives the rest, W, to its "wgrad" task."""
+        g, kind, stage = self._g, self._kind, self._stage
+        consumers = g.consumers
+        b_ops = input_grad_ops(self.plan.graph)  # the plan's graph: the same operators, with the plan's layers
+        for k in range(S):
+            ops = tasks[(k, "bwd")].ops
+            inside = set(ops)
+            seeds = [i for i in ops if i in b_ops or kind[i] != "bwd" or any(
+                c not in inside and kind[c] in ("fwd", "bwd") and stage[c] != k
+                for t in g.op(i).outputs for c in consumers.get(t, ()))]
+            keep = upstream(g, seeds, inside.__contains__)
+            tasks[(k, "bwd")].ops = [i for i in ops if i in keep]
+            tasks[(k, "wgrad")].ops = [i for i in ops if i not in keep]
 
     def _plan_update(self, S):
         """Which update operators each stage runs (those its own outputs need), which step inputs it holds."""
@@ -547,9 +603,15 @@ class StagedModel:
         return int(k)
 
     def _task(self, k, kind) -> _Task:
-        if kind not in ("fwd", "bwd"):
-            raise ValueError(f"a task is 'fwd' or 'bwd', got {kind!r}.")
+        if kind not in self.kinds:
+            raise ValueError(f"a task is one of {', '.join(map(repr, self.kinds))} for this plan, got {kind!r}.")
         return self._tasks[(self._check(k), kind)]
+
+    def stash_readers(self, k: int, kind: str) -> tuple[str, ...]:
+        """The kinds of stage k's later tasks (same microbatch) that read the stash task ``(k, kind)`` keeps: it is
+        held until the last of them has run."""
+        mine = self._task(k, kind).stash_out
+        return tuple(kd for kd in self.kinds if set(self._tasks[(k, kd)].stash_in) & mine)
 
     def sources(self, k: int, kind: str) -> list[tuple[int, str]]:
         """The tasks of the same microbatch that task ``(k, kind)`` receives values from (other stages only)."""
@@ -593,13 +655,13 @@ class StagedModel:
 
     def mesh(self, k: int) -> Mesh:
         """Stage k's ``jax.sharding.Mesh`` (axes ("x", "y") = the plan's logical mesh) over its device block."""
-        self._check(k)
-        if k not in self._meshes:
+        d = self.device_stage[self._check(k)]  # the chunks of one plan stage share its mesh (values stay put)
+        if d not in self._meshes:
             block = self._blocks[k]
             if block is None:
                 raise ValueError(f"this process was given no devices for stage {k}.")
-            self._meshes[k] = _mesh(block, self.plan.stages[k].logical_mesh)
-        return self._meshes[k]
+            self._meshes[d] = _mesh(block, self.plan.stages[k].logical_mesh)
+        return self._meshes[d]
 
     # --- shardings --------------------------------------------------------------------------------------------
     def _specs(self, k):
@@ -733,8 +795,11 @@ class StagedModel:
 
         ``state``: stage k's step inputs (:meth:`init_state`); ``received``: the exports of the tasks in
         :meth:`sources` (a dict by name; extra names are ignored; values may live on any device, they are moved
-        here); ``stash``: the forward's stash of the same microbatch (a backward task only)."""
+        here); ``stash``: the stashes of stage k's earlier tasks of the same microbatch that this one reads (a backward
+        task: its forward's; a "wgrad" task: its forward's and backward's, merged)."""
         task = self._task(k, kind)
+        if not task.ops:  # nothing to run (a first stage's B under ZB-H1 may have no input gradient to make)
+            return TaskResult({}, {}, {})
         fn, ins, exports, stash_out, acc = self._task_fn(k, kind)
         vals = [state[self._names[t]] for t in task.state_in]
         for t in task.recv:
@@ -745,7 +810,8 @@ class StagedModel:
             vals.append(move(received[name], self._sharding_of(k, t)))
         if task.stash_in:
             if stash is None:
-                raise ValueError(f"the backward of stage {k} needs its forward's stash of the same microbatch.")
+                raise ValueError(f"task ({k}, {kind!r}) needs the stash of its stage's earlier tasks of the same "
+                                 "microbatch.")
             vals += [stash[t] for t in task.stash_in]
         leaf_index = {t: j for j, t in enumerate(self._batch_tids)}
         vals += [move(batch_mb[leaf_index[t]], self._batch_sharding(k, t)) for t in task.batch_in]
@@ -852,11 +918,11 @@ class StagedModel:
         for k, st in enumerate(self.plan.stages):
             out.append({"stage": k, "layers": [self.plan.layer_names[st.layers[0]],
                                                self.plan.layer_names[st.layers[1]]],
-                        "num_ops": {kd: len(self._tasks[(k, kd)].ops) for kd in ("fwd", "bwd")}
+                        "num_ops": {kd: len(self._tasks[(k, kd)].ops) for kd in self.kinds}
                         | {"update": len(self._update[k]["ops"])},
-                        "holds": len(self._held[k]), "remat": self._remat[k],
-                        "receives": {kd: list(self.inputs(k, kd)) for kd in ("fwd", "bwd")},
-                        "sends": {kd: list(self.exports(k, kd)) for kd in ("fwd", "bwd")},
+                        "holds": len(self._held[k]), "remat": self._remat[k], "device_stage": self.device_stage[k],
+                        "receives": {kd: list(self.inputs(k, kd)) for kd in self.kinds},
+                        "sends": {kd: list(self.exports(k, kd)) for kd in self.kinds},
                         "devices": [str(d) for d in self._blocks[k]] if self._blocks[k] is not None else None})
         return out
 
@@ -866,7 +932,9 @@ def _cache_key(model, plan, devices, compiler_options):
     dev = None if devices is None else tuple(str(d) for d in jax.tree_util.tree_leaves(
         [list(d) if isinstance(d, (list, tuple)) else d for d in devices], is_leaf=lambda x: x is None))
     opts = tuple(sorted((compiler_options or {}).items()))
-    return (id(model), id(plan.graph), plan.layer_names, stages, int(plan.microbatches), dev, opts)
+    # the schedule changes the tasks only through the W split and the chunks
+    split = (plan.schedule == "zb-h1", int(getattr(plan, "virtual_stages", 1)))
+    return (id(model), id(plan.graph), plan.layer_names, stages, int(plan.microbatches), dev, opts, split)
 
 
 _CACHE: dict = {}

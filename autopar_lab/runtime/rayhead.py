@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     with open(os.path.join(head_dir, "ray.pgid"), "w") as f:
         f.write(str(child.pid))
     stopping = threading.Event()
+    exited_alone = threading.Event()
 
     def stop(*_):
         if stopping.is_set():
@@ -213,6 +214,10 @@ def main(argv=None) -> int:
         # An owner that asked for the stop cleans its own folder, unless it died meanwhile (a kernel killed right
         # after its clean-up began): then nobody else will, and the token must not outlive it.
         folder = head_dir if b"stop" in b"".join(heard) and _alive(owner) else owner_dir
+        if exited_alone.is_set() and _alive(owner):
+            # `ray start` failed by itself: Ray's files go, the log stays for the owner's error message (the owner
+            # removes the head's folder when it has read it).
+            folder = os.path.join(head_dir, "ray")
         for _ in range(10):  # a dying process may still write a log line into it: try again
             shutil.rmtree(folder, ignore_errors=True)
             if not os.path.exists(folder):
@@ -239,7 +244,7 @@ def main(argv=None) -> int:
     code = child.wait()
     if not stopping.is_set():
         print(f"autopar-lab: `ray start` exited with status {code}", flush=True)
-        heard.append(b"stop")  # the owner lives on: only the head's own folder goes
+        exited_alone.set()
         stop()
     while True:  # the watching thread is stopping the head: it ends this process (os._exit) when the folder is gone
         time.sleep(60)

@@ -10,9 +10,10 @@ One driver for both ways a job runs:
 
 A *job spec* is JSON (:func:`job_spec`): the model by zoo name and config, the plan as its planfile object, steps,
 seed, checkpointing, and the plan's predicted per-stage times. Each step the driver submits every stage's tasks in
-that stage's order (:func:`autopar_lab.simulate.stage_order`, 1F1B or GPipe): a forward takes the refs of the
-forward outputs it reads, a backward the refs of its consumers' input gradients, so Ray moves the values from actor
-to actor and each actor runs its tasks in the order they were submitted. When a stage actor dies, the driver kills
+that stage's order (:func:`autopar_lab.simulate.task_order`: GPipe, 1F1B, interleaved over the stage's chunks, or
+ZB-H1 with its weight-gradient tasks): a forward takes the refs of the forward outputs it reads, a backward the refs
+of its consumers' input gradients, so Ray moves the values from actor to actor and each actor runs its tasks in the
+order they were submitted. When a stage actor dies, the driver kills
 the others, starts new ones from the last complete checkpoint and runs again from there.
 
     >>> spec = job_spec(plan, model, steps=4, checkpoint_dir="/tmp/ck", checkpoint_every=2)   # doctest: +SKIP
@@ -141,44 +142,49 @@ def check_resources(ray, job: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------- driver
 
 class _Routes:
-    """Which tasks of the same microbatch each stage's forward and backward read from (``info()["fwd_from"]`` and
-    ``["bwd_from"]`` of the stage actors), which tasks' every microbatch its update reads (``["update_from"]``),
-    and, per stage, the stages its forward reads from (``producers``) and those whose backward its backward waits
-    for (``consumers``)."""
+    """Which tasks of the same microbatch each task of the split reads from (``info()["tasks"]`` of the stage
+    actors; a task is ``(chunk, kind)``, the chunk being the stage itself unless the plan is interleaved), which
+    tasks' every microbatch each chunk's update reads (``["updates"]``), which chunks each actor runs
+    (``chunks``), and, per chunk, the chunks its forward reads from (``producers``) and those whose backward its
+    backward waits for (``consumers``)."""
 
     def __init__(self, infos: list[dict]):
-        self.sources = {}
-        for k, info in enumerate(infos):
-            for kind in ("fwd", "bwd"):
-                self.sources[(k, kind)] = [(int(s), str(kd)) for s, kd in info[f"{kind}_from"]]
-        self.update_from = [[(int(s), str(kd)) for s, kd in info.get("update_from", [])] for info in infos]
-        S = len(infos)
-        self.producers = [sorted({s for s, _ in self.sources[(k, "fwd")]}) for k in range(S)]
-        self.consumers = [sorted({s for s, kd in self.sources[(k, "bwd")] if kd == "bwd"}) for k in range(S)]
-        for k in range(S):
+        self.sources: dict = {}
+        self.chunks = [[int(c) for c in info.get("chunks", [k])] for k, info in enumerate(infos)]
+        C = sum(len(ch) for ch in self.chunks)
+        self.update_from: list[list] = [[] for _ in range(C)]
+        for info in infos:
+            for c, kind, srcs in info["tasks"]:
+                self.sources[(int(c), str(kind))] = [(int(s), str(kd)) for s, kd in srcs]
+            for c, srcs in info["updates"]:
+                self.update_from[int(c)] = [(int(s), str(kd)) for s, kd in srcs]
+        self.producers = [sorted({s for s, _ in self.sources[(k, "fwd")]}) for k in range(C)]
+        self.consumers = [sorted({s for s, kd in self.sources[(k, "bwd")] if kd == "bwd"}) for k in range(C)]
+        for k in range(C):
             if any(s >= k for s in self.producers[k]) or any(kd != "fwd" for _, kd in self.sources[(k, "fwd")]):
                 raise JobFailed(f"stage {k}'s forward reads {self.sources[(k, 'fwd')]}; values must flow forward.")
 
 
-def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str):
+def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str, virtual_stages: int = 1):
     """Submit one step's tasks in the schedule's order; the refs of every stage's ``finish_step`` (its measured
     times, and the step's loss from the stage that holds it)."""
-    from ..simulate import ScheduleStuck, issue_order, stage_order
+    from ..simulate import ScheduleStuck, issue_order, task_order
 
-    orders = [stage_order(k, S, B, schedule) for k in range(S)]
+    orders = [task_order(d, S, B, schedule, virtual_stages=virtual_stages) for d in range(S)]
     refs = {}
 
-    def ready(k, kind, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
-        return all((s, kd, j) in refs for s, kd in routes.sources[(k, kind)])
+    def ready(_d, kind, c, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
+        return all((s, kd, j) in refs for s, kd in routes.sources[(c, kind)])
 
     try:
-        for k, kind, j in issue_order(orders, ready):
-            method = actors[k].forward if kind == "fwd" else actors[k].backward
-            refs[(k, kind, j)] = method.remote(step, j, *[refs[(s, kd, j)] for s, kd in routes.sources[(k, kind)]])
+        for d, kind, c, j in issue_order(orders, ready):
+            refs[(c, kind, j)] = actors[d].run.remote(kind, c, step, j,
+                                                      *[refs[(s, kd, j)] for s, kd in routes.sources[(c, kind)]])
     except ScheduleStuck:
         raise JobFailed("the schedule is stuck (a stage waits for a value no stage produces).") from None
-    return [a.finish_step.remote(step, *[refs[(s, kd, j)] for s, kd in routes.update_from[k] for j in range(B)])
-            for k, a in enumerate(actors)]
+    return [a.finish_step.remote(step, *[refs[(s, kd, j)] for c in routes.chunks[d] for s, kd in routes.update_from[c]
+                                         for j in range(B)])
+            for d, a in enumerate(actors)]
 
 
 def step_loss(rows: list[dict]) -> float:
@@ -272,6 +278,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     channel = channel or ProgressChannel()
     stages = job["plan"]["stages"]
     S, B, schedule = len(stages), int(job["plan"]["microbatches"]), job["plan"]["schedule"]
+    virtual = int(job["plan"].get("virtual_stages", 1))
     steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
     check_resources(ray, job)
     t_start = time.perf_counter()
@@ -310,7 +317,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                         on_actors(list(actors.handles))
                     routes = _Routes(actors.infos)
                 t0 = time.perf_counter()
-                rows = ray.get(_submit_step(actors.handles, routes, step, S, B, schedule))
+                rows = ray.get(_submit_step(actors.handles, routes, step, S, B, schedule, virtual))
             except ray.exceptions.RayError as e:
                 if actors is None or not (_is_actor_death(ray, e) or _dead(ray, actors.handles)):
                     raise JobFailed(f"step {step + 1} failed: {_short(e)}") from None

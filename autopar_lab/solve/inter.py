@@ -55,12 +55,15 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from . import dpbounds
+
 __all__ = [
     "StageCandidate",
+    "CandidateBlock",
     "StageConstraints",
     "InterResult",
     "NoFeasiblePlanError",
@@ -107,6 +110,52 @@ class StageCandidate:
     def mem_bytes(self, held: int) -> float:
         """Per-device memory when the stage holds ``held`` microbatches at once."""
         return self.static_bytes + held * self.act_bytes
+
+
+@dataclass(frozen=True)
+class CandidateBlock:
+    """Every candidate of one submesh shape at once, as arrays over (option k, start layer a, end layer b).
+
+    ``fwd_s``, ``bwd_s``, ``static_bytes``, ``act_bytes``: float arrays of shape (K, L, L) with the fields of
+    :class:`StageCandidate`; ``usable[k, a, b]``: option k is a candidate for layers a..b (values elsewhere are never
+    read); ``make(k, a, b)``: that candidate as a StageCandidate, called only for the stages of the plan chosen (and by
+    the slow paths: pins, the brute force). The candidates for layers a..b are the usable options in the order of k.
+
+    The stage DP takes, instead of a function, any object with ``block(submesh) -> CandidateBlock | None`` (None: no
+    candidate on that submesh): it then reads these arrays directly and builds no StageCandidate per layer range.
+    """
+
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    static_bytes: np.ndarray
+    act_bytes: np.ndarray
+    usable: np.ndarray
+    make: Callable[[int, int, int], StageCandidate]
+
+
+class _BlockCandidates(Mapping):
+    """``(start, end, shape) -> candidates`` of a set of :class:`CandidateBlock`, built on first access (the DP's
+    vectorised path reads the blocks; the pinned path, the brute force and the chosen plan read this)."""
+
+    def __init__(self, blocks: Mapping[tuple[int, int], CandidateBlock], num_layers: int):
+        self.blocks = blocks
+        self.num_layers = num_layers
+        self._memo: dict = {}
+
+    def __getitem__(self, key) -> tuple[StageCandidate, ...]:
+        if key not in self._memo:
+            start, end, shape = key
+            b = self.blocks.get(tuple(shape))
+            self._memo[key] = () if b is None else tuple(
+                b.make(int(k), start, end) for k in np.flatnonzero(b.usable[:, start, end]))
+        return self._memo[key]
+
+    def __iter__(self) -> Iterator:
+        L = self.num_layers
+        return ((a, b, shape) for a in range(L) for b in range(a, L) for shape in self.blocks)
+
+    def __len__(self) -> int:
+        return self.num_layers * (self.num_layers + 1) // 2 * len(self.blocks)
 
 
 @dataclass(frozen=True)
@@ -344,10 +393,11 @@ class _Problem:
     stage_comm: str
     mem_limit: float
     max_stages: int
-    shapes: tuple[tuple[int, int], ...]
-    cands: dict  # (start, end, shape) -> tuple[StageCandidate, ...]
+    shapes: tuple[tuple[int, int], ...]  # the submesh shapes with at least one candidate, in Alpa's order
+    cands: Mapping  # (start, end, shape) -> tuple[StageCandidate, ...]
     cut_cost: dict  # (layer k >= 1, "intra"|"inter") -> (send_fwd_s, send_bwd_s)
     constraints: StageConstraints | None = None  # pinned decisions; they fix the stage count to max_stages
+    blocks: Mapping | None = None  # shape -> CandidateBlock when the candidates came as arrays
 
     @property
     def fixed_stages(self) -> int | None:
@@ -431,21 +481,51 @@ def _build_problem(
             cut_cost[(k, kind)] = (t, t)  # gradients are the same size as activations
 
     shapes = tuple(submesh_shapes(N, M))
-    cands = {}
-    for start in range(L):
-        for end in range(start, L):
-            for shape in shapes:
-                opts = tuple(candidates(start, end, shape))
-                for c in opts:
-                    for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"):
-                        v = getattr(c, name)
-                        if not (math.isfinite(v) and v >= 0):
-                            raise ValueError(
-                                f"candidate for layers {start}..{end} on {shape} has {name}={v!r}; "
-                                "it must be finite and non-negative."
-                            )
-                cands[(start, end, shape)] = opts
-    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, shapes, cands, cut_cost, constraints)
+    blocks = None
+    cands: Mapping
+    if hasattr(candidates, "block"):
+        blocks = {}
+        for shape in shapes:
+            b = candidates.block(shape)
+            if b is not None and b.usable.any():
+                _check_block(b, shape, L)
+                blocks[shape] = b
+        cands = _BlockCandidates(blocks, L)
+        used = tuple(blocks)
+    else:
+        cands = {}
+        for start in range(L):
+            for end in range(start, L):
+                for shape in shapes:
+                    opts = tuple(candidates(start, end, shape))
+                    for c in opts:
+                        for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"):
+                            v = getattr(c, name)
+                            if not (math.isfinite(v) and v >= 0):
+                                raise ValueError(
+                                    f"candidate for layers {start}..{end} on {shape} has {name}={v!r}; "
+                                    "it must be finite and non-negative."
+                                )
+                    cands[(start, end, shape)] = opts
+        have = {shape for (_, _, shape), opts in cands.items() if opts}
+        used = tuple(shape for shape in shapes if shape in have)
+    # Shapes without any candidate can never be placed: the DP's tables leave them out (at thousands of devices most
+    # submesh shapes have none), which keeps the order of the others and so every tie-break.
+    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks)
+
+
+def _check_block(b: CandidateBlock, shape: tuple[int, int], L: int) -> None:
+    for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "usable"):
+        if getattr(b, name).shape[1:] != (L, L) or getattr(b, name).shape[0] != b.usable.shape[0]:
+            raise ValueError(f"candidate block for {shape}: {name} has shape {getattr(b, name).shape}, expected "
+                             f"(options, {L}, {L}) like usable {b.usable.shape}.")
+    for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes"):
+        v = getattr(b, name)[b.usable]
+        bad = ~(np.isfinite(v) & (v >= 0))
+        if bad.any():
+            k, start, end = (int(x[bad.argmax()]) for x in np.nonzero(b.usable))
+            raise ValueError(f"candidate for layers {start}..{end} on {shape} has {name}={float(v[bad][0])!r}; it "
+                             "must be finite and non-negative.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,45 +549,33 @@ class _Tables(NamedTuple):
     min_req: Callable[[], np.ndarray]
 
 
-def _tables(p: _Problem) -> _Tables:
+def _tables(p: _Problem, arrays=None) -> _Tables:
     """See :class:`_Tables`. A candidate's memory ``static + held * act`` grows with held, and
     held(s) with s, so each candidate fits exactly while s <= s_max (its largest such s):
     best_time[..., s] is the minimum time over candidates with s_max >= s, a running minimum
-    over s from the top."""
+    over s from the top. ``arrays``: :func:`_candidate_arrays` of p, when already made."""
     if p.constraints is not None:
         return _tables_pinned(p)
     L, SH, S = p.num_layers, len(p.shapes), p.max_stages
-    K = max((len(v) for v in p.cands.values()), default=0)
     held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
-    sh_of = {shape: n for n, shape in enumerate(p.shapes)}
-    # Candidates as arrays, padded to K options (padding: never usable).
-    time_ = np.full((L, L, SH, max(K, 1)), np.inf)
-    static = np.zeros((L, L, SH, max(K, 1)))
-    act = np.zeros((L, L, SH, max(K, 1)))
-    has = np.zeros((L, L, SH, max(K, 1)), dtype=bool)
-    for (k, i, shape), opts in p.cands.items():
-        n = len(opts)
-        if n:
-            sh = sh_of[shape]
-            time_[k, i, sh, :n] = [c.time_s for c in opts]
-            static[k, i, sh, :n] = [c.static_bytes for c in opts]
-            act[k, i, sh, :n] = [c.act_bytes for c in opts]
-            has[k, i, sh, :n] = True
-    # hmax: the most microbatches a candidate can hold, checked with the same float operations as
-    # StageCandidate.mem_bytes (the estimate from a division is corrected by one either way).
     mem = p.mem_limit
-    with np.errstate(divide="ignore", invalid="ignore"):
-        est = np.floor(np.where(act > 0, (mem - static) / act, np.where(static <= mem, np.inf, -1.0)))
-    est = np.minimum(est, 2.0 ** 52)
-    fits = lambda h: static + h * act <= mem  # noqa: E731
-    finite = np.isfinite(est) & (est >= 0)
-    est = np.where(finite & ~fits(np.where(finite, est, 0.0)), est - 1, est)
-    est = np.where(finite & fits(np.where(finite, est + 1, 0.0)), est + 1, est)
-    s_max = np.searchsorted(held, np.where(has, est, -1.0), side="right")  # candidates fit for s = 1..s_max
-    by_top = np.full((L, L, SH, S + 1), np.inf)  # [..., t]: fastest candidate whose s_max is t
-    kk, ii, ss, cc = np.nonzero(has)
-    np.minimum.at(by_top, (kk, ii, ss, s_max[kk, ii, ss, cc]), time_[kk, ii, ss, cc])
-    best_time = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1].copy()  # [..., s-1] over s_max >= s
+    arrays = _candidate_arrays(p) if arrays is None else arrays
+    best_time = np.full((L, L, SH, S), np.inf)
+    for sh, (time_, static, act, has) in enumerate(arrays):
+        # hmax: the most microbatches a candidate can hold, checked with the same float operations as
+        # StageCandidate.mem_bytes (the estimate from a division is corrected by one either way).
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            est = np.floor(np.where(act > 0, (mem - static) / act, np.where(static <= mem, np.inf, -1.0)))
+        est = np.minimum(est, 2.0 ** 52)
+        fits = lambda h: static + h * act <= mem  # noqa: E731
+        finite = np.isfinite(est) & (est >= 0)
+        est = np.where(finite & ~fits(np.where(finite, est, 0.0)), est - 1, est)
+        est = np.where(finite & fits(np.where(finite, est + 1, 0.0)), est + 1, est)
+        s_max = np.searchsorted(held, np.where(has, est, -1.0), side="right")  # candidates fit for s = 1..s_max
+        by_top = np.full((L, L, S + 1), np.inf)  # [..., t]: fastest candidate whose s_max is t
+        cc, kk, ii = np.nonzero(has & (s_max > 0))
+        np.minimum.at(by_top, (kk, ii, s_max[cc, kk, ii]), time_[cc, kk, ii])
+        best_time[:, :, sh, :] = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1]  # over s_max >= s
 
     def index(k, i, sh, s):
         held_s = held_microbatches(s, p.microbatches, p.schedule)
@@ -518,12 +586,44 @@ def _tables(p: _Problem) -> _Tables:
 
     def min_req():
         out = np.full((L, L, SH, S), np.inf)
-        for k in range(L):
-            need = static[k, k:][:, :, None, :] + held[None, None, :, None] * act[k, k:][:, :, None, :]
-            out[k, k:] = np.where(has[k, k:][:, :, None, :], need, np.inf).min(axis=-1)
+        for sh, (_, static, act, has) in enumerate(arrays):
+            for s in range(S):
+                out[:, :, sh, s] = np.where(has, static + held[s] * act, np.inf).min(axis=0, initial=np.inf)
         return out
 
     return _Tables(best_time, index, min_req)
+
+
+def _candidate_arrays(p: _Problem) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per shape of ``p.shapes``: (time, static, act, usable) arrays over (option, start, end), read from the
+    candidate blocks, or gathered from the candidate lists (padded; padding is never usable)."""
+    L = p.num_layers
+    if p.blocks is not None:
+        out = []
+        for shape in p.shapes:
+            b = p.blocks[shape]
+            has = np.asarray(b.usable, dtype=bool)
+            # Values where a block has no candidate are never read; zeros keep the memory arithmetic quiet.
+            out.append((np.where(has, b.fwd_s + b.bwd_s, np.inf), np.where(has, b.static_bytes, 0.0),
+                        np.where(has, b.act_bytes, 0.0), has))
+        return out
+    by_shape: dict[tuple, list] = {shape: [] for shape in p.shapes}
+    for (k, i, shape), opts in p.cands.items():
+        if opts:
+            by_shape[shape].append((k, i, opts))
+    out = []
+    for shape in p.shapes:
+        K = max(len(opts) for _, _, opts in by_shape[shape])
+        time_, static, act = np.full((K, L, L), np.inf), np.zeros((K, L, L)), np.zeros((K, L, L))
+        has = np.zeros((K, L, L), dtype=bool)
+        for k, i, opts in by_shape[shape]:
+            n = len(opts)
+            time_[:n, k, i] = [c.time_s for c in opts]
+            static[:n, k, i] = [c.static_bytes for c in opts]
+            act[:n, k, i] = [c.act_bytes for c in opts]
+            has[:n, k, i] = True
+        out.append((time_, static, act, has))
+    return out
 
 
 def _tables_pinned(p: _Problem):
@@ -534,6 +634,8 @@ def _tables_pinned(p: _Problem):
     best_idx = np.full((L, L, SH, S), -1, dtype=np.int64)
     min_req = np.full((L, L, SH, S), np.inf)
     for (k, i, shape), opts in p.cands.items():
+        if not opts:
+            continue  # a shape without candidates is not among p.shapes
         sh = p.shapes.index(shape)
         for s in range(1, S + 1):
             held = held_microbatches(s, p.microbatches, p.schedule)
@@ -565,7 +667,7 @@ def _structure(p: _Problem):
     return valid, size, cut
 
 
-def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf):
+def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf, stop_at=None):
     """Alpa's recurrence, vectorised over (start layer k, end layer i, free devices d) for each s.
 
     F[s][k, d] = min over end layer i >= k and shape sh (fits at offset N*M - d) of
@@ -575,49 +677,62 @@ def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.in
     ``t_max`` count as inf.
     Returns the list of F tables and of argmin tables (flat index i * SH + sh, the first of
     equal minima). Each shape is evaluated only at the d where it can be placed (a host-sized
-    submesh only on host boundaries), which is most of the saving on large clusters.
+    submesh only on host boundaries), which is most of the saving on large clusters. ``stop_at[s - 1]``
+    (with np.add): a lower bound on F[s'][0, N*M] for every s' > s; the tables stop growing at the first s
+    where the smallest F[.][0, N*M] so far is at most it (no more stages can give a smaller one).
     """
     L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    S = p.max_stages
+    lowest = math.inf
     F_prev = np.full((L + 1, NM + 1), np.inf)
     F_prev[L, 0] = 0.0
     Fs, args = [F_prev], [None]  # type: list[Any], list[Any]
     d_idx = np.arange(NM + 1)
     places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
-    for s in range(1, p.max_stages + 1):
+    for s in range(1, S + 1):
         F = np.full((L + 1, NM + 1), np.inf)
         arg = np.zeros((L, NM + 1), dtype=np.int64)
         # s stages need s layers: only start layers k <= L - s can have a plan, and a stage ending at i leaves
         # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s.
         n = L - s + 1
         best = F[:n]
-        for sh, ds in enumerate(places):
+        # Device counts the s - 1 stages after this one can fill at all: a stage is placed only where it leaves one.
+        reachable = np.isfinite(F_prev[1:n + 1]).any(axis=0)
+        for sh, all_ds in enumerate(places):
+            ds = all_ds[reachable[all_ds - size[sh]]] if all_ds.size else all_ds
             if ds.size == 0:
                 continue
             cost = stage_cost[:n, :n, sh, s - 1]
             if t_max < math.inf:
                 cost = np.where(cost <= t_max, cost, np.inf)
-            k_fin, i_fin = np.nonzero(np.isfinite(cost))
-            if k_fin.size == 0:
+            fin = np.isfinite(cost)
+            rows = np.flatnonzero(fin.any(axis=1))  # start layers with any stage of this shape
+            if rows.size == 0:
                 continue  # no stage of this shape here (memory, t_max): nothing to take
+            k_fin, i_fin = np.nonzero(fin[rows])
             # Stages longer than the longest finite one cost inf: look only at end layers i = k .. k + w - 1.
-            w = int((i_fin - k_fin).max()) + 1
-            i_of = np.arange(n)[:, None] + np.arange(w)[None, :]  # (k, r) -> end layer k + r
+            w = int((i_fin - rows[k_fin]).max()) + 1
+            i_of = rows[:, None] + np.arange(w)[None, :]  # (row, r) -> end layer k + r
             ends = np.minimum(i_of, n - 1)
-            band = np.where(i_of < n, cost[np.arange(n)[:, None], ends], np.inf)
-            here = band[:, :, None] + cut[:n, None, ds]  # (k, r, d)
+            band = np.where(i_of < n, cost[rows[:, None], ends], np.inf)
+            here = band[:, :, None] + cut[rows][:, None, ds]  # (row, r, d)
             total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
             r_best = np.argmin(total, axis=1)
             v = np.take_along_axis(total, r_best[:, None, :], axis=1)[:, 0, :]
-            flat = (r_best + np.arange(n)[:, None]) * SH + sh
-            cur_v, cur_f = best[:, ds], arg[:n, ds]
+            flat = (r_best + rows[:, None]) * SH + sh
+            at = np.ix_(rows, ds)
+            cur_v, cur_f = best[at], arg[at]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
-            best[:, ds] = np.where(take, v, cur_v)
-            arg[:n, ds] = np.where(take, flat, cur_f)
+            best[at] = np.where(take, v, cur_v)
+            arg[at] = np.where(take, flat, cur_f)
         Fs.append(F)
         args.append(arg)
         F_prev = F
+        lowest = min(lowest, F[0, NM])
+        if stop_at is not None and lowest <= stop_at[s - 1]:
+            break
         if not np.isfinite(F).any():  # no s-stage suffix fits anywhere: none with more stages can either
-            for _ in range(s + 1, p.max_stages + 1):
+            for _ in range(s + 1, S + 1):
                 Fs.append(F)
                 args.append(arg)
             break
@@ -719,6 +834,7 @@ def _sweep_dp(p, stage_cost, cut, valid, size):
 
 
 T_MAX_SEARCH = ("bisect", "alpa", "all")
+_MARGIN = 1e-9  # relative slack on the bounds, far above float rounding, far below any real difference
 
 
 def stage_dp(
@@ -738,6 +854,7 @@ def stage_dp(
     t_max_search: str = "bisect",
     constraints: StageConstraints | None = None,
     upper_bound: float = math.inf,
+    prune: bool = True,
 ) -> InterResult | None:
     """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
 
@@ -765,6 +882,11 @@ def stage_dp(
       (F = inf) are skipped in whole ranges, like a binary search;
     * ``"all"``: every value, no pruning (for tests).
 
+    ``prune`` (``"bisect"`` without pins): start the search from the best uniform pipeline's latency (a plan the
+    DP could pick itself), skip t_max values below the smallest any plan can have, and stop adding stages to a DP
+    once no larger stage count can go below the minimum found (lower bounds of :mod:`autopar_lab.solve.dpbounds`).
+    Exact: the same latency and the same plan as ``prune=False`` (kept for tests and measurements).
+
     ``constraints`` (:class:`StageConstraints`): pinned cuts, submeshes, logical meshes or remat
     flags. They fix the stage count S, so the DP keeps the stage count in its state and stage
     ``j`` is the one with ``S - j`` stages remaining; a candidate is usable for stage ``j`` only
@@ -784,25 +906,42 @@ def stage_dp(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
         intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
     )
-    tables = _tables(p)
-    best_time = tables.best_time
     valid, size, cut_full = _structure(p)
     L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    # Bounds (the "bisect" search only; "all" and "alpa" stay the plain references): a seed plan's latency, a
+    # lower bound on t_max and on sum t + sum c by stage count (see dpbounds). They only skip what cannot beat the
+    # best latency known, or what cannot change a DP's minimum.
+    bounded = prune and t_max_search == "bisect" and p.constraints is None and bool(p.shapes)
+    arrays = _candidate_arrays(p) if p.constraints is None else None
+    t_lb, sum_lb, seed = -math.inf, None, math.inf
+    if bounded:
+        E = dpbounds.device_seconds(_fastest_at(p, arrays, 1), size.astype(float))
+        H, G = dpbounds.partition_bounds(E, p.max_stages)
+        # The bounds hold in exact arithmetic; a relative margin keeps a plan the DP sums in another order inside.
+        t_lb = H / NM * (1 - _MARGIN)
+        cut_min = float(cut_full[1:, 1:NM].min()) if L > 1 and NM > 1 else 0.0
+        sum_lb = dpbounds.stage_sum_bounds(G, NM, cut_min) * (1 - _MARGIN)
+        seed = _seed_latency(p, arrays) * (1 + _MARGIN)
+    tables = _tables(p, arrays)
+    best_time = tables.best_time
 
     values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
         values |= {f + b for f, b in p.cut_cost.values()}
-    V = sorted(values)
+    V = sorted(values) if p.shapes else []  # no shape has a candidate: nothing to solve
 
     # Without a memory effect of the stage count and without a binding max_stages, the
     # stage count can be dropped from the state.
     collapsed = p.fixed_stages is None and p.max_stages == min(L, NM) and all(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
+    # The layered DP may stop adding stages once none with more can go below the minimum found: exact.
+    stop = None if sum_lb is None else np.append(sum_lb[1:], np.inf)  # [s - 1]: bound for s + 1 stages or more
 
-    best: dict[str, Any] = {"T": float(upper_bound), "t_max": None, "shapes": None}
+    best: dict[str, Any] = {"T": min(float(upper_bound), seed), "t_max": None, "shapes": None}
     tried: list[float] = []
     finite: list[bool] = []  # whether each DP solved found any plan
+    stage_counts: list[int] = []
 
     def solve(j: int) -> float:
         """Solve the DP at t_max = V[j]; record the plan if it beats the best; return min_s F."""
@@ -815,8 +954,9 @@ def stage_dp(
             chooser = None if not math.isfinite(f) else (lambda s, k, d: int(arg[k, d]))
             s_best = None
         else:
-            Fs, args = _layered_dp(p, best_time, cut, valid, size, np.add, t_max=t_max)
-            totals = [Fs[s][0, NM] for s in range(1, p.max_stages + 1)]
+            Fs, args = _layered_dp(p, best_time, cut, valid, size, np.add, t_max=t_max, stop_at=stop)
+            stage_counts.append(len(Fs) - 1)
+            totals = [Fs[s][0, NM] for s in range(1, len(Fs))]
             s_best = int(np.argmin(totals)) + 1 if p.fixed_stages is None else p.fixed_stages
             f = totals[s_best - 1]
             chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
@@ -835,8 +975,8 @@ def stage_dp(
             solve(j)
     elif V:
         def search(a: int, b: int, f_b: float) -> None:
-            # Indices a..b-1 are unsolved; F(V[b]) = f_b bounds F from below on them.
-            if a >= b or max(f_b, V[a]) + (B - 1) * V[a] >= best["T"]:
+            # Indices a..b-1 are unsolved; F(V[b]) = f_b bounds F from below on them. Below t_lb nothing fits.
+            if a >= b or max(f_b, V[a]) + (B - 1) * V[a] >= best["T"] or V[b - 1] < t_lb:
                 return
             mid = (a + b) // 2
             f_mid = solve(mid)
@@ -851,13 +991,17 @@ def stage_dp(
         "t_max_values": len(V),
         "t_max_search": t_max_search,
         "stage_count_dropped": collapsed,
+        "stage_counts_solved": stage_counts,
+        "t_max_lower_bound": t_lb,
+        "seed_latency": seed,
         "dp_table_size": int((1 if collapsed else p.max_stages + 1) * (L + 1) * (NM + 1)),
-        "num_candidates": sum(len(v) for v in p.cands.values()),
+        "num_candidates": (sum(int(b.usable.sum()) for b in p.blocks.values()) if p.blocks is not None
+                           else sum(len(v) for v in p.cands.values())),
         "solve_s": None,
     }
     if best["t_max"] is None:
-        if math.isfinite(upper_bound) and any(finite):
-            return None  # plans exist, none beats upper_bound
+        if math.isfinite(upper_bound) and (any(finite) or math.isfinite(seed)):
+            return None  # plans exist (one was found, or the seed is one), none beats upper_bound
         raise _infeasible(_min_memory(p, tables.min_req(), valid, size), p.mem_limit, p.fixed_stages is not None)
 
     pieces = best["pieces"]
@@ -868,6 +1012,47 @@ def stage_dp(
         plan.append((k, i, p.shapes[sh], tables.index(k, i, sh, S - j), offset))
     diagnostics["solve_s"] = time.perf_counter() - t0
     return _result(p, plan, diagnostics)
+
+
+def _fastest_at(p: _Problem, arrays, s: int) -> np.ndarray:
+    """``[a, b, sh]``: the fastest candidate's time for layers a..b on shape sh that fits memory with s stages
+    remaining (inf where none): one column of :func:`_tables`, computed directly."""
+    held = held_microbatches(s, p.microbatches, p.schedule)
+    out = np.full((p.num_layers, p.num_layers, len(p.shapes)), np.inf)
+    for sh, (time_, static, act, has) in enumerate(arrays):
+        ok = has & (static + held * act <= p.mem_limit)
+        out[:, :, sh] = np.where(ok, time_, np.inf).min(axis=0, initial=np.inf)
+    return out
+
+
+def _seed_latency(p: _Problem, arrays) -> float:
+    """The latency of the best uniform pipeline (Megatron's layout: S stages of one shape, layers split evenly, for
+    each shape whose size divides the cluster), or inf when none fits: a plan the DP can find, so a bound to start
+    from."""
+    L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    best = math.inf
+    for sh, shape in enumerate(p.shapes):
+        size = shape[0] * shape[1]
+        S = NM // size
+        if NM % size or S > p.max_stages:
+            continue
+        bounds = [round(j * L / S) for j in range(S + 1)]
+        times, cuts = [], []
+        time_, static, act, has = arrays[sh]
+        for j in range(S):
+            a, b, offset = bounds[j], bounds[j + 1] - 1, j * size
+            if not placement_fits(shape, offset, p.hosts, p.devices_per_host):
+                break
+            held = held_microbatches(S - j, B, p.schedule)
+            ok = has[:, a, b] & (static[:, a, b] + held * act[:, a, b] <= p.mem_limit)
+            if not ok.any():
+                break
+            times.append(float(time_[ok, a, b].min()))
+            if j:
+                cuts.append(p.priced_cut(a, offset))
+        else:
+            best = min(best, pipeline_latency(times, cuts, B))
+    return best
 
 
 def _walk(p: _Problem, chooser, s, size) -> list[tuple[int, int, int, int]] | None:

@@ -46,11 +46,14 @@ class SolveCancelled(Exception):
 
 @dataclass(frozen=True)
 class Selection:
-    """What the views highlight: an operator (of ``op_graph``), a layer name, a stage index; any may be None."""
+    """What the views highlight: an operator (of ``op_graph``), a layer name, a stage index; any may be None.
+    ``full_op``: the operator of the model's full graph that was picked (a real layer's operator of a deep model,
+    whose ``op`` is its stand-in in the copy the plan was solved on); ``layer`` is always a real layer's name."""
 
     op: int | None = None
     layer: str | None = None
     stage: int | None = None
+    full_op: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,11 @@ class Session:
         return dict(self.plan.stage_pins)
 
     @property
+    def layer_pins(self) -> Mapping[int, str]:
+        """Pins of operators of single layers split from their group (full-graph op -> strategy name)."""
+        return dict(self.plan.layer_pins)
+
+    @property
     def can_undo(self) -> bool:
         return self._index > 0
 
@@ -192,7 +200,7 @@ class Session:
         sel = self.selection
         if sel.op is not None:
             try:
-                stage = self.plan.stage_of(sel.op)
+                stage = self.plan.full_stage_of(sel.full_op) if sel.full_op is not None else self.plan.stage_of(sel.op)
             except (ValueError, KeyError):
                 stage = None
             self.selection = dataclasses.replace(sel, stage=stage)
@@ -200,30 +208,52 @@ class Session:
             self.selection = dataclasses.replace(sel, stage=None)
 
     # --- selection -------------------------------------------------------------------------------------------------
-    def select(self, op: int | None = None, layer: str | None = None, stage: int | None = None) -> Selection:
-        """Select an operator (which also selects its layer and stage), a layer, or a stage; no argument clears."""
+    def select(self, op: int | None = None, layer: str | None = None, stage: int | None = None,
+               full_op: int | None = None) -> Selection:
+        """Select an operator (which also selects its layer and stage), a layer, or a stage; no argument clears.
+
+        ``op`` is an operator of :attr:`op_graph` (its layer: the first real layer it stands for); ``full_op`` one
+        of the model's full graph (:attr:`graph`), for a deep model the operator of one real layer: its stand-in
+        becomes ``op``, its layer and the stage running that layer are selected."""
         plan = self.plan
-        if op is not None:
+        if full_op is not None:
+            g = self.graph
+            try:
+                node = g.op(int(full_op))
+            except (KeyError, IndexError):
+                raise ValueError(f"operator {full_op} is not in this model's graph (ids run 0..{len(g.ops) - 1})"
+                                 ) from None
+            sop = self.solve_op(int(full_op))
+            if sop is None:
+                raise ValueError(f"operator {node.describe()} has no counterpart in the graph this plan was solved "
+                                 "on")
+            full_op, op = int(full_op), sop
+            layer = node.layer
+            stage = plan.full_stage_of(full_op)
+        elif op is not None:
             g = self.op_graph
             try:
                 node = g.op(int(op))
-            except KeyError:
+            except (KeyError, IndexError):
                 raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1})") from None
-            layer = node.layer
-            stage = plan.stage_of(int(op))
             op = int(op)
+            layer = node.layer
+            if layer is not None and g is not self.graph:  # a copy's layer: name the first real layer it stands for
+                layers = self.op_map.full_layers_of(op)
+                layer = plan.layer_names[layers[0]] if layers else layer
+            stage = plan.stage_of(op)
         elif layer is not None:
             names = list(plan.layer_names)
             if layer not in names:
                 more = "..." if len(names) > 6 else ""
                 raise ValueError(f"layer {layer!r} is not in this plan; layers are {names[:6]}{more}")
             k = names.index(layer)
-            stage = next(s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1])
+            stage = next(s for s, st in enumerate(plan.stages) if any(a <= k <= b for a, b in st.layer_ranges))
         elif stage is not None:
             if not 0 <= int(stage) < len(plan.stages):
                 raise ValueError(f"stage {stage} does not exist; this plan has {len(plan.stages)} stage(s)")
             stage = int(stage)
-        self.selection = Selection(op, layer, stage)
+        self.selection = Selection(op, layer, stage, full_op)
         self._emit("selection", "select", selection=self.selection)
         return self.selection
 
@@ -262,6 +292,29 @@ class Session:
     def alternatives(self, op: int) -> list:
         """Every strategy of ``op`` with its step-time change (see :meth:`Plan.alternatives`)."""
         return self.plan.alternatives(int(op))
+
+    # --- one real layer alone (a deep model's block split from the blocks that share its solution) ---------------
+    def set_layer_choice(self, full_op: int, strategy) -> Any:
+        """Run operator ``full_op`` of the full graph by ``strategy`` in its layer alone, splitting that layer from
+        the layers that share its solution (:meth:`Plan.with_layer_choice`)."""
+        return self._push(self.plan.with_layer_choice(int(full_op), strategy), "set_layer_choice")
+
+    def layer_alternatives(self, full_op: int) -> list:
+        """Every strategy of ``full_op`` with the step-time change of choosing it in its layer alone."""
+        return self.plan.layer_alternatives(int(full_op))
+
+    def unpin_layer(self, full_op: int) -> Any:
+        """Give operator ``full_op`` of a split layer its group's strategy again (re-priced); a layer left with no
+        pin of its own rejoins the layers that share its solution."""
+        from ..overrides import without_layer_pin
+
+        return self._push(without_layer_pin(self.plan, int(full_op)), "unpin_layer")
+
+    def layer_groups(self) -> list:
+        """The plan's real layers grouped by the solution they share (:func:`autopar_lab.layergroups.layer_groups`)."""
+        from ..layergroups import layer_groups
+
+        return layer_groups(self.plan)
 
     def set_microbatches(self, n: int) -> Any:
         return self._push(self.plan.with_microbatches(n), "set_microbatches")
@@ -302,10 +355,12 @@ class Session:
         lms[stage] = tuple(logical_mesh) if logical_mesh is not None else tuple(submesh)
         return self.set_stages(submeshes=subs, logical_meshes=lms)
 
-    def set_schedule(self, schedule: str) -> Any:
+    def set_schedule(self, schedule: str, virtual_stages: int | None = None) -> Any:
+        """Run the plan with ``schedule`` (``"interleaved"`` with ``virtual_stages`` model chunks per stage),
+        pinned and re-priced, undoably (:meth:`Plan.with_schedule`)."""
         if not hasattr(self.plan, "with_schedule"):
             raise _missing("with_schedule")
-        return self._push(self.plan.with_schedule(schedule), "set_schedule")
+        return self._push(self.plan.with_schedule(schedule, virtual_stages), "set_schedule")
 
     def set_remat(self, stage: int, remat: bool) -> Any:
         if not hasattr(self.plan, "with_remat"):
@@ -412,6 +467,15 @@ class Session:
                     new = planner.auto_plan(plan.graph, new_cluster, table=plan.table, **kw)
                 finally:
                     plan.table.on_progress = old
+            elif cluster is not None and plan.table is not None and plan.table.graph is plan.graph:
+                # A what-if on the cluster: the table moves to the new cluster (no trace; every mesh it priced
+                # carries over when only the host count changed), the stage DP runs again.
+                table = plan.table.for_cluster(new_cluster)
+                table.on_progress = hook
+                try:
+                    new = planner.auto_plan(plan.graph, new_cluster, table=table, **kw)
+                finally:
+                    table.on_progress = None  # the hook belongs to this solve only
             else:
                 source = self.model if self.model is not None else plan.graph
                 new = planner.auto_plan(source, new_cluster, on_progress=hook, **kw)
@@ -430,7 +494,9 @@ class Session:
     def set_cluster(self, cluster=None, *, on_progress=None, cancel=None, **changes) -> Any:
         """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
         ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve, keeping every pin that still holds (see
-        :meth:`solve`)."""
+        :meth:`solve`). The plan's cost table moves to the new cluster (:meth:`CostTable.for_cluster`): nothing is
+        traced again, and with the same device and links (a host count slider) every mesh already priced is
+        reused, so only the new submeshes' ILPs and the stage DP run."""
         if cluster is None:
             if not changes:
                 raise ValueError("set_cluster needs a Cluster or changes such as hosts=2, inter_host_bandwidth=1e9")

@@ -195,7 +195,7 @@ class Controls(View):
     def start_solve(self, kind: str, background: bool = True) -> threading.Thread | None:
         """Run the ``intra``, ``inter`` or ``full`` solve (on a worker thread unless ``background=False``)."""
         s = self.session
-        return self._start(f"{kind} solve", lambda report, cancel: s.solve(kind, progress=report, cancel=cancel),
+        return self._start(f"{kind} solve", lambda report, cancel: s.solve(kind, on_progress=report, cancel=cancel),
                            self._expected_reports(s.cluster), background)
 
     def what_if(self, background: bool = True) -> threading.Thread | None:
@@ -207,7 +207,7 @@ class Controls(View):
             return None
         s = self.session
         return self._start("what-if re-plan",
-                           lambda report, cancel: s.set_cluster(cluster, progress=report, cancel=cancel),
+                           lambda report, cancel: s.set_cluster(cluster, on_progress=report, cancel=cancel),
                            self._expected_reports(cluster), background)
 
     def slider_cluster(self):
@@ -218,7 +218,7 @@ class Controls(View):
     def compare(self, background: bool = True) -> threading.Thread | None:
         """Price the Megatron-style and data-parallel baselines (and the optimum for small instances)."""
         s = self.session
-        return self._start("compare", lambda report, cancel: s.compare(progress=report, cancel=cancel),
+        return self._start("compare", lambda report, cancel: s.compare(on_progress=report, cancel=cancel),
                            self._expected_reports(s.cluster), background)
 
     def cancel(self) -> None:
@@ -272,7 +272,7 @@ class Controls(View):
         s = self.session
         self.undo_button.disabled = not s.can_undo
         self.redo_button.disabled = not s.can_redo
-        self.resolve_button.disabled = not (s.plan.pins or s.plan.stage_pins)
+        self.resolve_button.disabled = not (s.plan.pins or s.plan.stage_pins or s.plan.layer_pins)
         c = s.cluster
         self._quiet = True
         try:

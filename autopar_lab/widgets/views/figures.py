@@ -21,7 +21,9 @@ PALETTE = ("#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#F
            "#FECB52", "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B")
 TERM_COLOURS = {"compute": "#636EFA", "collectives": "#EF553B", "resharding": "#AB63FA",
                 "stage transfer": "#FFA15A", "bubble": "#BBBBBB"}
-KIND_COLOURS = {"fwd": "#636EFA", "bwd": "#EF553B", "send_fwd": "#00CC96", "send_bwd": "#FFA15A", "idle": "#E5E5E5"}
+KIND_COLOURS = {"fwd": "#636EFA", "bwd": "#EF553B", "send_fwd": "#00CC96", "send_bwd": "#FFA15A", "idle": "#E5E5E5",
+                "wgrad": "#AB63FA"}
+COMPUTE_KINDS = ("fwd", "bwd", "wgrad")  # a zero-bubble schedule's weight-gradient tasks ("wgrad") are work too
 
 
 _TEMPLATE = go.layout.Template()  # empty: no default template to merge
@@ -151,7 +153,7 @@ def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
     by: dict[str, list] = {}
     stage_of = {}
     for r in rows:
-        if r["kind"] in ("fwd", "bwd"):
+        if r["kind"] in COMPUTE_KINDS:
             by.setdefault(r["resource"], []).append((r["start"], r["end"]))
             stage_of[r["resource"]] = r["stage"]
     out = []
@@ -167,11 +169,13 @@ def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
 
 
 def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipeline timeline",
-                    height: int = 290, max_labels: int = 64, label_upto: int | None = None) -> go.Figure:
+                    height: int = 290, max_labels: int = 64, label_upto: int | None = None,
+                    series: Sequence[tuple[str, str]] | None = None) -> go.Figure:
     """A Gantt chart of a pipeline simulation (rows as :meth:`simulate.Timeline.to_rows` gives them): one bar trace
     per task kind, plus the idle gaps of each stage in grey ("bubble"). Microbatch numbers are written on the bars
     when there are at most ``max_labels`` tasks, or (``label_upto``) on the bars of microbatches below that number
-    (the ones a window on the first microbatches shows).
+    (the ones a window on the first microbatches shows). ``series``: the traces as (name, colour), each drawing the
+    rows whose ``"series"`` is that name (default: one trace per kind, named by it).
 
     >>> rows = [{"resource": "stage 0", "stage": 0, "kind": "fwd", "microbatch": 0, "start": 0.0, "end": 1.0}]
     >>> [t.name for t in timeline_figure(rows, 2.0).data]
@@ -184,14 +188,14 @@ def timeline_figure(rows: Sequence[Mapping], makespan: float, title: str = "pipe
         return str(r["microbatch"]) if len(rows) <= max_labels else ""
 
     order = sorted({r["resource"] for r in rows}, key=lambda s: (s.startswith("link"), s))
-    for kind in ("fwd", "bwd", "send_fwd", "send_bwd"):
-        rs = [r for r in rows if r["kind"] == kind]
+    for kind, col in series or [(k, KIND_COLOURS[k]) for k in ("fwd", "bwd", "wgrad", "send_fwd", "send_bwd")]:
+        rs = [r for r in rows if r.get("series", r["kind"]) == kind]
         if not rs:
             continue
         fig.add_trace(go.Bar(
             y=[r["resource"] for r in rs], x=[r["end"] - r["start"] for r in rs], base=[r["start"] for r in rs],
-            orientation="h", name=kind, marker_color=KIND_COLOURS[kind],
-            text=[label(r) if kind in ("fwd", "bwd") else "" for r in rs], textposition="inside",
+            orientation="h", name=kind, marker_color=col,
+            text=[label(r) if r["kind"] in COMPUTE_KINDS else "" for r in rs], textposition="inside",
             customdata=[[r["microbatch"], fmt_s(r["start"]), fmt_s(r["end"] - r["start"])] for r in rs],
             hovertemplate=(f"{kind} of microbatch %{{customdata[0]}}: starts at %{{customdata[1]}}, "
                            "takes %{customdata[2]}<extra>%{y}</extra>")))

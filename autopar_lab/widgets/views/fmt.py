@@ -11,6 +11,8 @@ the step time that grows from 2 µs to 80 µs is "+78 µs", not "+4063.1%").
     ('8.18 TiB', '512 B')
     >>> fmt_delta_s(0.5, 0.45), fmt_delta_s(2e-6, 8e-5, reference=0.5), fmt_delta_s(1.0, 1.0)
     ('-50 ms, -10.0%', '+78 µs', '=')
+    >>> fmt_delta_s(17.3, 17.3 - 1.735e-9)  # rounding noise, not a change
+    '='
     >>> strategy_text("RS1 = RS1 x ''")
     'output RS1 from RS1 × scalar'
 """
@@ -24,6 +26,10 @@ __all__ = ["fmt_s", "fmt_bytes", "fmt_flops", "fmt_count", "fmt_rate", "fmt_pct"
 
 #: A relative change is shown only when its base is at least this fraction of the reference.
 MEANINGFUL = 0.01
+
+#: Changes below this fraction of the values compared are rounding noise (sums taken in another order, float32
+#: arrays in the stage DP): shown as "=" rather than "-1.735e-09 ns".
+NOISE = 1e-7
 
 
 def _sig(x: float, digits: int) -> str:
@@ -92,13 +98,18 @@ def _rel(before: float, d: float, reference: float | None) -> str:
     return ""
 
 
+def _unchanged(before: float, after: float, reference: float | None) -> bool:
+    scale = max(abs(before), abs(after), abs(reference) if reference is not None else 0.0)
+    return abs(after - before) <= NOISE * scale
+
+
 def fmt_delta_s(before: float | None, after: float, reference: float | None = None) -> str:
     """The change ``after - before`` in seconds, signed, with the relative change when it is meaningful (see the
     module docstring; ``reference`` defaults to ``before``). ``=`` when nothing changed, "" without a before."""
     if before is None:
         return ""
     d = after - before
-    if d == 0:
+    if _unchanged(before, after, reference):
         return "="
     return f"{'+' if d > 0 else '-'}{fmt_s(abs(d))}{_rel(before, d, reference)}"
 
@@ -108,7 +119,7 @@ def fmt_delta_bytes(before: float | None, after: float, reference: float | None 
     if before is None:
         return ""
     d = after - before
-    if d == 0:
+    if _unchanged(before, after, reference):
         return "="
     return f"{'+' if d > 0 else '-'}{fmt_bytes(abs(d))}{_rel(before, d, reference)}"
 

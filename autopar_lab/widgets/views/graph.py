@@ -24,6 +24,7 @@ from typing import Any
 
 import ipywidgets as w
 
+from ...layergroups import group_of_layer, span_text
 from . import figures
 from ._base import View
 from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
@@ -82,25 +83,47 @@ def _layer_stage(plan, names: list[str]) -> dict[str, int]:
     out = {}
     for name in names:
         k = index.get(name, len(plan.layer_names) - 1)
-        out[name] = next((s for s, st in enumerate(plan.stages) if st.layers[0] <= k <= st.layers[1]),
+        out[name] = next((s for s, st in enumerate(plan.stages) if any(a <= k <= b for a, b in st.layer_ranges)),
                          len(plan.stages) - 1)
     return out
 
 
+def _split_names(plan) -> set[str]:
+    """The real layers split from the layers that share their solution (they have operator pins of their own)."""
+    return {plan.graph.op(o).layer for o in plan.layer_pins}
+
+
 def layer_groups(session) -> list[dict]:
     """Runs of consecutive layers with the same structure on the same stage: [{key, layers, stage}] in forward
-    order (a layer that repeats nothing is a group of one). ``key`` is ``"G:<first layer>"``."""
+    order (a layer that repeats nothing, or was split from the layers sharing its solution, is a group of one).
+    ``key`` is ``"G:<first layer>"``."""
     names, _, _, _, shapes = _summary(session.graph)
     stage = _layer_stage(session.plan, names)
+    split = _split_names(session.plan)
     groups: list[dict] = []
     for name in names:
         g = groups[-1] if groups else None
         if (g is not None and name != OTHER and g["layers"][0] != OTHER and stage[name] == g["stage"]
+                and name not in split and g["layers"][0] not in split
                 and shapes[name] == shapes[g["layers"][0]]):
             g["layers"].append(name)
         else:
             groups.append({"key": f"G:{name}", "layers": [name], "stage": stage[name]})
     return groups
+
+
+def _sharing_text(session, name: str) -> str:
+    """"; one solution shared by 24 layers (layer_0..23)" for a layer whose solution others share, "; split
+    from ..." for one split from them; "" otherwise."""
+    plan = session.plan
+    if name == OTHER or name not in plan.layer_names:
+        return ""
+    grp = group_of_layer(plan, name)
+    if grp.split:
+        return f"; split from the {grp.shared - 1} other layers sharing its solution (its own strategies)"
+    if len(grp.layers) > 1:
+        return f"; one solution shared by {len(grp.layers)} layers ({span_text(grp.names)})"
+    return ""
 
 
 def _mesh_text(st) -> str:
@@ -112,13 +135,20 @@ def _label(name: str) -> str:
 
 
 def _strategy(session, full_op: int):
-    sop = session.solve_op(full_op)
-    if sop is None:
-        return None
+    """The strategy the real operator ``full_op`` runs with, on the stage that runs its layer (None: none)."""
     try:
-        return session.plan.choice(sop)
-    except KeyError:
+        return session.plan.full_choice(full_op)
+    except (KeyError, ValueError):
         return None
+
+
+def _pinned(session, full_op: int) -> bool:
+    """Whether ``full_op`` is pinned: in its layer alone, or for every layer sharing its solution."""
+    plan = session.plan
+    if full_op in plan.layer_pins:
+        return True
+    sop = session.solve_op(full_op)
+    return sop is not None and any(o in plan.pins for o in session.op_map.siblings(sop))
 
 
 def _shapes_text(shapes, dtypes) -> str:
@@ -190,7 +220,8 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
     def layer_hover(name: str) -> str:
         st = plan.stages[stage[name]]
         fl, by = stats[name]
-        return (f"{_label(name)}: {len(ops[name])} operators, {fmt_flops(fl)}, {fmt_bytes(by)} read and written\n"
+        return (f"{_label(name)}: {len(ops[name])} operators, {fmt_flops(fl)}, {fmt_bytes(by)} read and written"
+                f"{_sharing_text(session, name)}\n"
                 f"stage {stage[name]} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}\n"
                 "click: show its operators")
 
@@ -207,7 +238,8 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
                 "key": g["key"], "label": f"{first}..{last}", "count": len(members), "colour": layer_colour(first),
                 "selected": selected == g["key"] or selected in {f"L:{n}" for n in members},
                 "expanded": expanded in members,
-                "hover": (f"{first} .. {last}: {len(members)} layers with the same {len(ops[first])} operators\n"
+                "hover": (f"{first} .. {last}: {len(members)} layers with the same {len(ops[first])} operators"
+                          f"{_sharing_text(session, first)}\n"
                           f"stage {g['stage']} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}; "
                           f"{fmt_flops(fl)} in all\nclick: show them one by one")})
         else:
@@ -272,7 +304,6 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
     io = {o for o in members if graph.op(o).primitive in (INPUT_PRIMITIVE, OUTPUT_PRIMITIVE)}
     members = [o for o in members if o not in io]
     inside = set(members)
-    pins = plan.pins
     strategies = {o: _strategy(session, o) for o in members}
     spec_colours: dict[str, str] = {}
     roles: dict[str, int] = defaultdict(int)
@@ -288,7 +319,7 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
             colour = UNKNOWN_COLOUR
         else:
             colour = spec_colours.setdefault(spec, figures.colour(len(spec_colours)))
-        pinned = session.solve_op(o) in pins
+        pinned = _pinned(session, o)
         hover = _op_hover(session, node, strat, stage, pinned)
         if notes.get(o):
             hover += "\n" + "\n".join(notes[o])
@@ -389,8 +420,8 @@ class GraphView(View):
             if sop is None:
                 self.info.value = f"operator #{full} has no counterpart in the plan's solve graph"
                 self.redraw()
-            else:
-                self.run("select", lambda: self.session.select(op=sop))
+            else:  # the real operator: its own layer and stage, not the stand-in's
+                self.run("select", lambda: self.session.select(full_op=full))
         else:
             raise ValueError(f"unknown node key {key!r}")
 
@@ -428,10 +459,10 @@ class GraphView(View):
         sel = event.detail["selection"]
         key = None
         if sel.op is not None:
-            layer = self.session.op_graph.op(sel.op).layer
+            layer = sel.layer  # a real layer's name (the session names the real layer, not the copy's)
             if layer is not None and layer in self.session.plan.layer_names:
                 self.expanded = layer
-                full = _inverse(self.session, sel.op, layer)
+                full = sel.full_op if sel.full_op is not None else _inverse(self.session, sel.op, layer)
                 key = f"O:{full}" if full is not None else f"L:{layer}"
         elif sel.layer is not None:
             key = f"L:{sel.layer}"
@@ -441,11 +472,7 @@ class GraphView(View):
 
 
 def _inverse(session, sop: int, layer: str) -> Any:
-    """The full-graph operator whose counterpart is ``sop``, looked for in ``layer``."""
+    """The full-graph operator of ``layer`` that ``sop`` (or the sibling that stands for it) stands for."""
     if session.op_graph is session.graph:
         return sop
-    _, ops, _, _ = layer_summary(session.graph)
-    for o in ops.get(layer, ()):
-        if session.solve_op(o) == sop:
-            return o
-    return None
+    return session.op_map.full_op_in(sop, list(session.plan.layer_names).index(layer))

@@ -13,10 +13,13 @@ from typing import Any
 
 import ipywidgets as w
 
+from ...layergroups import group_of_layer, layer_groups, span_text
 from ._base import View
 from .fmt import fmt_s, strategy_text
 
 ALL = "(all)"
+OUTSIDE = "outside layers"  # the layer filter's choice for operators outside every layer
+GROUP, LAYER = "group", "layer"  # what an override applies to: every layer sharing the solution, or one alone
 
 
 def _spec_texts(strategy) -> tuple[str, str]:
@@ -30,35 +33,113 @@ def _spec_texts(strategy) -> tuple[str, str]:
     return str(spec), ps
 
 
+def _scope_rows(plan, group, full_layer: int | None):
+    """(key, stand-in, full op or None, stages) for each operator of ``group`` in graph order. A row of a whole
+    group is keyed by the stand-in's id (every row of a model solved on its own graph); a row of one real layer
+    whose solution other layers share (``full_layer``, one layer of the group shown alone, or a layer split from
+    its group) by ``("layer", full_op)``."""
+    m = plan.table.op_map if plan.table is not None else None
+    if m is None or m.is_identity:
+        names = list(plan.layer_names)
+        return [(o, o, o, group.stages) for o in plan.graph.ops_in_layer(names[group.layers[0]])]
+    k = full_layer if full_layer is not None else group.layers[0]
+    alone = full_layer is not None or group.split
+    out = []
+    for full in plan.graph.ops_in_layer(plan.layer_names[k]):
+        sop = m.solve_op(full)
+        if sop is None:
+            continue
+        if alone:
+            out.append((("layer", full), sop, full, (plan.full_stage_of(full),)))
+        else:
+            out.append((sop, sop, full if len(group.layers) == 1 else None, group.stages))
+    return out
+
+
+def _outside_rows(plan):
+    g = plan.op_graph
+    last = len(plan.stages) - 1
+    return [(node.id, node.id, None, (plan.stage_of(node.id) if plan.table is not None else last,))
+            for node in g if node.layer is None]
+
+
+def scopes(session) -> list[tuple[str, str]]:
+    """The layer filter's choices as (label, value): every group of layers sharing one solution (its label says
+    which real layers and stages), then each real layer of a group (to see or change it alone), then the operators
+    outside every layer."""
+    plan = session.plan
+    groups = layer_groups(plan)
+    out = [(grp.label, grp.key) for grp in groups]
+    out += [(name, name) for grp in groups if len(grp.layers) > 1 for name in grp.names]
+    if any(node.layer is None for node in plan.op_graph):
+        out.append((OUTSIDE, OUTSIDE))
+    return out
+
+
 def op_rows(session, layer: str | None = None, stage: int | None = None, primitive: str | None = None,
             limit: int | None = None) -> list[dict]:
-    """One dict per operator of the plan's graph passing the filters: op, primitive, layer, role, stage, strategy
-    (its full Alpa name), alpa (output spec), partition_spec, pinned, group (the ILP group that solved its layer)."""
-    plan, g = session.plan, session.op_graph
+    """One dict per row of the table passing the filters. ``layer``: a group's key (``"layer_0.."``), a real layer's
+    name, or :data:`OUTSIDE`; None: every group. A row of a group of layers sharing one solution stands for its
+    operator in every one of them (``key``: the stand-in's id); a row of one real layer of a deep model for that
+    layer's own operator (``key``: ``("layer", full_op)``).
+
+    Each row: key, op (the stand-in in the graph the plan was solved on), full_op (the model's operator, None for a
+    group's row), primitive, role, layer (the group's or layer's name), stages and stage (the first of them; a
+    group spanning stages lists each), stage_text, strategy (its full Alpa name, on the first stage), alpa (output
+    spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved its layer)."""
+    plan = session.plan
+    groups = layer_groups(plan)
     pins = plan.pins
-    names = list(plan.layer_names)
-    stage_of_layer = {}
-    for k, st in enumerate(plan.stages):
-        for i in range(st.layers[0], st.layers[1] + 1):
-            stage_of_layer[names[i]] = k
-    groups = _groups(plan)
+    m = session.op_map
+    picked: list[tuple] = []
+    if layer is None:
+        for grp in groups:
+            picked.append((grp, _scope_rows(plan, grp, None)))
+        picked.append((None, _outside_rows(plan)))
+    elif layer == OUTSIDE:
+        picked.append((None, _outside_rows(plan)))
+    else:
+        grp = next((x for x in groups if x.key == layer), None)
+        if grp is not None:
+            picked.append((grp, _scope_rows(plan, grp, None)))
+        else:
+            grp = group_of_layer(plan, layer)
+            k = list(plan.layer_names).index(layer)
+            picked.append((grp, _scope_rows(plan, grp, k if len(grp.layers) > 1 else None)))
+    ilp = _groups(plan)
+    g = plan.op_graph
     out = []
-    for node in g:
-        if layer is not None and node.layer != layer:
-            continue
-        if primitive is not None and node.primitive != primitive:
-            continue
-        k = plan.stage_of(node.id) if node.layer not in stage_of_layer else stage_of_layer[node.layer]
-        if stage is not None and k != stage:
-            continue
-        st = plan.stages[k].intra
-        strat = st.strategies.get(node.id) if st is not None else None
-        alpa, ps = _spec_texts(strat)
-        out.append({"op": node.id, "primitive": node.primitive, "layer": node.layer, "role": node.role, "stage": k,
-                    "strategy": strat.name if strat is not None else "", "alpa": alpa, "partition_spec": ps,
-                    "pinned": node.id in pins, "group": groups.get((k, node.layer), "")})
-        if limit is not None and len(out) >= limit:
-            break
+    for grp, items in picked:
+        for key, sop, full, stages in items:
+            node = g.op(sop)
+            if primitive is not None and node.primitive != primitive:
+                continue
+            if stage is not None and stage not in stages:
+                continue
+            if isinstance(key, tuple):
+                strats = [plan.full_choice(full)]
+                # Pinned in its layer, or (a layer still sharing its group's solution) by the group's pin.
+                pinned = full in plan.layer_pins or (grp is not None and not grp.split and
+                                                     any(o in pins for o in m.siblings(sop)))
+            else:
+                strats = [plan.stages[k].intra.strategies.get(sop) if plan.stages[k].intra is not None else None
+                          for k in stages]
+                pinned = any(o in pins for o in m.siblings(sop))
+            texts = [_spec_texts(s) for s in strats]
+            alpa = texts[0][0] if len({t[0] for t in texts}) == 1 else \
+                " | ".join(f"S{k}: {t[0]}" for k, t in zip(stages, texts))
+            name = (grp.names[0] if isinstance(key, tuple) or len(grp.layers) == 1 else
+                    f"{span_text(grp.names)} ×{len(grp.layers)}") if grp is not None else None
+            if isinstance(key, tuple):
+                name = plan.graph.op(full).layer
+            out.append({"key": key, "op": sop, "full_op": full, "primitive": node.primitive, "layer": name,
+                        "role": node.role, "stage": stages[0], "stages": list(stages),
+                        "stage_text": "+".join(f"S{k}" for k in stages),
+                        "strategy": strats[0].name if strats[0] is not None else "", "alpa": alpa,
+                        "partition_spec": texts[0][1], "pinned": pinned,
+                        "group": ilp.get((stages[0], node.layer), "")})
+            if limit is not None and len(out) >= limit:
+                return out
     return out
 
 
@@ -81,7 +162,9 @@ def row_label(r: dict) -> str:
     """One row of the table in fixed columns; nothing is cut short (a long name widens its column)."""
     pin = "*" if r["pinned"] else " "
     layer = r["layer"] if r["layer"] is not None else "—"
-    return (f"{pin}#{r['op']:<5} {r['primitive']:<14} {layer:<10} S{r['stage']} "
+    op = r.get("full_op") if isinstance(r.get("key"), tuple) else r["op"]
+    stage = r.get("stage_text", f"S{r['stage']}")
+    return (f"{pin}#{op:<5} {r['primitive']:<14} {layer:<10} {stage:<5} "
             f"{r['alpa']:<8} {r['partition_spec']}")
 
 
@@ -93,7 +176,14 @@ def delta_text(delta_s: float) -> str:
 
 
 class ShardingTable(View):
-    """The operator table with filters, the selected operator's alternatives, and pin / unpin."""
+    """The operator table with filters, the selected row's alternatives, what an override applies to, and pin /
+    unpin.
+
+    On a deep model solved on a shallower copy the rows are the model's real layers: a group of layers that share one
+    solution is one set of rows ("layer_0..23 ×24"), and the layer filter also offers each real layer alone.
+    An override of a group's row applies to every layer of the group, on every stage that runs one; on a real
+    layer's row, "apply to" chooses between the whole group (the default) and that layer alone (it is split from
+    the group, :meth:`Session.set_layer_choice`). Rows are rebuilt after every plan change."""
 
     css = "autopar-sharding-table"
 
@@ -102,7 +192,8 @@ class ShardingTable(View):
         self.max_rows = max_rows
         plan, g = session.plan, session.op_graph
         prims = sorted({n.primitive for n in g})
-        self.layer_filter = w.Dropdown(options=[ALL] + [n for n in g.layers], value=ALL, description="layer")
+        self._layer_options = [(ALL, ALL)] + scopes(session)
+        self.layer_filter = w.Dropdown(options=self._layer_options, value=ALL, description="layer")
         self.stage_filter = w.Dropdown(options=[ALL] + [str(k) for k in range(len(plan.stages))], value=ALL,
                                        description="stage")
         self.primitive_filter = w.Dropdown(options=[ALL] + prims,
@@ -111,11 +202,18 @@ class ShardingTable(View):
         for f in (self.layer_filter, self.stage_filter, self.primitive_filter):
             f.layout.width = "220px"
             f.observe(lambda ch: self.refresh_rows(), names="value")
+        self.layer_filter.layout.width = "340px"  # group labels name their layers and stages
         self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="auto"))  # stretches, margins inside
         self.rows_select.add_class("autopar-op-rows")
         self.rows_select.observe(self._select_changed, names="value")
         self.count = w.HTML("")
         self.detail = w.HTML("")
+        self.detail.add_class("autopar-op-detail")
+        self.scope = w.ToggleButtons(options=[("every layer sharing it", GROUP), ("this layer alone", LAYER)],
+                                     value=GROUP, description="apply to", style={"button_width": "auto"})
+        self.scope.add_class("autopar-override-scope")
+        self.scope.layout.display = "none"
+        self.scope.observe(self._scope_changed, names="value")
         self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"))
         self.alternatives.add_class("autopar-strategy-choice")
         self.alternatives.observe(self._alternative_changed, names="value")
@@ -127,12 +225,14 @@ class ShardingTable(View):
         self.unpin_button.on_click(lambda _: self.unpin())
         self._quiet = False
         self.rows: list[dict] = []
-        self.op: int | None = None
+        self.op: int | None = None  # the selected row's operator in the graph the plan was solved on
+        self.key: Any = None  # the selected row's key (see op_rows)
         self._alts: list = []
         self.refresh_rows()
         header = w.HTML("<code>pin #op primitive layer stage spec PartitionSpec</code>")
-        self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter]), self.count, header,
-                             self.rows_select, self.detail, self.alternatives,
+        self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter],
+                                    layout=w.Layout(flex_flow="row wrap")), self.count, header,
+                             self.rows_select, self.detail, self.scope, self.alternatives,
                              w.HBox([self.pin_button, self.unpin_button]), self.message]))
 
     # --- data --------------------------------------------------------------------------------------------------------
@@ -142,7 +242,8 @@ class ShardingTable(View):
                 "primitive": None if self.primitive_filter.value == ALL else self.primitive_filter.value}
 
     def set_filters(self, layer: Any = ALL, stage: Any = ALL, primitive: Any = ALL) -> None:
-        """Set the three filters at once (``None`` or ``"(all)"``: no filter) and refresh the rows once."""
+        """Set the three filters at once (``None`` or ``"(all)"``: no filter) and refresh the rows once. ``layer``:
+        a group's key, a real layer's name, or :data:`OUTSIDE`."""
         self._quiet = True
         try:
             self.layer_filter.value = ALL if layer is None else layer
@@ -152,53 +253,101 @@ class ShardingTable(View):
             self._quiet = False
         self.refresh_rows()
 
+    def _sync_options(self) -> None:
+        """The stage and layer filters' choices for the current plan (stages and groups change with it)."""
+        n = len(self.session.plan.stages)
+        self._quiet = True
+        try:
+            if len(self.stage_filter.options) != n + 1:
+                self.stage_filter.options = [ALL] + [str(k) for k in range(n)]
+                self.stage_filter.value = ALL
+            layers = [(ALL, ALL)] + scopes(self.session)
+            if layers != self._layer_options:
+                value = self.layer_filter.value
+                self._layer_options = layers
+                self.layer_filter.options = layers
+                self.layer_filter.value = value if value in [v for _, v in layers] else ALL
+        finally:
+            self._quiet = False
+
     def refresh_rows(self) -> None:
         if self._quiet:
             return
-        n = len(self.session.plan.stages)
-        if len(self.stage_filter.options) != n + 1:
-            self._quiet = True
-            self.stage_filter.options = [ALL] + [str(k) for k in range(n)]
-            self.stage_filter.value = ALL
-            self._quiet = False
+        self._sync_options()
         self.rows = op_rows(self.session, limit=self.max_rows, **self.filters())
         self._quiet = True
         try:
-            self.rows_select.options = [(row_label(r), r["op"]) for r in self.rows]
-            self.rows_select.value = self.op if any(r["op"] == self.op for r in self.rows) else None
+            self.rows_select.options = [(row_label(r), r["key"]) for r in self.rows]
+            self.rows_select.value = self.key if any(r["key"] == self.key for r in self.rows) else None
         finally:
             self._quiet = False
         more = " (first rows only; narrow the filters)" if len(self.rows) >= self.max_rows else ""
         self.count.value = f"{len(self.rows)} operator(s){more}; * = pinned"
 
-    def row(self, op: int) -> dict | None:
-        """The table row of ``op`` (None when the filters hide it)."""
-        return next((r for r in self.rows if r["op"] == op), None)
+    def row(self, key) -> dict | None:
+        """The table row of ``key`` (an operator id, or ``("layer", full_op)``; None when the filters hide it)."""
+        return next((r for r in self.rows if r["key"] == key), None)
+
+    # --- what the selected row is -------------------------------------------------------------------------------------
+    def _target(self) -> tuple[str, int] | None:
+        """("group", stand-in) or ("layer", full-graph operator): what an override of the selected row changes."""
+        if self.key is None:
+            return None
+        if isinstance(self.key, tuple) and self.scope.value == LAYER:
+            return LAYER, self.key[1]
+        return GROUP, self.op
+
+    def _current(self):
+        target = self._target()
+        plan = self.session.plan
+        if target is None:
+            return None
+        return plan.full_choice(target[1]) if target[0] == LAYER else plan.choice(target[1])
 
     # --- actions (plain methods) --------------------------------------------------------------------------------------
-    def select(self, op: int) -> None:
-        """A row was clicked: select the operator (every view follows)."""
-        self.run("select", lambda: self.session.select(op=op))
+    def select(self, key) -> None:
+        """A row was clicked: select its operator (every view follows)."""
+        if isinstance(key, tuple):
+            self.run("select", lambda: self.session.select(full_op=key[1]))
+        else:
+            self.run("select", lambda: self.session.select(op=key))
 
     def choose(self, strategy: str) -> None:
-        """An alternative was picked in the dropdown: override the selected operator's strategy (and pin it)."""
-        if self.op is None:
+        """An alternative was picked in the dropdown: override the selected row's operator (in every layer sharing
+        its solution, or in its layer alone, as "apply to" says) and pin it."""
+        target = self._target()
+        if target is None:
             self.message.value = "select an operator first"
             return
-        if strategy == self.session.plan.choice(self.op).name:
+        if strategy == self._current().name and (target[0] == GROUP or target[1] in self.session.plan.layer_pins):
             return
-        op = self.op
-        self.run("set_choice", lambda: self.session.set_choice(op, strategy))
+        kind, op = target
+        if kind == LAYER:
+            self.run("set_layer_choice", lambda: self.session.set_layer_choice(op, strategy))
+        else:
+            self.run("set_choice", lambda: self.session.set_choice(op, strategy))
 
     def pin(self) -> None:
-        if self.op is not None:
-            op = self.op
-            self.run("pin", lambda: self.session.pin(op, self.session.plan.choice(op).name))
+        target = self._target()
+        if target is None:
+            return
+        kind, op = target
+        name = self._current().name
+        if kind == LAYER:
+            self.run("pin", lambda: self.session.set_layer_choice(op, name))
+        else:
+            self.run("pin", lambda: self.session.pin(op, name))
 
     def unpin(self) -> None:
-        if self.op is not None:
-            op = self.op
-            self.run("unpin", lambda: self.session.unpin(op))
+        target = self._target()
+        if target is None:
+            return
+        kind, op = target
+        if kind == LAYER:
+            self.run("unpin", lambda: self.session.unpin_layer(op))
+        else:
+            rep = self.session.op_map.representative(op)
+            self.run("unpin", lambda: self.session.unpin(rep if rep in self.session.plan.pins else op))
 
     def _select_changed(self, change) -> None:
         if not self._quiet and change["new"] is not None:
@@ -208,50 +357,139 @@ class ShardingTable(View):
         if not self._quiet and change["new"] is not None:
             self.choose(change["new"])
 
+    def _scope_changed(self, change) -> None:
+        if not self._quiet:
+            self._show()
+
     # --- drawing -----------------------------------------------------------------------------------------------------
-    def show_op(self, op: int | None) -> None:
-        """Fill the detail pane and the alternatives dropdown for ``op`` (prices every alternative)."""
+    def show_op(self, op: int | None, key: Any = None) -> None:
+        """Fill the detail pane and the alternatives dropdown for the row ``key`` (default: ``op``'s group row;
+        prices every alternative)."""
         self.op = op
+        self.key = (key if key is not None else op) if op is not None else None
         self._quiet = True
         try:
-            if op is None:
+            plan = self.session.plan
+            if isinstance(self.key, tuple):
+                layer = plan.graph.op(self.key[1]).layer
+                grp = group_of_layer(plan, layer)
+                self.scope.options = [("the other layers sharing its solution" if grp.split else
+                                       f"all {grp.shared} layers sharing its solution", GROUP),
+                                      (f"{layer} alone", LAYER)]
+                self.scope.value = LAYER if grp.split else GROUP
+                self.scope.layout.display = None
+            else:
+                self.scope.layout.display = "none"
+                self.scope.value = GROUP
+        finally:
+            self._quiet = False
+        self._show()
+
+    def _show(self) -> None:
+        self._quiet = True
+        try:
+            if self.key is None:
                 self.detail.value = ""
                 self.alternatives.options = []
                 return
-            plan, node = self.session.plan, self.session.op_graph.op(op)
-            cur = plan.choice(op)
-            _, ps = _spec_texts(cur)
-            k = plan.stage_of(op)
-            group = _groups(plan).get((k, node.layer), "")
-            pinned = "pinned" if op in plan.pins else "not pinned"
-            self.detail.value = (
-                f"<b>{html.escape(node.describe())}</b><br>strategy <code>{html.escape(cur.name)}</code>: "
-                f"{html.escape(strategy_text(cur.name))}; output <code>{html.escape(ps)}</code> on stage {k}'s "
-                f"{plan.stages[k].logical_mesh[0]}x{plan.stages[k].logical_mesh[1]} mesh; {pinned}"
-                + (f"<br>ILP group {html.escape(group)}" if group else ""))
-            self._alts = self.session.alternatives(op)
+            self.detail.value = detail_html(self.session, self.key, self.scope.value)
+            cur = self._current()
+            kind, op = self._target()
+            self._alts = (self.session.layer_alternatives(op) if kind == LAYER else self.session.alternatives(op))
             opts = [(f"{a.strategy}  ({delta_text(a.delta_s)})", a.strategy) for a in self._alts]
             if cur.name not in [a.strategy for a in self._alts]:
                 opts.insert(0, (f"{cur.name} (current)", cur.name))
             self.alternatives.options = opts
             self.alternatives.value = cur.name
-            if any(r["op"] == op for r in self.rows):
-                self.rows_select.value = op
+            if any(r["key"] == self.key for r in self.rows):
+                self.rows_select.value = self.key
         finally:
             self._quiet = False
 
     def on_plan(self, event) -> None:
         self.refresh_rows()
-        op = self.session.selection.op
-        self.show_op(op)
+        sel = self.session.selection
+        key = self._key_of(sel)
+        if key is not None and self.row(key) is None:
+            self._reveal(sel, key)
+        self.show_op(sel.op, key)
+
+    def _key_of(self, sel):
+        """The row key of a selection: one real layer's row when a real operator of a shared layer was picked."""
+        if sel.op is None:
+            return None
+        plan = self.session.plan
+        if sel.full_op is not None and plan.table is not None and not plan.table.op_map.is_identity:
+            m = plan.table.op_map
+            if len(m.sharing(m.full_layer_of(sel.full_op))) > 1 and plan.graph.op(sel.full_op).layer is not None:
+                return ("layer", sel.full_op)
+        return sel.op
+
+    def _reveal(self, sel, key) -> None:
+        """Set the filters so that the row of ``key`` is listed."""
+        node = self.session.op_graph.op(sel.op)
+        if isinstance(key, tuple):
+            layer = self.session.graph.op(key[1]).layer
+        elif node.layer is None:
+            layer = OUTSIDE
+        else:
+            layer = group_of_layer(self.session.plan, sel.layer).key if sel.layer is not None else None
+        self.set_filters(layer=layer, primitive=node.primitive)
 
     def on_selection(self, event) -> None:
         sel = event.detail["selection"]
         if sel.op is None and sel.layer is not None and self.layer_filter.value != sel.layer \
-                and sel.layer in self.layer_filter.options:
-            self.layer_filter.value = sel.layer
-        if sel.op is not None and self.row(sel.op) is None:
-            node = self.session.op_graph.op(sel.op)
-            self.set_filters(layer=node.layer if node.layer in self.layer_filter.options else None,
-                             primitive=node.primitive)
-        self.show_op(sel.op)
+                and sel.layer in [v for _, v in self._layer_options]:
+            self.layer_filter.value = sel.layer  # a real layer (a group's member is offered alone too)
+        key = self._key_of(sel)
+        if key is not None and self.row(key) is None:
+            self._reveal(sel, key)
+        self.show_op(sel.op, key)
+
+
+def detail_html(session, key, scope: str = GROUP) -> str:
+    """The detail pane of row ``key``: the operator, its strategy in words and its output spec on the mesh of the
+    stage that runs it (each stage, for a group spanning stages), whether it is pinned, and which layers its
+    solution stands for."""
+    plan = session.plan
+    if isinstance(key, tuple):
+        full = key[1]
+        node = plan.graph.op(full)
+        k = plan.full_stage_of(full)
+        cur = plan.full_choice(full)
+        grp = group_of_layer(plan, node.layer)
+        mine = full in plan.layer_pins
+        stages = [(k, cur)]
+        where = (f"in {html.escape(node.layer)}, split from the layers sharing its solution: its own strategies"
+                 if grp.split else f"in {html.escape(node.layer)}, one of {grp.shared} layers sharing one solution "
+                 f"({html.escape(span_text(grp.names))})")
+        sop = session.solve_op(full)
+        pinned = "pinned in its layer" if mine else (
+            "pinned for its group" if any(o in plan.pins for o in session.op_map.siblings(sop)) else "not pinned")
+        what = "#" + str(full) + " " + node.primitive
+    else:
+        op = key
+        node = session.op_graph.op(op)
+        layers = session.op_map.full_layers_of(op) if node.layer is not None else []
+        grp = group_of_layer(plan, layers[0]) if layers else None
+        stages = [(k, plan.stages[k].intra.strategies[op]) for k in plan.stages_of(op)]
+        cur = stages[0][1]
+        pinned = "pinned" if any(o in plan.pins for o in session.op_map.siblings(op)) else "not pinned"
+        where = ""
+        if grp is not None and len(grp.layers) > 1:
+            where = f"in each of {html.escape(grp.label)}"
+        elif grp is not None:
+            where = f"in {html.escape(grp.names[0])}"
+        what = node.describe()
+    specs = "; ".join(f"output <code>{html.escape(_spec_texts(s)[1])}</code> on stage {k}'s "
+                      f"{plan.stages[k].logical_mesh[0]}x{plan.stages[k].logical_mesh[1]} mesh" for k, s in stages)
+    text = (f"<b>{html.escape(what)}</b> {where}<br>strategy <code>{html.escape(cur.name)}</code>: "
+            f"{html.escape(strategy_text(cur.name))}; {specs}; {pinned}")
+    if isinstance(key, tuple):
+        text += ("<br>an override applies to " + ("this layer alone" if scope == LAYER else
+                                                  "every layer sharing its solution"))
+    sop = session.solve_op(key[1]) if isinstance(key, tuple) else key
+    group = _groups(plan).get((stages[0][0], session.op_graph.op(sop).layer), "")
+    if group and session.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
+        group = f"{group} (in the {len(session.op_graph.layers)}-layer copy the planner solved)"
+    return text + (f"<br>ILP group {html.escape(group)}" if group else "")

@@ -19,6 +19,7 @@ import html
 
 import ipywidgets as w
 
+from ...schedules import SCHEDULES
 from . import figures
 from ._base import USER_ERRORS, View, sync_figure
 from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
@@ -33,8 +34,11 @@ def stage_blocks(plan) -> list[dict]:
     for k, st in enumerate(plan.stages):
         a, b = st.layers
         remat = ", remat" if st.remat else ""
+        where = f"layers {a}-{b} ({names[a]}..{names[b]})"
+        if getattr(st, "chunks", ()):  # interleaved: the chunks the stage runs
+            where = "chunks " + ", ".join(f"{x}-{y}" for x, y in st.chunks) + f" ({b - a + 1} layers)"
         out.append({"devices": list(st.devices),
-                    "label": f"S{k}: layers {a}-{b} ({names[a]}..{names[b]}) on {st.submesh[0]}x{st.submesh[1]} "
+                    "label": f"S{k}: {where} on {st.submesh[0]}x{st.submesh[1]} "
                              f"as {st.logical_mesh[0]}x{st.logical_mesh[1]}{remat}"})
     return out
 
@@ -103,14 +107,19 @@ class StageLayout(View):
         self.apply_button.on_click(lambda _: self.apply())
         self.microbatches = w.Dropdown(description="microbatches", layout=w.Layout(width="190px"),
                                        style={"description_width": "initial"})
-        self.schedule = w.ToggleButtons(options=["1f1b", "gpipe"], description="schedule",
+        self.schedule = w.ToggleButtons(options=list(SCHEDULES), description="schedule",
                                         style={"button_width": "auto", "description_width": "initial"})
+        # Model chunks per stage of the interleaved schedule (enabled only for it).
+        self.virtual_stages = w.BoundedIntText(value=2, min=2, max=64, description="chunks per stage",
+                                               layout=w.Layout(width="170px"), style={"description_width": "initial"})
         self.unpin_button = B("unpin stage decisions",
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
         self._quiet = False
         self.microbatches.observe(lambda ch: None if self._quiet else self.set_microbatches(ch["new"]), names="value")
         self.schedule.observe(lambda ch: None if self._quiet else self.set_schedule(ch["new"]), names="value")
+        self.virtual_stages.observe(
+            lambda ch: None if self._quiet else self.set_schedule("interleaved", ch["new"]), names="value")
         self.draft: list[dict] = []
         self.preview_plan = None
         self.preview_error: str | None = None
@@ -122,7 +131,7 @@ class StageLayout(View):
             w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
                    layout=w.Layout(flex_flow="row wrap")),
             self.preview,
-            w.HBox([self.microbatches, self.schedule], layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.microbatches, self.schedule, self.virtual_stages], layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.unpin_button]),
             self.message], layout=w.Layout(min_width="0")))
 
@@ -244,10 +253,16 @@ class StageLayout(View):
         if n is not None and n != self.session.plan.microbatches:
             self.run("set_microbatches", lambda: self.session.set_microbatches(int(n)))
 
-    def set_schedule(self, name: str) -> None:
-        if name != self.session.plan.schedule:
-            self.run("set_schedule", lambda: self.session.set_schedule(name))
-            self._sync_controls()
+    def set_schedule(self, name: str, virtual_stages: int | None = None) -> None:
+        """Run the plan with schedule ``name`` now; ``"interleaved"`` with ``virtual_stages`` chunks per stage (default:
+        the box's value)."""
+        plan = self.session.plan
+        if name == "interleaved" and virtual_stages is None:
+            virtual_stages = int(self.virtual_stages.value)
+        if name != plan.schedule or (name == "interleaved" and virtual_stages != plan.virtual_stages):
+            self.run("set_schedule", lambda: self.session.set_schedule(
+                name, virtual_stages if name == "interleaved" else None))
+        self._sync_controls()
 
     def set_remat(self, stage: int, on: bool) -> None:
         """Switch remat of ``stage`` now (the editor's remat boxes edit the draft instead)."""
@@ -323,6 +338,9 @@ class StageLayout(View):
             self.microbatches.options = microbatch_choices(plan)
             self.microbatches.value = plan.microbatches
             self.schedule.value = plan.schedule
+            self.virtual_stages.disabled = plan.schedule != "interleaved"
+            if plan.schedule == "interleaved":
+                self.virtual_stages.value = plan.virtual_stages
         finally:
             self._quiet = False
 

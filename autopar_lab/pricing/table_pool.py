@@ -1,0 +1,149 @@
+"""Solving a cost table's logical meshes in worker processes (:meth:`CostTable.solve_meshes`).
+
+Each mesh's intra-op ILP is independent of the others, so on a machine with spare cores they run side by side. A
+worker is a fresh Python (``python -m autopar_lab.pricing.table_worker``) fed over a pipe: not a
+fork of the parent (which has JAX's threads) and not ``multiprocessing``'s spawn (which runs the user's script again
+in every worker unless it guards itself with ``if __name__ == "__main__"``). Each worker receives the solve graph and
+the cluster once, keeps its own first-pass memo and sends back per mesh only what the table keeps: the solve graph's
+layer costs and, per operator, the index of the strategy chosen among its strategies on that mesh. The parent
+rebuilds an IntraPlan from those indices when one is asked for (:func:`plan_from_choice`): the same strategies,
+priced by the same code, so the same numbers to the bit as solving in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
+
+import numpy as np
+
+from ..graph.opgraph import OpGraph
+from ..solve.intra import IntraPlan, StrategyCache, evaluate_intra, solve_intra
+from .layers import LayerCost, layer_costs
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+
+#: One solved mesh: ((submesh, shape), the solve graph's layer costs, strategy indices in op order, seconds).
+MeshResult = tuple[tuple[tuple[int, int], tuple[int, int]], list[LayerCost], np.ndarray, float]
+
+
+def default_workers() -> int:
+    """Worker processes worth starting: the cores this process may use, at most 4 (the ILPs are small; more
+    processes mostly add memory)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) -> tuple[list[LayerCost], IntraPlan,
+                                                                                         np.ndarray]:
+    """One mesh's ILP as the table solves it: (the solve graph's layer costs, the IntraPlan, strategy indices)."""
+    submesh, shape = key
+    mesh = cluster.logical_mesh(submesh, shape)
+    cache = StrategyCache(mesh)
+    plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache)
+    costs = layer_costs(graph, plan, list(graph.layers) or [""])
+    choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
+    for n, op in enumerate(graph.ops):
+        s = plan.strategies[op]
+        choice[n] = next(k for k, x in enumerate(cache.strategies(graph.op(op))) if x is s)
+    return costs, plan, choice
+
+
+def plan_from_choice(graph: OpGraph, cluster: Cluster, key, choice: np.ndarray) -> IntraPlan:
+    """The IntraPlan of a mesh solved elsewhere (another process, another cluster with the same device and links),
+    from its strategy indices (see :func:`solve_one`)."""
+    submesh, shape = key
+    mesh = cluster.logical_mesh(submesh, shape)
+    cache = StrategyCache(mesh)
+    chosen = {op: cache.strategies(graph.op(op))[int(k)] for op, k in zip(graph.ops, choice)}
+    return evaluate_intra(graph, mesh, chosen, ops=list(graph.ops), cache=cache)
+
+
+class _Worker:
+    """One worker process and the parent's thread that feeds it meshes from a shared queue."""
+
+    def __init__(self, setup: bytes, tasks: queue.Queue, results: queue.Queue):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the parent's imports
+        self.proc = subprocess.Popen([sys.executable, "-m", "autopar_lab.pricing.table_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.tasks, self.results = tasks, results
+        self.thread = threading.Thread(target=self._feed, args=(setup,), daemon=True)
+        self.thread.start()
+
+    def _feed(self, setup: bytes) -> None:
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            stdin.write(setup)
+            stdin.flush()
+            while True:
+                try:
+                    key = self.tasks.get_nowait()
+                except queue.Empty:
+                    break
+                pickle.dump(key, stdin)
+                stdin.flush()
+                self.results.put(pickle.load(stdout))
+        except (EOFError, OSError, pickle.UnpicklingError) as e:  # the worker died (or was stopped)
+            self.results.put(RuntimeError(f"an ILP worker process stopped: {type(e).__name__}: {e}"))
+            return
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Iterator[
+        MeshResult]:
+    """Yield each mesh's result as a worker finishes it (in no particular order). Closing the generator early (the
+    caller's progress hook raised, a cancel) stops every worker at once."""
+    tasks: queue.Queue = queue.Queue()
+    for k in keys:
+        tasks.put(k)
+    results: queue.Queue = queue.Queue()
+    setup = pickle.dumps((graph, cluster.to_dict(), solver))
+    pool = [_Worker(setup, tasks, results) for _ in range(max(1, min(workers, len(keys))))]
+    try:
+        for _ in range(len(keys)):
+            got = results.get()
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+    finally:
+        for w in pool:
+            w.stop()
+
+
+def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
+    """A worker's loop (``python -m autopar_lab.pricing.table_worker``): the setup, then one mesh after another."""
+    from ..cluster import Cluster
+
+    graph, cluster_dict, solver = pickle.load(stdin)
+    cluster = Cluster.from_json(cluster_dict)
+    memo: dict[Any, Any] = {}
+    while True:
+        try:
+            key = pickle.load(stdin)
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        costs, _plan, choice = solve_one(graph, cluster, key, solver, memo)
+        pickle.dump((key, costs, choice, time.perf_counter() - t0), stdout)
+        stdout.flush()
+

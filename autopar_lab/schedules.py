@@ -1,0 +1,111 @@
+"""Pipeline schedules: their names, what each asks of a plan, and where an interleaved plan puts its layers.
+
+- ``"gpipe"``: every forward, then every backward.
+- ``"1f1b"`` (PipeDream-flush): a warm-up of forwards, then one backward and one forward in turn.
+- ``"interleaved"`` (Narayanan et al., SC21): each stage holds ``v`` *virtual stages* (model chunks) and runs 1F1B
+  over them; the warm-up and the bubble shrink by ``v``, at the price of ``v`` times the transfers between stages.
+- ``"zb-h1"`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the backward is split into its
+  input-gradient part ``B`` (on the critical path between stages) and its weight-gradient part ``W`` (needed only
+  by the update), and ``W`` is deferred to fill the bubbles; the same peak memory as 1F1B, about a third of its
+  bubble when forward, ``B`` and ``W`` take equal time.
+
+An interleaved plan keeps each stage's layer *count* and submesh (``Stage.layers`` is its range in the plan's
+1F1B layout); the layers it runs are its chunks (:func:`interleave`): the model is cut into ``p * v`` chunks in
+order and stage ``k`` runs chunks ``k, k + p, k + 2p, ...``, so stage 0 still starts the model and the last stage
+still ends it.
+
+    >>> interleave([(0, 3), (4, 7)], 2)
+    [((0, 1), (4, 5)), ((2, 3), (6, 7))]
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+__all__ = ["SCHEDULES", "DP_SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "interleave",
+           "schedule_of", "dp_schedule"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+#: The schedules the stage DP (:mod:`autopar_lab.solve.inter`) prices itself.
+DP_SCHEDULES = ("1f1b", "gpipe")
+#: Virtual stages per stage of an interleaved plan when none are given (Megatron-LM's published runs use 2-4).
+DEFAULT_VIRTUAL_STAGES = 2
+MAX_VIRTUAL_STAGES = 1024
+
+
+def check_schedule(schedule, virtual_stages=None) -> tuple[str, int]:
+    """``(schedule, virtual stages)`` checked: a name of :data:`SCHEDULES`; ``virtual_stages`` a whole number >= 2
+    for ``"interleaved"`` (default :data:`DEFAULT_VIRTUAL_STAGES`) and None or 1 for the others (1 is returned).
+
+    >>> check_schedule("interleaved"), check_schedule("zb-h1")
+    (('interleaved', 2), ('zb-h1', 1))
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r:.60}.")
+    if virtual_stages is None:
+        return schedule, DEFAULT_VIRTUAL_STAGES if schedule == "interleaved" else 1
+    v = virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VIRTUAL_STAGES:
+        raise ValueError(f"virtual_stages must be a whole number of model chunks per stage (2 or more for the "
+                         f"interleaved schedule), got {v!r:.40}.")
+    if schedule == "interleaved" and v < 2:
+        raise ValueError("the interleaved schedule needs virtual_stages of 2 or more (1 chunk per stage is plain "
+                         "1f1b); pass virtual_stages=2 or use schedule '1f1b'.")
+    if schedule != "interleaved" and v != 1:
+        raise ValueError(f"virtual_stages={v} applies to the interleaved schedule only; use schedule='interleaved' "
+                         f"or leave virtual_stages out for {schedule!r}.")
+    return schedule, v
+
+
+def schedule_of(schedule, virtual_stages=None, stage_pins: Mapping | None = None) -> tuple[str, int]:
+    """The ``(schedule, virtual stages)`` a plan is priced with: ``virtual_stages`` as given, else the pinned one
+    (``stage_pins["virtual_stages"]``, which :func:`~autopar_lab.overrides.with_schedule` records), else the
+    default (:func:`check_schedule`)."""
+    if virtual_stages is None and schedule == "interleaved" and stage_pins:
+        virtual_stages = stage_pins.get("virtual_stages")
+    return check_schedule(schedule, virtual_stages)
+
+
+def check_layout(schedule: str, virtual_stages: int, layer_counts: Sequence[int], microbatches: int) -> None:
+    """A ValueError unless a plan whose stages hold ``layer_counts`` layers can run ``schedule``: interleaving needs
+    2 or more stages, a microbatch count that is a multiple of the stage count (each stage cycles through its chunks
+    in groups of that many microbatches), and at least ``virtual_stages`` layers on every stage."""
+    if schedule != "interleaved":
+        return
+    p, v = len(layer_counts), virtual_stages
+    if p < 2:
+        raise ValueError("the interleaved schedule needs at least 2 pipeline stages; this plan has 1 (use '1f1b', or "
+                         "split the layers into stages first).")
+    if microbatches % p:
+        raise ValueError(f"the interleaved schedule runs the microbatches in groups of the stage count ({p}); "
+                         f"{microbatches} microbatch(es) is not a multiple of it: choose a multiple of {p} "
+                         "(plan.with_microbatches) or another number of stages first.")
+    short = [k for k, n in enumerate(layer_counts) if n < v]
+    if short:
+        k = short[0]
+        raise ValueError(f"stage {k} holds {layer_counts[k]} layer(s), fewer than the {v} virtual stages (chunks) each "
+                         f"stage runs; use virtual_stages={min(layer_counts)} or fewer, or give stage {k} more layers.")
+
+
+def interleave(ranges: Sequence[Sequence[int]], virtual_stages: int) -> list[tuple[tuple[int, int], ...]]:
+    """Each stage's chunks ``((first, last), ...)`` when the stages of ``ranges`` (their (first, last) layers, in
+    order) run ``virtual_stages`` chunks each: stage ``k`` keeps its layer count, split as evenly as possible into
+    ``v`` chunks (the larger ones first), and chunk ``r`` of stage ``k`` is virtual stage ``r * p + k``, the layers
+    taken in virtual-stage order."""
+    p, v = len(ranges), int(virtual_stages)
+    counts = [int(b) - int(a) + 1 for a, b in ranges]
+    sizes = [[n // v + (1 if r < n % v else 0) for r in range(v)] for n in counts]
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    first = int(ranges[0][0]) if ranges else 0
+    for r in range(v):
+        for k in range(p):
+            n = sizes[k][r]
+            out[k].append((first, first + n - 1))
+            first += n
+    return [tuple(c) for c in out]
+
+
+def dp_schedule(schedule: str) -> str:
+    """The schedule the stage DP prices in place of ``schedule``: itself for :data:`DP_SCHEDULES`, else "1f1b" (the
+    DP does not know interleaving or the B/W split yet; the plan it returns is then priced with the real schedule)."""
+    return schedule if schedule in DP_SCHEDULES else "1f1b"

@@ -1,0 +1,128 @@
+"""The cost table at scale: meshes solved in worker processes give the same numbers as solved in place; the
+"divisors" planning space; a table reused for another number of hosts."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar_lab as al
+from autopar_lab.pricing import CostTable, planning_submeshes
+from autopar_lab.pricing.table_pool import default_workers
+
+SMALL = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return al.models.get("gpt-1.3b", batch_size=8, seq_len=32)
+
+
+def _same_plan(a, b):
+    return ({o: s.name for o, s in a.strategies.items()} == {o: s.name for o, s in b.strategies.items()}
+            and (a.compute_s, a.comm_s, a.reshard_s, a.static_bytes, a.act_bytes, dict(a.role_s), a.sync_s)
+            == (b.compute_s, b.comm_s, b.reshard_s, b.static_bytes, b.act_bytes, dict(b.role_s), b.sync_s))
+
+
+@pytest.mark.slow
+def test_meshes_solved_in_workers_equal_meshes_solved_here(model):
+    """Two worker processes (the pool's threshold lowered to this small table): every layer cost and every
+    IntraPlan rebuilt from the workers' strategy indices equal the in-process solve to the bit, and so do the plans."""
+    here, there = CostTable.build(model, SMALL), CostTable.build(model, SMALL)
+    seen = []
+    there.on_progress = lambda msg, done, total: seen.append((done, total))
+    assert here.solve_meshes(workers=1) == len(here.planned_meshes())
+    import autopar_lab.pricing.table as table_module
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        assert there.solve_meshes(workers=2) == len(there.planned_meshes())
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    n = len(there.planned_meshes())
+    assert sorted(seen) == [(k, n) for k in range(1, n + 1)]  # progress: each mesh once, with the total
+    for key in here.planned_meshes():
+        (ca, pa), (cb, pb) = here.mesh_costs(*key), there.mesh_costs(*key)
+        assert ca == cb and _same_plan(pa, pb)
+    a, b = al.auto_plan(model, SMALL, table=here), al.auto_plan(model, SMALL, table=there)
+    assert a.cost.to_dict() == b.cost.to_dict()
+
+
+def test_default_workers_is_small_and_positive():
+    assert 1 <= default_workers() <= 4
+
+
+def test_divisor_space_keeps_what_splits_the_batch_or_tiles_the_cluster():
+    c = al.Cluster.preset("dgx-a100", hosts=64)
+    full = planning_submeshes(c, 1536, "full")
+    div = planning_submeshes(c, 1536, "divisors")
+    assert planning_submeshes(c, 1536, "auto") == div and len(full) == 67
+    hosts = sorted(n for n, m in div if m == 8)
+    assert hosts == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # 8n divides 1536, or n divides 64
+    assert [s for s in full if s[0] == 1] == [s for s in div if s[0] == 1]  # every shape inside a host
+    small = al.Cluster.preset("dgx-a100", hosts=4)
+    assert planning_submeshes(small, 1536, "auto") == planning_submeshes(small, 1536, "full")  # Alpa's up to 4
+    with pytest.raises(ValueError, match="space"):
+        planning_submeshes(c, 1536, "some")
+
+
+def test_a_table_moved_to_more_hosts_reuses_every_mesh_and_plans_as_a_fresh_one(model):
+    small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+    bigger = small.with_(hosts=2)
+    table = CostTable.build(model, small)
+    table.solve_meshes(workers=1)
+    moved = table.for_cluster(bigger)
+    assert moved.graph is table.graph and moved.trace_s == 0.0
+    new = set(moved.planned_meshes()) - set(table.planned_meshes())
+    assert new and moved.solve_meshes(workers=1) == len(new)  # only the two-host submeshes' ILPs run
+    fresh = al.auto_plan(model, bigger)
+    again = al.auto_plan(table.graph, bigger, table=moved)
+    assert again.cost.to_dict() == fresh.cost.to_dict()
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in again.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in fresh.stages]
+    assert [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in again.stages] == \
+        [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in fresh.stages]
+    # Another inter-host link: the traces carry over, no mesh does.
+    slower = table.for_cluster(small.with_(intra_host_bandwidth=small.intra_host.bandwidth / 4))
+    assert slower.graph is table.graph and slower.solve_meshes(workers=1) == len(slower.planned_meshes())
+
+
+def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
+    from autopar_lab.widgets.session import Session
+
+    small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+    session = Session(al.auto_plan(model, small), model=model)
+    seen = []
+    plan = session.set_cluster(hosts=2, on_progress=lambda msg, frac: seen.append(msg))
+    assert plan.cluster.hosts == 2 and session.plan is plan
+    solved = [m for m in seen if m.startswith("intra-op")]
+    assert solved and all(m.startswith("intra-op 2x4") for m in solved)  # the one new submesh, nothing else
+    assert plan.cost.step_time_s == al.auto_plan(model, small.with_(hosts=2)).cost.step_time_s
+
+
+def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
+    """The coarse DP (blocks of layers, arrays cut from the fine ones) finds what the plain DP finds when only cuts on
+    the grid are allowed: same latency, same stages."""
+    from autopar_lab import planner
+    from autopar_lab.solve import inter
+
+    model = al.models.get("gpt-1.3b", batch_size=8, seq_len=32)
+    table = CostTable.build(model, SMALL)
+    L = len(table.layer_names)
+    grid = planner.layer_grid(L, most=8)
+    assert len(grid) <= 8 and grid[0] == 0 and grid[1] == 1 and grid[-1] == L - 1
+    starts, ends = set(grid), {b - 1 for b in grid[1:]} | {L - 1}
+    kw = dict(mem_limit_bytes=SMALL.device.memory_bytes, intra_link=SMALL.intra_host, inter_link=SMALL.inter_host)
+    choices = planner.microbatch_choices(table.batch_size, "auto")
+
+    def restricted(B, mem):
+        fine = table.candidate_fn(B, mem)
+        return lambda a, b, sub: fine(a, b, sub) if a in starts and b in ends else []
+
+    coarse = planner.search_microbatches(table, SMALL, choices, grid=grid, **kw)
+    plain = planner.search_microbatches(table, SMALL, choices, candidates=restricted, **kw)
+    assert coarse.latency_s == pytest.approx(plain.latency_s, rel=1e-12)
+    assert coarse.microbatches == plain.microbatches
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in coarse.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in plain.stages]
+    assert planner.layer_grid(L) == list(range(L))  # at most 66 layers: every cut
+    assert isinstance(coarse, inter.InterResult)
