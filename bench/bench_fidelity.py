@@ -67,8 +67,10 @@ def published_flops(B: int, s: int, l: int, h: int, V: int) -> float:
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def _param_spec(path: str, rank: int) -> str:
-    """Megatron-LM's spec of a parameter (or its Adam state) on a (d, t) mesh: split by t only."""
+def _param_spec(path: str, rank: int, t: int = 2) -> str:
+    """Megatron-LM's spec of a parameter (or its Adam state) on a (d, t) mesh: split by t only (whole for t = 1)."""
+    if t == 1:
+        return "R" * rank
     if _COL.search(path):
         return "RS1"
     if _COL_BIAS.search(path):
@@ -108,7 +110,7 @@ def megatron_pins(graph, mesh) -> dict:
         if node.primitive == INPUT_PRIMITIVE:
             info = graph.tensor(node.outputs[0])
             if info.kind in ("param", "opt_state") and info.shape:
-                pins[op] = _param_spec(info.path, len(info.shape))
+                pins[op] = _param_spec(info.path, len(info.shape), mesh.shape[1])
             continue
         if node.primitive != "dot_general" or node.role not in (FORWARD, BACKWARD) or mesh.shape[1] == 1:
             continue  # (without tensor parallelism only the parameters' specs are pinned: replicated, no ZeRO)

@@ -17,7 +17,7 @@ and :func:`memory_breakdown` splits the same sums:
 * ``buffers_bytes``: transient buffers: the stage's (average) layer's largest tensor written and not kept;
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
-  schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe).
+  schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An interleaved stage: its peak less its static bytes (its chunks hold different amounts).
 
 ``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
 is what rematerialisation saves (the activations the stage would hold without it, less what it holds), 0 for a stage
@@ -75,7 +75,9 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"stage": k, **{p: 0.0 for p in PARTS}}
         saved = 0.0
         if st.layer_costs is not None:
-            parts = stage_memory(st.layer_costs, st.layers, plan.microbatches, st.remat)
+            # an interleaved stage runs its chunks, each priced as a stage of its own: their parts add up
+            chunks = [stage_memory(st.layer_costs, rng, plan.microbatches, st.remat) for rng in st.layer_ranges]
+            parts = {key: sum(c[key] for c in chunks) for key in chunks[0]}
             for p in PARTS[:-1]:
                 row[p] = parts[p]
             if st.remat:
@@ -86,7 +88,8 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
             row[big] += rest
         else:
             row["params_bytes"] = st.static_bytes
-        row["activations_bytes"] = inflight * st.act_bytes
+        # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
+        row["activations_bytes"] = st.peak_mem_bytes - st.static_bytes if st.chunks else inflight * st.act_bytes
         row.update({"act_per_microbatch_bytes": st.act_bytes, "microbatches_in_flight": inflight,
                     "remat": bool(st.remat), "remat_saved_bytes": saved, "total_bytes": st.peak_mem_bytes,
                     "limit_bytes": plan.cost.mem_limit_bytes})
