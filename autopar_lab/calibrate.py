@@ -21,6 +21,9 @@ What is measured, and why each figure is the one the cost model wants:
   is the intra-host link; every fit is stored with its residuals (measured vs fitted time per size).
 * the fixed cost of one kernel (:func:`measure_kernel_overhead`): a chain of tiny kernels on every device at once,
   counted as the cost model counts kernels; stored as ``device.efficiency.kernel_launch_s``.
+* the fixed cost of one state array a program takes and returns (:func:`measure_buffer_overhead`): a jitted update
+  of many small arrays replicated on every device, fitted per array; stored as ``device.efficiency.buffer_s`` (a
+  step's update program takes and returns every parameter and optimizer-state array once).
 * the fixed cost of one pipeline task (:func:`measure_task_overhead`): a trivial jitted call on a block of devices
   with a small activation moved in from another block and a host microbatch put there, as the local runtime runs
   a stage's forward or backward; the median time at a few activation sizes, fitted to t = overhead + beta * bytes.
@@ -28,8 +31,8 @@ What is measured, and why each figure is the one the cost model wants:
   microbatch.
 
 ``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
-``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel) overhead and adds it to an
-existing profile.
+``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel and per-state-array)
+overhead and adds it to an existing profile.
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
 >>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
@@ -55,7 +58,7 @@ from autopar_lab.cluster import CPU_PROFILE_PATH
 
 __all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "measure_task_overhead", "write_profile",
            "update_task_overhead", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
-           "measure_kernel_overhead", "update_kernel_overhead", "main"]
+           "measure_kernel_overhead", "update_kernel_overhead", "measure_buffer_overhead", "main"]
 
 REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
 
@@ -296,14 +299,39 @@ def measure_kernel_overhead(num_devices: int | None = None, steps=(8, 40), repea
             "fit": "t = call_s + kernel_launch_s * kernels (the cost model's count), median of repeats per chain"}
 
 
+def measure_buffer_overhead(num_devices: int | None = None, counts=(8, 128), repeats: int = 21) -> dict:
+    """Time a jitted update of ``k`` small arrays, each replicated on every device (``x * a + b`` per array, taken
+    and returned, as a step's update program takes and returns each parameter and optimizer-state array), and fit
+    the fixed cost per array. Returns {"buffer_s", "call_s" (the intercept), "points": [{"arrays", "seconds"}],
+    "fit"}."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    replicated = NamedSharding(Mesh(np.array(devs[:n]), ("d",)), P())
+    rows = []
+    for k in counts:
+        xs = [jax.device_put(np.full((16, 16), i, np.float32), replicated) for i in range(k)]
+        fn = jax.jit(lambda *a: [x * 0.5 + 1.0 for x in a])
+        rows.append({"arrays": k, "seconds": _median_time(lambda: fn(*xs), repeats=repeats)})
+    alpha, beta = fit_alpha_beta([r["arrays"] for r in rows], [r["seconds"] for r in rows])
+    return {"buffer_s": beta, "call_s": alpha, "points": rows,
+            "fit": "t = call_s + buffer_s * arrays, median of repeats per count, every device holding each array"}
+
+
 def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
-    """Measure only the per-kernel overhead (:func:`measure_kernel_overhead`) and store it in the profile at ``path``
+    """Measure only the per-kernel and per-state-array overheads (:func:`measure_kernel_overhead`,
+    :func:`measure_buffer_overhead`) and store them in the profile at ``path``
     (default: the shipped one), keeping every other figure; returns the profile."""
     out = Path(path) if path is not None else CPU_PROFILE_PATH
     profile = json.loads(out.read_text())
     kern = measure_kernel_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
-    profile["device"].setdefault("efficiency", {})["kernel_launch_s"] = kern["kernel_launch_s"]
+    buf = measure_buffer_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
+    profile["device"].setdefault("efficiency", {}).update(kernel_launch_s=kern["kernel_launch_s"],
+                                                          buffer_s=buf["buffer_s"])
     profile.setdefault("measurements", {})["kernel_overhead"] = kern
+    profile["measurements"]["buffer_overhead"] = buf
     profile["kernel_overhead_measured_on"] = _dt.date.today().isoformat()
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
@@ -418,6 +446,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     if n >= 4:
         task = measure_task_overhead(n, byte_sizes=(1 << 10, 1 << 14, 1 << 18), repeats=21 if quick else 101)
     kern = measure_kernel_overhead(n, repeats=7 if quick else 21)
+    buf = measure_buffer_overhead(n, repeats=7 if quick else 21)
 
     total = total_memory_bytes()
     return {
@@ -443,7 +472,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             # One stage task's launch and input moves (0 when there are too few devices to measure it).
             "task_overhead_s": task["task_overhead_s"] if task else 0.0,
             # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
-            "efficiency": {"kernel_launch_s": kern["kernel_launch_s"]},
+            "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"]},
         },
         "intra_host": intra,
         # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
@@ -463,6 +492,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "collective_fit": _COLLECTIVE_FIT,
             "task_overhead": task,
             "kernel_overhead": kern,
+            "buffer_overhead": buf,
         },
     }
 
@@ -498,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-overhead-only", action="store_true",
                         help="measure only the per-task overhead and add it to the existing profile at --out")
     parser.add_argument("--kernel-overhead-only", action="store_true",
-                        help="measure only the per-kernel overhead and add it to the existing profile at --out")
+                        help="measure only the per-kernel and per-state-array overheads and add them to the existing "
+                             "profile at --out")
     args = parser.parse_args(argv)
     # Calibrate CPU devices; give the usual 8 unless the caller chose (only works before jax is imported).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -522,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{d['peak_flops']['float32'] / 1e9:.1f} GFLOP/s and {d['memory_bandwidth'] / 1e9:.1f} GB/s per device "
             f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us, "
             f"{d['task_overhead_s'] * 1e3:.2f} ms per pipeline task, "
-            f"{d.get('efficiency', {}).get('kernel_launch_s', 0.0) * 1e6:.1f} us per kernel"
+            f"{d.get('efficiency', {}).get('kernel_launch_s', 0.0) * 1e6:.1f} us per kernel, "
+            f"{d.get('efficiency', {}).get('buffer_s', 0.0) * 1e6:.1f} us per state array"
         )
     return 0
 

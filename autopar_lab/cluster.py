@@ -128,7 +128,10 @@ class Efficiency:
     - ``attention``: the fraction of ``peak_flops`` a fused (flash) attention kernel reaches on the FLOPs it runs;
     - ``flash_attention``: whether attention runs as one fused kernel on this device by default (the s x s scores
       never reach memory); a plan may choose otherwise (``cluster.with_(flash_attention=False)``);
-    - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch.
+    - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch;
+    - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
+      step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
+      ``cpu`` preset, where it is tens of microseconds; 0 on the GPU presets, whose executables keep their buffers).
 
     The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
     device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
@@ -150,6 +153,7 @@ class Efficiency:
     attention: float = 1.0
     flash_attention: bool = False
     kernel_launch_s: float = 5e-6
+    buffer_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("matmul", "memory", "attention"):
@@ -165,6 +169,10 @@ class Efficiency:
         if not isinstance(launch, numbers.Real) or not math.isfinite(launch) or launch < 0:
             raise ValueError(f"efficiency.kernel_launch_s must be a finite number of seconds >= 0, got {launch!r}.")
         object.__setattr__(self, "kernel_launch_s", float(launch))
+        buf = self.buffer_s
+        if not isinstance(buf, numbers.Real) or not math.isfinite(buf) or buf < 0:
+            raise ValueError(f"efficiency.buffer_s must be a finite number of seconds >= 0, got {buf!r}.")
+        object.__setattr__(self, "buffer_s", float(buf))
         object.__setattr__(self, "flash_attention", bool(self.flash_attention))
 
     def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:

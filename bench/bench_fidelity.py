@@ -15,19 +15,21 @@ The published layout, as the paper ran it:
   columns, the attention projection and the second MLP matmul by rows (one all-reduce each, forward and backward),
   attention split by heads, the embedding split by vocabulary; parameters and Adam state sharded only by ``t``
   (no ZeRO); the intra-op ILP decides everything else around the pins;
-* full activation recomputation (``remat``), 1F1B;
+* full activation recomputation (``remat``); one stage: 1F1B; the pipelined rows (39B, 145B, 530B): the interleaved
+  1F1B schedule they ran, with ``v`` model chunks per stage (:func:`virtual_stages`: the paper does not give ``v``;
+  the smallest divisor above 1 of the layers per stage is assumed: 2, 2 and 3); ``--no-interleave`` prices plain
+  1F1B instead (the nearest plan before the planner had the interleaved schedule);
 * attention as matmuls and a fused softmax through memory (Megatron-LM of 2021 had no flash attention; the
   ``dgx-a100`` preset's default would price flash attention: ``--flash`` shows those figures too).
 
 Assumed where the paper leaves it out: microbatch size 1 (``B / d`` microbatches per step); no dropout (the zoo's GPT
-has none; Megatron-LM trained with attention and hidden dropout 0.1). Not priced: the interleaved 1F1B schedule the
-pipelined rows used (the nearest plan, plain 1F1B, has a larger bubble: ``(p - 1) / m`` of the step instead of
-``(p - 1) / (m v)``), data loading, logging.
+has none; Megatron-LM trained with attention and hidden dropout 0.1); the interleaving factor (above). Not priced:
+data loading, logging.
 
 TFLOP/s per GPU counts the published formula's FLOPs, recomputation included: F = 96 B s l h^2 (1 + s / (6 h)
 + V / (16 l h)); predicted TFLOP/s = F / (predicted step time x GPUs).
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/bench_fidelity.py [--rows 1.7B,7.5B] [--flash] [--json]
+    JAX_PLATFORMS=cpu .venv/bin/python bench/bench_fidelity.py [--rows 1.7B,7.5B] [--flash] [--no-interleave] [--json]
 """
 
 from __future__ import annotations
@@ -143,8 +145,19 @@ def megatron_pins(graph, mesh) -> dict:
     return pins
 
 
-def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None):
-    """(plan, model, GPUs, published TFLOP/s, FLOPs per step) of one row in its published layout."""
+def virtual_stages(layers_per_stage: int) -> int:
+    """The interleaving factor assumed for a pipelined row: the smallest divisor above 1 of its transformer layers per
+    stage (Megatron-LM needs equal chunks; the paper does not say which ``v`` each row ran).
+
+    >>> [virtual_stages(n) for n in (24, 10, 3)]
+    [2, 2, 3]
+    """
+    return next(v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0)
+
+
+def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None, interleave: bool = True):
+    """(plan, model, GPUs, published TFLOP/s, FLOPs per step) of one row in its published layout (pipelined rows
+    interleaved unless ``interleave`` is False)."""
     import autopar_lab as al
     from autopar_lab.pricing import CostTable, price_plan
     from autopar_lab.solve.intra import solve_intra
@@ -165,21 +178,24 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     k = l // p
     bounds = [0] + [1 + k * j for j in range(1, p)] + [L]
     stages = [((bounds[j], bounds[j + 1] - 1), submesh, (d, t), True) for j in range(p)]
-    plan = price_plan(table, stages, microbatches=B // (d * micro), intras=[intra] * p, method=f"megatron-{name}")
+    sched = dict(schedule="interleaved", virtual_stages=virtual_stages(k)) if p > 1 and interleave else {}
+    plan = price_plan(table, stages, microbatches=B // (d * micro), intras=[intra] * p, method=f"megatron-{name}",
+                      **sched)
     return plan, model, gpus, pub, published_flops(B, SEQ, l, h, VOCAB)
 
 
-def row(name: str, flash: bool = False, micro: int = 1) -> dict:
+def row(name: str, flash: bool = False, micro: int = 1, interleave: bool = True) -> dict:
     from autopar_lab.pricing.memory import PARTS, memory_breakdown
 
     t0 = time.perf_counter()
-    plan, model, gpus, pub, F = published_plan(name, flash=flash, micro=micro)
+    plan, model, gpus, pub, F = published_plan(name, flash=flash, micro=micro, interleave=interleave)
     step = plan.cost.step_time_s
     tflops = F / (step * gpus) / 1e12
     mem = memory_breakdown(plan)
     peak = max(mem, key=lambda r: r["total_bytes"])
     c = plan.cost
     return {"row": name, "gpus": gpus, "published_tflops": pub, "predicted_tflops": tflops, "ratio": tflops / pub,
+            "schedule": plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
             "step_s": step, "published_step_s": F / (pub * 1e12 * gpus), "microbatches": plan.microbatches,
             "compute_s": c.compute_s, "comm_s": c.comm_s, "reshard_s": c.reshard_s, "bubble_s": c.bubble_s,
             "hidden_comm_s": c.hidden_comm_s, "kernels": c.kernels, "flash_attention": flash,
@@ -199,22 +215,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS), help="comma-separated row names")
     ap.add_argument("--flash", action="store_true", help="also price each row with flash attention (informative)")
     ap.add_argument("--micro", type=int, default=1, help="microbatch size (samples per microbatch per replica)")
+    ap.add_argument("--no-interleave", action="store_true",
+                    help="price the pipelined rows with plain 1F1B (the nearest plan without interleaving)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
-    rows = [row(n, micro=args.micro) for n in names]
+    inter = not args.no_interleave
+    rows = [row(n, micro=args.micro, interleave=inter) for n in names]
     out = {"rows": rows, **summary(rows), "micro": args.micro}
     if args.flash:
-        out["flash"] = [row(n, flash=True, micro=args.micro) for n in names]
+        out["flash"] = [row(n, flash=True, micro=args.micro, interleave=inter) for n in names]
     if args.json:
         print(json.dumps(out, indent=1))
         return out
-    print("| row | GPUs | published TFLOP/s | predicted | pred / pub | step s (pub) | peak GiB (stage) | fits in 80 GiB |"
+    print("| row | GPUs | schedule | published TFLOP/s | predicted | pred / pub | step s (pub) | peak GiB (stage) | fits in 80 GiB |"
           " peak stage: params + grads + master + optimizer + copies + buffers + recompute + activations GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         parts = " + ".join(f"{v:.1f}" for v in r["peak_parts_gib"].values())
-        print(f"| {r['row']} | {r['gpus']} | {r['published_tflops']} | {r['predicted_tflops']:.1f} | {r['ratio']:.3f} "
+        print(f"| {r['row']} | {r['gpus']} | {r['schedule']} | {r['published_tflops']} | {r['predicted_tflops']:.1f} | {r['ratio']:.3f} "
               f"| {r['step_s']:.2f} ({r['published_step_s']:.2f}) | {r['peak_mem_gib']:.1f} (S{r['peak_stage']}, "
               f"{r['microbatches_in_flight']} in flight) | {'yes' if r['fits'] else 'NO'} | {parts} |")
     print(f"median |pred/pub - 1| = {out['median_abs_err']:.1%}, worst {out['worst_abs_err']:.1%} "

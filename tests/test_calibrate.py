@@ -226,3 +226,25 @@ def test_planner_charges_the_task_overhead_once_per_task():
         for c in fast:
             ref = table.stage(0, 2, submesh, c.logical_mesh, B, c.remat)
             assert (c.fwd_s, c.bwd_s) == (ref.fwd_s, ref.bwd_s)
+
+
+def test_buffer_overhead_is_measured_per_state_array():
+    if _devices() < 2:
+        pytest.skip("needs at least 2 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    m = calibrate.measure_buffer_overhead(2, counts=(4, 64), repeats=5)
+    assert m["buffer_s"] > 0 and [p["arrays"] for p in m["points"]] == [4, 64]
+    # the fit goes through the two points (two unknowns, two measurements) unless noise tipped the intercept
+    # below 0 (then it is 0 and the slope refitted)
+    assert m["call_s"] >= 0
+    if m["call_s"] > 0:
+        for p in m["points"]:
+            assert m["call_s"] + m["buffer_s"] * p["arrays"] == pytest.approx(p["seconds"], rel=1e-6)
+
+
+def test_shipped_profile_has_the_buffer_overhead():
+    from autopar_lab.cluster import CPU_PROFILE_PATH, Cluster
+
+    prof = json.loads(CPU_PROFILE_PATH.read_text())
+    buf = prof["measurements"]["buffer_overhead"]["buffer_s"]
+    assert prof["device"]["efficiency"]["buffer_s"] == buf > 0
+    assert Cluster.preset("cpu").device.efficiency.buffer_s == buf

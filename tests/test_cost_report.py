@@ -60,3 +60,25 @@ def test_the_cost_panel_shows_hidden_communication_and_kernels(dp_plan):
     assert "fused kernels" in explain_text(dp_plan.cost) and "hidden behind compute" in explain_text(dp_plan.cost)
     text = memory_text(memory_breakdown(dp_plan), dp_plan.cost.mem_limit_bytes)
     assert "fp32 master weights" in text  # the zoo's float16 GPT trains in mixed precision
+
+
+def test_the_update_pays_once_per_step_for_each_state_array():
+    """Efficiency.buffer_s: the step's update program takes and returns every parameter and optimizer-state array
+    once per step (measured on the cpu preset, where dispatching buffers costs tens of microseconds each)."""
+    from autopar_lab.graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM
+
+    model = al.models.get("gpt-tiny", num_layers=2, hidden_size=32, seq_len=16, batch_size=8, vocab_size=64)
+    base = al.Cluster.preset("cpu").with_(devices_per_host=2, buffer_s=0.0)
+    slow = base.with_(buffer_s=1e-3)
+    a = al.data_parallel_plan(model, base, microbatches=2)
+    b = al.data_parallel_plan(model, slow, microbatches=2)
+    g = a.table.solve_graph
+    arrays = sum(1 for o in g.ops if g.op(o).primitive == INPUT_PRIMITIVE
+                 and g.tensor(g.op(o).outputs[0]).kind in (PARAM, OPT_STATE))
+    assert arrays > 20  # every weight, bias and norm, two Adam moments each, and Adam's count
+    extra = sum(c.bwd_s for c in b.stages[0].layer_costs) - sum(c.bwd_s for c in a.stages[0].layer_costs)
+    assert extra == pytest.approx(arrays * 1e-3, rel=1e-9)
+    # once per step: spread over the microbatches' backward tasks, the step grows by as much
+    assert b.cost.step_time_s - a.cost.step_time_s == pytest.approx(arrays * 1e-3, rel=1e-6)
+    with pytest.raises(ValueError, match="buffer_s"):
+        base.with_(buffer_s=-1.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.fusion import attach_kernel_roles, kernel_view
-from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, PARAM, UPDATE, OpGraph
+from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
 from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, gathered_bytes, memory_terms, weight_gradient_ops
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ class LayerCost:
     """One layer on one logical mesh, per training step at the graph's batch (bytes per device).
 
     Times: ``fwd_s`` (forward work: compute, collectives, resharding), ``bwd_s`` (backward and optimizer update,
-    with the update's kernel launches, which run once per step); of those, ``compute_s``, ``comm_s`` and
+    with the update's kernel launches and its state arrays' dispatch, ``Efficiency.buffer_s`` each, which run once
+    per step); of those, ``compute_s``, ``comm_s`` and
     ``reshard_s`` by kind, ``fwd_compute_s``/``bwd_compute_s`` the compute of each pass, ``sync_s`` the
     weight-gradient collectives (data-parallel gradient reduction: it can overlap the backward of the step's last
     microbatch) and ``gather_s`` the gathers of parameters from their shards (they can be prefetched behind the
@@ -81,6 +82,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     device = plan.mesh.cluster.device
     fused = device.efficiency.flash_attention
     launch = device.efficiency.kernel_launch_s
+    per_buffer = device.efficiency.buffer_s
     view = kernel_view(graph, fused)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
@@ -98,6 +100,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["comm"] += s.comm_s
         if op in grads:
             a["sync"] += s.comm_s
+        if per_buffer and node.primitive == INPUT_PRIMITIVE and graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
+            a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
         role = view.roles.get(op)
         if role is not None and role.root:
             if node.role == UPDATE:
