@@ -40,7 +40,7 @@ def test_megatron_pins_give_megatron_lms_tensor_parallelism():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["1.7B", "7.5B"])
+@pytest.mark.parametrize("name", ["1.7B", "7.5B", "39B"])
 def test_published_rows_are_predicted_within_20_percent_and_fit(name):
     r = fidelity.row(name)
     assert abs(r["ratio"] - 1) <= 0.2, r
@@ -61,3 +61,7 @@ def test_the_published_layout_is_priced_as_published():
     assert rows[0]["master_bytes"] == pytest.approx(4 * psi_per_gpu, rel=0.01)
     assert sum(rows[0][p] for p in PARTS) == pytest.approx(st.peak_mem_bytes, rel=1e-12)
     assert F == pytest.approx(fidelity.published_flops(512, 2048, 36, 4096, 51200))
+
+
+def test_interleaving_factor_divides_the_layers_per_stage():
+    assert [fidelity.virtual_stages(n) for n in (24, 10, 3, 7)] == [2, 2, 3, 7]
