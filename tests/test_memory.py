@@ -162,3 +162,38 @@ def test_a_gathered_parameter_copy_is_held_as_memory():
     # gradient, nothing gathered.
     assert split.static_bytes == pytest.approx(2 * full / 8 + full)
     assert whole.static_bytes == pytest.approx(2 * full)
+
+
+def test_tensor_parallelism_splits_the_attention_scores_by_heads(gpt16):
+    """Korthikanti's tensor-parallel attention term, 5 a s^2 b / t: each of t devices keeps the scores of its a / t
+    heads. Megatron-LM's sharding pinned (bench_fidelity.megatron_pins) on t = 2: the zoo's 6 a s^2 b of kept scores
+    (above) become 6 a s^2 b / 2 per device."""
+    import sys
+    from pathlib import Path
+
+    from autopar_lab.pricing import CostTable, price_plan
+    from autopar_lab.solve.intra import solve_intra
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fidelity
+
+    def layer_act(flash, t=2):
+        cluster = al.Cluster.preset("dgx-a100").with_(devices_per_host=t, flash_attention=flash)
+        table = CostTable.build(gpt16, cluster)
+        mesh = cluster.logical_mesh((1, t), (1, t))
+        intra = solve_intra(table.solve_graph, mesh, pins=bench_fidelity.megatron_pins(table.solve_graph, mesh),
+                            solver="highs", rounds=1)
+        plan = price_plan(table, [((0, len(table.layer_names) - 1), (1, t), (1, t), False)], microbatches=1,
+                          intras=[intra])
+        return _layer(plan, "layer_1").act_bytes
+
+    t = 2
+    assert layer_act(False) - layer_act(True) == 6 * A * S * S * BATCH / t
+    # The per-token part has Korthikanti's form s b h (R + X / t) (theirs: 10 + 24 / t with dropout): what the
+    # sharded matmuls read and write splits, the layer norms' inputs and outputs and the residual stream do not.
+    # Beside it the float32 row statistics: the layer norms' (24 bytes a token, replicated), the softmax's (4 a / t).
+    per_token = {t: (layer_act(True, t) - (24 + 4 * A / t) * S * BATCH) / (S * BATCH * H) for t in (1, 2, 4)}
+    X = 2 * (per_token[1] - per_token[2])
+    R = per_token[1] - X
+    assert per_token[4] == R + X / 4  # the three meshes lie on R + X / t
+    assert R == int(R) and X == int(X) and 8 <= R <= 14 and 24 <= X <= 34
