@@ -19,6 +19,11 @@ What is measured, and why each figure is the one the cost model wants:
   buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
   and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
   is the intra-host link; every fit is stored with its residuals (measured vs fitted time per size).
+* the fixed cost of one kernel (:func:`measure_kernel_overhead`): a chain of tiny kernels on every device at once,
+  counted as the cost model counts kernels; stored as ``device.efficiency.kernel_launch_s``.
+* the fixed cost of one state array a program takes and returns (:func:`measure_buffer_overhead`): a jitted update
+  of many small arrays replicated on every device, fitted per array; stored as ``device.efficiency.buffer_s`` (a
+  step's update program takes and returns every parameter and optimizer-state array once).
 * the fixed cost of one pipeline task (:func:`measure_task_overhead`): a trivial jitted call on a block of devices
   with a small activation moved in from another block and a host microbatch put there, as the local runtime runs
   a stage's forward or backward; the median time at a few activation sizes, fitted to t = overhead + beta * bytes.
@@ -26,7 +31,8 @@ What is measured, and why each figure is the one the cost model wants:
   microbatch.
 
 ``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
-``--task-overhead-only`` measures just the per-task overhead and adds it to an existing profile.
+``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel and per-state-array)
+overhead and adds it to an existing profile.
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
 >>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
@@ -51,10 +57,14 @@ import numpy as np
 from autopar_lab.cluster import CPU_PROFILE_PATH
 
 __all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "measure_task_overhead", "write_profile",
-           "update_task_overhead", "fit_alpha_beta", "total_memory_bytes", "main"]
+           "update_task_overhead", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
+           "measure_kernel_overhead", "update_kernel_overhead", "measure_buffer_overhead", "main"]
 
 REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
 
+_COLLECTIVE_FIT = ("t = latency x steps + x / bandwidth with x = 2 (n-1)/n B (all-reduce), (n-1)/n B (all-gather) and "
+                   "steps = 2 log2(n) (all-reduce: a tree), n-1 (all-gather: a ring); least squares in relative "
+                   "error; intra_host = the joint fit")
 # A single machine has no inter-host network to measure; a multi-host "cpu:N" what-if assumes 10 GbE.
 _ASSUMED_INTER_HOST = {"bandwidth": 10e9 / 8, "latency": 50e-6}
 
@@ -72,22 +82,27 @@ def total_memory_bytes() -> int:
     return int(total)
 
 
-def fit_alpha_beta(x_bytes: Any, seconds: Any) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * x in relative error; returns (alpha >= 0, beta > 0).
+def fit_alpha_beta(x_bytes: Any, seconds: Any, steps: Any = None) -> tuple[float, float]:
+    """Least-squares fit of t = alpha * steps + beta * x in relative error; returns (alpha >= 0, beta > 0).
 
-    Relative (1/t-weighted) residuals keep the small sizes, which carry the latency, from being swamped by the
-    large ones, which carry the bandwidth.
-    Noise on a shared machine can tip the unconstrained fit negative; then the bound is applied and the other
-    parameter refitted, so the result is always a usable Link.
+    ``steps``: the latency steps of each point (the algorithm's ring steps or tree levels, as
+    :class:`~autopar_lab.cluster.LogicalMesh` counts them; default 1: alpha is the whole latency). Relative
+    (1/t-weighted) residuals keep the small sizes, which carry the latency, from being swamped by the large ones,
+    which carry the bandwidth. Noise on a shared machine can tip the unconstrained fit negative; then the bound is
+    applied and the other parameter refitted, so the result is always a usable Link.
 
     >>> a, b = fit_alpha_beta([0, 1e6, 2e6], [1e-5, 1e-5 + 1e-3, 1e-5 + 2e-3])
+    >>> round(a, 9), round(1 / b)
+    (1e-05, 1000000000)
+    >>> a, b = fit_alpha_beta([0, 1e6], [6e-5, 6e-5 + 1e-3], steps=[6, 6])   # 6 steps of 10 us
     >>> round(a, 9), round(1 / b)
     (1e-05, 1000000000)
     """
     x = np.asarray(x_bytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
+    k = np.ones_like(x) if steps is None else np.asarray(steps, dtype=float)
     w = 1.0 / t
-    A = np.stack([np.ones_like(x), x], axis=1)
+    A = np.stack([k, x], axis=1)
     (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
     if beta <= 0:  # no visible size dependence: charge everything to bandwidth at the largest size
         i = int(np.argmax(x))
@@ -97,16 +112,32 @@ def fit_alpha_beta(x_bytes: Any, seconds: Any) -> tuple[float, float]:
     return float(alpha), float(beta)
 
 
-def fit_collectives(rows: list[dict]) -> dict:
-    """Fit alpha and beta to collective timings, per kind and jointly, with residuals.
+def latency_steps(kind: str, n: int) -> int:
+    """The latency steps the cost model charges a collective of ``kind`` over ``n`` devices of one host: a tree's
+    log2 levels up and down for an all-reduce, a ring's n-1 steps for an all-gather or reduce-scatter (see
+    :class:`~autopar_lab.cluster.LogicalMesh`).
 
-    ``rows``: [{"kind": "all_reduce" | "all_gather", "x_bytes": bytes the formula charges, "seconds": measured}].
-    Returns {kind: fit, ..., "joint": fit}, each fit {"alpha_s", "beta_s_per_byte", "bandwidth", "latency",
-    "points": [{"x_bytes", "seconds", "fit_seconds", "rel_residual"}], "max_abs_rel_residual",
-    "rms_rel_residual"}; ``rel_residual`` is (fitted - measured) / measured.
+    >>> latency_steps("all_reduce", 8), latency_steps("all_gather", 8)
+    (6, 7)
+    """
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * min(n - 1, math.ceil(math.log2(n)))
+    return n - 1
 
-    >>> rows = [{"kind": "all_reduce", "x_bytes": x, "seconds": 1e-5 + x / 1e9} for x in (0, 1e6, 4e6)]
-    >>> f = fit_collectives(rows)["joint"]
+
+def fit_collectives(rows: list[dict], num_devices: int = 2) -> dict:
+    """Fit alpha (latency per step) and beta to collective timings, per kind and jointly, with residuals.
+
+    ``rows``: [{"kind": "all_reduce" | "all_gather", "x_bytes": bytes the formula charges, "seconds": measured}],
+    measured over ``num_devices`` devices. Returns {kind: fit, ..., "joint": fit}, each fit {"alpha_s",
+    "beta_s_per_byte", "bandwidth", "latency", "points": [{"x_bytes", "seconds", "fit_seconds", "rel_residual"}],
+    "max_abs_rel_residual", "rms_rel_residual"}; ``latency`` is per step (:func:`latency_steps`),
+    ``rel_residual`` is (fitted - measured) / measured.
+
+    >>> rows = [{"kind": "all_reduce", "x_bytes": x, "seconds": 2e-5 + x / 1e9} for x in (0, 1e6, 4e6)]
+    >>> f = fit_collectives(rows, num_devices=2)["joint"]   # 2 devices: one step up and one down
     >>> round(f["latency"], 9), round(f["bandwidth"]), f["max_abs_rel_residual"] < 1e-9
     (1e-05, 1000000000, True)
     """
@@ -117,10 +148,11 @@ def fit_collectives(rows: list[dict]) -> dict:
             continue
         x = [r["x_bytes"] for r in part]
         t = [r["seconds"] for r in part]
-        alpha, beta = fit_alpha_beta(x, t)
+        steps = [latency_steps(r["kind"], num_devices) for r in part]
+        alpha, beta = fit_alpha_beta(x, t, steps)
         points = []
-        for r in part:
-            fit = alpha + beta * r["x_bytes"]
+        for r, k in zip(part, steps):
+            fit = alpha * k + beta * r["x_bytes"]
             points.append({"kind": r["kind"], "x_bytes": r["x_bytes"], "seconds": r["seconds"], "fit_seconds": fit,
                            "rel_residual": (fit - r["seconds"]) / r["seconds"]})
         rel = np.array([p["rel_residual"] for p in points])
@@ -128,6 +160,22 @@ def fit_collectives(rows: list[dict]) -> dict:
                      "points": points, "max_abs_rel_residual": float(np.max(np.abs(rel))),
                      "rms_rel_residual": float(np.sqrt(np.mean(rel ** 2)))}
     return out
+
+
+def refit_collectives(profile: dict) -> dict:
+    """The profile with its links refitted from its stored collective measurements (:func:`fit_collectives`, latency
+    per step), as :func:`measure_cpu` would fit them: for a profile measured before latency was counted per step."""
+    rows = profile.get("measurements", {}).get("collectives") or []
+    n = int(profile.get("num_devices", 1))
+    if len(rows) < 2 or n < 2:
+        return profile
+    fits = fit_collectives(rows, n)
+    profile["intra_host"] = {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
+    profile["inter_host"] = {"bandwidth": min(_ASSUMED_INTER_HOST["bandwidth"], fits["joint"]["bandwidth"]),
+                             "latency": max(_ASSUMED_INTER_HOST["latency"], fits["joint"]["latency"])}
+    profile["measurements"]["collective_fits"] = fits
+    profile["measurements"]["collective_fit"] = _COLLECTIVE_FIT
+    return profile
 
 
 def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23),
@@ -213,6 +261,80 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
             "max_abs_rel_residual": max(abs(r["rel_residual"]) for r in rows),
             "fit": "t = task_overhead_s + bytes * beta over activation sizes; median of repeats per size",
             "beta_s_per_byte": beta}
+
+
+def measure_kernel_overhead(num_devices: int | None = None, steps=(8, 40), repeats: int = 21) -> dict:
+    """Time a jitted chain of tiny kernels on every device at once and fit the fixed cost of one kernel.
+
+    The chain (``x = tanh(x - max(x))``, ``k`` times, on 16 floats per device) does almost no work: its time is the
+    program's call plus one launch per kernel. Its kernels are counted as the cost model counts them
+    (:func:`autopar_lab.graph.fusion.kernel_view` of the same function), so the fitted cost per kernel is what
+    :attr:`~autopar_lab.cluster.Efficiency.kernel_launch_s` charges: with every device running its kernels at once
+    on the machine's shared cores, as the plans run. Returns {"kernel_launch_s", "points": [{"steps", "kernels",
+    "seconds"}], "call_s" (the intercept: the program's call), "fit"}.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from autopar_lab.graph.capture import trace
+    from autopar_lab.graph.fusion import kernel_view
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    sharding = NamedSharding(Mesh(np.array(devs[:n]), ("d",)), P("d"))
+    x = jax.device_put(np.ones((n, 16), np.float32), sharding)
+    rows = []
+    for k in steps:
+        def chain(x, k=k):
+            for _ in range(k):
+                x = jnp.tanh(x - jnp.max(x, axis=-1, keepdims=True))
+            return x
+
+        fn = jax.jit(chain)
+        kernels = len(kernel_view(trace(chain, jax.ShapeDtypeStruct((1, 16), jnp.float32))).kernels)
+        rows.append({"steps": k, "kernels": kernels, "seconds": _median_time(lambda: fn(x), repeats=repeats)})
+    alpha, beta = fit_alpha_beta([r["kernels"] for r in rows], [r["seconds"] for r in rows])
+    return {"kernel_launch_s": beta, "call_s": alpha, "points": rows,
+            "fit": "t = call_s + kernel_launch_s * kernels (the cost model's count), median of repeats per chain"}
+
+
+def measure_buffer_overhead(num_devices: int | None = None, counts=(8, 128), repeats: int = 21) -> dict:
+    """Time a jitted update of ``k`` small arrays, each replicated on every device (``x * a + b`` per array, taken
+    and returned, as a step's update program takes and returns each parameter and optimizer-state array), and fit
+    the fixed cost per array. Returns {"buffer_s", "call_s" (the intercept), "points": [{"arrays", "seconds"}],
+    "fit"}."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    replicated = NamedSharding(Mesh(np.array(devs[:n]), ("d",)), P())
+    rows = []
+    for k in counts:
+        xs = [jax.device_put(np.full((16, 16), i, np.float32), replicated) for i in range(k)]
+        fn = jax.jit(lambda *a: [x * 0.5 + 1.0 for x in a])
+        rows.append({"arrays": k, "seconds": _median_time(lambda: fn(*xs), repeats=repeats)})
+    alpha, beta = fit_alpha_beta([r["arrays"] for r in rows], [r["seconds"] for r in rows])
+    return {"buffer_s": beta, "call_s": alpha, "points": rows,
+            "fit": "t = call_s + buffer_s * arrays, median of repeats per count, every device holding each array"}
+
+
+def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
+    """Measure only the per-kernel and per-state-array overheads (:func:`measure_kernel_overhead`,
+    :func:`measure_buffer_overhead`) and store them in the profile at ``path``
+    (default: the shipped one), keeping every other figure; returns the profile."""
+    out = Path(path) if path is not None else CPU_PROFILE_PATH
+    profile = json.loads(out.read_text())
+    kern = measure_kernel_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
+    buf = measure_buffer_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
+    profile["device"].setdefault("efficiency", {}).update(kernel_launch_s=kern["kernel_launch_s"],
+                                                          buffer_s=buf["buffer_s"])
+    profile.setdefault("measurements", {})["kernel_overhead"] = kern
+    profile["measurements"]["buffer_overhead"] = buf
+    profile["kernel_overhead_measured_on"] = _dt.date.today().isoformat()
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -313,7 +435,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     if n > 1:
         byte_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
         coll_rows = measure_collectives(n, byte_sizes, repeats=repeats)
-        fits = fit_collectives(coll_rows)
+        fits = fit_collectives(coll_rows, n)
         intra = {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
     else:
         # One device has nobody to talk to; model an in-memory copy.
@@ -323,6 +445,8 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     task = None
     if n >= 4:
         task = measure_task_overhead(n, byte_sizes=(1 << 10, 1 << 14, 1 << 18), repeats=21 if quick else 101)
+    kern = measure_kernel_overhead(n, repeats=7 if quick else 21)
+    buf = measure_buffer_overhead(n, repeats=7 if quick else 21)
 
     total = total_memory_bytes()
     return {
@@ -347,6 +471,8 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "memory_bandwidth": bw_concurrent,
             # One stage task's launch and input moves (0 when there are too few devices to measure it).
             "task_overhead_s": task["task_overhead_s"] if task else 0.0,
+            # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
+            "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"]},
         },
         "intra_host": intra,
         # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
@@ -363,9 +489,10 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "elementwise_bytes_per_device": moved,
             "collectives": coll_rows,
             "collective_fits": fits,
-            "collective_fit": "t = latency + x / bandwidth with x = 2 (n-1)/n B (all-reduce), (n-1)/n B "
-                              "(all-gather); least squares in relative error; intra_host = the joint fit",
+            "collective_fit": _COLLECTIVE_FIT,
             "task_overhead": task,
+            "kernel_overhead": kern,
+            "buffer_overhead": buf,
         },
     }
 
@@ -400,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     parser.add_argument("--task-overhead-only", action="store_true",
                         help="measure only the per-task overhead and add it to the existing profile at --out")
+    parser.add_argument("--kernel-overhead-only", action="store_true",
+                        help="measure only the per-kernel and per-state-array overheads and add them to the existing "
+                             "profile at --out")
     args = parser.parse_args(argv)
     # Calibrate CPU devices; give the usual 8 unless the caller chose (only works before jax is imported).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -407,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.task_overhead_only:
             profile = update_task_overhead(args.out, quick=args.quick)
+        elif args.kernel_overhead_only:
+            profile = update_kernel_overhead(args.out, quick=args.quick)
         else:
             profile = write_profile(args.out, num_devices=args.devices, quick=args.quick)
     except (OSError, ValueError) as e:
@@ -420,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
             f"wrote {args.out}: {profile['num_devices']} devices, "
             f"{d['peak_flops']['float32'] / 1e9:.1f} GFLOP/s and {d['memory_bandwidth'] / 1e9:.1f} GB/s per device "
             f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us, "
-            f"{d['task_overhead_s'] * 1e3:.2f} ms per pipeline task"
+            f"{d['task_overhead_s'] * 1e3:.2f} ms per pipeline task, "
+            f"{d.get('efficiency', {}).get('kernel_launch_s', 0.0) * 1e6:.1f} us per kernel, "
+            f"{d.get('efficiency', {}).get('buffer_s', 0.0) * 1e6:.1f} us per state array"
         )
     return 0
 

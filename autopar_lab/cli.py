@@ -132,6 +132,9 @@ def cmd_plan(args) -> dict:
     out = plan.report(model.name)
     out["cluster"] = args.cluster
     out["notes"] = list(out.get("notes", [])) + notes
+    from .pricing.memory import memory_breakdown
+
+    out["memory"] = memory_breakdown(plan)  # each stage's peak split into parameters, gradients, ... activations
     if args.out:
         from .planfile import save_plan
 
@@ -161,9 +164,18 @@ def _print_plan(out: dict) -> None:
     print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
           f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches, {sched}")
     print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s + resharding "
-          f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s)")
-    for k, st in enumerate(out["stages"]):
+          f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
+          f"{out.get('hidden_comm_s', 0.0):.4g} s of communication hidden behind compute; "
+          f"{out.get('kernels', 0):,} kernels a step on the busiest stage)")
+    memory = out.get("memory") or [None] * len(out["stages"])
+    for k, (st, mem) in enumerate(zip(out["stages"], memory)):
         names = st.get("layer_names", ["", ""])
+        unit, scale = ("GiB", 2**30) if st["peak_mem_bytes"] >= 2**30 else ("MiB", 2**20)
+        parts = "" if mem is None else " = " + " + ".join(
+            f"{label} {mem[key] / scale:.2f}" for key, label in (
+                ("params_bytes", "params"), ("grads_bytes", "grads"), ("master_bytes", "master"),
+                ("optimizer_bytes", "optimizer"), ("copies_bytes", "copies"), ("buffers_bytes", "buffers"),
+                ("recompute_bytes", "recompute"), ("activations_bytes", "activations")) if mem[key])
         if st.get("chunks"):  # interleaved: the stage runs its chunks, not one range
             where = "chunks " + ", ".join(
                 f"{a}-{b} ({x} .. {y})" if a != b else f"{a} ({x})"
@@ -172,7 +184,7 @@ def _print_plan(out: dict) -> None:
             where = f"layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]})"
         print(f"  stage {k}: {where} on submesh "
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
-              f"{' remat' if st['remat'] else ''}, peak {st['peak_mem_bytes'] / 2**30:.2f} GiB")
+              f"{' remat' if st['remat'] else ''}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
     for note in out.get("notes", []):
         print(f"  note: {note}")
     print(f"  planning took {out['solve_s'].get('total', 0):.1f} s")

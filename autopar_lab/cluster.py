@@ -23,12 +23,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
 __all__ = [
     "Device",
+    "Efficiency",
     "Link",
     "Cluster",
     "LogicalMesh",
@@ -109,6 +110,117 @@ def _dtype_name(dtype: Any) -> str:
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """What a device achieves of its datasheet figures: the one place the cost model's achievable rates live.
+
+    Every kernel is priced as ``max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + kernel_launch_s``
+    (:meth:`Device.kernel_s`), with:
+
+    - ``matmul``: the fraction of ``peak_flops`` a large, well-shaped GEMM reaches (the maximum achievable matmul
+      FLOP/s over peak), measured at a GEMM whose inner dimension is ``matmul_k``;
+    - ``cores``, ``tile``: streaming multiprocessors and the GEMM output tile edge: a GEMM of ``t`` output tiles runs
+      in ``ceil(t / cores)`` waves, only part of the last one busy, and pads its edges to whole tiles (wave and tile
+      quantisation, :meth:`wave_fraction`; 0 cores: none);
+    - ``k_overhead``: the inner-dimension length a GEMM tile's software pipeline spends filling and draining, so a
+      GEMM of inner dimension k reaches ``k / (k + k_overhead)`` of what a long one does (relative to ``matmul_k``,
+      the shape ``matmul`` was measured at; never above 1);
+    - ``memory``: the fraction of ``memory_bandwidth`` a streaming kernel reaches;
+    - ``attention``: the fraction of ``peak_flops`` a fused (flash) attention kernel reaches on the FLOPs it runs;
+    - ``flash_attention``: whether attention runs as one fused kernel on this device by default (the s x s scores
+      never reach memory); a plan may choose otherwise (``cluster.with_(flash_attention=False)``);
+    - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch;
+    - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
+      step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
+      ``cpu`` preset, where it is tens of microseconds; 0 on the GPU presets, whose executables keep their buffers).
+
+    The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
+    device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
+    and where each figure comes from.
+
+    >>> e = Efficiency(matmul=0.86, cores=108, tile=128)
+    >>> e.wave_fraction(6912, 16384)       # 54 x 128 tiles of 128 x 128: 64 full waves of 108
+    1.0
+    >>> round(e.wave_fraction(2048, 2304), 3)   # 288 tiles in 3 waves of 108 (0.889); 1152 of 64 x 64 in 11 (0.970)
+    0.97
+    """
+
+    matmul: float = 1.0
+    matmul_k: int = 0
+    cores: int = 0
+    tile: int = 128
+    k_overhead: int = 0
+    memory: float = 1.0
+    attention: float = 1.0
+    flash_attention: bool = False
+    kernel_launch_s: float = 5e-6
+    buffer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("matmul", "memory", "attention"):
+            v = _check_positive(getattr(self, f), f"efficiency.{f}", "(a fraction of the datasheet figure)")
+            if v > 1:
+                raise ValueError(f"efficiency.{f} is {v}, above the datasheet figure; give a fraction in (0, 1].")
+            object.__setattr__(self, f, v)
+        for f in ("matmul_k", "cores", "tile", "k_overhead"):
+            v = getattr(self, f)
+            if not _is_int(v) or v < 0 or (f == "tile" and v < 1):
+                raise ValueError(f"efficiency.{f} must be a whole number >= {1 if f == 'tile' else 0}, got {v!r}.")
+        launch = self.kernel_launch_s
+        if not isinstance(launch, numbers.Real) or not math.isfinite(launch) or launch < 0:
+            raise ValueError(f"efficiency.kernel_launch_s must be a finite number of seconds >= 0, got {launch!r}.")
+        object.__setattr__(self, "kernel_launch_s", float(launch))
+        buf = self.buffer_s
+        if not isinstance(buf, numbers.Real) or not math.isfinite(buf) or buf < 0:
+            raise ValueError(f"efficiency.buffer_s must be a finite number of seconds >= 0, got {buf!r}.")
+        object.__setattr__(self, "buffer_s", float(buf))
+        object.__setattr__(self, "flash_attention", bool(self.flash_attention))
+
+    def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:
+        """The fraction of the cores' time a GEMM of ``batch`` x (m x n) outputs spends on useful work: its output
+        tiles (a dimension smaller than the tile gets a tile its size, rounded up to a power of two) are padded to
+        whole tiles and run in ``ceil(tiles / cores)`` waves, the last one partly idle. A problem of less than one
+        wave is split along its inner dimension to fill the cores (split-K) and loses nothing to waves. A library
+        picks among tile sizes: the better of ``tile`` and ``tile / 2`` is taken."""
+        if not self.cores:
+            return 1.0
+        m, n, batch = max(int(m), 1), max(int(n), 1), max(int(batch), 1)
+        best = 0.0
+        for t in (self.tile, max(self.tile // 2, 1)):
+            tm, tn = min(t, 1 << (m - 1).bit_length()), min(t, 1 << (n - 1).bit_length())
+            tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+            pad = m * n * batch / (tiles * tm * tn)
+            wave = tiles / (math.ceil(tiles / self.cores) * self.cores) if tiles >= self.cores else 1.0
+            best = max(best, pad * wave)
+        return best
+
+    def k_fraction(self, k: float) -> float:
+        """What a GEMM of inner dimension ``k`` reaches of one of inner dimension ``matmul_k`` (at most 1)."""
+        if not self.k_overhead or k <= 0:
+            return 1.0
+        ref = self.matmul_k or k
+        return min((k / (k + self.k_overhead)) / (ref / (ref + self.k_overhead)), 1.0)
+
+    def to_dict(self) -> dict:
+        """Only the fields that differ from the defaults (a plain datasheet device has none)."""
+        base = Efficiency()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Efficiency":
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ValueError(f"device.efficiency must be an object of achievable fractions, got {data!r}; see "
+                             "autopar_lab.cluster.Efficiency for its fields.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(data) - known)
+        if bad:
+            raise ValueError(f"device.efficiency has unknown field(s) {bad}; use some of {sorted(known)}.")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
 class Device:
     """One accelerator: peak compute per dtype, memory size, memory bandwidth and the fixed cost of one task.
 
@@ -127,6 +239,9 @@ class Device:
     memory_bytes: float
     memory_bandwidth: float  # bytes/s
     task_overhead_s: float = 0.0  # seconds per pipeline task (stage forward or backward of one microbatch)
+    # FLOP/s of elementwise work outside the matrix units (CUDA cores), per dtype; None: ``peak_flops``.
+    vector_flops: Mapping[str, float] | None = None
+    efficiency: Efficiency = Efficiency()
 
     def __post_init__(self) -> None:
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
@@ -152,14 +267,53 @@ class Device:
             raise ValueError(f"device {self.name!r} task_overhead_s must be a finite number of seconds >= 0, got "
                              f"{self.task_overhead_s!r}; give 0 for no per-task overhead.")
         object.__setattr__(self, "task_overhead_s", overhead)
+        if self.vector_flops is not None:
+            if not isinstance(self.vector_flops, Mapping):
+                raise ValueError(f"device {self.name!r} vector_flops must be a mapping of dtype name to FLOP/s or None, "
+                                 f"got {self.vector_flops!r}.")
+            vec = {_dtype_name(k): _check_positive(v, f"device {self.name!r} vector_flops[{_dtype_name(k)!r}]",
+                                                   "FLOP/s") for k, v in self.vector_flops.items()}
+            object.__setattr__(self, "vector_flops", MappingProxyType(vec))
+        if isinstance(self.efficiency, Mapping):
+            object.__setattr__(self, "efficiency", Efficiency.from_dict(self.efficiency))
+        if not isinstance(self.efficiency, Efficiency):
+            raise ValueError(f"device {self.name!r} efficiency must be an Efficiency, got {self.efficiency!r}.")
 
     def __hash__(self) -> int:
+        vec = tuple(sorted(self.vector_flops.items())) if self.vector_flops is not None else None
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth,
-                     self.task_overhead_s))
+                     self.task_overhead_s, vec, self.efficiency))
 
     def peak(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for ``dtype`` (a name, numpy/jax dtype or scalar type); float32's figure if unknown."""
         return self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
+
+    # -- achievable rates: what a kernel's time is made of (figures in :class:`Efficiency`) --------------------
+
+    def vector_rate(self, dtype: Any = "float32") -> float:
+        """FLOP/s of elementwise and reduction work in ``dtype`` (outside the matrix units)."""
+        table = self.vector_flops if self.vector_flops is not None else self.peak_flops
+        return table.get(_dtype_name(dtype), table.get("float32", self.peak_flops["float32"]))
+
+    def matmul_rate(self, dtype: Any, m: int, n: int, k: float, batch: int = 1) -> float:
+        """Achievable FLOP/s of a (batch x) m x k by k x n GEMM in ``dtype``: peak x ``efficiency.matmul`` x the
+        wave fraction of its output tiles x the inner-dimension fraction (see :class:`Efficiency`).
+
+        >>> a100 = Cluster.preset("dgx-a100").device
+        >>> round(a100.matmul_rate("float16", 6912, 16384, 2048) / 1e12, 1)   # the shape its efficiency was measured at
+        267.9
+        """
+        e = self.efficiency
+        return self.peak(dtype) * e.matmul * e.wave_fraction(m, n, batch) * e.k_fraction(k)
+
+    def attention_rate(self, dtype: Any) -> float:
+        """Achievable FLOP/s of a fused attention kernel on the FLOPs it runs."""
+        return self.peak(dtype) * self.efficiency.attention
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        """Bytes/s a streaming kernel reaches: ``memory_bandwidth`` x ``efficiency.memory``."""
+        return self.memory_bandwidth * self.efficiency.memory
 
     def to_dict(self) -> dict:
         return {
@@ -169,6 +323,8 @@ class Device:
             "memory_bandwidth": self.memory_bandwidth,
             # Only when set: the GPU presets' dicts (and plan files saved before the field existed) stay as they were.
             **({"task_overhead_s": self.task_overhead_s} if self.task_overhead_s else {}),
+            **({"vector_flops": dict(self.vector_flops)} if self.vector_flops is not None else {}),
+            **({"efficiency": self.efficiency.to_dict()} if self.efficiency != Efficiency() else {}),
         }
 
 
@@ -211,10 +367,32 @@ def send_recv(nbytes: float, link: Link) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Presets. Figures are vendor datasheet numbers; the comment on each line names the source.
+# Presets. Peak figures are vendor datasheet numbers; achievable fractions (Efficiency) and link figures are what
+# measurements report, each with its source or, where none was found, what is assumed and why. bench/RESULTS.md
+# ("The cost model against published runs") lists them again beside the runs they were checked against.
+
+# Maximum achievable matmul FLOP/s (MAMF: the best of a brute-force search over large BF16 GEMM shapes, Bekman,
+# "Machine Learning Engineering", compute/accelerator): A100 SXM 267.9 of 312 TFLOP/s (85.9%) at 6912x16384x2048,
+# H100 SXM 792.1 of 989 (80.1%) at 6144x17920x2816. No MAMF is published for the V100: 0.80 is assumed (the
+# A100/H100 figures bracket it). Streaming kernels: copy kernels reach about 90% of HBM bandwidth (a measured
+# 4 GiB copy: 3.57 of 3.94 TB/s on an H100 NVL); 0.9 for every GPU. Wave quantisation: 80 / 108 / 132 SMs, 128 x 128
+# output tiles. k_overhead 64 (assumed): a GEMM tile's multistage pipeline (4 stages of 32-deep K slices in
+# CUTLASS/cuBLAS's Ampere kernels) is filled and drained once per tile, about half of it hidden by the other tile
+# an SM runs at once; the published rows move by under 0.5% between 0 and 128 (bench/RESULTS.md). Fused attention: FlashAttention-2 reaches 50-73% of peak on
+# an A100 (Dao 2023; forward up to 73%, backward lower): 0.6; on an H100 FlashAttention-2/cuDNN reach about 50%;
+# the V100 has no flash-attention kernel (FlashAttention needs sm80+), so attention there runs as matmuls and a
+# softmax through memory. Kernel launch: consecutive kernels of one XLA executable leave about 3 us between them
+# (1.3 us replayed from a CUDA graph, 4.2 us issued one by one from Python, measured on an H100).
+_V100_EFF = Efficiency(matmul=0.80, matmul_k=2048, cores=80, tile=128, k_overhead=64, memory=0.9, attention=0.5,
+                       flash_attention=False, kernel_launch_s=3e-6)
+_A100_EFF = Efficiency(matmul=267.9 / 312, matmul_k=2048, cores=108, tile=128, k_overhead=64, memory=0.9,
+                       attention=0.6, flash_attention=True, kernel_launch_s=3e-6)
+_H100_EFF = Efficiency(matmul=792.1 / 989, matmul_k=2816, cores=132, tile=128, k_overhead=64, memory=0.9,
+                       attention=0.5, flash_attention=True, kernel_launch_s=3e-6)
 
 # NVIDIA Tesla V100 datasheet (SXM2 16 GB): FP64 7.8 TFLOPS, FP32 15.7 TFLOPS, tensor (FP16) 125 TFLOPS,
-# HBM2 16 GB at 900 GB/s, NVLink 300 GB/s (aggregate both directions, 6 links x 25 GB/s x 2).
+# HBM2 16 GB at 900 GB/s, NVLink 300 GB/s (aggregate both directions, 6 links x 25 GB/s x 2). Outside the tensor
+# cores, FP16 runs at twice FP32 (packed half2): 31.4 TFLOPS.
 _V100 = Device(
     name="V100-SXM2-16GB",
     peak_flops={
@@ -226,10 +404,13 @@ _V100 = Device(
     },
     memory_bytes=16 * _GIB,
     memory_bandwidth=900 * _GB,
+    vector_flops={"float64": 7.8e12, "float32": 15.7e12, "float16": 31.4e12, "bfloat16": 15.7e12},
+    efficiency=_V100_EFF,
 )
 
 # NVIDIA A100 datasheet (SXM 80 GB), dense figures: FP64 9.7, FP64 tensor 19.5, FP32 19.5, TF32 156,
 # BF16/FP16 tensor 312 TFLOPS; HBM2e 80 GB at 2,039 GB/s; NVLink3 600 GB/s aggregate (300 GB/s each way).
+# Outside the tensor cores (A100 whitepaper, table 1): FP16 78, BF16 39, FP32 19.5 TFLOPS.
 _A100 = Device(
     name="A100-SXM-80GB",
     peak_flops={
@@ -241,11 +422,14 @@ _A100 = Device(
     },
     memory_bytes=80 * _GIB,
     memory_bandwidth=2039 * _GB,
+    vector_flops={"float64": 9.7e12, "float32": 19.5e12, "float16": 78e12, "bfloat16": 39e12},
+    efficiency=_A100_EFF,
 )
 
 # NVIDIA H100 datasheet (SXM5 80 GB), dense figures (the sheet's headline numbers are 2:4-sparse, i.e. 2x):
 # FP64 34, FP64 tensor 67, FP32 67, TF32 494.7, BF16/FP16 989.4, FP8 1,978.9 TFLOPS;
-# HBM3 80 GB at 3.35 TB/s; NVLink4 900 GB/s aggregate (450 GB/s each way).
+# HBM3 80 GB at 3.35 TB/s; NVLink4 900 GB/s aggregate (450 GB/s each way). Outside the tensor cores (the Hopper
+# architecture blog's table 3, H100 SXM5): FP16/BF16 120, FP32 60 TFLOPS.
 _H100 = Device(
     name="H100-SXM5-80GB",
     peak_flops={
@@ -259,35 +443,48 @@ _H100 = Device(
     },
     memory_bytes=80 * _GIB,
     memory_bandwidth=3350 * _GB,
+    vector_flops={"float64": 34e12, "float32": 60e12, "float16": 120e12, "bfloat16": 120e12},
+    efficiency=_H100_EFF,
 )
 
+# Links carry achievable bus bandwidth (what NCCL's busbw reports for large all-reduces: the per-device rate of the
+# ring's bottleneck link) and a per-step latency (one hop of a ring, one level of a tree): see LogicalMesh.
+# InfiniBand: 4 DGX-class nodes with 8 x 400 Gb/s NICs reach 376.7 GB/s of all-reduce busbw of their 400 GB/s
+# (94%, all_reduce_bench at 16 GiB, Bekman, network/benchmarks); 0.94 of the NIC aggregate for every IB preset.
+# NVSwitch: without SHARP/NVLS, NCCL all-reduce on 8 A100s reaches about 230-240 GB/s of the 300 GB/s each way
+# (nccl-tests sweeps as NVIDIA and cloud vendors publish them; no single source was at hand): 0.78 assumed for
+# NVSwitch nodes, and for the V100's hybrid cube mesh NCCL's rings reach about 130 of 150 GB/s. Latencies per step:
+# ~2 us over NVLink, ~7 us over InfiniBand (NCCL's small-message all-reduce takes ~10-15 us on 8 GPUs and ~25 us
+# across 2 nodes: a tree of log2(8) = 3 levels each way in a node, one more across), 50 us over TCP.
 _GPU_PRESETS: dict[str, dict] = {
     # AWS p3.16xlarge (Alpa's testbed): 8 x V100 in a hybrid cube-mesh; AWS lists "up to 25 Gbps" networking.
     "p3.16xlarge": dict(
         devices_per_host=8,
         device=_V100,
-        # 150 GB/s = 300 GB/s NVLink2 aggregate / 2 directions; ~5 us NCCL small-message latency in a node.
-        intra_host=Link(bandwidth=150 * _GB, latency=5e-6),
-        # 25 Gb/s ENA Ethernet (TCP, no EFA on p3.16xlarge): 3.125 GB/s per host; ~50 us per message over TCP.
-        inter_host=Link(bandwidth=25 * _GBIT, latency=50e-6),
+        # NCCL rings over NVLink2's hybrid cube mesh: ~130 GB/s bus bandwidth; ~3 us per step.
+        intra_host=Link(bandwidth=130 * _GB, latency=3e-6),
+        # 25 Gb/s ENA Ethernet (TCP, no EFA on p3.16xlarge): 3.125 GB/s per host, ~90% of it achieved; ~50 us per
+        # message over TCP.
+        inter_host=Link(bandwidth=0.9 * 25 * _GBIT, latency=50e-6),
     ),
     # NVIDIA DGX A100: 8 x A100 80 GB on NVSwitch; 8 x ConnectX-6 200 Gb/s HDR InfiniBand for compute traffic.
     "dgx-a100": dict(
         devices_per_host=8,
         device=_A100,
-        # 300 GB/s per GPU each way through NVSwitch; ~3 us NCCL latency in a node.
-        intra_host=Link(bandwidth=300 * _GB, latency=3e-6),
-        # 8 x 200 Gb/s = 1.6 Tb/s = 200 GB/s per host; ~20 us per NCCL collective step across IB.
-        inter_host=Link(bandwidth=8 * 200 * _GBIT, latency=20e-6),
+        # 0.78 x 300 GB/s per GPU each way through NVSwitch; ~2 us per step in a node.
+        intra_host=Link(bandwidth=0.78 * 300 * _GB, latency=2e-6),
+        # 0.94 x 8 x 200 Gb/s (200 GB/s per host); ~7 us per step across IB.
+        inter_host=Link(bandwidth=0.94 * 8 * 200 * _GBIT, latency=7e-6),
     ),
     # NVIDIA DGX H100: 8 x H100 80 GB on NVLink4 / NVSwitch; 8 x ConnectX-7 400 Gb/s NDR InfiniBand.
     "dgx-h100": dict(
         devices_per_host=8,
         device=_H100,
-        # 450 GB/s per GPU each way (NVLink4 900 GB/s aggregate); ~3 us in a node.
-        intra_host=Link(bandwidth=450 * _GB, latency=3e-6),
-        # 8 x 400 Gb/s = 3.2 Tb/s = 400 GB/s per host; ~20 us across NDR IB.
-        inter_host=Link(bandwidth=8 * 400 * _GBIT, latency=20e-6),
+        # 0.78 x 450 GB/s per GPU each way (NVLink4 900 GB/s aggregate); NVLS (SHARP in the switch) would give
+        # more for all-reduce (482 GB/s measured on 8 x H200), not modelled; ~2 us per step in a node.
+        intra_host=Link(bandwidth=0.78 * 450 * _GB, latency=2e-6),
+        # 0.94 x 8 x 400 Gb/s (400 GB/s per host); ~7 us per step across NDR IB.
+        inter_host=Link(bandwidth=0.94 * 8 * 400 * _GBIT, latency=7e-6),
     ),
 }
 
@@ -321,6 +518,8 @@ def _cpu_preset(hosts: int) -> "Cluster":
         memory_bytes=total / n,
         memory_bandwidth=dev["memory_bandwidth"],
         task_overhead_s=dev.get("task_overhead_s", 0.0),  # profiles written before it was measured: none
+        # Measured per-kernel overhead and the like (profiles written before they were measured: the defaults).
+        efficiency=Efficiency.from_dict(dev.get("efficiency")),
     )
     return Cluster(
         hosts=hosts,
@@ -510,6 +709,8 @@ class Cluster:
             memory_bytes=get(dev, "memory_bytes", "device.memory_bytes"),
             memory_bandwidth=get(dev, "memory_bandwidth", "device.memory_bandwidth"),
             task_overhead_s=dev.get("task_overhead_s", 0.0) if isinstance(dev, Mapping) else 0.0,
+            vector_flops=dev.get("vector_flops") if isinstance(dev, Mapping) else None,
+            efficiency=Efficiency.from_dict(dev.get("efficiency") if isinstance(dev, Mapping) else None),
         )
         links = {}
         for field in ("intra_host", "inter_host"):
@@ -534,22 +735,33 @@ class Cluster:
         "memory_bytes": ("device", "memory_bytes"),
         "memory_bandwidth": ("device", "memory_bandwidth"),
         "peak_flops": ("device", "peak_flops"),
+        "efficiency": ("device", "efficiency"),
     }
+    # Fields of the device's Efficiency a what-if may set directly (``cluster.with_(flash_attention=False)``).
+    _EFFICIENCY_SHORTCUTS = frozenset(f.name for f in dataclasses.fields(Efficiency))
 
     def with_(self, **changes: Any) -> "Cluster":
-        """A modified copy: any field (``hosts=4``) or shortcut (``inter_host_bandwidth=1e9``, ``memory_bytes=...``).
+        """A modified copy: any field (``hosts=4``) or shortcut (``inter_host_bandwidth=1e9``, ``memory_bytes=...``),
+        or a field of the device's :class:`Efficiency` (``flash_attention=False``: attention priced as matmuls and a
+        softmax through memory, a per-plan choice).
 
         >>> Cluster.preset("p3.16xlarge").with_(hosts=4, memory_bytes=32 * 2**30).device.memory_bytes == 32 * 2**30
         True
+        >>> Cluster.preset("dgx-a100").with_(flash_attention=False).device.efficiency.flash_attention
+        False
         """
         fields = {f.name for f in dataclasses.fields(self)}
+        eff = {k: changes.pop(k) for k in list(changes) if k in self._EFFICIENCY_SHORTCUTS and k not in fields}
+        if eff:
+            base_dev = changes.get("device", self.device)
+            changes["device"] = dataclasses.replace(base_dev, efficiency=dataclasses.replace(base_dev.efficiency, **eff))
         direct = {k: v for k, v in changes.items() if k in fields}
         nested: dict[str, dict] = {}
         for key, value in changes.items():
             if key in fields:
                 continue
             if key not in self._SHORTCUTS:
-                valid = ", ".join(sorted(fields | set(self._SHORTCUTS)))
+                valid = ", ".join(sorted(fields | set(self._SHORTCUTS) | self._EFFICIENCY_SHORTCUTS))
                 raise ValueError(f"Cluster.with_ got an unknown change {key!r}; use one of: {valid}.")
             part, attr = self._SHORTCUTS[key]
             nested.setdefault(part, {})[attr] = value
@@ -561,7 +773,8 @@ class Cluster:
     def scaled_inter_host(self, factor: float) -> "Cluster":
         """The same cluster with inter-host bandwidth ``factor`` times lower (latency unchanged).
 
-        >>> Cluster.preset("p3.16xlarge").scaled_inter_host(4).inter_host.bandwidth == 25e9 / 8 / 4
+        >>> c = Cluster.preset("p3.16xlarge")
+        >>> c.scaled_inter_host(4).inter_host.bandwidth == c.inter_host.bandwidth / 4
         True
         """
         f = _check_positive(factor, "scaled_inter_host factor", "times")
@@ -687,7 +900,9 @@ class LogicalMesh:
 
     >>> c = Cluster.preset("p3.16xlarge")
     >>> m = c.logical_mesh((1, 8), (1, 8))
-    >>> m.all_reduce(1e9, 1) == c.intra_host.latency + 2 * (7 / 8) * 1e9 / c.intra_host.bandwidth
+    >>> m.all_reduce(1e9, 1) == 2 * 3 * c.intra_host.latency + 2 * (7 / 8) * 1e9 / c.intra_host.bandwidth  # a tree
+    True
+    >>> m.all_gather(1e9, 1) == 7 * c.intra_host.latency + (7 / 8) * 1e9 / c.intra_host.bandwidth  # a ring
     True
     """
 
@@ -762,28 +977,70 @@ class LogicalMesh:
         link = self.cluster.inter_host
         return link if sharing == 1 else Link(link.bandwidth / sharing, link.latency)
 
-    def _cost(self, nbytes: float, axis: Axis, factor: Callable[[int], float]) -> float:
+    def axis_hosts(self, axis: Axis) -> int:
+        """How many hosts each group along ``axis`` spans (1: the group sits inside one host)."""
+        groups = self._groups(axis) // self.cluster.devices_per_host
+        return max(len(set(row.tolist())) for row in groups)
+
+    def axis_profile(self, axis: Axis) -> tuple:
+        """What a collective along ``axis`` costs depends on, and nothing else: its size, the hosts each group
+        spans, the bottleneck link's bandwidth and the per-step latencies inside and between hosts (hashable: the
+        planner shares work between axes with the same profile)."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return (1,)
+        link = self.axis_link(axis)
+        return (n, self.axis_hosts(axis), float(link.bandwidth), float(self.cluster.intra_host.latency),
+                float(self.cluster.inter_host.latency))
+
+    def _steps(self, axis: Axis) -> tuple[int, int, float, float]:
+        """(devices per host in a group g, hosts k, intra-host latency, inter-host latency) along ``axis``."""
+        n, k = self.axis_size(axis), self.axis_hosts(axis)
+        return n // k, k, self.cluster.intra_host.latency, self.cluster.inter_host.latency
+
+    def _tree_latency(self, axis: Axis) -> float:
+        """One pass of a hierarchical tree: log2 levels inside a host over NVLink-class links, then log2 levels
+        between hosts (NCCL's all-reduce trees)."""
+        g, k, a_in, a_out = self._steps(axis)
+        return math.ceil(math.log2(g)) * a_in + math.ceil(math.log2(k)) * a_out
+
+    def _ring_step_latency(self, axis: Axis) -> float:
+        """A ring step waits for its slowest hop: the inter-host one when the ring leaves a host."""
+        g, k, a_in, a_out = self._steps(axis)
+        return a_out if k > 1 else a_in
+
+    def _bandwidth_s(self, nbytes: float, axis: Axis, factor: float) -> float:
+        return factor * nbytes / self.axis_link(axis).bandwidth
+
+    def all_gather(self, nbytes: float, axis: Axis) -> float:
+        """B = bytes of the gathered (full) buffer: a ring (NCCL's algorithm for it), n-1 steps moving (n-1)/n B at
+        the axis' bus bandwidth."""
         n = self.axis_size(axis)
         if n == 1:
             return 0.0  # nothing to communicate: exactly zero, not the latency
-        link = self.axis_link(axis)
-        return link.latency + factor(n) * nbytes / link.bandwidth
-
-    def all_gather(self, nbytes: float, axis: Axis) -> float:
-        """a + b (n-1)/n B, B = bytes of the gathered (full) buffer."""
-        return self._cost(nbytes, axis, lambda n: (n - 1) / n)
+        return (n - 1) * self._ring_step_latency(axis) + self._bandwidth_s(nbytes, axis, (n - 1) / n)
 
     def reduce_scatter(self, nbytes: float, axis: Axis) -> float:
-        """a + b (n-1)/n B, B = bytes of the full (unscattered) buffer."""
-        return self._cost(nbytes, axis, lambda n: (n - 1) / n)
+        """B = bytes of the full (unscattered) buffer: as :meth:`all_gather` (a ring)."""
+        return self.all_gather(nbytes, axis)
 
     def all_reduce(self, nbytes: float, axis: Axis) -> float:
-        """a + 2 b (n-1)/n B (a reduce-scatter then an all-gather)."""
-        return self._cost(nbytes, axis, lambda n: 2 * (n - 1) / n)
+        """2 (n-1)/n B at the bus bandwidth, with the latency of NCCL's faster algorithm: a ring's 2 (n-1) steps or a
+        (hierarchical, double binary) tree's log2 levels up and down. Small buffers take the tree, so one all-reduce
+        beats a reduce-scatter and an all-gather."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return 0.0
+        latency = 2 * min((n - 1) * self._ring_step_latency(axis), self._tree_latency(axis))
+        return latency + self._bandwidth_s(nbytes, axis, 2 * (n - 1) / n)
 
     def all_to_all(self, nbytes: float, axis: Axis) -> float:
-        """a + b (n-1)/n^2 B."""
-        return self._cost(nbytes, axis, lambda n: (n - 1) / (n * n))
+        """(n-1)/n^2 B at the bus bandwidth (each device keeps 1/n and sends n-1 pieces of B/n^2), in n-1
+        pairwise exchanges that run at once: a tree's latency."""
+        n = self.axis_size(axis)
+        if n == 1:
+            return 0.0
+        return self._tree_latency(axis) + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
 
     def to_jax_mesh(self, devices: Sequence[Any] | None = None):
         """A ``jax.sharding.Mesh`` with axes ("x", "y") over real jax devices.

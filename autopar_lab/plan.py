@@ -4,8 +4,9 @@ A :class:`Plan` is immutable. Its cost is a :class:`CostReport` whose step time 
 
     step_time_s = compute_s + comm_s + reshard_s + bubble_s
 
-where the first three are the work of the pipeline's busiest stage over one step (its operators' roofline time, the
-collectives they run, the resharding between them) and ``bubble_s`` is the time that stage waits (pipeline fill and
+where the first three are the work of the pipeline's busiest stage over one step (its kernels' roofline time, the
+collectives they run, the resharding between them, as far as they are not hidden behind compute: ``hidden_comm_s``
+says how much is) and ``bubble_s`` is the time that stage waits (pipeline fill and
 drain, and transfers between stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the
 makespan of the event-level pipeline simulation (:mod:`autopar_lab.simulate`).
 """
@@ -95,6 +96,14 @@ class CostReport:
     samples_per_s: float
     busiest_stage: int
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # Communication the busiest stage runs hidden behind its compute (not part of the step time): the data-parallel
+    # gradient reduction bucketed behind the last microbatch's backward, parameter gathers prefetched behind the
+    # forward.
+    hidden_comm_s: float = 0.0
+    # Kernels the busiest stage launches per step (forward, recomputation and backward, every microbatch); whether
+    # attention ran as one fused (flash) kernel.
+    kernels: int = 0
+    flash_attention: bool = False
 
     @property
     def fits(self) -> bool:
@@ -113,10 +122,15 @@ class CostReport:
             "peak_mem_bytes": list(self.peak_mem_bytes),
             "mem_limit_bytes": self.mem_limit_bytes,
             "busiest_stage": self.busiest_stage,
+            "hidden_comm_s": self.hidden_comm_s,
+            "kernels": self.kernels,
+            "flash_attention": self.flash_attention,
         }
 
     def explain(self) -> str:
         """The step time as the sum of its terms, with what each one is."""
+        attention = "attention as one fused (flash) kernel" if self.flash_attention else \
+            "attention as matmuls and a softmax through memory"
         tl = self.timeline
         how = ""
         if tl is not None and tl.schedule == "interleaved":
@@ -125,10 +139,13 @@ class CostReport:
         elif tl is not None and tl.schedule == "zb-h1":
             how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
         return (
-            f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s + collectives {self.comm_s:.4g} s "
-            f"+ resharding {self.reshard_s:.4g} s (the busiest stage, #{self.busiest_stage}, over all microbatches) "
+            f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
+            f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}) + collectives "
+            f"{self.comm_s:.4g} s + resharding {self.reshard_s:.4g} s (over all microbatches, what is not hidden) "
             f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
-            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}"
+            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
+            f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
+            f"reduction behind the last backward, parameter gathers behind the forward)"
         )
 
 

@@ -72,14 +72,14 @@ def plans(model, cluster):
     first = al.data_parallel_plan(model, cluster)
     table = first.table
     out = [("data parallel", first),
-           ("tensor (dp=1,tp=8)", al.megatron_plan(model, cluster, dp=1, tp=8, pp=1, _table_cache=table)),
+           ("tensor (dp=1,tp=8)", al.megatron_plan(model, cluster, dp=1, tp=8, pp=1, table=table)),
            ("pipeline (dp=4,pp=2)", al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=2,
-                                                     _table_cache=table)),
+                                                     table=table)),
            ("pipeline (dp=2,pp=4)", al.megatron_plan(model, cluster, dp=2, tp=1, pp=4, microbatches=4,
-                                                     _table_cache=table)),
+                                                     table=table)),
            ("mixed (dp=2,tp=2,pp=2)", al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2,
-                                                       _table_cache=table)),
-           ("auto", al.auto_plan(model, cluster, _table_cache=table))]
+                                                       table=table)),
+           ("auto", al.auto_plan(model, cluster, table=table))]
     return out
 
 

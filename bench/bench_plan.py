@@ -6,6 +6,9 @@ by side with megatron_best / auto (>= 1 means auto is no worse) and the planning
 with and without rematerialisation (",R" in the Megatron configuration: activation checkpointing).
 
     .venv/bin/python bench/bench_plan.py gpt-760m:2 gpt-1.3b:4 gpt-2.6b:8
+    .venv/bin/python bench/bench_plan.py --quick     # one row per family where auto and Megatron differed, and more
+
+``--quick`` runs :data:`QUICK`: the rows that take minutes, not hours, on a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import time
 
 import autopar_lab as al
 from autopar_lab import planner
+
+
+#: The --quick subset of the 21 Alpa configurations: a small GPT where every layout ties, and the 16-GPU rows of each
+#: family (auto against Megatron and data parallelism where they differ).
+QUICK = ["gpt-1.3b:4", "gpt-6.7b:16", "moe-10b:16", "wresnet-4b:16"]
 
 
 def cluster_for(gpus: int) -> al.Cluster:
@@ -45,4 +53,5 @@ def main(items: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["gpt-350m:1", "gpt-760m:2", "gpt-1.3b:4", "gpt-2.6b:8"])
+    args = sys.argv[1:]
+    main(QUICK if args == ["--quick"] else args or ["gpt-350m:1", "gpt-760m:2", "gpt-1.3b:4", "gpt-2.6b:8"])

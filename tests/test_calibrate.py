@@ -8,30 +8,48 @@ import numpy as np
 import pytest
 
 from autopar_lab import calibrate
-from autopar_lab.calibrate import fit_alpha_beta, fit_collectives, measure_collectives
+from autopar_lab.calibrate import fit_alpha_beta, fit_collectives, latency_steps, measure_collectives
+from autopar_lab.cluster import Cluster, Device, Link
 
 
 def test_fit_recovers_alpha_beta_from_synthetic_timings():
-    alpha, bw = 3e-5, 2e9
+    alpha, bw, n = 3e-5, 2e9, 8  # alpha: latency per algorithm step
     rng = np.random.default_rng(0)
     rows = []
     for kind, factor in (("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8)):
         for b in (1 << 12, 1 << 16, 1 << 20, 1 << 23):
             x = factor * b
-            t = (alpha + x / bw) * (1 + rng.uniform(-0.03, 0.03))  # 3% noise
+            t = (alpha * latency_steps(kind, n) + x / bw) * (1 + rng.uniform(-0.03, 0.03))  # 3% noise
             rows.append({"kind": kind, "x_bytes": x, "seconds": t})
-    fits = fit_collectives(rows)
+    fits = fit_collectives(rows, n)
     assert set(fits) == {"all_reduce", "all_gather", "joint"}
     for f in fits.values():
         assert f["latency"] == pytest.approx(alpha, rel=0.1) and f["bandwidth"] == pytest.approx(bw, rel=0.1)
         assert f["max_abs_rel_residual"] < 0.06
-        # The stored residuals are the fit's: (alpha + beta x - t) / t.
+        # The stored residuals are the fit's: (alpha steps + beta x - t) / t.
         for p in f["points"]:
-            assert p["fit_seconds"] == pytest.approx(f["alpha_s"] + f["beta_s_per_byte"] * p["x_bytes"], rel=1e-12)
+            want = f["alpha_s"] * latency_steps(p["kind"], n) + f["beta_s_per_byte"] * p["x_bytes"]
+            assert p["fit_seconds"] == pytest.approx(want, rel=1e-12)
             assert p["rel_residual"] == pytest.approx((p["fit_seconds"] - p["seconds"]) / p["seconds"], rel=1e-12)
     # Noise that would tip the fit negative still gives a usable link.
     a, b = fit_alpha_beta([1e3, 1e6, 2e6], [5e-3, 4e-3, 3e-3])
     assert a >= 0 and b > 0
+
+
+def test_the_fit_is_the_cost_models_formula():
+    """A link with the fitted figures prices each measured collective as the fit does: the latency steps the fit
+    assumes are the ones the cost model charges."""
+    alpha, bw, n = 2e-5, 1e9, 8
+    rows = [{"kind": k, "x_bytes": f * b, "seconds": alpha * latency_steps(k, n) + f * b / bw}
+            for k, f in (("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8)) for b in (1 << 12, 1 << 20)]
+    joint = fit_collectives(rows, n)["joint"]
+    link = Link(joint["bandwidth"], joint["latency"])
+    c = Cluster(hosts=1, devices_per_host=n, device=Device("cpu", {"float32": 1e10}, 2**30, 1e10), intra_host=link,
+                inter_host=link)
+    mesh = c.logical_mesh((1, n), (1, n))
+    for r in rows:
+        b = r["x_bytes"] / (2 * 7 / 8 if r["kind"] == "all_reduce" else 7 / 8)
+        assert getattr(mesh, r["kind"])(b, 1) == pytest.approx(r["seconds"], rel=1e-9)
 
 
 def _devices():
@@ -50,7 +68,7 @@ def test_quick_collective_fit_reports_its_true_residuals():
         pytest.skip("needs at least 2 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
     sizes = (1 << 12, 1 << 16, 1 << 18, 1 << 20)
     rows = measure_collectives(n, sizes, repeats=5)
-    best = fit_collectives(rows)["joint"]
+    best = fit_collectives(rows, n)["joint"]
     assert {r["kind"] for r in rows} == {"all_reduce", "all_gather"} and len(rows) == 2 * len(sizes)
     assert [r["bytes"] for r in rows if r["kind"] == "all_reduce"] == list(sizes)
     assert all(r["x_bytes"] == pytest.approx(2 * (n - 1) / n * r["bytes"]) for r in rows if r["kind"] == "all_reduce")
@@ -59,7 +77,8 @@ def test_quick_collective_fit_reports_its_true_residuals():
     assert best["latency"] >= 0 and math.isfinite(best["bandwidth"]) and best["bandwidth"] > 0
     rel = []
     for p in best["points"]:
-        assert p["fit_seconds"] == pytest.approx(best["alpha_s"] + best["beta_s_per_byte"] * p["x_bytes"], rel=1e-9)
+        want = best["alpha_s"] * latency_steps(p["kind"], n) + best["beta_s_per_byte"] * p["x_bytes"]
+        assert p["fit_seconds"] == pytest.approx(want, rel=1e-9)
         rel.append((p["fit_seconds"] - p["seconds"]) / p["seconds"])
     assert best["max_abs_rel_residual"] == pytest.approx(max(abs(r) for r in rel), rel=1e-9)
     assert best["rms_rel_residual"] == pytest.approx(math.sqrt(sum(r * r for r in rel) / len(rel)), rel=1e-9)
@@ -94,9 +113,12 @@ def test_shipped_profile_has_the_fits():
     fits = prof["measurements"]["collective_fits"]
     assert {"all_reduce", "all_gather", "joint"} <= set(fits)
     assert prof["intra_host"]["bandwidth"] == fits["joint"]["bandwidth"]
+    assert prof["intra_host"]["latency"] == fits["joint"]["latency"]  # per algorithm step
+    n = prof["num_devices"]
     for f in fits.values():
         for p in f["points"]:
-            assert p["fit_seconds"] == pytest.approx(f["alpha_s"] + f["beta_s_per_byte"] * p["x_bytes"], rel=1e-9)
+            want = f["alpha_s"] * latency_steps(p["kind"], n) + f["beta_s_per_byte"] * p["x_bytes"]
+            assert p["fit_seconds"] == pytest.approx(want, rel=1e-9)
 
 
 def test_task_overhead_fit_reproduces_its_measured_task_times():
@@ -204,3 +226,25 @@ def test_planner_charges_the_task_overhead_once_per_task():
         for c in fast:
             ref = table.stage(0, 2, submesh, c.logical_mesh, B, c.remat)
             assert (c.fwd_s, c.bwd_s) == (ref.fwd_s, ref.bwd_s)
+
+
+def test_buffer_overhead_is_measured_per_state_array():
+    if _devices() < 2:
+        pytest.skip("needs at least 2 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    m = calibrate.measure_buffer_overhead(2, counts=(4, 64), repeats=5)
+    assert m["buffer_s"] > 0 and [p["arrays"] for p in m["points"]] == [4, 64]
+    # the fit goes through the two points (two unknowns, two measurements) unless noise tipped the intercept
+    # below 0 (then it is 0 and the slope refitted)
+    assert m["call_s"] >= 0
+    if m["call_s"] > 0:
+        for p in m["points"]:
+            assert m["call_s"] + m["buffer_s"] * p["arrays"] == pytest.approx(p["seconds"], rel=1e-6)
+
+
+def test_shipped_profile_has_the_buffer_overhead():
+    from autopar_lab.cluster import CPU_PROFILE_PATH, Cluster
+
+    prof = json.loads(CPU_PROFILE_PATH.read_text())
+    buf = prof["measurements"]["buffer_overhead"]["buffer_s"]
+    assert prof["device"]["efficiency"]["buffer_s"] == buf > 0
+    assert Cluster.preset("cpu").device.efficiency.buffer_s == buf

@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 from autopar_lab import cluster as cluster_mod
 from autopar_lab.cluster import PRESETS, Cluster, Device, Link, LogicalMesh, send_recv
 
-P3_NVLINK = Link(150e9, 5e-6)  # the figures the p3.16xlarge preset documents
-P3_NET = Link(25e9 / 8, 50e-6)
+P3_NVLINK = Link(130e9, 3e-6)  # the figures the p3.16xlarge preset documents (achievable bus bandwidth)
+P3_NET = Link(0.9 * 25e9 / 8, 50e-6)
 
 
 def toy(hosts=2, m=4, **kw):
@@ -40,7 +40,11 @@ def test_all_reduce_1gb_over_nvlink_axis_on_p3_is_alpa_formula():
     assert c.intra_host == P3_NVLINK
     mesh = c.logical_mesh((1, 8), (1, 8))
     assert mesh.axis_link(1) == P3_NVLINK
-    assert mesh.all_reduce(1e9, 1) == 5e-6 + 2 * (7 / 8) * 1e9 / 150e9
+    # Alpa's formula, 2 (n-1)/n B at the bus bandwidth, with a tree's latency: log2(8) levels up and down
+    assert mesh.all_reduce(1e9, 1) == 2 * 3 * 3e-6 + 2 * (7 / 8) * 1e9 / 130e9
+
+
+A100_NVSWITCH = 0.78 * 300e9
 
 
 @pytest.mark.parametrize(
@@ -50,9 +54,27 @@ def test_all_reduce_1gb_over_nvlink_axis_on_p3_is_alpa_formula():
 def test_each_collective_formula_on_an_8_device_axis(method, factor):
     mesh = Cluster.preset("dgx-a100").logical_mesh((1, 8))
     got = getattr(mesh, method)(3e8, 1)
-    assert got == pytest.approx(3e-6 + factor * 3e8 / 300e9, rel=1e-12)
+    # rings of 7 steps of 2 us (all-gather, reduce-scatter); trees of log2(8) = 3 levels (all-to-all, and up and
+    # down for the all-reduce)
+    latency = {"all_reduce": 6 * 2e-6, "all_to_all": 3 * 2e-6}.get(method, 7 * 2e-6)
+    assert got == pytest.approx(latency + factor * 3e8 / A100_NVSWITCH, rel=1e-12)
     # both axes flattened: the same 8 devices in one group
     assert getattr(mesh, method)(3e8, (0, 1)) == got
+
+
+def test_collectives_across_hosts_wait_for_the_network_and_one_all_reduce_beats_two_halves():
+    c = Cluster.preset("dgx-a100", hosts=4)
+    mesh = c.logical_mesh((4, 8), (1, 32))  # one group over 4 hosts x 8 devices
+    bw, a_in, a_out = mesh.axis_link(1).bandwidth, 2e-6, 7e-6
+    assert mesh.axis_hosts(1) == 4 and bw == c.inter_host.bandwidth
+    # the tree: log2(8) levels in a host and log2(4) across, up and down; a ring step waits for InfiniBand
+    assert mesh.all_reduce(1e3, 1) == 2 * (3 * a_in + 2 * a_out) + 2 * (31 / 32) * 1e3 / bw
+    assert mesh.all_gather(1e9, 1) == 31 * a_out + (31 / 32) * 1e9 / bw
+    for nbytes in (1e3, 1e6, 1e9):
+        assert mesh.all_reduce(nbytes, 1) < mesh.reduce_scatter(nbytes, 1) + mesh.all_gather(nbytes, 1)
+    # a pair of devices: one ring step, or one tree level each way, cost the same
+    pair = c.logical_mesh((1, 2))
+    assert pair.all_reduce(1e6, 1) == 2 * a_in + 1e6 / c.intra_host.bandwidth
 
 
 @pytest.mark.parametrize("method", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
@@ -67,13 +89,15 @@ def test_axis_link_divides_host_nic_among_groups_crossing_it():
     c = Cluster.preset("p3.16xlarge", hosts=2)
     mesh = c.logical_mesh((2, 8), (2, 8))
     # axis 0: 8 pairs (d, d+8), each crossing hosts, all 8 through each host's 25 Gb/s NIC
-    assert mesh.axis_link(0) == Link(25e9 / 8 / 8, 50e-6)
+    net = c.inter_host.bandwidth
+    assert mesh.axis_link(0) == Link(net / 8, 50e-6)
     assert mesh.axis_link(1) == c.intra_host
     assert mesh.axis_link((0, 1)) == c.inter_host  # one group: it has the NIC to itself
-    assert mesh.all_reduce(1e9, 0) == 50e-6 + 2 * (1 / 2) * 1e9 / (25e9 / 64)
+    # a pair across 2 hosts: the tree's one level each way (= the ring's 2 steps)
+    assert mesh.all_reduce(1e9, 0) == 2 * 50e-6 + 2 * (1 / 2) * 1e9 / (net / 8)
     square = c.logical_mesh((2, 8), (4, 4))
     assert square.axis_link(1) == c.intra_host
-    assert square.axis_link(0) == Link(25e9 / 8 / 4, 50e-6)  # 4 column groups share each host
+    assert square.axis_link(0) == Link(net / 4, 50e-6)  # 4 column groups share each host
     assert c.logical_mesh((2, 8), (1, 16)).axis_link(1) == c.inter_host
     assert c.logical_mesh((2, 8), (16, 1)).axis_link(0) == c.inter_host
 
@@ -100,8 +124,8 @@ def test_send_recv_and_p2p_link():
     c = Cluster.preset("p3.16xlarge", hosts=2)
     assert c.p2p_link([0, 1, 2, 3], [4, 5, 6, 7]) == c.intra_host
     assert c.p2p_link(range(8), range(8, 16)) == c.inter_host
-    assert send_recv(1e9, c.inter_host) == 50e-6 + 1e9 / (25e9 / 8)
-    assert c.send_recv(1e9, [0], [1]) == 5e-6 + 1e9 / 150e9
+    assert send_recv(1e9, c.inter_host) == 50e-6 + 1e9 / (0.9 * 25e9 / 8)
+    assert c.send_recv(1e9, [0], [1]) == 3e-6 + 1e9 / 130e9
     assert send_recv(0, c.inter_host) == 0.0
     with pytest.raises(ValueError, match="outside this cluster"):
         c.p2p_link([0], [16])
@@ -220,9 +244,15 @@ def test_preset_figures_from_datasheets():
     assert (p3.device.memory_bytes, p3.device.memory_bandwidth) == (16 * 2**30, 900e9)
     assert (p3.intra_host, p3.inter_host) == (P3_NVLINK, P3_NET)
     a100 = Cluster.preset("dgx-a100")
-    assert a100.device.peak("bfloat16") == 312e12 and a100.inter_host.bandwidth == 200e9
+    # links: achievable bus bandwidth, 94% of 8 x 200 Gb/s HDR InfiniBand per host
+    assert a100.device.peak("bfloat16") == 312e12 and a100.inter_host.bandwidth == pytest.approx(0.94 * 200e9)
     h100 = Cluster.preset("dgx-h100")
-    assert h100.device.peak("bfloat16") == 989.4e12 and h100.inter_host.bandwidth == 400e9
+    assert h100.device.peak("bfloat16") == 989.4e12 and h100.inter_host.bandwidth == pytest.approx(0.94 * 400e9)
+    # achievable rates: the measured maximum achievable matmul FLOP/s (267.9 of 312 and 792.1 of 989 TFLOP/s)
+    assert a100.device.efficiency.matmul * 312 == pytest.approx(267.9)
+    assert h100.device.efficiency.matmul * 989 == pytest.approx(792.1)
+    assert a100.device.efficiency.flash_attention and not p3.device.efficiency.flash_attention  # no FA on V100
+    assert a100.device.vector_rate("float16") == 78e12 and a100.device.vector_rate("float32") == 19.5e12
 
 
 def test_device_peak_accepts_dtypes_and_names_and_falls_back_to_float32():
@@ -333,9 +363,9 @@ def test_from_json_errors_say_what_to_add_or_fix(tmp_path):
 def test_with_and_scaled_inter_host():
     c = Cluster.preset("p3.16xlarge", hosts=2)
     slow = c.scaled_inter_host(4)
-    assert slow.inter_host == Link(25e9 / 8 / 4, 50e-6)
+    assert slow.inter_host == Link(P3_NET.bandwidth / 4, 50e-6)
     assert slow.intra_host == c.intra_host and c.inter_host == P3_NET  # the original is untouched
-    assert slow.logical_mesh((2, 8), (2, 8)).axis_link(0).bandwidth == 25e9 / 8 / 4 / 8
+    assert slow.logical_mesh((2, 8), (2, 8)).axis_link(0).bandwidth == P3_NET.bandwidth / 4 / 8
     bigger = c.with_(hosts=4, intra_host=Link(1e11, 1e-6), peak_flops={"float32": 1e13})
     assert (bigger.num_devices, bigger.intra_host.bandwidth, bigger.device.peak("float16")) == (32, 1e11, 1e13)
     with pytest.raises(ValueError, match="unknown change 'bandwith'; use one of"):

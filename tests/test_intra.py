@@ -50,7 +50,9 @@ def test_large_hidden_mlp_picks_megatron_pattern():
 
 def test_large_hidden_mlp_training_step_keeps_megatron_in_forward():
     B, H = 8, 4096
-    step = jax.grad(mlp_block, argnums=(0, 1))
+    # value and gradient: the loss is an output, so the forward's last matmul is live (a compiler removes what no
+    # output needs, and so does the cost model: a dead operator costs nothing whatever its strategy)
+    step = jax.value_and_grad(mlp_block, argnums=(0, 1))
     g = trace(step, sds(H, 4 * H), sds(4 * H, H), sds(B, H), param_argnums=(0, 1), batch_argnums=(2,))
     plan = solve_intra(g, mesh((1, 8)))
     fwd = dots(g, plan, "forward")
@@ -60,8 +62,10 @@ def test_large_hidden_mlp_training_step_keeps_megatron_in_forward():
 
 
 def test_large_batch_small_weights_picks_data_parallelism():
-    B, H = 8192, 64
-    step = jax.grad(mlp_block, argnums=(0, 1))
+    # Big enough that splitting the batch saves more than a gradient all-reduce's latency costs (tiny steps are
+    # cheaper replicated: a collective of a few bytes still takes ~20 us over NVLink), and a live forward.
+    B, H = 1 << 17, 64
+    step = jax.value_and_grad(mlp_block, argnums=(0, 1))
     g = trace(step, sds(H, H), sds(H, H), sds(B, H), param_argnums=(0, 1), batch_argnums=(2,))
     plan = solve_intra(g, mesh((8, 1)))
     for node, s in dots(g, plan, "forward"):

@@ -161,7 +161,9 @@ def test_deep_model_interleaved_shrinks_the_bubble_on_gpus():
     covered = sorted(r for st in inter.stages for r in st.chunks)
     assert covered[0][0] == 0 and covered[-1][1] == 25 and all(a[1] + 1 == b[0] for a, b in zip(covered, covered[1:]))
     ideal = inter.cost.step_time_s - inter.cost.bubble_s
-    assert inter.cost.bubble_s < base.cost.bubble_s / 2
+    # by less than v = 3: the chunk with the head (a 51,200-word matmul, a larger share of a stage now that fused
+    # layers cost less) is heavier than the others, and the bubble follows the heaviest chunk
+    assert inter.cost.bubble_s < base.cost.bubble_s / 1.5
     assert inter.cost.bubble_s / ideal < 2 * (4 - 1) / (3 * 16)  # (p-1)/(vm), plus the transfers' share
     assert inter.cost.step_time_s < base.cost.step_time_s
     assert inter.cost.stage_comm_s > 2 * base.cost.stage_comm_s  # the price: v times the transfers

@@ -9,6 +9,7 @@ import autopar_lab as al
 from autopar_lab.pricing import CostTable, OpMap, price_plan, stage_cost
 from autopar_lab.pricing.opmap import plain_signature
 from autopar_lab.pricing.price import table_of
+from autopar_lab.pricing.stage import SUM_FIELDS
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,7 @@ def test_a_plan_priced_again_from_its_decisions_is_the_same_plan(auto):
     for st in m.stages:
         costs, _ = t.mesh_costs(st.submesh, st.logical_mesh)
         part = costs[st.layers[0]:st.layers[1] + 1]
-        totals = {f: math.fsum(getattr(c, f) for c in part) for f in ("fwd_s", "bwd_s", "static_bytes",
-                                                                     "act_bytes", "heavy_fwd", "heavy_bwd")}
+        totals = {f: math.fsum(getattr(c, f) for c in part) for f in SUM_FIELDS}
         want = stage_cost(totals, t.entry_bytes(st.layers[0]), 2, 2, True, t.task_overhead_s(st.submesh))
         assert (st.fwd_s, st.bwd_s, st.static_bytes, st.act_bytes) == pytest.approx(want, rel=1e-12)
     # The step time is the simulated makespan, and the terms add up to it.

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
+from autopar_lab.cluster import Efficiency
 from autopar_lab.graph.capture import trace
 from autopar_lab.graph.opgraph import OpNode
 from autopar_lab.sharding import (
@@ -33,11 +34,23 @@ SDS = jax.ShapeDtypeStruct
 # --- a stand-in logical mesh: alpha-beta with known a, b (the real LogicalMesh has the same methods) -------------
 @dataclass(frozen=True)
 class FakeDevice:
+    """A datasheet device: every rate at its peak (no efficiency below it), no fused attention."""
+
     flops: float = 1e12
     memory_bandwidth: float = 1e11
+    efficiency: Efficiency = Efficiency()
 
     def peak(self, dtype="float32") -> float:
         return self.flops
+
+    vector_rate = attention_rate = peak
+
+    def matmul_rate(self, dtype, m, n, k, batch=1) -> float:
+        return self.flops
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        return self.memory_bandwidth
 
 
 @dataclass(frozen=True)

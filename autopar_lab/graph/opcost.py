@@ -70,6 +70,32 @@ def dot_general_flops(lhs: Shape, rhs: Shape, dimension_numbers) -> float:
     return 2.0 * batch * lhs_free * rhs_free * contract
 
 
+def gemm_dims(primitive: str, in_shapes: Sequence[Shape], out_shapes: Sequence[Shape], params: Mapping[str, Any]
+              ) -> tuple[int, int, int, float]:
+    """(batch, m, n, k) of a contraction as the GEMM a library runs: batch x (m x k) @ (k x n).
+
+    A convolution is its implicit GEMM: m the output positions, n the output features, k the rest.
+
+    >>> gemm_dims("dot_general", [(2, 8, 4), (2, 4, 16)], [(2, 8, 16)], {"dimension_numbers": (((2,), (1,)), ((0,), (0,)))})
+    (2, 8, 16, 4.0)
+    """
+    if primitive == "dot_general":
+        lhs, rhs = in_shapes[0], in_shapes[1]
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        batch = _prod(lhs[d] for d in lb)
+        m = _prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
+        n = _prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
+        return int(batch), int(m), int(n), float(_prod(lhs[d] for d in lc))
+    out = out_shapes[0] if out_shapes else ()
+    elems = max(_prod(out), 1)
+    dn = params.get("dimension_numbers")
+    feat = 1
+    if dn is not None and hasattr(dn, "out_spec") and out:
+        feat = int(out[dn.out_spec[1]])
+    flops = op_flops(primitive, in_shapes, out_shapes, params)
+    return 1, int(elems // max(feat, 1)), int(feat), flops / (2.0 * elems)
+
+
 def conv_flops(out: Shape, rhs: Shape, dimension_numbers) -> float:
     """2 x output elements x (kernel elements per output feature).
 

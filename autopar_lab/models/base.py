@@ -146,7 +146,12 @@ class ModelSpec:
 
 def make_spec(name: str, family: str, config: Any, init_params: Callable, make_batch: Callable,
               loss_fn: Callable, learning_rate: float = LEARNING_RATE) -> ModelSpec:
-    """Build a ModelSpec from init_params(key) -> params, make_batch(key) -> batch and loss_fn(params, batch)."""
+    """Build a ModelSpec from init_params(key) -> params, make_batch(key) -> batch and loss_fn(params, batch).
+
+    A half-precision config with ``mixed_precision`` (the zoo's default) trains as Megatron-LM and Alpa did: the
+    parameters (and so Adam's moments) are float32 master weights (``init_params`` makes them in
+    :func:`param_dtype_of`), and the loss computes with float16/bfloat16 copies made inside each layer's scope
+    (:func:`compute_copy`), so the copy belongs to the layer that uses it."""
     opt = optax.adam(learning_rate)
 
     def step_fn(params, opt_state, batch):
@@ -181,7 +186,24 @@ def _same_structure(a, b) -> bool:
 # ---------------------------------------------------------------- small shared pieces (plain JAX)
 
 def dtype_of(config) -> jnp.dtype:
+    """The dtype the model computes in."""
     return jnp.dtype(config.dtype)
+
+
+def param_dtype_of(config) -> jnp.dtype:
+    """The dtype its parameters are kept in: float32 master weights for a half-precision model trained in mixed
+    precision (``config.mixed_precision``), else the compute dtype."""
+    compute = dtype_of(config)
+    if getattr(config, "mixed_precision", False) and compute.name in ("float16", "bfloat16"):
+        return jnp.dtype("float32")
+    return compute
+
+
+def compute_copy(config, tree):
+    """``tree`` (a layer's parameters) in the model's compute dtype: the float16/bfloat16 copy a mixed-precision step
+    computes with (unchanged when the parameters already are in it)."""
+    compute = dtype_of(config)
+    return jax.tree_util.tree_map(lambda p: p.astype(compute) if p.dtype != compute else p, tree)
 
 
 def normal(key, shape, dtype, std=0.02):

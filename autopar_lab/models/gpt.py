@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .base import check, cross_entropy, dense_init, dtype_of, layer_norm, ln_init, make_spec, normal
+from .base import (check, compute_copy, cross_entropy, dense_init, layer_norm, ln_init, make_spec, normal,
+                   param_dtype_of)
 from .data import counting_tokens
 
 
@@ -28,6 +29,7 @@ class GPTConfig:
     vocab_size: int = 51200
     batch_size: int = 1024
     dtype: str = "float16"
+    mixed_precision: bool = True  # a float16/bfloat16 model keeps float32 master weights (and Adam moments)
     mlp_factor: int = 4
     scan_layers: bool = False
 
@@ -54,7 +56,7 @@ def init_block(key, c: GPTConfig, dtype):
 
 
 def init_params(key, c: GPTConfig):
-    dtype = dtype_of(c)
+    dtype = param_dtype_of(c)
     k_wte, k_wpe, k_layers = jax.random.split(key, 3)
     layers = [init_block(k, c, dtype) for k in jax.random.split(k_layers, c.num_layers)]
     if c.scan_layers:
@@ -66,8 +68,10 @@ def init_params(key, c: GPTConfig):
 
 def attention(p, x, num_heads):
     B, S, H = x.shape
-    qkv = (x @ p["qkv"]["w"] + p["qkv"]["b"]).reshape(B, S, 3, num_heads, H // num_heads)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                       # [B, S, nh, hd]
+    # Megatron-LM's layout: each head's q, k, v side by side, so a column split of the qkv weight over tensor-parallel
+    # devices gives each device whole heads.
+    qkv = (x @ p["qkv"]["w"] + p["qkv"]["b"]).reshape(B, S, num_heads, 3, H // num_heads)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]              # [B, S, nh, hd]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(H // num_heads).astype(x.dtype)
     causal = jnp.tril(jnp.ones((S, S), bool))
     scores = jnp.where(causal, scores.astype(jnp.float32), -1e9)
@@ -88,16 +92,18 @@ def block(p, x, num_heads):
 def loss_fn(params, batch, c: GPTConfig):
     tokens, targets = batch["tokens"], batch["targets"]                     # [B, S] int32 each
     with jax.named_scope("embed"):
-        x = jnp.take(params["wte"], tokens, axis=0) + params["wpe"][None, : tokens.shape[1]]
+        wte, wpe = compute_copy(c, (params["wte"], params["wpe"]))
+        x = jnp.take(wte, tokens, axis=0) + wpe[None, : tokens.shape[1]]
     if c.scan_layers:
         with jax.named_scope("layers"):
-            x, _ = jax.lax.scan(lambda h, p: (block(p, h, c.num_heads), None), x, params["layers"])
+            x, _ = jax.lax.scan(lambda h, p: (block(compute_copy(c, p), h, c.num_heads), None), x, params["layers"])
     else:
         for i, p in enumerate(params["layers"]):
             with jax.named_scope(f"layer_{i}"):
-                x = block(p, x, c.num_heads)
+                x = block(compute_copy(c, p), x, c.num_heads)
     with jax.named_scope("head"):
-        logits = jnp.einsum("bsh,vh->bsv", layer_norm(params["ln_f"], x), params["wte"])
+        ln_f, wte = compute_copy(c, (params["ln_f"], params["wte"]))
+        logits = jnp.einsum("bsh,vh->bsv", layer_norm(ln_f, x), wte)
         return cross_entropy(logits, targets)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .base import check, cross_entropy, dense_init, dtype_of, make_spec
+from .base import check, compute_copy, cross_entropy, dense_init, dtype_of, make_spec, param_dtype_of
 from .data import teacher_labels
 
 
@@ -23,13 +23,14 @@ class MLPConfig:
     num_classes: int = 1000
     batch_size: int = 1024
     dtype: str = "float32"
+    mixed_precision: bool = True  # a float16/bfloat16 model keeps float32 master weights (and Adam moments)
 
 
 PRESETS = {"mlp": MLPConfig()}
 
 
 def init_params(key, c: MLPConfig):
-    dtype = dtype_of(c)
+    dtype = param_dtype_of(c)
     keys = jax.random.split(key, c.num_layers + 1)
     dims = [c.input_dim] + [c.hidden_size] * c.num_layers
     std = lambda n: (2.0 / n) ** 0.5                                              # He init for gelu layers
@@ -41,9 +42,11 @@ def loss_fn(params, batch, c: MLPConfig):
     x = batch["x"]
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
+            p = compute_copy(c, p)
             x = jax.nn.gelu(x @ p["w"] + p["b"])
     with jax.named_scope("head"):
-        return cross_entropy(x @ params["head"]["w"] + params["head"]["b"], batch["labels"])
+        head = compute_copy(c, params["head"])
+        return cross_entropy(x @ head["w"] + head["b"], batch["labels"])
 
 
 def make_batch(key, c: MLPConfig):

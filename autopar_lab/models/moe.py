@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .base import check, cross_entropy, dense_init, dtype_of, layer_norm, ln_init, make_spec, normal
+from .base import (check, compute_copy, cross_entropy, dense_init, layer_norm, ln_init, make_spec, normal,
+                   param_dtype_of)
 from .data import counting_tokens
 from .gpt import attention
 
@@ -35,6 +36,7 @@ class MoEConfig:
     expert_group_size: int = 2048
     batch_size: int = 1024
     dtype: str = "float16"
+    mixed_precision: bool = True  # a float16/bfloat16 model keeps float32 master weights (and Adam moments)
     mlp_factor: int = 8
     capacity_factor: float = 2.0
     aux_loss_weight: float = 0.01
@@ -81,7 +83,7 @@ def init_layer(key, i, c: MoEConfig, dtype):
 
 
 def init_params(key, c: MoEConfig):
-    dtype = dtype_of(c)
+    dtype = param_dtype_of(c)
     k_wte, k_wpe, k_head, k_layers = jax.random.split(key, 4)
     return {"wte": normal(k_wte, (c.vocab_size, c.hidden_size), dtype),
             "wpe": normal(k_wpe, (c.seq_len, c.hidden_size), dtype, std=0.01),
@@ -130,10 +132,12 @@ def dense_mlp(p, x):
 def loss_fn(params, batch, c: MoEConfig):
     tokens, targets = batch["tokens"], batch["targets"]
     with jax.named_scope("embed"):
-        x = jnp.take(params["wte"], tokens, axis=0) + params["wpe"][None, : tokens.shape[1]]
+        wte, wpe = compute_copy(c, (params["wte"], params["wpe"]))
+        x = jnp.take(wte, tokens, axis=0) + wpe[None, : tokens.shape[1]]
     aux_total = jnp.zeros((), jnp.float32)
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
+            p = compute_copy(c, p)
             x = x + attention(p, layer_norm(p["ln1"], x), c.num_heads)
             if is_moe_layer(i):
                 y, aux = moe_mlp(p, layer_norm(p["ln2"], x), c)
@@ -142,7 +146,8 @@ def loss_fn(params, batch, c: MoEConfig):
                 y = dense_mlp(p, layer_norm(p["ln2"], x))
             x = x + y
     with jax.named_scope("head"):
-        logits = layer_norm(params["ln_f"], x) @ params["lm_head"]
+        ln_f, lm_head = compute_copy(c, (params["ln_f"], params["lm_head"]))
+        logits = layer_norm(ln_f, x) @ lm_head
         n_moe = max(1, sum(is_moe_layer(i) for i in range(c.num_layers)))
         return cross_entropy(logits, targets) + c.aux_loss_weight * aux_total / n_moe
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .base import check, cross_entropy, dtype_of, make_spec
+from .base import check, compute_copy, cross_entropy, dtype_of, make_spec, param_dtype_of
 from .data import teacher_labels
 
 STAGES = {14: (1, 1, 1, 1), 26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
@@ -33,6 +33,7 @@ class WResNetConfig:
     num_classes: int = 1000
     batch_size: int = 1536
     dtype: str = "float32"
+    mixed_precision: bool = True  # a float16/bfloat16 model keeps float32 master weights (and Adam moments)
 
 
 # Alpa's Wide-ResNet suite (image 224, fp32): layers, base channels, width factor
@@ -81,7 +82,7 @@ def block_plan(c: WResNetConfig):
 
 
 def init_params(key, c: WResNetConfig):
-    dtype = dtype_of(c)
+    dtype = param_dtype_of(c)
     plan = block_plan(c)
     k_stem, k_head, k_blocks = jax.random.split(key, 3)
     blocks = []
@@ -112,13 +113,15 @@ def bottleneck(p, x, stride):
 
 def loss_fn(params, batch, c: WResNetConfig):
     with jax.named_scope("embed"):
-        x = jax.nn.relu(batch_norm(params["stem"]["bn"], conv(batch["images"], params["stem"]["conv"], 2)))
+        stem = compute_copy(c, params["stem"])
+        x = jax.nn.relu(batch_norm(stem["bn"], conv(batch["images"], stem["conv"], 2)))
         x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
     for i, (p, (_, _, stride)) in enumerate(zip(params["blocks"], block_plan(c))):
         with jax.named_scope(f"layer_{i}"):
-            x = bottleneck(p, x, stride)
+            x = bottleneck(compute_copy(c, p), x, stride)
     with jax.named_scope("head"):
-        logits = x.mean((1, 2)) @ params["head"]["w"] + params["head"]["b"]
+        head = compute_copy(c, params["head"])
+        logits = x.mean((1, 2)) @ head["w"] + head["b"]
         return cross_entropy(logits, batch["labels"])
 
 

@@ -8,21 +8,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OpGraph
-from ..solve.intra import StrategyCache, conversions, memory_terms
+from ..graph.fusion import attach_kernel_roles, kernel_view
+from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
+from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, gathered_bytes, memory_terms, weight_gradient_ops
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
 
-#: Operators that launch a kernel of their own per microbatch (each costs ``LAUNCH_OVERHEAD_S``, see
-#: :func:`autopar_lab.pricing.stage.stage_cost`).
+#: Operators that launched a kernel of their own in the operator-by-operator model (kept for code that imports it;
+#: launches are now counted per kernel, :mod:`autopar_lab.graph.fusion`).
 HEAVY_PRIMITIVES = frozenset(["dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "gather",
                               "scatter-add", "scatter_add", "argmax", "cumsum"])
 
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One layer on one logical mesh, per training step at the graph's batch (bytes per device)."""
+    """One layer on one logical mesh, per training step at the graph's batch (bytes per device).
+
+    Times: ``fwd_s`` (forward work: compute, collectives, resharding), ``bwd_s`` (backward and optimizer update,
+    with the update's kernel launches and its state arrays' dispatch, ``Efficiency.buffer_s`` each, which run once
+    per step); of those, ``compute_s``, ``comm_s`` and
+    ``reshard_s`` by kind, ``fwd_compute_s``/``bwd_compute_s`` the compute of each pass, ``sync_s`` the
+    weight-gradient collectives (data-parallel gradient reduction: it can overlap the backward of the step's last
+    microbatch) and ``gather_s`` the gathers of parameters from their shards (they can be prefetched behind the
+    forward). ``heavy_fwd``/``heavy_bwd``: kernels launched per microbatch in each pass, ``launch_fwd_s``/
+    ``launch_bwd_s`` what they cost per microbatch.
+
+    Memory: ``static_bytes`` (held all step) = ``param_bytes`` + ``grad_bytes`` + ``master_bytes`` +
+    ``opt_bytes`` + ``copies_bytes`` (:data:`~autopar_lab.solve.intra.STATIC_KINDS`); ``act_bytes``: the forward
+    tensors the backward reads; ``ckpt_bytes``: the activations entering the layer (what it keeps when
+    rematerialised); ``temp_bytes``: its largest tensor written and not kept (a transient buffer); ``layers``: 1 (so
+    that running sums count layers).
+    """
 
     fwd_s: float
     bwd_s: float  # backward + optimizer update
@@ -33,19 +50,42 @@ class LayerCost:
     act_bytes: float
     heavy_fwd: int
     heavy_bwd: int
+    fwd_compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
+    sync_s: float = 0.0
+    gather_s: float = 0.0
+    launch_fwd_s: float = 0.0
+    launch_bwd_s: float = 0.0
+    ckpt_bytes: float = 0.0
+    temp_bytes: float = 0.0
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    master_bytes: float = 0.0
+    opt_bytes: float = 0.0
+    copies_bytes: float = 0.0
+    layers: int = 1
 
 
 def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 cache: StrategyCache | None = None) -> list[LayerCost]:
     """Split an intra plan's cost by layer: each operator counts in its layer (operators without one in the last
-    layer), each resharding in its consumer's layer."""
+    layer), each resharding in its consumer's layer; each kernel's launch in its root's layer."""
+    attach_kernel_roles(graph)
     index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
     acc: list[dict[str, Any]] = [
-        dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, static=0.0, act=0.0, hf=0, hb=0)
+        dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
+             gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
     mshape = tuple(plan.mesh.shape)
+    device = plan.mesh.cluster.device
+    fused = device.efficiency.flash_attention
+    launch = device.efficiency.kernel_launch_s
+    per_buffer = device.efficiency.buffer_s
+    view = kernel_view(graph, fused)
+    grads = weight_gradient_ops(graph, plan.ops)
+    inside = set(plan.ops)
 
     def slot(op):
         return acc[index.get(graph.op(op).layer, last)]
@@ -53,19 +93,64 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     for op in plan.ops:
         node, s = graph.op(op), plan.strategies[op]
         a = slot(op)
-        a["fwd" if node.role == FORWARD else "bwd"] += s.cost
+        fwd = node.role == FORWARD
+        a["fwd" if fwd else "bwd"] += s.cost
+        a["fc" if fwd else "bc"] += s.compute_s
         a["compute"] += s.compute_s
         a["comm"] += s.comm_s
-        if node.primitive in HEAVY_PRIMITIVES:
-            a["hf" if node.role == FORWARD else "hb"] += 1
-        for kind, nbytes in memory_terms(graph, node, s, mshape):
+        if op in grads:
+            a["sync"] += s.comm_s
+        if per_buffer and node.primitive == INPUT_PRIMITIVE and graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
+            a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
+        role = view.roles.get(op)
+        if role is not None and role.root:
+            if node.role == UPDATE:
+                a["bwd"] += launch  # the optimizer's kernels run once per step
+            elif fwd:
+                a["hf"] += 1
+                a["lf"] += launch
+            else:
+                a["hb"] += 1
+                a["lb"] += launch
+        for kind, nbytes in memory_terms(graph, node, s, mshape, fused):
             a[kind] += nbytes
-    for _u, v, is_alias, _t, _src, _dst, c in conversions(graph, plan.ops, plan.strategies, cache):
+        if role is not None and role.kind != "dead":
+            written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in view.saved
+                       for b in (spec.bytes_per_device(graph.tensor(t).shape, graph.tensor(t).dtype, mshape),)]
+            a["temp"] = max(a["temp"], max(written, default=0.0))
+        if fwd and node.primitive != INPUT_PRIMITIVE:
+            here = index.get(node.layer, last)
+            seen = a.setdefault("_ckpt_seen", set())
+            for t in node.inputs:
+                info = graph.tensor(t)
+                p = info.producer
+                if p is None or t in seen:
+                    continue
+                pn = graph.op(p)
+                from_input = pn.primitive == INPUT_PRIMITIVE and info.kind == BATCH
+                if not from_input and (pn.primitive == INPUT_PRIMITIVE or pn.role != FORWARD or
+                                       index.get(pn.layer, last) >= here or t in view.weight_derived):
+                    continue
+                seen.add(t)
+                spec = plan.strategies[p].out_specs[pn.outputs.index(t)] if p in inside else None
+                a["ckpt"] += spec.bytes_per_device(info.shape, info.dtype, mshape) if spec is not None else info.nbytes
+    for _u, v, is_alias, t, src, dst, c in conversions(graph, plan.ops, plan.strategies, cache):
         a = slot(v)
         a["reshard"] += c
         a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
-    return [LayerCost(a["fwd"], a["bwd"], a["compute"], a["comm"], a["reshard"], a["static"], a["act"], a["hf"],
-                      a["hb"]) for a in acc]
+        if not is_alias:
+            a["copies"] += gathered_bytes(graph, t, src, dst, mshape)
+            if graph.op(v).role == FORWARD and (t.kind == PARAM or t.id in view.weight_derived):
+                a["gather"] += c  # a parameter's gather for the forward: prefetchable behind earlier layers
+    out = []
+    for a in acc:
+        static = sum(a[k] for k in STATIC_KINDS)
+        out.append(LayerCost(a["fwd"], a["bwd"], a["compute"], a["comm"], a["reshard"], static, a["act"], a["hf"],
+                             a["hb"], fwd_compute_s=a["fc"], bwd_compute_s=a["bc"], sync_s=a["sync"],
+                             gather_s=a["gather"], launch_fwd_s=a["lf"], launch_bwd_s=a["lb"], ckpt_bytes=a["ckpt"],
+                             temp_bytes=a["temp"], param_bytes=a["param"], grad_bytes=a["grad"],
+                             master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"]))
+    return out
 
 
 def cut_bytes(graph: OpGraph, layer_names: Sequence[str]) -> list[float]:

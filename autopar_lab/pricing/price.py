@@ -7,7 +7,8 @@ remat and sharding; the microbatch count and schedule) and get the same numbers 
 1. each stage's per-microbatch times and memory from its layer costs (:func:`~autopar_lab.pricing.stage.stage_cost`);
 2. the transfers between stages over the link their placement implies (:func:`stage_transfers`);
 3. the event-level simulation of the pipeline (:func:`simulate_pipeline`): its makespan is the step time;
-4. the cost report, the busiest stage's busy time split in proportion to its terms.
+4. the cost report, the busiest stage's busy time split in proportion to its terms, communication hidden behind its
+   compute (gradient reduction behind the last backward, parameter gathers behind the forward) reported beside them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import prefix_sums
+from .stage import hidden_comm_s, prefix_sums
 from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
-    priced, per_stage, stage_sums = [], [], []
+    priced, per_stage, stage_sums, hidden = [], [], [], []
     # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
     # 1F1B layout), else its layers.
     ranges: list[tuple[tuple[int, int], ...]] = (interleave([s.layers for s in specs], v) if v > 1
@@ -169,6 +170,15 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                     sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
+        # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
+        # interleaved: each chunk is priced as a stage of its own).
+        hid_sync = hid_gather = launches = 0.0
+        for first, last in ranges[j]:
+            span = {f: run[last + 1] - run[first] for f, run in sums.items()}
+            sync, gather = hidden_comm_s(span, microbatches)
+            hid_sync, hid_gather = hid_sync + sync, hid_gather + gather
+            launches += (span["heavy_fwd"] * (2 if spec.remat else 1) + span["heavy_bwd"]) * microbatches
+        hidden.append((hid_sync, hid_gather, int(round(launches))))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
@@ -213,14 +223,17 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                                  chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
-    work = b.compute_s + b.comm_s + b.reshard_s
+    # Communication hidden behind compute is not in the busy time: only what shows is split.
+    hid_sync, hid_gather, kernels = hidden[busiest]
+    comm, reshard = max(b.comm_s - hid_sync, 0.0), max(b.reshard_s - hid_gather, 0.0)
+    work = b.compute_s + comm + reshard
     # The busiest stage's busy time, split in proportion to its terms (launch overheads and recomputation included).
     scale = busy / work if work > 0 else 0.0
     cost = CostReport(
         step_time_s=tl.makespan,
         compute_s=b.compute_s * scale,
-        comm_s=b.comm_s * scale,
-        reshard_s=b.reshard_s * scale,
+        comm_s=comm * scale,
+        reshard_s=reshard * scale,
         stage_comm_s=sum(sends) + sum(sends),
         bubble_s=tl.makespan - busy,
         peak_mem_bytes=tuple(tl.peak_mem_bytes),
@@ -228,6 +241,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         samples_per_s=table.batch_size / tl.makespan if tl.makespan > 0 else math.inf,
         busiest_stage=busiest,
         timeline=tl,
+        hidden_comm_s=float(hid_sync + hid_gather),
+        kernels=kernels,
+        flash_attention=cluster.device.efficiency.flash_attention,
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),

@@ -1,9 +1,14 @@
 """The stage-cost formula: what a pipeline stage costs per microbatch, from its layers' costs.
 
-A stage running layers ``a..b`` on a microbatch of ``batch / B`` samples costs ``sum(layer costs) / B`` plus a fixed
-launch overhead per heavy operator (``LAUNCH_OVERHEAD_S``: the term that stops more microbatches from being free);
-each forward and each backward task also costs the device's ``task_overhead_s`` (:func:`task_overhead_s`). With
-rematerialisation it holds only its input activations and runs its forward pass twice.
+A stage running layers ``a..b`` on a microbatch of ``batch / B`` samples costs ``sum(layer costs) / B`` plus the
+launch of every kernel it runs per microbatch (:attr:`~autopar_lab.pricing.layers.LayerCost.launch_fwd_s`: the term
+that stops more microbatches from being free); each forward and each backward task also costs the device's
+``task_overhead_s`` (:func:`task_overhead_s`). Communication that systems overlap is charged only where it shows
+(:func:`hidden_comm_s`): the data-parallel gradient reduction runs in buckets behind the backward of the step's last
+microbatch, and parameters gathered from their shards are prefetched behind the forward; tensor-parallel collectives
+and other resharding stay on the critical path. With rematerialisation (Megatron-LM's full recomputation) a stage
+keeps each layer's input per microbatch in flight, recomputes one layer's forward at a time in the backward (that
+layer's activations are its working set), and runs its forward pass twice.
 
 :func:`stage_cost` is the one place this is written: the cost table calls it with floats for one stage
 (:meth:`~autopar_lab.pricing.table.CostTable.stage`) and with numpy arrays for every layer range of a submesh at
@@ -14,16 +19,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import numpy as np
+
 from ..solve.inter import StageCandidate
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
 
-#: Seconds per heavy operator (matmul, convolution, reduction, gather) per microbatch.
+#: Seconds per kernel launch of the operator-by-operator model (kept for code that imports it; the device's
+#: ``efficiency.kernel_launch_s`` is what prices a launch now).
 LAUNCH_OVERHEAD_S = 5e-6
 
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
-SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd")
+SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
+              "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
+              "layers")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
@@ -36,30 +46,64 @@ def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     return sums
 
 
+def _minimum(a: Any, b: Any) -> Any:
+    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def hidden_comm_s(totals: Mapping[str, Any], microbatches: int) -> tuple[Any, Any]:
+    """(gradient reduction, parameter gathers) seconds per step hidden behind compute.
+
+    The data-parallel gradient reduction (``sync_s``) is bucketed behind the backward of the step's last microbatch:
+    every bucket but the last (one per layer) overlaps the backward compute still to run, so up to
+    ``bwd_compute / B x (1 - 1/layers)`` of it is hidden. Parameter gathers (``gather_s``) are prefetched one layer
+    ahead behind the forward of the first microbatch in the same way. Tensor-parallel collectives are not hidden.
+
+    >>> t = dict(sync_s=3.0, gather_s=0.0, fwd_compute_s=4.0, bwd_compute_s=8.0, layers=4)
+    >>> hidden_comm_s(t, 2)   # the last microbatch's backward (4 s) hides 3/4 of it: 3 s
+    (3.0, 0.0)
+    """
+    B = microbatches
+    n = totals["layers"]
+    share = 1.0 - 1.0 / np.maximum(n, 1) if isinstance(n, np.ndarray) else 1.0 - 1.0 / max(n, 1)
+    sync = _minimum(totals["sync_s"], totals["bwd_compute_s"] / B * share)
+    gather = _minimum(totals["gather_s"], totals["fwd_compute_s"] / B * share)
+    return sync, gather
+
+
 def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, devices: int, remat: bool,
                task_s: float) -> tuple[Any, Any, Any, Any]:
     """(forward s, backward s, static bytes, activation bytes) of one stage per microbatch.
 
     ``totals``: each of :data:`SUM_FIELDS` summed over the stage's layers (per training step at the full batch);
-    ``entry_bytes``: the activation bytes (full batch) entering the stage's first layer; ``devices``: the stage's
-    device count; ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats give one stage; numpy arrays
-    (broadcastable) give many at once, with the same float operations.
+    ``entry_bytes``, ``devices``: kept for callers of the earlier formula (a rematerialised stage now keeps every
+    layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
+    give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
 
-    >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4)
-    >>> stage_cost(t, 0.0, 2, 1, False, 0.0)
-    (2.00001, 4.00002, 10.0, 3.0)
-    >>> stage_cost(t, 4.0, 2, 2, True, 0.0)   # remat: holds its (sharded) input, runs the forward twice
-    (2.00001, 6.000030000000001, 10.0, 1.0)
+    Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
+    working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations.
+
+    >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
+    ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
+    ...          launch_bwd_s=2e-5, ckpt_bytes=2.0, temp_bytes=0.0, layers=2)
+    >>> stage_cost(t, 0.0, 2, 1, False, 0.0)   # 1.5 s of the gradient reduction hides behind the last backward
+    (2.00001, 3.25002, 10.0, 3.0)
+    >>> stage_cost(t, 0.0, 2, 1, True, 0.0)    # remat: keeps layer inputs, one layer's activations, runs fwd twice
+    (2.00001, 5.25003, 11.5, 1.0)
     """
     B = microbatches
-    fwd = totals["fwd_s"] / B + LAUNCH_OVERHEAD_S * totals["heavy_fwd"]
-    bwd = totals["bwd_s"] / B + LAUNCH_OVERHEAD_S * totals["heavy_bwd"]
-    static = totals["static_bytes"]
+    hidden_sync, hidden_gather = hidden_comm_s(totals, B)
+    fwd = (totals["fwd_s"] - hidden_gather) / B + totals["launch_fwd_s"]
+    bwd = (totals["bwd_s"] - hidden_sync) / B + totals["launch_bwd_s"]
+    n = totals["layers"]
+    layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
+    static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
     act = totals["act_bytes"] / B
     if remat:
-        # Only the stage's input is kept (sharded over the mesh); the forward pass runs again in the backward.
-        act = entry_bytes / B / devices
-        bwd = bwd + fwd
+        # Each layer's input is kept; in the backward one layer's forward runs again at a time (gathered parameters
+        # are kept, so it gathers nothing again), its activations the working set.
+        static = static + act / layers
+        act = totals["ckpt_bytes"] / B
+        bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"]
     # Once per task: a rematerialised backward is still one task.
     return fwd + task_s, bwd + task_s, static, act
 

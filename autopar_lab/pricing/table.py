@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..deprecation import renamed_keywords
+from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
@@ -42,7 +43,8 @@ ProgressFn = Callable[[str, int, int], None]
 
 
 def mesh_signature(mesh: LogicalMesh) -> tuple:
-    """What the intra-op pass sees of a logical mesh: each axis' size and link, the cluster's device.
+    """What the intra-op pass sees of a logical mesh: each axis' collective profile (size, hosts spanned, link;
+    :meth:`~autopar_lab.cluster.LogicalMesh.axis_profile`), the cluster's device.
 
     A mesh with one split axis is the same problem whichever axis it is: (1, 8) and (8, 1) on one host run the same
     collectives over the same devices, and the ILP finds the same plan with the axis renamed. With both axes split
@@ -55,12 +57,7 @@ def mesh_signature(mesh: LogicalMesh) -> tuple:
     >>> mesh_signature(c.logical_mesh((1, 8), (2, 4))) == mesh_signature(c.logical_mesh((1, 8), (4, 2)))
     False
     """
-    axes = []
-    for a in (0, 1):
-        n = mesh.axis_size(a)
-        if n > 1:
-            link = mesh.axis_link(a)
-            axes.append((n, float(link.bandwidth), float(link.latency)))
+    axes = [mesh.axis_profile(a) for a in (0, 1) if mesh.axis_size(a) > 1]
     return (mesh.cluster.device, tuple(axes))
 
 
@@ -156,6 +153,9 @@ class CostTable:
         self.space = space
         self.layer_names = list(graph.layers) or [""]
         self.solve_graph = solve_graph or graph
+        # Every operator's part in its kernel, before any strategy is priced (a plan file re-priced from this
+        # table's graph prices its operators in their kernels too).
+        attach_kernel_roles(self.solve_graph)
         self.solver = solver
         self.on_progress = on_progress
         self.op_map = OpMap(graph, self.solve_graph)  # raises LookupError when a layer has no counterpart

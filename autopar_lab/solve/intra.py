@@ -18,7 +18,7 @@ Example:
     >>> from autopar_lab.cluster import Cluster
     >>> mesh = Cluster.preset("p3.16xlarge").logical_mesh((1, 8), (8, 1))
     >>> g = trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jax.ShapeDtypeStruct((64, 64), jnp.float32),
-    ...           jax.ShapeDtypeStruct((4096, 64), jnp.float32), batch_argnums=(1,))
+    ...           jax.ShapeDtypeStruct((1 << 18, 64), jnp.float32), batch_argnums=(1,))
     >>> plan = solve_intra(g, mesh)
     >>> str(plan.strategies[2].in_specs[0])   # the batch is split over the 8 devices: data parallelism
     'S0R'
@@ -46,6 +46,7 @@ from ..graph.opgraph import (
     OpNode,
     op_signature,
 )
+from ..graph.fusion import attach_kernel_roles, kernel_role, kernel_view
 from ..sharding.fsdp import is_param_input
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
@@ -170,10 +171,20 @@ class StrategyCache:
         self._reshard_mats: dict[tuple, np.ndarray] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
-        key = op_signature(node)
+        # The same operator prices differently in different kernels (what it reads and writes): its kernel role
+        # is part of the key.
+        key = (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
         if key not in self._strats:
             self._strats[key] = strategies_for(node, self.mesh)
         return self._strats[key]
+
+    def same_strategy(self, s: Strategy, node: OpNode) -> Strategy:
+        """Strategy ``s`` (chosen for an identical operator of another layer) as priced for ``node``: the same specs,
+        priced in ``node``'s own kernel (a layer at the model's edge may fuse differently)."""
+        for t in self.strategies(node):
+            if t is s or t.key == s.key:
+                return t
+        return s
 
     def reshard(self, src: ShardingSpec, dst: ShardingSpec, shape, dtype) -> float:
         key = (src, dst, shape, dtype)
@@ -365,6 +376,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     operator, only the strategies whose specs without mesh axis 1 equal the given projection (see ``axes`` in
     :func:`solve_intra`).
     """
+    attach_kernel_roles(graph)
     cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     inside = set(ops)
@@ -510,6 +522,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
     with 8 pairs sharing a host's NICs); it is solved once per such axis.
     """
     t0 = time.perf_counter()
+    attach_kernel_roles(graph)
     cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     mem_limit = math.inf if mem_limit_bytes is None else float(mem_limit_bytes)
@@ -518,9 +531,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
     restrict: dict[int, tuple] = {}
     two_axes = mesh.shape[0] > 1 and mesh.shape[1] > 1
     if two_axes and axes in ("auto", "sequential"):
-        link = mesh.axis_link(0)
-        key = ("first pass", tuple(ops), mesh.shape[0], float(link.bandwidth), float(link.latency),
-               reuse_layers, merge, solver, time_limit, rounds)
+        key = ("first pass", tuple(ops), mesh.axis_profile(0), reuse_layers, merge, solver, time_limit, rounds)
         if memo is None or key not in memo:
             view: Any = _OneAxisView(mesh)  # axis 0 alone, standing in for a LogicalMesh
             vcache = StrategyCache(view)
@@ -535,6 +546,8 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
             # The second pass may store parameters sharded over axis 0 although the first (which sees no limit)
             # kept them whole: ZeRO-3 / FSDP, the memory-lean choice, stays open under a memory limit.
             restrict = {op: r for op, r in restrict.items() if not is_param_input(graph, op)}
+    if pins and restrict:  # a pinned operator keeps every strategy: its pin need not agree with axis 0's pass
+        restrict = {op: r for op, r in restrict.items() if op not in pins}
     kw = dict(cache=cache, solver=solver, time_limit=time_limit, merge=merge, restrict=restrict)
     chosen: dict[int, Strategy] = {}
     infos: list[GroupSolve] = []
@@ -575,7 +588,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
             if sigs[k] in done and not group_pins:
                 ref_name, ref_ops = groups[done[sigs[k]]]
                 for a, b in zip(ref_ops, group):
-                    chosen[b] = chosen[a]
+                    chosen[b] = cache.same_strategy(chosen[a], graph.op(b))
                 infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
                 continue
             mirror: dict[int, int] = {}
@@ -596,7 +609,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
 # Evaluation: the cost of a choice, recomputed operator by operator and edge by edge
 
 
-def _weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
+def weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
     """Backward operators whose output reaches the optimizer (or leaves the step as a gradient) through layout and
     elementwise operators only: their collectives synchronise weight gradients."""
     ends: dict[int, bool] = {}
@@ -627,6 +640,7 @@ def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strat
                    ops: Sequence[int] | None = None, cache: StrategyCache | None = None, groups: tuple = (),
                    solve_s: float = 0.0) -> IntraPlan:
     """The :class:`IntraPlan` of a given choice: every term recomputed from the strategies and the edges."""
+    attach_kernel_roles(graph)
     cache = cache or StrategyCache(mesh)
     ops = list(graph.ops if ops is None else ops)
     missing = [op for op in ops if op not in chosen]
@@ -635,7 +649,7 @@ def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strat
     role_s = {FORWARD: 0.0, BACKWARD: 0.0, UPDATE: 0.0}
     compute = comm = reshard = sync = 0.0
     colls: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
-    grads = _weight_gradient_ops(graph, ops)
+    grads = weight_gradient_ops(graph, ops)
     for op in ops:
         s, node = chosen[op], graph.op(op)
         compute += s.compute_s
@@ -647,13 +661,18 @@ def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strat
             if mesh_axis_size(mesh, _axis) > 1:
                 colls[kind]["count"] += 1
                 colls[kind]["bytes"] += nbytes
+    gathered = 0.0
+    mshape = tuple(mesh.shape)
     for u, v, is_alias, t, src, dst, cost in conversions(graph, ops, chosen, cache):
         reshard += cost
         role_s[UPDATE if is_alias else graph.op(v).role] += cost
+        if not is_alias:
+            gathered += gathered_bytes(graph, t, src, dst, mshape)
         for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
             colls[kind]["count"] += 1
             colls[kind]["bytes"] += nbytes
     static, act = _memory(graph, ops, chosen, mesh)
+    static += gathered
     return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
                      {k: dict(v) for k, v in colls.items()}, groups, solve_s)
 
@@ -699,34 +718,80 @@ def mesh_axis_size(mesh, axis) -> int:
     return mesh.axis_size(axis)
 
 
-def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...]):
-    """The bytes per device one operator adds to a stage, term by term: ``("static", bytes)`` for a parameter (x2:
-    its gradient) or optimizer state as sharded, ``("act", bytes)`` for each forward output a backward operator
-    reads. The one memory formula: the IntraPlan's totals and the per-layer costs of
+#: The kinds of static memory (held all step) :func:`memory_terms` and :func:`gathered_bytes` name, in stacking
+#: order: the parameters as the step computes with them (a mixed-precision step's half-precision copy), their
+#: gradients, fp32 master weights, optimizer state, and copies of parameters kept all step (gathered from their
+#: shards, or cast, sliced or transposed in the forward for the backward).
+STATIC_KINDS = ("param", "grad", "master", "opt", "copies")
+
+
+def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...],
+                 fused_attention: bool = False):
+    """The bytes per device one operator adds to a stage, term by term, as ``(kind, bytes)``.
+
+    A parameter input: ``param`` and ``grad`` (as sharded), or for an fp32 master weight of a lower-precision step
+    ``master`` (4 bytes), ``param`` and ``grad`` at the compute precision (the copy the step computes with and its
+    gradient: 2 + 2 bytes for fp16/bf16, 16 bytes a parameter with Adam's two fp32 moments, as ZeRO counts);
+    optimizer state: ``opt``; a forward tensor the backward reads, as its kernel wrote it
+    (:attr:`~autopar_lab.graph.fusion.KernelView.saved`: broadcasts and cheap elementwise work are recomputed, a
+    flash-attention kernel keeps no scores): ``act``, or ``copies`` when computed from parameters alone (it does not
+    grow with the microbatch). The one memory formula: the IntraPlan's totals and the per-layer costs of
     :mod:`autopar_lab.pricing` both add these terms, in this order."""
+    view = kernel_view(graph, fused_attention)
     if node.primitive == INPUT_PRIMITIVE:
-        kind = graph.tensor(node.outputs[0]).kind
+        t = node.outputs[0]
+        kind = graph.tensor(t).kind
         if kind == PARAM:
-            yield "static", 2 * s.mem_bytes
+            ratio = view.masters.get(t)
+            if ratio is None:
+                yield "param", s.mem_bytes
+                yield "grad", s.mem_bytes
+            else:
+                yield "master", s.mem_bytes
+                yield "param", s.mem_bytes * ratio
+                yield "grad", s.mem_bytes * ratio
         elif kind == OPT_STATE:
-            yield "static", s.mem_bytes
+            yield "opt", s.mem_bytes
         return
     if node.role != FORWARD:
         return
     for k, t in enumerate(node.outputs):
-        if any(graph.op(c).role == BACKWARD for c in graph.consumers.get(t, ())):
-            info = graph.tensor(t)
-            yield "act", s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
+        if t not in view.saved:
+            continue
+        if t in view.weight_derived:
+            if node.primitive == "convert_element_type" and graph.tensor(node.inputs[0]).id in view.masters:
+                continue  # the compute copy of a master weight: counted with it
+            kind = "copies"
+        else:
+            kind = "act"
+        info = graph.tensor(t)
+        yield kind, s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
+
+
+def gathered_bytes(graph: OpGraph, t, src: ShardingSpec, dst: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes per device of a parameter (or a tensor computed from parameters alone) gathered from a sharded ``src``
+    into a larger ``dst`` copy that its readers use all step (weight-update sharding: ZeRO-2's gathered weights are
+    kept from the forward to the backward, so that copy is live memory as well as the shard); 0 otherwise."""
+    p = graph.tensor(t.id).producer
+    if p is None:
+        return 0.0
+    is_weight = (graph.op(p).primitive == INPUT_PRIMITIVE and t.kind == PARAM) or \
+        t.id in kernel_view(graph, False).weight_derived
+    if not is_weight:
+        return 0.0
+    full, shard = dst.bytes_per_device(t.shape, t.dtype, mesh_shape), src.bytes_per_device(t.shape, t.dtype, mesh_shape)
+    return float(full) if full > shard else 0.0
 
 
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
     """(static, activation) bytes per device: the sum of :func:`memory_terms` over ``ops``."""
     mshape = tuple(mesh.shape)
+    fused = mesh.cluster.device.efficiency.flash_attention
     static = act = 0.0
     for op in ops:
-        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape):
-            if kind == "static":
-                static += nbytes
-            else:
+        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape, fused):
+            if kind == "act":
                 act += nbytes
+            else:
+                static += nbytes
     return static, act

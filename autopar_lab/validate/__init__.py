@@ -29,7 +29,7 @@ Example:
 """
 
 from .hlo import COLLECTIVE_KINDS, collective_instructions, collectives_in_hlo, total_bytes
-from .replay import Replay, ReplayError, replay_with_shardings, specs_from_strategies
+from .replay import Replay, ReplayError, operand_specs_from_strategies, replay_with_shardings, specs_from_strategies
 from .report import SMALL_OVERRIDES, predicted_collectives, summarize_collectives, validate_model, validate_plan
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "predicted_collectives",
     "replay_with_shardings",
     "specs_from_strategies",
+    "operand_specs_from_strategies",
     "summarize_collectives",
     "total_bytes",
     "validate_model",

@@ -50,8 +50,12 @@ class Replay:
     def __init__(self, graph: OpGraph, step_fn: Callable, abstract_args: Sequence[Any],
                  out_specs: Mapping[int, Sequence[Any]], mesh: jax.sharding.Mesh,
                  axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-                 output_specs: Mapping[int, Any] | None = None, max_unroll: int | None = None):
+                 output_specs: Mapping[int, Any] | None = None, max_unroll: int | None = None,
+                 operand_specs: Mapping[int, Sequence[Any]] | None = None):
         self.graph = graph
+        # Per contraction (op id): the specs its operands are constrained to right before it.
+        self.operand_specs = {int(k): tuple(None if x is None else _as_spec(x) for x in v)
+                              for k, v in (operand_specs or {}).items()}
         self.step_fn = step_fn
         self.mesh = mesh
         self.axis_names = tuple(axis_names)
@@ -226,6 +230,11 @@ class Replay:
             if name == "scan" and self._unrolled(eqn):
                 self._unroll_scan(eqn, invals, env)
                 continue
+            operands = self.operand_specs.get(self._pos) if name == self.graph.op(
+                min(self._pos, len(self.graph) - 1)).primitive else None
+            if operands:  # a contraction runs on the operand shards its strategy reads (its reshards, not XLA's)
+                invals = [jax.lax.with_sharding_constraint(v, self.named(sp)) if sp is not None and
+                          hasattr(v, "shape") else v for v, sp in zip(invals, operands)]
             params = eqn.primitive.get_bind_params(eqn.params)
             with source_info_util.user_context(eqn.source_info.traceback,
                                                name_stack=source_info_util.current_name_stack()
@@ -268,7 +277,8 @@ def replay_with_shardings(graph: OpGraph, step_fn: Callable, abstract_args: Sequ
                           out_specs: Mapping[int, Sequence[ShardingSpec | None]], mesh: jax.sharding.Mesh,
                           axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, *,
                           output_specs: Mapping[int, ShardingSpec] | None = None,
-                          max_unroll: int | None = None) -> Replay:
+                          max_unroll: int | None = None,
+                          operand_specs: Mapping[int, Sequence[ShardingSpec | None]] | None = None) -> Replay:
     """The step function, re-executed operator by operator with the plan's specs applied.
 
     ``out_specs[op_id]`` gives one spec (or None: leave it to XLA) per output of operator ``op_id``; an operator
@@ -279,10 +289,19 @@ def replay_with_shardings(graph: OpGraph, step_fn: Callable, abstract_args: Sequ
     else from the spec ``out_specs`` gives the operator that produces that value, else None (XLA chooses).
 
     ``max_unroll`` must be what the graph was traced with when it holds scans kept whole; by default the replay
-    infers it from the graph. The returned :class:`Replay` is callable like ``step_fn``; ``.jit()`` jits it with
-    the shardings. A walk that diverges from the graph raises :class:`ReplayError`.
+    infers it from the graph. ``operand_specs[op_id]``: the specs a contraction's operands are constrained to just
+    before it (so XLA runs the matmul the way the plan's strategy does, not an algorithm of its own choosing). The
+    returned :class:`Replay` is callable like ``step_fn``; ``.jit()`` jits it with the shardings. A walk that
+    diverges from the graph raises :class:`ReplayError`.
     """
-    return Replay(graph, step_fn, abstract_args, out_specs, mesh, axis_names, output_specs, max_unroll)
+    return Replay(graph, step_fn, abstract_args, out_specs, mesh, axis_names, output_specs, max_unroll,
+                  operand_specs)
+
+
+def operand_specs_from_strategies(graph: OpGraph, strategies: Mapping[int, Any]) -> dict:
+    """``operand_specs`` for :func:`replay_with_shardings`: each contraction's strategy's input specs."""
+    return {int(op): tuple(s.in_specs) for op, s in strategies.items()
+            if graph.op(int(op)).primitive in ("dot_general", "conv_general_dilated") and s.in_specs}
 
 
 def specs_from_strategies(graph: OpGraph, strategies: Mapping[int, Any]) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ from ..deprecation import renamed_keywords
 from ..graph.opgraph import OUTPUT_PRIMITIVE, OpGraph
 from ..sharding.spec import DEFAULT_AXIS_NAMES
 from .hlo import COLLECTIVE_KINDS, collectives_in_hlo, total_bytes
-from .replay import replay_with_shardings, specs_from_strategies
+from .replay import operand_specs_from_strategies, replay_with_shardings, specs_from_strategies
 
 if TYPE_CHECKING:
     from ..cluster import LogicalMesh
@@ -33,7 +33,8 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
                    predicted: Mapping[str, Mapping[str, float]] | None = None, *,
                    output_specs: Mapping[int, Any] | None = None, graph: OpGraph | None = None,
                    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, seed: int = 0, run: bool = True,
-                   donate_argnums: Sequence[int] = ()) -> dict:
+                   donate_argnums: Sequence[int] = (), operand_specs: Mapping[int, Sequence[Any]] | None = None
+                   ) -> dict:
     """Compile the planned step of ``model_spec`` on ``mesh``, count its collectives, run one step sharded and one
     on a single device, and compare.
 
@@ -46,7 +47,7 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
     """
     graph = model_spec.trace() if graph is None else graph
     replay = replay_with_shardings(graph, model_spec.step_fn, model_spec.abstract_args, out_specs, mesh,
-                                   axis_names, output_specs=output_specs)
+                                   axis_names, output_specs=output_specs, operand_specs=operand_specs)
     jitted = replay.jit(donate_argnums=tuple(donate_argnums)) if donate_argnums else replay.jit()
     t0 = time.perf_counter()
     compiled_exe = jitted.lower(*model_spec.abstract_args).compile()
@@ -259,7 +260,8 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
             output_specs[node.id] = plan.strategies[p].out_specs[0]
     donate = tuple(i for i in range(len(spec.abstract_args)) if i not in spec.batch_argnums)
     rep = validate_model(spec, out_specs, lm.to_jax_mesh(jax.devices()[:devices]), None,
-                         output_specs=output_specs, graph=graph, run=run, donate_argnums=donate)
+                         output_specs=output_specs, graph=graph, run=run, donate_argnums=donate,
+                         operand_specs=operand_specs_from_strategies(graph, plan.strategies))
     predicted = summarize_collectives(records)
     dedup = summarize_collectives(records, dedupe=True)
     compiled = rep["compiled"]
@@ -299,8 +301,9 @@ def validate_plan(model, devices: int = 8, mesh_shape=None, overrides: Mapping[s
     report is that of the mesh with the lower predicted step time, and ``meshes`` holds every mesh's report.
 
     The strategies of :func:`autopar_lab.solve.intra.solve_intra` are applied with :func:`specs_from_strategies`
-    (every operator's outputs pinned, parameters' ``in_shardings`` from their specs, updated parameters and optimizer
-    state leaving in their inputs' specs, donated), and :func:`validate_model` compiles and runs the step.
+    (every operator's outputs pinned, each matmul's operands constrained to its strategy's input specs, parameters'
+    ``in_shardings`` from their specs, updated parameters and optimizer state leaving in their inputs' specs,
+    donated), and :func:`validate_model` compiles and runs the step.
 
     Returns a JSON-ready dict: model, devices, logical_mesh, predicted and compiled ``{kind: {count, bytes}}`` (bytes
     per device buffer, see :func:`predicted_collectives`), bytes_ratio (predicted / compiled total; 1.0 when both

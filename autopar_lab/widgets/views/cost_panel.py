@@ -75,18 +75,22 @@ def step_time_text(before, after) -> str:
 
 def explain_text(cost) -> str:
     """:meth:`CostReport.explain` in the views' number format: the step time as the sum of its terms."""
-    return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} + collectives "
-            f"{fmt_s(cost.comm_s)} + resharding {fmt_s(cost.reshard_s)} (the busiest stage, S{cost.busiest_stage}, "
-            f"over all microbatches) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, "
-            f"waiting for transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip "
-            "in all")
+    attention = "flash attention" if getattr(cost, "flash_attention", False) else "attention through memory"
+    return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} (the busiest stage, "
+            f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}) + "
+            f"collectives {fmt_s(cost.comm_s)} + resharding {fmt_s(cost.reshard_s)} (over all microbatches, what is "
+            f"not hidden) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, waiting for "
+            f"transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip in all; "
+            f"{fmt_s(getattr(cost, 'hidden_comm_s', 0.0))} of communication runs hidden behind compute (gradient "
+            "reduction behind the last backward, parameter gathers behind the forward)")
 
 
 def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
     rows = [("compute", "compute_s"), ("collectives", "comm_s"), ("resharding", "reshard_s"), ("bubble", "bubble_s"),
-            ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"), ("step time", "step_time_s")]
+            ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
+            ("communication hidden behind compute (not in the step)", "hidden_comm_s"), ("step time", "step_time_s")]
     ref = before.step_time_s if before is not None else None
     head = "<tr><th style='text-align:left'>term</th>" + ("<th>before</th>" if before is not None else "") + \
            "<th>now</th>" + ("<th>change</th>" if before is not None else "") + "</tr>"
@@ -185,8 +189,11 @@ def memory_text(rows, limit_bytes: float) -> str:
     """One line per stage: its peak and what holds it (the figure's numbers, as text)."""
     lines = []
     for r in rows:
+        extra = "".join(f", {label} {fmt_bytes(r[key])}" for key, label in (
+            ("master_bytes", "fp32 master weights"), ("copies_bytes", "parameter copies"),
+            ("buffers_bytes", "buffers"), ("recompute_bytes", "recompute working set")) if r.get(key))
         parts = (f"parameters {fmt_bytes(r['params_bytes'])}, gradients {fmt_bytes(r['grads_bytes'])}, optimizer "
-                 f"{fmt_bytes(r['optimizer_bytes'])}, activations {fmt_bytes(r['activations_bytes'])} "
+                 f"{fmt_bytes(r['optimizer_bytes'])}{extra}, activations {fmt_bytes(r['activations_bytes'])} "
                  f"({r['microbatches_in_flight']} microbatch(es) in flight)")
         if r["remat"]:
             parts += f"; remat saves {fmt_bytes(r['remat_saved_bytes'])}"

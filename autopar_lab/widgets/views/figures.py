@@ -75,10 +75,13 @@ def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], 
     return _layout(fig, title, height)
 
 
-PART_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state",
+PART_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "master_bytes": "fp32 master weights",
+               "optimizer_bytes": "optimizer state", "copies_bytes": "parameter copies",
+               "buffers_bytes": "buffers", "recompute_bytes": "recompute working set",
                "activations_bytes": "activations (x microbatches in flight)"}
-PART_COLOURS = {"params_bytes": "#636EFA", "grads_bytes": "#19D3F3", "optimizer_bytes": "#AB63FA",
-                "activations_bytes": "#FFA15A", "remat_saved_bytes": "#FFFFFF"}
+PART_COLOURS = {"params_bytes": "#636EFA", "grads_bytes": "#19D3F3", "master_bytes": "#00CC96",
+                "optimizer_bytes": "#AB63FA", "copies_bytes": "#B6E880", "buffers_bytes": "#BAB0AC",
+                "recompute_bytes": "#FF97FF", "activations_bytes": "#FFA15A", "remat_saved_bytes": "#FFFFFF"}
 _UNITS = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
@@ -103,7 +106,7 @@ def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = N
     (['parameters', 'gradients'], (1.0,), 'MiB')
     """
     sets = ([("before", before)] if before is not None else []) + [("now", after)]
-    largest = max((sum(r[p] for p in PART_LABELS) for _, rows in sets for r in rows), default=0.0)
+    largest = max((sum(r.get(p, 0.0) for p in PART_LABELS) for _, rows in sets for r in rows), default=0.0)
     unit, scale = byte_unit(largest)
     x0, x1 = [], []
     for label, rows in sets:
@@ -116,9 +119,9 @@ def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = N
     flat = [r for _, rows in sets for r in rows]
     fig = _figure()
     for part, name in PART_LABELS.items():
-        ys = [flat[i][part] / scale for i in order]
+        ys = [flat[i].get(part, 0.0) / scale for i in order]
         fig.add_trace(go.Bar(x=xs, y=ys, name=name, marker_color=PART_COLOURS[part],
-                             customdata=[fmt_bytes(flat[i][part]) for i in order],
+                             customdata=[fmt_bytes(flat[i].get(part, 0.0)) for i in order],
                              hovertemplate=f"{name}: %{{customdata}}<extra>%{{x}}</extra>"))
     saved = [flat[i].get("remat_saved_bytes", 0.0) / scale for i in order]
     if any(saved):

@@ -1,0 +1,97 @@
+"""Each stage's peak memory per device, split into what holds it: the breakdown of the figure the plan reports.
+
+A stage's peak is what the pipeline simulation charges it (:mod:`autopar_lab.simulate`): its static bytes plus the
+activations of every microbatch it holds at once. The static bytes come from the stage-cost formula
+(:func:`~autopar_lab.pricing.stage.stage_cost`) over the layer costs (:class:`~autopar_lab.pricing.layers.LayerCost`),
+and :func:`memory_breakdown` splits the same sums:
+
+* ``params_bytes``: the parameters as the step computes with them (for a mixed-precision step, their float16 or
+  bfloat16 copy), as sharded on the stage's mesh;
+* ``grads_bytes``: their gradients (at the compute precision);
+* ``master_bytes``: float32 master weights of a mixed-precision step (0 otherwise);
+* ``optimizer_bytes``: the optimizer state (Adam's two moments, float32 for a mixed-precision step, and its count):
+  with the three above, 16 bytes a parameter for Adam in mixed precision, as ZeRO counts;
+* ``copies_bytes``: copies of parameters kept through the step: gathered from their shards (weight-update sharding,
+  ZeRO-2 style: the forward's gathered weight is what the backward reads), or cast, sliced or transposed in the
+  forward and read by the backward;
+* ``buffers_bytes``: transient buffers: the stage's (average) layer's largest tensor written and not kept;
+* ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
+* ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
+  schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An interleaved stage: its peak less its static bytes (its chunks hold different amounts).
+
+``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
+is what rematerialisation saves (the activations the stage would hold without it, less what it holds), 0 for a stage
+without remat.
+
+    >>> rows = memory_breakdown(plan)                                                    # doctest: +SKIP
+    >>> sum(rows[0][p] for p in PARTS) == plan.stages[0].peak_mem_bytes                   # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+__all__ = ["PARTS", "memory_breakdown", "stage_memory"]
+
+#: The parts of a stage's peak memory, in the order they stack.
+PARTS = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "copies_bytes", "buffers_bytes",
+         "recompute_bytes", "activations_bytes")
+
+# LayerCost field -> part, for the parts held all step.
+_STATIC = (("param_bytes", "params_bytes"), ("grad_bytes", "grads_bytes"), ("master_bytes", "master_bytes"),
+           ("opt_bytes", "optimizer_bytes"), ("copies_bytes", "copies_bytes"))
+
+
+def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool) -> dict[str, float]:
+    """The static parts of a stage of layers ``layers`` (first, last) from its mesh's layer costs (per device):
+    what :func:`~autopar_lab.pricing.stage.stage_cost` adds up as static bytes, split; plus the activation bytes
+    it keeps per microbatch without and with remat."""
+    part = list(costs[layers[0]:layers[1] + 1])
+    n = max(len(part), 1)
+    out = {name: float(sum(getattr(c, field) for c in part)) for field, name in _STATIC}
+    act = sum(c.act_bytes for c in part) / microbatches
+    out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n
+    out["recompute_bytes"] = act / n if remat else 0.0
+    out["plain_act_per_microbatch_bytes"] = act
+    out["remat_act_per_microbatch_bytes"] = sum(c.ckpt_bytes for c in part) / microbatches
+    return out
+
+
+def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
+    """Per stage of ``plan``: ``{stage, <each of PARTS>, act_per_microbatch_bytes, microbatches_in_flight, remat,
+    remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage priced
+    without layer costs gets its static bytes as ``params_bytes``."""
+    tl = plan.cost.timeline
+    out = []
+    for k, st in enumerate(plan.stages):
+        if tl is not None:
+            inflight = int(tl.peak_inflight[k])
+        else:  # a timeline-less plan: the in-flight count its peak implies
+            inflight = round((st.peak_mem_bytes - st.static_bytes) / st.act_bytes) if st.act_bytes else 0
+        row: dict[str, Any] = {"stage": k, **{p: 0.0 for p in PARTS}}
+        saved = 0.0
+        if st.layer_costs is not None:
+            # an interleaved stage runs its chunks, each priced as a stage of its own: their parts add up
+            chunks = [stage_memory(st.layer_costs, rng, plan.microbatches, st.remat) for rng in st.layer_ranges]
+            parts = {key: sum(c[key] for c in chunks) for key in chunks[0]}
+            for p in PARTS[:-1]:
+                row[p] = parts[p]
+            if st.remat:
+                saved = max(parts["plain_act_per_microbatch_bytes"] - st.act_bytes, 0.0) * inflight
+            # what the formula's float sums leave over (a few bytes at most) goes to the largest part
+            rest = st.static_bytes - sum(row[p] for p in PARTS[:-1])
+            big = max(PARTS[:-1], key=lambda p: row[p])
+            row[big] += rest
+        else:
+            row["params_bytes"] = st.static_bytes
+        # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
+        row["activations_bytes"] = st.peak_mem_bytes - st.static_bytes if st.chunks else inflight * st.act_bytes
+        row.update({"act_per_microbatch_bytes": st.act_bytes, "microbatches_in_flight": inflight,
+                    "remat": bool(st.remat), "remat_saved_bytes": saved, "total_bytes": st.peak_mem_bytes,
+                    "limit_bytes": plan.cost.mem_limit_bytes})
+        out.append(row)
+    return out
