@@ -60,7 +60,7 @@ _ROW = re.compile(r"\['(proj|fc2)'\]\['w'\]$")
 _VOCAB = re.compile(r"\['wte'\]$")
 
 
-def published_flops(B: int, s: int, l: int, h: int, V: int) -> float:
+def published_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741  (the paper's symbols)
     """F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)): the published count per step, recomputation included.
 
     >>> round(published_flops(512, 2048, 24, 2304, 51200) / 1e15, 2)
@@ -162,7 +162,7 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     from autopar_lab.pricing import CostTable, price_plan
     from autopar_lab.solve.intra import solve_intra
 
-    _, a, h, l, t, p, gpus, B, pub = next(r for r in ROWS if r[0] == name)
+    _, a, h, l, t, p, gpus, B, pub = next(r for r in ROWS if r[0] == name)  # noqa: E741
     d = gpus // (t * p)
     model = al.models.get("gpt-tiny", seq_len=SEQ, hidden_size=h, num_layers=l, num_heads=a, vocab_size=VOCAB,
                           batch_size=B, dtype="float16")

@@ -88,7 +88,6 @@ def _priced_dot(plan) -> int:
 
 def _overrides(plan) -> dict:
     """A few overrides of one plan: a strategy change, remat, schedule, new stages, resolve around a pin."""
-    g = plan.table.solve_graph
     dot = _priced_dot(plan)
     alts = plan.alternatives(dot)
     other = next(a.strategy for a in alts if a.strategy != plan.choice(dot).name)

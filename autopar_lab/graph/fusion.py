@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from . import opcost
 from .opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, OpGraph, OpNode, dtype_size
@@ -397,6 +397,7 @@ class _Builder:
                     continue
             if not external and len(groups) == 1:
                 (gid,) = groups
+                assert gid is not None  # a group of this kernel, not "no group"
                 kind = self.kinds[gid]
                 if c in (_LOOP_CAT, _DUP_CAT) and kind in ("loop", "reduce"):
                     self.join(op, gid)
@@ -427,7 +428,7 @@ class _Builder:
                 else:
                     src = self.sources(t)
                 new = {x: v for x, v in src.items() if x not in seen and x not in self.recomputed and
-                       self.group.get(g.tensor(x).producer) != gid}
+                       self.group.get(g.tensor(x).producer) != gid}  # type: ignore[arg-type]  # None: no group
                 seen.update(new)
                 reads.append(sum(new.values()) / own if own else 0.0)
             writes = []
@@ -494,9 +495,8 @@ class _Builder:
             if any(t in batchy for t in node.inputs) or \
                     (node.primitive == INPUT_PRIMITIVE and any(g.tensor(t).kind == BATCH for t in node.outputs)):
                 batchy.update(node.outputs)
-        weight = frozenset(t for t in g.tensors if t not in batchy and g.tensor(t).producer is not None and
-                           g.op(g.tensor(t).producer).role == FORWARD and
-                           g.op(g.tensor(t).producer).primitive != INPUT_PRIMITIVE)
+        weight = frozenset(t for t in g.tensors if t not in batchy and (p := g.tensor(t).producer) is not None and
+                           g.op(p).role == FORWARD and g.op(p).primitive != INPUT_PRIMITIVE)
         saved: set[int] = set()
         for node in g:
             if node.role != BACKWARD or node.id not in self.live:
@@ -543,7 +543,7 @@ def _live_ops(graph: OpGraph) -> set[int]:
 
 
 def _has_batch(node: OpNode) -> bool:
-    dn = node.params.get("dimension_numbers")
+    dn: Any = node.params.get("dimension_numbers")
     try:
         return bool(dn[1][0])
     except (TypeError, IndexError):

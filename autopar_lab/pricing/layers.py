@@ -100,7 +100,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["comm"] += s.comm_s
         if op in grads:
             a["sync"] += s.comm_s
-        if per_buffer and node.primitive == INPUT_PRIMITIVE and graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
+        if per_buffer and node.primitive == INPUT_PRIMITIVE and \
+                graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
             a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
         role = view.roles.get(op)
         if role is not None and role.root:

@@ -17,7 +17,8 @@ and :func:`memory_breakdown` splits the same sums:
 * ``buffers_bytes``: transient buffers: the stage's (average) layer's largest tensor written and not kept;
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
-  schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An interleaved stage: its peak less its static bytes (its chunks hold different amounts).
+  schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
+  interleaved stage: its peak less its static bytes (its chunks hold different amounts).
 
 ``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
 is what rematerialisation saves (the activations the stage would hold without it, less what it holds), 0 for a stage
