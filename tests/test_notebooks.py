@@ -53,8 +53,7 @@ def test_there_is_a_tour():
 
 def test_every_teaching_notebook_is_there():
     expected = {"01_tour", "02_concepts", "03_alpa_walkthrough", "04_overrides", "05_bring_your_own_model",
-                "06_open_questions", "07_rooflines_mfu",
-                "08_modern_schedules_and_hardware"}
+                "06_open_questions", "07_rooflines_mfu", "08_modern_schedules_and_hardware", "09_memory_anatomy"}
     assert expected <= {p.stem for p in NOTEBOOKS}
 
 
