@@ -156,6 +156,11 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     return tuple(parts)
 
 
+#: ``_project(s, 1)`` per (output specs, input specs): a projection reads only the specs, and the planner's meshes
+#: share most of them (each mesh builds its own Strategy objects).
+_PROJECTED: dict[tuple, tuple] = {}
+
+
 class StrategyCache:
     """Strategies per operator signature, and resharding costs per (specs, shape), on one mesh."""
 
@@ -188,7 +193,13 @@ class StrategyCache:
         operator of one signature, and the sequential solve asks once per operator and strategy)."""
         hit = self._proj.get(id(s))
         if hit is None or hit[0] is not s:
-            hit = self._proj[id(s)] = (s, _project(s, 1))
+            key = (s.out_specs, s.in_specs)  # specs, not strategies: the same on every mesh
+            proj = _PROJECTED.get(key)
+            if proj is None:
+                if len(_PROJECTED) > 1 << 17:
+                    _PROJECTED.clear()
+                proj = _PROJECTED[key] = _project(s, 1)
+            hit = self._proj[id(s)] = (s, proj)
         return hit[1]
 
     def spec_index(self, strats: Sequence[Strategy], side: str, pos: int) -> tuple[list[ShardingSpec], np.ndarray]:
