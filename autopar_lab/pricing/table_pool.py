@@ -109,25 +109,46 @@ class _Worker:
         self.proc.wait()
 
 
+class MeshPool:
+    """Worker processes solving a list of meshes, started at once (:meth:`CostTable.build` starts one with
+    ``workers=`` so that the ILPs run while the full model is still being traced). Iterate :meth:`results` for each
+    mesh's :data:`MeshResult` as a worker finishes it (in no particular order); :meth:`close` stops every worker."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int):
+        self.keys = [(tuple(a), tuple(b)) for a, b in keys]
+        self._tasks: queue.Queue = queue.Queue()
+        for k in self.keys:
+            self._tasks.put(k)
+        self._results: queue.Queue = queue.Queue()
+        self._left = len(self.keys)
+        setup = pickle.dumps((graph, cluster.to_dict(), solver))
+        self._pool = [_Worker(setup, self._tasks, self._results) for _ in range(max(1, min(workers, len(keys))))]
+
+    def results(self) -> Iterator[MeshResult]:
+        """Each mesh not handed out yet, as it arrives; a worker's failure is raised here."""
+        while self._left:
+            got = self._results.get()
+            if isinstance(got, BaseException):
+                self.close()
+                raise got
+            self._left -= 1
+            yield got
+
+    def close(self) -> None:
+        self._left = 0
+        for w in self._pool:
+            w.stop()
+
+
 def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Iterator[
         MeshResult]:
     """Yield each mesh's result as a worker finishes it (in no particular order). Closing the generator early (the
     caller's progress hook raised, a cancel) stops every worker at once."""
-    tasks: queue.Queue = queue.Queue()
-    for k in keys:
-        tasks.put(k)
-    results: queue.Queue = queue.Queue()
-    setup = pickle.dumps((graph, cluster.to_dict(), solver))
-    pool = [_Worker(setup, tasks, results) for _ in range(max(1, min(workers, len(keys))))]
+    pool = MeshPool(graph, cluster, solver, keys, workers)
     try:
-        for _ in range(len(keys)):
-            got = results.get()
-            if isinstance(got, BaseException):
-                raise got
-            yield got
+        yield from pool.results()
     finally:
-        for w in pool:
-            w.stop()
+        pool.close()
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:

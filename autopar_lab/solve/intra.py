@@ -429,13 +429,14 @@ def _solve_group(graph, mesh, ops, *, context, pins, mem_limit, cache, solver, t
                           mirror=mirror, restrict=restrict)
     problem, merges = built.problem, 0
     record = None
+    inside = set(ops)
     if merge:
-        mergeable = [graph.op(op).primitive in _MERGEABLE and op in set(ops) for op in built.nodes]
+        mergeable = [graph.op(op).primitive in _MERGEABLE and op in inside for op in built.nodes]
         problem, record = ilp.merge_followers(problem, mergeable)
         merges = len(built.nodes) - problem.num_nodes
     sol = ilp.solve_ilp(problem, solver=solver, time_limit=time_limit)
     choice = ilp.expand(record, sol.choice) if record is not None else sol.choice
-    chosen = {op: built.strats[k][choice[k]] for k, op in enumerate(built.nodes) if op in set(ops)}
+    chosen = {op: built.strats[k][choice[k]] for k, op in enumerate(built.nodes) if op in inside}
     info = GroupSolve(name, len(ops), None, sol.status, sol.gap, sol.solve_s, sol.num_vars, sol.num_constraints, merges)
     return chosen, info
 
