@@ -51,7 +51,7 @@ def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) ->
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
     plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache)
-    costs = layer_costs(graph, plan, list(graph.layers) or [""])
+    costs = layer_costs(graph, plan, list(graph.layers) or [""], cache=cache)
     choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
     for n, op in enumerate(graph.ops):
         s = plan.strategies[op]

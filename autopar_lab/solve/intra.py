@@ -220,7 +220,15 @@ class StrategyCache:
         key = (id(src), id(dst), shape, dtype)
         hit = self._reshard_mats.get(key)
         if hit is None:
-            hit = self._reshard_mats[key] = np.array([[self.reshard(a, b, shape, dtype) for b in dst] for a in src])
+            known, reshard = self._reshard.get, self.reshard  # a pair seen before: one dict lookup, no call
+            rows = []
+            for a in src:
+                row = []
+                for b in dst:
+                    c = known((a, b, shape, dtype))
+                    row.append(reshard(a, b, shape, dtype) if c is None else c)
+                rows.append(row)
+            hit = self._reshard_mats[key] = np.array(rows)
         return hit
 
     def reshard_collectives(self, src, dst, shape, dtype) -> tuple:
