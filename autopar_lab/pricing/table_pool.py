@@ -88,12 +88,13 @@ class _Worker:
             stdin.flush()
             while True:
                 try:
-                    key = self.tasks.get_nowait()
+                    batch = self.tasks.get_nowait()
                 except queue.Empty:
                     break
-                pickle.dump(key, stdin)
-                stdin.flush()
-                self.results.put(pickle.load(stdout))
+                for key in batch:
+                    pickle.dump(key, stdin)
+                    stdin.flush()
+                    self.results.put(pickle.load(stdout))
         except (EOFError, OSError, pickle.UnpicklingError) as e:  # the worker died (or was stopped)
             self.results.put(RuntimeError(f"an ILP worker process stopped: {type(e).__name__}: {e}"))
             return
@@ -109,6 +110,27 @@ class _Worker:
         self.proc.wait()
 
 
+def first_pass_batches(cluster: Cluster, keys: Sequence) -> list[list]:
+    """``keys`` in batches that one worker solves in turn: meshes with both axes split whose axis 0 has the same
+    size and link share the sequential solve's first pass (see ``memo`` in
+    :func:`~autopar_lab.solve.intra.solve_intra`), which a worker remembers, so they go to the same worker and that
+    pass runs once in all; every other mesh is a batch of its own. Batches keep the order of their first mesh.
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> c = Cluster.preset("dgx-a100", hosts=4)   # (2, 16) on 4 hosts and (2, 8) on 2: pairs 16 and 8 devices apart
+    >>> first_pass_batches(c, [((4, 8), (2, 16)), ((4, 8), (1, 32)), ((2, 8), (2, 8)), ((4, 8), (4, 8))])
+    [[((4, 8), (2, 16)), ((2, 8), (2, 8))], [((4, 8), (1, 32))], [((4, 8), (4, 8))]]
+    """
+    batches: dict = {}
+    for n, (sub, shape) in enumerate(keys):
+        group: tuple = ("alone", n)
+        if shape[0] > 1 and shape[1] > 1:
+            link = cluster.logical_mesh(sub, shape).axis_link(0)
+            group = (shape[0], float(link.bandwidth), float(link.latency))
+        batches.setdefault(group, []).append((tuple(sub), tuple(shape)))
+    return list(batches.values())
+
+
 class MeshPool:
     """Worker processes solving a list of meshes, started at once (:meth:`CostTable.build` starts one with
     ``workers=`` so that the ILPs run while the full model is still being traced). Iterate :meth:`results` for each
@@ -117,8 +139,8 @@ class MeshPool:
     def __init__(self, graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int):
         self.keys = [(tuple(a), tuple(b)) for a, b in keys]
         self._tasks: queue.Queue = queue.Queue()
-        for k in self.keys:
-            self._tasks.put(k)
+        for batch in first_pass_batches(cluster, self.keys):
+            self._tasks.put(batch)
         self._results: queue.Queue = queue.Queue()
         self._left = len(self.keys)
         setup = pickle.dumps((graph, cluster.to_dict(), solver))
