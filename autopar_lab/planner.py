@@ -38,6 +38,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     pareto,
     price_plan,
 )
+from .pricing.table_pool import default_workers
 from .solve import inter
 from .schedules import check_schedule, dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
@@ -59,15 +60,17 @@ def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, 
 
 
 def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None, space: str = "auto") -> tuple[CostTable, Cluster, float | None]:
+              on_progress: ProgressFn | None = None, space: str = "auto",
+              workers: int = 0) -> tuple[CostTable, Cluster, float | None]:
     """(the cost table to plan with, the cluster, seconds spent tracing or None when a table was given).
 
     With ``table`` it is checked against ``cluster`` and ``model`` (an OpGraph must be the table's graph); without,
-    one is built (:meth:`CostTable.build`, with ``space``)."""
+    one is built (:meth:`CostTable.build`, with ``space`` and ``workers``: processes that start on the ILPs while
+    the full model traces)."""
     if table is None:
         if model is None or cluster is None:
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
-        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space)
+        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space, workers=workers)
         return built, cluster, built.trace_s
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
@@ -225,7 +228,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4). A model of
     more than ``LAYER_GRID_MAX`` layers is cut on a grid of blocks (:func:`layer_grid`).
     """
-    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space,
+                                        workers=default_workers() if workers is None else workers)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()

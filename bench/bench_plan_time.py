@@ -24,6 +24,7 @@ import sys
 import time
 
 import autopar_lab as al
+from autopar_lab.pricing.table_pool import default_workers
 
 MEGATRON = {  # name: (devices, layers, hidden, heads, batch)
     "39b": (512, 48, 8192, 64, 1536),
@@ -66,7 +67,8 @@ def main(argv: list[str]) -> None:
         load0 = os.getloadavg()[0]
         t0, c0 = time.perf_counter(), time.process_time()
         k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        table = al.CostTable.build(model, cluster, solver=solver, space=space or "auto")
+        table = al.CostTable.build(model, cluster, solver=solver, space=space or "auto",
+                                   workers=default_workers() if workers is None else workers)
         try:
             plan = al.auto_plan(table.graph, cluster, solver=solver, table=table, workers=workers)
         except ValueError as e:  # the model does not fit: the search still ran to the end

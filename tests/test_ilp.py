@@ -400,3 +400,27 @@ def test_direct_highs_model_is_the_pulp_model(p):
         return
     mip = solve_ilp(p, solver="highs", time_limit=600.0)  # a time limit sends it straight to the MIP
     assert close(lp_first.objective, mip.objective) and mip.status == "optimal"
+
+
+@FAST
+@given(p=problems(memory=False))
+def test_direct_highs_rows_are_one_hot_then_each_edges_linking_rows(p):
+    """The array model's rows, entry by entry and in order (HiGHS's answer may depend on it): each node's one-hot
+    row, then per pair edge the rows sum_q e[p, q] - x_u[p] = 0 for every p and sum_p e[p, q] - x_v[q] = 0 for every
+    q but the last (pair columns in column order, the node's column last)."""
+    from autopar_lab.solve.ilp import highs_direct
+
+    m = highs_direct.build(p, min_memory=False)
+    if m is None:
+        return
+    want = [(list(cols), [1.0] * len(cols), 1.0) for cols in m.x.values()]
+    for u, v, P, Q, cols in m.e:
+        for k in range(len(m.x[u])):
+            want.append((list(cols[P == k]) + [m.x[u][k]], [1.0] * int((P == k).sum()) + [-1.0], 0.0))
+        for k in range(len(m.x[v]) - 1):
+            want.append((list(cols[Q == k]) + [m.x[v][k]], [1.0] * int((Q == k).sum()) + [-1.0], 0.0))
+    assert len(want) == m.num_row
+    for r, (cols, vals, rhs) in enumerate(want):
+        a, b = m.start[r], m.start[r + 1]
+        assert m.index[a:b].tolist() == [int(c) for c in cols] and m.value[a:b].tolist() == vals
+        assert m.row_lower[r] == m.row_upper[r] == rhs

@@ -126,3 +126,59 @@ def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in plain.stages]
     assert planner.layer_grid(L) == list(range(L))  # at most 66 layers: every cut
     assert isinstance(coarse, inter.InterResult)
+
+
+def _link_by_counting(mesh, axis):
+    """The axis' link worked out from scratch: the hosts each collective group touches, and how many crossing groups
+    share the busiest host's NICs (the definition in LogicalMesh.axis_link's docstring)."""
+    M = mesh.cluster.devices_per_host
+    groups = mesh.devices.T if axis == 0 else mesh.devices
+    hosts = [{int(d) // M for d in row} for row in groups]
+    crossing = [h for h in hosts if len(h) > 1]
+    if not crossing:
+        return mesh.cluster.intra_host
+    busiest = max(sum(h in g for g in crossing) for h in range(mesh.cluster.hosts))
+    link = mesh.cluster.inter_host
+    return link if busiest == 1 else al.Link(link.bandwidth / busiest, link.latency)
+
+
+def test_axis_links_are_remembered_per_mesh_and_equal_the_counted_ones():
+    """The per-mesh memo of axis_link (it was recomputed for every collective priced: 90 s of a 1T table) answers
+    what counting gives, on every view of every submesh of a 12-host cluster, asked once or twice."""
+    c = al.Cluster.preset("dgx-a100", hosts=12)
+    for sub in c.submesh_shapes():
+        for shape in c.logical_mesh_shapes(sub):
+            mesh = c.logical_mesh(sub, shape)
+            for axis in (0, 1):
+                want = _link_by_counting(mesh, axis)
+                assert mesh.axis_link(axis) == want and mesh.axis_link(axis) == want
+            assert mesh.axis_link((0, 1)) == _link_by_counting(c.logical_mesh(sub, (1, sub[0] * sub[1])), 1)
+
+
+@pytest.mark.slow
+def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, monkeypatch):
+    """CostTable.build(workers=2) starts the shallow copy's ILPs before tracing the full model: solve_meshes then
+    collects them (progress: each mesh once, with the total) and every layer cost equals the table solved in place;
+    a progress hook that raises stops the workers, and the meshes left are solved when asked, with the same numbers."""
+    import autopar_lab.pricing.table as table_module
+
+    monkeypatch.setattr(table_module, "POOL_MIN_MESHES", 1)
+    here = CostTable.build(model, SMALL)
+    here.solve_meshes(workers=1)
+    seen = []
+    ahead = CostTable.build(model, SMALL, workers=2, on_progress=lambda m, done, total: seen.append((done, total)))
+    n = len(ahead.planned_meshes())
+    assert ahead.solve_meshes(workers=1) == n and sorted(seen) == [(k, n) for k in range(1, n + 1)]
+    for key in here.planned_meshes():
+        assert ahead.mesh_costs(*key)[0] == here.mesh_costs(*key)[0]
+
+    def stop(msg, done, total):
+        raise KeyboardInterrupt("cancel")
+
+    cancelled = CostTable.build(model, SMALL, workers=2, on_progress=stop)
+    with pytest.raises(KeyboardInterrupt):
+        cancelled.solve_meshes(workers=1)
+    cancelled.on_progress = None
+    assert cancelled.solve_meshes(workers=1) == n - 1  # one mesh was collected before the hook raised
+    for key in here.planned_meshes():
+        assert cancelled.mesh_costs(*key)[0] == here.mesh_costs(*key)[0]

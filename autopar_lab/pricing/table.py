@@ -34,7 +34,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import default_workers, plan_from_choice, solve_in_workers, solve_one
+from .table_pool import MeshPool, default_workers, plan_from_choice, solve_in_workers, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -170,12 +170,23 @@ class CostTable:
         self._caches: dict[tuple, StrategyCache] = {}
         self._memo_space: dict[str, list] = {}
         self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
+        self._ahead: MeshPool | None = None  # meshes being solved since build (workers=), not collected yet
 
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None, space: str = "auto") -> CostTable:
+              on_progress: ProgressFn | None = None, space: str = "auto", workers: int = 0) -> CostTable:
         """The table of a zoo ModelSpec (traced; a deep one solved on its shallower copy) or of an OpGraph.
-        ``trace_s`` holds the seconds spent tracing and choosing the copy. No ILP runs until a mesh is priced."""
+        ``trace_s`` holds the seconds spent tracing and choosing the copy. No ILP runs until a mesh is priced,
+        unless ``workers`` (> 1) is given: a deep zoo model's shallow copy is then traced first and that many worker
+        processes start solving every planned mesh (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on)
+        while the full model is traced; :meth:`solve_meshes` (or the first mesh priced) collects them, with the same
+        numbers as solving them then."""
+        if workers > 1 and not isinstance(model, OpGraph):
+            t0 = time.perf_counter()
+            small = solve_graph_for(model)
+            if small is not None:
+                return cls._build_ahead(model, small, time.perf_counter() - t0, cluster, solver=solver,
+                                        on_progress=on_progress, space=space, workers=workers)
         graph, spec, trace_s = as_graph(model)
         t0 = time.perf_counter()
         small = solve_graph_for(spec) if spec is not None else None
@@ -185,6 +196,53 @@ class CostTable:
             table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
         table.trace_s = trace_s + (time.perf_counter() - t0)
         return table
+
+    @classmethod
+    def _build_ahead(cls, spec, small: OpGraph, small_s: float, cluster: Cluster, *, solver, on_progress, space,
+                     workers) -> CostTable:
+        """:meth:`build` with the shallow copy's ILPs started in workers before the full model is traced."""
+        pool = None
+        keys = [(sub, shape) for sub in planning_submeshes(cluster, batch_size(small), space)
+                for shape in distinct_mesh_shapes(cluster, sub)]
+        if len(keys) >= POOL_MIN_MESHES:
+            keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
+            pool = MeshPool(small, cluster, solver, keys, workers)
+        try:
+            graph, _, trace_s = as_graph(spec)
+            t0 = time.perf_counter()
+            try:
+                table = cls(graph, cluster, solve_graph=small, solver=solver, on_progress=on_progress, space=space)
+            except LookupError:  # the copy lacks some layer's structure: solve the full graph (the pool's is moot)
+                table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
+                if pool is not None:
+                    pool.close()
+                    pool = None
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
+        table._ahead = pool
+        table.trace_s = small_s + trace_s + (time.perf_counter() - t0)
+        return table
+
+    def collect(self) -> int:
+        """Collect the meshes that :meth:`build`'s workers solve (waiting for them; ``on_progress`` sees each with
+        their total); a no-op without them. A progress hook that raises stops the workers (the meshes not
+        collected are solved when next needed). Returns how many were collected."""
+        pool, self._ahead = self._ahead, None
+        if pool is None:
+            return 0
+        t0, n = time.perf_counter(), 0
+        try:
+            for n, (key, small, choice, _s) in enumerate(pool.results(), 1):
+                if key not in self._mesh:
+                    self._store(key, small, None)
+                    self._choices[key] = choice
+                self._report(key, n, len(pool.keys))
+        finally:
+            pool.close()
+            self.solve_s += time.perf_counter() - t0
+        return n
 
     # The session hands a solve's progress hook to the table for the time of that solve.
     @property
@@ -210,6 +268,8 @@ class CostTable:
     def mesh_costs(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan]:
         """(full-graph layer costs, the IntraPlan) of one logical mesh: its ILP solved on first use."""
         key = (tuple(submesh), tuple(shape))
+        if key not in self._mesh and self._ahead is not None and key in self._ahead.keys:
+            self.collect()
         if key not in self._mesh:
             t0 = time.perf_counter()
             small, plan, self._choices[key] = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
@@ -236,7 +296,9 @@ class CostTable:
         in ``workers`` processes (default :func:`~autopar_lab.pricing.table_pool.default_workers`; 1: here, one after
         the other). Worker processes start only for at least ``POOL_MIN_MESHES`` meshes (starting one costs an
         import of the library, a few seconds). ``on_progress`` sees each mesh as it finishes, with the count done and
-        the total; the same numbers as solving each on first use. Returns how many were solved."""
+        the total; the same numbers as solving each on first use. Returns how many were solved (or collected from
+        :meth:`build`'s workers)."""
+        collected = self.collect()
         todo = [k for k in (self.planned_meshes() if keys is None else
                             [(tuple(a), tuple(b)) for a, b in keys]) if k not in self._mesh]
         workers = default_workers() if workers is None else max(1, int(workers))
@@ -248,7 +310,7 @@ class CostTable:
                 self._choices[(sub, shape)] = choice
                 self.solve_s += time.perf_counter() - t0
                 self._report((sub, shape), n, len(todo))
-            return len(todo)
+            return collected + len(todo)
         # Largest meshes first (they take longest), so that the workers finish together.
         todo.sort(key=lambda k: -k[0][0] * k[0][1])
         t0 = time.perf_counter()
@@ -261,13 +323,14 @@ class CostTable:
         finally:
             results.close()
             self.solve_s += time.perf_counter() - t0
-        return len(todo)
+        return collected + len(todo)
 
     def for_cluster(self, cluster: Cluster) -> CostTable:
         """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
         shared, nothing is traced again; when the device, both links and the devices per host are the same (more or
         fewer hosts), every mesh already solved that the new cluster has carries over, since a mesh's ILP reads
         nothing else of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked)."""
+        self.collect()  # the workers' meshes belong to this table's cluster
         new = copy.copy(self)
         new.cluster = cluster
         new.solve_s, new.trace_s = 0.0, 0.0

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Generator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) ->
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
     plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache)
-    costs = layer_costs(graph, plan, list(graph.layers) or [""])
+    costs = layer_costs(graph, plan, list(graph.layers) or [""], cache=cache)
     choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
     for n, op in enumerate(graph.ops):
         s = plan.strategies[op]
@@ -88,12 +88,13 @@ class _Worker:
             stdin.flush()
             while True:
                 try:
-                    key = self.tasks.get_nowait()
+                    batch = self.tasks.get_nowait()
                 except queue.Empty:
                     break
-                pickle.dump(key, stdin)
-                stdin.flush()
-                self.results.put(pickle.load(stdout))
+                for key in batch:
+                    pickle.dump(key, stdin)
+                    stdin.flush()
+                    self.results.put(pickle.load(stdout))
         except (EOFError, OSError, pickle.UnpicklingError) as e:  # the worker died (or was stopped)
             self.results.put(RuntimeError(f"an ILP worker process stopped: {type(e).__name__}: {e}"))
             return
@@ -109,25 +110,67 @@ class _Worker:
         self.proc.wait()
 
 
-def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Generator[
-        MeshResult, None, None]:
+def first_pass_batches(cluster: Cluster, keys: Sequence) -> list[list]:
+    """``keys`` in batches that one worker solves in turn: meshes with both axes split whose axis 0 has the same
+    size and link share the sequential solve's first pass (see ``memo`` in
+    :func:`~autopar_lab.solve.intra.solve_intra`), which a worker remembers, so they go to the same worker and that
+    pass runs once in all; every other mesh is a batch of its own. Batches keep the order of their first mesh.
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> c = Cluster.preset("dgx-a100", hosts=4)   # (2, 16) on 4 hosts and (2, 8) on 2: pairs 16 and 8 devices apart
+    >>> first_pass_batches(c, [((4, 8), (2, 16)), ((4, 8), (1, 32)), ((2, 8), (2, 8)), ((4, 8), (4, 8))])
+    [[((4, 8), (2, 16)), ((2, 8), (2, 8))], [((4, 8), (1, 32))], [((4, 8), (4, 8))]]
+    """
+    batches: dict = {}
+    for n, (sub, shape) in enumerate(keys):
+        group: tuple = ("alone", n)
+        if shape[0] > 1 and shape[1] > 1:
+            link = cluster.logical_mesh(sub, shape).axis_link(0)
+            group = (shape[0], float(link.bandwidth), float(link.latency))
+        batches.setdefault(group, []).append((tuple(sub), tuple(shape)))
+    return list(batches.values())
+
+
+class MeshPool:
+    """Worker processes solving a list of meshes, started at once (:meth:`CostTable.build` starts one with
+    ``workers=`` so that the ILPs run while the full model is still being traced). Iterate :meth:`results` for each
+    mesh's :data:`MeshResult` as a worker finishes it (in no particular order); :meth:`close` stops every worker."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int):
+        self.keys = [(tuple(a), tuple(b)) for a, b in keys]
+        self._tasks: queue.Queue = queue.Queue()
+        for batch in first_pass_batches(cluster, self.keys):
+            self._tasks.put(batch)
+        self._results: queue.Queue = queue.Queue()
+        self._left = len(self.keys)
+        setup = pickle.dumps((graph, cluster.to_dict(), solver))
+        self._pool = [_Worker(setup, self._tasks, self._results) for _ in range(max(1, min(workers, len(keys))))]
+
+    def results(self) -> Iterator[MeshResult]:
+        """Each mesh not handed out yet, as it arrives; a worker's failure is raised here."""
+        while self._left:
+            got = self._results.get()
+            if isinstance(got, BaseException):
+                self.close()
+                raise got
+            self._left -= 1
+            yield got
+
+    def close(self) -> None:
+        self._left = 0
+        for w in self._pool:
+            w.stop()
+
+
+def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Iterator[
+        MeshResult]:
     """Yield each mesh's result as a worker finishes it (in no particular order). Closing the generator early (the
     caller's progress hook raised, a cancel) stops every worker at once."""
-    tasks: queue.Queue = queue.Queue()
-    for k in keys:
-        tasks.put(k)
-    results: queue.Queue = queue.Queue()
-    setup = pickle.dumps((graph, cluster.to_dict(), solver))
-    pool = [_Worker(setup, tasks, results) for _ in range(max(1, min(workers, len(keys))))]
+    pool = MeshPool(graph, cluster, solver, keys, workers)
     try:
-        for _ in range(len(keys)):
-            got = results.get()
-            if isinstance(got, BaseException):
-                raise got
-            yield got
+        yield from pool.results()
     finally:
-        for w in pool:
-            w.stop()
+        pool.close()
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:

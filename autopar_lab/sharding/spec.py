@@ -39,6 +39,10 @@ _TOKEN = re.compile(r"R|S([01]{1,2})")
 Axes = tuple[int, ...]
 
 
+#: ``str(spec)`` per spec (a few thousand distinct ones in a plan).
+_TEXT: dict = {}
+
+
 @dataclass(frozen=True)
 class ShardingSpec:
     """Per tensor dimension, the mesh axes that split it (see the module docstring).
@@ -157,7 +161,10 @@ class ShardingSpec:
         return ShardingSpec(tuple(tuple(a for a in d if a not in drop) for d in self.dims))
 
     def __str__(self) -> str:
-        return "".join("S" + "".join(map(str, d)) if d else "R" for d in self.dims)
+        text = _TEXT.get(self)
+        if text is None:  # remembered per spec: every strategy's name spells its specs (~10^5 per plan)
+            text = _TEXT[self] = "".join("S" + "".join(map(str, d)) if d else "R" for d in self.dims)
+        return text
 
     def __repr__(self) -> str:
         return f"ShardingSpec({str(self)!r})"

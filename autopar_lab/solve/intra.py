@@ -158,6 +158,11 @@ def _layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     return tuple(parts)
 
 
+#: ``_project(s, 1)`` per (output specs, input specs): a projection reads only the specs, and the planner's meshes
+#: share most of them (each mesh builds its own Strategy objects).
+_PROJECTED: dict[tuple, tuple] = {}
+
+
 class StrategyCache:
     """Strategies per operator signature, and resharding costs per (specs, shape), on one mesh."""
 
@@ -200,7 +205,13 @@ class StrategyCache:
         operator of one signature, and the sequential solve asks once per operator and strategy)."""
         hit = self._proj.get(id(s))
         if hit is None or hit[0] is not s:
-            hit = self._proj[id(s)] = (s, _project(s, 1))
+            key = (s.out_specs, s.in_specs)  # specs, not strategies: the same on every mesh
+            proj = _PROJECTED.get(key)
+            if proj is None:
+                if len(_PROJECTED) > 1 << 17:
+                    _PROJECTED.clear()
+                proj = _PROJECTED[key] = _project(s, 1)
+            hit = self._proj[id(s)] = (s, proj)
         return hit[1]
 
     def spec_index(self, strats: Sequence[Strategy], side: str, pos: int) -> tuple[list[ShardingSpec], np.ndarray]:
@@ -221,7 +232,15 @@ class StrategyCache:
         key = (id(src), id(dst), shape, dtype)
         hit = self._reshard_mats.get(key)
         if hit is None:
-            hit = self._reshard_mats[key] = np.array([[self.reshard(a, b, shape, dtype) for b in dst] for a in src])
+            known, reshard = self._reshard.get, self.reshard  # a pair seen before: one dict lookup, no call
+            rows = []
+            for a in src:
+                row = []
+                for b in dst:
+                    c = known((a, b, shape, dtype))
+                    row.append(reshard(a, b, shape, dtype) if c is None else c)
+                rows.append(row)
+            hit = self._reshard_mats[key] = np.array(rows)
         return hit
 
     def reshard_collectives(self, src, dst, shape, dtype) -> tuple:
@@ -459,13 +478,14 @@ def _solve_group(graph, mesh, ops, *, context, pins, mem_limit, cache, solver, t
                           mirror=mirror, restrict=restrict)
     problem, merges = built.problem, 0
     record = None
+    inside = set(ops)
     if merge:
-        mergeable = [graph.op(op).primitive in _MERGEABLE and op in set(ops) for op in built.nodes]
+        mergeable = [graph.op(op).primitive in _MERGEABLE and op in inside for op in built.nodes]
         problem, record = ilp.merge_followers(problem, mergeable)
         merges = len(built.nodes) - problem.num_nodes
     sol = ilp.solve_ilp(problem, solver=solver, time_limit=time_limit)
     choice = ilp.expand(record, sol.choice) if record is not None else sol.choice
-    chosen = {op: built.strats[k][choice[k]] for k, op in enumerate(built.nodes) if op in set(ops)}
+    chosen = {op: built.strats[k][choice[k]] for k, op in enumerate(built.nodes) if op in inside}
     info = GroupSolve(name, len(ops), None, sol.status, sol.gap, sol.solve_s, sol.num_vars, sol.num_constraints, merges)
     return chosen, info
 

@@ -101,6 +101,30 @@ class _Rows:
         self.lo.append(np.zeros(count))
         self.hi.append(np.zeros(count))
 
+    def add_group_blocks(self, blocks):
+        """:meth:`add_groups` for many blocks ``(cols, group, own, count)`` at once, the rows in the same order and
+        with the same entries (a sort by row, stable, in place of one ``np.insert`` per block: a reduced model has
+        thousands of pair edges)."""
+        rid, col, own_rid, own_col, off = [], [], [], [], 0
+        for cols, group, own, count in blocks:
+            keep = group < count
+            rid.append(group[keep].astype(np.int64) + off)
+            col.append(cols[keep].astype(np.int32))
+            own_rid.append(np.arange(off, off + count, dtype=np.int64))
+            own_col.append(own[:count].astype(np.int32))
+            off += count
+        if not off:
+            return
+        rows = np.concatenate(rid + own_rid)
+        n_in = sum(r.size for r in rid)
+        key = 2 * rows + (np.arange(rows.size) >= n_in)  # a row's own column after its pair columns
+        order = np.argsort(key, kind="stable")
+        self.idx.append(np.concatenate(col + own_col)[order])
+        self.val.append(np.where(order < n_in, 1.0, -1.0))
+        self.len.append(np.bincount(rows, minlength=off).astype(np.int64))
+        self.lo.append(np.zeros(off))
+        self.hi.append(np.zeros(off))
+
     def csr(self):
         lengths = np.concatenate(self.len) if self.len else np.zeros(0, dtype=np.int64)
         start = np.zeros(lengths.size + 1, dtype=np.int32)
@@ -135,6 +159,7 @@ def build(problem: IntraProblem, *, min_memory: bool) -> ArrayModel | None:
 
     e_cost: list[np.ndarray] = []
     e_list = []
+    blocks = []
     for u, v, r in pair_edges(edges, dom, lin, min_memory=min_memory):
         du, dv = dom[u], dom[v]
         P, Q = np.nonzero(np.isfinite(r))  # row-major: the PuLP builder's variable order
@@ -143,10 +168,11 @@ def build(problem: IntraProblem, *, min_memory: bool) -> ArrayModel | None:
         e_cost.append(r[P, Q] / scale)
         # Rows sum_q e[p, q] - x_u[p] = 0 (P is sorted: np.nonzero walks row-major), then
         # sum_p e[p, q] - x_v[q] = 0 for every q but the last (implied by the rows and the others).
-        out.add_groups(cols, P, x[u], du.size)
+        blocks.append((cols, P, x[u], du.size))
         order = np.argsort(Q, kind="stable")
-        out.add_groups(cols[order], Q[order], x[v][:-1], dv.size - 1)
+        blocks.append((cols[order], Q[order], x[v][:-1], dv.size - 1))
         e_list.append((u, v, P, Q, cols))
+    out.add_group_blocks(blocks)
 
     nx = sum(c.size for c in x.values())
     cost = np.zeros(ncol + (1 if min_memory else 0))
