@@ -1,5 +1,6 @@
 """Whole plans: the auto plan against the baselines under one cost model, the report, the CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -252,3 +253,29 @@ def test_one_default_solver():
     for fn in (planner.auto_plan, planner.megatron_plan, planner.data_parallel_plan, planner.compare,
                exhaustive.global_optimum, Session.__init__, planner.CostTable.__init__):
         assert inspect.signature(fn).parameters["solver"].default == DEFAULT_SOLVER == "highs", fn
+
+
+def test_the_microbatch_count_is_decided_by_the_simulated_step_among_the_dps_best():
+    # The stage DP ranks counts by Alpa's latency formula; the plan is priced by simulating the schedule. Make the
+    # formula prefer the count that simulates slower: simulated_best must hand back the other one.
+    model = al.models.get("gpt-tiny", num_layers=8, hidden_size=256, batch_size=64, seq_len=64, vocab_size=512)
+    table = al.CostTable.build(model, SMALL)
+    mem = 1e8
+    kw = dict(mem_limit_bytes=mem, intra_link=SMALL.intra_host, inter_link=SMALL.inter_host, stage_comm="model",
+              schedule="1f1b", max_stages=None)
+    solved = {B: planner.search_microbatches(table, SMALL, [B], **kw) for B in (2, 4, 8)}
+
+    def step(r):
+        return al.price_plan(table, r.stages, microbatches=r.microbatches, mem_limit_bytes=mem).cost.step_time_s
+
+    steps = {B: step(r) for B, r in solved.items()}
+    fast, slow = min(steps, key=steps.get), max(steps, key=steps.get)
+    assert steps[fast] < steps[slow]
+    lying = {B: dataclasses.replace(r, latency_s=(0.0 if B == slow else 1.0 + B)) for B, r in solved.items()}
+    result = dataclasses.replace(lying[slow], diagnostics={"solved": lying, "by_microbatches": {}})
+    pick = planner.simulated_best(table, result, schedule="1f1b", stage_comm="model", mem_limit_bytes=mem)
+    assert pick.microbatches == fast and pick.stages == solved[fast].stages
+    # With the formula and the simulation agreeing, the DP's pick stands (the same object).
+    honest = {B: dataclasses.replace(r, latency_s=steps[B]) for B, r in solved.items()}
+    result = dataclasses.replace(honest[fast], diagnostics={"solved": honest, "by_microbatches": {}})
+    assert planner.simulated_best(table, result, schedule="1f1b", stage_comm="model", mem_limit_bytes=mem) is result
