@@ -52,7 +52,7 @@ def _tie(g, chosen):
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    spec = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=32, num_heads=4,
+    spec = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=64, num_heads=4,
                          vocab_size=256)
     return spec.trace()
 

@@ -18,7 +18,7 @@ from autopar_lab.solve.intra import StrategyCache, evaluate_intra, memory_terms,
 
 P3 = Cluster.preset("p3.16xlarge")
 T = 8  # the tensor-parallel size
-H, S, B, A = 1024, 512, 2, 8
+H, S, B, A = 4096, 512, 2, 32
 
 
 @pytest.fixture(scope="module")

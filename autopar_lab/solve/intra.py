@@ -771,16 +771,25 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
 def gathered_bytes(graph: OpGraph, t, src: ShardingSpec, dst: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
     """Bytes per device of a parameter (or a tensor computed from parameters alone) gathered from a sharded ``src``
     into a larger ``dst`` copy that its readers use all step (weight-update sharding: ZeRO-2's gathered weights are
-    kept from the forward to the backward, so that copy is live memory as well as the shard); 0 otherwise."""
+    kept from the forward to the backward, so that copy is live memory as well as the shard); 0 otherwise.
+
+    A parameter input stored sharded is not such a copy: it is ZeRO-3 / FSDP, gathered for each reader and freed
+    after it (:func:`conversion_key` yields one conversion per reader, so counting it here would hold a full copy
+    all step once per reader); its gathered copy is a transient at the reader (:func:`fsdp_gathered_bytes`)."""
     p = graph.tensor(t.id).producer
-    if p is None:
-        return 0.0
-    is_weight = (graph.op(p).primitive == INPUT_PRIMITIVE and t.kind == PARAM) or \
-        t.id in kernel_view(graph, False).weight_derived
-    if not is_weight:
+    if p is None or is_param_input(graph, p) or t.id not in kernel_view(graph, False).weight_derived:
         return 0.0
     full, shard = dst.bytes_per_device(t.shape, t.dtype, mesh_shape), src.bytes_per_device(t.shape, t.dtype, mesh_shape)
     return float(full) if full > shard else 0.0
+
+
+def fsdp_gathered_bytes(graph: OpGraph, u: int, t, src: ShardingSpec, dst: ShardingSpec,
+                        mesh_shape: tuple[int, ...]) -> float:
+    """Bytes per device of the copy a reader gathers of a parameter stored sharded (ZeRO-3 / FSDP), live only while
+    that reader runs (the ILP's :func:`gathered_param_terms`); 0 for any other conversion."""
+    if not is_param_input(graph, u) or not src.axes - dst.axes:
+        return 0.0
+    return float(dst.bytes_per_device(t.shape, t.dtype, mesh_shape))
 
 
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
