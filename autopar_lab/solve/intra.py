@@ -661,18 +661,15 @@ def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strat
             if mesh_axis_size(mesh, _axis) > 1:
                 colls[kind]["count"] += 1
                 colls[kind]["bytes"] += nbytes
-    gathered = 0.0
-    mshape = tuple(mesh.shape)
-    for u, v, is_alias, t, src, dst, cost in conversions(graph, ops, chosen, cache):
+    convs = list(conversions(graph, ops, chosen, cache))
+    for u, v, is_alias, t, src, dst, cost in convs:
         reshard += cost
         role_s[UPDATE if is_alias else graph.op(v).role] += cost
-        if not is_alias:
-            gathered += gathered_bytes(graph, t, src, dst, mshape)
         for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
             colls[kind]["count"] += 1
             colls[kind]["bytes"] += nbytes
     static, act = _memory(graph, ops, chosen, mesh)
-    static += gathered
+    static += sum(b for _v, b in held_copies(graph, convs, tuple(mesh.shape)).values())
     return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
                      {k: dict(v) for k, v in colls.items()}, groups, solve_s)
 
@@ -771,25 +768,29 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
 def gathered_bytes(graph: OpGraph, t, src: ShardingSpec, dst: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
     """Bytes per device of a parameter (or a tensor computed from parameters alone) gathered from a sharded ``src``
     into a larger ``dst`` copy that its readers use all step (weight-update sharding: ZeRO-2's gathered weights are
-    kept from the forward to the backward, so that copy is live memory as well as the shard); 0 otherwise.
-
-    A parameter input stored sharded is not such a copy: it is ZeRO-3 / FSDP, gathered for each reader and freed
-    after it (:func:`conversion_key` yields one conversion per reader, so counting it here would hold a full copy
-    all step once per reader); its gathered copy is a transient at the reader (:func:`fsdp_gathered_bytes`)."""
+    kept from the forward to the backward, so that copy is live memory as well as the shard); 0 otherwise."""
     p = graph.tensor(t.id).producer
-    if p is None or is_param_input(graph, p) or t.id not in kernel_view(graph, False).weight_derived:
+    if p is None:
+        return 0.0
+    is_weight = (graph.op(p).primitive == INPUT_PRIMITIVE and t.kind == PARAM) or \
+        t.id in kernel_view(graph, False).weight_derived
+    if not is_weight:
         return 0.0
     full, shard = dst.bytes_per_device(t.shape, t.dtype, mesh_shape), src.bytes_per_device(t.shape, t.dtype, mesh_shape)
     return float(full) if full > shard else 0.0
 
 
-def fsdp_gathered_bytes(graph: OpGraph, u: int, t, src: ShardingSpec, dst: ShardingSpec,
-                        mesh_shape: tuple[int, ...]) -> float:
-    """Bytes per device of the copy a reader gathers of a parameter stored sharded (ZeRO-3 / FSDP), live only while
-    that reader runs (the ILP's :func:`gathered_param_terms`); 0 for any other conversion."""
-    if not is_param_input(graph, u) or not src.axes - dst.axes:
-        return 0.0
-    return float(dst.bytes_per_device(t.shape, t.dtype, mesh_shape))
+def held_copies(graph: OpGraph, convs, mesh_shape: tuple[int, ...]) -> dict[int, tuple[int, float]]:
+    """tensor id -> (its first reader, bytes per device) of the gathered copies :func:`gathered_bytes` holds all
+    step, from :func:`conversions`' rows ``convs``: one per tensor, the largest, however many readers gather it. A
+    parameter stored sharded is gathered once per reader (:func:`conversion_key`, ZeRO-3 / FSDP), but the copy held
+    is one: counting it per conversion would hold it twice for a weight read in forward and backward."""
+    out: dict[int, tuple[int, float]] = {}
+    for _u, v, is_alias, t, src, dst, _c in convs:
+        b = 0.0 if is_alias else gathered_bytes(graph, t, src, dst, mesh_shape)
+        if b and b > out.get(t.id, (v, 0.0))[1]:
+            out[t.id] = (out.get(t.id, (v, 0.0))[0], b)
+    return out
 
 
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
