@@ -1021,6 +1021,13 @@ class LogicalMesh:
     def _bandwidth_s(self, nbytes: float, axis: Axis, factor: float) -> float:
         return factor * nbytes / self.axis_link(axis).bandwidth
 
+    def ring_step(self, nbytes: float, axis: Axis) -> float:
+        """One step of a ring along ``axis``: every device sends ``nbytes`` to its neighbour at once, waiting for the
+        slowest hop's latency (:meth:`all_gather` of B is n-1 such steps of B / n). 0 on an axis of one device."""
+        if self.axis_size(axis) == 1 or nbytes <= 0:
+            return 0.0
+        return self._ring_step_latency(axis) + self._bandwidth_s(nbytes, axis, 1.0)
+
     def all_gather(self, nbytes: float, axis: Axis) -> float:
         """B = bytes of the gathered (full) buffer: a ring (NCCL's algorithm for it), n-1 steps moving (n-1)/n B at
         the axis' bus bandwidth."""

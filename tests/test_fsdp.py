@@ -52,7 +52,7 @@ def _tie(g, chosen):
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    spec = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=32, num_heads=4,
+    spec = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=64, num_heads=4,
                          vocab_size=256)
     return spec.trace()
 
@@ -132,7 +132,10 @@ def test_ilp_with_the_memory_terms_equals_brute_force(shape):
 
 @pytest.mark.slow
 def test_a_gpt_that_does_not_fit_with_zero2_fits_with_fsdp():
-    g = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=16, num_heads=4,
+    # Weights large enough that ZeRO-2 pays under the latency terms (a reduce-scatter and an all-gather, 14 ring
+    # latencies, against an all-reduce's tree 6: the sharded update must save more), a batch large enough that data
+    # parallelism beats tensor parallelism.
+    g = al.models.get("gpt-tiny", num_layers=1, hidden_size=512, seq_len=64, batch_size=64, num_heads=4,
                       vocab_size=512).trace()
     m = P3.logical_mesh((1, 8), (8, 1))
     cache = StrategyCache(m)
@@ -259,8 +262,8 @@ def test_a_user_script_exports_an_fsdp_plan(tmp_path):
 def test_on_a_two_axis_mesh_tight_memory_stores_weights_over_the_first_axis_too():
     """The sequential solve's first pass (axis 0 alone, no limit) keeps weights whole; under a memory limit the
     second pass may still store them split over axis 0 (it leaves parameters free there)."""
-    g = al.models.get("gpt-tiny", num_layers=1, hidden_size=256, seq_len=32, batch_size=16, num_heads=4,
-                      vocab_size=512).trace()
+    g = al.models.get("gpt-tiny", num_layers=1, hidden_size=512, seq_len=64, batch_size=64, num_heads=4,
+                      vocab_size=512).trace()  # as in test_a_gpt_that_does_not_fit_with_zero2_fits_with_fsdp
     m = P3.logical_mesh((1, 8), (2, 4))
     cache = StrategyCache(m)
     free = solve_intra(g, m, cache=cache)

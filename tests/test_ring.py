@@ -22,8 +22,9 @@ P3 = Cluster.preset("p3.16xlarge")
 
 def test_ring_time_is_the_steps_not_hidden_by_compute():
     m = P3.logical_mesh((1, 8), (1, 8))
-    step = m.all_gather(64e6 / 7, 1)  # one block of 8 MB to the neighbour
+    step = m.ring_step(8e6, 1)  # one block of 8 MB to the neighbour: one hop's latency, not a whole all-gather's
     assert step == pytest.approx(m.axis_link(1).latency + 8e6 / m.axis_link(1).bandwidth)
+    assert m.all_gather(64e6, 1) == pytest.approx(7 * step)  # a ring all-gather is n - 1 such steps
     assert ring_exposed_s(m, 64e6, 1, 0.0) == pytest.approx(7 * step)
     assert ring_exposed_s(m, 64e6, 1, 8 * step) == 0.0  # each step's compute covers its transfer
     assert ring_exposed_s(m, 64e6, 1, 4 * step) == pytest.approx(7 * step / 2)

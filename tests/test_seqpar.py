@@ -18,7 +18,7 @@ from autopar_lab.solve.intra import StrategyCache, evaluate_intra, memory_terms,
 
 P3 = Cluster.preset("p3.16xlarge")
 T = 8  # the tensor-parallel size
-H, S, B, A = 1024, 512, 2, 8
+H, S, B, A = 4096, 512, 2, 32
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +71,18 @@ def test_activation_memory_matches_korthikanti(gpt, tensor_mesh):
     one = P3.logical_mesh((1, 1), (1, 1))
     none = _layer_act(g, solve_intra(g, one))
     free = solve_intra(g, m, cache=cache)
-    # Where activation memory is tight the ILP also keeps the layer norms' outputs split and gathers them for the
-    # matmuls (and again for the backward), Megatron's layout: the ILP's limit at 90% of the time-optimal plan's.
-    from autopar_lab.solve import ilp
-    from autopar_lab.solve.intra import build_problem
-    built = build_problem(g, m, mem_limit_bytes=1e30, cache=cache)
-    choice = [next(k for k, s in enumerate(built.strats[i]) if s.key == free.strategies[op].key)
-              for i, op in enumerate(built.nodes)]
-    peak = ilp.evaluate(built.problem, choice).peak_mem
-    sp = solve_intra(g, m, cache=cache, mem_limit_bytes=0.9 * peak)
+    # Megatron's layout keeps the layer norms' outputs split along the sequence too, gathered for the column-parallel
+    # matmuls (and again for the backward). The time-optimal plan gathers before the layer norm's last add instead,
+    # and no memory limit makes the ILP move that gather: under the kernel model the step's peak is the loss's
+    # backward and the update, where every plan keeps the same fp32 buffers. So the layout is pinned there (the
+    # matmuls' inputs) and the ILP chooses everything else.
+    ln_out = [op for op in g.ops if g.op(op).layer == "layer_0" and g.op(op).role == "forward"
+              and any(g.op(c).primitive == "dot_general" and g.op(c).role == "forward"
+                      for c in g.consumers.get(g.op(op).outputs[0], ()))
+              and g.op(op).primitive == "add"]
+    assert len(ln_out) == 2  # ln1 -> qkv, ln2 -> fc1
+    pins = {op: next(s for s in cache.strategies(g.op(op)) if str(s.out_specs[0]) == "RS1R") for op in ln_out}
+    sp = solve_intra(g, m, cache=cache, pins=pins)
     a_sp = _layer_act(g, sp)
     assert a_sp < _layer_act(g, free)
     # TP + SP: the no-parallelism figure over t (to 0.1%: a bias broadcast and the causal mask stay whole)
@@ -90,16 +93,17 @@ def test_activation_memory_matches_korthikanti(gpt, tensor_mesh):
     r = sum(b * T for reg in regions for op in reg.ops if g.op(op).layer == "layer_0"
             for kind, b in memory_terms(g, g.op(op), sp.strategies[op], (1, T)) if kind == "act")
     assert _layer_act(g, tp) == pytest.approx(r + (none - r) / T, rel=1e-3)
-    # The zoo's layer keeps its layer norms in float32 and no dropout masks, so its constants are its own:
-    # R = 24 s b h (Megatron: 10), A = s b h (84 + 6 a s / h) here; the divisions by t are the formula's.
+    # The zoo's layer keeps no dropout masks and, priced as fused kernels, not what its kernels recompute, so its
+    # constants are its own: R = 12 s b h (Megatron: 10; test_memory's s b h (R + X / t) has the same R) plus the
+    # layer norms' float32 row statistics (24 bytes a token); the divisions by t are the formula's.
     sbh = S * B * H
-    assert r / sbh == pytest.approx(24, rel=1e-3)
+    assert r == pytest.approx(12 * sbh + 24 * S * B, rel=1e-6)
 
 
 @pytest.fixture(scope="module")
 def model():
-    """What ``reference`` (conftest) trains on one device: a GPT whose tensor-parallel plan on a p3 host is
-    sequence parallel (float32, so the losses compare to rounding)."""
+    """What ``reference`` (conftest) trains on one device: a GPT whose tensor-parallel plan on a p3 host without
+    link latency is sequence parallel (float32, so the losses compare to rounding)."""
     return al.models.get("gpt-tiny", num_layers=1, hidden_size=512, seq_len=256, batch_size=2, num_heads=8,
                          vocab_size=256)
 
@@ -107,7 +111,11 @@ def model():
 @pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
 def test_a_sequence_parallel_plan_trains_like_one_device(model, reference):
-    plan = al.megatron_plan(model, P3, dp=1, tp=8, pp=1)
+    # Planned with NVLink's latency at 0: a sequence-parallel pair (reduce-scatter, all-gather: a ring's 14 step
+    # latencies) costs 24 us more than the all-reduce it replaces (a tree's 6), more than the layer norms it saves at
+    # a size one CPU runs in seconds (SP pays from s b h ~ 4M on the p3 preset: the tests above). Without latency
+    # terms it pays here, and what is tested is that the executed regions train as one device.
+    plan = al.megatron_plan(model, P3.with_(intra_host_latency=0.0), dp=1, tp=8, pp=1)
     regions = seqpar_regions(plan)[0]
     assert [r for r in regions if r.opened_by and r.axes == (1,)]
     code = plan.to_jax_code()

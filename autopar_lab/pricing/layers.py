@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
-from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, gathered_bytes, memory_terms, weight_gradient_ops
+from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -135,12 +135,14 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 seen.add(t)
                 spec = plan.strategies[p].out_specs[pn.outputs.index(t)] if p in inside else None
                 a["ckpt"] += spec.bytes_per_device(info.shape, info.dtype, mshape) if spec is not None else info.nbytes
-    for _u, v, is_alias, t, src, dst, c in conversions(graph, plan.ops, plan.strategies, cache):
+    convs = list(conversions(graph, plan.ops, plan.strategies, cache))
+    for v, nbytes in held_copies(graph, convs, mshape).values():
+        slot(v)["copies"] += nbytes
+    for _u, v, is_alias, t, src, dst, c in convs:
         a = slot(v)
         a["reshard"] += c
         a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
         if not is_alias:
-            a["copies"] += gathered_bytes(graph, t, src, dst, mshape)
             if graph.op(v).role == FORWARD and (t.kind == PARAM or t.id in view.weight_derived):
                 a["gather"] += c  # a parameter's gather for the forward: prefetchable behind earlier layers
     out = []

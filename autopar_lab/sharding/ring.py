@@ -12,8 +12,8 @@ Each step's transfer overlaps the step's compute, so only what is longer than th
     exposed = (n - 1) * max(0, step - compute / n),   step = the time of sending one block (B / n bytes) to a
                                                       neighbour over the axis' link: a + (B / n) / b
 
-priced with :meth:`~autopar_lab.cluster.LogicalMesh.all_gather`'s alpha-beta link (``all_gather(B / (n - 1))`` is
-``a + (B / n) / b``). ``B`` is the rotated operand's bytes per device without the ring axis.
+priced with :meth:`~autopar_lab.cluster.LogicalMesh.ring_step` (one hop's latency, not the n - 1 of a whole
+all-gather). ``B`` is the rotated operand's bytes per device without the ring axis.
 
 Ring strategies are offered only for sequences of at least :data:`RING_MIN_SEQ` tokens: shorter attention gains
 nothing the all-gather form does not have, and today's plans (sequence 1,024 and below) keep their space unchanged.
@@ -41,13 +41,13 @@ def ring_exposed_s(mesh, nbytes: float, axis, compute_s: float) -> float:
     >>> mesh = Cluster.preset("p3.16xlarge").logical_mesh((1, 8), (1, 8))
     >>> ring_exposed_s(mesh, 8e6, 1, 1.0)       # a second of compute hides 7 steps of 1 MB
     0.0
-    >>> round(ring_exposed_s(mesh, 8e6, 1, 0.0) / mesh.all_gather(8e6 / 7, 1), 6)    # nothing to hide behind
+    >>> round(ring_exposed_s(mesh, 8e6, 1, 0.0) / mesh.ring_step(8e6 / 8, 1), 6)    # nothing to hide behind
     7.0
     """
     n = int(mesh.axis_size(axis))
     if n <= 1:
         return 0.0
-    step = float(mesh.all_gather(nbytes / (n - 1), axis))
+    step = float(mesh.ring_step(nbytes / n, axis))
     return (n - 1) * max(0.0, step - compute_s / n)
 
 

@@ -681,18 +681,15 @@ def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strat
             if mesh_axis_size(mesh, _axis) > 1:
                 colls[kind]["count"] += 1
                 colls[kind]["bytes"] += nbytes
-    gathered = 0.0
-    mshape = tuple(mesh.shape)
-    for u, v, is_alias, t, src, dst, cost in conversions(graph, ops, chosen, cache):
+    convs = list(conversions(graph, ops, chosen, cache))
+    for u, v, is_alias, t, src, dst, cost in convs:
         reshard += cost
         role_s[UPDATE if is_alias else graph.op(v).role] += cost
-        if not is_alias:
-            gathered += gathered_bytes(graph, t, src, dst, mshape)
         for kind, _axis, nbytes in cache.reshard_collectives(src, dst, t.shape, t.dtype):
             colls[kind]["count"] += 1
             colls[kind]["bytes"] += nbytes
     static, act = _memory(graph, ops, chosen, mesh)
-    static += gathered
+    static += sum(b for _v, b in held_copies(graph, convs, tuple(mesh.shape)).values())
     return IntraPlan(mesh, tuple(ops), dict(chosen), compute, comm, reshard, role_s, sync, static, act,
                      {k: dict(v) for k, v in colls.items()}, groups, solve_s)
 
@@ -801,6 +798,19 @@ def gathered_bytes(graph: OpGraph, t, src: ShardingSpec, dst: ShardingSpec, mesh
         return 0.0
     full, shard = dst.bytes_per_device(t.shape, t.dtype, mesh_shape), src.bytes_per_device(t.shape, t.dtype, mesh_shape)
     return float(full) if full > shard else 0.0
+
+
+def held_copies(graph: OpGraph, convs, mesh_shape: tuple[int, ...]) -> dict[int, tuple[int, float]]:
+    """tensor id -> (its first reader, bytes per device) of the gathered copies :func:`gathered_bytes` holds all
+    step, from :func:`conversions`' rows ``convs``: one per tensor, the largest, however many readers gather it. A
+    parameter stored sharded is gathered once per reader (:func:`conversion_key`, ZeRO-3 / FSDP), but the copy held
+    is one: counting it per conversion would hold it twice for a weight read in forward and backward."""
+    out: dict[int, tuple[int, float]] = {}
+    for _u, v, is_alias, t, src, dst, _c in convs:
+        b = 0.0 if is_alias else gathered_bytes(graph, t, src, dst, mesh_shape)
+        if b and b > out.get(t.id, (v, 0.0))[1]:
+            out[t.id] = (out.get(t.id, (v, 0.0))[0], b)
+    return out
 
 
 def _memory(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
