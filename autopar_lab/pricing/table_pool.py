@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -162,8 +162,8 @@ class MeshPool:
             w.stop()
 
 
-def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Iterator[
-        MeshResult]:
+def solve_in_workers(graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int) -> Generator[
+        MeshResult, None, None]:
     """Yield each mesh's result as a worker finishes it (in no particular order). Closing the generator early (the
     caller's progress hook raised, a cancel) stops every worker at once."""
     pool = MeshPool(graph, cluster, solver, keys, workers)
