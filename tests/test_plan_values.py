@@ -199,7 +199,8 @@ def test_export_of_a_deep_model_planned_on_its_shallow_copy():
                   if g.op(o).primitive == "parameter" and g.tensor(g.op(o).outputs[0]).kind == "param"] for k in same]
     assert all(x == per_layer[0] for x in per_layer)
     fwd_dots = [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).role == "forward"]
-    assert len(activation_specs(p)) == len(fwd_dots)
+    # every forward matmul is exported by the stage that runs it (the auto plan may be a pipeline)
+    assert sum(len(activation_specs(p, k)) for k in range(len(p.stages))) == len(fwd_dots)
     ns: dict = {}
     exec(compile(p.to_jax_code(), "<plan>", "exec"), ns)
     assert set(ns["param_specs"]) == set(specs["param"])
