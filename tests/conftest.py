@@ -58,3 +58,21 @@ def reference(model):
         params, opt_state, loss = step(params, opt_state, jax.device_put(model.init(i)[2], dev))
         losses.append(float(loss))
     return losses, params
+
+
+class _RunAtOnce:
+    """A stage worker behind Ray's call syntax, run at once in this process (``.remote`` returns the value): the
+    actors' contract without Ray."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, name):
+        fn = getattr(self.worker, name)
+        return type("M", (), {"remote": staticmethod(lambda *a: fn(*a))})
+
+
+@pytest.fixture
+def run_at_once():
+    """Wraps a stage worker so that ``worker.method.remote(...)`` runs it now (see :class:`_RunAtOnce`)."""
+    return _RunAtOnce

@@ -102,19 +102,8 @@ def test_zero_bubble_with_a_rematerialised_stage(model, plan, reference):
     _close(runner.train(STEPS), reference[0])
 
 
-class _Now:
-    """A stage worker behind Ray's call syntax, run at once (the actors' contract without Ray)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def __getattr__(self, name):
-        fn = getattr(self.worker, name)
-        return type("M", (), {"remote": staticmethod(lambda *a: fn(*a))})
-
-
 @pytest.mark.slow  # builds two stage workers (trace, plan, compile) in this process
-def test_stage_workers_run_zero_bubble_and_checkpoint(model, plan, reference, tmp_path):
+def test_stage_workers_run_zero_bubble_and_checkpoint(model, plan, reference, tmp_path, run_at_once):
     """The Ray driver's walk and the stage actors' contract, in one process, for a ZB-H1 plan: W tasks submitted
     as tasks of their own, the same losses as single-device training, and a restored worker goes on exactly."""
     from autopar_lab.runtime.actors import StageWorker
@@ -134,7 +123,7 @@ def test_stage_workers_run_zero_bubble_and_checkpoint(model, plan, reference, tm
             workers = [StageWorker(spec, k) for k in range(2)]
             for w in workers:
                 w.restore(str(tmp_path), 2)
-        rows = _submit_step([_Now(w) for w in workers], routes, step, 2, 4, "zb-h1")
+        rows = _submit_step([run_at_once(w) for w in workers], routes, step, 2, 4, "zb-h1")
         losses.append(step_loss(rows))
         assert all(r["wgrad_s"] > 0 and r["bwd_s"] > r["wgrad_s"] for r in rows)
     _close(losses, reference[0])

@@ -130,19 +130,8 @@ def test_cli_train_errors_are_one_sentence(setup, tmp_path):
     assert r.returncode == 2 and "another graph" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-class _Now:
-    """A stage worker behind Ray's call syntax, run at once in this process (``.remote`` returns the value)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def __getattr__(self, name):
-        fn = getattr(self.worker, name)
-        return type("M", (), {"remote": staticmethod(lambda *a: fn(*a))})
-
-
 @pytest.mark.slow  # builds four stage workers (trace, plan, compile) in this process
-def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, reference, tmp_path):
+def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, reference, tmp_path, run_at_once):
     """The actors' contract and the driver's routing, in one process: same losses as the single-process run, and a
     worker restored from a checkpoint goes on exactly where the saved one was."""
     from autopar_lab.runtime.actors import StageWorker
@@ -154,7 +143,7 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
     assert workers[1].info()["inputs"] and workers[0].info()["outputs"]
     routes = _Routes([w.info() for w in workers])
     assert routes.producers == [[], [0]] and routes.consumers == [[1], []]
-    handles = [_Now(w) for w in workers]
+    handles = [run_at_once(w) for w in workers]
     losses = []
     for step in range(3):
         if step == 2:  # checkpoint after step 2, then carry on with fresh workers restored from it
@@ -163,7 +152,7 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
             workers = [StageWorker(spec, k) for k in range(2)]
             for w in workers:
                 w.restore(str(tmp_path), 2)
-            handles = [_Now(w) for w in workers]
+            handles = [run_at_once(w) for w in workers]
         finish = _submit_step(handles, routes, step, 2, 2, plan.schedule)
         losses.append(step_loss(finish))
         assert [f["stage"] for f in finish] == [0, 1] and all(f["busy_s"] > 0 for f in finish)

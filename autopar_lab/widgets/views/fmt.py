@@ -98,30 +98,25 @@ def _rel(before: float, d: float, reference: float | None) -> str:
     return ""
 
 
-def _unchanged(before: float, after: float, reference: float | None) -> bool:
+def _delta(before: float | None, after: float, reference: float | None, fmt) -> str:
+    if before is None:
+        return ""
+    d = after - before
     scale = max(abs(before), abs(after), abs(reference) if reference is not None else 0.0)
-    return abs(after - before) <= NOISE * scale
+    if abs(d) <= NOISE * scale:
+        return "="
+    return f"{'+' if d > 0 else '-'}{fmt(abs(d))}{_rel(before, d, reference)}"
 
 
 def fmt_delta_s(before: float | None, after: float, reference: float | None = None) -> str:
     """The change ``after - before`` in seconds, signed, with the relative change when it is meaningful (see the
     module docstring; ``reference`` defaults to ``before``). ``=`` when nothing changed, "" without a before."""
-    if before is None:
-        return ""
-    d = after - before
-    if _unchanged(before, after, reference):
-        return "="
-    return f"{'+' if d > 0 else '-'}{fmt_s(abs(d))}{_rel(before, d, reference)}"
+    return _delta(before, after, reference, fmt_s)
 
 
 def fmt_delta_bytes(before: float | None, after: float, reference: float | None = None) -> str:
     """As :func:`fmt_delta_s`, for bytes."""
-    if before is None:
-        return ""
-    d = after - before
-    if _unchanged(before, after, reference):
-        return "="
-    return f"{'+' if d > 0 else '-'}{fmt_bytes(abs(d))}{_rel(before, d, reference)}"
+    return _delta(before, after, reference, fmt_bytes)
 
 
 def strategy_text(name: str) -> str:
