@@ -273,7 +273,10 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     ``on_actors(handles)`` is called with the stage actors each time they (re)start (what the Job handle exposes).
     """
     if ray is None:
-        import ray  # noqa: F811 - the runtime's launch path is the only place Ray is imported
+        # the runtime's launch path is the only place Ray is imported (an optional dependency)
+        import ray as ray_module
+
+        ray = ray_module
     from .checkpoint import CheckpointError, claim, resume_point, save_job
 
     channel = channel or ProgressChannel()
