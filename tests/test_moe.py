@@ -3,6 +3,7 @@ found in XLA's partitioned HLO, named in plans (EP=n), chosen where it pays, ove
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,7 +197,5 @@ def test_the_cli_shows_expert_parallelism(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "stage 0: expert parallel EP=8 over x in 1 of 1 MoE layer(s)" in out.stdout
     js = subprocess.run(cmd + ["--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    import json
-
     rep = json.loads(js.stdout)
     assert rep["expert_parallel"] == 8 and any("EP=8" in s for s in rep["parallelism"])
