@@ -9,8 +9,8 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
 - :func:`seqpar_regions`: per stage, the operators that run split along the sequence between a reduce-scatter and
   an all-gather (Megatron-style sequence parallelism);
 - :func:`expert_parallel`: per stage, its MoE layers with the mesh axes their experts are split over ("EP=4") and
-  the all-to-alls that carry the tokens to the experts and back (see :mod:`autopar_lab.sharding.experts`); pin an
-  expert matmul's weight operand replicated (``plan.with_choice``) to override it;
+  the all-to-alls that carry the tokens to the experts and back (see :mod:`autopar_lab.sharding.experts`);
+- :func:`with_expert_parallel`: the plan with the experts split over given mesh axes, or replicated (EP=1);
 - :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
   sharding table;
 - :func:`summary`: one line per dimension a plan uses, for the CLI and reports.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
-from .sharding.experts import ExpertLayer, expert_layers
+from .sharding.experts import ExpertLayer, expert_layers, expert_matmuls
 from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
 from .sharding.ring import is_ring, ring_axes_used
 from .sharding.seqpar import SeqRegion, sequence_regions
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 __all__ = ["data_axes", "expert_degree", "expert_parallel", "fsdp_params", "op_notes", "seqpar_regions", "summary",
-           "with_fsdp"]
+           "with_expert_parallel", "with_fsdp"]
 
 
 def data_axes(graph, strategies) -> tuple[int, ...]:
@@ -111,6 +111,52 @@ def expert_parallel(plan: Plan, stage: int | None = None) -> dict[int, list[Expe
         ops = [op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None
         out[k] = expert_layers(g, st.intra.strategies, st.intra.mesh, ops)
     return out
+
+
+def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:
+    """``plan`` with the experts of every MoE layer split over mesh ``axes`` (``()``: every expert on every device,
+    EP=1; ``(0,)``: over the first mesh axis). Each forward expert matmul is pinned (``plan.with_choice``) to its
+    cheapest strategy whose expert dimension is split over exactly those axes. With ``resolve`` (the default) the
+    stages keep their layers, meshes and microbatch count (pinned) and the intra-op ILP re-solves every other operator
+    around the pins (:func:`autopar_lab.resolve`), so the dispatch, the combine, the backward and the stored expert
+    weights follow; without, everything else is kept as it was (only the reshardings around the pins re-priced: a
+    half-changed layer that moves its tokens back and forth). An axis of one device counts as not splitting.
+
+    >>> replicated = with_expert_parallel(plan, ())                          # doctest: +SKIP
+    >>> expert_degree(replicated), replicated.cost.step_time_s > plan.cost.step_time_s   # doctest: +SKIP
+    (1, True)
+    """
+    if not isinstance(axes, (tuple, list)) or not all(a in (0, 1) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axes must be a tuple of distinct mesh axes (0 and/or 1; () for replicated experts), got "
+                         f"{axes!r}")
+    from .pins import resolve as resolve_pins
+    from .pricing.price import table_of
+
+    g = plan.op_graph
+    mats = expert_matmuls(g)
+    if not mats:
+        raise ValueError("this plan has no MoE layer (no matmul batched over the experts of a weight), so there are "
+                         "no experts to split; use a mixture-of-experts model such as 'moe-tiny'.")
+    if resolve:  # keep the layout: only the operators' shardings are to be re-solved
+        plan = plan.with_stages(boundaries=[st.layers for st in plan.stages],
+                                submeshes=[st.submesh for st in plan.stages],
+                                logical_meshes=[st.logical_mesh for st in plan.stages], microbatches=plan.microbatches)
+    for op, (j, d, _p) in mats.items():
+        intra = plan.stages[plan.stage_of(op)].intra
+        if intra is None or op not in intra.strategies:
+            continue
+        mshape = tuple(int(x) for x in intra.mesh.shape)
+        want = sorted(a for a in axes if mshape[a] > 1)
+        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(op))
+                 if sorted(a for a in s.in_specs[j].dims[d] if mshape[a] > 1) == want]
+        if not cands:
+            n = g.op(op).in_shapes[j][d]
+            raise ValueError(f"the {n} experts of {g.op(op).describe()} cannot be split over mesh axes "
+                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {plan.stage_of(op)} (the "
+                             "device count must divide the expert count); choose other axes or () for replicated "
+                             "experts.")
+        plan = plan.with_choice(op, min(cands, key=lambda s: s.cost).name)
+    return resolve_pins(plan) if resolve else plan
 
 
 def expert_degree(plan: Plan) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.models import moe
-from autopar_lab.parallelism import expert_degree, expert_parallel, op_notes, summary
+from autopar_lab.parallelism import expert_degree, expert_parallel, op_notes, summary, with_expert_parallel
 from autopar_lab.sharding.experts import expert_layers, expert_matmuls
 from autopar_lab.solve.intra import solve_intra
 from autopar_lab.validate import (collective_instructions, operand_specs_from_strategies, replay_with_shardings,
@@ -91,9 +91,11 @@ def test_xla_compiles_the_predicted_expert_all_to_alls(small, small_intra):
 
 @pytest.fixture(scope="module")
 def ep_plan():
-    """moe-10b's layers (32 experts, hidden 1536) on one 8-GPU host, one microbatch: two layers, one MoE."""
+    """moe-10b's layers (32 experts, hidden 1536) on one 8-GPU host: two layers, one MoE; 128 microbatches (fits)."""
     model = al.models.get("moe-10b", num_layers=2)
-    return model, al.data_parallel_plan(model, P3)
+    plan = al.data_parallel_plan(model, P3, microbatches=128)
+    assert plan.cost.fits
+    return model, plan
 
 
 def test_a_plan_names_expert_parallelism_and_its_all_to_alls(ep_plan):
@@ -145,6 +147,26 @@ def test_pinning_replicated_experts_costs_what_the_alternatives_predict(ep_plan)
     # re-solving around the pin keeps the experts replicated where pinned, and cannot beat the free plan
     resolved = al.resolve(pinned)
     assert resolved.cost.step_time_s >= plan.cost.step_time_s * (1 - 1e-9)
+
+
+def test_replicated_experts_override_costs_more_and_ep_comes_back(ep_plan):
+    model, plan = ep_plan
+    (layer,) = expert_parallel(plan)[0]
+    rep = with_expert_parallel(plan, ())  # pinned, the rest of the stage re-solved around the pins
+    assert expert_degree(rep) == 1 and set(rep.pins) == set(layer.ops)
+    assert [(s.layers, s.logical_mesh) for s in rep.stages] == [(s.layers, s.logical_mesh) for s in plan.stages]
+    assert any("experts replicated (EP=1)" in s for s in summary(rep))
+    assert rep.cost.step_time_s > plan.cost.step_time_s  # the ILP's EP=8 was the cheaper
+    (r,) = expert_parallel(rep)[0]
+    assert r.all_to_alls == ()  # no tokens move to experts: every device runs all 32 on its own tokens
+    back = with_expert_parallel(rep, (0,))
+    assert expert_degree(back) == 8 and back.cost.step_time_s == pytest.approx(plan.cost.step_time_s, rel=1e-6)
+    half = with_expert_parallel(plan, (), resolve=False)  # only the expert matmuls changed: tokens go back and forth
+    assert expert_degree(half) == 1 and half.cost.step_time_s > rep.cost.step_time_s
+    with pytest.raises(ValueError, match="axes must be"):
+        with_expert_parallel(plan, (2,))
+    with pytest.raises(ValueError, match="no MoE layer"):
+        with_expert_parallel(al.data_parallel_plan(al.models.get("gpt-tiny", num_layers=1), CPU8), ())
 
 
 @pytest.mark.slow
@@ -199,3 +221,16 @@ def test_the_cli_shows_expert_parallelism(tmp_path):
     js = subprocess.run(cmd + ["--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     rep = json.loads(js.stdout)
     assert rep["expert_parallel"] == 8 and any("EP=8" in s for s in rep["parallelism"])
+
+
+def test_the_sharding_table_labels_the_expert_matmuls(ep_plan):
+    from autopar_lab.widgets.session import Session
+    from autopar_lab.widgets.views.sharding_table import op_rows, row_label
+
+    model, plan = ep_plan
+    (layer,) = expert_parallel(plan)[0]
+    rows = {r["op"]: r for r in op_rows(Session(plan, model=model), primitive="dot_general")}
+    for op in layer.ops:
+        assert rows[op]["note"].startswith("expert parallel EP=8")
+        assert "EP=8" in row_label(rows[op])
+    assert not any("expert" in (r["note"] or "") for op, r in rows.items() if op not in layer.ops)
