@@ -46,14 +46,17 @@ def data_axes(graph, strategies) -> tuple[int, ...]:
 def fsdp_params(plan: Plan, stage: int | None = None) -> dict[int, list[GatheredParam]]:
     """Stage index -> the parameters (operators of ``plan.op_graph``) it stores sharded and all-gathers for their
     readers; every stage with a solved mesh, or only ``stage``."""
-    g = plan.op_graph
-    out = {}
+    return {k: gathered_params(plan.op_graph, intra.strategies, tuple(intra.mesh.shape), ops)
+            for k, intra, ops in stage_intras(plan, stage)}
+
+
+def stage_intras(plan: Plan, stage: int | None = None):
+    """``(stage index, its IntraPlan, the operators it runs or None for all)`` of every stage with a solved mesh, or
+    only ``stage`` (a pipeline's IntraPlans may hold operators of other stages' layers)."""
     for k, st in enumerate(plan.stages):
         if (stage is not None and k != stage) or st.intra is None:
             continue
-        ops = [op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None
-        out[k] = gathered_params(g, st.intra.strategies, tuple(st.intra.mesh.shape), ops)
-    return out
+        yield k, st.intra, ([op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None)
 
 
 def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
@@ -103,14 +106,8 @@ def expert_parallel(plan: Plan, stage: int | None = None) -> dict[int, list[Expe
     """Stage index -> its MoE layers (see :func:`~autopar_lab.sharding.experts.expert_layers`): the expert matmuls,
     the mesh axes the experts are split over, the all-to-alls (bytes and seconds on the stage's mesh, forward and
     backward over the step's batch). Stages without MoE layers map to ``[]``."""
-    g = plan.op_graph
-    out = {}
-    for k, st in enumerate(plan.stages):
-        if (stage is not None and k != stage) or st.intra is None:
-            continue
-        ops = [op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None
-        out[k] = expert_layers(g, st.intra.strategies, st.intra.mesh, ops)
-    return out
+    return {k: expert_layers(plan.op_graph, intra.strategies, intra.mesh, ops)
+            for k, intra, ops in stage_intras(plan, stage)}
 
 
 def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:

@@ -149,6 +149,7 @@ def test_pinning_replicated_experts_costs_what_the_alternatives_predict(ep_plan)
     assert resolved.cost.step_time_s >= plan.cost.step_time_s * (1 - 1e-9)
 
 
+@pytest.mark.slow
 def test_replicated_experts_override_costs_more_and_ep_comes_back(ep_plan):
     model, plan = ep_plan
     (layer,) = expert_parallel(plan)[0]
