@@ -13,7 +13,8 @@ way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time 
      "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"},
      "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
-``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
+A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
+in ``"solution": "lean"`` (informative: its strategies are in ``choices``). ``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
 differs (they price the edges at the stage's borders). An interleaved plan (``"schedule": "interleaved"``) also has
 ``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
 :func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
@@ -45,6 +46,8 @@ def plan_to_dict(plan) -> dict:
         outside = {str(op): s.name for op, s in st.intra.strategies.items() if owner[op] != k and s.name != choices[op]}
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
                        "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
+        if plan.table.solution_of(st.intra) != "fast":  # for the reader: the strategies above are what loads
+            stages[-1]["solution"] = plan.table.solution_of(st.intra)
     out = {
         "version": SPLIT_VERSION if plan.layer_pins else VERSION,
         "graph_fingerprint": plan.graph.fingerprint,
