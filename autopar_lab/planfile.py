@@ -13,8 +13,7 @@ way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time 
      "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"},
      "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
-A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
-in ``"solution": "lean"`` (informative: its strategies are in ``choices``). ``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
+``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
 differs (they price the edges at the stage's borders). An interleaved plan (``"schedule": "interleaved"``) also has
 ``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
 :func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
@@ -22,6 +21,9 @@ fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) s
 ``layer_pins`` (version 3, written only when the plan has some): the operators of single layers split from the
 layers that share their solution, by their id in the model's full graph, with their strategy names
 (:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
+
+A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
+in ``"solution": "lean"`` (for the reader: its strategies are in ``choices`` like any stage's).
 """
 
 from __future__ import annotations

@@ -360,6 +360,10 @@ class CostTable:
                 out.append((sub, shape))
         return out
 
+    def lean_solved(self) -> list[tuple]:
+        """The (submesh, shape) of every mesh whose lean solution has been solved (or collected)."""
+        return [k[:2] for k in self._mesh if len(k) > 2]
+
     def solve_lean(self, keys=None, *, workers: int | None = None) -> int:
         """Solve the lean solutions of ``keys`` ((submesh, shape) pairs; default every planned mesh) not solved yet,
         as :meth:`solve_meshes` does (in worker processes from ``POOL_MIN_MESHES`` meshes on). The stage
@@ -551,11 +555,11 @@ class StageBlock:
     """Every stage candidate of one submesh at one microbatch count, as arrays over (start, end) layers.
 
     ``keys[f][k, a, b]``: field f (forward s, backward s, static bytes, activation bytes) of the k-th (logical
-    mesh, solution (:meth:`CostTable.solutions`), remat) option for layers a..b, from :func:`~autopar_lab.pricing.stage.stage_cost` on arrays (the same
-    float operations as :meth:`CostTable.stage`); ``keep[k, a, b]``: the option is Pareto-optimal there (as
-    :func:`pareto` decides, ties to the first) and, when a memory limit is given, fits in it while holding one
-    microbatch (a candidate that cannot is never usable: a stage holds at least one microbatch and its memory only
-    grows with more).
+    mesh, solution (:meth:`CostTable.solutions`), remat) option for layers a..b, from
+    :func:`~autopar_lab.pricing.stage.stage_cost` on arrays (the same float operations as :meth:`CostTable.stage`);
+    ``keep[k, a, b]``: the option is Pareto-optimal there (as :func:`pareto` decides, ties to the first) and, when
+    a memory limit is given, fits in it while holding one microbatch (a candidate that cannot is never usable: a
+    stage holds at least one microbatch and its memory only grows with more).
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
