@@ -21,6 +21,9 @@ fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) s
 ``layer_pins`` (version 3, written only when the plan has some): the operators of single layers split from the
 layers that share their solution, by their id in the model's full graph, with their strategy names
 (:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
+
+A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
+in ``"solution": "lean"`` (for the reader: its strategies are in ``choices`` like any stage's).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def plan_to_dict(plan) -> dict:
         outside = {str(op): s.name for op, s in st.intra.strategies.items() if owner[op] != k and s.name != choices[op]}
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
                        "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
+        if plan.table.solution_of(st.intra) != "fast":  # for the reader: the strategies above are what loads
+            stages[-1]["solution"] = plan.table.solution_of(st.intra)
     out = {
         "version": SPLIT_VERSION if plan.layer_pins else VERSION,
         "graph_fingerprint": plan.graph.fingerprint,

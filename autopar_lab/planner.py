@@ -241,7 +241,16 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     choices = microbatch_choices(table.batch_size, microbatches)
-    result = search_microbatches(table, cluster, choices, grid=layer_grid(len(table.layer_names)), **kw)
+    # Memory-lean solutions (ZeRO-3 / FSDP storage) beside the fast ones, where the fast one cannot hold a layer;
+    # on every mesh when nothing fits without them (CostTable.lean_meshes).
+    table.solve_lean(table.lean_meshes(mem, max(choices)), workers=workers)
+    grid = layer_grid(len(table.layer_names))
+    try:
+        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
+    except inter.NoFeasiblePlanError:
+        if table.lean != "auto" or not table.solve_lean(workers=workers):
+            raise
+        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
     result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, result.stages, microbatches=result.microbatches, schedule=schedule,

@@ -171,6 +171,8 @@ def check_form(data: Mapping, where: str) -> None:
         for d in st["devices"]:
             _int(d, f"stage {k}'s device index", where, 0, 1 << 24)
         _op_map(st.get("choices_outside", {}), f"stage {k}'s choices_outside", where)
+        if st.get("solution", "fast") not in ("fast", "lean"):
+            raise bad(where, f"stage {k}'s solution must be 'fast' or 'lean', got {st['solution']!r:.40}")
     _op_map(data["choices"], "choices", where)
     _op_map(data["pins"], "pins", where)
     if "layer_pins" in data:

@@ -9,7 +9,9 @@ planned logical mesh) and inter-op (the stage DP):
   V 51200): ``39b@512`` (48 layers, H 8192, 64 heads, batch 1536), ``145b@1536`` (80, 12288, 96, 2304),
   ``530b@2520`` (105, 20480, 128, 2520), ``1t@3072`` (128, 25600, 160, 3072).
 
-"meshes" counts the logical meshes the table solves (the planning space, `CostTable.planned_meshes`); "cpu s" is
+"meshes" counts the logical meshes the table solves (the planning space, `CostTable.planned_meshes`), "lean" those
+whose memory-lean solution was solved too (`CostTable.lean_solved`: where the fast one cannot hold a layer, or all
+when nothing fits without them); "cpu s" is
 this process's CPU time and "workers cpu s" the ILP worker processes'; "peak GiB" the largest resident set of this
 process and of any worker (getrusage); "load" the machine's 1-minute load average before and after the row.
 
@@ -60,7 +62,7 @@ def main(argv: list[str]) -> None:
             space = next(args)
         else:
             items.append(a)
-    print(f"{'model':>10}{'devices':>8}{'meshes':>8}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
+    print(f"{'model':>10}{'devices':>8}{'meshes':>8}{'lean':>6}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
           f"{'stages':>8}{'mb':>6}{'step s':>10}{'cpu s':>8}{'wk cpu s':>9}{'peak GiB':>9}{'load':>12}", flush=True)
     for item in items or ["48:64", "39b@512"]:
         label, model, cluster, solver = config(item)
@@ -79,7 +81,8 @@ def main(argv: list[str]) -> None:
         k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         s = plan.solve_s
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, k1.ru_maxrss) / 2 ** 20
-        print(f"{label:>10}{cluster.num_devices:>8}{len(table.planned_meshes()):>8}{table.trace_s:>9.1f}"
+        print(f"{label:>10}{cluster.num_devices:>8}{len(table.planned_meshes()):>8}{len(table.lean_solved()):>6}"
+              f"{table.trace_s:>9.1f}"
               f"{s['intra']:>9.1f}{s['inter']:>9.1f}{total:>9.1f}{len(plan.stages):>8}{plan.microbatches:>6}"
               f"{plan.cost.step_time_s:>10.4g}{time.process_time() - c0:>8.1f}"
               f"{(k1.ru_utime + k1.ru_stime) - (k0.ru_utime + k0.ru_stime):>9.1f}{peak:>9.2f}"

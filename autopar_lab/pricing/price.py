@@ -123,8 +123,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
     (StageCandidates from the DP, a plan's Stages); their times are not read, they are priced here. ``intras``: each
-    stage's IntraPlan (None or absent: the table's solution for its mesh); ``layer_costs``: each stage's full-graph
-    layer costs of that IntraPlan when the caller already has them (absent: computed). ``mem_limit_bytes``: the
+    stage's IntraPlan (None or absent: a stage candidate's payload, else the table's solution for its mesh);
+    ``layer_costs``: each stage's full-graph layer costs of that IntraPlan when the caller already has them
+    (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
     ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
     from the layers that share their solution, each priced on its own
@@ -151,7 +152,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     ranges: list[tuple[tuple[int, int], ...]] = (interleave([s.layers for s in specs], v) if v > 1
                                                   else [((s.layers[0], s.layers[1]),) for s in specs])
     for j, spec in enumerate(specs):
-        intra = intras[j] if intras is not None else None
+        # A stage candidate of the DP carries the IntraPlan it was priced with (a mesh's fast or lean solution).
+        intra = intras[j] if intras is not None else getattr(stages[j], "payload", None)
         costs = layer_costs[j] if layer_costs is not None else None
         own = table.solved_mesh(spec.submesh, spec.logical_mesh) if intra is not None else None
         if intra is None or (own is not None and own[1] is intra):

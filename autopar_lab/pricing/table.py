@@ -34,7 +34,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import MeshPool, default_workers, plan_from_choice, solve_in_workers, solve_one
+from .table_pool import LEAN, MeshPool, default_workers, mesh_key, plan_from_choice, solve_in_workers, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -84,6 +84,12 @@ SPACES = ("auto", "full", "divisors")
 FULL_SPACE_MAX_HOSTS = 4
 #: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
 POOL_MIN_MESHES = 16
+#: A mesh's solutions the stage DP may choose from: the fastest (the time-only ILP) and the memory-lean one
+#: (:func:`~autopar_lab.pricing.table_pool.lean_pins`), priced where the table has solved it.
+SOLUTIONS = ("fast", LEAN)
+#: When a table solves lean solutions (:attr:`CostTable.lean`): "auto" (where the fast solution cannot hold one of
+#: the model's layers, and everywhere when the DP finds no plan without them), "all" (every planned mesh), "off".
+LEAN_MODES = ("auto", "all", "off")
 
 
 def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -> list[tuple[int, int]]:
@@ -139,15 +145,20 @@ class CostTable:
 
     ``graph``: the model's graph; ``solve_graph``: the graph the intra-op ILPs run on (a deep zoo model's shallower
     copy; default the graph itself); ``solver``: the ILP solver; ``on_progress(message, done, total)``: called as
-    each mesh's ILP finishes; ``space``: the submeshes the stage DP searches (:func:`planning_submeshes`). Build one
-    from a model with :meth:`build`.
+    each mesh's ILP finishes; ``space``: the submeshes the stage DP searches (:func:`planning_submeshes`);
+    ``lean``: where the planner adds each mesh's memory-lean solution beside its fastest (:data:`LEAN_MODES`, see
+    :meth:`lean_meshes`). Build one from a model with :meth:`build`.
     """
 
     @renamed_keywords(progress="on_progress")
     def __init__(self, graph: OpGraph, cluster: Cluster, *, solve_graph: OpGraph | None = None,
-                 solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None, space: str = "auto"):
+                 solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None, space: str = "auto",
+                 lean: str = "auto"):
         if space not in SPACES:
             raise ValueError(f"space must be one of {SPACES}, got {space!r}")
+        if lean not in LEAN_MODES:
+            raise ValueError(f"lean must be one of {LEAN_MODES}, got {lean!r}")
+        self.lean = lean
         self.graph = graph
         self.cluster = cluster
         self.space = space
@@ -174,19 +185,24 @@ class CostTable:
 
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None, space: str = "auto", workers: int = 0) -> CostTable:
+              on_progress: ProgressFn | None = None, space: str = "auto", workers: int = 0,
+              lean: str = "auto") -> CostTable:
         """The table of a zoo ModelSpec (traced; a deep one solved on its shallower copy) or of an OpGraph.
         ``trace_s`` holds the seconds spent tracing and choosing the copy. No ILP runs until a mesh is priced,
         unless ``workers`` (> 1) is given: a deep zoo model's shallow copy is then traced first and that many worker
         processes start solving every planned mesh (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on)
         while the full model is traced; :meth:`solve_meshes` (or the first mesh priced) collects them, with the same
-        numbers as solving them then."""
+        numbers as solving them then. ``lean``: see the class."""
+        if lean not in LEAN_MODES:
+            raise ValueError(f"lean must be one of {LEAN_MODES}, got {lean!r}")
         if workers > 1 and not isinstance(model, OpGraph):
             t0 = time.perf_counter()
             small = solve_graph_for(model)
             if small is not None:
-                return cls._build_ahead(model, small, time.perf_counter() - t0, cluster, solver=solver,
-                                        on_progress=on_progress, space=space, workers=workers)
+                ahead = cls._build_ahead(model, small, time.perf_counter() - t0, cluster, solver=solver,
+                                         on_progress=on_progress, space=space, workers=workers)
+                ahead.lean = lean
+                return ahead
         graph, spec, trace_s = as_graph(model)
         t0 = time.perf_counter()
         small = solve_graph_for(spec) if spec is not None else None
@@ -195,6 +211,7 @@ class CostTable:
         except LookupError:  # the copy lacks some layer's structure: solve the full graph
             table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
         table.trace_s = trace_s + (time.perf_counter() - t0)
+        table.lean = lean
         return table
 
     @classmethod
@@ -265,9 +282,10 @@ class CostTable:
         return self.op_map.solve_op(op)
 
     # --- layer costs --------------------------------------------------------------------------------------------------
-    def mesh_costs(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan]:
-        """(full-graph layer costs, the IntraPlan) of one logical mesh: its ILP solved on first use."""
-        key = (tuple(submesh), tuple(shape))
+    def mesh_costs(self, submesh, shape, solution: str = "fast") -> tuple[list[LayerCost], IntraPlan]:
+        """(full-graph layer costs, the IntraPlan) of one logical mesh: its ILP solved on first use. ``solution``:
+        "fast" (the time-only ILP) or "lean" (:func:`~autopar_lab.pricing.table_pool.lean_pins`)."""
+        key = self.key(submesh, shape, solution)
         if key not in self._mesh and self._ahead is not None and key in self._ahead.keys:
             self.collect()
         if key not in self._mesh:
@@ -282,10 +300,76 @@ class CostTable:
             self._mesh[key] = (costs, stored)
         return costs, stored
 
-    def solved_mesh(self, submesh, shape) -> tuple[list[LayerCost], IntraPlan] | None:
+    def solved_mesh(self, submesh, shape, solution: str = "fast") -> tuple[list[LayerCost], IntraPlan] | None:
         """:meth:`mesh_costs` if that mesh's ILP has run already, else None (nothing is solved)."""
-        key = (tuple(submesh), tuple(shape))
-        return self.mesh_costs(*key) if key in self._mesh else None
+        key = self.key(submesh, shape, solution)
+        return self.mesh_costs(submesh, shape, solution) if key in self._mesh else None
+
+    @staticmethod
+    def key(submesh, shape, solution: str = "fast") -> tuple:
+        """The table's key of one solution of a mesh (see :func:`~autopar_lab.pricing.table_pool.mesh_key`)."""
+        if solution not in SOLUTIONS:
+            raise ValueError(f"solution must be one of {SOLUTIONS}, got {solution!r}")
+        return mesh_key((submesh, shape, solution))
+
+    def solutions(self, submesh, shape) -> tuple[str, ...]:
+        """The solutions of a mesh the stage DP chooses from: "fast", and "lean" once solved (:meth:`solve_lean`)
+        when it differs from the fast one (on one device, or where the fast one is already lean, it does not)."""
+        lean = self.key(submesh, shape, LEAN)
+        if lean not in self._choices:
+            return ("fast",)
+        fast = self._choices.get(self.key(submesh, shape))
+        return ("fast",) if fast is not None and np.array_equal(fast, self._choices[lean]) else ("fast", LEAN)
+
+    def solution_of(self, intra: IntraPlan) -> str:
+        """"lean" when ``intra`` is (or has every strategy of) the table's lean solution of its mesh and that differs
+        from the fast one, else "fast" (an IntraPlan of the user's own included)."""
+        sub, shape = intra.mesh.submesh, intra.mesh.shape
+        if LEAN not in self.solutions(sub, shape):
+            return "fast"
+        lean = self.mesh_costs(sub, shape, LEAN)[1]
+        same = lean is intra or all(s.name == intra.strategies[op].name for op, s in lean.strategies.items()
+                                    if op in intra.strategies)
+        return LEAN if same else "fast"
+
+    def lean_meshes(self, mem_limit_bytes: float, microbatches: int) -> list[tuple]:
+        """The planned meshes whose lean solution can matter to the stage DP under ``mem_limit_bytes`` (per
+        device), by :attr:`lean`: "all": every one; "off": none; "auto": those on which the fast solution cannot
+        hold some single layer as a stage (with ``microbatches``, the most the DP tries, and rematerialised: its
+        least memory), so that every layer range including it is out of reach there. A stage always holds a layer,
+        and planning a model that fits replicated (GPT-39B on A100s) solves no lean ILP at all; where the fast
+        solution holds every layer but not the ranges a pipeline needs, the planner asks again for every mesh when
+        the DP finds no plan (:meth:`solve_lean`)."""
+        if self.lean == "off":
+            return []
+        keys = self.planned_meshes()
+        if self.lean == "all":
+            return keys
+        out = []
+        L = len(self.layer_names)
+        entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
+        for sub, shape in keys:
+            sums = {f: np.array(v, dtype=float) for f, v in self.prefix_sums(sub, shape).items()}
+            single = {f: v[1:] - v[:-1] for f, v in sums.items()}  # layer k alone
+            task = self.task_overhead_s(sub)
+            least = np.full(L, np.inf)
+            for remat in (False, True):
+                _, _, static, act = stage_cost(single, entry, microbatches, shape[0] * shape[1], remat, task)
+                least = np.minimum(least, static + act)
+            if (least > mem_limit_bytes).any():
+                out.append((sub, shape))
+        return out
+
+    def lean_solved(self) -> list[tuple]:
+        """The (submesh, shape) of every mesh whose lean solution has been solved (or collected)."""
+        return [k[:2] for k in self._mesh if len(k) > 2]
+
+    def solve_lean(self, keys=None, *, workers: int | None = None) -> int:
+        """Solve the lean solutions of ``keys`` ((submesh, shape) pairs; default every planned mesh) not solved yet,
+        as :meth:`solve_meshes` does (in worker processes from ``POOL_MIN_MESHES`` meshes on). The stage
+        candidates built afterwards include them (:meth:`solutions`). Returns how many were solved."""
+        keys = self.planned_meshes() if keys is None else keys
+        return self.solve_meshes([self.key(a, b, LEAN) for a, b in keys], workers=workers)
 
     def planned_meshes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """Every (submesh, logical mesh) the stage DP prices: the distinct views of each planning submesh."""
@@ -299,17 +383,17 @@ class CostTable:
         the total; the same numbers as solving each on first use. Returns how many were solved (or collected from
         :meth:`build`'s workers)."""
         collected = self.collect()
-        todo = [k for k in (self.planned_meshes() if keys is None else
-                            [(tuple(a), tuple(b)) for a, b in keys]) if k not in self._mesh]
+        todo = [k for k in (self.planned_meshes() if keys is None else [mesh_key(k) for k in keys])
+                if k not in self._mesh]
         workers = default_workers() if workers is None else max(1, int(workers))
         if workers == 1 or len(todo) < POOL_MIN_MESHES:
-            for n, (sub, shape) in enumerate(todo, 1):
+            for n, key in enumerate(todo, 1):
                 t0 = time.perf_counter()
-                small, plan, choice = solve_one(self.solve_graph, self.cluster, (sub, shape), self.solver, self._memo)
-                self._store((sub, shape), small, plan)
-                self._choices[(sub, shape)] = choice
+                small, plan, choice = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
+                self._store(key, small, plan)
+                self._choices[key] = choice
                 self.solve_s += time.perf_counter() - t0
-                self._report((sub, shape), n, len(todo))
+                self._report(key, n, len(todo))
             return collected + len(todo)
         # Largest meshes first (they take longest), so that the workers finish together.
         todo.sort(key=lambda k: -k[0][0] * k[0][1])
@@ -355,8 +439,9 @@ class CostTable:
 
     def _report(self, key, done: int, total: int) -> None:
         if self.on_progress:
-            (sub, shape) = key
-            self.on_progress(f"intra-op {sub[0]}x{sub[1]} as {shape[0]}x{shape[1]}", done, total)
+            sub, shape = key[0], key[1]
+            lean = " (lean)" if len(key) > 2 else ""
+            self.on_progress(f"intra-op {sub[0]}x{sub[1]} as {shape[0]}x{shape[1]}{lean}", done, total)
 
     def strategy_cache(self, mesh: LogicalMesh) -> StrategyCache:
         """The shared StrategyCache of ``mesh``: strategies and resharding costs are looked up, not recomputed, by
@@ -369,18 +454,19 @@ class CostTable:
     def layer_costs_of(self, intra: IntraPlan) -> list[LayerCost]:
         """Full-graph layer costs of any IntraPlan on the solve graph (the table's own entry when it is the
         table's solution of its mesh)."""
-        hit = self.solved_mesh(intra.mesh.submesh, intra.mesh.shape)
-        if hit is not None and hit[1] is intra:
-            return hit[0]
+        for solution in SOLUTIONS:
+            hit = self.solved_mesh(intra.mesh.submesh, intra.mesh.shape, solution)
+            if hit is not None and hit[1] is intra:
+                return hit[0]
         g = self.solve_graph
         small = layer_costs(g, intra, list(g.layers) or [""], cache=self.strategy_cache(intra.mesh))
         return [small[k] for k in self.layer_map]
 
-    def prefix_sums(self, submesh, shape) -> dict[str, list[float]]:
+    def prefix_sums(self, submesh, shape, solution: str = "fast") -> dict[str, list[float]]:
         """Running sums of the layer costs on one mesh, so any layer range costs O(1) (the DP asks for many)."""
-        key = (tuple(submesh), tuple(shape))
+        key = self.key(submesh, shape, solution)
         if key not in self._sums:
-            costs = self._mesh[key][0] if key in self._mesh else self.mesh_costs(submesh, shape)[0]
+            costs = self._mesh[key][0] if key in self._mesh else self.mesh_costs(submesh, shape, solution)[0]
             self._sums[key] = prefix_sums(costs)
         return self._sums[key]
 
@@ -403,11 +489,13 @@ class CostTable:
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                               payload=intra)
 
-    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool) -> StageCandidate:
-        """Layers start..end on the ``shape`` view of ``submesh`` with the table's sharding of that mesh."""
-        _, plan = self.mesh_costs(submesh, shape)
-        return self.stage_from_sums(self.prefix_sums(submesh, shape), start, end, submesh, shape, microbatches,
-                                    remat, plan)
+    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool,
+              solution: str = "fast") -> StageCandidate:
+        """Layers start..end on the ``shape`` view of ``submesh`` with the table's sharding of that mesh (its
+        ``solution``, see :meth:`solutions`)."""
+        _, plan = self.mesh_costs(submesh, shape, solution)
+        return self.stage_from_sums(self.prefix_sums(submesh, shape, solution), start, end, submesh, shape,
+                                    microbatches, remat, plan)
 
     def submeshes(self) -> list[tuple[int, int]]:
         """The submesh shapes the stage DP searches (:func:`planning_submeshes` of the table's ``space``)."""
@@ -423,10 +511,11 @@ class CostTable:
         return self._shapes[sub]
 
     def candidates(self, start: int, end: int, submesh, microbatches: int, remat=(False, True)):
-        """The Pareto-optimal stage candidates for layers start..end on a submesh (one per distinct logical mesh
-        and remat choice, dominated ones dropped)."""
+        """The Pareto-optimal stage candidates for layers start..end on a submesh (one per distinct logical mesh,
+        solution (:meth:`solutions`) and remat choice, dominated ones dropped)."""
         sub = tuple(submesh)
-        cands = [self.stage(start, end, sub, shape, microbatches, r) for shape in self.mesh_shapes(sub) for r in remat]
+        cands = [self.stage(start, end, sub, shape, microbatches, r, sol) for shape in self.mesh_shapes(sub)
+                 for sol in self.solutions(sub, shape) for r in remat]
         return pareto(cands)
 
     @renamed_keywords(mem_limit="mem_limit_bytes")
@@ -466,11 +555,11 @@ class StageBlock:
     """Every stage candidate of one submesh at one microbatch count, as arrays over (start, end) layers.
 
     ``keys[f][k, a, b]``: field f (forward s, backward s, static bytes, activation bytes) of the k-th (logical
-    mesh, remat) option for layers a..b, from :func:`~autopar_lab.pricing.stage.stage_cost` on arrays (the same
-    float operations as :meth:`CostTable.stage`); ``keep[k, a, b]``: the option is Pareto-optimal there (as
-    :func:`pareto` decides, ties to the first) and, when a memory limit is given, fits in it while holding one
-    microbatch (a candidate that cannot is never usable: a stage holds at least one microbatch and its memory only
-    grows with more).
+    mesh, solution (:meth:`CostTable.solutions`), remat) option for layers a..b, from
+    :func:`~autopar_lab.pricing.stage.stage_cost` on arrays (the same float operations as :meth:`CostTable.stage`);
+    ``keep[k, a, b]``: the option is Pareto-optimal there (as :func:`pareto` decides, ties to the first) and, when
+    a memory limit is given, fits in it while holding one microbatch (a candidate that cannot is never usable: a
+    stage holds at least one microbatch and its memory only grows with more).
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
@@ -478,13 +567,14 @@ class StageBlock:
         L, B = len(table.layer_names), microbatches
         self.table = table
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
-        self.options = [(shape, r) for shape in table.mesh_shapes(submesh) for r in remat]
+        self.options = [(shape, sol, r) for shape in table.mesh_shapes(submesh)
+                        for sol in table.solutions(submesh, shape) for r in remat]
         upper = np.triu(np.ones((L, L), dtype=bool))  # start <= end
         entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L]  # bytes entering layer a
         task = table.task_overhead_s(submesh)
         fields: list[list[np.ndarray]] = [[], [], [], []]
-        for shape, r in self.options:
-            sums = {f: np.array(v, dtype=float) for f, v in table.prefix_sums(submesh, shape).items()}
+        for shape, sol, r in self.options:
+            sums = {f: np.array(v, dtype=float) for f, v in table.prefix_sums(submesh, shape, sol).items()}
             totals = {f: v[None, 1:] - v[:-1, None] for f, v in sums.items()}  # [a, b] = sums[b + 1] - sums[a]
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task)
             for out, v in zip(fields, costs):
@@ -509,8 +599,8 @@ class StageBlock:
 
     def make(self, k: int, start: int, end: int) -> StageCandidate:
         """Option k for layers start..end as a StageCandidate (its IntraPlan as the payload)."""
-        shape, r = self.options[k]
-        _, plan = self.table.mesh_costs(self.submesh, shape)
+        shape, sol, r = self.options[k]
+        _, plan = self.table.mesh_costs(self.submesh, shape, sol)
         f, b, st, a = (float(v[k, start, end]) for v in self.keys)
         return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan)
 

@@ -23,15 +23,47 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generator, Iterator, Sequence
 
 import numpy as np
 
-from ..graph.opgraph import OpGraph
+from ..graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM, OpGraph
 from ..solve.intra import IntraPlan, StrategyCache, evaluate_intra, solve_intra
 from .layers import LayerCost, layer_costs
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
 
-#: One solved mesh: ((submesh, shape), the solve graph's layer costs, strategy indices in op order, seconds).
-MeshResult = tuple[tuple[tuple[int, int], tuple[int, int]], list[LayerCost], np.ndarray, float]
+#: One solved mesh: (its key, the solve graph's layer costs, strategy indices in op order, seconds).
+MeshResult = tuple[tuple, list[LayerCost], np.ndarray, float]
+
+#: The third element of a mesh key asking for the mesh's memory-lean solution (:func:`lean_pins`) instead of the
+#: fastest one: ``(submesh, shape)`` is the fast solution, ``(submesh, shape, LEAN)`` the lean one.
+LEAN = "lean"
+
+
+def mesh_key(key) -> tuple:
+    """A mesh key in its canonical form: ``((n, m), (a, b))``, or with :data:`LEAN` as a third element."""
+    sub, shape = (int(key[0][0]), int(key[0][1])), (int(key[1][0]), int(key[1][1]))
+    return (sub, shape, LEAN) if len(key) > 2 and key[2] == LEAN else (sub, shape)
+
+
+def lean_pins(graph: OpGraph, cache: StrategyCache) -> dict[int, int]:
+    """The pins of a mesh's memory-lean solution: every parameter and optimizer-state input stored with its
+    strategy of least bytes per device (ties: the cheaper, then the first), i.e. split over every mesh axis that a
+    dimension of it can take (ZeRO-3 / FSDP storage over the data-parallel axis, on top of any tensor split).
+
+    Why this objective: the time-only ILP keeps a layer's parameters, gradients and optimizer state (16 bytes a
+    parameter in mixed precision) replicated over the data-parallel axis, and that state is what stops a large
+    layer from fitting (a 1T layer is 125 GB). Storing it at its least, the ILP then picks the fastest way to compute
+    around it (all-gathering a weight for its readers, FSDP, or reading it where it lies, a tensor split). A memory
+    limit instead would need a budget the table cannot know (it depends on how many layers and microbatches the DP
+    gives the stage) and makes the ILP one whole-graph problem; the pins keep it the per-layer problem of the fast
+    solution. The stage DP then chooses per stage between the two solutions."""
+    pins = {}
+    for op in graph.ops:
+        node = graph.op(op)
+        if node.primitive != INPUT_PRIMITIVE or graph.tensor(node.outputs[0]).kind not in (PARAM, OPT_STATE):
+            continue
+        strats = cache.strategies(node)
+        pins[op] = min(range(len(strats)), key=lambda k: (strats[k].mem_bytes, strats[k].cost, k))
+    return pins
 
 
 def default_workers() -> int:
@@ -46,11 +78,13 @@ def default_workers() -> int:
 
 def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) -> tuple[list[LayerCost], IntraPlan,
                                                                                          np.ndarray]:
-    """One mesh's ILP as the table solves it: (the solve graph's layer costs, the IntraPlan, strategy indices)."""
-    submesh, shape = key
+    """One mesh's ILP as the table solves it: (the solve graph's layer costs, the IntraPlan, strategy indices).
+    A key with :data:`LEAN` gets the memory-lean solution (:func:`lean_pins`)."""
+    submesh, shape = key[0], key[1]
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
-    plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache)
+    pins = lean_pins(graph, cache) if len(key) > 2 and key[2] == LEAN else {}
+    plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache, pins=pins)
     costs = layer_costs(graph, plan, list(graph.layers) or [""], cache=cache)
     choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
     for n, op in enumerate(graph.ops):
@@ -62,7 +96,7 @@ def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) ->
 def plan_from_choice(graph: OpGraph, cluster: Cluster, key, choice: np.ndarray) -> IntraPlan:
     """The IntraPlan of a mesh solved elsewhere (another process, another cluster with the same device and links),
     from its strategy indices (see :func:`solve_one`)."""
-    submesh, shape = key
+    submesh, shape = key[0], key[1]
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
     chosen = {op: cache.strategies(graph.op(op))[int(k)] for op, k in zip(graph.ops, choice)}
@@ -122,12 +156,13 @@ def first_pass_batches(cluster: Cluster, keys: Sequence) -> list[list]:
     [[((4, 8), (2, 16)), ((2, 8), (2, 8))], [((4, 8), (1, 32))], [((4, 8), (4, 8))]]
     """
     batches: dict = {}
-    for n, (sub, shape) in enumerate(keys):
+    for n, key in enumerate(keys):
+        sub, shape = key[0], key[1]
         group: tuple = ("alone", n)
         if shape[0] > 1 and shape[1] > 1:
             link = cluster.logical_mesh(sub, shape).axis_link(0)
             group = (shape[0], float(link.bandwidth), float(link.latency))
-        batches.setdefault(group, []).append((tuple(sub), tuple(shape)))
+        batches.setdefault(group, []).append(mesh_key(key))
     return list(batches.values())
 
 
@@ -137,7 +172,7 @@ class MeshPool:
     mesh's :data:`MeshResult` as a worker finishes it (in no particular order); :meth:`close` stops every worker."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int):
-        self.keys = [(tuple(a), tuple(b)) for a, b in keys]
+        self.keys = [mesh_key(k) for k in keys]
         self._tasks: queue.Queue = queue.Queue()
         for batch in first_pass_batches(cluster, self.keys):
             self._tasks.put(batch)
