@@ -28,6 +28,7 @@ import numpy as np
 from ..deprecation import renamed_keywords
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
+from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
 from ..solve.intra import IntraPlan, StrategyCache
@@ -422,7 +423,7 @@ class CostTable:
             self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub)
         return self._shapes[sub]
 
-    def candidates(self, start: int, end: int, submesh, microbatches: int, remat=(False, True)):
+    def candidates(self, start: int, end: int, submesh, microbatches: int, remat=REMAT_CHOICES):
         """The Pareto-optimal stage candidates for layers start..end on a submesh (one per distinct logical mesh
         and remat choice, dominated ones dropped)."""
         sub = tuple(submesh)
@@ -474,7 +475,7 @@ class StageBlock:
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
-                 remat=(False, True)):
+                 remat=REMAT_CHOICES):
         L, B = len(table.layer_names), microbatches
         self.table = table
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
