@@ -40,7 +40,8 @@ def remat_value(value: Any, what: str = "remat") -> Remat:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _BY_NAME:
         return _BY_NAME[value.strip().lower()]
-    raise ValueError(f"{what} must be True (full), False (none), 'selective', 'none' or 'full', got {value!r:.60}.")
+    raise ValueError(f"{what} must be True or False, got {value!r:.60}; or one of 'none', 'selective', 'full' (True "
+                     "is full recomputation, False none).")
 
 
 def is_full(value: Any) -> bool:

@@ -21,8 +21,8 @@ and :func:`memory_breakdown` splits the same sums:
   interleaved stage: its peak less its static bytes (its chunks hold different amounts).
 
 ``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
-is what rematerialisation (full or selective; ``remat_mode`` says which) saves (the activations the stage would hold without it, less what it holds), 0 for a stage
-without remat.
+is what rematerialisation (full or selective; ``remat_mode`` says which) saves (the activations the stage would
+hold without it, less what it holds), 0 for a stage without remat.
 
     >>> rows = memory_breakdown(plan)                                                    # doctest: +SKIP
     >>> sum(rows[0][p] for p in PARTS) == plan.stages[0].peak_mem_bytes                   # doctest: +SKIP
@@ -68,8 +68,8 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
 
 def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
     """Per stage of ``plan``: ``{stage, <each of PARTS>, act_per_microbatch_bytes, microbatches_in_flight, remat,
-    remat_mode, remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage priced
-    without layer costs gets its static bytes as ``params_bytes``."""
+    remat_mode, remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage
+    priced without layer costs gets its static bytes as ``params_bytes``."""
     tl = plan.cost.timeline
     out = []
     for k, st in enumerate(plan.stages):

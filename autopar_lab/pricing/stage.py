@@ -94,9 +94,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     (2.00001, 3.25002, 10.0, 3.0)
     >>> stage_cost(t, 0.0, 2, 1, True, 0.0)    # remat: keeps layer inputs, one layer's activations, runs fwd twice
     (2.00001, 5.25003, 11.5, 1.0)
-    >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=1e-6)
+    >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=0.0)
     >>> stage_cost(t, 0.0, 2, 1, "selective", 0.0)   # drops the internals (4 of 6), recomputes their forward (1 s)
-    (2.00001, 3.750021, 11.0, 1.0)
+    (2.00001, 3.75002, 11.0, 1.0)
     """
     B = microbatches
     hidden_sync, hidden_gather = hidden_comm_s(totals, B)

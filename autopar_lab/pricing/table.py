@@ -394,7 +394,7 @@ class CostTable:
         """Seconds charged per stage task on ``submesh`` (see :func:`~autopar_lab.pricing.stage.task_overhead_s`)."""
         return task_overhead_s(self.cluster, submesh)
 
-    def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool,
+    def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None) -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload."""
@@ -404,7 +404,7 @@ class CostTable:
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                               payload=intra)
 
-    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool) -> StageCandidate:
+    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str) -> StageCandidate:
         """Layers start..end on the ``shape`` view of ``submesh`` with the table's sharding of that mesh."""
         _, plan = self.mesh_costs(submesh, shape)
         return self.stage_from_sums(self.prefix_sums(submesh, shape), start, end, submesh, shape, microbatches,
