@@ -102,8 +102,10 @@ def cmd_plan(args) -> dict:
     """Plan a model on a cluster: Alpa's auto plan, or a Megatron-style or data-parallel baseline."""
     from . import planner
 
-    remat = remat_value(args.remat or "none")
-    if args.remat is not None and args.method == "auto":
+    if args.remat and args.selective_remat:
+        raise UsageError("--remat (full recomputation) and --selective-remat exclude each other; give one")
+    remat = remat_value("selective" if args.selective_remat else args.remat)
+    if (args.remat or args.selective_remat) and args.method == "auto":
         raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
                          "stage itself")
     given = [f"--{k}" for k in ("dp", "tp", "pp") if getattr(args, k) is not None]
@@ -416,9 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dp", type=int)
     sp.add_argument("--tp", type=int)
     sp.add_argument("--pp", type=int)
-    sp.add_argument("--remat", nargs="?", const="full", choices=["none", "selective", "full"],
-                    help="with --method megatron or data: recompute activations in the backward (full, the default "
-                         "of a bare --remat) or only the attention internals (selective)")
+    sp.add_argument("--remat", action="store_true",
+                    help="with --method megatron or data: recompute activations in the backward")
+    sp.add_argument("--selective-remat", action="store_true", dest="selective_remat",
+                    help="with --method megatron or data: recompute only the attention internals in the backward "
+                         "(Korthikanti et al.'s selective recomputation)")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
     sp.add_argument("--schedule", choices=list(SCHEDULES),

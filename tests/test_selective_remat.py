@@ -206,16 +206,16 @@ def test_deep_long_sequence_model_plans_selective_under_a_memory_limit():
 def test_cli_shows_selective_remat(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
            "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "plan", "--model", "gpt-tiny", "--cluster",
+    r = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "plan", "gpt-tiny", "--cluster",
                         "p3.16xlarge:1", "--method", "megatron", "--dp", "2", "--tp", "2", "--pp", "2",
-                        "--remat", "selective", "--microbatches", "2"],
+                        "--selective-remat", "--microbatches", "2"],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("selective remat") == 2 and "megatron(dp=2,tp=2,pp=2,selective)" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "plan", "--model", "gpt-tiny", "--cluster",
+    bad = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "plan", "gpt-tiny", "--cluster",
                           "p3.16xlarge:1", "--method", "megatron", "--dp", "2", "--tp", "2", "--pp", "2",
-                          "--remat", "partial"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+                          "--remat", "--selective-remat"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert bad.returncode == 2 and "exclude each other" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_remat_choices_are_the_three():
