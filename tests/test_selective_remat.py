@@ -220,3 +220,11 @@ def test_cli_shows_selective_remat(tmp_path):
 
 def test_remat_choices_are_the_three():
     assert REMAT_CHOICES == (False, True, "selective")
+
+
+def test_resolve_keeps_a_selective_pin(plan):
+    """A re-solve around the pins keeps a stage pinned to selective (the DP's candidates offer it) and may choose it
+    freely elsewhere."""
+    q = plan.with_remat(0, "selective")
+    r = al.resolve(q)
+    assert r.stages[0].remat == "selective" and r.stage_pins["remat"][0] == "selective"
