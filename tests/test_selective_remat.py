@@ -214,7 +214,8 @@ def test_cli_shows_selective_remat(tmp_path):
     assert r.stdout.count("selective remat") == 2 and "megatron(dp=2,tp=2,pp=2,selective)" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "autopar_lab.cli", "plan", "gpt-tiny", "--cluster",
                           "p3.16xlarge:1", "--method", "megatron", "--dp", "2", "--tp", "2", "--pp", "2",
-                          "--remat", "--selective-remat"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+                          "--remat", "--selective-remat"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert bad.returncode == 2 and "exclude each other" in bad.stderr and "Traceback" not in bad.stderr
 
 
