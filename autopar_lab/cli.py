@@ -144,6 +144,10 @@ def cmd_plan(args) -> dict:
     from .pricing.memory import memory_breakdown
 
     out["memory"] = memory_breakdown(plan)  # each stage's peak split into parameters, gradients, ... activations
+    from .parallelism import expert_degree, summary
+
+    out["expert_parallel"] = expert_degree(plan)  # 1: replicated experts (or no MoE layer)
+    out["parallelism"] = summary(plan)  # one line per newer dimension the plan uses (EP, FSDP, sequence parallel)
     if args.out:
         from .planfile import save_plan
 
@@ -194,6 +198,8 @@ def _print_plan(out: dict) -> None:
         print(f"  stage {k}: {where} on submesh "
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
               f"{_remat_text(st['remat'])}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
+    for line in out.get("parallelism", []):
+        print(f"  {line}")
     for note in out.get("notes", []):
         print(f"  note: {note}")
     print(f"  planning took {out['solve_s'].get('total', 0):.1f} s")

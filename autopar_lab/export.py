@@ -121,11 +121,18 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
 
 
 def _parallelism_notes(plan, stage: int) -> list[str]:
-    """Comment lines naming the stage's ZeRO-3 / FSDP parameters and sequence-parallel regions (the specs below and
-    the activation constraints say them; jit inserts the gathers and reduce-scatters they imply)."""
-    from .parallelism import fsdp_params, seqpar_regions
+    """Comment lines naming the stage's ZeRO-3 / FSDP parameters, sequence-parallel regions and expert-parallel MoE
+    layers (the specs below and the activation constraints say them; jit inserts the gathers, reduce-scatters and
+    all-to-alls they imply)."""
+    from .parallelism import expert_parallel, fsdp_params, seqpar_regions
 
     out = []
+    experts = [e for e in expert_parallel(plan, stage).get(stage, []) if e.axes]
+    if experts:
+        axes = sorted({"+".join(AXIS_NAMES[a] for a in e.axes) for e in experts})
+        degrees = "/".join(str(d) for d in sorted({e.degree for e in experts}))
+        out.append(f"# Expert parallel EP={degrees} over {', '.join(axes)}: the experts of {len(experts)} MoE layer(s) "
+                   "stored split along the expert dimension (param_specs); jit inserts the token all-to-alls.")
     gathered = fsdp_params(plan, stage).get(stage, [])
     if gathered:
         axes = sorted({AXIS_NAMES[a] for p in gathered for a in p.axes})

@@ -1,4 +1,4 @@
-"""The newer parallelism dimensions of a plan, named and overridable: ZeRO-3 / FSDP and sequence parallelism.
+"""The newer parallelism dimensions of a plan, named and overridable: ZeRO-3 / FSDP, sequence and expert parallelism.
 
 Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp` and
 :mod:`autopar_lab.sharding.seqpar`); this module reads them off a :class:`~autopar_lab.plan.Plan` and sets them:
@@ -8,8 +8,12 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
   ordinary ``with_choice`` override, so pinned, re-priced and kept by ``resolve``);
 - :func:`seqpar_regions`: per stage, the operators that run split along the sequence between a reduce-scatter and
   an all-gather (Megatron-style sequence parallelism);
+- :func:`expert_parallel`: per stage, its MoE layers with the mesh axes their experts are split over ("EP=4") and
+  the all-to-alls that carry the tokens to the experts and back (see :mod:`autopar_lab.sharding.experts`);
+- :func:`with_expert_parallel`: the plan with the experts split over given mesh axes, or replicated (EP=1);
 - :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
-  sharding table.
+  sharding table;
+- :func:`summary`: one line per dimension a plan uses, for the CLI and reports.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
+from .sharding.experts import ExpertLayer, expert_layers, expert_matmuls
 from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
 from .sharding.ring import is_ring, ring_axes_used
 from .sharding.seqpar import SeqRegion, sequence_regions
@@ -24,7 +29,8 @@ from .sharding.seqpar import SeqRegion, sequence_regions
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["data_axes", "fsdp_params", "op_notes", "seqpar_regions", "with_fsdp"]
+__all__ = ["data_axes", "expert_degree", "expert_parallel", "fsdp_params", "op_notes", "seqpar_regions", "summary",
+           "with_expert_parallel", "with_fsdp"]
 
 
 def data_axes(graph, strategies) -> tuple[int, ...]:
@@ -40,14 +46,17 @@ def data_axes(graph, strategies) -> tuple[int, ...]:
 def fsdp_params(plan: Plan, stage: int | None = None) -> dict[int, list[GatheredParam]]:
     """Stage index -> the parameters (operators of ``plan.op_graph``) it stores sharded and all-gathers for their
     readers; every stage with a solved mesh, or only ``stage``."""
-    g = plan.op_graph
-    out = {}
+    return {k: gathered_params(plan.op_graph, intra.strategies, tuple(intra.mesh.shape), ops)
+            for k, intra, ops in stage_intras(plan, stage)}
+
+
+def stage_intras(plan: Plan, stage: int | None = None):
+    """``(stage index, its IntraPlan, the operators it runs or None for all)`` of every stage with a solved mesh, or
+    only ``stage`` (a pipeline's IntraPlans may hold operators of other stages' layers)."""
     for k, st in enumerate(plan.stages):
         if (stage is not None and k != stage) or st.intra is None:
             continue
-        ops = [op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None
-        out[k] = gathered_params(g, st.intra.strategies, tuple(st.intra.mesh.shape), ops)
-    return out
+        yield k, st.intra, ([op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None)
 
 
 def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
@@ -93,11 +102,101 @@ def seqpar_regions(plan: Plan, stage: int | None = None) -> dict[int, list[SeqRe
     return out
 
 
+def expert_parallel(plan: Plan, stage: int | None = None) -> dict[int, list[ExpertLayer]]:
+    """Stage index -> its MoE layers (see :func:`~autopar_lab.sharding.experts.expert_layers`): the expert matmuls,
+    the mesh axes the experts are split over, the all-to-alls (bytes and seconds on the stage's mesh, forward and
+    backward over the step's batch). Stages without MoE layers map to ``[]``."""
+    return {k: expert_layers(plan.op_graph, intra.strategies, intra.mesh, ops)
+            for k, intra, ops in stage_intras(plan, stage)}
+
+
+def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:
+    """``plan`` with the experts of every MoE layer split over mesh ``axes`` (``()``: every expert on every device,
+    EP=1; ``(0,)``: over the first mesh axis). Each forward expert matmul is pinned (``plan.with_choice``) to its
+    cheapest strategy whose expert dimension is split over exactly those axes. With ``resolve`` (the default) the
+    stages keep their layers, meshes and microbatch count (pinned) and the intra-op ILP re-solves every other operator
+    around the pins (:func:`autopar_lab.resolve`), so the dispatch, the combine, the backward and the stored expert
+    weights follow; without, everything else is kept as it was (only the reshardings around the pins re-priced: a
+    half-changed layer that moves its tokens back and forth). An axis of one device counts as not splitting.
+
+    >>> replicated = with_expert_parallel(plan, ())                          # doctest: +SKIP
+    >>> expert_degree(replicated), replicated.cost.step_time_s > plan.cost.step_time_s   # doctest: +SKIP
+    (1, True)
+    """
+    if not isinstance(axes, (tuple, list)) or not all(a in (0, 1) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axes must be a tuple of distinct mesh axes (0 and/or 1; () for replicated experts), got "
+                         f"{axes!r}")
+    from .pins import resolve as resolve_pins
+    from .pricing.price import table_of
+
+    g = plan.op_graph
+    mats = expert_matmuls(g)
+    if not mats:
+        raise ValueError("this plan has no MoE layer (no matmul batched over the experts of a weight), so there are "
+                         "no experts to split; use a mixture-of-experts model such as 'moe-tiny'.")
+    if resolve:  # keep the layout: only the operators' shardings are to be re-solved
+        plan = plan.with_stages(boundaries=[st.layers for st in plan.stages],
+                                submeshes=[st.submesh for st in plan.stages],
+                                logical_meshes=[st.logical_mesh for st in plan.stages], microbatches=plan.microbatches)
+    for op, (j, d, _p) in mats.items():
+        intra = plan.stages[plan.stage_of(op)].intra
+        if intra is None or op not in intra.strategies:
+            continue
+        mshape = tuple(int(x) for x in intra.mesh.shape)
+        want = sorted(a for a in axes if mshape[a] > 1)
+        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(op))
+                 if sorted(a for a in s.in_specs[j].dims[d] if mshape[a] > 1) == want]
+        if not cands:
+            n = g.op(op).in_shapes[j][d]
+            raise ValueError(f"the {n} experts of {g.op(op).describe()} cannot be split over mesh axes "
+                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {plan.stage_of(op)} (the "
+                             "device count must divide the expert count); choose other axes or () for replicated "
+                             "experts.")
+        plan = plan.with_choice(op, min(cands, key=lambda s: s.cost).name)
+    return resolve_pins(plan) if resolve else plan
+
+
+def expert_degree(plan: Plan) -> int:
+    """The largest number of devices any MoE layer of ``plan`` splits its experts over (1: replicated experts, or no
+    MoE layer)."""
+    return max((e.degree for layers in expert_parallel(plan).values() for e in layers), default=1)
+
+
+def summary(plan: Plan, axis_names=("x", "y")) -> list[str]:
+    """One line per newer parallelism dimension ``plan`` uses (expert parallelism, ZeRO-3 / FSDP, sequence
+    parallelism), per stage; ``[]`` when it uses none."""
+    lines = []
+    for k, layers in expert_parallel(plan).items():
+        split = [e for e in layers if e.axes]
+        if split:
+            degrees = sorted({e.degree for e in split})
+            over = sorted({"+".join(axis_names[a] for a in e.axes) for e in split})
+            a2a = sum(e.all_to_all_bytes for e in split)
+            secs = sum(e.all_to_all_s for e in split)
+            lines.append(f"stage {k}: expert parallel EP={'/'.join(map(str, degrees))} over {', '.join(over)} in "
+                         f"{len(split)} of {len(layers)} MoE layer(s); their all-to-alls move {a2a / 2**20:.4g} MiB "
+                         f"({secs * 1e3:.4g} ms) a step")
+        elif layers:
+            lines.append(f"stage {k}: experts replicated (EP=1) in its {len(layers)} MoE layer(s)")
+    for k, params in fsdp_params(plan).items():
+        if params:
+            lines.append(f"stage {k}: ZeRO-3/FSDP on {len(params)} parameter(s)")
+    for k, regions in seqpar_regions(plan).items():
+        if regions:
+            lines.append(f"stage {k}: sequence parallel in {len(regions)} region(s)")
+    return lines
+
+
 def op_notes(plan: Plan, axis_names=("x", "y")) -> dict[int, str]:
     """Operator of ``plan.op_graph`` -> one line naming the newer parallelism it takes part in: a ZeRO-3 / FSDP
     parameter (stored and gathered specs), an operator of a sequence-parallel region, a ring-attention matmul
-    (context parallelism). Operators in none of them are absent. The first stage that runs an operator says."""
+    (context parallelism), an expert matmul (expert parallelism). Operators in none of them are absent. The first
+    stage that runs an operator says."""
     out: dict[int, str] = {}
+    for k, layers in expert_parallel(plan).items():
+        for e in layers:
+            for op in e.ops:
+                out.setdefault(op, e.describe(axis_names))
     for k, params in fsdp_params(plan).items():
         for p in params:
             out.setdefault(p.op, p.describe(axis_names))

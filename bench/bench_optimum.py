@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
                      f"{' inter/10' if slow != 1 else ''} mem {frac:g}")
             mem = None if frac == 1.0 or base_peak is None else frac * base_peak
             try:
-                r = global_optimum(model, cluster, mem_limit=mem, _table_cache=table)
+                r = global_optimum(model, cluster, mem_limit_bytes=mem, table=table)
             except NoFeasiblePlanError:
                 print(f"{label:<44}  no plan fits", flush=True)
                 continue

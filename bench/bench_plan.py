@@ -2,8 +2,10 @@
 
 For each model on its paper GPU count (p3.16xlarge hosts of 8 V100s), prices the auto plan, the best Megatron-style
 configuration (every dp x tp x pp x microbatch count) and data parallelism with ONE cost model, and prints them side
-by side with megatron_best / auto (>= 1 means auto is no worse) and the planning time. Both baselines are tried
-with and without rematerialisation (",R" in the Megatron configuration: activation checkpointing).
+by side with megatron_best / auto (>= 1 means auto is no worse), the expert parallelism of the auto and Megatron
+plans ("EP a/m": devices each MoE layer's experts are split over, 1 = replicated) and the planning time. Both
+baselines are tried with and without rematerialisation (",R" in the Megatron configuration: activation
+checkpointing).
 
     .venv/bin/python bench/bench_plan.py gpt-760m:2 gpt-1.3b:4 gpt-2.6b:8
     .venv/bin/python bench/bench_plan.py --quick     # one row per family where auto and Megatron differed, and more
@@ -18,6 +20,7 @@ import time
 
 import autopar_lab as al
 from autopar_lab import planner
+from autopar_lab.parallelism import expert_degree
 
 
 #: The --quick subset of the 21 Alpa configurations: a small GPT where every layout ties, and the 16-GPU rows of each
@@ -33,7 +36,7 @@ def cluster_for(gpus: int) -> al.Cluster:
 
 def main(items: list[str]) -> None:
     print(f"{'model':<12}{'GPUs':>5}{'auto s':>11}{'megatron s':>12}{'(dp,tp,pp,mb[,R])':>20}{'data s':>11}{'(mb[,R])':>10}"
-          f"{'meg/auto':>10}{'data/auto':>10}{'stages':>8}{'plan s':>8}")
+          f"{'meg/auto':>10}{'data/auto':>10}{'stages':>8}{'EP a/m':>8}{'plan s':>8}")
     for item in items:
         name, gpus = item.split(":")
         gpus = int(gpus)
@@ -49,7 +52,12 @@ def main(items: list[str]) -> None:
         dcfg = f"({data.microbatches}{',R' if data.stages[0].remat else ''})" if data_fits else "-"
         print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>20}{data_s:>11.4g}{dcfg:>10}"
               f"{meg_s / auto.cost.step_time_s:>10.3f}{data_s / auto.cost.step_time_s:>10.3f}"
-              f"{len(auto.stages):>8}{took:>8.0f}", flush=True)
+              f"{len(auto.stages):>8}{ep(auto) + '/' + (ep(meg) if meg else '-'):>8}{took:>8.0f}", flush=True)
+
+
+def ep(plan) -> str:
+    """The plan's expert parallelism (MoE): how many devices its experts are split over, 1 when replicated."""
+    return str(expert_degree(plan))
 
 
 if __name__ == "__main__":

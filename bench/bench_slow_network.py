@@ -31,8 +31,8 @@ def main() -> None:
         for label, cluster in (("p3.16xlarge", base), ("p3.16xlarge 10x slower", base.scaled_inter_host(10))):
             t0 = time.perf_counter()
             table, _ = planner._table(model, cluster, "cbc", None)
-            ign = planner.auto_plan(model, cluster, stage_comm="ignore", _table_cache=table)
-            mod = planner.auto_plan(model, cluster, stage_comm="model", _table_cache=table)
+            ign = planner.auto_plan(model, cluster, stage_comm="ignore", table=table)
+            mod = planner.auto_plan(model, cluster, stage_comm="model", table=table)
             took = time.perf_counter() - t0
             print(f"{name:<12}{label + ':' + hosts:<22}{ign.cost.step_time_s:>11.4g}{mod.cost.step_time_s:>11.4g}"
                   f"{ign.cost.step_time_s / mod.cost.step_time_s:>14.3f}"

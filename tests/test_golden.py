@@ -37,7 +37,7 @@ CONFIGS = {
     ], [dict(), dict(remat=True)]),
     # The same deep model where memory forces a pipeline (the auto plan then has several stages and microbatches) and
     # moves its cut (mixed precision: 16 bytes a parameter, 21 GB for 1.3B parameters on four 16 GB V100s).
-    "gpt-1.3b-tight": ("gpt-1.3b", dict(batch_size=8, seq_len=32), SMALL, dict(mem_limit=5.6e9), [
+    "gpt-1.3b-tight": ("gpt-1.3b", dict(batch_size=8, seq_len=32), SMALL, dict(mem_limit_bytes=5.6e9), [
         dict(dp=1, tp=2, pp=2, microbatches=8, remat=True),
     ], [dict(microbatches=8, remat=True)]),
     "moe-tiny": ("moe-tiny", {}, SMALL, {}, [dict(dp=1, tp=2, pp=2, microbatches=2)], [dict()]),
@@ -76,7 +76,7 @@ def _table(model, cluster):
 
 
 def _with_table(fn, model, cluster, table, **kw):
-    return fn(model, cluster, table=table, **{"mem_limit_bytes" if k == "mem_limit" else k: v for k, v in kw.items()})
+    return fn(model, cluster, table=table, **kw)
 
 
 def _priced_dot(plan) -> int:
