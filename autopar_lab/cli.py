@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
+from .rematmode import remat_label, remat_value
 from .schedules import SCHEDULES, dp_schedule
 
 
@@ -92,11 +93,19 @@ def _microbatches(text):
         raise UsageError(f"--microbatches must be a number or 'auto', got {text!r}") from None
 
 
+def _remat_text(value) -> str:
+    """A stage's remat as its line shows it: " remat" (full), " selective remat", or nothing."""
+    return {"full": " remat", "selective": " selective remat"}.get(remat_label(value), "")
+
+
 def cmd_plan(args) -> dict:
     """Plan a model on a cluster: Alpa's auto plan, or a Megatron-style or data-parallel baseline."""
     from . import planner
 
-    if args.remat and args.method == "auto":
+    if args.remat and args.selective_remat:
+        raise UsageError("--remat (full recomputation) and --selective-remat exclude each other; give one")
+    remat = remat_value("selective" if args.selective_remat else args.remat)
+    if (args.remat or args.selective_remat) and args.method == "auto":
         raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
                          "stage itself")
     given = [f"--{k}" for k in ("dp", "tp", "pp") if getattr(args, k) is not None]
@@ -119,10 +128,10 @@ def cmd_plan(args) -> dict:
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
         plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
-                                     microbatches=1 if mb == "auto" else mb, remat=args.remat, schedule=schedule,
+                                     microbatches=1 if mb == "auto" else mb, remat=remat, schedule=schedule,
                                      virtual_stages=virtual)
     else:
-        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=args.remat)
+        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat)
     if schedule != plan.schedule:
         try:
             plan = plan.with_schedule(schedule, virtual)
@@ -188,7 +197,7 @@ def _print_plan(out: dict) -> None:
             where = f"layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]})"
         print(f"  stage {k}: {where} on submesh "
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
-              f"{' remat' if st['remat'] else ''}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
+              f"{_remat_text(st['remat'])}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
     for line in out.get("parallelism", []):
         print(f"  {line}")
     for note in out.get("notes", []):
@@ -283,7 +292,7 @@ def _print_optimum(out: dict) -> None:
         for k, st in enumerate(r["stages"]):
             print(f"    stage {k}: layers {st['layers'][0]}-{st['layers'][1]} on submesh "
                   f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
-                  f"{' remat' if st['remat'] else ''}")
+                  f"{_remat_text(st['remat'])}")
     print(f"  {out['plans_priced']:,} of {out['plans_total']:,} plans simulated in {out['solve_s']:.1f} s")
 # --- end optimum ------------------------------------------------------------------------------------------------------
 
@@ -417,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--pp", type=int)
     sp.add_argument("--remat", action="store_true",
                     help="with --method megatron or data: recompute activations in the backward")
+    sp.add_argument("--selective-remat", action="store_true", dest="selective_remat",
+                    help="with --method megatron or data: recompute only the attention internals in the backward "
+                         "(Korthikanti et al.'s selective recomputation)")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
     sp.add_argument("--schedule", choices=list(SCHEDULES),

@@ -10,14 +10,19 @@
   ``ShapeDtypeStruct``\\ s), for ``jax.jit(step_fn, in_shardings=in_shardings_for(*args))``;
 - ``activation_specs`` and ``constrain(x, key)``: the sharding constraints of the stage's forward matmuls (the
   activations users put ``jax.lax.with_sharding_constraint`` on), keyed by layer, scope and shape, e.g.
-  ``"layer_0/attn dot_general#2 -> (8, 16, 96)"``; ``constrain(x, key)`` applies one inside the user's step.
+  ``"layer_0/attn dot_general#2 -> (8, 16, 96)"``; ``constrain(x, key)`` applies one inside the user's step;
+- ``remat`` (the stage's recomputation: ``"none"``, ``"selective"`` or ``"full"``) and ``checkpointed(fn)``: ``fn``
+  under ``jax.checkpoint`` as the plan recomputes it (full: everything; selective: a policy that saves every value
+  the backward reads but the attention internals, the batched matmuls and what reads the scores).
 
 A pipelined plan has a mesh per stage: ``to_jax_code(plan, stage=k)`` writes stage ``k``'s (default 0).
 """
 
 from __future__ import annotations
 
+from .graph.attention import attention_internals
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
+from .rematmode import remat_label
 
 AXIS_NAMES = ("x", "y")
 
@@ -141,6 +146,43 @@ def _parallelism_notes(plan, stage: int) -> list[str]:
     return out + ([""] if out else [])
 
 
+def score_shapes(plan) -> list[tuple[int, ...]]:
+    """The attention scores' shapes less their leading (batch) dimension, e.g. ``[(heads, s, s)]``: what the
+    selective policy of :func:`to_jax_code` recognises (a microbatch changes only the leading dimension)."""
+    g = plan.graph
+    out = {tuple(int(d) for d in g.op(op).out_shapes[0][1:]) for op in attention_internals(g)
+           if g.op(op).primitive == "dot_general"}
+    return sorted(out)
+
+
+def _remat_lines(plan, stage: int) -> list[str]:
+    mode = remat_label(plan.stages[stage].remat)
+    shapes = score_shapes(plan)
+    return [
+        "",
+        "",
+        f"# Recomputation on this stage: {mode!r}. Wrap each layer's function: layer = checkpointed(layer).",
+        f"remat = {mode!r}",
+        f"_score_shapes = {repr(set(shapes)) if shapes else 'set()'}  # attention scores, less the batch dimension",
+        "",
+        "",
+        "def _selective_policy(prim, *args, **params):",
+        '    """Save what the backward reads but the attention internals: batched matmuls, what reads the scores."""',
+        "    if prim.name == 'dot_general' and params['dimension_numbers'][1][0]:",
+        "        return False",
+        "    return not any(tuple(getattr(a, 'shape', ()))[1:] in _score_shapes for a in args)",
+        "",
+        "",
+        "def checkpointed(fn):",
+        "    if remat == 'full':",
+        "        return jax.checkpoint(fn)",
+        "    if remat == 'selective':",
+        "        return jax.checkpoint(fn, policy=_selective_policy)",
+        "    return fn",
+        "",
+    ]
+
+
 def to_jax_code(plan, stage: int = 0) -> str:
     """Python source building one stage's mesh, PartitionSpecs, NamedShardings and the sharding constraints of its
     forward matmuls (see the module doc)."""
@@ -205,6 +247,6 @@ def to_jax_code(plan, stage: int = 0) -> str:
         "",
         "def constrain(x, key):",
         "    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_specs[key]))",
-        "",
     ]
+    lines += _remat_lines(plan, stage)
     return "\n".join(lines)

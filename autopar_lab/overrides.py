@@ -43,6 +43,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
 )
 from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
+from .rematmode import remat_value
 from .schedules import check_schedule
 from .sharding.strategies import Strategy
 from .solve.inter import NoFeasiblePlanError, StageConstraints
@@ -447,14 +448,15 @@ def _stage_index(plan: Plan, stage) -> int:
     return stage % S
 
 
-def with_remat(plan: Plan, stage: int, on: bool = True) -> Plan:
-    """A new plan with stage ``stage``'s rematerialisation ``on`` (or off), pinned.
+def with_remat(plan: Plan, stage: int, on: bool | str = True) -> Plan:
+    """A new plan with stage ``stage``'s rematerialisation ``on`` (True or "full"), off (False or "none") or
+    ``"selective"``, pinned.
 
-    The stage-cost formula prices remat as: only the stage's input activations are held (its entry cut's bytes per
-    microbatch, sharded over the stage's devices) and the backward pass runs the forward pass again."""
+    The stage-cost formula prices full remat as: only the stage's layer inputs are held and the backward pass runs
+    the forward pass again; selective: every activation but the attention internals is held and the backward runs
+    their forward again (:func:`~autopar_lab.pricing.stage.stage_cost`)."""
     k = _stage_index(plan, checks.stage_index(plan, stage))
-    if not isinstance(on, bool):
-        raise ValueError(f"on must be True or False, got {on!r}")
+    on = remat_value(on, "on")
     specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
     specs[k] = specs[k]._replace(remat=on)
     remat = list(plan.stage_pins.get("remat") or [None] * len(specs))
@@ -497,7 +499,7 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
     else:
         subs = [st.submesh for st in old] if same else [None] * S
     shapes: list[tuple[int, int] | None]
-    remat: list[bool | None]
+    remat: list[bool | str | None]
     if logical_meshes is not None:
         shapes = []
         for j, v in enumerate(_per_stage(logical_meshes, S, "logical_meshes")):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from . import planner
 from .pricing import LazyIntraPlan, pareto, price_plan
 from .pricing.price import StageSpec, table_of
+from .rematmode import REMAT_CHOICES
 from .schedules import dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
 from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
@@ -263,7 +264,7 @@ def constrained_candidates(table: CostTable, cluster: Cluster, constraints: Stag
         if sub not in shapes:
             shapes[sub] = cluster.logical_mesh_shapes(sub)
         out = [table.stage(a, b, sub, shape, B, r) for shape in shapes[sub]
-               if pins is None or pins.mesh_ok(a, b, sub, shape) for r in (False, True)]
+               if pins is None or pins.mesh_ok(a, b, sub, shape) for r in REMAT_CHOICES]
         return out if keep_all else pareto(out)
 
     return candidates
@@ -298,7 +299,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
             views[sub] = cluster.logical_mesh_shapes(sub)
         first, last = ranges[a]
         return [table.stage(first, last, sub, shape, B, r) for shape in views[sub]
-                if pins.mesh_ok(first, last, sub, shape) for r in (False, True)]
+                if pins.mesh_ok(first, last, sub, shape) for r in REMAT_CHOICES]
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)

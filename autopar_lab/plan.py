@@ -34,7 +34,7 @@ class Stage:
     submesh: tuple[int, int]
     logical_mesh: tuple[int, int]
     devices: tuple[int, ...]
-    remat: bool
+    remat: bool | str  # False (none), True (full) or "selective" (autopar_lab.rematmode)
     fwd_s: float  # per microbatch
     bwd_s: float  # per microbatch (optimizer update and gradient synchronisation spread over the microbatches)
     compute_s: float  # per step
@@ -60,7 +60,7 @@ class Stage:
         return self.chunks or (self.layers,)
 
     def to_dict(self, layer_names=None) -> dict:
-        out = {
+        out: dict[str, Any] = {
             "layers": list(self.layers),
             "submesh": list(self.submesh),
             "logical_mesh": list(self.logical_mesh),
@@ -287,9 +287,10 @@ class Plan:
 
         return with_schedule(self, schedule, virtual_stages)
 
-    def with_remat(self, stage: int, on: bool = True) -> "Plan":
-        """This plan with rematerialisation of stage ``stage`` switched ``on`` or off (pinned): its activation
-        memory and backward time re-priced, the pipeline re-simulated."""
+    def with_remat(self, stage: int, on: bool | str = True) -> "Plan":
+        """This plan with rematerialisation of stage ``stage`` switched ``on`` (True: full), off (False) or to
+        ``"selective"`` (the attention internals only), pinned: its activation memory and backward time re-priced,
+        the pipeline re-simulated."""
         from .overrides import with_remat
 
         return with_remat(self, stage, on)

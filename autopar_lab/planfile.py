@@ -33,10 +33,16 @@ import math
 import os
 
 from .planschema import READS, SPLIT_VERSION, VERSION  # noqa: F401 - READS is offered here as before
+from .rematmode import REMAT_NAMES, is_selective, remat_value
 from .safeio import write_atomic
 from .schedules import SCHEDULES
 
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
+
+
+def remat_json(value) -> bool | str:
+    """A remat value as a plan file holds it: true/false as always (full/none), "selective" for selective."""
+    return "selective" if is_selective(value) else bool(value)
 
 
 def plan_to_dict(plan) -> dict:
@@ -47,7 +53,7 @@ def plan_to_dict(plan) -> dict:
     for k, st in enumerate(plan.stages):
         outside = {str(op): s.name for op, s in st.intra.strategies.items() if owner[op] != k and s.name != choices[op]}
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
-                       "remat": bool(st.remat), "devices": list(st.devices), "choices_outside": outside})
+                       "remat": remat_json(st.remat), "devices": list(st.devices), "choices_outside": outside})
         if plan.table.solution_of(st.intra) != "fast":  # for the reader: the strategies above are what loads
             stages[-1]["solution"] = plan.table.solution_of(st.intra)
     out = {
@@ -79,12 +85,14 @@ _PER_STAGE_PAIRS = ("submeshes", "logical_meshes")
 
 
 def _stage_pins_to_json(stage_pins) -> dict:
-    out = {}
+    out: dict = {}
     for key, value in stage_pins.items():
         if key in _PER_STAGE_PAIRS:
             out[key] = [None if v is None else list(v) for v in value]
-        elif key in ("boundaries", "remat"):
+        elif key == "boundaries":
             out[key] = list(value)
+        elif key == "remat":
+            out[key] = [None if v is None else remat_json(v) for v in value]
         else:
             out[key] = value
     return out
@@ -100,9 +108,9 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if not isinstance(value, list) or len(value) != num_stages:
                 raise ValueError(f"stage_pins[{key!r}] must list one entry per stage ({num_stages})")
             if key == "remat":
-                if any(v is not None and not isinstance(v, bool) for v in value):
-                    raise ValueError("stage_pins['remat'] entries must be true, false or null")
-                out[key] = tuple(value)
+                if any(v is not None and not isinstance(v, bool) and v not in REMAT_NAMES for v in value):
+                    raise ValueError("stage_pins['remat'] entries must be true, false, \"selective\" or null")
+                out[key] = tuple(None if v is None else remat_value(v) for v in value)
             else:
                 out[key] = tuple(None if v is None else (int(v[0]), int(v[1])) for v in value)
                 if any(v is not None and len(data[key][j]) != 2 for j, v in enumerate(out[key])):
@@ -242,7 +250,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
                                       f"strategies on stage {k}'s {shape[0]}x{shape[1]} mesh")
                 chosen[op] = hit[0]
             intras.append(evaluate_intra(g, mesh, chosen, ops=g.ops, cache=cache))
-            specs.append((layers, submesh, shape, bool(st["remat"])))
+            specs.append((layers, submesh, shape, remat_value(st["remat"])))
         mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
         return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],

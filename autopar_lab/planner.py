@@ -39,6 +39,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     price_plan,
 )
 from .pricing.table_pool import default_workers
+from .rematmode import is_full, is_selective, remat_value
 from .solve import inter
 from .schedules import check_schedule, dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
@@ -294,18 +295,19 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
-                  schedule: str = "1f1b", remat: bool = False, mem_limit_bytes: float | None = None,
+                  schedule: str = "1f1b", remat: bool | str = False, mem_limit_bytes: float | None = None,
                   solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
-    ``remat``: every stage recomputes its forward in the backward (Megatron-LM's ``--checkpoint-activations``).
+    ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
+    or only its attention internals (``"selective"``: ``--recompute-activations``).
     ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
     per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
     :mod:`autopar_lab.schedules`). ``table``: as for :func:`auto_plan`."""
     dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
-    remat = checks.flag(remat, "remat")
+    remat = remat_value(remat)
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
@@ -325,8 +327,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
         raise ValueError(f"a stage of {per} devices is not a submesh shape of this cluster")
     bounds = [round(k * L / pp) for k in range(pp + 1)]
     microbatch_choices(table.batch_size, microbatches)
-    stages = [((bounds[k], bounds[k + 1] - 1), submesh, (dp, tp), bool(remat)) for k in range(pp)]
-    name = f"megatron(dp={dp},tp={tp},pp={pp}{',remat' if remat else ''})"
+    stages = [((bounds[k], bounds[k + 1] - 1), submesh, (dp, tp), remat) for k in range(pp)]
+    tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
+    name = f"megatron(dp={dp},tp={tp},pp={pp}{tag})"
     if schedule == "interleaved":
         name = f"{name[:-1]},v={virtual_stages})"
     return price_plan(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
@@ -335,22 +338,24 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
-def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool = False,
+def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool | str = False,
                        mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
                        table: CostTable | None = None) -> Plan:
     """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
 
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
-    ``remat``: the forward is recomputed in the backward (gradient checkpointing). ``table``: as for
+    ``remat``: the forward is recomputed in the backward (gradient checkpointing; ``"selective"``: the attention
+    internals only). ``table``: as for
     :func:`auto_plan`."""
-    microbatches, remat = checks.whole(microbatches, "microbatches"), checks.flag(remat, "remat")
+    microbatches, remat = checks.whole(microbatches, "microbatches"), remat_value(remat)
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
     submesh = (cluster.hosts, cluster.devices_per_host) if cluster.hosts > 1 else (1, cluster.devices_per_host)
-    stage = ((0, len(table.layer_names) - 1), submesh, (n, 1), bool(remat))
-    name = "data_parallel(remat)" if remat else "data_parallel"
+    stage = ((0, len(table.layer_names) - 1), submesh, (n, 1), remat)
+    name = "data_parallel(remat)" if is_full(remat) else "data_parallel(selective)" if is_selective(remat) \
+        else "data_parallel"
     return price_plan(table, [stage], microbatches=microbatches, schedule="1f1b", stage_comm="model",
                       mem_limit_bytes=mem_limit_bytes, method=name, solve_s=planning_times(table, solve_s))
 

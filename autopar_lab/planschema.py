@@ -164,8 +164,9 @@ def check_form(data: Mapping, where: str) -> None:
         _int(layers[1], f"stage {k}'s last layer", where, 0, 1 << 20)
         _pair(st["submesh"], f"stage {k}'s submesh", where)
         _pair(st["logical_mesh"], f"stage {k}'s logical_mesh", where)
-        if not isinstance(st["remat"], bool):
-            raise bad(where, f"stage {k}'s remat must be true or false, got {st['remat']!r:.40}")
+        if not isinstance(st["remat"], bool) and st["remat"] not in ("none", "selective", "full"):
+            raise bad(where, f"stage {k}'s remat must be true or false (full or none) or \"selective\", "
+                             f"got {st['remat']!r:.40}")
         if not isinstance(st["devices"], list):
             raise bad(where, f"stage {k}'s devices must be a list of device indices")
         for d in st["devices"]:

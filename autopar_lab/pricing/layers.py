@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..graph.attention import attention_internals
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
 from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
@@ -39,6 +40,11 @@ class LayerCost:
     tensors the backward reads; ``ckpt_bytes``: the activations entering the layer (what it keeps when
     rematerialised); ``temp_bytes``: its largest tensor written and not kept (a transient buffer); ``layers``: 1 (so
     that running sums count layers).
+
+    Selective recomputation (:mod:`autopar_lab.graph.attention`): ``attn_act_bytes``, the part of ``act_bytes`` that
+    the attention internals hold (scores, softmax: s^2 per head; 0 when a flash-attention kernel keeps none),
+    ``attn_fwd_s`` the forward time of the operators that make them, ``attn_launch_s`` their kernels' launches per
+    microbatch.
     """
 
     fwd_s: float
@@ -64,6 +70,9 @@ class LayerCost:
     opt_bytes: float = 0.0
     copies_bytes: float = 0.0
     layers: int = 1
+    attn_act_bytes: float = 0.0
+    attn_fwd_s: float = 0.0
+    attn_launch_s: float = 0.0
 
 
 def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
@@ -75,7 +84,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     last = len(layer_names) - 1
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
-             gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, **{k: 0.0 for k in STATIC_KINDS})
+             gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0,
+             **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
     mshape = tuple(plan.mesh.shape)
@@ -86,6 +96,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     view = kernel_view(graph, fused)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
+    internals = attention_internals(graph)
 
     def slot(op):
         return acc[index.get(graph.op(op).layer, last)]
@@ -113,8 +124,15 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             else:
                 a["hb"] += 1
                 a["lb"] += launch
+        internal = op in internals
+        if internal:
+            a["attn_fwd"] += s.cost
+            if role is not None and role.root:
+                a["attn_lf"] += launch
         for kind, nbytes in memory_terms(graph, node, s, mshape, fused):
             a[kind] += nbytes
+            if internal and kind == "act":
+                a["attn_act"] += nbytes
         if role is not None and role.kind != "dead":
             written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in view.saved
                        for b in (spec.bytes_per_device(graph.tensor(t).shape, graph.tensor(t).dtype, mshape),)]
@@ -152,7 +170,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              a["hb"], fwd_compute_s=a["fc"], bwd_compute_s=a["bc"], sync_s=a["sync"],
                              gather_s=a["gather"], launch_fwd_s=a["lf"], launch_bwd_s=a["lb"], ckpt_bytes=a["ckpt"],
                              temp_bytes=a["temp"], param_bytes=a["param"], grad_bytes=a["grad"],
-                             master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"]))
+                             master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
+                             attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"]))
     return out
 
 

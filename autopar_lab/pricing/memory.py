@@ -21,8 +21,8 @@ and :func:`memory_breakdown` splits the same sums:
   interleaved stage: its peak less its static bytes (its chunks hold different amounts).
 
 ``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
-is what rematerialisation saves (the activations the stage would hold without it, less what it holds), 0 for a stage
-without remat.
+is what rematerialisation (full or selective; ``remat_mode`` says which) saves (the activations the stage would
+hold without it, less what it holds), 0 for a stage without remat.
 
     >>> rows = memory_breakdown(plan)                                                    # doctest: +SKIP
     >>> sum(rows[0][p] for p in PARTS) == plan.stages[0].peak_mem_bytes                   # doctest: +SKIP
@@ -32,6 +32,8 @@ without remat.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from ..rematmode import is_full, is_selective, recomputes, remat_label
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -47,16 +49,18 @@ _STATIC = (("param_bytes", "params_bytes"), ("grad_bytes", "grads_bytes"), ("mas
            ("opt_bytes", "optimizer_bytes"), ("copies_bytes", "copies_bytes"))
 
 
-def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool) -> dict[str, float]:
+def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool | str) -> dict[str, float]:
     """The static parts of a stage of layers ``layers`` (first, last) from its mesh's layer costs (per device):
     what :func:`~autopar_lab.pricing.stage.stage_cost` adds up as static bytes, split; plus the activation bytes
-    it keeps per microbatch without and with remat."""
+    it keeps per microbatch without and with (full) remat. ``remat``: False, True (full) or "selective" (its working
+    set is one layer's attention internals)."""
     part = list(costs[layers[0]:layers[1] + 1])
     n = max(len(part), 1)
     out = {name: float(sum(getattr(c, field) for c in part)) for field, name in _STATIC}
     act = sum(c.act_bytes for c in part) / microbatches
     out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n
-    out["recompute_bytes"] = act / n if remat else 0.0
+    internals = sum(c.attn_act_bytes for c in part) / microbatches
+    out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else 0.0
     out["plain_act_per_microbatch_bytes"] = act
     out["remat_act_per_microbatch_bytes"] = sum(c.ckpt_bytes for c in part) / microbatches
     return out
@@ -64,8 +68,8 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool)
 
 def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
     """Per stage of ``plan``: ``{stage, <each of PARTS>, act_per_microbatch_bytes, microbatches_in_flight, remat,
-    remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage priced
-    without layer costs gets its static bytes as ``params_bytes``."""
+    remat_mode, remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage
+    priced without layer costs gets its static bytes as ``params_bytes``."""
     tl = plan.cost.timeline
     out = []
     for k, st in enumerate(plan.stages):
@@ -81,7 +85,7 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
             parts = {key: sum(c[key] for c in chunks) for key in chunks[0]}
             for p in PARTS[:-1]:
                 row[p] = parts[p]
-            if st.remat:
+            if recomputes(st.remat):
                 saved = max(parts["plain_act_per_microbatch_bytes"] - st.act_bytes, 0.0) * inflight
             # what the formula's float sums leave over (a few bytes at most) goes to the largest part
             rest = st.static_bytes - sum(row[p] for p in PARTS[:-1])
@@ -92,7 +96,8 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
         # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
         row["activations_bytes"] = st.peak_mem_bytes - st.static_bytes if st.chunks else inflight * st.act_bytes
         row.update({"act_per_microbatch_bytes": st.act_bytes, "microbatches_in_flight": inflight,
-                    "remat": bool(st.remat), "remat_saved_bytes": saved, "total_bytes": st.peak_mem_bytes,
+                    "remat": recomputes(st.remat), "remat_mode": remat_label(st.remat), "remat_saved_bytes": saved,
+                    "total_bytes": st.peak_mem_bytes,
                     "limit_bytes": plan.cost.mem_limit_bytes})
         out.append(row)
     return out

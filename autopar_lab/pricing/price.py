@@ -17,11 +17,12 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from ..plan import CostReport, Plan, Stage
+from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import hidden_comm_s, prefix_sums
+from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class StageSpec(NamedTuple):
     layers: tuple[int, ...]  # (first, last)
     submesh: tuple[int, ...]  # (hosts, devices per host)
     logical_mesh: tuple[int, ...]  # (n0, n1)
-    remat: bool
+    remat: bool | str  # False (none), True (full) or "selective"
 
 
 def stage_spec(stage: Any) -> StageSpec:
@@ -45,7 +46,7 @@ def stage_spec(stage: Any) -> StageSpec:
         layers, submesh, shape, remat = stage
     else:
         layers, submesh, shape, remat = stage.layers, stage.submesh, stage.logical_mesh, stage.remat
-    return StageSpec(tuple(layers), tuple(submesh), tuple(shape), bool(remat))
+    return StageSpec(tuple(layers), tuple(submesh), tuple(shape), remat_value(remat))
 
 
 def stage_offsets(stages: Sequence[Any]) -> list[int]:
@@ -179,7 +180,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             span = {f: run[last + 1] - run[first] for f, run in sums.items()}
             sync, gather = hidden_comm_s(span, microbatches)
             hid_sync, hid_gather = hid_sync + sync, hid_gather + gather
-            launches += (span["heavy_fwd"] * (2 if spec.remat else 1) + span["heavy_bwd"]) * microbatches
+            again = span["heavy_fwd"] if is_full(spec.remat) else recomputed_kernels(span, cluster) \
+                if is_selective(spec.remat) else 0.0
+            launches += (span["heavy_fwd"] + again + span["heavy_bwd"]) * microbatches
         hidden.append((hid_sync, hid_gather, int(round(launches))))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
@@ -203,7 +206,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             for k, (st, (costs, intra, _kept)) in enumerate(zip(priced, per_stage)):
                 task = table.task_overhead_s(st.submesh)
                 # The recomputed forward of a remat stage and the task overhead stay with B; W is a task of its own.
-                core = st.bwd_s - task - (st.fwd_s - task if st.remat else 0.0)
+                core = st.bwd_s - task - recompute_s(st, stage_sums[k], microbatches, task)
                 w = core * weight_grad_fraction(table, intra, costs, st.layers[0], st.layers[1])
                 wgrad[k] = w + task
                 totals[k] = (st.fwd_s, st.bwd_s + task, st.static_bytes, st.act_bytes)

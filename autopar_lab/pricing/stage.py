@@ -8,7 +8,10 @@ that stops more microbatches from being free); each forward and each backward ta
 microbatch, and parameters gathered from their shards are prefetched behind the forward; tensor-parallel collectives
 and other resharding stay on the critical path. With rematerialisation (Megatron-LM's full recomputation) a stage
 keeps each layer's input per microbatch in flight, recomputes one layer's forward at a time in the backward (that
-layer's activations are its working set), and runs its forward pass twice.
+layer's activations are its working set), and runs its forward pass twice. With selective recomputation
+(Korthikanti et al. 2022) it keeps every activation but the attention internals (``attn_act_bytes``: the scores and
+the softmax, s^2 per head), recomputes those one layer at a time in the backward and runs their forward again
+(``attn_fwd_s``).
 
 :func:`stage_cost` is the one place this is written: the cost table calls it with floats for one stage
 (:meth:`~autopar_lab.pricing.table.CostTable.stage`) and with numpy arrays for every layer range of a submesh at
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from ..rematmode import is_full, is_selective
 from ..solve.inter import StageCandidate
 
 if TYPE_CHECKING:
@@ -33,7 +37,7 @@ LAUNCH_OVERHEAD_S = 5e-6
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
-              "layers")
+              "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
@@ -70,7 +74,7 @@ def hidden_comm_s(totals: Mapping[str, Any], microbatches: int) -> tuple[Any, An
     return sync, gather
 
 
-def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, devices: int, remat: bool,
+def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, devices: int, remat: bool | str,
                task_s: float) -> tuple[Any, Any, Any, Any]:
     """(forward s, backward s, static bytes, activation bytes) of one stage per microbatch.
 
@@ -80,7 +84,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
 
     Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
-    working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations.
+    working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations
+    (selective: one layer's attention internals). ``remat``: False (none), True (full) or "selective".
 
     >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
     ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
@@ -89,6 +94,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     (2.00001, 3.25002, 10.0, 3.0)
     >>> stage_cost(t, 0.0, 2, 1, True, 0.0)    # remat: keeps layer inputs, one layer's activations, runs fwd twice
     (2.00001, 5.25003, 11.5, 1.0)
+    >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=0.0)
+    >>> stage_cost(t, 0.0, 2, 1, "selective", 0.0)   # drops the internals (4 of 6), recomputes their forward (1 s)
+    (2.00001, 3.75002, 11.0, 1.0)
     """
     B = microbatches
     hidden_sync, hidden_gather = hidden_comm_s(totals, B)
@@ -98,7 +106,14 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
     act = totals["act_bytes"] / B
-    if remat:
+    if is_selective(remat):
+        # The attention internals are dropped; in the backward one layer's are recomputed at a time (its scores are
+        # the working set), for their forward time again.
+        internals = totals["attn_act_bytes"] / B
+        static = static + internals / layers
+        act = act - internals
+        bwd = bwd + totals["attn_fwd_s"] / B + totals["attn_launch_s"]
+    elif is_full(remat):
         # Each layer's input is kept; in the backward one layer's forward runs again at a time (gathered parameters
         # are kept, so it gathers nothing again), its activations the working set.
         static = static + act / layers
@@ -106,6 +121,26 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
         bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"]
     # Once per task: a rematerialised backward is still one task.
     return fwd + task_s, bwd + task_s, static, act
+
+
+def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: int, task_s: float) -> float:
+    """Seconds of a priced stage's backward (``stage``: its StageCandidate) that recompute forward work per
+    microbatch: its whole forward less the task overhead (full), its attention internals' forward (selective, from
+    the running sums ``sums`` of its mesh's layer costs), or 0."""
+    if is_full(stage.remat):
+        return stage.fwd_s - task_s
+    if is_selective(stage.remat):
+        a, b = stage.layers
+        return ((sums["attn_fwd_s"][b + 1] - sums["attn_fwd_s"][a]) / microbatches
+                + sums["attn_launch_s"][b + 1] - sums["attn_launch_s"][a])
+    return 0.0
+
+
+def recomputed_kernels(span: Mapping[str, float], cluster: Cluster) -> float:
+    """Kernels a selective stage launches again per microbatch (its attention internals'), from the span's summed
+    ``attn_launch_s``."""
+    launch = cluster.device.efficiency.kernel_launch_s
+    return span["attn_launch_s"] / launch if launch > 0 else 0.0
 
 
 def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:

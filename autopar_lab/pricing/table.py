@@ -28,6 +28,7 @@ import numpy as np
 from ..deprecation import renamed_keywords
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
+from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
 from ..solve.intra import IntraPlan, StrategyCache
@@ -479,7 +480,7 @@ class CostTable:
         """Seconds charged per stage task on ``submesh`` (see :func:`~autopar_lab.pricing.stage.task_overhead_s`)."""
         return task_overhead_s(self.cluster, submesh)
 
-    def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool,
+    def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None) -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload."""
@@ -489,7 +490,7 @@ class CostTable:
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                               payload=intra)
 
-    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool,
+    def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
               solution: str = "fast") -> StageCandidate:
         """Layers start..end on the ``shape`` view of ``submesh`` with the table's sharding of that mesh (its
         ``solution``, see :meth:`solutions`)."""
@@ -510,7 +511,7 @@ class CostTable:
             self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub)
         return self._shapes[sub]
 
-    def candidates(self, start: int, end: int, submesh, microbatches: int, remat=(False, True)):
+    def candidates(self, start: int, end: int, submesh, microbatches: int, remat=REMAT_CHOICES):
         """The Pareto-optimal stage candidates for layers start..end on a submesh (one per distinct logical mesh,
         solution (:meth:`solutions`) and remat choice, dominated ones dropped)."""
         sub = tuple(submesh)
@@ -563,7 +564,7 @@ class StageBlock:
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
-                 remat=(False, True)):
+                 remat=REMAT_CHOICES):
         L, B = len(table.layer_names), microbatches
         self.table = table
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))

@@ -15,7 +15,8 @@ The step's operators fall in three parts, by their role in the graph:
   (gradients flow backward). The backward is the step's own (``jax.grad``'s transposes, custom rules, ``remat``), not
   a re-derivation: a backward task reads the forward values it needs from its stage's forward (the *stash*, held
   until then, as the plan's activation memory assumes), or, for a stage the plan rematerialises (``remat=True``),
-  recomputes them from the forward's inputs;
+  recomputes them from the forward's inputs (``remat="selective"``: only the attention internals,
+  :func:`~autopar_lab.graph.attention.attention_internals`, from the stashed Q and K);
 - **update** (once per step): every value the update or the step's outputs read from the per-microbatch part (the
   gradients, the loss) is summed over the microbatches and divided by their number, then each stage runs the update
   operators that produce its own outputs (its parameters' and optimizer state's new values). For a loss that is a
@@ -66,9 +67,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..graph.attention import attention_internals
 from ..graph.capture import capture_program
 from ..graph.opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, OUTPUT_PRIMITIVE, PARAM, UPDATE
 from ..pricing.wgrad import input_grad_ops, upstream
+from ..rematmode import is_selective, recomputes, remat_value
 from ..sharding.spec import DEFAULT_AXIS_NAMES, ShardingSpec
 
 __all__ = ["StagedModel", "TaskResult", "split_stages", "check_plan_matches", "stage_device_blocks", "move",
@@ -406,10 +409,14 @@ class StagedModel:
                 self.owner[t] = min(users)
         tasks = {(k, kd): _Task([i for i in range(len(g)) if kind[i] == kd and stage[i] == k])
                  for k in range(S) for kd in self.kinds}
-        self._remat = [bool(st.remat) for st in self.plan.stages]
+        self._remat = [remat_value(st.remat) for st in self.plan.stages]
+        # selective: only the attention internals are recomputed (the plan's graph numbers operators as this one)
+        internals = attention_internals(self.plan.graph) if any(map(is_selective, self._remat)) else frozenset()
         for k in range(S):
-            if self._remat[k]:  # the backward recomputes what it reads of its stage's forward
+            if recomputes(self._remat[k]):  # the backward recomputes what it reads of its stage's forward
                 fwd_ops = set(tasks[(k, "fwd")].ops)
+                if is_selective(self._remat[k]):
+                    fwd_ops &= internals  # the rest it reads from the forward's stash, as without remat
                 need, todo = set(), [t for i in tasks[(k, "bwd")].ops for t in g.op(i).inputs]
                 while todo:
                     p = producer.get(todo.pop())

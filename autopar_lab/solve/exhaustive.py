@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from .. import planner
 from ..deprecation import renamed_keywords
 from ..pricing import CostTable, price_plan, simulate_pipeline
+from ..rematmode import REMAT_CHOICES, remat_value
 from .ilp import DEFAULT_SOLVER
 from .inter import NoFeasiblePlanError, StageCandidate, placement_fits, transfer_s
 
@@ -69,13 +70,14 @@ __all__ = ["global_optimum", "count_plans", "DEFAULT_LIMIT"]
 DEFAULT_LIMIT = 2_000_000
 
 
-def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int, remat_choices: int = 2) -> int:
+def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int,
+                remat_choices: int = len(REMAT_CHOICES)) -> int:
     """The size of the plan space: partitions x tilings x logical meshes x remat x microbatch counts.
 
     >>> import autopar_lab as al
-    >>> # 1 stage: 2 meshes x 2 remat; 2 stages: 2 x 2
+    >>> # 1 stage: 2 meshes x 3 remat (none, full, selective); 2 stages: 3 x 3
     >>> count_plans(2, al.Cluster.preset("p3.16xlarge").with_(devices_per_host=2), 1)
-    8
+    15
     """
     L, NM = int(num_layers), cluster.num_devices
     shapes = cluster.submesh_shapes()
@@ -93,7 +95,7 @@ def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int, rema
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
-def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=(False, True),
+def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=REMAT_CHOICES,
                    schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
                    solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
                    table: CostTable | None = None) -> dict:
@@ -101,7 +103,8 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
 
     ``model``/``cluster``/``microbatches``/``stage_comm``/``mem_limit_bytes``/``solver``/``table``: as for
     :func:`autopar_lab.planner.auto_plan` (``stage_comm`` only changes the auto plan's objective; both plans are
-    reported with transfers priced). ``remat``: the rematerialisation choices per stage. ``limit``: refuse (a
+    reported with transfers priced). ``remat``: the rematerialisation choices per stage (default none, full
+    and selective, as the auto plan's; :func:`~autopar_lab.rematmode.remat_value` values). ``limit``: refuse (a
     ValueError) when the space holds more plans than this. ``prune=False`` prices every plan (for tests);
     ``seed=False`` starts the pruned search without the auto plan as its incumbent (for tests of the bound).
 
@@ -113,9 +116,9 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     t_start = time.perf_counter()
     table, cluster, _ = planner.table_for(model, cluster, table, solver)
     choices = planner.microbatch_choices(table.batch_size, microbatches)
-    remat = tuple(dict.fromkeys(bool(r) for r in remat))
+    remat = tuple(dict.fromkeys(remat_value(r) for r in remat))
     if not remat:
-        raise ValueError("remat must offer at least one choice, e.g. (False, True)")
+        raise ValueError("remat must offer at least one choice, e.g. (False, True, 'selective')")
     L, NM = len(table.layer_names), cluster.num_devices
     M = cluster.devices_per_host
     total = count_plans(L, cluster, len(choices), len(remat))

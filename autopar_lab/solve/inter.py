@@ -96,7 +96,7 @@ class StageCandidate:
     layers: tuple[int, int]
     submesh: tuple[int, int]
     logical_mesh: tuple[int, int]
-    remat: bool
+    remat: bool | str  # False (none), True (full) or "selective"
     fwd_s: float
     bwd_s: float
     static_bytes: float  # params + grads + optimizer state per device
@@ -236,7 +236,7 @@ class StageConstraints:
     cuts: tuple[int, ...] | None = None
     submeshes: tuple[tuple[int, int] | None, ...] | None = None
     logical_meshes: tuple[tuple[int, int] | None, ...] | None = None
-    remat: tuple[bool | None, ...] | None = None
+    remat: tuple[bool | str | None, ...] | None = None
 
     @property
     def num_stages(self) -> int | None:
@@ -284,7 +284,8 @@ class StageConstraints:
         if self.logical_meshes is not None and self.logical_meshes[j] is not None \
                 and tuple(self.logical_meshes[j] or ()) != tuple(cand.logical_mesh):
             return False
-        if self.remat is not None and self.remat[j] is not None and bool(self.remat[j]) != bool(cand.remat):
+        # compared, not tested for truth: remat is False, True or "selective"
+        if self.remat is not None and self.remat[j] is not None and self.remat[j] != cand.remat:
             return False
         return True
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..deprecation import renamed_keywords
+from ..rematmode import remat_value
 from ..solve.ilp import DEFAULT_SOLVER
 from .training import TrainingController
 
@@ -362,10 +363,11 @@ class Session:
             raise _missing("with_schedule")
         return self._push(self.plan.with_schedule(schedule, virtual_stages), "set_schedule")
 
-    def set_remat(self, stage: int, remat: bool) -> Any:
+    def set_remat(self, stage: int, remat: bool | str) -> Any:
+        """Stage ``stage``'s rematerialisation: True (full), False (none) or "selective", pinned, undoably."""
         if not hasattr(self.plan, "with_remat"):
             raise _missing("with_remat")
-        return self._push(self.plan.with_remat(self._check_stage(stage), bool(remat)), "set_remat")
+        return self._push(self.plan.with_remat(self._check_stage(stage), remat_value(remat)), "set_remat")
 
     def _check_stage(self, stage) -> int:
         n = len(self.plan.stages)

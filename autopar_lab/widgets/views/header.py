@@ -12,6 +12,7 @@ import html
 
 import ipywidgets as w
 
+from ...rematmode import is_full, is_selective
 from ._base import View
 from .cost_panel import step_time_text
 from .fmt import fmt_bytes, fmt_pct
@@ -20,10 +21,12 @@ from .fmt import fmt_bytes, fmt_pct
 def plan_text(plan) -> str:
     """One line saying what the plan is."""
     n = len(plan.stages)
-    remat = sum(st.remat for st in plan.stages)
+    remat = sum(is_full(st.remat) for st in plan.stages)
+    selective = sum(is_selective(st.remat) for st in plan.stages)
     return (f"{plan.method} plan: {n} stage{'s' if n != 1 else ''} on {plan.cluster.num_devices} devices, "
             f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''}, {plan.schedule}"
-            + (f", remat on {remat} stage{'s' if remat != 1 else ''}" if remat else ""))
+            + (f", remat on {remat} stage{'s' if remat != 1 else ''}" if remat else "")
+            + (f", selective remat on {selective} stage{'s' if selective != 1 else ''}" if selective else ""))
 
 
 def memory_summary(plan) -> str:

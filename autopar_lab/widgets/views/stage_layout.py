@@ -19,6 +19,7 @@ import html
 
 import ipywidgets as w
 
+from ...rematmode import REMAT_CHOICES, is_full, is_selective, remat_label, remat_value
 from ...schedules import SCHEDULES
 from . import figures
 from ._base import USER_ERRORS, View, sync_figure
@@ -33,7 +34,7 @@ def stage_blocks(plan) -> list[dict]:
     out = []
     for k, st in enumerate(plan.stages):
         a, b = st.layers
-        remat = ", remat" if st.remat else ""
+        remat = ", remat" if is_full(st.remat) else ", selective remat" if is_selective(st.remat) else ""
         where = f"layers {a}-{b} ({names[a]}..{names[b]})"
         if getattr(st, "chunks", ()):  # interleaved: the chunks the stage runs
             where = "chunks " + ", ".join(f"{x}-{y}" for x, y in st.chunks) + f" ({b - a + 1} layers)"
@@ -52,7 +53,7 @@ def microbatch_choices(plan) -> list[int]:
 def draft_of(plan) -> list[dict]:
     """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat}] (``first``: layer index)."""
     return [{"first": st.layers[0], "submesh": tuple(st.submesh), "logical_mesh": tuple(st.logical_mesh),
-             "remat": bool(st.remat)} for st in plan.stages]
+             "remat": remat_value(st.remat)} for st in plan.stages]
 
 
 def plan_from_draft(plan, draft: list[dict]):
@@ -68,8 +69,8 @@ def plan_from_draft(plan, draft: list[dict]):
         kw["logical_meshes"] = [d["logical_mesh"] for d in draft]
     new = plan.with_stages(**kw)
     for k, d in enumerate(draft):
-        if d["remat"] is not None and bool(d["remat"]) != new.stages[k].remat:
-            new = new.with_remat(k, bool(d["remat"]))
+        if d["remat"] is not None and remat_value(d["remat"]) != new.stages[k].remat:
+            new = new.with_remat(k, remat_value(d["remat"]))
     return new
 
 
@@ -164,7 +165,7 @@ class StageLayout(View):
         if logical_mesh is not None:
             d["logical_mesh"] = None if logical_mesh == AUTO else tuple(logical_mesh)
         if remat is not None:
-            d["remat"] = bool(remat)
+            d["remat"] = remat_value(remat)
         self._draw_rows()
         self.update_preview()
 
@@ -264,10 +265,12 @@ class StageLayout(View):
                 name, virtual_stages if name == "interleaved" else None))
         self._sync_controls()
 
-    def set_remat(self, stage: int, on: bool) -> None:
-        """Switch remat of ``stage`` now (the editor's remat boxes edit the draft instead)."""
-        if bool(on) != self.session.plan.stages[stage].remat:
-            self.run("set_remat", lambda: self.session.set_remat(stage, bool(on)))
+    def set_remat(self, stage: int, on: bool | str) -> None:
+        """Set remat of ``stage`` now: True (full), False (none) or "selective" (the editor's remat menus edit the
+        draft instead)."""
+        on = remat_value(on)
+        if on != self.session.plan.stages[stage].remat:
+            self.run("set_remat", lambda: self.session.set_remat(stage, on))
 
     def unpin_stages(self) -> None:
         if self.session.plan.stage_pins:
@@ -309,14 +312,15 @@ class StageLayout(View):
                 r["logical"].options = [(AUTO, AUTO)] + [(f"{a}x{b}", (a, b)) for a, b in views]
                 r["logical"].value = AUTO if d["logical_mesh"] is None or d["logical_mesh"] not in views \
                     else d["logical_mesh"]
-                r["remat"].value = bool(d["remat"])
+                r["remat"].value = remat_value(d["remat"])
         finally:
             self._quiet = False
 
     def _make_row(self, k: int) -> dict:
         lay = w.Layout(width="auto", min_width="0")
         r = {"label": w.HTML(f"S{k}"), "first": w.Dropdown(layout=lay), "submesh": w.Dropdown(layout=lay),
-             "logical": w.Dropdown(layout=lay), "remat": w.Checkbox(indent=False, layout=w.Layout(width="auto"))}
+             "logical": w.Dropdown(layout=lay),
+             "remat": w.Dropdown(options=[(remat_label(v), v) for v in REMAT_CHOICES], layout=lay)}
 
         def on(field):
             def cb(ch):

@@ -1,0 +1,38 @@
+"""The attention internals of a graph: what selective recomputation (Korthikanti et al. 2022) recomputes.
+
+An attention is found as :mod:`autopar_lab.graph.fusion` finds it for a flash-attention kernel, on any traced model:
+a batched matmul (batch dimensions over heads) whose operand comes, through elementwise, reduce and layout operators
+that include a softmax (an exp and a row max or sum), from another batched matmul of the same layer. The
+*internals* are the first matmul (QK^T, the scores) and the operators between the two (scale, mask, softmax,
+dropout, casts); the second matmul (scores x V) is not one of them: its output is the attention's result, which the
+output projection keeps. Selective recomputation keeps everything else of the layer and, in the backward, recomputes
+the internals from Q, K and the kept tensors -- activations that grow with s^2 per head, for the forward time of
+one matmul and a softmax.
+
+>>> import autopar_lab as al
+>>> g = al.models.get("gpt-tiny").trace()
+>>> ops = attention_internals(g)
+>>> sorted({g.op(o).layer for o in ops}), sum(g.op(o).primitive == "dot_general" for o in ops)   # QK^T per layer
+(['layer_0', 'layer_1'], 2)
+"""
+
+from __future__ import annotations
+
+from .fusion import kernel_view
+from .opgraph import FORWARD, OpGraph
+
+__all__ = ["attention_internals"]
+
+
+def attention_internals(graph: OpGraph) -> frozenset[int]:
+    """The forward operators selective recomputation recomputes (see the module docstring); empty when the graph
+    has no attention. Computed once per graph."""
+    memo = graph.__dict__
+    if "_attention_internals" not in memo:
+        view = kernel_view(graph, True)  # the flash-attention grouping finds each attention's forward operators
+        ops: set[int] = set()
+        for k in view.kernels:
+            if k.kind == "attention" and k.role == FORWARD:
+                ops.update(o for o in k.ops if o != k.root)  # the root is scores x V: its output is kept
+        memo["_attention_internals"] = frozenset(ops)
+    return memo["_attention_internals"]

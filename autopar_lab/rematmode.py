@@ -1,0 +1,68 @@
+"""A stage's rematerialisation (activation recomputation) choice: none, selective or full.
+
+The value a plan, a stage candidate and every ``remat=`` argument carry is one of :data:`REMAT_CHOICES`:
+``False`` (keep every activation the backward reads), ``True`` (Megatron-LM's full recomputation: keep each
+layer's input, recompute the layer's forward in the backward) or ``"selective"`` (Korthikanti et al. 2022: keep
+everything but the attention internals -- the scores, the softmax and what lies between the two batched matmuls --
+and recompute those). ``True``/``False`` keep meaning full/none, as they always did, so plans, plan files and code
+written before selective recomputation read the same; the strings ``"none"`` and ``"full"`` are accepted too.
+
+Never test a remat value for truth (``"selective"`` is truthy): use :func:`is_full` / :func:`is_selective`.
+
+>>> remat_value("full"), remat_value(False), remat_value("selective")
+(True, False, 'selective')
+>>> remat_label(True), remat_label("selective"), remat_label(False)
+('full', 'selective', 'none')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+#: A remat value: False (none), True (full) or "selective".
+Remat = Union[bool, str]
+
+#: Every choice, in the order the planner offers them (none, full, selective).
+REMAT_CHOICES: tuple[Remat, ...] = (False, True, "selective")
+
+#: The names of the choices, as the plan shows them.
+REMAT_NAMES = ("none", "selective", "full")
+
+_BY_NAME: dict[str, Remat] = {"none": False, "full": True, "selective": "selective"}
+
+
+def remat_value(value: Any, what: str = "remat") -> Remat:
+    """The canonical remat value of ``value``: True/False (numpy's bools too), or one of "none", "selective",
+    "full" (any case). Anything else raises one ValueError that says what to pass."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":  # numpy.bool_, without importing numpy here
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BY_NAME:
+        return _BY_NAME[value.strip().lower()]
+    raise ValueError(f"{what} must be True or False, got {value!r:.60}; or one of 'none', 'selective', 'full' (True "
+                     "is full recomputation, False none).")
+
+
+def is_full(value: Any) -> bool:
+    """Whether ``value`` (a canonical remat value) is full recomputation."""
+    return value is True or (type(value).__name__ == "bool_" and bool(value))
+
+
+def is_selective(value: Any) -> bool:
+    """Whether ``value`` is selective recomputation."""
+    return isinstance(value, str) and value == "selective"
+
+
+def remat_label(value: Any) -> str:
+    """"none", "selective" or "full" for a remat value."""
+    return "selective" if is_selective(value) else "full" if is_full(value) else "none"
+
+
+def recomputes(value: Any) -> bool:
+    """Whether the stage recomputes anything in its backward (selective or full)."""
+    return is_full(value) or is_selective(value)
+
+
+__all__ = ["Remat", "REMAT_CHOICES", "REMAT_NAMES", "remat_value", "is_full", "is_selective", "remat_label",
+           "recomputes"]
