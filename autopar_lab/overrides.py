@@ -45,6 +45,7 @@ from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
 from .rematmode import remat_value
 from .schedules import check_schedule
+from .sharding.experts import expert_matmuls
 from .sharding.strategies import Strategy
 from .solve.inter import NoFeasiblePlanError, StageConstraints
 from .solve.intra import IntraPlan, strategy_index
@@ -561,3 +562,48 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         else:
             intras.append(pinned_intra(pins, table, rng, sub, shape, j))
     return reprice(plan, intras, B, plan.pins, specs=specs, stage_pins=sp)
+
+
+def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:  # noqa: F811
+    """``plan`` with the experts of every MoE layer split over mesh ``axes`` (``()``: every expert on every device,
+    EP=1; ``(0,)``: over the first mesh axis). Each forward expert matmul is pinned (``plan.with_choice``) to its
+    cheapest strategy whose expert dimension is split over exactly those axes. With ``resolve`` (the default) the
+    stages keep their layers, meshes and microbatch count (pinned) and the intra-op ILP re-solves every other operator
+    around the pins (:func:`autopar_lab.resolve`), so the dispatch, the combine, the backward and the stored expert
+    weights follow; without, everything else is kept as it was (only the reshardings around the pins re-priced: a
+    half-changed layer that moves its tokens back and forth). An axis of one device counts as not splitting.
+
+    >>> replicated = with_expert_parallel(plan, ())                          # doctest: +SKIP
+    >>> al.parallelism.expert_degree(replicated), replicated.cost.step_time_s > plan.cost.step_time_s   # doctest: +SKIP
+    (1, True)
+    """
+    if not isinstance(axes, (tuple, list)) or not all(a in (0, 1) for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axes must be a tuple of distinct mesh axes (0 and/or 1; () for replicated experts), got "
+                         f"{axes!r}")
+    from .pins import resolve as resolve_pins  # the keyword ``resolve`` hides the module-level name here
+
+    g = plan.op_graph
+    mats = expert_matmuls(g)
+    if not mats:
+        raise ValueError("this plan has no MoE layer (no matmul batched over the experts of a weight), so there are "
+                         "no experts to split; use a mixture-of-experts model such as 'moe-tiny'.")
+    if resolve:  # keep the layout: only the operators' shardings are to be re-solved
+        plan = plan.with_stages(boundaries=[st.layers for st in plan.stages],
+                                submeshes=[st.submesh for st in plan.stages],
+                                logical_meshes=[st.logical_mesh for st in plan.stages], microbatches=plan.microbatches)
+    for op, (j, d, _p) in mats.items():
+        intra = plan.stages[plan.stage_of(op)].intra
+        if intra is None or op not in intra.strategies:
+            continue
+        mshape = tuple(int(x) for x in intra.mesh.shape)
+        want = sorted(a for a in axes if mshape[a] > 1)
+        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(op))
+                 if sorted(a for a in s.in_specs[j].dims[d] if mshape[a] > 1) == want]
+        if not cands:
+            n = g.op(op).in_shapes[j][d]
+            raise ValueError(f"the {n} experts of {g.op(op).describe()} cannot be split over mesh axes "
+                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {plan.stage_of(op)} (the "
+                             "device count must divide the expert count); choose other axes or () for replicated "
+                             "experts.")
+        plan = plan.with_choice(op, min(cands, key=lambda s: s.cost).name)
+    return resolve_pins(plan) if resolve else plan

@@ -10,7 +10,8 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
   an all-gather (Megatron-style sequence parallelism);
 - :func:`expert_parallel`: per stage, its MoE layers with the mesh axes their experts are split over ("EP=4") and
   the all-to-alls that carry the tokens to the experts and back (see :mod:`autopar_lab.sharding.experts`);
-- :func:`with_expert_parallel`: the plan with the experts split over given mesh axes, or replicated (EP=1);
+- (:func:`autopar_lab.overrides.with_expert_parallel` sets the experts' split: it re-solves around pins, which
+  builds on the planner, so it lives with the other overrides;)
 - :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
   sharding table;
 - :func:`summary`: one line per dimension a plan uses, for the CLI and reports.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
-from .sharding.experts import ExpertLayer, expert_layers, expert_matmuls
+from .sharding.experts import ExpertLayer, expert_layers
 from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
 from .sharding.ring import is_ring, ring_axes_used
 from .sharding.seqpar import SeqRegion, sequence_regions
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 __all__ = ["data_axes", "expert_degree", "expert_parallel", "fsdp_params", "op_notes", "seqpar_regions", "summary",
-           "with_expert_parallel", "with_fsdp"]
+           "with_fsdp"]
 
 
 def data_axes(graph, strategies) -> tuple[int, ...]:
@@ -108,52 +109,6 @@ def expert_parallel(plan: Plan, stage: int | None = None) -> dict[int, list[Expe
     backward over the step's batch). Stages without MoE layers map to ``[]``."""
     return {k: expert_layers(plan.op_graph, intra.strategies, intra.mesh, ops)
             for k, intra, ops in stage_intras(plan, stage)}
-
-
-def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:
-    """``plan`` with the experts of every MoE layer split over mesh ``axes`` (``()``: every expert on every device,
-    EP=1; ``(0,)``: over the first mesh axis). Each forward expert matmul is pinned (``plan.with_choice``) to its
-    cheapest strategy whose expert dimension is split over exactly those axes. With ``resolve`` (the default) the
-    stages keep their layers, meshes and microbatch count (pinned) and the intra-op ILP re-solves every other operator
-    around the pins (:func:`autopar_lab.resolve`), so the dispatch, the combine, the backward and the stored expert
-    weights follow; without, everything else is kept as it was (only the reshardings around the pins re-priced: a
-    half-changed layer that moves its tokens back and forth). An axis of one device counts as not splitting.
-
-    >>> replicated = with_expert_parallel(plan, ())                          # doctest: +SKIP
-    >>> expert_degree(replicated), replicated.cost.step_time_s > plan.cost.step_time_s   # doctest: +SKIP
-    (1, True)
-    """
-    if not isinstance(axes, (tuple, list)) or not all(a in (0, 1) for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"axes must be a tuple of distinct mesh axes (0 and/or 1; () for replicated experts), got "
-                         f"{axes!r}")
-    from .pins import resolve as resolve_pins
-    from .pricing.price import table_of
-
-    g = plan.op_graph
-    mats = expert_matmuls(g)
-    if not mats:
-        raise ValueError("this plan has no MoE layer (no matmul batched over the experts of a weight), so there are "
-                         "no experts to split; use a mixture-of-experts model such as 'moe-tiny'.")
-    if resolve:  # keep the layout: only the operators' shardings are to be re-solved
-        plan = plan.with_stages(boundaries=[st.layers for st in plan.stages],
-                                submeshes=[st.submesh for st in plan.stages],
-                                logical_meshes=[st.logical_mesh for st in plan.stages], microbatches=plan.microbatches)
-    for op, (j, d, _p) in mats.items():
-        intra = plan.stages[plan.stage_of(op)].intra
-        if intra is None or op not in intra.strategies:
-            continue
-        mshape = tuple(int(x) for x in intra.mesh.shape)
-        want = sorted(a for a in axes if mshape[a] > 1)
-        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(op))
-                 if sorted(a for a in s.in_specs[j].dims[d] if mshape[a] > 1) == want]
-        if not cands:
-            n = g.op(op).in_shapes[j][d]
-            raise ValueError(f"the {n} experts of {g.op(op).describe()} cannot be split over mesh axes "
-                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {plan.stage_of(op)} (the "
-                             "device count must divide the expert count); choose other axes or () for replicated "
-                             "experts.")
-        plan = plan.with_choice(op, min(cands, key=lambda s: s.cost).name)
-    return resolve_pins(plan) if resolve else plan
 
 
 def expert_degree(plan: Plan) -> int:

@@ -303,6 +303,13 @@ class Plan:
 
         return with_fsdp(self, axes)
 
+    def with_expert_parallel(self, axes: tuple[int, ...] = (), resolve: bool = True) -> "Plan":
+        """This plan with the experts of every MoE layer split over mesh ``axes`` (``()``: replicated, EP=1), the
+        rest re-solved around them; see :func:`autopar_lab.overrides.with_expert_parallel`."""
+        from .overrides import with_expert_parallel
+
+        return with_expert_parallel(self, axes, resolve)
+
     def alternatives(self, op: int) -> list[Alternative]:
         """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
         change if chosen instead), sorted by ``delta_s``: "why this choice"."""

@@ -14,7 +14,8 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.models import moe
-from autopar_lab.parallelism import expert_degree, expert_parallel, op_notes, summary, with_expert_parallel
+from autopar_lab.overrides import with_expert_parallel
+from autopar_lab.parallelism import expert_degree, expert_parallel, op_notes, summary
 from autopar_lab.sharding.experts import expert_layers, expert_matmuls
 from autopar_lab.solve.intra import solve_intra
 from autopar_lab.validate import (collective_instructions, operand_specs_from_strategies, replay_with_shardings,
