@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from . import planner
 from .pricing import LazyIntraPlan, pareto, price_plan
 from .pricing.price import StageSpec, table_of
+from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
 from .schedules import dp_schedule
 from .solve.ilp import DEFAULT_SOLVER
@@ -219,20 +220,25 @@ def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage
 
 
 def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSpec], solver: str,
-                       hook: Hook | None = None) -> list[IntraPlan]:
-    """Each stage's IntraPlan: the table's solution of its mesh, or, for a stage that runs pinned operators, the
-    intra-op ILP of that mesh solved again with those pins fixed."""
+                       hook: Hook | None = None, solutions: Sequence[str] | None = None) -> list[IntraPlan]:
+    """Each stage's IntraPlan: the table's solution of its mesh (``solutions[k]``: "fast", the default, or "lean",
+    see :meth:`~autopar_lab.pricing.table.CostTable.solutions`), or, for a stage that runs pinned operators, the
+    intra-op ILP of that mesh solved again with those pins fixed (a lean stage keeps its weights stored at their
+    least around the user's pins, so it still fits where only the lean solution did)."""
     out = []
     for k, spec in enumerate(specs):
         if hook is not None:
             hook(f"intra-op ILP of stage {k} on {spec.logical_mesh[0]}x{spec.logical_mesh[1]}", k, len(specs))
-        _, base = table.mesh_costs(spec.submesh, spec.logical_mesh)
+        solution = "fast" if solutions is None else solutions[k]
+        _, base = table.mesh_costs(spec.submesh, spec.logical_mesh, solution)
         mine = pins.in_range(*spec.layers)
         if not mine:
             out.append(base)
             continue
-        kw: dict[str, Any] = dict(ops=base.ops, pins=pins.with_siblings(mine), solver=solver, rounds=1,
-                                  cache=pins.cache(spec.submesh, spec.logical_mesh))
+        cache = pins.cache(spec.submesh, spec.logical_mesh)
+        fixed: dict[int, Any] = dict(lean_pins(pins.g, cache)) if solution == LEAN else {}
+        fixed.update(pins.with_siblings(mine))  # the user's pins win over the lean storage
+        kw: dict[str, Any] = dict(ops=base.ops, pins=fixed, solver=solver, rounds=1, cache=cache)
         try:
             out.append(solve_intra(pins.g, base.mesh, **kw))
         except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
@@ -263,8 +269,9 @@ def constrained_candidates(table: CostTable, cluster: Cluster, constraints: Stag
         sub = tuple(sub)
         if sub not in shapes:
             shapes[sub] = cluster.logical_mesh_shapes(sub)
-        out = [table.stage(a, b, sub, shape, B, r) for shape in shapes[sub]
-               if pins is None or pins.mesh_ok(a, b, sub, shape) for r in REMAT_CHOICES]
+        out = [table.stage(a, b, sub, shape, B, r, sol) for shape in shapes[sub]
+               if pins is None or pins.mesh_ok(a, b, sub, shape)
+               for sol in table.solutions(sub, shape) for r in REMAT_CHOICES]
         return out if keep_all else pareto(out)
 
     return candidates
@@ -298,8 +305,9 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
         if sub not in views:
             views[sub] = cluster.logical_mesh_shapes(sub)
         first, last = ranges[a]
-        return [table.stage(first, last, sub, shape, B, r) for shape in views[sub]
-                if pins.mesh_ok(first, last, sub, shape) for r in REMAT_CHOICES]
+        return [table.stage(first, last, sub, shape, B, r, sol) for shape in views[sub]
+                if pins.mesh_ok(first, last, sub, shape)
+                for sol in table.solutions(sub, shape) for r in REMAT_CHOICES]
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)
@@ -353,7 +361,8 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
                                       f"pinned strategies: {dict(plan.pins)})", e.min_mem_bytes) from None
         raise
     specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
-    intras = intras_around_pins(pins, table, specs, solver or table.solver)
+    solutions = [table.solution_of(c.payload) if c.payload is not None else "fast" for c in res.stages]
+    intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=schedule, stage_comm=plan.stage_comm, mem_limit_bytes=mem,
               method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins, stage_pins=sp,

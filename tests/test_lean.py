@@ -241,3 +241,26 @@ def test_lean_keys_travel_to_worker_processes_and_back_equal(table):
         assert [costs[k] for k in table.layer_map] == full
         there = plan_from_choice(table.solve_graph, table.cluster, (sub, shape, LEAN), choice)
         assert {op: s.name for op, s in there.strategies.items()} == {op: s.name for op, s in here.strategies.items()}
+
+
+@pytest.mark.slow
+def test_a_pin_on_a_lean_plan_is_re_solved_around_with_the_weights_still_lean(deep_plan, deep_limit):
+    """Re-solving around a user's pin keeps the lean stages lean (their weights stored at their least around the
+    pin), so a plan that fits only with lean solutions still fits after an override."""
+    plan, g = deep_plan, deep_plan.op_graph
+    lean = check_lean_plan(plan, deep_limit)
+    st = plan.stages[lean[0]]
+    # A matmul of that stage, pinned to another of its strategies on the stage's mesh.
+    op = next(op for op in sorted(st.intra.strategies) if g.op(op).primitive == "dot_general"
+              and plan.stage_of(op) == lean[0])
+    other = next(a.strategy for a in plan.alternatives(op) if a.strategy != st.intra.strategies[op].name)
+    pinned = plan.with_choice(op, other)
+    out = al.resolve(pinned)
+    assert out.pins == pinned.pins and other in out.pins.values()
+    for p_op, name in out.pins.items():
+        assert out.stages[out.stage_of(p_op)].intra.strategies[p_op].name == name
+    # Only lean storage meets this limit (limit_between); the pinned stage stores every weight split.
+    assert out.cost.fits and max(out.cost.peak_mem_bytes) <= deep_limit
+    params = [p for p in state_inputs(g) if g.tensor(g.op(p).outputs[0]).kind == PARAM]
+    held = out.stages[out.stage_of(op)].intra.strategies
+    assert all(held[p].out_specs[0].axes for p in params)
