@@ -146,7 +146,11 @@ class ShardingSpec:
     @property
     def axes(self) -> frozenset[int]:
         """The mesh axes this spec splits over (anywhere)."""
-        return frozenset(a for d in self.dims for a in d)
+        axes = self.__dict__.get("_axes")
+        if axes is None:  # remembered: pricing asks for every strategy's specs on every mesh
+            axes = frozenset(a for d in self.dims for a in d)
+            object.__setattr__(self, "_axes", axes)
+        return axes
 
     def dim_of(self, axis: int) -> int | None:
         """The tensor dimension split over mesh ``axis``, or None when the tensor is replicated along it."""

@@ -169,19 +169,46 @@ class StrategyCache:
     def __init__(self, mesh):
         self.mesh = mesh
         self._strats: dict[tuple, list[Strategy]] = {}
+        self._by_node: dict[int, tuple[OpNode, Any, list[Strategy]]] = {}
         self._reshard: dict[tuple, float] = {}
         self._reshard_cols: dict[tuple, tuple] = {}
         self._proj: dict[int, tuple] = {}
         self._spec_idx: dict[tuple, tuple] = {}
         self._reshard_mats: dict[tuple, np.ndarray] = {}
+        self.edge_mats: dict[tuple, tuple] = {}  # see _edge_matrix
+        self._kept: dict[tuple, tuple] = {}
+        self._single: dict[int, tuple] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
+        # Asked ~10^5 times per mesh: remembered per node object first (hashing a signature and a kernel role each
+        # time cost a tenth of the build), then per (signature, kernel role) so identical operators share the list.
+        hit = self._by_node.get(id(node))
+        if hit is not None and hit[0] is node and hit[1] is node.__dict__.get("_kernel"):  # roles attached since?
+            return hit[2]
         # The same operator prices differently in different kernels (what it reads and writes): its kernel role
         # is part of the key.
         key = (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
         if key not in self._strats:
             self._strats[key] = strategies_for(node, self.mesh)
+        self._by_node[id(node)] = (node, node.__dict__.get("_kernel"), self._strats[key])
         return self._strats[key]
+
+    def restricted(self, strats: list[Strategy], proj: tuple) -> list[Strategy]:
+        """The strategies of ``strats`` whose axis-1 projection is ``proj`` (all of them when none is), one list per
+        (list, projection): operators of one signature restricted alike share it, and so their edge matrices."""
+        key = (id(strats), proj)
+        hit = self._kept.get(key)
+        if hit is None or hit[0] is not strats:
+            kept = [s for s in strats if self.project(s) == proj]
+            hit = self._kept[key] = (strats, kept or strats)
+        return hit[1]
+
+    def single(self, s: Strategy) -> list[Strategy]:
+        """``[s]``, one list per strategy (an operator decided outside the ILP joins it with this one choice)."""
+        hit = self._single.get(id(s))
+        if hit is None or hit[0] is not s:
+            hit = self._single[id(s)] = (s, [s])
+        return hit[1]
 
     def same_strategy(self, s: Strategy, node: OpNode) -> Strategy:
         """Strategy ``s`` (chosen for an identical operator of another layer) as priced for ``node``: the same specs,
@@ -283,7 +310,21 @@ def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
 def _edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
     """Resharding seconds from each strategy of u (rows) to each of v (columns). Strategies share specs (a matmul's
     dozens of strategies have a handful of output specs), so each distinct (source, destination) pair is priced
-    once and the matrix gathered from those."""
+    once and the matrix gathered from those. The matrix depends only on the two strategy lists, the positions read
+    and the tensor's shape and dtype: operators that repeat (each layer's copies, a chain of elementwise operators
+    of one shape) share it (read-only)."""
+    t = graph.tensor(graph.op(v).inputs[0] if i == -1 else graph.op(u).outputs[i])
+    key = (id(su), id(sv), i, j, t.shape, t.dtype)
+    hit = cache.edge_mats.get(key)
+    if hit is not None and hit[0] is su and hit[1] is sv:  # the memo holds both lists: their ids stay theirs
+        return hit[2]
+    mat = _gathered_edge_matrix(graph, cache, u, v, i, j, su, sv)
+    mat.setflags(write=False)
+    cache.edge_mats[key] = (su, sv, mat)
+    return mat
+
+
+def _gathered_edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
     if i == -1:  # alias: the update (consumer v's input spec) must become the parameter's spec (u's output spec)
         t = graph.tensor(graph.op(v).inputs[0])
         dst, drow = cache.spec_index(su, "out", 0)
@@ -408,12 +449,11 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     strats = []
     for op in nodes:
         if op not in inside:
-            strats.append([context[op]])
+            strats.append(cache.single(context[op]))
             continue
         full = cache.strategies(graph.op(op))
         if op in restrict:
-            kept = [s for s in full if cache.project(s) == restrict[op]]
-            full = kept or full
+            full = cache.restricted(full, restrict[op])
         strats.append(full)
     pin_idx = {}
     for op, pin in pins.items():
