@@ -178,6 +178,7 @@ class StrategyCache:
         self.edge_mats: dict[tuple, tuple] = {}  # see _edge_matrix
         self._kept: dict[tuple, tuple] = {}
         self._single: dict[int, tuple] = {}
+        self._members: dict[int, tuple] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
         # Asked ~10^5 times per mesh: remembered per node object first (hashing a signature and a kernel role each
@@ -213,10 +214,13 @@ class StrategyCache:
     def same_strategy(self, s: Strategy, node: OpNode) -> Strategy:
         """Strategy ``s`` (chosen for an identical operator of another layer) as priced for ``node``: the same specs,
         priced in ``node``'s own kernel (a layer at the model's edge may fuse differently)."""
-        for t in self.strategies(node):
-            if t is s or t.key == s.key:
-                return t
-        return s
+        strats = self.strategies(node)
+        hit = self._members.get(id(strats))
+        if hit is None or hit[0] is not strats:  # per list: its members, and each by its key (keys are distinct)
+            hit = self._members[id(strats)] = (strats, {id(t) for t in strats}, {t.key: t for t in reversed(strats)})
+        if id(s) in hit[1]:
+            return s
+        return hit[2].get(s.key, s)
 
     def reshard(self, src: ShardingSpec, dst: ShardingSpec, shape, dtype) -> float:
         key = (src, dst, shape, dtype)
