@@ -675,6 +675,9 @@ register_rule("iota", source_rule)
 register_rule(INPUT_PRIMITIVE, source_rule)
 register_rule(OUTPUT_PRIMITIVE, output_rule)
 
+#: The rules defined here (see :func:`_valid_strategies`).
+_BUILTIN_RULES = frozenset(_RULES.values())
+
 # Operators that cost nothing whatever their spec: inputs and outputs of the step, and constants made on the spot.
 ZERO_COST = frozenset([INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, "iota"])
 
@@ -781,7 +784,11 @@ def _valid_strategies(op: OpNode, rule, mesh, mshape) -> tuple[Strategy, ...]:
     and the planner asks again on every logical mesh of every submesh."""
     if rule is None:
         return ()
-    key = (rule, op_signature(op), mshape)
+    sig = op_signature(op)
+    # The built-in rules read an operator's primitive, shapes, dtypes and parameters only, not its role or its
+    # inputs' kinds: a forward and a backward operator of one shape share the enumeration. A rule registered later
+    # may read anything: it keeps the whole signature.
+    key = (rule, sig[:6] if rule in _BUILTIN_RULES else sig, mshape)
     hit = _VALID.get(key)
     if hit is None:
         hit = tuple(s for s in rule(op, mesh) if _fits(s, op, mshape))

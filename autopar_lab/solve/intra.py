@@ -200,7 +200,10 @@ class StrategyCache:
         key = (id(strats), proj)
         hit = self._kept.get(key)
         if hit is None or hit[0] is not strats:
-            kept = [s for s in strats if self.project(s) == proj]
+            projs = self._kept.get(id(strats))  # each strategy's projection, once per list
+            if projs is None or projs[0] is not strats:
+                projs = self._kept[id(strats)] = (strats, [self.project(s) for s in strats])
+            kept = [s for s, p in zip(strats, projs[1]) if p == proj]
             hit = self._kept[key] = (strats, kept or strats)
         return hit[1]
 
@@ -697,7 +700,14 @@ def weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
         ends[op] = hit
         return hit
 
-    return {op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4)}
+    ops = tuple(ops)
+    memo = _graph_memo(graph, "weight_gradient_ops")  # a function of the graph alone, asked on every mesh
+    hit = memo.get(ops)
+    if hit is None:
+        if len(memo) > 256:
+            memo.clear()
+        hit = memo[ops] = frozenset(op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4))
+    return set(hit)
 
 
 def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strategy], *,
@@ -745,24 +755,42 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
     A tensor converted to one spec is converted once, whatever the number of consumers that read the copy (the ILP's
     pairwise edges count it per consumer: an over-estimate this recomputation corrects, as XLA does).
     """
-    inside = set(ops)
     seen: set[tuple] = set()
-    for (u, v, i, j) in _edges_of(graph, ops):
-        if u not in inside or v not in inside:
-            continue
+    for u, v, i, j, t, param in _internal_edges(graph, ops):
         if i == -1:  # alias: the update goes back to the parameter's spec
-            t = graph.tensor(graph.op(v).inputs[0])
             src, dst = chosen[v].in_specs[0], chosen[u].out_specs[0]
         else:
-            t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
-        key = conversion_key(graph, u, v, t.id, src, dst, i == -1)
+        # conversion_key(graph, u, v, t.id, src, dst, i == -1), with the parameter test read from the memo
+        gathers = param and i != -1 and bool(src.axes - dst.axes)
+        key = (t.id, src, dst, i == -1, v if gathers else None)
         if key in seen:
             continue
         seen.add(key)
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
             yield u, v, i == -1, t, src, dst, cost
+
+
+def _internal_edges(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple, ...]:
+    """(u, v, i, j, tensor, whether u is a parameter input) for the edges of :func:`_edges_of` between operators both
+    in ``ops``; remembered per graph and operator list (the planner evaluates the same plan's operators on every
+    mesh, and per layer)."""
+    memo = _graph_memo(graph, "internal_edges")
+    key = tuple(ops)
+    hit = memo.get(key)
+    if hit is None:
+        inside = set(key)
+        rows = []
+        for (u, v, i, j) in _edges_of(graph, key):
+            if u not in inside or v not in inside:
+                continue
+            t = graph.tensor(graph.op(v).inputs[0] if i == -1 else graph.op(u).outputs[i])
+            rows.append((u, v, i, j, t, is_param_input(graph, u)))
+        if len(memo) > 256:
+            memo.clear()
+        hit = memo[key] = tuple(rows)
+    return hit
 
 
 def conversion_key(graph: OpGraph, u: int, v: int, tensor: int, src: ShardingSpec, dst: ShardingSpec,
