@@ -177,6 +177,7 @@ class StrategyCache:
         self._reshard_mats: dict[tuple, np.ndarray] = {}
         self.edge_mats: dict[tuple, tuple] = {}  # see _edge_matrix
         self._kept: dict[tuple, tuple] = {}
+        self._projs: dict[int, tuple] = {}
         self._single: dict[int, tuple] = {}
         self._members: dict[int, tuple] = {}
 
@@ -200,9 +201,9 @@ class StrategyCache:
         key = (id(strats), proj)
         hit = self._kept.get(key)
         if hit is None or hit[0] is not strats:
-            projs = self._kept.get(id(strats))  # each strategy's projection, once per list
+            projs = self._projs.get(id(strats))  # each strategy's projection, once per list
             if projs is None or projs[0] is not strats:
-                projs = self._kept[id(strats)] = (strats, [self.project(s) for s in strats])
+                projs = self._projs[id(strats)] = (strats, [self.project(s) for s in strats])
             kept = [s for s, p in zip(strats, projs[1]) if p == proj]
             hit = self._kept[key] = (strats, kept or strats)
         return hit[1]
