@@ -105,10 +105,23 @@ def plan_reshard(
 
 def collective_time(mesh, kind: str, nbytes: float, axis) -> float:
     """Seconds of one collective on ``mesh`` (``kind`` is a LogicalMesh method name)."""
+    # Remembered per mesh (a mesh's links do not change): the same buffers recur across an operator's strategies and
+    # across operators, and each call walks the mesh's groups again for the hosts they span.
+    memo = getattr(mesh, "__dict__", None)
+    key = (kind, nbytes, axis)
+    if memo is not None:
+        memo = memo.setdefault("_collective_s", {})
+        try:
+            return memo[key]
+        except (KeyError, TypeError):  # new, or an unhashable axis (a list)
+            pass
     fn = getattr(mesh, kind, None)
     if fn is None:
         raise ValueError(f"unknown collective {kind!r}; use all_reduce, all_gather, reduce_scatter or all_to_all")
-    return float(fn(nbytes, axis))
+    out = float(fn(nbytes, axis))
+    if memo is not None and not isinstance(axis, list):
+        memo[key] = out
+    return out
 
 
 def reshard_cost(

@@ -146,7 +146,11 @@ class ShardingSpec:
     @property
     def axes(self) -> frozenset[int]:
         """The mesh axes this spec splits over (anywhere)."""
-        return frozenset(a for d in self.dims for a in d)
+        axes = self.__dict__.get("_axes")
+        if axes is None:  # remembered: pricing asks for every strategy's specs on every mesh
+            axes = frozenset(a for d in self.dims for a in d)
+            object.__setattr__(self, "_axes", axes)
+        return axes
 
     def dim_of(self, axis: int) -> int | None:
         """The tensor dimension split over mesh ``axis``, or None when the tensor is replicated along it."""
@@ -203,7 +207,17 @@ class ShardingSpec:
 
     def bytes_per_device(self, shape: Sequence[int], dtype: str, mesh_shape: Sequence[int]) -> int:
         """Bytes of one device's shard: ``bytes_per_device((8, 4), "float32", (2, 4))`` of ``S0R`` is 64."""
-        return math.prod(self.shard_shape(shape, mesh_shape)) * dtype_size(str(dtype))
+        key = (self, shape, dtype, mesh_shape)
+        try:  # pricing asks for every spec of every strategy: one lookup for what recurs
+            return _BYTES[key]
+        except (KeyError, TypeError):  # new, or a list among the arguments
+            pass
+        out = math.prod(self.shard_shape(shape, mesh_shape)) * dtype_size(str(dtype))
+        if type(shape) is tuple and type(mesh_shape) is tuple:
+            if len(_BYTES) > 1 << 18:
+                _BYTES.clear()
+            _BYTES[key] = out
+        return out
 
     def _shard_shape(self, shape, mesh_shape) -> tuple[int, ...] | None:
         """The shard shape, or None when the spec does not fit (memoised: the same few shapes recur)."""
@@ -232,6 +246,7 @@ class ShardingSpec:
 
 _CANONICAL: dict[tuple, tuple[Axes, ...]] = {}
 _SHARD_SHAPES: dict[tuple, tuple[int, ...] | None] = {}
+_BYTES: dict[tuple, int] = {}
 
 
 def _canonical_dims(dims) -> tuple[Axes, ...]:

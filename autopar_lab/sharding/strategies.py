@@ -135,7 +135,17 @@ def has_rule(primitive: str) -> bool:
 
 
 def _mesh_shape(mesh) -> tuple[int, int]:
-    return tuple(int(s) for s in mesh.shape)  # type: ignore[return-value]
+    shape = mesh.shape
+    try:  # asked for every strategy priced: the few shapes of a run remembered
+        return _MESH_SHAPES[shape]
+    except (KeyError, TypeError):  # new, or not hashable (a list)
+        out = tuple(int(s) for s in shape)
+        if type(shape) is tuple and len(_MESH_SHAPES) < 1 << 12:
+            _MESH_SHAPES[shape] = out
+        return out  # type: ignore[return-value]
+
+
+_MESH_SHAPES: dict[tuple, tuple[int, ...]] = {}
 
 
 def _axis_key(axes: Sequence[int]):
@@ -177,37 +187,73 @@ def contraction_strategies(
     >>> # contraction_strategies(op, mesh, (M, N, K), [(0, 2), (2, 1)], [(0, 1)], reduce=[2])
     """
     mshape = _mesh_shape(mesh)
-    reduce = set(reduce)
     out: list[Strategy] = []
-    for assign in assignments(len(space), mshape, splittable):
-        if any(int(space[r]) % math.prod(mshape[a] for a in ax) for r, ax in assign.items()):
+    for checks, ins, outs, red_axes, axis, name, scatters in _contraction_template(
+            len(space), in_maps, out_maps, reduce, splittable, reduce_scatter, useful_axes(mshape)):
+        if any(int(space[r]) % math.prod(mshape[a] for a in ax) for r, ax in checks):
             continue
-        ins = tuple(_spec(m, assign) for m in in_maps)
-        outs = tuple(_spec(m, assign) for m in out_maps)
-        red_axes = tuple(sorted(a for r, ax in assign.items() if r in reduce for a in ax))
         if not red_axes:
-            out.append(Strategy(_name(outs, ins), outs, ins))
+            out.append(Strategy(name, outs, ins))
             continue
-        axis = _axis_key(red_axes)
         cols = tuple(
             ("all_reduce", axis, s.bytes_per_device(shape, dtype, mshape))
             for s, shape, dtype in zip(outs, op.out_shapes, op.out_dtypes)
             if s.is_valid(shape, mshape)
         )
-        out.append(Strategy(_name(outs, ins, f" [all_reduce@{_fmt_axis(axis)}]"), outs, ins, cols))
-        if reduce_scatter and len(outs) == 1:
+        out.append(Strategy(name, outs, ins, cols))
+        if scatters:
             o, shape, dtype = outs[0], op.out_shapes[0], op.out_dtypes[0]
             n = math.prod(mshape[a] for a in red_axes)
-            for d in range(o.rank):
-                if not o.dims[d] and shape[d] % n == 0 and shape[d] >= n:
+            for d, scattered, rs_name in scatters:
+                if shape[d] % n == 0 and shape[d] >= n:
                     if not o.is_valid(shape, mshape):
                         break
-                    scattered = ShardingSpec(tuple(red_axes if i == d else ax for i, ax in enumerate(o.dims)))
                     col = ("reduce_scatter", axis, o.bytes_per_device(shape, dtype, mshape))
-                    out.append(Strategy(_name((scattered,), ins, f" [reduce_scatter@{_fmt_axis(axis)}]"),
-                                        (scattered,), ins, (col,)))
+                    out.append(Strategy(rs_name, (scattered,), ins, (col,)))
                     break
     return out
+
+
+#: :func:`contraction_strategies`' candidates per (iteration rank, maps, reduce, splittable, reduce_scatter, useful
+#: mesh axes): their specs and names do not depend on the sizes, only which of them divide does. The planner asks
+#: again on every logical mesh shape, so the specs are built once per pattern of useful axes.
+_TEMPLATES: dict[tuple, tuple] = {}
+
+
+def _contraction_template(rank, in_maps, out_maps, reduce, splittable, reduce_scatter, useful) -> tuple:
+    in_maps = tuple(tuple(m) for m in in_maps)
+    out_maps = tuple(tuple(m) for m in out_maps)
+    reduce = frozenset(reduce)
+    splittable = None if splittable is None else tuple(sorted(set(splittable)))
+    key = (rank, in_maps, out_maps, reduce, splittable, reduce_scatter, useful)
+    hit = _TEMPLATES.get(key)
+    if hit is not None:
+        return hit
+    pattern = tuple(2 if a in useful else 1 for a in (0, 1))  # a mesh shape with the same useful axes
+    rows = []
+    for assign in assignments(rank, pattern, splittable):
+        checks = tuple(assign.items())
+        ins = tuple(_spec(m, assign) for m in in_maps)
+        outs = tuple(_spec(m, assign) for m in out_maps)
+        red_axes = tuple(sorted(a for r, ax in assign.items() if r in reduce for a in ax))
+        if not red_axes:
+            rows.append((checks, ins, outs, red_axes, None, _name(outs, ins), ()))
+            continue
+        axis = _axis_key(red_axes)
+        scatters: tuple = ()
+        if reduce_scatter and len(outs) == 1:
+            o = outs[0]
+            scatters = tuple(
+                (d, sc, _name((sc,), ins, f" [reduce_scatter@{_fmt_axis(axis)}]"))
+                for d in range(o.rank) if not o.dims[d]
+                for sc in (ShardingSpec(tuple(red_axes if i == d else ax for i, ax in enumerate(o.dims))),)
+            )
+        rows.append((checks, ins, outs, red_axes, axis, _name(outs, ins, f" [all_reduce@{_fmt_axis(axis)}]"),
+                     scatters))
+    if len(_TEMPLATES) > 1 << 14:
+        _TEMPLATES.clear()
+    hit = _TEMPLATES[key] = tuple(rows)
+    return hit
 
 
 def _fmt_axis(axis) -> str:
@@ -629,6 +675,9 @@ register_rule("iota", source_rule)
 register_rule(INPUT_PRIMITIVE, source_rule)
 register_rule(OUTPUT_PRIMITIVE, output_rule)
 
+#: The rules defined here (see :func:`_valid_strategies`).
+_BUILTIN_RULES = frozenset(_RULES.values())
+
 # Operators that cost nothing whatever their spec: inputs and outputs of the step, and constants made on the spot.
 ZERO_COST = frozenset([INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, "iota"])
 
@@ -735,7 +784,11 @@ def _valid_strategies(op: OpNode, rule, mesh, mshape) -> tuple[Strategy, ...]:
     and the planner asks again on every logical mesh of every submesh."""
     if rule is None:
         return ()
-    key = (rule, op_signature(op), mshape)
+    sig = op_signature(op)
+    # The built-in rules read an operator's primitive, shapes, dtypes and parameters only, not its role or its
+    # inputs' kinds: a forward and a backward operator of one shape share the enumeration. A rule registered later
+    # may read anything: it keeps the whole signature.
+    key = (rule, sig[:6] if rule in _BUILTIN_RULES else sig, mshape)
     hit = _VALID.get(key)
     if hit is None:
         hit = tuple(s for s in rule(op, mesh) if _fits(s, op, mshape))

@@ -169,27 +169,62 @@ class StrategyCache:
     def __init__(self, mesh):
         self.mesh = mesh
         self._strats: dict[tuple, list[Strategy]] = {}
+        self._by_node: dict[int, tuple[OpNode, Any, list[Strategy]]] = {}
         self._reshard: dict[tuple, float] = {}
         self._reshard_cols: dict[tuple, tuple] = {}
         self._proj: dict[int, tuple] = {}
         self._spec_idx: dict[tuple, tuple] = {}
         self._reshard_mats: dict[tuple, np.ndarray] = {}
+        self.edge_mats: dict[tuple, tuple] = {}  # see _edge_matrix
+        self._kept: dict[tuple, tuple] = {}
+        self._projs: dict[int, tuple] = {}
+        self._single: dict[int, tuple] = {}
+        self._members: dict[int, tuple] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
+        # Asked ~10^5 times per mesh: remembered per node object first (hashing a signature and a kernel role each
+        # time cost a tenth of the build), then per (signature, kernel role) so identical operators share the list.
+        hit = self._by_node.get(id(node))
+        if hit is not None and hit[0] is node and hit[1] is node.__dict__.get("_kernel"):  # roles attached since?
+            return hit[2]
         # The same operator prices differently in different kernels (what it reads and writes): its kernel role
         # is part of the key.
         key = (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
         if key not in self._strats:
             self._strats[key] = strategies_for(node, self.mesh)
+        self._by_node[id(node)] = (node, node.__dict__.get("_kernel"), self._strats[key])
         return self._strats[key]
+
+    def restricted(self, strats: list[Strategy], proj: tuple) -> list[Strategy]:
+        """The strategies of ``strats`` whose axis-1 projection is ``proj`` (all of them when none is), one list per
+        (list, projection): operators of one signature restricted alike share it, and so their edge matrices."""
+        key = (id(strats), proj)
+        hit = self._kept.get(key)
+        if hit is None or hit[0] is not strats:
+            projs = self._projs.get(id(strats))  # each strategy's projection, once per list
+            if projs is None or projs[0] is not strats:
+                projs = self._projs[id(strats)] = (strats, [self.project(s) for s in strats])
+            kept = [s for s, p in zip(strats, projs[1]) if p == proj]
+            hit = self._kept[key] = (strats, kept or strats)
+        return hit[1]
+
+    def single(self, s: Strategy) -> list[Strategy]:
+        """``[s]``, one list per strategy (an operator decided outside the ILP joins it with this one choice)."""
+        hit = self._single.get(id(s))
+        if hit is None or hit[0] is not s:
+            hit = self._single[id(s)] = (s, [s])
+        return hit[1]
 
     def same_strategy(self, s: Strategy, node: OpNode) -> Strategy:
         """Strategy ``s`` (chosen for an identical operator of another layer) as priced for ``node``: the same specs,
         priced in ``node``'s own kernel (a layer at the model's edge may fuse differently)."""
-        for t in self.strategies(node):
-            if t is s or t.key == s.key:
-                return t
-        return s
+        strats = self.strategies(node)
+        hit = self._members.get(id(strats))
+        if hit is None or hit[0] is not strats:  # per list: its members, and each by its key (keys are distinct)
+            hit = self._members[id(strats)] = (strats, {id(t) for t in strats}, {t.key: t for t in reversed(strats)})
+        if id(s) in hit[1]:
+            return s
+        return hit[2].get(s.key, s)
 
     def reshard(self, src: ShardingSpec, dst: ShardingSpec, shape, dtype) -> float:
         key = (src, dst, shape, dtype)
@@ -283,7 +318,21 @@ def _in_edges(graph: OpGraph, v: int) -> tuple[tuple[int, int, int, int], ...]:
 def _edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
     """Resharding seconds from each strategy of u (rows) to each of v (columns). Strategies share specs (a matmul's
     dozens of strategies have a handful of output specs), so each distinct (source, destination) pair is priced
-    once and the matrix gathered from those."""
+    once and the matrix gathered from those. The matrix depends only on the two strategy lists, the positions read
+    and the tensor's shape and dtype: operators that repeat (each layer's copies, a chain of elementwise operators
+    of one shape) share it (read-only)."""
+    t = graph.tensor(graph.op(v).inputs[0] if i == -1 else graph.op(u).outputs[i])
+    key = (id(su), id(sv), i, j, t.shape, t.dtype)
+    hit = cache.edge_mats.get(key)
+    if hit is not None and hit[0] is su and hit[1] is sv:  # the memo holds both lists: their ids stay theirs
+        return hit[2]
+    mat = _gathered_edge_matrix(graph, cache, u, v, i, j, su, sv)
+    mat.setflags(write=False)
+    cache.edge_mats[key] = (su, sv, mat)
+    return mat
+
+
+def _gathered_edge_matrix(graph, cache, u, v, i, j, su, sv) -> np.ndarray:
     if i == -1:  # alias: the update (consumer v's input spec) must become the parameter's spec (u's output spec)
         t = graph.tensor(graph.op(v).inputs[0])
         dst, drow = cache.spec_index(su, "out", 0)
@@ -408,12 +457,11 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     strats = []
     for op in nodes:
         if op not in inside:
-            strats.append([context[op]])
+            strats.append(cache.single(context[op]))
             continue
         full = cache.strategies(graph.op(op))
         if op in restrict:
-            kept = [s for s in full if cache.project(s) == restrict[op]]
-            full = kept or full
+            full = cache.restricted(full, restrict[op])
         strats.append(full)
     pin_idx = {}
     for op, pin in pins.items():
@@ -653,7 +701,14 @@ def weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
         ends[op] = hit
         return hit
 
-    return {op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4)}
+    ops = tuple(ops)
+    memo = _graph_memo(graph, "weight_gradient_ops")  # a function of the graph alone, asked on every mesh
+    hit = memo.get(ops)
+    if hit is None:
+        if len(memo) > 256:
+            memo.clear()
+        hit = memo[ops] = frozenset(op for op in ops if graph.op(op).role == BACKWARD and reaches_update(op, 4))
+    return set(hit)
 
 
 def evaluate_intra(graph: OpGraph, mesh: LogicalMesh, chosen: Mapping[int, Strategy], *,
@@ -701,24 +756,42 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
     A tensor converted to one spec is converted once, whatever the number of consumers that read the copy (the ILP's
     pairwise edges count it per consumer: an over-estimate this recomputation corrects, as XLA does).
     """
-    inside = set(ops)
     seen: set[tuple] = set()
-    for (u, v, i, j) in _edges_of(graph, ops):
-        if u not in inside or v not in inside:
-            continue
+    for u, v, i, j, t, param in _internal_edges(graph, ops):
         if i == -1:  # alias: the update goes back to the parameter's spec
-            t = graph.tensor(graph.op(v).inputs[0])
             src, dst = chosen[v].in_specs[0], chosen[u].out_specs[0]
         else:
-            t = graph.tensor(graph.op(u).outputs[i])
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
-        key = conversion_key(graph, u, v, t.id, src, dst, i == -1)
+        # conversion_key(graph, u, v, t.id, src, dst, i == -1), with the parameter test read from the memo
+        gathers = param and i != -1 and bool(src.axes - dst.axes)
+        key = (t.id, src, dst, i == -1, v if gathers else None)
         if key in seen:
             continue
         seen.add(key)
         cost = cache.reshard(src, dst, t.shape, t.dtype)
         if cost:
             yield u, v, i == -1, t, src, dst, cost
+
+
+def _internal_edges(graph: OpGraph, ops: Sequence[int]) -> tuple[tuple, ...]:
+    """(u, v, i, j, tensor, whether u is a parameter input) for the edges of :func:`_edges_of` between operators both
+    in ``ops``; remembered per graph and operator list (the planner evaluates the same plan's operators on every
+    mesh, and per layer)."""
+    memo = _graph_memo(graph, "internal_edges")
+    key = tuple(ops)
+    hit = memo.get(key)
+    if hit is None:
+        inside = set(key)
+        rows = []
+        for (u, v, i, j) in _edges_of(graph, key):
+            if u not in inside or v not in inside:
+                continue
+            t = graph.tensor(graph.op(v).inputs[0] if i == -1 else graph.op(u).outputs[i])
+            rows.append((u, v, i, j, t, is_param_input(graph, u)))
+        if len(memo) > 256:
+            memo.clear()
+        hit = memo[key] = tuple(rows)
+    return hit
 
 
 def conversion_key(graph: OpGraph, u: int, v: int, tensor: int, src: ShardingSpec, dst: ShardingSpec,
