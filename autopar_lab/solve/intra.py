@@ -653,8 +653,12 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
                 infos.clear()
             name, group = groups[k]
             group_pins = {op: p for op, p in pins.items() if op in set(group)}
-            if sigs[k] in done and not group_pins:
-                ref_name, ref_ops = groups[done[sigs[k]]]
+            # Identical layers pinned alike (the same pins at the same positions: e.g. the cost table's lean solution
+            # pins every layer's weights to their least storage) are one problem too, solved once.
+            reuse_key = (sigs[k], tuple((i, getattr(group_pins[op], "name", group_pins[op]))
+                                        for i, op in enumerate(group) if op in group_pins))
+            if reuse_key in done:
+                ref_name, ref_ops = groups[done[reuse_key]]
                 for a, b in zip(ref_ops, group):
                     chosen[b] = cache.same_strategy(chosen[a], graph.op(b))
                 infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
@@ -667,8 +671,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
                                       name=name, mirror=mirror, **kw)
             chosen.update(part)
             infos.append(info)
-            if not group_pins:
-                done[sigs[k]] = k
+            done[reuse_key] = k
     return evaluate_intra(graph, mesh, chosen, ops=ops, cache=cache, groups=tuple(infos),
                           solve_s=time.perf_counter() - t0)
 
