@@ -301,7 +301,10 @@ def _auto_schedule(table: CostTable, cluster: Cluster, trace_s: float, **kw) -> 
     if not plans:
         raise inter.NoFeasiblePlanError("no schedule has a plan: " + "; ".join(tried), math.inf)
     fitting = [x for x in plans if x[1].cost.fits] or plans
-    name, best = min(fitting, key=lambda x: x[1].cost.step_time_s)
+    name, best = fitting[0]
+    for other in fitting[1:]:  # a later schedule only when faster beyond rounding (one stage: all the same)
+        if other[1].cost.step_time_s < best.cost.step_time_s * (1 - 1e-9):
+            name, best = other
     note = f"schedule auto: {name} is the fastest that fits of {'; '.join(tried)}"
     solve_s = dict(best.solve_s)
     solve_s["trace"] = trace_s
@@ -427,19 +430,24 @@ def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int
 
 @renamed_keywords(model_or_graph="model")
 def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", solver: str = DEFAULT_SOLVER,
-            stage_comm: str = "model", table: CostTable | None = None) -> dict:
+            stage_comm: str = "model", table: CostTable | None = None, schedule: str = "1f1b",
+            grid_schedules: Sequence[str] = ("1f1b",)) -> dict:
     """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table.
 
     Both baselines are tried with and without rematerialisation (Megatron-LM's activation checkpointing) at every
     microbatch count; ``megatron_tried`` lists every Megatron configuration with its step time and peak memory.
-    ``table``: as for :func:`auto_plan`."""
+    ``table``: as for :func:`auto_plan`. ``schedule``: the auto plan's (``"auto"``: it chooses);
+    ``grid_schedules``: the schedules every Megatron configuration is tried with (see :func:`baselines`), so that a
+    comparison with ``schedule="auto"`` stays fair."""
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     auto = auto_plan(table.graph, cluster, microbatches=microbatches, solver=solver, stage_comm=stage_comm,
-                     table=table)
-    return {"auto": auto, **baselines(table, cluster, microbatches), "trace_s": trace_s or 0.0}
+                     table=table, schedule=schedule)
+    return {"auto": auto, **baselines(table, cluster, microbatches, schedules=grid_schedules),
+            "trace_s": trace_s or 0.0}
 
 
-def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="auto") -> dict:
+def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="auto",
+              schedules: Sequence[str] = ("1f1b",)) -> dict:
     """The best Megatron-style plan and the best data-parallel plan, priced by ``table``.
 
     Every (dp, tp, pp) of :func:`megatron_grid` x microbatch count x rematerialisation (Megatron-LM's activation
@@ -447,27 +455,35 @@ def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="au
     Returns ``megatron_best`` (None when no configuration fits memory), ``megatron_config`` ((dp, tp, pp,
     microbatches, remat) or None), ``megatron_tried`` (one row per configuration: step time, peak memory, fits) and
     ``data_parallel`` (the fastest that fits, else the one with the smallest peak memory).
+
+    ``schedules``: each configuration with more than one stage is also tried with these ("interleaved": 2 chunks
+    per stage, where the layout allows; "zb-h1"); ``megatron_schedule`` names the best one's.
     """
     cluster = cluster if cluster is not None else table.cluster
-    best, config, tried = None, None, []
+    best, config, tried, best_schedule = None, None, [], "1f1b"
     mbs = microbatch_choices(table.batch_size, microbatches)
+    extra = [check_schedule(s) for s in dict.fromkeys(schedules) if s != "1f1b"]
     for dp, tp, pp in megatron_grid(cluster, len(table.layer_names)):
         for mb in mbs:
             for remat in (False, True):
-                try:
-                    p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
-                                      table=table)
-                except ValueError:
-                    continue
-                fits = p.cost.fits
-                tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
-                              "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
-                              "fits": fits})
-                if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
-                    best, config = p, (dp, tp, pp, mb, remat)
+                for schedule, v in [("1f1b", 1), *(extra if pp > 1 else [])]:
+                    try:
+                        p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
+                                          table=table, schedule=schedule,
+                                          virtual_stages=v if schedule == "interleaved" else None)
+                    except ValueError:
+                        continue
+                    fits = p.cost.fits
+                    tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
+                                  "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
+                                  "fits": fits, **({"schedule": schedule} if extra else {})})
+                    if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
+                        best, config, best_schedule = p, (dp, tp, pp, mb, remat), schedule
     datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, remat=remat, table=table)
              for mb in mbs for remat in (False, True)]
     fitting = [p for p in datas if p.cost.fits]
     data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
             else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))
-    return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data}
+    return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data,
+            "megatron_schedule": best_schedule + (f" v={best.virtual_stages}" if best is not None and
+                                                  best.virtual_stages > 1 else "")}

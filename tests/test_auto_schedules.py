@@ -129,3 +129,18 @@ def test_cli_schedule_auto_from_another_directory(tmp_path):
     bad = subprocess.run(args[:-1] + ["--method", "megatron", "--dp", "8", "--tp", "1", "--pp", "1"],
                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--schedule auto" in bad.stderr
+
+
+def test_megatron_grid_with_schedules_is_no_slower_and_says_which(table):
+    from autopar_lab import planner
+
+    plain = planner.baselines(table, SMALL, microbatches="auto")
+    more = planner.baselines(table, SMALL, microbatches="auto", schedules=("1f1b", "interleaved", "zb-h1"))
+    assert more["megatron_best"].cost.step_time_s <= plain["megatron_best"].cost.step_time_s
+    assert plain["megatron_schedule"] == "1f1b"
+    assert more["megatron_schedule"].split()[0] == more["megatron_best"].schedule
+    kinds = {r["schedule"] for r in more["megatron_tried"]}
+    assert kinds == {"1f1b", "interleaved", "zb-h1"}
+    # only pipelines get the other schedules; every 1F1B row of the plain grid is still there
+    assert all(r["pp"] > 1 for r in more["megatron_tried"] if r["schedule"] != "1f1b")
+    assert sum(r["schedule"] == "1f1b" for r in more["megatron_tried"]) == len(plain["megatron_tried"])
