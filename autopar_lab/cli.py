@@ -108,7 +108,7 @@ def cmd_plan(args) -> dict:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
-    notes = []
+    notes: list[str] = []
     if args.method == "auto":
         # The stage DP prices each schedule with its own formula; "auto" plans each and keeps the fastest.
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,

@@ -308,7 +308,8 @@ def _auto_schedule(table: CostTable, cluster: Cluster, trace_s: float, **kw) -> 
     note = f"schedule auto: {name} is the fastest that fits of {'; '.join(tried)}"
     solve_s = dict(best.solve_s)
     solve_s["trace"] = trace_s
-    return dataclasses.replace(best, notes=(*best.notes, note), solve_s=solve_s)
+    return dataclasses.replace(best, notes=(*best.notes, note), solve_s=solve_s,
+                               cost=dataclasses.replace(best.cost, schedule_choice=note))
 
 
 #: How many of the DP's best microbatch counts :func:`simulated_best` prices by simulation.

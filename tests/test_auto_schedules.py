@@ -3,9 +3,7 @@ formula, brute force agrees, and schedule="auto" keeps the fastest (Python and c
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -15,9 +13,8 @@ import pytest
 import autopar_lab as al
 from autopar_lab.cluster import Cluster
 from autopar_lab.planner import AUTO_SCHEDULES, wgrad_share
-from autopar_lab.pricing import price_plan
 from autopar_lab.solve.exhaustive import global_optimum
-from autopar_lab.solve.inter import placement_fits
+from test_exhaustive import naive
 
 SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)  # as test_exhaustive: 664 plans
 
@@ -27,46 +24,10 @@ def table(model):
     return al.CostTable.build(model, SMALL)
 
 
-def naive(table, cluster, choices, schedule, v=None):
-    """Every plan of the space priced by price_plan with the schedule; layouts it cannot run left out."""
-    L, NM, M = len(table.layer_names), cluster.num_devices, cluster.devices_per_host
-    shapes = cluster.submesh_shapes()
-    mem = cluster.device.memory_bytes
-
-    def tilings(offset, count):
-        if count == 0:
-            if offset == NM:
-                yield ()
-            return
-        for sh in shapes:
-            if placement_fits(sh, offset, cluster.hosts, M):
-                for rest in tilings(offset + sh[0] * sh[1], count - 1):
-                    yield (sh, *rest)
-
-    best = math.inf
-    for B in choices:
-        for S in range(1, min(L, NM) + 1):
-            for cuts in itertools.combinations(range(1, L), S - 1):
-                bounds = (0, *cuts, L)
-                for subs in tilings(0, S):
-                    options = [[table.stage(bounds[j], bounds[j + 1] - 1, subs[j], lm, B, r)
-                                for lm in cluster.logical_mesh_shapes(subs[j]) for r in (False, True)]
-                               for j in range(S)]
-                    for stages in itertools.product(*options):
-                        try:
-                            cost = price_plan(table, stages, microbatches=B, schedule=schedule, virtual_stages=v,
-                                              mem_limit_bytes=mem).cost
-                        except ValueError:
-                            continue
-                        if cost.fits:
-                            best = min(best, cost.step_time_s)
-    return best
-
-
 @pytest.mark.slow  # prices every plan of the space twice per schedule: ~20 s
 @pytest.mark.parametrize("schedule,v", [("zb-h1", None), ("interleaved", 2)])
 def test_global_optimum_with_the_schedule_is_the_plain_enumeration(model, table, schedule, v):
-    want = naive(table, SMALL, [1, 2, 4, 8], schedule, v)
+    want, _ = naive(table, SMALL, [1, 2, 4, 8], SMALL.device.memory_bytes, schedule=schedule, virtual_stages=v)
     r = global_optimum(model, SMALL, schedule=schedule, virtual_stages=v, table=table)
     assert r["optimum_step_s"] == pytest.approx(want, rel=1e-12)
     assert r["optimum"].schedule == r["auto"].schedule == schedule
@@ -95,6 +56,7 @@ def test_auto_plan_runs_the_schedule_it_searched(model, table):
     assert best.cost.step_time_s <= min(steps) * (1 + 1e-9)
     note = best.notes[-1]
     assert note.startswith("schedule auto:") and all(s in note for s, _ in AUTO_SCHEDULES)
+    assert best.cost.explain().endswith(note)  # explain says which schedule and why
     with pytest.raises(ValueError, match="virtual_stages"):
         al.auto_plan(model, SMALL, schedule="auto", virtual_stages=2, table=table)
 

@@ -381,7 +381,8 @@ def held_microbatches(stages_from_here: int, microbatches: int, schedule: str, n
     return chunks / v
 
 
-def _coefficients(schedule: str, microbatches: int, virtual_stages: int, wgrad_share: float) -> tuple[float, float, float]:
+def _coefficients(schedule: str, microbatches: int, virtual_stages: int,
+                  wgrad_share: float) -> tuple[float, float, float]:
     """``(a, kappa, K)``: the schedule's step time is ``a * (sum t + sum kappa c + K * max(t, kappa c))`` (see
     :func:`schedule_latency`), the form the DP minimises (``a`` scales every plan alike)."""
     B = microbatches
@@ -1041,10 +1042,14 @@ def stage_dp(
     if p.schedule not in BY_STAGE_COUNT:
         return _solve(p, t_max_search, upper_bound, prune, t0)
     best: InterResult | None = None
-    least_mem, some_fit = math.inf, False
-    for S in _stage_counts(p):
+    least_mem, some_fit = math.inf, False  # some_fit: some stage count has plans (found, or bounded away)
+    counts, lower = _stage_count_bounds(p)
+    for S in sorted(counts, key=lambda S: lower[S]):  # the most promising first, so the bound prunes the others
         q = dataclasses.replace(p, total_stages=S, max_stages=S)
         bound = min(upper_bound, best.latency_s) if best is not None else upper_bound
+        if lower[S] >= bound:
+            some_fit = some_fit or math.isfinite(lower[S])
+            continue  # no plan with S stages can beat the bound
         try:
             r = _solve(q, t_max_search, bound, prune, t0)
         except NoFeasiblePlanError as e:
@@ -1066,6 +1071,25 @@ def stage_dp(
     return best
 
 
+def _stage_count_bounds(p: _Problem) -> tuple[list[int], dict[int, float]]:
+    """The stage counts to solve (:func:`_stage_counts`) and a lower bound on the latency of any plan with each:
+    ``a (G_S^2 / N + K H / N)`` with the device-second bounds of :mod:`dpbounds` (``G_S``: S ranges, ``H``: any), from
+    the fastest candidates whatever their memory, so it holds for every plan. Without candidate arrays (pins): 0."""
+    counts = _stage_counts(p)
+    lower = {S: 0.0 for S in counts}
+    if p.constraints is not None or not p.shapes or not counts:
+        return counts, lower
+    arrays = _candidate_arrays(p)
+    fastest = np.stack([np.where(has, t, np.inf).min(axis=0, initial=np.inf) for t, _, _, has in arrays], axis=-1)
+    size = np.array([n * m for n, m in p.shapes], dtype=float)
+    NM = p.num_devices
+    H, G = dpbounds.partition_bounds(dpbounds.device_seconds(fastest, size), max(counts))
+    a, _, K = p.coefficients
+    for S in counts:
+        lower[S] = a * (G[S - 1] ** 2 / NM + K * H / NM) * (1 - _MARGIN) if math.isfinite(G[S - 1]) else math.inf
+    return counts, lower
+
+
 def _stage_counts(p: _Problem) -> list[int]:
     """The total stage counts a problem of a :data:`BY_STAGE_COUNT` schedule is solved for."""
     if p.fixed_stages is not None:
@@ -1080,7 +1104,7 @@ def _stage_counts(p: _Problem) -> list[int]:
 def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: float) -> InterResult | None:
     """:func:`stage_dp` on a built problem (for a schedule of :data:`BY_STAGE_COUNT`, one stage count)."""
     valid, size, cut_full = _structure(p)
-    L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    L, NM = p.num_layers, p.num_devices
     # Bounds (the "bisect" search only; "all" and "alpa" stay the plain references): a seed plan's latency, a
     # lower bound on t_max and on sum t + sum c by stage count (see dpbounds). They only skip what cannot beat the
     # best latency known, or what cannot change a DP's minimum.
@@ -1205,7 +1229,7 @@ def _seed_latency(p: _Problem, arrays) -> float:
     """The latency of the best uniform pipeline (Megatron's layout: S stages of one shape, layers split evenly, for
     each shape whose size divides the cluster), or inf when none fits: a plan the DP can find, so a bound to start
     from."""
-    L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    L, NM = p.num_layers, p.num_devices
     best = math.inf
     for sh, shape in enumerate(p.shapes):
         size = shape[0] * shape[1]
