@@ -400,7 +400,8 @@ def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
     """The step time the stage DP minimises for ``schedule``: :func:`pipeline_latency` for 1F1B and GPipe, and
 
     - interleaved (``v`` chunks): each stage runs ``vB`` chunk-microbatches of ``t / v`` and each cut carries ``v``
-      transfers per microbatch, so ``(sum t + v sum c + (vB - 1) max(t, v c)) / v`` -- with uniform stages and
+      transfers per microbatch (the wrap-around from the last stage to the first, ``v - 1`` more, is left out),
+      so ``(sum t + v sum c + (vB - 1) max(t, v c)) / v`` -- with uniform stages and
       free transfers exactly the simulator's ``B t + (p - 1) t / v`` (Megatron's bubble), and above it for uneven
       stages (both checked in the tests);
     - ZB-H1 (``w = wgrad_share``: W's share of each stage's t): the simulator's makespan with uniform stages and
