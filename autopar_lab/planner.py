@@ -279,10 +279,50 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     result = search_microbatches(table, cluster, choices, grid=layer_grid(len(table.layer_names)), **kw)
     result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem,
                             virtual_stages=v)
+    stages = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in result.stages]
+    if schedule in inter.BY_STAGE_COUNT:
+        stages = nudged_cuts(table, stages, microbatches=result.microbatches, schedule=schedule, virtual_stages=v,
+                             stage_comm=stage_comm, mem_limit_bytes=mem)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
-    return price_plan(table, result.stages, microbatches=result.microbatches, schedule=schedule,
+    return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
                       solve_s=planning_times(table, solve_s), virtual_stages=v)
+
+
+#: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
+NUDGE_ROUNDS = 4
+
+
+def nudged_cuts(table: CostTable, stages: list, *, microbatches: int, schedule: str, virtual_stages: int,
+                stage_comm: str, mem_limit_bytes: float) -> list:
+    """``stages`` ((layers, submesh, logical mesh, remat) each) with the cuts between them moved one layer at a
+    time while the simulated step gets faster and the plan fits (at most :data:`NUDGE_ROUNDS` moves).
+
+    For the interleaved and ZB-H1 schedules the stage DP minimises a formula that is not the simulated step (ZB-H1's
+    is an upper bound, see :func:`~autopar_lab.solve.inter.schedule_latency`), so its split can be a layer off the
+    simulation's best (MoE-10B on 16 V100s: 10 + 8 layers where 9 + 9 is 0.9% faster)."""
+    def step(sts) -> float:
+        try:
+            cost = price_plan(table, sts, microbatches=microbatches, schedule=schedule, stage_comm=stage_comm,
+                              mem_limit_bytes=mem_limit_bytes, virtual_stages=virtual_stages).cost
+        except ValueError:
+            return math.inf  # a layout the schedule cannot run
+        return cost.step_time_s if cost.fits else math.inf
+
+    best, best_s = list(stages), step(stages)
+    for _ in range(NUDGE_ROUNDS):
+        moves = []
+        for j in range(1, len(best)):
+            for d in (-1, 1):
+                (a, b), (c, e) = best[j - 1][0], best[j][0]
+                if a <= b + d and c + d <= e:
+                    moves.append([*best[:j - 1], ((a, b + d), *best[j - 1][1:]), ((c + d, e), *best[j][1:]),
+                                  *best[j + 1:]])
+        scored = [(step(m), m) for m in moves]
+        if not scored or min(s for s, _ in scored) >= best_s * (1 - 1e-9):
+            break
+        best_s, best = min(scored, key=lambda x: x[0])
+    return best
 
 
 def _auto_schedule(table: CostTable, cluster: Cluster, trace_s: float, **kw) -> Plan:

@@ -106,3 +106,25 @@ def test_megatron_grid_with_schedules_is_no_slower_and_says_which(table):
     # only pipelines get the other schedules; every 1F1B row of the plain grid is still there
     assert all(r["pp"] > 1 for r in more["megatron_tried"] if r["schedule"] != "1f1b")
     assert sum(r["schedule"] == "1f1b" for r in more["megatron_tried"]) == len(plain["megatron_tried"])
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
+def test_nudged_cuts_only_move_cuts_and_only_when_the_simulation_is_faster(table, schedule):
+    from autopar_lab.planner import nudged_cuts
+    from autopar_lab.pricing import price_plan
+
+    v = 2 if schedule == "interleaved" else 1
+    kw = dict(microbatches=4, schedule=schedule, virtual_stages=v, stage_comm="model",
+              mem_limit_bytes=SMALL.device.memory_bytes)
+    start = [((0, 1), (1, 2), (1, 2), False), ((2, 3), (1, 2), (2, 1), True)]
+    if schedule == "zb-h1":
+        start = [((0, 0), (1, 2), (1, 2), False), ((1, 3), (1, 2), (2, 1), True)]
+    out = nudged_cuts(table, start, **kw)
+    assert [s[1:] for s in out] == [s[1:] for s in start]  # submeshes, meshes and remat kept
+    assert out[0][0][0] == 0 and out[-1][0][1] == 3 and out[0][0][1] + 1 == out[1][0][0]
+
+    def step(sts):
+        return price_plan(table, sts, microbatches=4, schedule=schedule, virtual_stages=v).cost.step_time_s
+
+    assert step(out) <= step(start)
+    assert nudged_cuts(table, out, **kw) == out  # a fixpoint: no one-layer move is faster
