@@ -14,7 +14,7 @@ import threading
 from typing import Callable, Sequence
 
 from .rematmode import remat_label, remat_value
-from .schedules import SCHEDULES, dp_schedule
+from .schedules import SCHEDULES
 
 
 class UsageError(Exception):
@@ -117,13 +117,12 @@ def cmd_plan(args) -> dict:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
-    notes = []
+    notes: list[str] = []
     if args.method == "auto":
-        # The stage DP prices 1F1B and GPipe; for the other schedules it chooses the stages as for 1F1B.
+        # The stage DP prices each schedule with its own formula; "auto" plans each and keeps the fastest.
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
-                                 schedule=dp_schedule(schedule), on_progress=_progress(args))
-        if schedule != plan.schedule:
-            notes.append(f"stages chosen by the stage DP for 1f1b, then run with {schedule}")
+                                 schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else None,
+                                 on_progress=_progress(args))
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
@@ -132,7 +131,7 @@ def cmd_plan(args) -> dict:
                                      virtual_stages=virtual)
     else:
         plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat)
-    if schedule != plan.schedule:
+    if schedule not in (plan.schedule, "auto"):
         try:
             plan = plan.with_schedule(schedule, virtual)
         except ValueError as e:
@@ -164,6 +163,13 @@ def _schedule(args) -> tuple[str, int | None]:
     from .schedules import check_schedule
 
     schedule = args.schedule or "1f1b"
+    if schedule == "auto":
+        if getattr(args, "method", "auto") != "auto":
+            raise UsageError(f"--schedule auto applies to --method auto only; give the {args.method} plan a "
+                             f"schedule ({', '.join(SCHEDULES)})")
+        if args.virtual_stages is not None:
+            raise UsageError("--virtual-stages goes with --schedule interleaved; --schedule auto tries 2 and 4")
+        return "auto", None
     if args.virtual_stages is not None and schedule != "interleaved":
         raise UsageError("--virtual-stages applies to --schedule interleaved only (add it, or drop --virtual-stages)")
     try:
@@ -431,9 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Korthikanti et al.'s selective recomputation)")
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default) to search them")
     sp.add_argument("--stage-comm", choices=["model", "ignore"], default="model", dest="stage_comm")
-    sp.add_argument("--schedule", choices=list(SCHEDULES),
+    sp.add_argument("--schedule", choices=[*SCHEDULES, "auto"],
                     help="the pipeline schedule (default 1f1b); interleaved runs --virtual-stages model chunks per "
-                         "stage, zb-h1 splits each backward into its input- and weight-gradient parts")
+                         "stage, zb-h1 splits each backward into its input- and weight-gradient parts; auto (with "
+                         "--method auto) plans 1f1b, interleaved (2 and 4 chunks) and zb-h1 and keeps the fastest")
     sp.add_argument("--virtual-stages", dest="virtual_stages", type=int,
                     help="with --schedule interleaved: model chunks per stage (default 2)")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")

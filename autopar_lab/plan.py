@@ -104,6 +104,8 @@ class CostReport:
     # attention ran as one fused (flash) kernel.
     kernels: int = 0
     flash_attention: bool = False
+    # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
+    schedule_choice: str = field(default="", compare=False)
 
     @property
     def fits(self) -> bool:
@@ -146,6 +148,7 @@ class CostReport:
             f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
             f"reduction behind the last backward, parameter gathers behind the forward)"
+            + (f"; {self.schedule_choice}" if self.schedule_choice else "")
         )
 
 

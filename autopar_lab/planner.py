@@ -16,6 +16,7 @@ Planning makes decisions; :mod:`autopar_lab.pricing` prices them:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -41,7 +42,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
 from .pricing.table_pool import default_workers
 from .rematmode import is_full, is_selective, remat_value
 from .solve import inter
-from .schedules import check_schedule, dp_schedule
+from .schedules import check_schedule
 from .solve.ilp import DEFAULT_SOLVER
 
 if TYPE_CHECKING:
@@ -162,11 +163,10 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
     ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
     count is run again with every candidate, for the error's smallest memory requirement.
-    ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes`` among them).
+    ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes``, ``schedule``,
+    ``virtual_stages`` and ``wgrad_share`` among them: the DP prices every schedule with its own formula).
     """
     make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
-    if "schedule" in kw:  # the DP prices 1F1B for interleaved and ZB-H1 plans (the plan is then priced exactly)
-        kw["schedule"] = dp_schedule(kw["schedule"])
     L = len(table.layer_names)
     cuts = list(table.cut_bytes)
     if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
@@ -214,11 +214,31 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     return best
 
 
+def wgrad_share(table: CostTable) -> float:
+    """ZB-H1's weight-gradient part W as a share of a stage's fwd + bwd, the figure the stage DP's zero-bubble
+    formula takes (:func:`~autopar_lab.solve.inter.schedule_latency`): measured on the whole model on one device
+    (:func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` of the backward), the DP's default when the table
+    has nothing to measure."""
+    from .pricing.wgrad import weight_grad_fraction
+
+    costs, intra = table.mesh_costs((1, 1), (1, 1))
+    fwd, bwd = sum(c.fwd_s for c in costs), sum(c.bwd_s for c in costs)
+    if fwd + bwd <= 0:
+        return inter.DEFAULT_WGRAD_SHARE
+    share = weight_grad_fraction(table, intra, costs, 0, len(costs) - 1) * bwd / (fwd + bwd)
+    return min(max(share, 0.0), 0.9)
+
+
+#: What ``schedule="auto"`` tries: (schedule, virtual stages), each planned by the stage DP with its own formula.
+AUTO_SCHEDULES = (("1f1b", None), ("interleaved", 2), ("interleaved", 4), ("zb-h1", None))
+
+
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", progress="on_progress", _table_cache="table")
 def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto", stage_comm: str = "model",
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
-              table: CostTable | None = None, space: str = "auto", workers: int | None = None) -> Plan:
+              table: CostTable | None = None, space: str = "auto", workers: int | None = None,
+              virtual_stages: int | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -231,9 +251,20 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     shape; ``"divisors"``; ``"auto"``, full up to 4 hosts); a given table keeps its own. ``workers``: processes
     for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4). A model of
     more than ``LAYER_GRID_MAX`` layers is cut on a grid of blocks (:func:`layer_grid`).
+
+    ``schedule``: "1f1b" (default), "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2),
+    "zb-h1", each searched with its own step-time formula and memory by the stage DP; or ``"auto"``: each of
+    :data:`AUTO_SCHEDULES` (interleaving only where a layout allows it) is planned and the fastest plan that fits
+    is kept, its notes (``plan.notes``, shown by ``explain``) saying which schedules were tried and their steps.
     """
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space,
                                         workers=default_workers() if workers is None else workers)
+    if schedule == "auto":
+        if virtual_stages is not None:
+            raise ValueError("virtual_stages goes with schedule='interleaved'; schedule='auto' tries 2 and 4.")
+        return _auto_schedule(table, cluster, trace_s or 0.0, microbatches=microbatches, stage_comm=stage_comm,
+                              mem_limit_bytes=mem_limit_bytes, max_stages=max_stages, workers=workers)
+    schedule, v = check_schedule(schedule, virtual_stages)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
@@ -241,6 +272,10 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     table.solve_meshes(workers=workers)  # every mesh the DP prices, side by side where cores allow
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
+    if schedule == "interleaved":
+        kw["virtual_stages"] = v
+    elif schedule == "zb-h1":
+        kw["wgrad_share"] = wgrad_share(table)
     choices = microbatch_choices(table.batch_size, microbatches)
     # Memory-lean solutions (ZeRO-3 / FSDP storage) beside the fast ones, where the fast one cannot hold a layer;
     # on every mesh when nothing fits without them (CostTable.lean_meshes).
@@ -252,11 +287,79 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
         if table.lean != "auto" or not table.solve_lean(workers=workers):
             raise
         result = search_microbatches(table, cluster, choices, grid=grid, **kw)
-    result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem)
+    result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem,
+                            virtual_stages=v)
+    stages = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in result.stages]
+    if schedule in inter.BY_STAGE_COUNT:
+        stages = nudged_cuts(table, stages, microbatches=result.microbatches, schedule=schedule, virtual_stages=v,
+                             stage_comm=stage_comm, mem_limit_bytes=mem)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
-    return price_plan(table, result.stages, microbatches=result.microbatches, schedule=schedule,
+    return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
-                      solve_s=planning_times(table, solve_s))
+                      solve_s=planning_times(table, solve_s), virtual_stages=v)
+
+
+#: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
+NUDGE_ROUNDS = 4
+
+
+def nudged_cuts(table: CostTable, stages: list, *, microbatches: int, schedule: str, virtual_stages: int,
+                stage_comm: str, mem_limit_bytes: float) -> list:
+    """``stages`` ((layers, submesh, logical mesh, remat) each) with the cuts between them moved one layer at a
+    time while the simulated step gets faster and the plan fits (at most :data:`NUDGE_ROUNDS` moves).
+
+    For the interleaved and ZB-H1 schedules the stage DP minimises a formula that is not the simulated step (ZB-H1's
+    is an upper bound, see :func:`~autopar_lab.solve.inter.schedule_latency`), so its split can be a layer off the
+    simulation's best (MoE-10B on 16 V100s: 10 + 8 layers where 9 + 9 is 0.9% faster)."""
+    def step(sts) -> float:
+        try:
+            cost = price_plan(table, sts, microbatches=microbatches, schedule=schedule, stage_comm=stage_comm,
+                              mem_limit_bytes=mem_limit_bytes, virtual_stages=virtual_stages).cost
+        except ValueError:
+            return math.inf  # a layout the schedule cannot run
+        return cost.step_time_s if cost.fits else math.inf
+
+    best, best_s = list(stages), step(stages)
+    for _ in range(NUDGE_ROUNDS):
+        moves = []
+        for j in range(1, len(best)):
+            for d in (-1, 1):
+                (a, b), (c, e) = best[j - 1][0], best[j][0]
+                if a <= b + d and c + d <= e:
+                    moves.append([*best[:j - 1], ((a, b + d), *best[j - 1][1:]), ((c + d, e), *best[j][1:]),
+                                  *best[j + 1:]])
+        scored = [(step(m), m) for m in moves]
+        if not scored or min(s for s, _ in scored) >= best_s * (1 - 1e-9):
+            break
+        best_s, best = min(scored, key=lambda x: x[0])
+    return best
+
+
+def _auto_schedule(table: CostTable, cluster: Cluster, trace_s: float, **kw) -> Plan:
+    """:func:`auto_plan` with ``schedule="auto"``: every schedule of :data:`AUTO_SCHEDULES` planned on one table,
+    the fastest plan that fits kept (ties: the earlier, simpler schedule), with a note of what was tried."""
+    plans, tried = [], []
+    for schedule, v in AUTO_SCHEDULES:
+        name = schedule if v is None else f"{schedule} v={v}"
+        try:
+            plan = auto_plan(table.graph, cluster, schedule=schedule, virtual_stages=v, table=table, **kw)
+        except inter.NoFeasiblePlanError as e:
+            tried.append(f"{name}: no plan ({str(e).split(';')[0]})")
+            continue
+        plans.append((name, plan))
+        tried.append(f"{name}: {plan.cost.step_time_s:.4g} s{'' if plan.cost.fits else ' (does not fit)'}")
+    if not plans:
+        raise inter.NoFeasiblePlanError("no schedule has a plan: " + "; ".join(tried), math.inf)
+    fitting = [x for x in plans if x[1].cost.fits] or plans
+    name, best = fitting[0]
+    for other in fitting[1:]:  # a later schedule only when faster beyond rounding (one stage: all the same)
+        if other[1].cost.step_time_s < best.cost.step_time_s * (1 - 1e-9):
+            name, best = other
+    note = f"schedule auto: {name} is the fastest that fits of {'; '.join(tried)}"
+    solve_s = dict(best.solve_s)
+    solve_s["trace"] = trace_s
+    return dataclasses.replace(best, notes=(*best.notes, note), solve_s=solve_s,
+                               cost=dataclasses.replace(best.cost, schedule_choice=note))
 
 
 #: How many of the DP's best microbatch counts :func:`simulated_best` prices by simulation.
@@ -264,7 +367,7 @@ SIMULATED_COUNTS = 3
 
 
 def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str, stage_comm: str,
-                   mem_limit_bytes: float) -> inter.InterResult:
+                   mem_limit_bytes: float, virtual_stages: int | None = None) -> inter.InterResult:
     """Of the stage DP's plans for the microbatch counts it solved to the end, the one whose simulated step is
     fastest (among the :data:`SIMULATED_COUNTS` best by the DP's latency; ties: the DP's choice).
 
@@ -272,7 +375,9 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
     a plan is priced by simulating its schedule, where a transfer between stages is hidden only by a warm-up deep
     enough to cover it, and memory can forbid that depth. The two can rank two counts differently (MoE-10B on
     16 V100s: the DP's 128 microbatches simulate to 8.02 s, its 256 to 7.46 s). Counts the DP left unsolved because
-    their latency could not beat the best are not priced, so this can only improve on the DP's pick.
+    their latency could not beat the best are not priced, so this can only improve on the DP's pick. For ZB-H1
+    the DP's formula is an upper bound (see :func:`~autopar_lab.solve.inter.schedule_latency`), and for
+    interleaving each chunk pays its own overheads: the simulation decides there too.
     """
     solved = result.diagnostics.get("solved") or {}
     ranked = sorted(solved.values(), key=lambda r: (r.latency_s, r.microbatches))[:SIMULATED_COUNTS]
@@ -281,7 +386,7 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
 
     def simulated(r: inter.InterResult) -> tuple[bool, float]:
         cost = price_plan(table, r.stages, microbatches=r.microbatches, schedule=schedule, stage_comm=stage_comm,
-                          mem_limit_bytes=mem_limit_bytes, method="auto").cost
+                          mem_limit_bytes=mem_limit_bytes, method="auto", virtual_stages=virtual_stages).cost
         return (not cost.fits, cost.step_time_s)
 
     scores = {r.microbatches: simulated(r) for r in ranked}
@@ -380,19 +485,24 @@ def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int
 
 @renamed_keywords(model_or_graph="model")
 def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", solver: str = DEFAULT_SOLVER,
-            stage_comm: str = "model", table: CostTable | None = None) -> dict:
+            stage_comm: str = "model", table: CostTable | None = None, schedule: str = "1f1b",
+            grid_schedules: Sequence[str] = ("1f1b",)) -> dict:
     """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table.
 
     Both baselines are tried with and without rematerialisation (Megatron-LM's activation checkpointing) at every
     microbatch count; ``megatron_tried`` lists every Megatron configuration with its step time and peak memory.
-    ``table``: as for :func:`auto_plan`."""
+    ``table``: as for :func:`auto_plan`. ``schedule``: the auto plan's (``"auto"``: it chooses);
+    ``grid_schedules``: the schedules every Megatron configuration is tried with (see :func:`baselines`), so that a
+    comparison with ``schedule="auto"`` stays fair."""
     table, cluster, trace_s = table_for(model, cluster, table, solver)
     auto = auto_plan(table.graph, cluster, microbatches=microbatches, solver=solver, stage_comm=stage_comm,
-                     table=table)
-    return {"auto": auto, **baselines(table, cluster, microbatches), "trace_s": trace_s or 0.0}
+                     table=table, schedule=schedule)
+    return {"auto": auto, **baselines(table, cluster, microbatches, schedules=grid_schedules),
+            "trace_s": trace_s or 0.0}
 
 
-def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="auto") -> dict:
+def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="auto",
+              schedules: Sequence[str] = ("1f1b",)) -> dict:
     """The best Megatron-style plan and the best data-parallel plan, priced by ``table``.
 
     Every (dp, tp, pp) of :func:`megatron_grid` x microbatch count x rematerialisation (Megatron-LM's activation
@@ -400,27 +510,35 @@ def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="au
     Returns ``megatron_best`` (None when no configuration fits memory), ``megatron_config`` ((dp, tp, pp,
     microbatches, remat) or None), ``megatron_tried`` (one row per configuration: step time, peak memory, fits) and
     ``data_parallel`` (the fastest that fits, else the one with the smallest peak memory).
+
+    ``schedules``: each configuration with more than one stage is also tried with these ("interleaved": 2 chunks
+    per stage, where the layout allows; "zb-h1"); ``megatron_schedule`` names the best one's.
     """
     cluster = cluster if cluster is not None else table.cluster
-    best, config, tried = None, None, []
+    best, config, tried, best_schedule = None, None, [], "1f1b"
     mbs = microbatch_choices(table.batch_size, microbatches)
+    extra = [check_schedule(s) for s in dict.fromkeys(schedules) if s != "1f1b"]
     for dp, tp, pp in megatron_grid(cluster, len(table.layer_names)):
         for mb in mbs:
             for remat in (False, True):
-                try:
-                    p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
-                                      table=table)
-                except ValueError:
-                    continue
-                fits = p.cost.fits
-                tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
-                              "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
-                              "fits": fits})
-                if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
-                    best, config = p, (dp, tp, pp, mb, remat)
+                for schedule, v in [("1f1b", 1), *(extra if pp > 1 else [])]:
+                    try:
+                        p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
+                                          table=table, schedule=schedule,
+                                          virtual_stages=v if schedule == "interleaved" else None)
+                    except ValueError:
+                        continue
+                    fits = p.cost.fits
+                    tried.append({"dp": dp, "tp": tp, "pp": pp, "microbatches": mb, "remat": remat,
+                                  "step_time_s": p.cost.step_time_s, "peak_mem_bytes": max(p.cost.peak_mem_bytes),
+                                  "fits": fits, **({"schedule": schedule} if extra else {})})
+                    if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
+                        best, config, best_schedule = p, (dp, tp, pp, mb, remat), schedule
     datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, remat=remat, table=table)
              for mb in mbs for remat in (False, True)]
     fitting = [p for p in datas if p.cost.fits]
     data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
             else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))
-    return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data}
+    return {"megatron_best": best, "megatron_config": config, "megatron_tried": tried, "data_parallel": data,
+            "megatron_schedule": best_schedule + (f" v={best.virtual_stages}" if best is not None and
+                                                  best.virtual_stages > 1 else "")}

@@ -11,6 +11,9 @@ checkpointing).
     .venv/bin/python bench/bench_plan.py --quick     # one row per family where auto and Megatron differed, and more
 
 ``--quick`` runs :data:`QUICK`: the rows that take minutes, not hours, on a shared 2-core machine.
+``--schedules`` (issue 17): auto chooses its schedule (``schedule="auto"``: 1F1B, interleaved v = 2, 4, ZB-H1) and
+every Megatron configuration is tried with the interleaved (v = 2) and ZB-H1 schedules too (:data:`GRID_SCHEDULES`),
+so that the comparison stays fair; the best Megatron configuration's schedule is printed after it.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ def cluster_for(gpus: int) -> al.Cluster:
     return al.Cluster.preset("p3.16xlarge", hosts=gpus // 8)
 
 
-def main(items: list[str]) -> None:
+#: The schedules the Megatron-style grid tries with --schedules (beside 1F1B).
+GRID_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def main(items: list[str], schedules: bool = False) -> None:
     print(f"{'model':<12}{'GPUs':>5}{'auto s':>11}{'megatron s':>12}{'(dp,tp,pp,mb[,R])':>20}{'data s':>11}{'(mb[,R])':>10}"
           f"{'meg/auto':>10}{'data/auto':>10}{'stages':>8}{'EP a/m':>8}{'plan s':>8}")
     for item in items:
         name, gpus = item.split(":")
         gpus = int(gpus)
         t0 = time.perf_counter()
-        res = planner.compare(al.models.get(name), cluster_for(gpus))
+        res = planner.compare(al.models.get(name), cluster_for(gpus), **(
+            dict(schedule="auto", grid_schedules=GRID_SCHEDULES) if schedules else {}))
         took = time.perf_counter() - t0
         auto, meg, data = res["auto"], res["megatron_best"], res["data_parallel"]
         c = res["megatron_config"]
@@ -53,6 +61,9 @@ def main(items: list[str]) -> None:
         print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>20}{data_s:>11.4g}{dcfg:>10}"
               f"{meg_s / auto.cost.step_time_s:>10.3f}{data_s / auto.cost.step_time_s:>10.3f}"
               f"{len(auto.stages):>8}{ep(auto) + '/' + (ep(meg) if meg else '-'):>8}{took:>8.0f}", flush=True)
+        if schedules:
+            print(f"{'':<12}auto: {auto.schedule}{f' v={auto.virtual_stages}' if auto.virtual_stages > 1 else ''}, "
+                  f"{auto.microbatches} mb; megatron: {res['megatron_schedule']}", flush=True)
 
 
 def ep(plan) -> str:
@@ -62,4 +73,7 @@ def ep(plan) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(QUICK if args == ["--quick"] else args or ["gpt-350m:1", "gpt-760m:2", "gpt-1.3b:4", "gpt-2.6b:8"])
+    with_schedules = "--schedules" in args
+    args = [a for a in args if a != "--schedules"]
+    main(QUICK if args == ["--quick"] else args or ["gpt-350m:1", "gpt-760m:2", "gpt-1.3b:4", "gpt-2.6b:8"],
+         schedules=with_schedules)

@@ -22,8 +22,9 @@ def base(model):
     return global_optimum(model, SMALL)
 
 
-def naive(table, cluster, choices, mem, remat=(False, True, "selective"), schedule="1f1b"):
-    """Every partition x in-order tiling x logical mesh x remat x B, each priced by price_plan."""
+def naive(table, cluster, choices, mem, remat=(False, True, "selective"), schedule="1f1b", virtual_stages=None):
+    """Every partition x in-order tiling x logical mesh x remat x B, each priced by price_plan (layouts the
+    schedule cannot run left out)."""
     L, NM, M = len(table.layer_names), cluster.num_devices, cluster.devices_per_host
     shapes = cluster.submesh_shapes()
 
@@ -47,8 +48,11 @@ def naive(table, cluster, choices, mem, remat=(False, True, "selective"), schedu
                                 for lm in cluster.logical_mesh_shapes(subs[j]) for r in remat] for j in range(S)]
                     for stages in itertools.product(*options):
                         n += 1  # priced by price_plan, as every plan is: the ground truth
-                        plan = price_plan(table, stages, microbatches=B, schedule=schedule, stage_comm="model",
-                                          mem_limit_bytes=mem, method="naive")
+                        try:
+                            plan = price_plan(table, stages, microbatches=B, schedule=schedule, stage_comm="model",
+                                              mem_limit_bytes=mem, method="naive", virtual_stages=virtual_stages)
+                        except ValueError:
+                            continue
                         if all(m <= mem for m in plan.cost.peak_mem_bytes):
                             best = min(best, plan.cost.step_time_s)
     return best, n

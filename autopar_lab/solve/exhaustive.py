@@ -28,6 +28,11 @@ plan counts only if every stage's simulated peak memory fits the device. Both se
   and fits), and counts if the simulated peak fits. (No candidate dominance pruning: with the deeper warm-up,
   whose depth depends on the stage times, makespan and memory are no longer monotone in one candidate's times.)
 
+Schedules: ``schedule="interleaved"`` (``virtual_stages`` chunks per stage) and ``"zb-h1"`` price each plan with
+``price_plan`` itself (each chunk, each weight-gradient task priced as a plan is), plans whose layout cannot run
+interleaved (a stage count not dividing the microbatches, a stage with fewer layers than chunks) left out; their
+lower bound is the busiest stage's ``B * (fwd + bwd)`` alone (the prefix argument below assumes 1F1B's order).
+
 What is *not* covered: the intra-op level is shared (one ILP per mesh, per-layer costs summed), so a gap of zero does
 not mean Alpa's plan is globally optimal over operator shardings, only over everything above them.
 
@@ -59,6 +64,7 @@ from .. import planner
 from ..deprecation import renamed_keywords
 from ..pricing import CostTable, price_plan, simulate_pipeline
 from ..rematmode import REMAT_CHOICES, remat_value
+from ..schedules import check_schedule
 from .ilp import DEFAULT_SOLVER
 from .inter import NoFeasiblePlanError, StageCandidate, placement_fits, transfer_s
 
@@ -98,7 +104,7 @@ def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int,
 def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=REMAT_CHOICES,
                    schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
                    solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
-                   table: CostTable | None = None) -> dict:
+                   table: CostTable | None = None, virtual_stages: int | None = None) -> dict:
     """Enumerate every plan of a small instance, price each with the pipeline simulator, and compare with Alpa's.
 
     ``model``/``cluster``/``microbatches``/``stage_comm``/``mem_limit_bytes``/``solver``/``table``: as for
@@ -107,6 +113,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     and selective, as the auto plan's; :func:`~autopar_lab.rematmode.remat_value` values). ``limit``: refuse (a
     ValueError) when the space holds more plans than this. ``prune=False`` prices every plan (for tests);
     ``seed=False`` starts the pruned search without the auto plan as its incumbent (for tests of the bound).
+    ``schedule`` (and ``virtual_stages`` for "interleaved"): the schedule both plans run (see the module docstring).
 
     Returns a dict: ``optimum`` and ``auto`` (Plans priced by ``price_plan``, so priced identically),
     ``optimum_step_s``, ``auto_step_s``, ``gap`` (``auto / optimum - 1``), ``plans_total`` (size of the space),
@@ -114,6 +121,8 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     ``solve_s`` ({"table", "auto", "search", "total"}) and ``table`` (the shared CostTable).
     """
     t_start = time.perf_counter()
+    schedule, v = check_schedule(schedule, virtual_stages)
+    own = schedule in ("interleaved", "zb-h1")  # priced by price_plan itself, with the busiest-stage bound only
     table, cluster, _ = planner.table_for(model, cluster, table, solver)
     choices = planner.microbatch_choices(table.batch_size, microbatches)
     remat = tuple(dict.fromkeys(remat_value(r) for r in remat))
@@ -134,7 +143,8 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     t_table = time.perf_counter()
 
     auto = planner.auto_plan(table.graph, cluster, microbatches=microbatches, stage_comm=stage_comm,
-                             schedule=schedule, mem_limit_bytes=mem, solver=solver, table=table)
+                             schedule=schedule, mem_limit_bytes=mem, solver=solver, table=table,
+                             virtual_stages=v if schedule == "interleaved" else None)
     auto_fits = all(m <= mem for m in auto.cost.peak_mem_bytes)
     t_auto = time.perf_counter()
 
@@ -172,6 +182,17 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     def leaf(stages: list[StageCandidate], sends: list[float], B: int) -> None:
         # Exactly price_plan's pricing: plain 1F1B, or its deeper warm-up when that is faster and fits.
         stats["priced"] += 1
+        if own:
+            try:
+                cost = price_plan(table, stages, microbatches=B, schedule=schedule, virtual_stages=v,
+                                  mem_limit_bytes=mem).cost
+            except ValueError:
+                return  # a layout the schedule cannot run
+            if cost.fits:
+                stats["feasible"] += 1
+                if cost.step_time_s < best["T"]:
+                    best.update(T=cost.step_time_s, stages=list(stages), B=B)
+            return
         tl = simulate_pipeline([s.fwd_s for s in stages], [s.bwd_s for s in stages], B, schedule, sends,
                                [s.act_bytes for s in stages], [s.static_bytes for s in stages], mem)
         if any(m > mem for m in tl.peak_mem_bytes):
@@ -196,7 +217,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
                 if (left == 0) != (nxt == NM) or not tileable(nxt, left):
                     continue
                 cut = send_s(k, offset, B) if k > 0 else 0.0
-                into = prefix + 2 * cut
+                into = 0.0 if own else prefix + 2 * cut
                 for c in cands(k, i, sub, B):
                     lb = max(bound, into + B * c.time_s)
                     if prune and lb >= best["T"]:
@@ -223,7 +244,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     else:
         opt_stages, opt_B = best["stages"], best["B"]
     optimum = price_plan(table, opt_stages, microbatches=opt_B, schedule=schedule, stage_comm="model",
-                         mem_limit_bytes=mem, method="optimum",
+                         mem_limit_bytes=mem, method="optimum", virtual_stages=v,
                          solve_s=planner.planning_times(table, {"search": solve_s["search"]}))
     solve_s["total"] = time.perf_counter() - t_start
     a, o = auto.cost.step_time_s, optimum.cost.step_time_s

@@ -10,7 +10,9 @@ candidates to minimise the pipeline latency
 
 where ``t_i = fwd + bwd`` of stage ``i`` and ``c_j = send_fwd + send_bwd`` of cut ``j``.
 With ``stage_comm="ignore"`` every ``c_j`` is priced 0 and this is exactly Alpa's
-``sum t_i + (B - 1) max t_i``.
+``sum t_i + (B - 1) max t_i``. The interleaved and zero-bubble schedules have formulas of their own, of the same
+shape (:func:`schedule_latency`), and hold other numbers of microbatches (:func:`held_microbatches`); both depend
+on the total stage count, so for them the DP is solved once per stage count.
 
 Placement rule (needed to know which link a cut uses). The cluster has N hosts of M
 devices, numbered host-major (device ``h * M + r`` is slot ``r`` of host ``h``). Stages
@@ -51,6 +53,7 @@ Example (two layers, one host of two devices, one candidate per stage):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -76,10 +79,17 @@ __all__ = [
     "placement_fits",
     "cut_link",
     "held_microbatches",
+    "schedule_latency",
     "cluster_kwargs",
+    "DEFAULT_WGRAD_SHARE",
 ]
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+#: The schedules whose formula and memory depend on the total stage count (the DP solves each count on its own).
+BY_STAGE_COUNT = ("interleaved", "zb-h1")
+#: ZB-H1's weight-gradient part W as a share of a stage's fwd + bwd when none is given: a transformer layer's
+#: backward is about twice its forward and W about half of it, so F = B = W.
+DEFAULT_WGRAD_SHARE = 1.0 / 3.0
 STAGE_COMM = ("model", "ignore")
 
 
@@ -181,6 +191,8 @@ class InterResult:
     schedule: str = "1f1b"
     stage_comm: str = "model"
     diagnostics: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    virtual_stages: int = 1  # chunks per stage (interleaved)
+    wgrad_share: float = 0.0  # W's share of each stage's time the zb-h1 formula assumed
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -197,17 +209,21 @@ class InterResult:
         """Simulate this plan event by event (see :mod:`autopar_lab.simulate`)."""
         from autopar_lab.simulate import simulate
 
-        # The timeline shows what would happen, so transfers are always priced here.
-        return simulate(
-            [s.fwd_s for s in self.stages],
-            [s.bwd_s for s in self.stages],
-            self.microbatches,
-            self.schedule,
-            send_fwd_s=self.send_fwd_s,
-            send_bwd_s=self.send_bwd_s,
-            act_bytes=[s.act_bytes for s in self.stages],
-            static_bytes=[s.static_bytes for s in self.stages],
-        )
+        # The timeline shows what would happen, so transfers are always priced here. As the DP's formula sees it:
+        # interleaved stages as v equal chunks (each cut's transfer between consecutive chunks of the same round,
+        # the wrap-around free), ZB-H1's W as wgrad_share of each stage's time.
+        fwd, bwd = [s.fwd_s for s in self.stages], [s.bwd_s for s in self.stages]
+        act, static = [s.act_bytes for s in self.stages], [s.static_bytes for s in self.stages]
+        sf, sb, wgrad, v = list(self.send_fwd_s), list(self.send_bwd_s), None, self.virtual_stages
+        if self.schedule == "zb-h1":
+            wgrad = [self.wgrad_share * (f + b) for f, b in zip(fwd, bwd)]
+            bwd = [max(b - w, 0.0) for b, w in zip(bwd, wgrad)]
+        elif v > 1:
+            p = len(fwd)
+            fwd, bwd, act, static = ([x[c % p] / v for c in range(p * v)] for x in (fwd, bwd, act, static))
+            sf, sb = ([x[c % p] if c % p < p - 1 else 0.0 for c in range(p * v - 1)] for x in (sf, sb))
+        return simulate(fwd, bwd, self.microbatches, self.schedule, send_fwd_s=sf, send_bwd_s=sb, act_bytes=act,
+                        static_bytes=static, wgrad_s=wgrad, virtual_stages=v if v > 1 else None)
 
 
 class NoFeasiblePlanError(ValueError):
@@ -336,14 +352,75 @@ def cut_link(offset: int, devices_per_host: int) -> str:
     return "intra" if offset % devices_per_host else "inter"
 
 
-def held_microbatches(stages_from_here: int, microbatches: int, schedule: str) -> int:
-    """Microbatches a stage keeps alive at once: 1F1B ``min(s, B)`` where ``s`` counts the
-    stages from this one to the last (inclusive); GPipe ``B``.
+def held_microbatches(stages_from_here: int, microbatches: int, schedule: str, num_stages: int | None = None,
+                      virtual_stages: int = 1) -> float:
+    """Microbatches a stage keeps alive at once, in units of a whole stage's activations per microbatch: 1F1B
+    ``min(s, B)`` where ``s`` counts the stages from this one to the last (inclusive); GPipe ``B``. These two need
+    only ``s``; the others need the total stage count ``num_stages = p`` too (as the simulator shows them):
 
-    >>> held_microbatches(3, 8, "1f1b"), held_microbatches(3, 8, "gpipe")
-    (3, 8)
+    - ZB-H1: ``min(p, B)`` on every stage (a microbatch lives from its F to its W, which waits ``p - 1`` steps);
+    - interleaved with ``v`` chunks: ``n / v`` where ``n`` counts chunk-microbatches (each holds a chunk's share,
+      ``1 / v``, of the stage's activations): Megatron's warm-up ``2(s - 1) + (v - 1)p + 1`` of them, or all
+      ``B v`` when ``B == p`` or fewer are left.
+
+    >>> held_microbatches(3, 8, "1f1b"), held_microbatches(3, 8, "gpipe"), held_microbatches(1, 8, "zb-h1", 3)
+    (3, 8, 3)
+    >>> held_microbatches(2, 8, "interleaved", 4, 2)    # (2 + 4 + 1) chunk-microbatches of half a stage each
+    3.5
     """
-    return min(stages_from_here, microbatches) if schedule == "1f1b" else microbatches
+    if schedule == "1f1b":
+        return min(stages_from_here, microbatches)
+    if schedule == "gpipe":
+        return microbatches
+    if num_stages is None:
+        raise ValueError(f"the {schedule} schedule's memory depends on the total stage count; give num_stages.")
+    if schedule == "zb-h1":
+        return min(num_stages, microbatches)
+    v = int(virtual_stages)
+    chunks = microbatches * v if microbatches == num_stages else min(
+        2 * (stages_from_here - 1) + (v - 1) * num_stages + 1, microbatches * v)
+    return chunks / v
+
+
+def _coefficients(schedule: str, microbatches: int, virtual_stages: int,
+                  wgrad_share: float) -> tuple[float, float, float]:
+    """``(a, kappa, K)``: the schedule's step time is ``a * (sum t + sum kappa c + K * max(t, kappa c))`` (see
+    :func:`schedule_latency`), the form the DP minimises (``a`` scales every plan alike)."""
+    B = microbatches
+    if schedule == "interleaved":
+        v = int(virtual_stages)
+        return 1.0 / v, float(v), float(v * B - 1)
+    if schedule == "zb-h1":
+        a = 1.0 - wgrad_share
+        return a, 1.0 / a, (B - 1 + wgrad_share) / a
+    return 1.0, 1.0, float(B - 1)
+
+
+def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int, schedule: str = "1f1b",
+                     virtual_stages: int = 1, wgrad_share: float = DEFAULT_WGRAD_SHARE) -> float:
+    """The step time the stage DP minimises for ``schedule``: :func:`pipeline_latency` for 1F1B and GPipe, and
+
+    - interleaved (``v`` chunks): each stage runs ``vB`` chunk-microbatches of ``t / v`` and each cut carries ``v``
+      transfers per microbatch (the wrap-around from the last stage to the first, ``v - 1`` more, is left out),
+      so ``(sum t + v sum c + (vB - 1) max(t, v c)) / v`` -- with uniform stages and
+      free transfers exactly the simulator's ``B t + (p - 1) t / v`` (Megatron's bubble), and above it for uneven
+      stages (both checked in the tests);
+    - ZB-H1 (``w = wgrad_share``: W's share of each stage's t): the simulator's makespan with uniform stages and
+      F = B is ``B t + (p - 1)(t - w t) - min(B - 1, p - 1) w t``; for uneven stages it stays below
+      ``sum (1 - w) t + (B - 1) max t + w max t - min(B - 1, p - 1) w min t`` (tests), whose last term needs the
+      smallest stage and so does not split over stages. The DP drops it: ``(1 - w) sum t + sum c + (B - 1 + w)
+      max(t, c / (1 - w))``, an upper bound the planner then re-ranks by simulation.
+
+    >>> schedule_latency([3, 3], [], 4, "interleaved", 2)    # 4 * 3 + (2 - 1) * 3 / 2
+    13.5
+    >>> round(schedule_latency([3, 3], [], 4, "zb-h1", wgrad_share=1 / 3), 9)
+    14.0
+    """
+    if schedule not in ("interleaved", "zb-h1"):
+        return pipeline_latency(stage_s, cut_s, microbatches)
+    a, kappa, K = _coefficients(schedule, microbatches, virtual_stages, wgrad_share)
+    terms = list(stage_s) + [kappa * c for c in cut_s]
+    return a * (sum(terms) + K * max(terms))
 
 
 def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int) -> float:
@@ -399,11 +476,33 @@ class _Problem:
     cut_cost: dict  # (layer k >= 1, "intra"|"inter") -> (send_fwd_s, send_bwd_s)
     constraints: StageConstraints | None = None  # pinned decisions; they fix the stage count to max_stages
     blocks: Mapping | None = None  # shape -> CandidateBlock when the candidates came as arrays
+    virtual_stages: int = 1  # chunks per stage (interleaved)
+    wgrad_share: float = DEFAULT_WGRAD_SHARE  # W's share of a stage's time (zb-h1)
+    total_stages: int | None = None  # the stage count this problem is solved for (the schedules of BY_STAGE_COUNT)
 
     @property
     def fixed_stages(self) -> int | None:
-        """The stage count the pins impose (then ``max_stages`` equals it), else None."""
+        """The stage count the pins or ``total_stages`` impose (then ``max_stages`` equals it), else None."""
+        if self.total_stages is not None:
+            return self.total_stages
         return None if self.constraints is None else self.constraints.num_stages
+
+    def held(self, s: int) -> float:
+        """Microbatches a stage with ``s`` stages from it to the last holds (:func:`held_microbatches`)."""
+        return held_microbatches(s, self.microbatches, self.schedule, self.total_stages, self.virtual_stages)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """``(a, kappa, K)`` of the schedule's formula (:func:`_coefficients`)."""
+        return _coefficients(self.schedule, self.microbatches, self.virtual_stages, self.wgrad_share)
+
+    def latency(self, stage_s: Sequence[float], cut_s: Sequence[float]) -> float:
+        return schedule_latency(stage_s, cut_s, self.microbatches, self.schedule, self.virtual_stages,
+                                self.wgrad_share)
+
+    def short(self, start: int, end: int) -> bool:
+        """Whether layers start..end are too few for a stage (interleaved: one layer per chunk at least)."""
+        return end - start + 1 < self.virtual_stages
 
     def usable(self, j: int, start: int, end: int, cand: "StageCandidate") -> bool:
         """Whether ``cand`` may be stage ``j`` (counted from the first) under the pins."""
@@ -439,7 +538,8 @@ def transfer_s(nbytes: float, link: Any) -> float:
 
 def _build_problem(
     num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-    intra_link, inter_link, stage_comm, max_stages, schedule, constraints=None,
+    intra_link, inter_link, stage_comm, max_stages, schedule, constraints=None, virtual_stages=None,
+    wgrad_share=None,
 ) -> _Problem:
     L = _positive_int(num_layers, "num_layers")
     N = _positive_int(hosts, "hosts")
@@ -447,6 +547,13 @@ def _build_problem(
     B = _positive_int(microbatches, "microbatches")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    chunks = 1 if schedule != "interleaved" else 2 if virtual_stages is None else _positive_int(
+        virtual_stages, "virtual_stages")
+    if schedule == "interleaved" and chunks < 2:
+        raise ValueError("the interleaved schedule needs virtual_stages of 2 or more.")
+    w = DEFAULT_WGRAD_SHARE if wgrad_share is None else float(wgrad_share)
+    if not 0.0 <= w < 1.0:
+        raise ValueError(f"wgrad_share must be a share of a stage's time in [0, 1), got {wgrad_share!r}.")
     if stage_comm not in STAGE_COMM:
         raise ValueError(f"stage_comm must be one of {STAGE_COMM}, got {stage_comm!r}.")
     mem = float(mem_limit_bytes)
@@ -512,7 +619,7 @@ def _build_problem(
         used = tuple(shape for shape in shapes if shape in have)
     # Shapes without any candidate can never be placed: the DP's tables leave them out (at thousands of devices most
     # submesh shapes have none), which keeps the order of the others and so every tie-break.
-    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks)
+    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w)
 
 
 def _check_block(b: CandidateBlock, shape: tuple[int, int], L: int) -> None:
@@ -558,7 +665,8 @@ def _tables(p: _Problem, arrays=None) -> _Tables:
     if p.constraints is not None:
         return _tables_pinned(p)
     L, SH, S = p.num_layers, len(p.shapes), p.max_stages
-    held = np.array([held_microbatches(s, p.microbatches, p.schedule) for s in range(1, S + 1)], dtype=float)
+    held = np.array([p.held(s) for s in range(1, S + 1)], dtype=float)
+    whole = bool(np.all(held == np.floor(held)))
     mem = p.mem_limit
     arrays = _candidate_arrays(p) if arrays is None else arrays
     best_time = np.full((L, L, SH, S), np.inf)
@@ -573,13 +681,15 @@ def _tables(p: _Problem, arrays=None) -> _Tables:
         est = np.where(finite & ~fits(np.where(finite, est, 0.0)), est - 1, est)
         est = np.where(finite & fits(np.where(finite, est + 1, 0.0)), est + 1, est)
         s_max = np.searchsorted(held, np.where(has, est, -1.0), side="right")  # candidates fit for s = 1..s_max
+        if not whole:  # a fractional held (interleaved): count the s that fit directly (held grows with s)
+            s_max = sum((static + h * act <= mem).astype(np.int64) for h in held)
         by_top = np.full((L, L, S + 1), np.inf)  # [..., t]: fastest candidate whose s_max is t
         cc, kk, ii = np.nonzero(has & (s_max > 0))
         np.minimum.at(by_top, (kk, ii, s_max[cc, kk, ii]), time_[cc, kk, ii])
         best_time[:, :, sh, :] = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1]  # over s_max >= s
 
     def index(k, i, sh, s):
-        held_s = held_microbatches(s, p.microbatches, p.schedule)
+        held_s = p.held(s)
         for idx, c in enumerate(p.cands[(k, i, p.shapes[sh])]):
             if c.mem_bytes(held_s) <= mem and c.time_s == best_time[k, i, sh, s - 1]:
                 return idx
@@ -597,7 +707,17 @@ def _tables(p: _Problem, arrays=None) -> _Tables:
 
 def _candidate_arrays(p: _Problem) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Per shape of ``p.shapes``: (time, static, act, usable) arrays over (option, start, end), read from the
-    candidate blocks, or gathered from the candidate lists (padded; padding is never usable)."""
+    candidate blocks, or gathered from the candidate lists (padded; padding is never usable). A layer range too
+    short for a stage (:meth:`_Problem.short`) is never usable."""
+    out = _candidate_arrays_all(p)
+    if p.virtual_stages > 1:
+        idx = np.arange(p.num_layers)
+        long_enough = (idx[None, :] - idx[:, None] + 1) >= p.virtual_stages
+        out = [(t, st, a, has & long_enough[None]) for t, st, a, has in out]
+    return out
+
+
+def _candidate_arrays_all(p: _Problem) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     L = p.num_layers
     if p.blocks is not None:
         out = []
@@ -638,8 +758,10 @@ def _tables_pinned(p: _Problem):
         if not opts:
             continue  # a shape without candidates is not among p.shapes
         sh = p.shapes.index(shape)
+        if p.short(k, i):
+            continue
         for s in range(1, S + 1):
-            held = held_microbatches(s, p.microbatches, p.schedule)
+            held = p.held(s)
             for idx, c in enumerate(opts):
                 if not p.usable(S - s, k, i, c):
                     continue  # with pins the stage count is S, so s stages remaining means stage S - s
@@ -662,9 +784,10 @@ def _structure(p: _Problem):
         for d in range(NM + 1):
             valid[sh, d] = placement_fits(shape, NM - d, p.hosts, p.devices_per_host)
     cut = np.zeros((L, NM + 1))
+    kappa = p.coefficients[1]  # the schedule's weight of a cut (interleaved: v transfers per microbatch)
     for k in range(1, L):
         for d in range(1, NM):  # offset 1..NM-1; other d never start a stage after layer 0
-            cut[k, d] = p.priced_cut(k, NM - d)
+            cut[k, d] = kappa * p.priced_cut(k, NM - d)
     return valid, size, cut
 
 
@@ -791,16 +914,17 @@ def _result(p: _Problem, plan: list[tuple[int, int, tuple[int, int], int, int]],
     times = [c.time_s for c in stages]
     with_comm = [f + b for f, b in zip(sf, sb)]
     priced = with_comm if p.stage_comm == "model" else [0.0] * len(with_comm)
-    mems = tuple(
-        c.mem_bytes(held_microbatches(S - j, p.microbatches, p.schedule)) for j, c in enumerate(stages)
-    )
+    if p.schedule in BY_STAGE_COUNT:
+        p = dataclasses.replace(p, total_stages=S)
+    mems = tuple(c.mem_bytes(p.held(S - j)) for j, c in enumerate(stages))
+    kappa = p.coefficients[1]
     return InterResult(
         stages=stages,
         microbatches=p.microbatches,
-        latency_s=pipeline_latency(times, priced, p.microbatches),
-        t_max=max(times + priced),
+        latency_s=p.latency(times, priced),
+        t_max=max(times + [kappa * c for c in priced]),
         stage_comm_s=sum(with_comm),
-        latency_with_comm_s=pipeline_latency(times, with_comm, p.microbatches),
+        latency_with_comm_s=p.latency(times, with_comm),
         send_fwd_s=tuple(sf),
         send_bwd_s=tuple(sb),
         cut_links=tuple(links),
@@ -809,6 +933,8 @@ def _result(p: _Problem, plan: list[tuple[int, int, tuple[int, int], int, int]],
         schedule=p.schedule,
         stage_comm=p.stage_comm,
         diagnostics=diagnostics,
+        virtual_stages=p.virtual_stages,
+        wgrad_share=p.wgrad_share if p.schedule == "zb-h1" else 0.0,
     )
 
 
@@ -856,8 +982,16 @@ def stage_dp(
     constraints: StageConstraints | None = None,
     upper_bound: float = math.inf,
     prune: bool = True,
+    virtual_stages: int | None = None,
+    wgrad_share: float | None = None,
 ) -> InterResult | None:
     """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
+
+    ``schedule``: "1f1b" (default), "gpipe", "interleaved" (``virtual_stages`` chunks per stage, default 2) or
+    "zb-h1" (``wgrad_share``: W's share of a stage's time, default :data:`DEFAULT_WGRAD_SHARE`); each priced with
+    its own formula (:func:`schedule_latency`) and memory (:func:`held_microbatches`). The last two depend on the
+    total stage count p, so the DP is solved for each p on its own (interleaved: p >= 2 dividing the microbatch
+    count, stages of at least ``virtual_stages`` layers), each bounded by the best so far.
 
     ``upper_bound`` (a latency some other plan already reaches, e.g. with another microbatch count): the t_max
     search skips what cannot beat it, and the result is None when no plan here does. Infeasibility is still
@@ -905,14 +1039,80 @@ def stage_dp(
         raise ValueError('upper_bound needs t_max_search="bisect" or "all" (they solve the largest t_max first).')
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-        intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
+        intra_link, inter_link, stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share,
     )
+    if p.schedule not in BY_STAGE_COUNT:
+        return _solve(p, t_max_search, upper_bound, prune, t0)
+    best: InterResult | None = None
+    least_mem, some_fit = math.inf, False  # some_fit: some stage count has plans (found, or bounded away)
+    counts, lower = _stage_count_bounds(p)
+    for S in sorted(counts, key=lambda S: lower[S]):  # the most promising first, so the bound prunes the others
+        q = dataclasses.replace(p, total_stages=S, max_stages=S)
+        bound = min(upper_bound, best.latency_s) if best is not None else upper_bound
+        if lower[S] >= bound:
+            some_fit = some_fit or math.isfinite(lower[S])
+            continue  # no plan with S stages can beat the bound
+        try:
+            r = _solve(q, t_max_search, bound, prune, t0)
+        except NoFeasiblePlanError as e:
+            least_mem = min(least_mem, e.min_mem_bytes)
+            continue
+        some_fit = True
+        if r is not None and (best is None or r.latency_s < best.latency_s):
+            best = r
+    if best is None:
+        if some_fit:
+            return None  # plans fit, none beats upper_bound
+        if p.schedule == "interleaved" and not _stage_counts(p):
+            raise NoFeasiblePlanError(
+                f"the interleaved schedule needs 2 or more stages of {p.virtual_stages} layers or more each, their "
+                f"count dividing the {p.microbatches} microbatch(es); none is possible here.", math.inf)
+        raise _infeasible(least_mem, p.mem_limit, p.constraints is not None)
+    best.diagnostics["stage_counts_tried"] = _stage_counts(p)
+    best.diagnostics["solve_s"] = time.perf_counter() - t0
+    return best
+
+
+def _stage_count_bounds(p: _Problem) -> tuple[list[int], dict[int, float]]:
+    """The stage counts to solve (:func:`_stage_counts`) and a lower bound on the latency of any plan with each:
+    ``a (G_S^2 / N + K H / N)`` with the device-second bounds of :mod:`dpbounds` (``G_S``: S ranges, ``H``: any), from
+    the fastest candidates whatever their memory, so it holds for every plan. Without candidate arrays (pins): 0."""
+    counts = _stage_counts(p)
+    lower = {S: 0.0 for S in counts}
+    if p.constraints is not None or not p.shapes or not counts:
+        return counts, lower
+    arrays = _candidate_arrays(p)
+    fastest = np.stack([np.where(has, t, np.inf).min(axis=0, initial=np.inf) for t, _, _, has in arrays], axis=-1)
+    size = np.array([n * m for n, m in p.shapes], dtype=float)
+    NM = p.num_devices
+    H, G = dpbounds.partition_bounds(dpbounds.device_seconds(fastest, size), max(counts))
+    a, _, K = p.coefficients
+    for S in counts:
+        lower[S] = a * (G[S - 1] ** 2 / NM + K * H / NM) * (1 - _MARGIN) if math.isfinite(G[S - 1]) else math.inf
+    return counts, lower
+
+
+def _stage_counts(p: _Problem) -> list[int]:
+    """The total stage counts a problem of a :data:`BY_STAGE_COUNT` schedule is solved for."""
+    if p.fixed_stages is not None:
+        counts = [p.fixed_stages]
+    else:
+        counts = list(range(1, p.max_stages + 1))
+    if p.schedule == "interleaved":
+        counts = [S for S in counts if S >= 2 and p.microbatches % S == 0 and S * p.virtual_stages <= p.num_layers]
+    return counts
+
+
+def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: float) -> InterResult | None:
+    """:func:`stage_dp` on a built problem (for a schedule of :data:`BY_STAGE_COUNT`, one stage count)."""
     valid, size, cut_full = _structure(p)
-    L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    L, NM = p.num_layers, p.num_devices
     # Bounds (the "bisect" search only; "all" and "alpa" stay the plain references): a seed plan's latency, a
     # lower bound on t_max and on sum t + sum c by stage count (see dpbounds). They only skip what cannot beat the
     # best latency known, or what cannot change a DP's minimum.
-    bounded = prune and t_max_search == "bisect" and p.constraints is None and bool(p.shapes)
+    # (Not when the stage count is fixed by the schedule: the seed and the stage-count bounds assume a free one.)
+    bounded = prune and t_max_search == "bisect" and p.fixed_stages is None and bool(p.shapes)
+    a_coef, kappa, K = p.coefficients  # the schedule's formula: a * (sum t + sum kappa c + K max(t, kappa c))
     arrays = _candidate_arrays(p) if p.constraints is None else None
     t_lb, sum_lb, seed = -math.inf, None, math.inf
     if bounded:
@@ -928,7 +1128,7 @@ def stage_dp(
 
     values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
-        values |= {f + b for f, b in p.cut_cost.values()}
+        values |= {kappa * (f + b) for f, b in p.cut_cost.values()}
     V = sorted(values) if p.shapes else []  # no shape has a candidate: nothing to solve
 
     # Without a memory effect of the stage count and without a binding max_stages, the
@@ -939,7 +1139,8 @@ def stage_dp(
     # The layered DP may stop adding stages once none with more can go below the minimum found: exact.
     stop = None if sum_lb is None else np.append(sum_lb[1:], np.inf)  # [s - 1]: bound for s + 1 stages or more
 
-    best: dict[str, Any] = {"T": min(float(upper_bound), seed), "t_max": None, "shapes": None}
+    # best["T"] is in the DP's units (the formula over a; the seed, 1F1B and GPipe only, has a = 1).
+    best: dict[str, Any] = {"T": min(float(upper_bound) / a_coef, seed), "t_max": None, "shapes": None}
     tried: list[float] = []
     finite: list[bool] = []  # whether each DP solved found any plan
     stage_counts: list[int] = []
@@ -962,8 +1163,8 @@ def stage_dp(
             f = totals[s_best - 1]
             chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
         finite.append(math.isfinite(f))
-        if f + (B - 1) * t_max < best["T"]:
-            best.update(T=f + (B - 1) * t_max, t_max=t_max, pieces=_walk(p, chooser, s_best, size))
+        if f + K * t_max < best["T"]:
+            best.update(T=f + K * t_max, t_max=t_max, pieces=_walk(p, chooser, s_best, size))
         return f
 
     if V and t_max_search == "all":
@@ -971,13 +1172,13 @@ def stage_dp(
             solve(j)
     elif V and t_max_search == "alpa":
         for j in range(len(V)):
-            if B * V[j] >= best["T"]:
+            if (K + 1) * V[j] >= best["T"]:
                 break
             solve(j)
     elif V:
         def search(a: int, b: int, f_b: float) -> None:
             # Indices a..b-1 are unsolved; F(V[b]) = f_b bounds F from below on them. Below t_lb nothing fits.
-            if a >= b or max(f_b, V[a]) + (B - 1) * V[a] >= best["T"] or V[b - 1] < t_lb:
+            if a >= b or max(f_b, V[a]) + K * V[a] >= best["T"] or V[b - 1] < t_lb:
                 return
             mid = (a + b) // 2
             f_mid = solve(mid)
@@ -1018,7 +1219,7 @@ def stage_dp(
 def _fastest_at(p: _Problem, arrays, s: int) -> np.ndarray:
     """``[a, b, sh]``: the fastest candidate's time for layers a..b on shape sh that fits memory with s stages
     remaining (inf where none): one column of :func:`_tables`, computed directly."""
-    held = held_microbatches(s, p.microbatches, p.schedule)
+    held = p.held(s)
     out = np.full((p.num_layers, p.num_layers, len(p.shapes)), np.inf)
     for sh, (time_, static, act, has) in enumerate(arrays):
         ok = has & (static + held * act <= p.mem_limit)
@@ -1030,7 +1231,7 @@ def _seed_latency(p: _Problem, arrays) -> float:
     """The latency of the best uniform pipeline (Megatron's layout: S stages of one shape, layers split evenly, for
     each shape whose size divides the cluster), or inf when none fits: a plan the DP can find, so a bound to start
     from."""
-    L, NM, B = p.num_layers, p.num_devices, p.microbatches
+    L, NM = p.num_layers, p.num_devices
     best = math.inf
     for sh, shape in enumerate(p.shapes):
         size = shape[0] * shape[1]
@@ -1044,7 +1245,7 @@ def _seed_latency(p: _Problem, arrays) -> float:
             a, b, offset = bounds[j], bounds[j + 1] - 1, j * size
             if not placement_fits(shape, offset, p.hosts, p.devices_per_host):
                 break
-            held = held_microbatches(S - j, B, p.schedule)
+            held = p.held(S - j)
             ok = has[:, a, b] & (static[:, a, b] + held * act[:, a, b] <= p.mem_limit)
             if not ok.any():
                 break
@@ -1052,7 +1253,7 @@ def _seed_latency(p: _Problem, arrays) -> float:
             if j:
                 cuts.append(p.priced_cut(a, offset))
         else:
-            best = min(best, pipeline_latency(times, cuts, B))
+            best = min(best, p.latency(times, cuts))
     return best
 
 
@@ -1171,9 +1372,11 @@ def brute_force_stages(
     max_stages: int | None = None,
     schedule: str = "1f1b",
     constraints: StageConstraints | None = None,
+    virtual_stages: int | None = None,
+    wgrad_share: float | None = None,
 ) -> InterResult:
     """Every layer partition x every in-order submesh assignment x every candidate choice,
-    priced with :func:`pipeline_latency`. Same inputs and result as :func:`stage_dp`;
+    priced with :func:`schedule_latency`. Same inputs and result as :func:`stage_dp`;
     exponential, for small instances only (about 6 layers and 8 devices). ``constraints``
     are checked plan by plan (only partitions with the pinned stage count, each stage's
     candidates filtered by the pins), independently of how the DP applies them.
@@ -1185,7 +1388,7 @@ def brute_force_stages(
     t0 = time.perf_counter()
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
-        intra_link, inter_link, stage_comm, max_stages, schedule, constraints,
+        intra_link, inter_link, stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share,
     )
     if p.num_layers > 10 or p.num_devices > 32:
         raise ValueError("brute_force_stages is exponential; use at most 10 layers and 32 devices.")
@@ -1196,10 +1399,13 @@ def brute_force_stages(
         S = len(parts)
         if p.fixed_stages is not None and S != p.fixed_stages:
             continue
+        if p.schedule == "interleaved" and (S < 2 or p.microbatches % S or any(p.short(k, i) for k, i in parts)):
+            continue  # the layouts interleaving cannot run (schedules.check_layout)
+        q = dataclasses.replace(p, total_stages=S) if p.schedule in BY_STAGE_COUNT else p
         for shapes, offsets in _shape_sequences(p, S):
             per_stage = []
             for j, ((k, i), shape) in enumerate(zip(parts, shapes)):
-                held = held_microbatches(S - j, p.microbatches, p.schedule)
+                held = q.held(S - j)
                 opts = [(idx, c) for idx, c in enumerate(p.cands[(k, i, shape)]) if p.usable(j, k, i, c)]
                 per_stage.append([(idx, c, c.mem_bytes(held)) for idx, c in opts])
             cuts = [p.priced_cut(parts[j][0], offsets[j]) for j in range(1, S)]
@@ -1209,7 +1415,7 @@ def brute_force_stages(
                 least_mem = min(least_mem, need)
                 if need > p.mem_limit:
                     continue
-                T = pipeline_latency([c.time_s for _, c, _ in choice], cuts, p.microbatches)
+                T = q.latency([c.time_s for _, c, _ in choice], cuts)
                 if T < best_T:
                     best_T = T
                     best_plan = [
