@@ -69,7 +69,7 @@ def test_array_candidates_and_pruning_give_the_plain_search_s_plan(seed):
 
 
 def all_plans(p):
-    """Every plan of a problem: (stage times, priced cuts, per-stage device counts) of the assignments that fit."""
+    """Every plan of a problem: (stage times, priced cuts, their steady-state terms) of the assignments that fit."""
     for parts in inter._compositions(p.num_layers, p.max_stages):
         S = len(parts)
         for shapes, offsets in inter._shape_sequences(p, S):
@@ -78,8 +78,9 @@ def all_plans(p):
                 held = inter.held_microbatches(S - j, p.microbatches, p.schedule)
                 per.append([c for c in p.cands[(k, i, shape)] if c.mem_bytes(held) <= p.mem_limit])
             cuts = [p.priced_cut(parts[j][0], offsets[j]) for j in range(1, S)]
+            necks = [p.priced_neck(parts[j][0], offsets[j]) for j in range(1, S)]
             for choice in itertools.product(*per):
-                yield [c.time_s for c in choice], cuts
+                yield [c.time_s for c in choice], cuts, necks
 
 
 @pytest.mark.parametrize("seed", range(80))
@@ -92,17 +93,17 @@ def test_the_bounds_hold_for_every_plan(seed):
     if not p.shapes:
         return
     arrays = inter._candidate_arrays(p)
-    valid, size, cut = inter._structure(p)
+    valid, size, cut, _neck = inter._structure(p)
     NM = p.num_devices
     E = dpbounds.device_seconds(inter._fastest_at(p, arrays, 1), size.astype(float))
     H, G = dpbounds.partition_bounds(E, p.max_stages)
     cut_min = float(cut[1:, 1:NM].min()) if L > 1 and NM > 1 else 0.0
     lb = dpbounds.stage_sum_bounds(G, NM, cut_min)
     latencies = []
-    for times, cuts in all_plans(p):
+    for times, cuts, necks in all_plans(p):
         assert max(times) >= H / NM * (1 - 1e-12)
         assert sum(times) + sum(cuts) >= lb[len(times) - 1] * (1 - 1e-12)
-        latencies.append(inter.pipeline_latency(times, cuts, p.microbatches))
+        latencies.append(inter.pipeline_latency(times, cuts, p.microbatches, necks))
     seed_T = inter._seed_latency(p, arrays)
     if math.isfinite(seed_T):
         assert any(math.isclose(seed_T, T, rel_tol=1e-12) for T in latencies)

@@ -85,8 +85,10 @@ def assert_valid_plan(r, L, hosts, dph, kwargs):
         assert s.static_bytes + held * s.act_bytes <= kwargs["mem_limit_bytes"]
         assert r.stage_mem_bytes[j] == s.static_bytes + held * s.act_bytes
     # The reported latency is the formula's value for the reported plan.
+    # (A cut's transfers are on the critical path both ways, f + b; in the steady state the slower direction.)
     priced = [f + b for f, b in zip(r.send_fwd_s, r.send_bwd_s)] if r.stage_comm == "model" else [0.0] * (S - 1)
-    assert r.latency_s == pytest.approx(pipeline_latency([s.time_s for s in stages], priced, r.microbatches))
+    necks = [max(f, b) for f, b in zip(r.send_fwd_s, r.send_bwd_s)] if r.stage_comm == "model" else [0.0] * (S - 1)
+    assert r.latency_s == pytest.approx(pipeline_latency([s.time_s for s in stages], priced, r.microbatches, necks))
 
 
 @SETTINGS
@@ -183,7 +185,9 @@ def test_pricing_stage_comm_changes_the_cut():
     assert alpa.boundaries == (0, 1) and alpa.latency_s == pytest.approx(10.0)
     assert alpa.cut_links == ("inter",)
     assert alpa.stage_comm_s == pytest.approx(2 * (0.05 + 48 / 10))
-    assert alpa.latency_with_comm_s == pytest.approx(4 + 9.7 + 3 * 9.7)
+    # Priced, the transfer crosses once each way on the critical path (2 x 4.85 s); in the steady state the two
+    # directions overlap on the full-duplex link, so the slower one (4.85 s) paces the pipeline.
+    assert alpa.latency_with_comm_s == pytest.approx(4 + 9.7 + 3 * 4.85)
     # Pricing the transfer moves the cut to the empty edge: {0, 1} | {2}, T = 4 + 0.1 + 3 * 3.
     assert ours.boundaries == (0, 2)
     assert ours.latency_s == pytest.approx(4 + 0.1 + 3 * 3)

@@ -109,8 +109,10 @@ def test_dp_matches_brute_force(seed, schedule):
             assert r.stage_mem_bytes[j] == pytest.approx(s.static_bytes + held * s.act_bytes)
             assert r.stage_mem_bytes[j] <= kwargs["mem_limit_bytes"]
         priced = [f + b if r.stage_comm == "model" else 0.0 for f, b in zip(r.send_fwd_s, r.send_bwd_s)]
+        necks = [max(f, b) if r.stage_comm == "model" else 0.0 for f, b in zip(r.send_fwd_s, r.send_bwd_s)]
         assert r.latency_s == pytest.approx(schedule_latency([s.time_s for s in r.stages], priced,
-                                                             r.microbatches, schedule, v, kwargs.get("wgrad_share", W)))
+                                                             r.microbatches, schedule, v, kwargs.get("wgrad_share", W),
+                                                             necks))
 
 
 def test_interleaving_shrinks_the_bubble_so_the_dp_pipelines_deeper():

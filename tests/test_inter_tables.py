@@ -73,7 +73,7 @@ def test_layered_dp_equals_the_full_minimum(seed):
     rng = random.Random(1000 + seed)
     p = random_problem(rng)
     tables = inter._tables(p)
-    valid, size, cut = inter._structure(p)
+    valid, size, cut, _neck = inter._structure(p)
     t_max = rng.choice([math.inf, 1.0, 2.0])
     masked = np.where(tables.best_time <= t_max, tables.best_time, np.inf)
     for combine, cost in ((np.add, masked), (np.maximum, tables.min_req())):

@@ -6,9 +6,11 @@ Everything here works on plain data. The caller supplies a function
 with its per-microbatch times and per-device memory. The DP picks stages, submeshes and
 candidates to minimise the pipeline latency
 
-    T = sum_i t_i + sum_j c_j + (B - 1) * max(max_i t_i, max_j c_j)
+    T = sum_i t_i + sum_j c_j + (B - 1) * max(max_i t_i, max_j n_j)
 
-where ``t_i = fwd + bwd`` of stage ``i`` and ``c_j = send_fwd + send_bwd`` of cut ``j``.
+where ``t_i = fwd + bwd`` of stage ``i``, ``c_j = send_fwd + send_bwd`` of cut ``j`` (one microbatch's activation
+and gradient both cross it on the critical path) and ``n_j = max(send_fwd, send_bwd)`` (links are full duplex:
+in the steady state the two directions overlap, and the slower one paces the cut).
 With ``stage_comm="ignore"`` every ``c_j`` is priced 0 and this is exactly Alpa's
 ``sum t_i + (B - 1) max t_i``. The interleaved and zero-bubble schedules have formulas of their own, of the same
 shape (:func:`schedule_latency`), and hold other numbers of microbatches (:func:`held_microbatches`); both depend
@@ -397,7 +399,8 @@ def _coefficients(schedule: str, microbatches: int, virtual_stages: int,
 
 
 def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int, schedule: str = "1f1b",
-                     virtual_stages: int = 1, wgrad_share: float = DEFAULT_WGRAD_SHARE) -> float:
+                     virtual_stages: int = 1, wgrad_share: float = DEFAULT_WGRAD_SHARE,
+                     cut_neck_s: Sequence[float] | None = None) -> float:
     """The step time the stage DP minimises for ``schedule``: :func:`pipeline_latency` for 1F1B and GPipe, and
 
     - interleaved (``v`` chunks): each stage runs ``vB`` chunk-microbatches of ``t / v`` and each cut carries ``v``
@@ -417,14 +420,19 @@ def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
     14.0
     """
     if schedule not in ("interleaved", "zb-h1"):
-        return pipeline_latency(stage_s, cut_s, microbatches)
+        return pipeline_latency(stage_s, cut_s, microbatches, cut_neck_s)
     a, kappa, K = _coefficients(schedule, microbatches, virtual_stages, wgrad_share)
-    terms = list(stage_s) + [kappa * c for c in cut_s]
-    return a * (sum(terms) + K * max(terms))
+    necks = cut_s if cut_neck_s is None else cut_neck_s
+    return a * (sum(stage_s) + kappa * sum(cut_s) + K * max(list(stage_s) + [kappa * c for c in necks]))
 
 
-def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int) -> float:
-    """``sum t + sum c + (B-1) * max(t + c)``: transfers act as extra pipeline stages.
+def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int,
+                     cut_neck_s: Sequence[float] | None = None) -> float:
+    """``sum t + sum c + (B-1) * max(t, n)``: transfers act as extra pipeline stages. ``c`` is a cut's
+    ``send_fwd + send_bwd`` (one microbatch's activation goes forward and its gradient back: both on its critical
+    path); ``n`` (``cut_neck_s``, default ``c``) is what the cut takes per microbatch in the steady state: a link is
+    full duplex (activations and gradients travel in opposite directions at once, one link each in the simulator),
+    so the DP and its results pass ``max(send_fwd, send_bwd)``.
 
     How it compares with :func:`autopar_lab.simulate.simulate` (checked in the tests):
     GPipe equals it exactly when each stage's and each cut's backward time is the same
@@ -436,9 +444,11 @@ def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
 
     >>> pipeline_latency([3, 3], [], 2)
     9
+    >>> pipeline_latency([3, 3], [5], 2, cut_neck_s=[4])   # 3 + 3 + 5 + (2 - 1) * 4
+    15
     """
-    terms = list(stage_s) + list(cut_s)
-    return sum(terms) + (microbatches - 1) * max(terms)
+    necks = cut_s if cut_neck_s is None else cut_neck_s
+    return sum(stage_s) + sum(cut_s) + (microbatches - 1) * max(list(stage_s) + list(necks))
 
 
 def cluster_kwargs(cluster: Any) -> dict:
@@ -496,9 +506,10 @@ class _Problem:
         """``(a, kappa, K)`` of the schedule's formula (:func:`_coefficients`)."""
         return _coefficients(self.schedule, self.microbatches, self.virtual_stages, self.wgrad_share)
 
-    def latency(self, stage_s: Sequence[float], cut_s: Sequence[float]) -> float:
+    def latency(self, stage_s: Sequence[float], cut_s: Sequence[float],
+                cut_neck_s: Sequence[float] | None = None) -> float:
         return schedule_latency(stage_s, cut_s, self.microbatches, self.schedule, self.virtual_stages,
-                                self.wgrad_share)
+                                self.wgrad_share, cut_neck_s)
 
     def short(self, start: int, end: int) -> bool:
         """Whether layers start..end are too few for a stage (interleaved: one layer per chunk at least)."""
@@ -522,6 +533,12 @@ class _Problem:
             return 0.0
         f, b = self.cut_terms(k, offset)
         return f + b
+
+    def priced_neck(self, k: int, offset: int) -> float:
+        """What the cut takes per microbatch in the steady state: the slower direction (links are full duplex)."""
+        if self.stage_comm == "ignore":
+            return 0.0
+        return max(self.cut_terms(k, offset))
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -775,7 +792,8 @@ def _tables_pinned(p: _Problem):
 
 def _structure(p: _Problem):
     """valid[sh, d]: a stage of shape sh may start with d devices free; size[sh];
-    cut[k, d]: priced cut term in front of a stage starting at layer k with d devices free."""
+    cut[k, d]: priced cut term in front of a stage starting at layer k with d devices free (its sum term);
+    neck[k, d]: the same cut's steady-state term (its slower direction), which t_max bounds."""
     L, NM = p.num_layers, p.num_devices
     SH = len(p.shapes)
     size = np.array([n * m for n, m in p.shapes], dtype=np.int64)
@@ -784,11 +802,13 @@ def _structure(p: _Problem):
         for d in range(NM + 1):
             valid[sh, d] = placement_fits(shape, NM - d, p.hosts, p.devices_per_host)
     cut = np.zeros((L, NM + 1))
+    neck = np.zeros((L, NM + 1))
     kappa = p.coefficients[1]  # the schedule's weight of a cut (interleaved: v transfers per microbatch)
     for k in range(1, L):
         for d in range(1, NM):  # offset 1..NM-1; other d never start a stage after layer 0
             cut[k, d] = kappa * p.priced_cut(k, NM - d)
-    return valid, size, cut
+            neck[k, d] = kappa * p.priced_neck(k, NM - d)
+    return valid, size, cut, neck
 
 
 def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf, stop_at=None):
@@ -913,7 +933,9 @@ def _result(p: _Problem, plan: list[tuple[int, int, tuple[int, int], int, int]],
         links.append(cut_link(o, p.devices_per_host))
     times = [c.time_s for c in stages]
     with_comm = [f + b for f, b in zip(sf, sb)]
+    necks = [max(f, b) for f, b in zip(sf, sb)]  # full-duplex links: the slower direction paces the steady state
     priced = with_comm if p.stage_comm == "model" else [0.0] * len(with_comm)
+    priced_necks = necks if p.stage_comm == "model" else [0.0] * len(necks)
     if p.schedule in BY_STAGE_COUNT:
         p = dataclasses.replace(p, total_stages=S)
     mems = tuple(c.mem_bytes(p.held(S - j)) for j, c in enumerate(stages))
@@ -921,10 +943,10 @@ def _result(p: _Problem, plan: list[tuple[int, int, tuple[int, int], int, int]],
     return InterResult(
         stages=stages,
         microbatches=p.microbatches,
-        latency_s=p.latency(times, priced),
-        t_max=max(times + [kappa * c for c in priced]),
+        latency_s=p.latency(times, priced, priced_necks),
+        t_max=max(times + [kappa * c for c in priced_necks]),
         stage_comm_s=sum(with_comm),
-        latency_with_comm_s=p.latency(times, with_comm),
+        latency_with_comm_s=p.latency(times, with_comm, necks),
         send_fwd_s=tuple(sf),
         send_bwd_s=tuple(sb),
         cut_links=tuple(links),
@@ -1105,7 +1127,7 @@ def _stage_counts(p: _Problem) -> list[int]:
 
 def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: float) -> InterResult | None:
     """:func:`stage_dp` on a built problem (for a schedule of :data:`BY_STAGE_COUNT`, one stage count)."""
-    valid, size, cut_full = _structure(p)
+    valid, size, cut_full, neck_full = _structure(p)
     L, NM = p.num_layers, p.num_devices
     # Bounds (the "bisect" search only; "all" and "alpa" stay the plain references): a seed plan's latency, a
     # lower bound on t_max and on sum t + sum c by stage count (see dpbounds). They only skip what cannot beat the
@@ -1128,7 +1150,7 @@ def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: 
 
     values = set(np.unique(best_time[np.isfinite(best_time)]).tolist())
     if p.stage_comm == "model":
-        values |= {kappa * (f + b) for f, b in p.cut_cost.values()}
+        values |= {kappa * max(f, b) for f, b in p.cut_cost.values()}
     V = sorted(values) if p.shapes else []  # no shape has a candidate: nothing to solve
 
     # Without a memory effect of the stage count and without a binding max_stages, the
@@ -1149,7 +1171,7 @@ def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: 
         """Solve the DP at t_max = V[j]; record the plan if it beats the best; return min_s F."""
         t_max = V[j]
         tried.append(t_max)
-        cut = np.where(cut_full <= t_max, cut_full, np.inf)
+        cut = np.where(neck_full <= t_max, cut_full, np.inf)
         if collapsed:
             F, arg = _sweep_dp(p, np.where(best_time[..., 0] <= t_max, best_time[..., 0], np.inf), cut, valid, size)
             f = F[0, NM]
@@ -1239,7 +1261,7 @@ def _seed_latency(p: _Problem, arrays) -> float:
         if NM % size or S > p.max_stages:
             continue
         bounds = [round(j * L / S) for j in range(S + 1)]
-        times, cuts = [], []
+        times, cuts, necks = [], [], []
         time_, static, act, has = arrays[sh]
         for j in range(S):
             a, b, offset = bounds[j], bounds[j + 1] - 1, j * size
@@ -1252,8 +1274,9 @@ def _seed_latency(p: _Problem, arrays) -> float:
             times.append(float(time_[ok, a, b].min()))
             if j:
                 cuts.append(p.priced_cut(a, offset))
+                necks.append(p.priced_neck(a, offset))
         else:
-            best = min(best, p.latency(times, cuts))
+            best = min(best, p.latency(times, cuts, necks))
     return best
 
 
@@ -1409,13 +1432,14 @@ def brute_force_stages(
                 opts = [(idx, c) for idx, c in enumerate(p.cands[(k, i, shape)]) if p.usable(j, k, i, c)]
                 per_stage.append([(idx, c, c.mem_bytes(held)) for idx, c in opts])
             cuts = [p.priced_cut(parts[j][0], offsets[j]) for j in range(1, S)]
+            necks = [p.priced_neck(parts[j][0], offsets[j]) for j in range(1, S)]
             for choice in itertools.product(*per_stage):
                 visited += 1
                 need = max(m for _, _, m in choice)
                 least_mem = min(least_mem, need)
                 if need > p.mem_limit:
                     continue
-                T = q.latency([c.time_s for _, c, _ in choice], cuts)
+                T = q.latency([c.time_s for _, c, _ in choice], cuts, necks)
                 if T < best_T:
                     best_T = T
                     best_plan = [
