@@ -290,13 +290,16 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem,
                             virtual_stages=v)
     stages = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in result.stages]
+    # Each stage's sharding as the DP chose it (a memory-lean solution included): a mesh's solution covers every
+    # layer, so it stays right when a cut moves.
+    intras = [st.payload for st in result.stages]
     if schedule in inter.BY_STAGE_COUNT:
         stages = nudged_cuts(table, stages, microbatches=result.microbatches, schedule=schedule, virtual_stages=v,
-                             stage_comm=stage_comm, mem_limit_bytes=mem)
+                             stage_comm=stage_comm, mem_limit_bytes=mem, intras=intras)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
-                      solve_s=planning_times(table, solve_s), virtual_stages=v)
+                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras)
 
 
 #: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
@@ -304,9 +307,10 @@ NUDGE_ROUNDS = 4
 
 
 def nudged_cuts(table: CostTable, stages: list, *, microbatches: int, schedule: str, virtual_stages: int,
-                stage_comm: str, mem_limit_bytes: float) -> list:
+                stage_comm: str, mem_limit_bytes: float, intras: Sequence | None = None) -> list:
     """``stages`` ((layers, submesh, logical mesh, remat) each) with the cuts between them moved one layer at a
-    time while the simulated step gets faster and the plan fits (at most :data:`NUDGE_ROUNDS` moves).
+    time while the simulated step gets faster and the plan fits (at most :data:`NUDGE_ROUNDS` moves). ``intras``:
+    each stage's IntraPlan, kept as the cuts move (default: the table's fast solution of its mesh).
 
     For the interleaved and ZB-H1 schedules the stage DP minimises a formula that is not the simulated step (ZB-H1's
     is an upper bound, see :func:`~autopar_lab.solve.inter.schedule_latency`), so its split can be a layer off the
@@ -314,7 +318,7 @@ def nudged_cuts(table: CostTable, stages: list, *, microbatches: int, schedule: 
     def step(sts) -> float:
         try:
             cost = price_plan(table, sts, microbatches=microbatches, schedule=schedule, stage_comm=stage_comm,
-                              mem_limit_bytes=mem_limit_bytes, virtual_stages=virtual_stages).cost
+                              mem_limit_bytes=mem_limit_bytes, virtual_stages=virtual_stages, intras=intras).cost
         except ValueError:
             return math.inf  # a layout the schedule cannot run
         return cost.step_time_s if cost.fits else math.inf

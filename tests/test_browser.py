@@ -208,7 +208,20 @@ def assert_fits(page, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while sideways_scrolls(page) and time.monotonic() < deadline:
         page.wait_for_timeout(500)
-    assert not sideways_scrolls(page), sideways_scrolls(page)
+    assert not sideways_scrolls(page), (sideways_scrolls(page), widest_children(page))
+
+
+def widest_children(page) -> list:
+    """For each view that scrolls sideways, its descendants wider than it (tag, class, width, start of the text):
+    what to fix."""
+    return page.evaluate(
+        "(views) => { const out = [];"
+        " for (const v of views) for (const e of document.querySelectorAll('.' + v)) {"
+        "   if (e.scrollWidth <= e.clientWidth + 1) continue;"
+        "   for (const c of e.querySelectorAll('*')) { const w = c.getBoundingClientRect().width;"
+        "     if (w > e.clientWidth + 1) out.push([v, c.tagName, String(c.className).slice(0, 60), Math.round(w),"
+        "                                          (c.innerText || c.textContent || '').slice(0, 80)]); } }"
+        " return out.slice(0, 12); }", list(VIEWS))
 
 
 def text_of(page, selector: str) -> str:
@@ -241,8 +254,8 @@ def button(page, scope: str, name: str):
 
 
 def editor_select(page, stage: int, column: int):
-    """The stage editor's dropdown of ``stage`` (column 0: first layer, 1: submesh, 2: logical mesh)."""
-    return page.locator(".autopar-stage-editor select").nth(3 * stage + column)
+    """The stage editor's dropdown of ``stage`` (column 0: first layer, 1: submesh, 2: logical mesh, 3: remat)."""
+    return page.locator(".autopar-stage-editor select").nth(4 * stage + column)
 
 
 @pytest.mark.slow
