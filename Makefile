@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 # Tests see 8 CPU devices, so SPMD plans are compiled and run for real.
 export JAX_NUM_CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
+XDIST ?= -n auto --maxprocesses 4 --dist loadgroup
 
 .PHONY: lab test test-fast lint bench clean browser js
 
@@ -44,12 +45,14 @@ js:
 	elif [ ! -d node_modules ] && ! npm ci --no-audit --no-fund; then echo "npm ci failed: JS tests skipped"; \
 	else npm run --silent build && npm test --silent; fi
 
+# Two pytest-xdist workers on 2 cores (at most 4 on bigger machines); tests/conftest.py groups the tests by file and
+# keeps the files that start Ray or a server on one worker. `make test XDIST=` runs them in one process.
 test: $(VENV)/.installed-test browser js
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
 # The tests not marked slow (each under ~10 s): the quick check while working.
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # ruff (pyproject.toml [tool.ruff]) on the package, tests and benchmarks; mypy ([tool.mypy]) on the engine.
 lint: $(VENV)/.installed-lint

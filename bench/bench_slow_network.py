@@ -30,7 +30,7 @@ def main() -> None:
         base = al.Cluster.preset("p3.16xlarge", hosts=int(hosts))
         for label, cluster in (("p3.16xlarge", base), ("p3.16xlarge 10x slower", base.scaled_inter_host(10))):
             t0 = time.perf_counter()
-            table, _ = planner._table(model, cluster, "cbc", None)
+            table = al.CostTable.build(model, cluster, solver="cbc")
             ign = planner.auto_plan(model, cluster, stage_comm="ignore", table=table)
             mod = planner.auto_plan(model, cluster, stage_comm="model", table=table)
             took = time.perf_counter() - t0

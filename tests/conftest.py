@@ -6,6 +6,24 @@ import pytest
 
 import autopar_lab as al
 
+# `make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. Each test file is one group, so it runs
+# whole on one worker and its module-scoped fixtures are built once. The files that start a Ray head or a JupyterLab
+# server share one group, so only one of them runs at a time: two Ray clusters (each a handful of processes) or a
+# browser beside a cluster would starve a 2-core machine and make their start-up timeouts flaky.
+SERIAL_GROUP = "ray-and-servers"
+SERIAL_FILES = frozenset({
+    "test_browser", "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
+    "test_ray_lifecycle", "test_readme", "test_training_panel",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Puts every test in its file's xdist group (see SERIAL_FILES); without xdist the marks do nothing."""
+    for item in items:
+        stem = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if stem in SERIAL_FILES else stem))
+
 
 @pytest.fixture(scope="module")
 def model():
