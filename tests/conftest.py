@@ -17,6 +17,11 @@ SERIAL_FILES = frozenset({
 })
 
 
+def pytest_configure(config):
+    # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Puts every test in its file's xdist group (see SERIAL_FILES); without xdist the marks do nothing."""
