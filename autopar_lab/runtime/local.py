@@ -15,6 +15,9 @@
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
+In both, the matmuls the plan runs as ring attention (context parallelism) run as rings of ``shard_map`` +
+``ppermute`` steps (:mod:`autopar_lab.runtime.ring`); ``Runner.ring_ops`` lists them.
+
 Timing: with ``timing=True`` (the default) each pipeline task waits for its result (``block_until_ready``) so its
 duration can be measured; that also serialises the stages. ``stage_times()`` reports the median per microbatch over
 every step after the first (which compiles), next to the plan's predictions.

@@ -35,6 +35,10 @@ says which tasks of the same microbatch a task reads from; values that cross sta
 in its stash (read by its later tasks of the same microbatch) and accumulators. The local runner (:mod:`.local`)
 and the Ray driver (:mod:`.train_entry`) both walk these tasks in the plan's schedule order.
 
+Ring attention: a matmul the plan marks ``[ring@a]`` (context parallelism) runs in its stage's program as a ring
+of ``shard_map`` steps on the stage's mesh (:meth:`StagedModel.ring_ops`, :mod:`autopar_lab.runtime.ring`), with
+the operator's own parameters; one whose layout a microbatch's shapes do not divide runs as the step does.
+
 The schedules (:mod:`autopar_lab.schedules`) change the tasks two ways:
 
 - **interleaved**: the "stages" here are the plan's *virtual* stages, its model chunks in order (chunk ``c`` is
