@@ -102,22 +102,24 @@ def test_a_ring_plan_trains_like_one_device(model, ring_plan, reference):
 
 
 def test_the_replay_runs_rings_only_where_marked(model, ring_plan):
-    """The replay with the ring binds compiles collective-permutes (the ring's steps); without them it has none
-    (XLA's own algorithm for the same layouts gathers instead)."""
-    from autopar_lab.validate import replay_with_shardings, specs_from_strategies
+    """The replay with the ring binds compiles collective-permutes (the ring's steps) and computes the single
+    device's step; without them it has none (XLA's own algorithm for the same layouts gathers instead)."""
+    from autopar_lab.validate import specs_from_strategies, validate_model
 
     st = ring_plan.stages[0]
     mesh = _auto_mesh(st.logical_mesh)
     out_specs, output_specs = specs_from_strategies(ring_plan.graph, st.intra.strategies)
-
-    def hlo(binds):
-        r = replay_with_shardings(ring_plan.graph, model.step_fn, model.abstract_args, out_specs, mesh,
-                                  output_specs=output_specs, binds=binds)
-        return r.jit().lower(*model.abstract_args).as_text()
-
     binds = ring_binds(ring_plan.graph, st.intra.strategies, mesh)
     assert set(binds) == _ring_ops(ring_plan)
-    assert hlo(binds).count("collective_permute") >= len(binds) and "collective_permute" not in hlo({})
+
+    def validate(binds, run):
+        return validate_model(model, out_specs, mesh, None, output_specs=output_specs, graph=ring_plan.graph, run=run,
+                              binds=binds)
+
+    ring = validate(binds, True)
+    assert ring["compiled"]["collective_permute"]["count"] >= len(binds)
+    assert ring["numerics_max_abs_err"] < 1e-4
+    assert validate({}, False)["compiled"]["collective_permute"]["count"] == 0
 
 
 def test_a_ring_layout_that_does_not_divide_falls_back(ring_plan):
