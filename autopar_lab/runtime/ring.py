@@ -94,6 +94,8 @@ def ring_dot_general(lhs, rhs, *, dimension_numbers, mesh, in_specs, out_spec, a
     # the operands laid out as the ring reads them (the plan's reshards, if they are not already)
     lhs, rhs = (jax.lax.with_sharding_constraint(v, jax.sharding.NamedSharding(mesh, sp))
                 for v, sp in zip((lhs, rhs), in_specs))
+    # check_vma off: the result starts as zeros that every step's block (device-varying) is written into, which the
+    # varying-axes check cannot type; the ring's collectives are the explicit ppermutes, nothing is left to insert
     fn = jax.shard_map(body, mesh=mesh, in_specs=(in_specs[0], in_specs[1]), out_specs=out_spec, check_vma=False)
     return fn(lhs, rhs)
 
@@ -117,8 +119,9 @@ def usable_layout(strategy, in_shapes: Sequence[Sequence[int]], out_shape: Seque
     if not is_ring(strategy) or len(ring_axes_used(strategy)) != 1 or len(strategy.in_specs) != 2:
         return False
     mshape = tuple(int(s) for s in mesh_shape)
-    if mshape[ring_axes_used(strategy)[0]] <= 1:
-        return False
+    (axis,) = ring_axes_used(strategy)
+    if mshape[axis] <= 1 or any(sum(axis in d for d in s.dims) != 1 for s in strategy.in_specs):
+        return False  # the ring needs each operand split along exactly one (sequence) dimension over its axis
     return (all(s.is_valid(tuple(sh), mshape) for s, sh in zip(strategy.in_specs, in_shapes))
             and strategy.out_specs[0].is_valid(tuple(out_shape), mshape))
 
@@ -154,6 +157,5 @@ def _bound(strategy, rotate: int, mesh, axis_names: tuple[str, ...]) -> Callable
                                 out_spec=out_spec, axis=axis, rotate=rotate, precision=precision,
                                 preferred_element_type=preferred_element_type)
 
-    run.ring = (strategy.name, axis)  # type: ignore[attr-defined]
     return run
 
