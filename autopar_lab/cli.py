@@ -36,6 +36,12 @@ def _model(args):
         overrides["batch_size"] = args.batch
     if getattr(args, "dtype", None) is not None:
         overrides["dtype"] = args.dtype
+    for flag, field in (("seq-len", "seq_len"), ("heads", "num_heads")):
+        value = getattr(args, field if field == "seq_len" else "heads", None)
+        if value is not None:
+            if field not in models.fields(args.model):  # a long-sequence plan needs a model with a sequence
+                raise UsageError(f"--{flag} applies to models with attention (gpt-*, moe-*); {args.model!r} has none")
+            overrides[field] = value
     return models.get(args.model, **overrides)
 
 
@@ -418,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--layers", type=int, help="override the number of layers")
         sp.add_argument("--batch", type=int, help="override the global batch size")
         sp.add_argument("--dtype", help="override the dtype (float32, float16, bfloat16)")
+        sp.add_argument("--seq-len", dest="seq_len", type=int,
+                        help="override the sequence length (gpt-*, moe-*; 4096 and up offers ring attention)")
+        sp.add_argument("--heads", type=int, help="override the number of attention heads (gpt-*, moe-*)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     model_args(sub.add_parser("graph", help="capture a model's training step as an operator graph"))

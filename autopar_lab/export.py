@@ -20,6 +20,8 @@ A pipelined plan has a mesh per stage: ``to_jax_code(plan, stage=k)`` writes sta
 
 from __future__ import annotations
 
+from typing import Any
+
 from .graph.attention import attention_internals
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
 from .rematmode import remat_label
@@ -42,7 +44,7 @@ def _spec_text(spec) -> str:
     return f"P({', '.join(entries)})"
 
 
-def _strategy_of(plan, intra):
+def strategy_lookup(plan, intra):
     """op of the plan's graph -> its strategy in ``intra``, or None. A plan solved on a shallower copy of a deep model
     keys its strategies by the copy's operators: each of the model's operators takes the one at its place in the
     layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`), or its own pin when its layer is split
@@ -72,7 +74,7 @@ def input_specs(plan, stage: int = 0) -> dict[str, dict[str, object]]:
     intra = plan.stages[stage].intra
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
-    strategy = _strategy_of(plan, intra)
+    strategy = strategy_lookup(plan, intra)
     out: dict[str, dict[str, object]] = {PARAM: {}, OPT_STATE: {}, BATCH: {}}
     missing = []
     for op in graph.ops:
@@ -91,20 +93,16 @@ def input_specs(plan, stage: int = 0) -> dict[str, dict[str, object]]:
     return out
 
 
-def activation_specs(plan, stage: int = 0) -> dict[str, object]:
-    """{key: ShardingSpec} of the forward matmuls' outputs that one stage runs, in graph order.
-
-    Keys name where the value is (its layer and scope, the primitive with its index in that scope, the output shape),
-    so a user can find the line of their model it belongs to.
-    """
+def _forward_matmuls(plan, stage: int):
+    """``(key, op, strategy)`` of the forward matmuls one stage runs, in graph order (keys as
+    :func:`activation_specs` writes them)."""
     graph = plan.graph
     intra = plan.stages[stage].intra
     if intra is None:
         raise ValueError("this plan has no per-operator strategies to export")
-    strategy = _strategy_of(plan, intra)
+    strategy = strategy_lookup(plan, intra)
     names = {plan.layer_names[i] for a, b in plan.stages[stage].layer_ranges for i in range(a, b + 1)}
     seen: dict[str, int] = {}
-    out: dict[str, object] = {}
     for op in graph.ops:
         node = graph.op(op)
         if node.primitive != "dot_general" or node.role != "forward":
@@ -116,8 +114,72 @@ def activation_specs(plan, stage: int = 0) -> dict[str, object]:
             continue
         where = node.scope or node.layer or "(no scope)"
         i = seen[where] = seen.get(where, -1) + 1
-        out[f"{where} dot_general#{i} -> {tuple(node.out_shapes[0])}"] = s.out_specs[0]
+        yield f"{where} dot_general#{i} -> {tuple(node.out_shapes[0])}", op, s
+
+
+def activation_specs(plan, stage: int = 0) -> dict[str, object]:
+    """{key: ShardingSpec} of the forward matmuls' outputs that one stage runs, in graph order.
+
+    Keys name where the value is (its layer and scope, the primitive with its index in that scope, the output shape),
+    so a user can find the line of their model it belongs to.
+    """
+    return {key: s.out_specs[0] for key, _op, s in _forward_matmuls(plan, stage)}
+
+
+def ring_matmuls(plan, stage: int = 0) -> dict[str, tuple[Any, int, tuple]]:
+    """{key: (strategy, rotated operand, dimension numbers)} of the forward matmuls one stage runs as rings (context
+    parallelism; keys as :func:`activation_specs`). Their backward needs no entry: ``jax.grad`` of a ring is a
+    ring."""
+    from .runtime.ring import rotated_operand
+    from .sharding.ring import is_ring
+
+    g = plan.graph
+    out = {}
+    for key, op, s in _forward_matmuls(plan, stage):
+        if is_ring(s):
+            (lc, rc), (lb, rb) = g.op(op).params["dimension_numbers"]
+            dn = ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
+            out[key] = (s, rotated_operand(s, dn, g.op(op).in_shapes), dn)
     return out
+
+
+def _ring_lines(plan, stage: int) -> list[str]:
+    """``ring_matmuls``, :func:`~autopar_lab.runtime.ring.ring_dot_general` (its source, as the library runs it)
+    and ``ring_dot(key, lhs, rhs)``; nothing for a stage without ring matmuls."""
+    import inspect
+
+    from .runtime.ring import ring_dot_general
+    from .sharding.ring import ring_axes_used
+
+    rings = ring_matmuls(plan, stage)
+    if not rings:
+        return []
+    axes = sorted({AXIS_NAMES[a] for s, _r, _dn in rings.values() for a in ring_axes_used(s)})
+    lines = [
+        "",
+        "",
+        f"# Context parallel (ring attention) over {'+'.join(axes)}: {len(rings)} forward attention matmul(s) run as "
+        "rings. Inside",
+        "# your step write y = ring_dot(KEY, lhs, rhs) where that dot_general was (its operands in the traced "
+        "order, see",
+        "# dimension_numbers; jax.grad's backward of a ring is a ring).",
+        "ring_matmuls = {",
+    ]
+    for key, (s, rotate, dn) in rings.items():
+        ins = ", ".join(_spec_text(x) for x in s.in_specs)
+        lines.append(f"    {key!r}: dict(dimension_numbers={dn!r}, in_specs=({ins}), "
+                     f"out_spec={_spec_text(s.out_specs[0])}, axis={AXIS_NAMES[ring_axes_used(s)[0]]!r}, "
+                     f"rotate={int(rotate)}),")
+    lines += ["}", "", ""]
+    lines += inspect.getsource(ring_dot_general).rstrip("\n").split("\n")
+    lines += [
+        "",
+        "",
+        "def ring_dot(key, lhs, rhs, preferred_element_type=None):",
+        "    return ring_dot_general(lhs, rhs, mesh=mesh, preferred_element_type=preferred_element_type,",
+        "                            **ring_matmuls[key])",
+    ]
+    return lines
 
 
 def _parallelism_notes(plan, stage: int) -> list[str]:
@@ -248,5 +310,6 @@ def to_jax_code(plan, stage: int = 0) -> str:
         "def constrain(x, key):",
         "    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_specs[key]))",
     ]
+    lines += _ring_lines(plan, stage)
     lines += _remat_lines(plan, stage)
     return "\n".join(lines)

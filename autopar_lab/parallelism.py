@@ -12,6 +12,8 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
   the all-to-alls that carry the tokens to the experts and back (see :mod:`autopar_lab.sharding.experts`);
 - (:func:`autopar_lab.overrides.with_expert_parallel` sets the experts' split: it re-solves around pins, which
   builds on the planner, so it lives with the other overrides;)
+- :func:`context_parallel`: per stage, its attention matmuls run as a ring over a mesh axis (ring attention, see
+  :mod:`autopar_lab.sharding.ring`; executed by :mod:`autopar_lab.runtime.ring`);
 - :func:`op_notes`: one line per operator that takes part in any of them (ring attention included), for the
   sharding table;
 - :func:`summary`: one line per dimension a plan uses, for the CLI and reports.
@@ -19,6 +21,7 @@ Both are choices of the intra-operator ILP (see :mod:`autopar_lab.sharding.fsdp`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
@@ -30,8 +33,8 @@ from .sharding.seqpar import SeqRegion, sequence_regions
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["data_axes", "expert_degree", "expert_parallel", "fsdp_params", "op_notes", "seqpar_regions", "summary",
-           "with_fsdp"]
+__all__ = ["RingMatmul", "context_parallel", "data_axes", "expert_degree", "expert_parallel", "fsdp_params",
+           "op_notes", "seqpar_regions", "summary", "with_fsdp"]
 
 
 def data_axes(graph, strategies) -> tuple[int, ...]:
@@ -117,9 +120,32 @@ def expert_degree(plan: Plan) -> int:
     return max((e.degree for layers in expert_parallel(plan).values() for e in layers), default=1)
 
 
+@dataclass(frozen=True)
+class RingMatmul:
+    """An attention matmul a plan runs as a ring (context parallelism): operator ``op`` of ``plan.op_graph``, the
+    mesh ``axes`` its ring runs over, its ``role`` ("forward" or "backward") and strategy ``name``."""
+
+    op: int
+    axes: tuple[int, ...]
+    role: str
+    name: str
+
+
+def context_parallel(plan: Plan, stage: int | None = None) -> dict[int, list[RingMatmul]]:
+    """Stage index -> its ring-marked attention matmuls (context parallelism by ring attention), in operator
+    order; stages without any map to ``[]``."""
+    g = plan.op_graph
+    out: dict[int, list[RingMatmul]] = {}
+    for k, intra, ops in stage_intras(plan, stage):
+        mine = intra.strategies if ops is None else {op: intra.strategies[op] for op in ops if op in intra.strategies}
+        out[k] = [RingMatmul(int(op), ring_axes_used(s), str(g.op(op).role), s.name)
+                  for op, s in sorted(mine.items()) if is_ring(s)]
+    return out
+
+
 def summary(plan: Plan, axis_names=("x", "y")) -> list[str]:
-    """One line per newer parallelism dimension ``plan`` uses (expert parallelism, ZeRO-3 / FSDP, sequence
-    parallelism), per stage; ``[]`` when it uses none."""
+    """One line per newer parallelism dimension ``plan`` uses (expert parallelism, ZeRO-3 / FSDP, sequence and
+    context parallelism), per stage; ``[]`` when it uses none."""
     lines = []
     for k, layers in expert_parallel(plan).items():
         split = [e for e in layers if e.axes]
@@ -139,6 +165,10 @@ def summary(plan: Plan, axis_names=("x", "y")) -> list[str]:
     for k, regions in seqpar_regions(plan).items():
         if regions:
             lines.append(f"stage {k}: sequence parallel in {len(regions)} region(s)")
+    for k, rings in context_parallel(plan).items():
+        if rings:
+            ring_over = ", ".join(sorted({"+".join(axis_names[a] for a in r.axes) for r in rings}))
+            lines.append(f"stage {k}: context parallel (ring) over {ring_over} in {len(rings)} attention matmul(s)")
     return lines
 
 

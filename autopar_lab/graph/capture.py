@@ -384,6 +384,14 @@ class StepProgram:
     fns: tuple
     consts: dict
 
+    def bind_params(self, op: int) -> dict:
+        """The parameters operator ``op``'s primitive is bound with (a ``dot_general``'s dimension numbers,
+        precision, preferred type), for running it another way (a ring-attention matmul); {} for a pseudo-op."""
+        fn = self.fns[op]
+        if isinstance(fn, functools.partial) and fn.func is _bind_eqn:
+            return dict(fn.args[1])
+        return {}
+
 
 def capture_program(step_fn: Callable, *args, batch_argnums: Sequence[int] = (), param_argnums: Sequence[int] = (0,),
                     opt_state_argnums: Sequence[int] | None = None, max_unroll: int = 4096) -> StepProgram:

@@ -15,6 +15,9 @@
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
+In both, the matmuls the plan runs as ring attention (context parallelism) run as rings of ``shard_map`` +
+``ppermute`` steps (:mod:`autopar_lab.runtime.ring`); ``Runner.ring_ops`` lists them.
+
 Timing: with ``timing=True`` (the default) each pipeline task waits for its result (``block_until_ready``) so its
 duration can be measured; that also serialises the stages. ``stage_times()`` reports the median per microbatch over
 every step after the first (which compiles), next to the plan's predictions.
@@ -39,6 +42,7 @@ import jax
 from .. import checks
 from ..simulate import ScheduleStuck, issue_order, task_order
 from .partition import StagedModel, _mesh, batch_of, check_plan_matches, move, split_stages, stage_device_blocks
+from .ring import ring_binds
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
 
@@ -71,6 +75,8 @@ class Runner:
         if mode not in ("auto", "pipeline", "spmd"):
             raise ValueError(f"mode must be 'auto', 'pipeline' or 'spmd', got {mode!r}.")
         self.notes: list[str] = []
+        #: the operators run as ring attention (the plan's ring-marked matmuls usable on their mesh)
+        self.ring_ops: tuple[int, ...] = ()
         self._compiler_options = dict(compiler_options) if compiler_options else None
         self.mode = "pipeline"
         if mode == "spmd" or (mode == "auto" and single):
@@ -91,6 +97,7 @@ class Runner:
                 raise ValueError("the step returns no scalar loss (a floating scalar output that is not a new value of "
                                  "one of its inputs); return the loss from the step to train it.")
             self._state = [self.staged.init_state(k, seed) for k in range(self.staged.num_stages)]
+            self.ring_ops = tuple(sorted({op for k in range(self.staged.num_stages) for op in self.staged.ring_ops(k)}))
 
     # --- one-stage SPMD ---------------------------------------------------------------------------------------
     def _init_spmd(self, seed, devices):
@@ -104,8 +111,11 @@ class Runner:
         mesh = _mesh(block, st.logical_mesh)
         out_specs, output_specs = specs_from_strategies(plan.graph, st.intra.strategies)
         output_specs = _stored_like_inputs(plan.graph, out_specs, output_specs)
+        # ring-marked matmuls (context parallelism) run as rings of shard_map steps, not XLA's algorithm
+        binds = ring_binds(plan.graph, st.intra.strategies, mesh)
         replay = replay_with_shardings(plan.graph, self.model.step_fn, self.model.abstract_args, out_specs, mesh,
-                                       output_specs=output_specs)
+                                       output_specs=output_specs, binds=binds)
+        self.ring_ops = tuple(sorted(binds))
         self._replay = replay
         self._spmd_step = replay.jit(compiler_options=self._compiler_options)
         args = self.model.init(seed)

@@ -35,6 +35,10 @@ says which tasks of the same microbatch a task reads from; values that cross sta
 in its stash (read by its later tasks of the same microbatch) and accumulators. The local runner (:mod:`.local`)
 and the Ray driver (:mod:`.train_entry`) both walk these tasks in the plan's schedule order.
 
+Ring attention: a matmul the plan marks ``[ring@a]`` (context parallelism) runs in its stage's program as a ring
+of ``shard_map`` steps on the stage's mesh (:meth:`StagedModel.ring_ops`, :mod:`autopar_lab.runtime.ring`), with
+the operator's own parameters; one whose layout a microbatch's shapes do not divide runs as the step does.
+
 The schedules (:mod:`autopar_lab.schedules`) change the tasks two ways:
 
 - **interleaved**: the "stages" here are the plan's *virtual* stages, its model chunks in order (chunk ``c`` is
@@ -770,11 +774,31 @@ class StagedModel:
         return self.merge_state(parts)[self.model.param_argnums[0]]
 
     # --- the stage programs -----------------------------------------------------------------------------------
-    def _run_ops(self, ops, env: dict) -> dict:
+    def ring_ops(self, k: int) -> dict[int, Any]:
+        """Operator -> the function running it as ring attention, for stage k's ring-marked matmuls (context
+        parallelism) usable on its mesh at the microbatch's shapes (:func:`~autopar_lab.runtime.ring.ring_binds`);
+        the other operators run as the step does."""
+        key = ("ring", self._check(k))
+        if key not in self._compiled:
+            from ..export import strategy_lookup
+            from .ring import ring_binds
+
+            intra = self.plan.stages[k].intra
+            ops = [i for i, s in enumerate(self._stage) if s == k]
+            self._compiled[key] = {} if intra is None else ring_binds(self._g, strategy_lookup(self.plan, intra),
+                                                                      self.mesh(k), ops=ops)
+        return self._compiled[key]
+
+    def _run_ops(self, ops, env: dict, binds: dict | None = None) -> dict:
         g, fns, consts = self._g, self._prog.fns, self._prog.consts
+        binds = binds or {}
         for i in ops:
             node = g.op(i)
-            outs = fns[i](*[env[t] if t in env else consts[t] for t in node.inputs])
+            vals = [env[t] if t in env else consts[t] for t in node.inputs]
+            if i in binds:  # a ring-attention matmul: its ring, with the operator's own parameters
+                outs = [binds[i](*vals, **self._prog.bind_params(i))]
+            else:
+                outs = fns[i](*vals)
             env.update(zip(node.outputs, outs))
         return env
 
@@ -786,9 +810,10 @@ class StagedModel:
         ins = list(task.state_in) + list(task.recv) + list(task.stash_in) + list(task.batch_in)
         exports, stash, acc = sorted(task.exports), sorted(task.stash_out), sorted(task.acc_out)
         consts = self._prog.consts
+        binds = self.ring_ops(k)
 
         def run(*vals):
-            env = self._run_ops(task.ops, dict(zip(ins, vals)))
+            env = self._run_ops(task.ops, dict(zip(ins, vals)), binds)
             pick = lambda ts: tuple(env[t] if t in env else consts[t] for t in ts)  # noqa: E731
             return pick(exports), pick(stash), pick(acc)
 

@@ -51,8 +51,11 @@ class Replay:
                  out_specs: Mapping[int, Sequence[Any]], mesh: jax.sharding.Mesh,
                  axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
                  output_specs: Mapping[int, Any] | None = None, max_unroll: int | None = None,
-                 operand_specs: Mapping[int, Sequence[Any]] | None = None):
+                 operand_specs: Mapping[int, Sequence[Any]] | None = None,
+                 binds: Mapping[int, Callable] | None = None):
         self.graph = graph
+        # Per operator (op id): a function run in place of its primitive (a ring-attention matmul's ring).
+        self.binds = {int(k): v for k, v in (binds or {}).items()}
         # Per contraction (op id): the specs its operands are constrained to right before it.
         self.operand_specs = {int(k): tuple(None if x is None else _as_spec(x) for x in v)
                               for k, v in (operand_specs or {}).items()}
@@ -236,10 +239,12 @@ class Replay:
                 invals = [jax.lax.with_sharding_constraint(v, self.named(sp)) if sp is not None and
                           hasattr(v, "shape") else v for v, sp in zip(invals, operands)]
             params = eqn.primitive.get_bind_params(eqn.params)
+            bound = self.binds.get(self._pos) if name == self.graph.op(
+                min(self._pos, len(self.graph) - 1)).primitive else None
             with source_info_util.user_context(eqn.source_info.traceback,
                                                name_stack=source_info_util.current_name_stack()
                                                + eqn.source_info.name_stack), eqn.ctx.manager:
-                ans = eqn.primitive.bind(*invals, **params)
+                ans = bound(*invals, **params) if bound is not None else eqn.primitive.bind(*invals, **params)
             outs = list(ans) if eqn.primitive.multiple_results else [ans]
             outs = self._emit(name, outs)
             for v, o in zip(eqn.outvars, outs):
@@ -278,7 +283,8 @@ def replay_with_shardings(graph: OpGraph, step_fn: Callable, abstract_args: Sequ
                           axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, *,
                           output_specs: Mapping[int, ShardingSpec] | None = None,
                           max_unroll: int | None = None,
-                          operand_specs: Mapping[int, Sequence[ShardingSpec | None]] | None = None) -> Replay:
+                          operand_specs: Mapping[int, Sequence[ShardingSpec | None]] | None = None,
+                          binds: Mapping[int, Callable] | None = None) -> Replay:
     """The step function, re-executed operator by operator with the plan's specs applied.
 
     ``out_specs[op_id]`` gives one spec (or None: leave it to XLA) per output of operator ``op_id``; an operator
@@ -292,10 +298,12 @@ def replay_with_shardings(graph: OpGraph, step_fn: Callable, abstract_args: Sequ
     infers it from the graph. ``operand_specs[op_id]``: the specs a contraction's operands are constrained to just
     before it (so XLA runs the matmul the way the plan's strategy does, not an algorithm of its own choosing). The
     returned :class:`Replay` is callable like ``step_fn``; ``.jit()`` jits it with the shardings. A walk that
-    diverges from the graph raises :class:`ReplayError`.
+    diverges from the graph raises :class:`ReplayError`. ``binds[op_id]``: a function called as
+    ``fn(*operands, **bind params)`` in place of the operator's primitive (the ring of a ring-attention matmul,
+    :func:`autopar_lab.runtime.ring.ring_binds`).
     """
     return Replay(graph, step_fn, abstract_args, out_specs, mesh, axis_names, output_specs, max_unroll,
-                  operand_specs)
+                  operand_specs, binds)
 
 
 def operand_specs_from_strategies(graph: OpGraph, strategies: Mapping[int, Any]) -> dict:

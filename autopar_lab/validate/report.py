@@ -33,8 +33,8 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
                    predicted: Mapping[str, Mapping[str, float]] | None = None, *,
                    output_specs: Mapping[int, Any] | None = None, graph: OpGraph | None = None,
                    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, seed: int = 0, run: bool = True,
-                   donate_argnums: Sequence[int] = (), operand_specs: Mapping[int, Sequence[Any]] | None = None
-                   ) -> dict:
+                   donate_argnums: Sequence[int] = (), operand_specs: Mapping[int, Sequence[Any]] | None = None,
+                   binds: Mapping[int, Any] | None = None) -> dict:
     """Compile the planned step of ``model_spec`` on ``mesh``, count its collectives, run one step sharded and one
     on a single device, and compare.
 
@@ -44,10 +44,11 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
     the largest |sharded - single device| over the outputs' leaves (None with ``run=False``). ``graph`` defaults to
     ``model_spec.trace()``; the concrete arguments are ``model_spec.init(seed)``. ``donate_argnums`` are donated to
     the sharded step (the updated parameters and optimizer state then reuse their inputs' buffers, as in training).
+    ``binds``: operators run another way (a ring-attention matmul's ring, see the replay's ``binds``).
     """
     graph = model_spec.trace() if graph is None else graph
     replay = replay_with_shardings(graph, model_spec.step_fn, model_spec.abstract_args, out_specs, mesh,
-                                   axis_names, output_specs=output_specs, operand_specs=operand_specs)
+                                   axis_names, output_specs=output_specs, operand_specs=operand_specs, binds=binds)
     jitted = replay.jit(donate_argnums=tuple(donate_argnums)) if donate_argnums else replay.jit()
     t0 = time.perf_counter()
     compiled_exe = jitted.lower(*model_spec.abstract_args).compile()
@@ -259,9 +260,13 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
             p = graph.tensor(node.params["alias_of"]).producer
             output_specs[node.id] = plan.strategies[p].out_specs[0]
     donate = tuple(i for i in range(len(spec.abstract_args)) if i not in spec.batch_argnums)
-    rep = validate_model(spec, out_specs, lm.to_jax_mesh(jax.devices()[:devices]), None,
+    from ..runtime.ring import ring_binds
+
+    mesh = lm.to_jax_mesh(jax.devices()[:devices])
+    rep = validate_model(spec, out_specs, mesh, None,
                          output_specs=output_specs, graph=graph, run=run, donate_argnums=donate,
-                         operand_specs=operand_specs_from_strategies(graph, plan.strategies))
+                         operand_specs=operand_specs_from_strategies(graph, plan.strategies),
+                         binds=ring_binds(graph, plan.strategies, mesh))  # ring attention runs as the plan's ring
     predicted = summarize_collectives(records)
     dedup = summarize_collectives(records, dedupe=True)
     compiled = rep["compiled"]
