@@ -40,6 +40,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
     resolve,
     solve_fixed_cuts,
     stage_ranges,
+    stage_runs,
 )
 from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
@@ -83,8 +84,10 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     if layer_costs is None:
         before = {id(st.intra): st.layer_costs for st in plan.stages if st.intra is not None}
         layer_costs = [before.get(id(intra)) for intra in intras]
+    # The plan's chunk count stays with its schedule, pinned or not (a schedule given takes its pinned or default one).
+    keep_v = plan.virtual_stages if schedule is None and plan.virtual_stages > 1 else None
     return price_plan(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
-                      schedule=schedule or plan.schedule, stage_comm=plan.stage_comm,
+                      schedule=schedule or plan.schedule, virtual_stages=keep_v, stage_comm=plan.stage_comm,
                       mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method, solve_s=plan.solve_s,
                       notes=plan.notes, pins=pins, stage_pins=plan.stage_pins if stage_pins is None else stage_pins,
                       layer_pins=plan.layer_pins if layer_pins is None else layer_pins)
@@ -554,13 +557,17 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         shapes = [c.logical_mesh for c in res.stages]
         remat = [c.remat for c in res.stages]
     specs, intras = [], []
+    # The layers each stage runs (an interleaved stage: its chunks, which move when any stage's count does).
+    runs = stage_runs(ranges, plan.virtual_stages if plan.schedule == "interleaved" else 1)
     for j, (rng, sub, shape, r) in enumerate(zip(ranges, subs, shapes, remat)):
-        assert sub is not None and shape is not None  # every stage decided: given, kept or by the DP
-        specs.append(StageSpec(tuple(rng), tuple(sub), tuple(shape), bool(r)))
-        if same and (old[j].layers, old[j].submesh, old[j].logical_mesh) == (tuple(rng), tuple(sub), tuple(shape)):
-            intras.append(old[j].intra)  # unchanged: keep its strategies (and its pins' effects) as they are
+        assert sub is not None and shape is not None and r is not None  # every stage decided: given, kept or by the DP
+        specs.append(StageSpec(tuple(rng), tuple(sub), tuple(shape), remat_value(r)))
+        was = old[j].intra if same else None
+        if was is not None and (old[j].layers, old[j].submesh, old[j].logical_mesh) == \
+                (tuple(rng), tuple(sub), tuple(shape)) and pins.honoured_by(was, runs[j]):
+            intras.append(was)  # unchanged: keep its strategies (and its pins' effects) as they are
         else:
-            intras.append(pinned_intra(pins, table, rng, sub, shape, j))
+            intras.append(pinned_intra(pins, table, runs[j], sub, shape, j))
     return reprice(plan, intras, B, plan.pins, specs=specs, stage_pins=sp)
 
 
