@@ -428,29 +428,31 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
                                       f"pinned strategies: {dict(plan.pins)})", e.min_mem_bytes) from None
         raise
     specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
-    solutions = [table.solution_of(c.payload) if c.payload is not None else "fast" for c in res.stages]
+    solutions = [c.solution for c in res.stages]
     runs = stage_runs([s.layers for s in specs], v)
     intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions, runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], stage_comm=plan.stage_comm,
               mem_limit_bytes=mem, method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins,
               stage_pins=sp, layer_pins=plan.layer_pins, virtual_stages=v if v > 1 else None)
-    out = price_plan(table, specs, intras=intras, **kw)
+    out = price_plan(table, specs, intras=intras, solutions=solutions, **kw)
     # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
     # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
     # every pin of the layers it runs, keep that sharding if it wins.
     old = {StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat): st for st in plan.stages}
-    kept, costs = [], []
-    for spec, intra, run in zip(specs, intras, runs):
+    kept, costs, kept_solutions = [], [], []
+    for spec, intra, run, solution in zip(specs, intras, runs, solutions):
         st = old.get(spec)
         if pins.in_ranges(run) and st is not None and st.intra is not None and pins.honoured_by(st.intra, run):
             kept.append(st.intra)
             costs.append(st.layer_costs)
+            kept_solutions.append(st.solution)
         else:
             kept.append(intra)
             costs.append(None)
+            kept_solutions.append(solution)
     if any(a is not b for a, b in zip(kept, intras)):
-        alt = price_plan(table, specs, intras=kept, layer_costs=costs, **kw)
+        alt = price_plan(table, specs, intras=kept, layer_costs=costs, solutions=kept_solutions, **kw)
         if alt.cost.step_time_s < out.cost.step_time_s:
             return alt
     return out
@@ -462,8 +464,11 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
     table = table_of(plan)
     specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
     runs = stage_runs([s.layers for s in specs], plan.virtual_stages)
-    intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress, runs=runs)
-    return price_plan(table, specs, intras=intras, microbatches=plan.microbatches, schedule=plan.schedule,
+    solutions = [st.solution for st in plan.stages]
+    intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress,
+                                solutions=solutions, runs=runs)
+    return price_plan(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
+                      schedule=plan.schedule,
                       stage_comm=plan.stage_comm, mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method,
                       solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins,
                       layer_pins=plan.layer_pins, virtual_stages=plan.virtual_stages if plan.virtual_stages > 1

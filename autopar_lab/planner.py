@@ -299,7 +299,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
-                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras)
+                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras,
+                      solutions=[st.solution for st in result.stages])
 
 
 #: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
