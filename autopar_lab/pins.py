@@ -5,8 +5,9 @@ stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_mesh
 "schedule"). This module re-solves around them:
 
 - :func:`resolve`: the stage DP with the stage pins as constraints (:class:`~autopar_lab.solve.inter.StageConstraints`,
-  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`), then the intra-op ILP of each stage
-  around its operator pins;
+  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`) and the plan's own schedule
+  (:func:`schedule_keywords`), then the intra-op ILP of each stage around the operator pins of the layers it runs
+  (:func:`stage_runs`: an interleaved stage's chunks);
 - :func:`solve_intra_around_pins`: the same stages, each stage's ILP again around its pins (the workbench's "intra"
   solve);
 - :func:`keep_pins`: a fresh plan (another cluster: a what-if question) re-solved around every pin of the old one
@@ -391,11 +392,14 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     """Re-solve every decision that is not pinned, around the pins.
 
     1. The stage DP runs again over the plan's cost table with the stage pins as constraints (pinned cuts,
-       submeshes, logical meshes, remat flags, microbatch count; schedule kept) and only on logical meshes where
-       every pinned operator of a stage has its pinned strategy. The DP prices stages with the table's unpinned
+       submeshes, logical meshes, remat flags, microbatch count), with the formula and memory of the plan's
+       schedule (:func:`schedule_keywords`: pinned or not, an interleaved plan keeps its chunk count) and only on
+       logical meshes where every pinned operator a stage runs (its chunks when interleaved, see
+       :func:`constrained_candidates`) has its pinned strategy. The DP prices stages with the table's unpinned
        sharding (a pin can only make its stage slower; the final plan is priced exactly).
-    2. Each chosen stage that runs pinned operators gets the intra-op ILP again with those pins fixed; the other
-       stages take the table's solution for their mesh.
+    2. Each chosen stage that runs pinned operators (:func:`stage_runs`) gets the intra-op ILP again with those pins
+       fixed; the other stages take the table's solution for their mesh (the one the DP chose, recorded as
+       ``Stage.solution``).
 
     Raises ValueError naming the operator when a pinned strategy exists on no mesh of the cluster, and
     :class:`~autopar_lab.solve.inter.NoFeasiblePlanError` (with ``min_mem_bytes``, the smallest memory per device
