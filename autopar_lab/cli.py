@@ -99,6 +99,11 @@ def _microbatches(text):
         raise UsageError(f"--microbatches must be a number or 'auto', got {text!r}") from None
 
 
+def _solution_text(stage: dict) -> str:
+    """A stage's mesh solution as its line shows it: ", lean sharding" for the memory-lean one, else nothing."""
+    return ", lean sharding (weights stored at their least)" if stage.get("solution") == "lean" else ""
+
+
 def _remat_text(value) -> str:
     """A stage's remat as its line shows it: " remat" (full), " selective remat", or nothing."""
     return {"full": " remat", "selective": " selective remat"}.get(remat_label(value), "")
@@ -209,7 +214,8 @@ def _print_plan(out: dict) -> None:
             where = f"layers {st['layers'][0]}-{st['layers'][1]} ({names[0]} .. {names[1]})"
         print(f"  stage {k}: {where} on submesh "
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
-              f"{_remat_text(st['remat'])}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}{parts}")
+              f"{_remat_text(st['remat'])}{_solution_text(st)}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}"
+              f"{parts}")
     for line in out.get("parallelism", []):
         print(f"  {line}")
     for note in out.get("notes", []):

@@ -40,6 +40,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
     resolve,
     solve_fixed_cuts,
     stage_ranges,
+    stage_runs,
 )
 from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
 from .pricing.price import StageSpec, table_of
@@ -74,17 +75,22 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
             specs: Sequence[StageSpec] | None = None, schedule: str | None = None,
             stage_pins: Mapping[str, Any] | None = None,
             layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
-            layer_pins: Mapping[int, str] | None = None) -> Plan:
+            layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None) -> Plan:
     """``plan`` with some of its decisions replaced (each stage's IntraPlan, the stages themselves, the microbatch
     count, the schedule, the pins, the split layers' pins), priced again by its table. Stages whose IntraPlan is
-    unchanged reuse their layer costs."""
+    unchanged reuse their layer costs. ``solutions``: each stage's mesh solution (default: the plan's stages')."""
     if specs is None:
         specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
+    if solutions is None:
+        solutions = [st.solution for st in plan.stages] if len(specs) == len(plan.stages) else None
     if layer_costs is None:
         before = {id(st.intra): st.layer_costs for st in plan.stages if st.intra is not None}
         layer_costs = [before.get(id(intra)) for intra in intras]
+    # The plan's chunk count stays with its schedule, pinned or not (a schedule given takes its pinned or default one).
+    keep_v = plan.virtual_stages if schedule is None and plan.virtual_stages > 1 else None
     return price_plan(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
-                      schedule=schedule or plan.schedule, stage_comm=plan.stage_comm,
+                      schedule=schedule or plan.schedule, virtual_stages=keep_v, solutions=solutions,
+                      stage_comm=plan.stage_comm,
                       mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method, solve_s=plan.solve_s,
                       notes=plan.notes, pins=pins, stage_pins=plan.stage_pins if stage_pins is None else stage_pins,
                       layer_pins=plan.layer_pins if layer_pins is None else layer_pins)
@@ -539,6 +545,8 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
     if microbatches is not None:
         sp["microbatches"] = B
     pins = PinIndex(plan)
+    # Each stage's mesh solution: kept with the stage, else the DP's choice, else the fast one.
+    sols = [st.solution for st in old] if same else ["fast"] * S
     if any(x is None for x in subs + shapes + remat):
         # Let the DP choose what is free, everything else held (the pinned cuts make it a small problem).
         con = StageConstraints(cuts=tuple(r[0] for r in ranges[1:]), submeshes=tuple(subs),
@@ -553,15 +561,22 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         subs = [c.submesh for c in res.stages]
         shapes = [c.logical_mesh for c in res.stages]
         remat = [c.remat for c in res.stages]
+        sols = [c.solution for c in res.stages]
     specs, intras = [], []
+    # The layers each stage runs (an interleaved stage: its chunks, which move when any stage's count does).
+    runs = stage_runs(ranges, plan.virtual_stages if plan.schedule == "interleaved" else 1)
     for j, (rng, sub, shape, r) in enumerate(zip(ranges, subs, shapes, remat)):
-        assert sub is not None and shape is not None  # every stage decided: given, kept or by the DP
-        specs.append(StageSpec(tuple(rng), tuple(sub), tuple(shape), bool(r)))
-        if same and (old[j].layers, old[j].submesh, old[j].logical_mesh) == (tuple(rng), tuple(sub), tuple(shape)):
-            intras.append(old[j].intra)  # unchanged: keep its strategies (and its pins' effects) as they are
+        assert sub is not None and shape is not None and r is not None  # every stage decided: given, kept or by the DP
+        specs.append(StageSpec(tuple(rng), tuple(sub), tuple(shape), remat_value(r)))
+        was = old[j].intra if same else None
+        if was is not None and (old[j].layers, old[j].submesh, old[j].logical_mesh) == \
+                (tuple(rng), tuple(sub), tuple(shape)) and pins.honoured_by(was, runs[j]):
+            intras.append(was)  # unchanged: keep its strategies (and its pins' effects) as they are
         else:
-            intras.append(pinned_intra(pins, table, rng, sub, shape, j))
-    return reprice(plan, intras, B, plan.pins, specs=specs, stage_pins=sp)
+            if sols[j] not in table.solutions(sub, shape):  # a mesh given anew: its lean solution not solved
+                sols[j] = "fast"
+            intras.append(pinned_intra(pins, table, runs[j], sub, shape, j, sols[j]))
+    return reprice(plan, intras, B, plan.pins, specs=specs, stage_pins=sp, solutions=sols)
 
 
 def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:  # noqa: F811

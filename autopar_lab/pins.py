@@ -5,8 +5,9 @@ stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_mesh
 "schedule"). This module re-solves around them:
 
 - :func:`resolve`: the stage DP with the stage pins as constraints (:class:`~autopar_lab.solve.inter.StageConstraints`,
-  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`), then the intra-op ILP of each stage
-  around its operator pins;
+  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`) and the plan's own schedule
+  (:func:`schedule_keywords`), then the intra-op ILP of each stage around the operator pins of the layers it runs
+  (:func:`stage_runs`: an interleaved stage's chunks);
 - :func:`solve_intra_around_pins`: the same stages, each stage's ILP again around its pins (the workbench's "intra"
   solve);
 - :func:`keep_pins`: a fresh plan (another cluster: a what-if question) re-solved around every pin of the old one
@@ -27,7 +28,7 @@ from .pricing import LazyIntraPlan, pareto, price_plan
 from .pricing.price import StageSpec, table_of
 from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
-from .schedules import dp_schedule
+from .schedules import interleave, schedule_of
 from .solve.ilp import DEFAULT_SOLVER
 from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
 from .solve.intra import IntraPlan, solve_intra
@@ -149,7 +150,13 @@ class PinIndex:
 
     def in_range(self, a: int, b: int) -> dict[int, str]:
         """The pins on operators of layers a..b (for a shallower copy's operator: any layer it stands for)."""
-        return {op: name for op, name in self.pins.items() if any(a <= i <= b for i in self.layers[op])}
+        return self.in_ranges(((a, b),))
+
+    def in_ranges(self, ranges: Sequence[Sequence[int]]) -> dict[int, str]:
+        """The pins on operators of any of the layer ranges ``((first, last), ...)``: what a stage that runs those
+        layers must hold (an interleaved stage runs several ranges, its chunks: :func:`stage_runs`)."""
+        return {op: name for op, name in self.pins.items()
+                if any(a <= i <= b for a, b in ranges for i in self.layers[op])}
 
     def with_siblings(self, pins: Mapping[int, str]) -> dict[int, str]:
         """``pins`` given to every sibling of each pinned operator (what the ILP and the IntraPlan must hold)."""
@@ -192,20 +199,61 @@ class PinIndex:
     def mesh_ok(self, a: int, b: int, submesh, shape) -> bool:
         """Whether every pinned operator of layers a..b (and every pin of a split layer among them) has its
         strategy on this mesh."""
-        if not all(self._held(op, submesh, shape) for op in self.in_range(a, b)):
+        return self.runs_ok(((a, b),), submesh, shape)
+
+    def runs_ok(self, ranges: Sequence[Sequence[int]], submesh, shape) -> bool:
+        """:meth:`mesh_ok` for a stage that runs every layer range of ``ranges``."""
+        if not all(self._held(op, submesh, shape) for op in self.in_ranges(ranges)):
             return False
-        return all(self._held(op, submesh, shape, True) for op, (k, _) in self.split.items() if a <= k <= b)
+        return all(self._held(op, submesh, shape, True) for op, (k, _) in self.split.items()
+                   if any(a <= k <= b for a, b in ranges))
 
-    def honoured_by(self, intra: IntraPlan, a: int, b: int) -> bool:
-        """Whether ``intra`` runs every pinned operator of layers a..b (and its siblings) by its pinned strategy."""
+    def honoured_by(self, intra: IntraPlan, ranges: Sequence[Sequence[int]]) -> bool:
+        """Whether ``intra`` runs every pinned operator of the layer ranges (and its siblings) by its pinned
+        strategy."""
         return all(op in intra.strategies and intra.strategies[op].name == name
-                   for op, name in self.with_siblings(self.in_range(a, b)).items())
+                   for op, name in self.with_siblings(self.in_ranges(ranges)).items())
 
 
-def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage: int) -> IntraPlan:
-    """The table's IntraPlan of a mesh with the stage's operator pins applied (re-priced, not re-solved)."""
-    _, base = table.mesh_costs(submesh, shape)
-    mine = pins.in_range(*layers)
+# --------------------------------------------------------------------------------------------------------------
+# The schedule a re-solve keeps
+
+
+def schedule_keywords(plan: Plan, schedule: str | None = None) -> dict[str, Any]:
+    """The stage DP's schedule keywords (``schedule``, and ``virtual_stages`` or ``wgrad_share`` where it takes
+    them) for re-solving ``plan`` with ``schedule`` (default: the pinned one, else the plan's): a re-solve searches
+    with the formula and memory of the schedule the plan runs, as :func:`~autopar_lab.planner.auto_plan` does, so
+    the stages it picks are the best for that schedule (an interleaved plan keeps its chunk count, pinned or not)."""
+    sp = plan.stage_pins
+    name = sp.get("schedule", plan.schedule) if schedule is None else schedule
+    v = plan.virtual_stages if name == plan.schedule else schedule_of(name, None, sp)[1]
+    kw: dict[str, Any] = {"schedule": name}
+    if name == "interleaved":
+        kw["virtual_stages"] = v
+    elif name == "zb-h1":
+        kw["wgrad_share"] = planner.wgrad_share(table_of(plan))
+    return kw
+
+
+def stage_runs(layers: Sequence[Sequence[int]], virtual_stages: int = 1) -> list[tuple[tuple[int, int], ...]]:
+    """The layer ranges each stage runs when the stages hold ``layers`` ((first, last) each, the 1F1B layout):
+    its own range, or with ``virtual_stages`` > 1 its chunks (:func:`~autopar_lab.schedules.interleave`), which
+    lie in other stages' ranges: the pins a stage must hold are those of these ranges.
+
+    >>> stage_runs([(0, 1), (2, 3)]), stage_runs([(0, 1), (2, 3)], 2)
+    ([((0, 1),), ((2, 3),)], [((0, 0), (2, 2)), ((1, 1), (3, 3))])
+    """
+    if virtual_stages > 1:
+        return interleave(layers, virtual_stages)
+    return [((int(a), int(b)),) for a, b in layers]
+
+
+def pinned_intra(pins: PinIndex, table: CostTable, runs, submesh, shape, stage: int,
+                 solution: str = "fast") -> IntraPlan:
+    """The table's IntraPlan of a mesh (its ``solution``) with the operator pins of the layers the stage runs
+    (``runs``, see :func:`stage_runs`) applied (re-priced, not re-solved)."""
+    _, base = table.mesh_costs(submesh, shape, solution)
+    mine = pins.in_ranges(runs)
     if not mine:
         return base
     chosen = dict(base.strategies)
@@ -220,18 +268,21 @@ def pinned_intra(pins: PinIndex, table: CostTable, layers, submesh, shape, stage
 
 
 def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSpec], solver: str,
-                       hook: Hook | None = None, solutions: Sequence[str] | None = None) -> list[IntraPlan]:
+                       hook: Hook | None = None, solutions: Sequence[str] | None = None,
+                       runs: Sequence[Sequence[Sequence[int]]] | None = None) -> list[IntraPlan]:
     """Each stage's IntraPlan: the table's solution of its mesh (``solutions[k]``: "fast", the default, or "lean",
     see :meth:`~autopar_lab.pricing.table.CostTable.solutions`), or, for a stage that runs pinned operators, the
     intra-op ILP of that mesh solved again with those pins fixed (a lean stage keeps its weights stored at their
-    least around the user's pins, so it still fits where only the lean solution did)."""
+    least around the user's pins, so it still fits where only the lean solution did). ``runs[k]``: the layer ranges
+    stage k runs (:func:`stage_runs`; default: its own layers), whose pins it must hold."""
+    runs = [(tuple(spec.layers),) for spec in specs] if runs is None else runs
     out = []
     for k, spec in enumerate(specs):
         if hook is not None:
             hook(f"intra-op ILP of stage {k} on {spec.logical_mesh[0]}x{spec.logical_mesh[1]}", k, len(specs))
         solution = "fast" if solutions is None else solutions[k]
         _, base = table.mesh_costs(spec.submesh, spec.logical_mesh, solution)
-        mine = pins.in_range(*spec.layers)
+        mine = pins.in_ranges(runs[k])
         if not mine:
             out.append(base)
             continue
@@ -251,10 +302,15 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
 
 
 def constrained_candidates(table: CostTable, cluster: Cluster, constraints: StageConstraints | None,
-                           pins: PinIndex | None, *, prune: bool = True):
+                           pins: PinIndex | None, *, prune: bool = True, virtual_stages: int = 1):
     """The DP's candidates(start, end, submesh, B) from ``table``: every logical mesh x remat, less the meshes that
     cannot run a pinned operator, less the ranges the pinned cuts forbid. Pareto-pruned unless a per-stage pin
-    (logical mesh, remat) could pick a dominated candidate."""
+    (logical mesh, remat) could pick a dominated candidate.
+
+    With ``virtual_stages`` > 1 (interleaved) the layers a stage runs are its chunks, which depend on every
+    stage's layer count (:func:`stage_runs`), not on the range the DP prices; the DP cannot see them, so a mesh
+    is offered only where it holds every operator pin of the model (never a stage that cannot run what it is
+    given; a re-solve may then miss a layout that puts an unpinnable mesh where no pinned operator runs)."""
     L = len(table.layer_names)
     allowed = None
     if constraints is not None and constraints.cuts is not None:
@@ -269,34 +325,45 @@ def constrained_candidates(table: CostTable, cluster: Cluster, constraints: Stag
         sub = tuple(sub)
         if sub not in shapes:
             shapes[sub] = cluster.logical_mesh_shapes(sub)
+        span = (a, b) if virtual_stages == 1 else (0, L - 1)
         out = [table.stage(a, b, sub, shape, B, r, sol) for shape in shapes[sub]
-               if pins is None or pins.mesh_ok(a, b, sub, shape)
+               if pins is None or pins.mesh_ok(*span, sub, shape)
                for sol in table.solutions(sub, shape) for r in REMAT_CHOICES]
         return out if keep_all else pareto(out)
 
     return candidates
 
 
-def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_choices: Sequence[int], schedule: str,
-                 mem_limit_bytes: float, pins: PinIndex | None, *, prune: bool = True):
+def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_choices: Sequence[int],
+                 schedule: Mapping[str, Any], mem_limit_bytes: float, pins: PinIndex | None, *, prune: bool = True):
     """The stage DP over the plan's table, around the stage pins (``constraints``) and on meshes that can run the
-    operator pins, for each microbatch count (:func:`~autopar_lab.planner.search_microbatches`)."""
+    operator pins, for each microbatch count (:func:`~autopar_lab.planner.search_microbatches`), with the
+    schedule keywords ``schedule`` (:func:`schedule_keywords`)."""
     table, cluster = table_of(plan), plan.cluster
-    cands = constrained_candidates(table, cluster, constraints, pins, prune=prune)
+    cands = constrained_candidates(table, cluster, constraints, pins, prune=prune,
+                                   virtual_stages=int(schedule.get("virtual_stages", 1)))
     return planner.search_microbatches(
         table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
         mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
-        stage_comm=plan.stage_comm, schedule=schedule, constraints=constraints)
+        stage_comm=plan.stage_comm, constraints=constraints, **schedule)
 
 
 def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, mem_limit_bytes: float,
                      pins: PinIndex):
-    """The stage DP when the cuts are fixed: each stage's layer range becomes one "layer" of a problem with S
-    layers and the same cluster, so the DP only chooses submeshes, logical meshes and remat (exactly the choice
-    the full problem has with those cuts pinned, at a fraction of its size)."""
+    """The stage DP when the cuts are fixed, with the plan's schedule (:func:`schedule_keywords`): each stage's
+    layer range becomes one "layer" of a problem with S layers and the same cluster, so the DP only chooses
+    submeshes, logical meshes and remat (exactly the choice the full problem has with those cuts pinned, at a
+    fraction of its size). An interleaved plan is solved on its full layers, the cuts pinned: its chunk transfers
+    and its one-layer-per-chunk rule need them."""
     table, cluster = table_of(plan), plan.cluster
+    sched = schedule_keywords(plan)
     S = len(ranges)
+    if sched["schedule"] == "interleaved":
+        full = StageConstraints(cuts=tuple(r[0] for r in ranges[1:]), submeshes=constraints.submeshes,
+                                logical_meshes=constraints.logical_meshes, remat=constraints.remat)
+        return solve_stages(plan, full, [B], sched, mem_limit_bytes, pins, prune=False)
     views: dict[tuple, list] = {}
+    runs = stage_runs(ranges)
 
     def candidates(a, b, sub):
         if a != b:
@@ -306,7 +373,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
             views[sub] = cluster.logical_mesh_shapes(sub)
         first, last = ranges[a]
         return [table.stage(first, last, sub, shape, B, r, sol) for shape in views[sub]
-                if pins.mesh_ok(first, last, sub, shape)
+                if pins.runs_ok(runs[a], sub, shape)
                 for sol in table.solutions(sub, shape) for r in REMAT_CHOICES]
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
@@ -314,7 +381,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
     return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
                     cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
                     intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
-                    schedule=dp_schedule(plan.schedule), constraints=con)
+                    constraints=con, **sched)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -325,11 +392,14 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     """Re-solve every decision that is not pinned, around the pins.
 
     1. The stage DP runs again over the plan's cost table with the stage pins as constraints (pinned cuts,
-       submeshes, logical meshes, remat flags, microbatch count; schedule kept) and only on logical meshes where
-       every pinned operator of a stage has its pinned strategy. The DP prices stages with the table's unpinned
+       submeshes, logical meshes, remat flags, microbatch count), with the formula and memory of the plan's
+       schedule (:func:`schedule_keywords`: pinned or not, an interleaved plan keeps its chunk count) and only on
+       logical meshes where every pinned operator a stage runs (its chunks when interleaved, see
+       :func:`constrained_candidates`) has its pinned strategy. The DP prices stages with the table's unpinned
        sharding (a pin can only make its stage slower; the final plan is priced exactly).
-    2. Each chosen stage that runs pinned operators gets the intra-op ILP again with those pins fixed; the other
-       stages take the table's solution for their mesh.
+    2. Each chosen stage that runs pinned operators (:func:`stage_runs`) gets the intra-op ILP again with those pins
+       fixed; the other stages take the table's solution for their mesh (the one the DP chose, recorded as
+       ``Stage.solution``).
 
     Raises ValueError naming the operator when a pinned strategy exists on no mesh of the cluster, and
     :class:`~autopar_lab.solve.inter.NoFeasiblePlanError` (with ``min_mem_bytes``, the smallest memory per device
@@ -349,11 +419,12 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
                              "strategy of it on no logical mesh of this cluster; pin it to another strategy.")
     sp = dict(plan.stage_pins)
     constraints = constraints_of(sp)
-    schedule = sp.get("schedule", plan.schedule)
+    sched = schedule_keywords(plan)
+    v = int(sched.get("virtual_stages", 1))
     choices = [sp["microbatches"]] if "microbatches" in sp else planner.microbatch_choices(table.batch_size, "auto")
     mem = plan.cost.mem_limit_bytes
     try:
-        res = solve_stages(plan, constraints, choices, schedule, mem,
+        res = solve_stages(plan, constraints, choices, sched, mem,
                            pins if plan.pins or plan.layer_pins else None)
     except NoFeasiblePlanError as e:
         if plan.pins and e.min_mem_bytes == float("inf"):
@@ -361,29 +432,31 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
                                       f"pinned strategies: {dict(plan.pins)})", e.min_mem_bytes) from None
         raise
     specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
-    solutions = [table.solution_of(c.payload) if c.payload is not None else "fast" for c in res.stages]
-    intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions)
+    solutions = [c.solution for c in res.stages]
+    runs = stage_runs([s.layers for s in specs], v)
+    intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions, runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
-    kw = dict(microbatches=res.microbatches, schedule=schedule, stage_comm=plan.stage_comm, mem_limit_bytes=mem,
-              method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins, stage_pins=sp,
-              layer_pins=plan.layer_pins)
-    out = price_plan(table, specs, intras=intras, **kw)
+    kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], stage_comm=plan.stage_comm,
+              mem_limit_bytes=mem, method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins,
+              stage_pins=sp, layer_pins=plan.layer_pins, virtual_stages=v if v > 1 else None)
+    out = price_plan(table, specs, intras=intras, solutions=solutions, **kw)
     # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
     # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
-    # every pin of its layers, keep that sharding if it wins.
+    # every pin of the layers it runs, keep that sharding if it wins.
     old = {StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat): st for st in plan.stages}
-    kept, costs = [], []
-    for spec, intra in zip(specs, intras):
+    kept, costs, kept_solutions = [], [], []
+    for spec, intra, run, solution in zip(specs, intras, runs, solutions):
         st = old.get(spec)
-        if pins.in_range(*spec.layers) and st is not None and st.intra is not None and \
-                pins.honoured_by(st.intra, *spec.layers):
+        if pins.in_ranges(run) and st is not None and st.intra is not None and pins.honoured_by(st.intra, run):
             kept.append(st.intra)
             costs.append(st.layer_costs)
+            kept_solutions.append(st.solution)
         else:
             kept.append(intra)
             costs.append(None)
+            kept_solutions.append(solution)
     if any(a is not b for a, b in zip(kept, intras)):
-        alt = price_plan(table, specs, intras=kept, layer_costs=costs, **kw)
+        alt = price_plan(table, specs, intras=kept, layer_costs=costs, solutions=kept_solutions, **kw)
         if alt.cost.step_time_s < out.cost.step_time_s:
             return alt
     return out
@@ -394,11 +467,16 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
     (an operator that is no longer pinned goes back to the ILP's choice)."""
     table = table_of(plan)
     specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
-    intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress)
-    return price_plan(table, specs, intras=intras, microbatches=plan.microbatches, schedule=plan.schedule,
+    runs = stage_runs([s.layers for s in specs], plan.virtual_stages)
+    solutions = [st.solution for st in plan.stages]
+    intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress,
+                                solutions=solutions, runs=runs)
+    return price_plan(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
+                      schedule=plan.schedule,
                       stage_comm=plan.stage_comm, mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method,
                       solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins,
-                      layer_pins=plan.layer_pins)
+                      layer_pins=plan.layer_pins, virtual_stages=plan.virtual_stages if plan.virtual_stages > 1
+                      else None)
 
 
 # --------------------------------------------------------------------------------------------------------------

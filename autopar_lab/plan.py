@@ -53,6 +53,10 @@ class Stage:
     chunks: tuple[tuple[int, int], ...] = ()
     # Zero-bubble schedule: the part of ``bwd_s`` that is the weight-gradient task W (0 for the other schedules).
     wgrad_s: float = 0.0
+    # Which of its mesh's intra-op solutions the stage's sharding starts from: "fast" (the time-only ILP) or "lean"
+    # (weights stored at their least, ZeRO-3 / FSDP style; :meth:`~autopar_lab.pricing.table.CostTable.solutions`),
+    # as the stage DP chose it (pins, if any, applied on top).
+    solution: str = "fast"
 
     @property
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -78,6 +82,7 @@ class Stage:
                 out["chunk_layer_names"] = [[layer_names[a], layer_names[b]] for a, b in self.chunks]
         if self.wgrad_s:
             out["wgrad_s"] = self.wgrad_s
+        out["solution"] = self.solution
         return out
 
 

@@ -23,7 +23,9 @@ layers that share their solution, by their id in the model's full graph, with th
 (:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
 
 A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
-in ``"solution": "lean"`` (for the reader: its strategies are in ``choices`` like any stage's).
+in ``"solution": "lean"`` (its strategies are in ``choices`` like any stage's; the plan loads with
+``Stage.solution`` as written). A stage without the key (every file written before it, and every fast stage)
+loads as ``"fast"``; readers that do not know the key ignore it, so the file version stays.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def plan_to_dict(plan) -> dict:
         outside = {str(op): s.name for op, s in st.intra.strategies.items() if owner[op] != k and s.name != choices[op]}
         stages.append({"layers": list(st.layers), "submesh": list(st.submesh), "logical_mesh": list(st.logical_mesh),
                        "remat": remat_json(st.remat), "devices": list(st.devices), "choices_outside": outside})
-        if plan.table.solution_of(st.intra) != "fast":  # for the reader: the strategies above are what loads
-            stages[-1]["solution"] = plan.table.solution_of(st.intra)
+        if st.solution != "fast":  # old files have none: they load as "fast"
+            stages[-1]["solution"] = st.solution
     out = {
         "version": SPLIT_VERSION if plan.layer_pins else VERSION,
         "graph_fingerprint": plan.graph.fingerprint,
@@ -217,6 +219,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
             raise _bad(where, "it has no stages")
         specs: list[tuple] = []
         intras, offset = [], 0
+        solutions: list[str] = []
         L = len(table.layer_names)
         for k, st in enumerate(stages):
             miss = [key for key in _STAGE_KEYS if key not in st]
@@ -251,12 +254,13 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
                 chosen[op] = hit[0]
             intras.append(evaluate_intra(g, mesh, chosen, ops=g.ops, cache=cache))
             specs.append((layers, submesh, shape, remat_value(st["remat"])))
+            solutions.append(str(st.get("solution", "fast")))
         mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
         return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
                           stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
                           notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins,
-                          virtual_stages=data.get("virtual_stages"), layer_pins=layer_pins)
+                          virtual_stages=data.get("virtual_stages"), layer_pins=layer_pins, solutions=solutions)
     except ValueError as e:
         if where in str(e):
             raise

@@ -40,7 +40,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     price_plan,
 )
 from .pricing.table_pool import default_workers
-from .rematmode import is_full, is_selective, remat_value
+from .rematmode import REMAT_CHOICES, is_full, is_selective, remat_value
 from .solve import inter
 from .schedules import check_schedule
 from .solve.ilp import DEFAULT_SOLVER
@@ -299,7 +299,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
     return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
-                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras)
+                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras,
+                      solutions=[st.solution for st in result.stages])
 
 
 #: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
@@ -493,9 +494,10 @@ def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", 
             grid_schedules: Sequence[str] = ("1f1b",)) -> dict:
     """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table.
 
-    Both baselines are tried with and without rematerialisation (Megatron-LM's activation checkpointing) at every
-    microbatch count; ``megatron_tried`` lists every Megatron configuration with its step time and peak memory.
-    ``table``: as for :func:`auto_plan`. ``schedule``: the auto plan's (``"auto"``: it chooses);
+    Both baselines are tried with every rematerialisation auto chooses from (none, full: Megatron-LM's activation
+    checkpointing, selective: its attention-only recomputation) at every microbatch count; ``megatron_tried``
+    lists every Megatron configuration with its step time and peak memory. ``table``: as for :func:`auto_plan`.
+    ``schedule``: the auto plan's (``"auto"``: it chooses);
     ``grid_schedules``: the schedules every Megatron configuration is tried with (see :func:`baselines`), so that a
     comparison with ``schedule="auto"`` stays fair."""
     table, cluster, trace_s = table_for(model, cluster, table, solver)
@@ -509,8 +511,10 @@ def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="au
               schedules: Sequence[str] = ("1f1b",)) -> dict:
     """The best Megatron-style plan and the best data-parallel plan, priced by ``table``.
 
-    Every (dp, tp, pp) of :func:`megatron_grid` x microbatch count x rematerialisation (Megatron-LM's activation
-    checkpointing) is tried; data parallelism gets the same microbatch counts (gradient accumulation) and remat.
+    Every (dp, tp, pp) of :func:`megatron_grid` x microbatch count x rematerialisation (each of
+    :data:`~autopar_lab.rematmode.REMAT_CHOICES`: none, full as Megatron-LM's ``--checkpoint-activations``, selective
+    as its ``--recompute-activations``, the choices the auto plan has per stage, so the comparison stays fair) is
+    tried; data parallelism gets the same microbatch counts (gradient accumulation) and remat choices.
     Returns ``megatron_best`` (None when no configuration fits memory), ``megatron_config`` ((dp, tp, pp,
     microbatches, remat) or None), ``megatron_tried`` (one row per configuration: step time, peak memory, fits) and
     ``data_parallel`` (the fastest that fits, else the one with the smallest peak memory).
@@ -524,7 +528,7 @@ def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="au
     extra = [check_schedule(s) for s in dict.fromkeys(schedules) if s != "1f1b"]
     for dp, tp, pp in megatron_grid(cluster, len(table.layer_names)):
         for mb in mbs:
-            for remat in (False, True):
+            for remat in REMAT_CHOICES:
                 for schedule, v in [("1f1b", 1), *(extra if pp > 1 else [])]:
                     try:
                         p = megatron_plan(table.graph, cluster, dp=dp, tp=tp, pp=pp, microbatches=mb, remat=remat,
@@ -539,7 +543,7 @@ def baselines(table: CostTable, cluster: Cluster | None = None, microbatches="au
                     if fits and (best is None or p.cost.step_time_s < best.cost.step_time_s):
                         best, config, best_schedule = p, (dp, tp, pp, mb, remat), schedule
     datas = [data_parallel_plan(table.graph, cluster, microbatches=mb, remat=remat, table=table)
-             for mb in mbs for remat in (False, True)]
+             for mb in mbs for remat in REMAT_CHOICES]
     fitting = [p for p in datas if p.cost.fits]
     data = (min(fitting, key=lambda p: p.cost.step_time_s) if fitting
             else min(datas, key=lambda p: max(p.cost.peak_mem_bytes)))

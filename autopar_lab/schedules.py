@@ -22,14 +22,9 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["SCHEDULES", "DP_SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "interleave",
-           "schedule_of", "dp_schedule"]
+__all__ = ["SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "interleave", "schedule_of"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
-#: The schedules a re-solve around a plan's pins (:mod:`autopar_lab.pins`) prices itself; the stage DP
-#: (:func:`~autopar_lab.solve.inter.stage_dp`) and :func:`~autopar_lab.planner.auto_plan` price every one of
-#: :data:`SCHEDULES` with its own formula.
-DP_SCHEDULES = ("1f1b", "gpipe")
 #: Virtual stages per stage of an interleaved plan when none are given (Megatron-LM's published runs use 2-4).
 DEFAULT_VIRTUAL_STAGES = 2
 MAX_VIRTUAL_STAGES = 1024
@@ -106,8 +101,3 @@ def interleave(ranges: Sequence[Sequence[int]], virtual_stages: int) -> list[tup
             first += n
     return [tuple(c) for c in out]
 
-
-def dp_schedule(schedule: str) -> str:
-    """The schedule a re-solve around pins prices in place of ``schedule``: itself for :data:`DP_SCHEDULES`, else
-    "1f1b" (the stages are chosen as for 1F1B, the plan then priced with the real schedule)."""
-    return schedule if schedule in DP_SCHEDULES else "1f1b"

@@ -4,8 +4,8 @@ For each model on its paper GPU count (p3.16xlarge hosts of 8 V100s), prices the
 configuration (every dp x tp x pp x microbatch count) and data parallelism with ONE cost model, and prints them side
 by side with megatron_best / auto (>= 1 means auto is no worse), the expert parallelism of the auto and Megatron
 plans ("EP a/m": devices each MoE layer's experts are split over, 1 = replicated) and the planning time. Both
-baselines are tried with and without rematerialisation (",R" in the Megatron configuration: activation
-checkpointing).
+baselines are tried with no, full and selective rematerialisation (",R" in a configuration: full activation
+checkpointing; ",S": selective, the attention internals only).
 
     .venv/bin/python bench/bench_plan.py gpt-760m:2 gpt-1.3b:4 gpt-2.6b:8
     .venv/bin/python bench/bench_plan.py --quick     # one row per family where auto and Megatron differed, and more
@@ -24,6 +24,7 @@ import time
 import autopar_lab as al
 from autopar_lab import planner
 from autopar_lab.parallelism import expert_degree
+from autopar_lab.rematmode import remat_label
 
 
 #: The --quick subset of the 21 Alpa configurations: a small GPT where every layout ties, and the 16-GPU rows of each
@@ -53,17 +54,22 @@ def main(items: list[str], schedules: bool = False) -> None:
         took = time.perf_counter() - t0
         auto, meg, data = res["auto"], res["megatron_best"], res["data_parallel"]
         c = res["megatron_config"]
-        cfg = f"({c[0]},{c[1]},{c[2]},{c[3]}{',R' if c[4] else ''})" if c else "-"
+        cfg = f"({c[0]},{c[1]},{c[2]},{c[3]}{remat_tag(c[4])})" if c else "-"
         meg_s = meg.cost.step_time_s if meg else float("nan")
         data_fits = data.cost.fits  # the best fitting count, else the smallest peak
         data_s = data.cost.step_time_s if data_fits else float("nan")
-        dcfg = f"({data.microbatches}{',R' if data.stages[0].remat else ''})" if data_fits else "-"
+        dcfg = f"({data.microbatches}{remat_tag(data.stages[0].remat)})" if data_fits else "-"
         print(f"{name:<12}{gpus:>5}{auto.cost.step_time_s:>11.4g}{meg_s:>12.4g}{cfg:>20}{data_s:>11.4g}{dcfg:>10}"
               f"{meg_s / auto.cost.step_time_s:>10.3f}{data_s / auto.cost.step_time_s:>10.3f}"
               f"{len(auto.stages):>8}{ep(auto) + '/' + (ep(meg) if meg else '-'):>8}{took:>8.0f}", flush=True)
         if schedules:
             print(f"{'':<12}auto: {auto.schedule}{f' v={auto.virtual_stages}' if auto.virtual_stages > 1 else ''}, "
                   f"{auto.microbatches} mb; megatron: {res['megatron_schedule']}", flush=True)
+
+
+def remat_tag(remat) -> str:
+    """",R" for full rematerialisation, ",S" for selective, "" for none."""
+    return {"full": ",R", "selective": ",S"}.get(remat_label(remat), "")
 
 
 def ep(plan) -> str:

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import autopar_lab as al
+from autopar_lab import cli
 from autopar_lab.cluster import Cluster
 from autopar_lab.graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM
 from autopar_lab.parallelism import op_notes
@@ -55,7 +56,10 @@ def test_the_lean_solution_stores_every_weight_and_optimizer_state_at_its_least(
         # Less held all step, more time (or the ILP would have chosen it for time alone).
         assert sum(c.static_bytes for c in lean_costs) < sum(c.static_bytes for c in fast_costs)
         assert sum(c.fwd_s + c.bwd_s for c in lean_costs) >= sum(c.fwd_s + c.bwd_s for c in fast_costs)
-        assert table.solution_of(lean) == "lean" and table.solution_of(fast) == "fast"
+        # A candidate records the solution it was priced with (and carries that solution's sharding).
+        for sol, intra in (("lean", lean), ("fast", fast)):
+            cand = table.stage(0, 0, sub, shape, 1, False, sol)
+            assert cand.solution == sol and cand.payload is intra
         leaner += 1
     assert leaner >= 2
 
@@ -123,9 +127,58 @@ def test_some_limit_is_met_only_with_the_lean_solutions(table):
     with pytest.raises(inter.NoFeasiblePlanError):
         inter.brute_force_stages(L, c.hosts, c.devices_per_host, fast_fn, B, **kw)
     r = inter.stage_dp(L, c.hosts, c.devices_per_host, table.candidate_fn(B, mem), B, **kw)
-    assert any(table.solution_of(s.payload) == "lean" for s in r.stages)
+    assert any(s.solution == "lean" for s in r.stages)
+    assert all(s.payload is table.mesh_costs(s.submesh, s.logical_mesh, s.solution)[1] for s in r.stages)
     assert r.latency_s == pytest.approx(
         inter.brute_force_stages(L, c.hosts, c.devices_per_host, fn, B, **kw).latency_s, rel=1e-9)
+
+
+def lean_only_limit(table, B):
+    """A memory limit per device halfway between the least any plan needs and the least a plan of fast solutions
+    alone needs (the stage DP's own answers): only a plan with a lean stage meets it."""
+    L, c = len(table.layer_names), table.cluster
+    least = {}
+    for name, fn in (("both", table.candidate_fn(B, None)), ("fast", every_fast_candidate(table, B))):
+        with pytest.raises(inter.NoFeasiblePlanError) as err:
+            inter.stage_dp(L, c.hosts, c.devices_per_host, fn, B, **dp_kw(table, B, 1.0))
+        least[name] = err.value.min_mem_bytes
+    assert least["both"] < least["fast"]
+    return (least["both"] + least["fast"]) / 2
+
+
+def test_each_stage_records_its_solution_through_overrides_the_plan_file_and_the_views(table, tmp_path, capsys):
+    """Stage.solution is what the DP chose (the stage runs that solution's sharding), and it stays through a
+    re-solve, an override, a plan file (an old file without the key loads as "fast") and shows in the views."""
+    from autopar_lab.widgets.views.stage_layout import stage_blocks
+
+    mem = lean_only_limit(table, 4)
+    plan = al.auto_plan(table.graph, SMALL, table=table, microbatches=4, mem_limit_bytes=mem)
+    assert plan.cost.fits
+    lean = [k for k, st in enumerate(plan.stages) if st.solution == "lean"]
+    assert lean
+    for st in plan.stages:
+        assert st.intra is table.mesh_costs(st.submesh, st.logical_mesh, st.solution)[1]
+    assert [d["solution"] for d in plan.report()["stages"]] == [st.solution for st in plan.stages]  # plan --json
+    assert all(", lean" in stage_blocks(plan)[k]["label"] for k in lean)
+    cli._print_plan(plan.report("gpt-tiny"))  # the CLI's plan output, a line per stage
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.lstrip().startswith("stage ")]
+    assert [k for k, x in enumerate(lines) if "lean sharding" in x] == lean
+    for q in (al.resolve(plan), plan.with_stages(microbatches=4), plan.with_remat(lean[0], True)):
+        assert [st.solution for st in q.stages] == [st.solution for st in plan.stages] and q.cost.fits
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    data = json.loads(path.read_text())
+    assert [k for k, st in enumerate(data["stages"]) if st.get("solution") == "lean"] == lean
+    data["mem_limit_bytes"] = 2**20  # the least a plan file may say: this toy limit is below it
+    path.write_text(json.dumps(data))
+    back = load_plan(path, plan.graph, plan.cluster)
+    assert [st.solution for st in back.stages] == [st.solution for st in plan.stages]
+    for st in data["stages"]:
+        st.pop("solution", None)
+    path.write_text(json.dumps(data))
+    old = load_plan(path, plan.graph, plan.cluster)
+    assert [st.solution for st in old.stages] == ["fast"] * len(plan.stages)
+    assert old.cost.step_time_s == back.cost.step_time_s  # the strategies are in the file either way
 
 
 def test_lean_off_adds_nothing_and_auto_only_where_a_layer_does_not_fit():
@@ -144,7 +197,7 @@ DEEP_MODEL = dict(num_layers=24, hidden_size=64)  # 26 layers with the embedding
 
 def every_fast_candidate(table, B):
     every = every_candidate(table, B)
-    return lambda a, b, sub: [x for x in every(a, b, sub) if table.solution_of(x.payload) == "fast"]
+    return lambda a, b, sub: [x for x in every(a, b, sub) if x.solution == "fast"]
 
 
 def limit_between(model):
@@ -179,9 +232,9 @@ def deep_plan(deep_limit):
 
 def check_lean_plan(plan, mem):
     """The plan fits ``mem`` and its lean stages store their weights split, some gathered for their readers."""
-    table, g = plan.table, plan.op_graph
+    g = plan.op_graph
     assert plan.cost.fits and max(plan.cost.peak_mem_bytes) <= mem
-    lean = [k for k, st in enumerate(plan.stages) if table.solution_of(st.intra) == "lean"]
+    lean = [k for k, st in enumerate(plan.stages) if st.solution == "lean"]
     assert lean
     params = [op for op in state_inputs(g) if g.tensor(g.op(op).outputs[0]).kind == PARAM]
     for k in lean:

@@ -400,7 +400,8 @@ def test_fixed_cuts_dp_equals_the_full_pinned_dp(plan):
     for bounds, subs in (([1, 3], None), ([2], None), ([1, 2, 4], None), ([3], [(1, 2), (1, 2)])):
         q = plan.with_stages(boundaries=bounds, submeshes=subs, microbatches=2)
         con = StageConstraints(cuts=tuple(bounds), submeshes=None if subs is None else tuple(subs))
-        full = pins.solve_stages(plan, con, [2], plan.schedule, plan.cost.mem_limit_bytes, None, prune=False)
+        full = pins.solve_stages(plan, con, [2], pins.schedule_keywords(plan), plan.cost.mem_limit_bytes, None,
+                                 prune=False)
         assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in full.stages] == \
             [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in q.stages]
 

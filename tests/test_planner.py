@@ -196,13 +196,25 @@ def test_megatron_with_remat_recomputes_forward_and_holds_less(model):
     assert max(remat.cost.peak_mem_bytes) < max(plain.cost.peak_mem_bytes)
 
 
-def test_compare_tries_megatron_with_and_without_remat_and_keeps_the_fastest_fitting(result):
+def test_compare_tries_megatron_with_every_remat_choice_and_keeps_the_fastest_fitting(result):
+    """None, full and selective recomputation, as the auto plan chooses per stage: every configuration with each."""
+    from collections import Counter
+
+    from autopar_lab.rematmode import REMAT_CHOICES
+
     tried = result["megatron_tried"]
-    assert {t["remat"] for t in tried} == {False, True}
+    assert {t["remat"] for t in tried} == set(REMAT_CHOICES)
+    per_layout = Counter((t["dp"], t["tp"], t["pp"], t["microbatches"]) for t in tried)
+    assert set(per_layout.values()) == {len(REMAT_CHOICES)}
     fitting = [t for t in tried if t["fits"]]
     best = min(fitting, key=lambda t: t["step_time_s"])
     assert result["megatron_best"].cost.step_time_s == best["step_time_s"]
     assert all((t["peak_mem_bytes"] <= result["megatron_best"].cost.mem_limit_bytes) == t["fits"] for t in tried)
+    # Data parallelism too: the fastest fitting of every gradient-accumulation count x remat choice.
+    table = result["auto"].table
+    datas = [planner.data_parallel_plan(table=table, microbatches=mb, remat=r)
+             for mb in planner.microbatch_choices(table.batch_size, "auto") for r in REMAT_CHOICES]
+    assert result["data_parallel"].cost.step_time_s == min(p.cost.step_time_s for p in datas if p.cost.fits)
 
 
 # ---------------------------------------------------------------- the vocabulary: table=, renamed keywords

@@ -119,12 +119,16 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
                pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
-               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None) -> Plan:
+               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None,
+               solutions: Sequence[str] | None = None) -> Plan:
     """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
     (StageCandidates from the DP, a plan's Stages); their times are not read, they are priced here. ``intras``: each
     stage's IntraPlan (None or absent: a stage candidate's payload, else the table's solution for its mesh);
+    ``solutions``: which of its mesh's solutions each stage's sharding is ("fast" or "lean", see
+    :meth:`~autopar_lab.pricing.table.CostTable.solutions`; absent: a stage candidate's or stage's own ``solution``,
+    else "fast"), recorded on the plan's stages and used where a stage has no IntraPlan given;
     ``layer_costs``: each stage's full-graph layer costs of that IntraPlan when the caller already has them
     (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
@@ -148,6 +152,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     priced, per_stage, stage_sums, hidden = [], [], [], []
+    chosen: list[str] = []  # each stage's solution
     # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
     # 1F1B layout), else its layers.
     ranges: list[tuple[tuple[int, int], ...]] = (interleave([s.layers for s in specs], v) if v > 1
@@ -155,11 +160,13 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     for j, spec in enumerate(specs):
         # A stage candidate of the DP carries the IntraPlan it was priced with (a mesh's fast or lean solution).
         intra = intras[j] if intras is not None else getattr(stages[j], "payload", None)
+        solution = solutions[j] if solutions is not None else getattr(stages[j], "solution", "fast")
+        chosen.append(solution)
         costs = layer_costs[j] if layer_costs is not None else None
-        own = table.solved_mesh(spec.submesh, spec.logical_mesh) if intra is not None else None
+        own = table.solved_mesh(spec.submesh, spec.logical_mesh, solution) if intra is not None else None
         if intra is None or (own is not None and own[1] is intra):
-            costs, intra = table.mesh_costs(spec.submesh, spec.logical_mesh)
-            sums = table.prefix_sums(spec.submesh, spec.logical_mesh)
+            costs, intra = table.mesh_costs(spec.submesh, spec.logical_mesh, solution)
+            sums = table.prefix_sums(spec.submesh, spec.logical_mesh, solution)
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
@@ -225,7 +232,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                                  tuple(range(off, off + st.submesh[0] * st.submesh[1])), st.remat, fwd, bwd,
                                  sum(c.compute_s for c in part), sum(c.comm_s for c in part),
                                  sum(c.reshard_s for c in part), static, act, peak, intra, tuple(kept),
-                                 chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k]))
+                                 chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k], solution=chosen[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     # Communication hidden behind compute is not in the busy time: only what shows is split.

@@ -322,17 +322,6 @@ class CostTable:
         fast = self._choices.get(self.key(submesh, shape))
         return ("fast",) if fast is not None and np.array_equal(fast, self._choices[lean]) else ("fast", LEAN)
 
-    def solution_of(self, intra: IntraPlan) -> str:
-        """"lean" when ``intra`` is (or has every strategy of) the table's lean solution of its mesh and that differs
-        from the fast one, else "fast" (an IntraPlan of the user's own included)."""
-        sub, shape = intra.mesh.submesh, intra.mesh.shape
-        if LEAN not in self.solutions(sub, shape):
-            return "fast"
-        lean = self.mesh_costs(sub, shape, LEAN)[1]
-        same = lean is intra or all(s.name == intra.strategies[op].name for op, s in lean.strategies.items()
-                                    if op in intra.strategies)
-        return LEAN if same else "fast"
-
     def lean_meshes(self, mem_limit_bytes: float, microbatches: int) -> list[tuple]:
         """The planned meshes whose lean solution can matter to the stage DP under ``mem_limit_bytes`` (per
         device), by :attr:`lean`: "all": every one; "off": none; "auto": those on which the fast solution cannot
@@ -481,14 +470,15 @@ class CostTable:
         return task_overhead_s(self.cluster, submesh)
 
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
-                        intra: IntraPlan | None = None) -> StageCandidate:
+                        intra: IntraPlan | None = None, solution: str = "fast") -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
-        layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload."""
+        layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
+        of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            self.task_overhead_s(submesh))
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
-                              payload=intra)
+                              payload=intra, solution=solution)
 
     def stage(self, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
               solution: str = "fast") -> StageCandidate:
@@ -496,7 +486,7 @@ class CostTable:
         ``solution``, see :meth:`solutions`)."""
         _, plan = self.mesh_costs(submesh, shape, solution)
         return self.stage_from_sums(self.prefix_sums(submesh, shape, solution), start, end, submesh, shape,
-                                    microbatches, remat, plan)
+                                    microbatches, remat, plan, solution)
 
     def submeshes(self) -> list[tuple[int, int]]:
         """The submesh shapes the stage DP searches (:func:`planning_submeshes` of the table's ``space``)."""
@@ -603,7 +593,7 @@ class StageBlock:
         shape, sol, r = self.options[k]
         _, plan = self.table.mesh_costs(self.submesh, shape, sol)
         f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan)
+        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan, solution=sol)
 
     def candidates(self, start: int, end: int) -> list[StageCandidate]:
         return [self.make(int(k), start, end) for k in np.flatnonzero(self.keep[:, start, end])]

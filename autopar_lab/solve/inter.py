@@ -114,6 +114,9 @@ class StageCandidate:
     static_bytes: float  # params + grads + optimizer state per device
     act_bytes: float  # activations held per in-flight microbatch per device
     payload: Any = field(default=None, compare=False, repr=False)  # e.g. the intra-op solution
+    # Which of its mesh's intra-op solutions ``payload`` is: "fast" (the time-only ILP) or "lean" (weights stored
+    # at their least, :meth:`~autopar_lab.pricing.table.CostTable.solutions`); recorded, never guessed afterwards.
+    solution: str = "fast"
 
     @property
     def time_s(self) -> float:

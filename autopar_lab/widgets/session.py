@@ -461,7 +461,8 @@ class Session:
             new_cluster = cluster if cluster is not None else plan.cluster
             mem = plan.cost.mem_limit_bytes if new_cluster == plan.cluster else None
             kw = dict(microbatches=microbatches, stage_comm=plan.stage_comm, schedule=plan.schedule,
-                      mem_limit_bytes=mem, solver=self.solver)
+                      mem_limit_bytes=mem, solver=self.solver,
+                      virtual_stages=plan.virtual_stages if plan.schedule == "interleaved" else None)
             if kind == "inter" and cluster is None and plan.table is not None:
                 old = plan.table.on_progress
                 plan.table.on_progress = hook

@@ -35,12 +35,13 @@ def stage_blocks(plan) -> list[dict]:
     for k, st in enumerate(plan.stages):
         a, b = st.layers
         remat = ", remat" if is_full(st.remat) else ", selective remat" if is_selective(st.remat) else ""
+        lean = ", lean" if getattr(st, "solution", "fast") == "lean" else ""  # the mesh's memory-lean sharding
         where = f"layers {a}-{b} ({names[a]}..{names[b]})"
         if getattr(st, "chunks", ()):  # interleaved: the chunks the stage runs
             where = "chunks " + ", ".join(f"{x}-{y}" for x, y in st.chunks) + f" ({b - a + 1} layers)"
         out.append({"devices": list(st.devices),
                     "label": f"S{k}: {where} on {st.submesh[0]}x{st.submesh[1]} "
-                             f"as {st.logical_mesh[0]}x{st.logical_mesh[1]}{remat}"})
+                             f"as {st.logical_mesh[0]}x{st.logical_mesh[1]}{remat}{lean}"})
     return out
 
 
