@@ -190,9 +190,10 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
     far more than a small collective on this machine (hundreds of microseconds), and a fit of single collectives
     charges that call to the latency: so each program runs a chain of collectives back to back (each reads the
     last one's result), ``chain`` = (short, long) of them, and a collective's time is the difference of the two
-    chains' times over the difference of their lengths (the call cancels). Each chain's time is the best of
-    ``repeats`` runs after a warm-up. Returns rows for :func:`fit_collectives` (``seconds``: one collective;
-    ``call_s``: the rest of the short chain's time).
+    chains' times over the difference of their lengths (the call cancels). Each chain's time is the median of
+    ``repeats`` runs after a warm-up, as for kernels and tasks: what a step meets on a shared machine (the best run
+    can be a quarter of the median here, and plans executed meet the median). Returns rows for
+    :func:`fit_collectives` (``seconds``: one collective; ``call_s``: the rest of the short chain's time).
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -226,8 +227,9 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
 
     def per_collective(make: Callable[[int], Callable[..., Any]], buf: Any) -> tuple[float, float]:
-        t_short = _best_time(make(short), buf, repeats=repeats)
-        t_long = _best_time(make(long), buf, repeats=repeats)
+        short_fn, long_fn = make(short), make(long)
+        t_short = _median_time(lambda: short_fn(buf), repeats=repeats)
+        t_long = _median_time(lambda: long_fn(buf), repeats=repeats)
         each = max((t_long - t_short) / (long - short), 1e-9)
         return each, max(t_short - short * each, 0.0)
 
