@@ -64,3 +64,38 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path):
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+class _StartingHead:
+    """A Jobs client whose head refuses the first ``busy`` submissions as a just-started Ray head does."""
+
+    def __init__(self, busy: int, message: str = "Request failed with status code 500: No available agent to "
+                                                   "submit job, please try again later.."):
+        self.busy, self.message, self.calls = busy, message, 0
+
+    def submit_job(self, *, entrypoint, runtime_env):
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError(self.message)
+        return f"raysubmit_{self.calls}"
+
+
+def test_a_submission_waits_for_a_starting_heads_job_agent():
+    from autopar_lab.runtime.launch import submit_when_ready
+
+    head = _StartingHead(busy=3)
+    assert submit_when_ready(head, "python x.py", {}, wait_s=30, poll_s=0.01) == "raysubmit_4"
+    assert head.calls == 4
+
+
+def test_a_submission_gives_up_on_other_refusals_at_once_and_on_a_missing_agent_after_the_wait():
+    from autopar_lab.runtime.launch import submit_when_ready
+
+    denied = _StartingHead(busy=5, message="Request failed with status code 401: Unauthorized")
+    with pytest.raises(RuntimeError, match="401"):
+        submit_when_ready(denied, "python x.py", {}, wait_s=30, poll_s=0.01)
+    assert denied.calls == 1
+    never = _StartingHead(busy=10**6)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        submit_when_ready(never, "python x.py", {}, wait_s=0.05, poll_s=0.01)
+    assert 1 < never.calls < 10**6

@@ -391,6 +391,28 @@ def remote_submission(spec: dict, workdir: str | os.PathLike) -> tuple[str, dict
     return "python -m autopar_lab.runtime.train_entry job.json", runtime_env
 
 
+AGENT_WAIT_S = 120.0  # how long a submission waits for a new head's job agent before giving up
+
+
+def submit_when_ready(client, entrypoint: str, runtime_env: dict, *, wait_s: float = AGENT_WAIT_S,
+                      poll_s: float = 1.0) -> str:
+    """``client.submit_job(...)``, retried while the head answers that its job agent is not up yet.
+
+    A head started moments ago refuses jobs with "No available agent to submit job, please try again later" for a
+    few seconds (longer on a loaded machine); users of ``ray job submit`` retry by hand. Any other refusal, or the
+    same one after ``wait_s`` seconds, is raised as it came.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        except Exception as e:  # noqa: BLE001 - the Jobs SDK raises RuntimeError for HTTP errors
+            m = str(e).lower()
+            if ("no available agent" not in m and "try again later" not in m) or time.monotonic() >= deadline:
+                raise
+            time.sleep(poll_s)
+
+
 def _submit(spec: dict, address: str, channel: ProgressChannel) -> RemoteJob:
     _check_address(address)
     from ray.job_submission import JobSubmissionClient
@@ -405,7 +427,7 @@ def _submit(spec: dict, address: str, channel: ProgressChannel) -> RemoteJob:
     workdir = tempfile.mkdtemp(prefix="autopar-job-")
     entrypoint, runtime_env = remote_submission(spec, workdir)
     try:
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        job_id = submit_when_ready(client, entrypoint, runtime_env)
     except Exception as e:  # noqa: BLE001
         shutil.rmtree(workdir, ignore_errors=True)
         raise ValueError(f"the cluster at {address} refused the job ({' '.join(str(e).split())[:300]}).") from None
