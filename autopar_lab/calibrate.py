@@ -14,7 +14,9 @@ What is measured, and why each figure is the one the cost model wants:
   of it (one device alone runs much faster: ``matmul_flops_single_device``, kept for comparison).
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
 * collective latency and bandwidth between the local devices: a jitted all-reduce (``psum``) and all-gather
-  (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes. Each measurement is put in
+  (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes, each timed in chains of
+  collectives run back to back (:func:`measure_collectives`: the program call, which would otherwise pass for
+  latency, cancels). Each measurement is put in
   the cost model's form t = alpha + beta * x, with x the bytes the formula charges (all-reduce 2 (n-1)/n B, B the
   buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
   and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
@@ -32,7 +34,8 @@ What is measured, and why each figure is the one the cost model wants:
 
 ``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
 ``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel and per-state-array)
-overhead and adds it to an existing profile.
+overhead and adds it to an existing profile; ``--collectives-only`` measures just the collectives and refits the
+links.
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
 >>> p["device"]["peak_flops"]["float32"] > 0  # doctest: +SKIP
@@ -57,7 +60,7 @@ import numpy as np
 from autopar_lab.cluster import CPU_PROFILE_PATH
 
 __all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "measure_task_overhead", "write_profile",
-           "update_task_overhead", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
+           "update_task_overhead", "update_collectives", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
            "measure_kernel_overhead", "update_kernel_overhead", "measure_buffer_overhead", "main"]
 
 REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.calibrate --out autopar_lab/profiles/cpu.json"
@@ -179,16 +182,25 @@ def refit_collectives(profile: dict) -> dict:
 
 
 def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23),
-                        repeats: int = 15) -> list[dict]:
+                        repeats: int = 15, chain: tuple[int, int] = (1, 9)) -> list[dict]:
     """Time an all-reduce and an all-gather over the first ``num_devices`` local devices at each buffer size.
 
     For each size B (bytes per device): the all-reduce sums a B-byte buffer per device (x = 2 (n-1)/n B); the
-    all-gather assembles n buffers of B/n bytes into B bytes on every device (x = (n-1)/n B). Each time is the
-    best of ``repeats`` runs after a warm-up. Returns rows for :func:`fit_collectives`.
+    all-gather assembles n buffers of B/n bytes into B bytes on every device (x = (n-1)/n B). One program call costs
+    far more than a small collective on this machine (hundreds of microseconds), and a fit of single collectives
+    charges that call to the latency: so each program runs a chain of collectives back to back (each reads the
+    last one's result), ``chain`` = (short, long) of them, and a collective's time is the difference of the two
+    chains' times over the difference of their lengths (the call cancels). Each chain's time is the median of
+    ``repeats`` runs after a warm-up, as for kernels and tasks: what a step meets on a shared machine (the best run
+    can be a quarter of the median here, and plans executed meet the median). Returns rows for
+    :func:`fit_collectives` (``seconds``: one collective; ``call_s``: the rest of the short chain's time).
     """
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    short, long = (int(k) for k in chain)
+    if not 1 <= short < long:
+        raise ValueError(f"chain must be two lengths 1 <= short < long, got {chain!r}")
     devs = jax.devices("cpu")
     n = len(devs) if num_devices is None else int(num_devices)
     if not 2 <= n <= len(devs):
@@ -196,20 +208,62 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
                          "set JAX_NUM_CPU_DEVICES before jax is imported.")
     mesh = Mesh(np.array(devs[:n]), ("d",))
     split = NamedSharding(mesh, P("d"))
-    psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "d"), mesh=mesh, in_specs=P("d"), out_specs=P()))
-    gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "d", tiled=True), mesh=mesh, in_specs=P("d"),
-                                   out_specs=P(), check_vma=False))
+
+    def sums(k: int) -> Callable[..., Any]:
+        def body(b):
+            for _ in range(k):  # each all-reduce reads the last one's sum: they run one after another
+                b = jax.lax.psum(b, "d")
+            return b
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    def gathers(k: int) -> Callable[..., Any]:
+        def body(b):
+            per = b.shape[0]
+            for _ in range(k):  # gather, then keep the next device's piece: the next gather needs this one
+                full = jax.lax.all_gather(b, "d", tiled=True)
+                start = ((jax.lax.axis_index("d") + 1) % n) * per
+                b = jax.lax.dynamic_slice_in_dim(full, start, per)
+            return b
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+
+    def per_collective(make: Callable[[int], Callable[..., Any]], buf: Any) -> tuple[float, float]:
+        short_fn, long_fn = make(short), make(long)
+        t_short = _median_time(lambda: short_fn(buf), repeats=repeats)
+        t_long = _median_time(lambda: long_fn(buf), repeats=repeats)
+        each = max((t_long - t_short) / (long - short), 1e-9)
+        return each, max(t_short - short * each, 0.0)
+
     rows = []
     for nbytes in byte_sizes:
         elems = max(nbytes // 4, n)
         buf = jax.device_put(np.ones((n, elems), np.float32), split)  # each device holds B bytes
+        each, call = per_collective(sums, buf)
         rows.append({"kind": "all_reduce", "bytes": elems * 4, "x_bytes": 2 * (n - 1) / n * elems * 4,
-                     "seconds": _best_time(psum, buf, repeats=repeats)})
+                     "seconds": each, "call_s": call, "chain": [short, long]})
         per = max(elems // n, 1)
         part = jax.device_put(np.ones((n * per,), np.float32), split)  # B/n bytes per device, B gathered
+        each, call = per_collective(gathers, part)
         rows.append({"kind": "all_gather", "bytes": n * per * 4, "x_bytes": (n - 1) / n * n * per * 4,
-                     "seconds": _best_time(gather, part, repeats=repeats)})
+                     "seconds": each, "call_s": call, "chain": [short, long]})
     return rows
+
+
+def update_collectives(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
+    """Measure only the collectives (:func:`measure_collectives`, chained) and refit the links of the profile at
+    ``path`` (default: the shipped one) from them (:func:`refit_collectives`), keeping every other figure; returns
+    the profile."""
+    out = Path(path) if path is not None else CPU_PROFILE_PATH
+    profile = json.loads(out.read_text())
+    n = int(profile.get("num_devices", 1))
+    sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+    profile.setdefault("measurements", {})["collectives"] = measure_collectives(n, sizes, repeats=5 if quick else 15)
+    profile = refit_collectives(profile)
+    profile["collectives_measured_on"] = _dt.date.today().isoformat()
+    profile["collectives_note"] = ("each collective timed in chains of back-to-back collectives, the chains' "
+                                   "difference over their lengths (the program call cancels)")
+    profile.pop("collectives_refit_note", None)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
 
 
 def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1 << 14, 1 << 18),
@@ -527,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     parser.add_argument("--task-overhead-only", action="store_true",
                         help="measure only the per-task overhead and add it to the existing profile at --out")
+    parser.add_argument("--collectives-only", action="store_true",
+                        help="measure only the collectives (in chains) and refit the links of the existing profile at "
+                             "--out")
     parser.add_argument("--kernel-overhead-only", action="store_true",
                         help="measure only the per-kernel and per-state-array overheads and add them to the existing "
                              "profile at --out")
@@ -537,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.task_overhead_only:
             profile = update_task_overhead(args.out, quick=args.quick)
+        elif args.collectives_only:
+            profile = update_collectives(args.out, quick=args.quick)
         elif args.kernel_overhead_only:
             profile = update_kernel_overhead(args.out, quick=args.quick)
         else:

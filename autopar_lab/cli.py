@@ -193,7 +193,8 @@ def _print_plan(out: dict) -> None:
     sched = out["schedule"] + (f" with {out['virtual_stages']} chunks per stage" if "virtual_stages" in out else "")
     print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
           f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches, {sched}")
-    print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s + resharding "
+    print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s (latency "
+          f"{out.get('collective_latency_s', 0.0):.4g} s of {out.get('collectives', 0):,} a step) + resharding "
           f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
           f"{out.get('hidden_comm_s', 0.0):.4g} s of communication hidden behind compute; "
           f"{out.get('kernels', 0):,} kernels a step on the busiest stage)")

@@ -109,6 +109,11 @@ class CostReport:
     # attention ran as one fused (flash) kernel.
     kernels: int = 0
     flash_attention: bool = False
+    # Collectives the busiest stage issues per step that every microbatch issues again (tensor-parallel all-reduces,
+    # activation resharding; not the once-a-step gradient reduction or parameter gathers) and their latency (the
+    # alpha term of each, count x latency of its link class, over all microbatches): part of the collectives term.
+    collectives: int = 0
+    collective_latency_s: float = 0.0
     # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
     schedule_choice: str = field(default="", compare=False)
 
@@ -132,6 +137,8 @@ class CostReport:
             "hidden_comm_s": self.hidden_comm_s,
             "kernels": self.kernels,
             "flash_attention": self.flash_attention,
+            "collectives": self.collectives,
+            "collective_latency_s": self.collective_latency_s,
         }
 
     def explain(self) -> str:
@@ -148,7 +155,9 @@ class CostReport:
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
             f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}) + collectives "
-            f"{self.comm_s:.4g} s + resharding {self.reshard_s:.4g} s (over all microbatches, what is not hidden) "
+            f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
+            f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
+            f"microbatches, what is not hidden) "
             f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
             f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "

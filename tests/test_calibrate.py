@@ -248,3 +248,33 @@ def test_shipped_profile_has_the_buffer_overhead():
     buf = prof["measurements"]["buffer_overhead"]["buffer_s"]
     assert prof["device"]["efficiency"]["buffer_s"] == buf > 0
     assert Cluster.preset("cpu").device.efficiency.buffer_s == buf
+
+
+def test_collectives_only_times_chains_and_refits_the_links(tmp_path, monkeypatch):
+    """``--collectives-only``: the collectives are timed in chains (so the program call is not charged to the latency)
+    and the links refitted from them; every other figure of the profile is kept, and the cpu preset reads the new
+    links. Each row is one collective (the chains' difference), with the call left over beside it."""
+    if _devices() < 2:
+        pytest.skip("needs at least 2 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    from autopar_lab import cluster as cl
+
+    out = tmp_path / "cpu.json"
+    before = json.loads(cl.CPU_PROFILE_PATH.read_text())
+    before["num_devices"] = 2
+    out.write_text(json.dumps(before))
+    assert calibrate.main(["--collectives-only", "--quick", "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    rows = after["measurements"]["collectives"]
+    assert {r["kind"] for r in rows} == {"all_reduce", "all_gather"} and all(r["chain"] == [1, 9] for r in rows)
+    assert all(r["seconds"] > 0 and r["call_s"] >= 0 for r in rows)
+    fits = calibrate.fit_collectives(rows, 2)
+    assert after["measurements"]["collective_fits"] == fits
+    assert after["intra_host"] == {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
+    assert after["device"] == before["device"] and after["total_memory_bytes"] == before["total_memory_bytes"]
+    for key in ("task_overhead", "kernel_overhead", "buffer_overhead", "matmul_float32"):
+        assert after["measurements"][key] == before["measurements"][key]
+    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    assert cl.Cluster.preset("cpu").intra_host.latency == fits["joint"]["latency"]
+    with pytest.raises(ValueError, match="chain must be two lengths"):
+        measure_collectives(2, (1 << 12,), chain=(4, 4))
+    assert calibrate.main(["--collectives-only", "--out", str(tmp_path / "missing.json")]) == 2

@@ -13,7 +13,13 @@ import autopar_lab as al
 from autopar_lab.cluster import Cluster
 from autopar_lab.graph import trace
 from autopar_lab.solve import ilp
-from autopar_lab.solve.intra import MEMORY_TIE_BREAK_S_PER_BYTE, build_problem, evaluate_intra, solve_intra
+from autopar_lab.solve.intra import (
+    MEMORY_TIE_BREAK_S_PER_BYTE,
+    build_problem,
+    evaluate_intra,
+    solve_intra,
+    weight_gradient_ops,
+)
 
 f32 = jnp.float32
 P3 = Cluster.preset("p3.16xlarge")
@@ -185,3 +191,32 @@ def test_first_pass_memo_is_shared_by_meshes_with_the_same_axis_0():
     solve_intra(g, Cluster.preset("p3.16xlarge", hosts=2).logical_mesh((2, 8), (2, 8)), memo=memo, rounds=1,
                 solver="highs")
     assert len(memo) == 2
+
+
+def test_tensor_parallel_activation_gradient_is_not_a_weight_gradient_reduction():
+    # x * g feeds a Megatron MLP: the backward's dX = dZ @ W1.T is all-reduced over the tensor-parallel axis, then a
+    # reduction turns it into g's gradient. That all-reduce is on the backward's critical path; only the reduction
+    # (and the weight matmuls) make weight gradients, whose collectives a data-parallel step may defer and overlap.
+    B, H = 8, 4096
+
+    def loss(p, x):
+        return jnp.sum(jax.nn.gelu((x * p["g"]) @ p["w1"]) @ p["w2"])
+
+    g = trace(jax.value_and_grad(loss), {"g": sds(H), "w1": sds(H, 4 * H), "w2": sds(4 * H, H)}, sds(B, H),
+              batch_argnums=(1,))
+    plan = solve_intra(g, mesh((1, 8)))
+    grads = weight_gradient_ops(g, plan.ops)
+    act_grads = [o for o in plan.ops if g.op(o).role == "backward" and g.op(o).primitive == "dot_general"
+                 and g.tensor(g.op(o).outputs[0]).shape == (B, H)]
+    assert len(act_grads) == 1
+    (dx,) = act_grads
+    assert [c[0] for c in plan.strategies[dx].collectives] == ["all_reduce"]  # the tensor-parallel backward all-reduce
+    assert dx not in grads
+    # The weight gradients: the two weight matmuls and the reduction into g's shape.
+    weight_shapes = {(H, 4 * H), (4 * H, H), (H,)}
+    made = {o for o in plan.ops if g.op(o).role == "backward" and g.op(o).primitive in ("dot_general", "reduce_sum")
+            and g.tensor(g.op(o).outputs[0]).shape in weight_shapes}
+    assert {o for o in grads if g.op(o).primitive in ("dot_general", "reduce_sum")} == made
+    # Nothing is data parallel here, so there is no gradient to synchronise.
+    assert plan.sync_s == sum(plan.strategies[o].comm_s for o in grads) == 0.0
+    assert plan.comm_s > 0

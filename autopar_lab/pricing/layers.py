@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..graph.attention import attention_internals
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
+from ..sharding.reshard import collective_time
+from ..sharding.strategies import COLLECTIVE_KINDS
 from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
 
 if TYPE_CHECKING:
@@ -45,6 +47,12 @@ class LayerCost:
     the attention internals hold (scores, softmax: s^2 per head; 0 when a flash-attention kernel keeps none),
     ``attn_fwd_s`` the forward time of the operators that make them, ``attn_launch_s`` their kernels' launches per
     microbatch.
+
+    Collective latency: ``collectives_fwd``/``collectives_bwd``, the collectives a microbatch issues in each pass
+    (tensor-parallel all-reduces, activation resharding: every collective but the once-a-step ones, the weight-gradient
+    reduction, parameter gathers and the optimizer's); ``latency_fwd_s``/``latency_bwd_s``, their latency (the alpha
+    term of each, by the link class its axis crosses). ``fwd_s``/``bwd_s`` count it once a step, as they count the
+    bandwidth; a microbatch pays it in full (:func:`~autopar_lab.pricing.stage.stage_cost`).
     """
 
     fwd_s: float
@@ -73,6 +81,19 @@ class LayerCost:
     attn_act_bytes: float = 0.0
     attn_fwd_s: float = 0.0
     attn_launch_s: float = 0.0
+    latency_fwd_s: float = 0.0
+    latency_bwd_s: float = 0.0
+    collectives_fwd: int = 0
+    collectives_bwd: int = 0
+
+
+def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
+    """The latency (alpha) term of one collective of ``kind`` over ``axis`` of ``mesh``: its time for an empty
+    buffer (0 on an axis of one device). A ring strategy's send/recv steps overlap the compute they rotate behind
+    (:func:`~autopar_lab.sharding.ring.ring_exposed_s` prices what shows): 0 here."""
+    if kind not in COLLECTIVE_KINDS:
+        return 0.0
+    return collective_time(mesh, kind, 0.0, axis)
 
 
 def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
@@ -84,7 +105,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     last = len(layer_names) - 1
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
-             gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0,
+             gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
+             latb=0.0, cf=0, cb=0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -101,6 +123,14 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     def slot(op):
         return acc[index.get(graph.op(op).layer, last)]
 
+    def count(a: dict[str, Any], fwd: bool, cols: Any) -> None:
+        # Collectives every microbatch issues again: their latency is paid B times a step.
+        for kind, axis in cols:
+            lat = collective_latency_s(plan.mesh, kind, axis)
+            if lat > 0:
+                a["latf" if fwd else "latb"] += lat
+                a["cf" if fwd else "cb"] += 1
+
     for op in plan.ops:
         node, s = graph.op(op), plan.strategies[op]
         a = slot(op)
@@ -111,6 +141,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["comm"] += s.comm_s
         if op in grads:
             a["sync"] += s.comm_s
+        elif node.role != UPDATE:
+            count(a, fwd, ((kind, axis) for kind, axis, _n in s.collectives))
         if per_buffer and node.primitive == INPUT_PRIMITIVE and \
                 graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
             a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
@@ -161,8 +193,12 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["reshard"] += c
         a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
         if not is_alias:
-            if graph.op(v).role == FORWARD and (t.kind == PARAM or t.id in view.weight_derived):
+            weight = t.kind == PARAM or t.id in view.weight_derived
+            if graph.op(v).role == FORWARD and weight:
                 a["gather"] += c  # a parameter's gather for the forward: prefetchable behind earlier layers
+            elif not weight and graph.op(v).role != UPDATE:  # gathered weights are kept: gathered once a step
+                count(a, graph.op(v).role == FORWARD,
+                      ((kind, axis) for kind, axis, _n in cache.reshard_collectives(src, dst, t.shape, t.dtype)))
     out = []
     for a in acc:
         static = sum(a[k] for k in STATIC_KINDS)
@@ -171,7 +207,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              gather_s=a["gather"], launch_fwd_s=a["lf"], launch_bwd_s=a["lb"], ckpt_bytes=a["ckpt"],
                              temp_bytes=a["temp"], param_bytes=a["param"], grad_bytes=a["grad"],
                              master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
-                             attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"]))
+                             attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
+                             latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
+                             collectives_bwd=a["cb"]))
     return out
 
 
@@ -198,4 +236,4 @@ def batch_size(graph: OpGraph) -> int:
     return max(sizes) if sizes else 1
 
 
-__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "layer_costs", "cut_bytes", "batch_size"]
+__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "collective_latency_s", "layer_costs", "cut_bytes", "batch_size"]

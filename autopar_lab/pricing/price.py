@@ -182,7 +182,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                                             microbatches, spec.remat, intra))
         # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
         # interleaved: each chunk is priced as a stage of its own).
-        hid_sync = hid_gather = launches = 0.0
+        hid_sync = hid_gather = launches = colls = latency = 0.0
         for first, last in ranges[j]:
             span = {f: run[last + 1] - run[first] for f, run in sums.items()}
             sync, gather = hidden_comm_s(span, microbatches)
@@ -190,7 +190,11 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             again = span["heavy_fwd"] if is_full(spec.remat) else recomputed_kernels(span, cluster) \
                 if is_selective(spec.remat) else 0.0
             launches += (span["heavy_fwd"] + again + span["heavy_bwd"]) * microbatches
-        hidden.append((hid_sync, hid_gather, int(round(launches))))
+            # Collectives issued every microbatch (a full recomputation issues the forward's again).
+            twice = 2 if is_full(spec.remat) else 1
+            colls += (span["collectives_fwd"] * twice + span["collectives_bwd"]) * microbatches
+            latency += (span["latency_fwd_s"] * twice + span["latency_bwd_s"]) * microbatches
+        hidden.append((hid_sync, hid_gather, int(round(launches)), int(round(colls)), latency))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
@@ -236,8 +240,13 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     # Communication hidden behind compute is not in the busy time: only what shows is split.
-    hid_sync, hid_gather, kernels = hidden[busiest]
-    comm, reshard = max(b.comm_s - hid_sync, 0.0), max(b.reshard_s - hid_gather, 0.0)
+    hid_sync, hid_gather, kernels, colls, latency = hidden[busiest]
+    # The stage's comm_s counts each per-microbatch collective's latency once a step; its busy time pays it every
+    # microbatch (and once more per recomputed forward): what is left of the step's latency shows as collectives.
+    once = sum(c.latency_fwd_s + c.latency_bwd_s for c in (c for a, z in chunks[busiest]
+                                                           for c in per_stage[busiest][0][a:z + 1]))
+    comm = max(b.comm_s - hid_sync, 0.0) + max(latency - once, 0.0)
+    reshard = max(b.reshard_s - hid_gather, 0.0)
     work = b.compute_s + comm + reshard
     # The busiest stage's busy time, split in proportion to its terms (launch overheads and recomputation included).
     scale = busy / work if work > 0 else 0.0
@@ -255,6 +264,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         timeline=tl,
         hidden_comm_s=float(hid_sync + hid_gather),
         kernels=kernels,
+        collectives=colls,
+        collective_latency_s=float(latency),
         flash_attention=cluster.device.efficiency.flash_attention,
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,

@@ -2,8 +2,10 @@
 
 A stage running layers ``a..b`` on a microbatch of ``batch / B`` samples costs ``sum(layer costs) / B`` plus the
 launch of every kernel it runs per microbatch (:attr:`~autopar_lab.pricing.layers.LayerCost.launch_fwd_s`: the term
-that stops more microbatches from being free); each forward and each backward task also costs the device's
-``task_overhead_s`` (:func:`task_overhead_s`). Communication that systems overlap is charged only where it shows
+that stops more microbatches from being free) and the latency of every collective it issues per microbatch
+(:attr:`~autopar_lab.pricing.layers.LayerCost.latency_fwd_s`: the alpha term, paid by each microbatch, not shared);
+each forward and each backward task also costs the device's ``task_overhead_s`` (:func:`task_overhead_s`).
+Communication that systems overlap is charged only where it shows
 (:func:`hidden_comm_s`): the data-parallel gradient reduction runs in buckets behind the backward of the step's last
 microbatch, and parameters gathered from their shards are prefetched behind the forward; tensor-parallel collectives
 and other resharding stay on the critical path. With rematerialisation (Megatron-LM's full recomputation) a stage
@@ -37,7 +39,8 @@ LAUNCH_OVERHEAD_S = 5e-6
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
-              "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s")
+              "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "latency_fwd_s", "latency_bwd_s",
+              "collectives_fwd", "collectives_bwd")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
@@ -97,11 +100,18 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=0.0)
     >>> stage_cost(t, 0.0, 2, 1, "selective", 0.0)   # drops the internals (4 of 6), recomputes their forward (1 s)
     (2.00001, 3.75002, 11.0, 1.0)
+    >>> t.update(latency_fwd_s=0.5, latency_bwd_s=1.0)   # 0.5 s of forward latency once a step: 0.5 s a microbatch
+    >>> stage_cost(t, 0.0, 2, 1, False, 0.0)
+    (2.25001, 3.75002, 10.0, 3.0)
     """
     B = microbatches
     hidden_sync, hidden_gather = hidden_comm_s(totals, B)
-    fwd = (totals["fwd_s"] - hidden_gather) / B + totals["launch_fwd_s"]
-    bwd = (totals["bwd_s"] - hidden_sync) / B + totals["launch_bwd_s"]
+    # The layer costs count each collective's latency once a step, like its bandwidth; every microbatch issues it
+    # again, so the other B - 1 of B latencies are added back (a microbatch pays its collectives' latency in full).
+    again = (B - 1) / B
+    lat_fwd = totals.get("latency_fwd_s", 0.0) * again
+    fwd = (totals["fwd_s"] - hidden_gather) / B + totals["launch_fwd_s"] + lat_fwd
+    bwd = (totals["bwd_s"] - hidden_sync) / B + totals["launch_bwd_s"] + totals.get("latency_bwd_s", 0.0) * again
     n = totals["layers"]
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
@@ -118,7 +128,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
         # are kept, so it gathers nothing again), its activations the working set.
         static = static + act / layers
         act = totals["ckpt_bytes"] / B
-        bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"]
+        bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"] + lat_fwd
     # Once per task: a rematerialised backward is still one task.
     return fwd + task_s, bwd + task_s, static, act
 

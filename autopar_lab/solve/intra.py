@@ -47,6 +47,7 @@ from ..graph.opgraph import (
     op_signature,
 )
 from ..graph.fusion import attach_kernel_roles, kernel_role, kernel_view
+from ..graph.opcost import CONTRACTIONS, REDUCTIONS, SCATTERS, WINDOWED
 from ..sharding.fsdp import is_param_input
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
@@ -680,10 +681,26 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
 # Evaluation: the cost of a choice, recomputed operator by operator and edge by edge
 
 
+#: Backward operators that end a weight-gradient chain (as do reductions that reduce elements): they combine their
+#: input into a new value (an activation gradient reduced into a norm's scale gradient is not a weight gradient).
+_CHAIN_ENDS = CONTRACTIONS | SCATTERS | WINDOWED
+
+
 def weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
     """Backward operators whose output reaches the optimizer (or leaves the step as a gradient) through layout and
-    elementwise operators only: their collectives synchronise weight gradients."""
+    elementwise operators only: their collectives synchronise weight gradients.
+
+    The chain stops at contractions and reductions: an activation gradient (say the tensor-parallel all-reduce of
+    ``dX = dY @ W.T``) that a layer norm's scale gradient reduces (``sum(dX * x_hat)``) is on the critical path of
+    the backward, not a data-parallel gradient reduction that may be deferred and overlapped; the reduction that
+    follows it is the weight-gradient operator."""
     ends: dict[int, bool] = {}
+
+    def ends_chain(node: OpNode) -> bool:
+        if node.primitive in REDUCTIONS:  # a reduction over size-1 axes only is a reshape
+            size = math.prod(graph.tensor(node.inputs[0]).shape) if node.inputs else 0
+            return size > math.prod(graph.tensor(node.outputs[0]).shape)
+        return node.primitive in _CHAIN_ENDS
 
     def reaches_update(op: int, depth: int) -> bool:
         if op in ends:
@@ -695,7 +712,7 @@ def weight_gradient_ops(graph: OpGraph, ops: Iterable[int]) -> set[int]:
                 cn = graph.op(c)
                 if cn.role == UPDATE or cn.primitive == OUTPUT_PRIMITIVE:
                     hit = True
-                elif depth > 0 and cn.role == BACKWARD and cn.primitive not in ("dot_general", "conv_general_dilated"):
+                elif depth > 0 and cn.role == BACKWARD and not ends_chain(cn):
                     hit = reaches_update(c, depth - 1)
                 if hit:
                     break

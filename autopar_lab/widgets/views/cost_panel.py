@@ -78,7 +78,9 @@ def explain_text(cost) -> str:
     attention = "flash attention" if getattr(cost, "flash_attention", False) else "attention through memory"
     return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} (the busiest stage, "
             f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}) + "
-            f"collectives {fmt_s(cost.comm_s)} + resharding {fmt_s(cost.reshard_s)} (over all microbatches, what is "
+            f"collectives {fmt_s(cost.comm_s)} (including the latency of {getattr(cost, 'collectives', 0):,} "
+            f"collectives a step, {fmt_s(getattr(cost, 'collective_latency_s', 0.0))}: each microbatch pays its "
+            f"own) + resharding {fmt_s(cost.reshard_s)} (over all microbatches, what is "
             f"not hidden) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, waiting for "
             f"transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip in all; "
             f"{fmt_s(getattr(cost, 'hidden_comm_s', 0.0))} of communication runs hidden behind compute (gradient "
@@ -88,7 +90,9 @@ def explain_text(cost) -> str:
 def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
-    rows = [("compute", "compute_s"), ("collectives", "comm_s"), ("resharding", "reshard_s"), ("bubble", "bubble_s"),
+    rows = [("compute", "compute_s"), ("collectives", "comm_s"),
+            ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
+            ("bubble", "bubble_s"),
             ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
             ("communication hidden behind compute (not in the step)", "hidden_comm_s"), ("step time", "step_time_s")]
     ref = before.step_time_s if before is not None else None
