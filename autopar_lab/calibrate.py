@@ -14,9 +14,11 @@ What is measured, and why each figure is the one the cost model wants:
   of it (one device alone runs much faster: ``matmul_flops_single_device``, kept for comparison).
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
 * collective latency and bandwidth between the local devices: a jitted all-reduce (``psum``) and all-gather
-  (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes, each timed in chains of
-  collectives run back to back (:func:`measure_collectives`: the program call, which would otherwise pass for
-  latency, cancels). Each measurement is put in
+  (``all_gather``), shard_map over a 1D mesh of the devices, at several buffer sizes, each timed as a step meets it:
+  after a layer-like compute on every device, in a chain of such links against the same chain without the
+  collectives (:func:`measure_collectives_between_compute`: the program call cancels, and the barrier wait for the
+  slowest of the N device threads on C cores is counted; bare back-to-back collectives, :func:`measure_collectives`,
+  see a quarter of it here). Each measurement is put in
   the cost model's form t = alpha + beta * x, with x the bytes the formula charges (all-reduce 2 (n-1)/n B, B the
   buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
   and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
@@ -59,7 +61,7 @@ import numpy as np
 
 from autopar_lab.cluster import CPU_PROFILE_PATH
 
-__all__ = ["measure_cpu", "measure_collectives", "fit_collectives", "measure_task_overhead", "write_profile",
+__all__ = ["measure_cpu", "measure_collectives", "measure_collectives_between_compute", "fit_collectives", "measure_task_overhead", "write_profile",
            "update_task_overhead", "update_collectives", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
            "measure_kernel_overhead", "update_kernel_overhead", "measure_buffer_overhead", "main"]
 
@@ -68,6 +70,9 @@ REGENERATE = "JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python -m autopar_lab.cali
 _COLLECTIVE_FIT = ("t = latency x steps + x / bandwidth with x = 2 (n-1)/n B (all-reduce), (n-1)/n B (all-gather) and "
                    "steps = 2 log2(n) (all-reduce: a tree), n-1 (all-gather: a ring); least squares in relative "
                    "error; intra_host = the joint fit")
+_BETWEEN_COMPUTE_NOTE = ("each collective timed after a layer-like compute on every device, in a chain of such links "
+                         "against the same chain without the collectives (the difference over the links: latency, "
+                         "barrier wait included, plus bytes over bandwidth; the program call cancels)")
 # A single machine has no inter-host network to measure; a multi-host "cpu:N" what-if assumes 10 GbE.
 _ASSUMED_INTER_HOST = {"bandwidth": 10e9 / 8, "latency": 50e-6}
 
@@ -248,19 +253,108 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
     return rows
 
 
-def update_collectives(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
-    """Measure only the collectives (:func:`measure_collectives`, chained) and refit the links of the profile at
-    ``path`` (default: the shipped one) from them (:func:`refit_collectives`), keeping every other figure; returns
-    the profile."""
+def measure_collectives_between_compute(num_devices: int | None = None,
+                                        byte_sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23), repeats: int = 15,
+                                        links: int = 8, compute: tuple[int, int] = (32, 32)) -> list[dict]:
+    """Time an all-reduce and an all-gather as a step meets them: each after a small compute on every device.
+
+    Back-to-back collectives (:func:`measure_collectives`) run on devices that have nothing else to do. In a plan's
+    step each collective follows a layer's compute, and with N virtual devices sharing C < N cores a collective is
+    also a barrier: it waits for the last device thread to finish its share, which back-to-back collectives never
+    see. So each program here is a chain of ``links`` links; a link is a layer-like compute on every device (an MLP
+    of ``compute`` = (rows, hidden): ``tanh(a @ w1) @ w2`` with w1 hidden x 4 hidden, the shape of a gpt-tiny layer's
+    per-device share under data parallelism), then the collective on a B-byte buffer that has read the compute's
+    result, and the next link's compute reads the collective's. The same chain without the collectives (the buffer
+    still updated from the compute, so the same work is left) is timed alongside, the two programs taking turns call
+    by call (a change in this shared machine's load hits both); the median difference over ``links`` is one
+    collective as a step pays it: latency (barrier included) plus its bytes over the bandwidth, the program call
+    cancelling. Returns rows for :func:`fit_collectives` (``seconds``: one collective; ``compute_s``: one link's
+    compute alone).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    if int(links) < 1:
+        raise ValueError(f"links must be at least 1, got {links!r}")
+    rows_per_device, hidden = (int(v) for v in compute)
+    if rows_per_device < 1 or hidden < 1:
+        raise ValueError(f"compute must be (rows, hidden), both at least 1, got {compute!r}")
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    if not 2 <= n <= len(devs):
+        raise ValueError(f"collectives need 2..{len(devs)} devices, got num_devices={num_devices}; "
+                         "set JAX_NUM_CPU_DEVICES before jax is imported.")
+    mesh = Mesh(np.array(devs[:n]), ("d",))
+    split, replicated = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    act = jax.device_put(rng.standard_normal((n * rows_per_device, hidden), dtype=np.float32) * 0.1, split)
+    w1 = jax.device_put(rng.standard_normal((hidden, 4 * hidden), dtype=np.float32) * hidden ** -0.5, replicated)
+    w2 = jax.device_put(rng.standard_normal((4 * hidden, hidden), dtype=np.float32) * (4 * hidden) ** -0.5,
+                        replicated)
+
+    def chain(collective: Callable[[Any], Any] | None) -> Callable[..., Any]:
+        def body(a, b, w1, w2):
+            for _ in range(int(links)):
+                a = jnp.tanh(a @ w1) @ w2
+                b = b * 0.5 + a[0, 0]  # the collective's input waits for this device's compute
+                if collective is not None:
+                    b = collective(b)
+                a = a + 1e-3 * b[0]  # the next compute waits for the collective
+            return a, b
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d"), P(), P()),
+                                     out_specs=(P("d"), P("d")), check_vma=False))
+
+    def gather(per: int) -> Callable[[Any], Any]:
+        def fn(b):  # gather, then keep the next device's piece (as in measure_collectives)
+            full = jax.lax.all_gather(b, "d", tiled=True)
+            return jax.lax.dynamic_slice_in_dim(full, ((jax.lax.axis_index("d") + 1) % n) * per, per)
+        return fn
+
+    def per_collective(collective: Callable[[Any], Any], buf: Any) -> tuple[float, float]:
+        with_fn, without_fn = chain(collective), chain(None)
+        t_with, t_without = _median_time_pair(lambda: with_fn(act, buf, w1, w2),
+                                              lambda: without_fn(act, buf, w1, w2), repeats=repeats)
+        return max((t_with - t_without) / links, 1e-9), t_without / links
+
+    out = []
+    for nbytes in byte_sizes:
+        elems = max(nbytes // 4, n)
+        buf = jax.device_put(np.ones((n * elems,), np.float32), split)  # each device holds B bytes
+        each, comp = per_collective(lambda b: jax.lax.psum(b, "d"), buf)
+        out.append({"kind": "all_reduce", "bytes": elems * 4, "x_bytes": 2 * (n - 1) / n * elems * 4,
+                    "seconds": each, "compute_s": comp, "links": int(links), "compute": [rows_per_device, hidden]})
+        per = max(elems // n, 1)
+        part = jax.device_put(np.ones((n * per,), np.float32), split)  # B/n bytes per device, B gathered
+        each, comp = per_collective(gather(per), part)
+        out.append({"kind": "all_gather", "bytes": n * per * 4, "x_bytes": (n - 1) / n * n * per * 4,
+                    "seconds": each, "compute_s": comp, "links": int(links), "compute": [rows_per_device, hidden]})
+    return out
+
+
+def update_collectives(path: str | os.PathLike | None = None, quick: bool = False, back_to_back: bool = False) -> dict:
+    """Measure only the collectives and refit the links of the profile at ``path`` (default: the shipped one) from
+    them (:func:`refit_collectives`), keeping every other figure; returns the profile.
+
+    By default each collective is timed after a layer-like compute on every device, as a plan's step meets it
+    (:func:`measure_collectives_between_compute`); ``back_to_back`` times chains of bare collectives instead
+    (:func:`measure_collectives`: no barrier wait, a lower latency that the plans executed here do not see)."""
     out = Path(path) if path is not None else CPU_PROFILE_PATH
     profile = json.loads(out.read_text())
     n = int(profile.get("num_devices", 1))
     sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-    profile.setdefault("measurements", {})["collectives"] = measure_collectives(n, sizes, repeats=5 if quick else 15)
+    repeats = 5 if quick else 41
+    if back_to_back:
+        rows = measure_collectives(n, sizes, repeats=repeats)
+        note = ("each collective timed in chains of back-to-back collectives, the chains' difference over their "
+                "lengths (the program call cancels)")
+    else:
+        rows = measure_collectives_between_compute(n, sizes, repeats=repeats)
+        note = _BETWEEN_COMPUTE_NOTE
+    profile.setdefault("measurements", {})["collectives"] = rows
     profile = refit_collectives(profile)
     profile["collectives_measured_on"] = _dt.date.today().isoformat()
-    profile["collectives_note"] = ("each collective timed in chains of back-to-back collectives, the chains' "
-                                   "difference over their lengths (the program call cancels)")
+    profile["collectives_note"] = note
     profile.pop("collectives_refit_note", None)
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
@@ -403,6 +497,21 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     return max(float(np.median(times)), 1e-9)
 
 
+def _median_time_pair(fn_a: Callable[[], Any], fn_b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Medians of ``repeats`` timed calls each of ``fn_a`` and ``fn_b``, taking turns call by call (so a change of
+    load on a shared machine hits both alike), after two warm-up calls of each."""
+    for _ in range(2):
+        _ready(fn_a())
+        _ready(fn_b())
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, ts in ((fn_a, times[0]), (fn_b, times[1])):
+            t0 = time.perf_counter()
+            _ready(fn())
+            ts.append(time.perf_counter() - t0)
+    return max(float(np.median(times[0])), 1e-9), max(float(np.median(times[1])), 1e-9)
+
+
 def _ready(x: Any) -> Any:
     """Wait for every array in ``x``."""
     import jax
@@ -488,7 +597,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     coll_rows, fits = [], {}
     if n > 1:
         byte_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-        coll_rows = measure_collectives(n, byte_sizes, repeats=repeats)
+        coll_rows = measure_collectives_between_compute(n, byte_sizes, repeats=5 if quick else 41)
         fits = fit_collectives(coll_rows, n)
         intra = {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
     else:
@@ -535,6 +644,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "latency": max(_ASSUMED_INTER_HOST["latency"], intra["latency"]),
         },
         "inter_host_note": "assumed 10 GbE, capped at the measured intra-host link (one machine has no network to measure)",
+        "collectives_note": _BETWEEN_COMPUTE_NOTE,
         "measurements": {
             "matmul_float32": mm_rows,
             "matmul_flops_single_device": peak_single,
@@ -582,8 +692,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-overhead-only", action="store_true",
                         help="measure only the per-task overhead and add it to the existing profile at --out")
     parser.add_argument("--collectives-only", action="store_true",
-                        help="measure only the collectives (in chains) and refit the links of the existing profile at "
-                             "--out")
+                        help="measure only the collectives (each after a layer-like compute, as a step meets them) "
+                             "and refit the links of the existing profile at --out")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="with --collectives-only: time chains of bare back-to-back collectives instead")
     parser.add_argument("--kernel-overhead-only", action="store_true",
                         help="measure only the per-kernel and per-state-array overheads and add them to the existing "
                              "profile at --out")
@@ -595,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.task_overhead_only:
             profile = update_task_overhead(args.out, quick=args.quick)
         elif args.collectives_only:
-            profile = update_collectives(args.out, quick=args.quick)
+            profile = update_collectives(args.out, quick=args.quick, back_to_back=args.back_to_back)
         elif args.kernel_overhead_only:
             profile = update_kernel_overhead(args.out, quick=args.quick)
         else:

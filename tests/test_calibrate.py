@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from autopar_lab import calibrate
-from autopar_lab.calibrate import fit_alpha_beta, fit_collectives, latency_steps, measure_collectives
+from autopar_lab.calibrate import (
+    fit_alpha_beta,
+    fit_collectives,
+    latency_steps,
+    measure_collectives,
+    measure_collectives_between_compute,
+)
 from autopar_lab.cluster import Cluster, Device, Link
 
 
@@ -262,10 +268,11 @@ def test_collectives_only_times_chains_and_refits_the_links(tmp_path, monkeypatc
     before = json.loads(cl.CPU_PROFILE_PATH.read_text())
     before["num_devices"] = 2
     out.write_text(json.dumps(before))
-    assert calibrate.main(["--collectives-only", "--quick", "--out", str(out)]) == 0
+    assert calibrate.main(["--collectives-only", "--back-to-back", "--quick", "--out", str(out)]) == 0
     after = json.loads(out.read_text())
     rows = after["measurements"]["collectives"]
     assert {r["kind"] for r in rows} == {"all_reduce", "all_gather"} and all(r["chain"] == [1, 9] for r in rows)
+    assert "back-to-back" in after["collectives_note"]
     assert all(r["seconds"] > 0 and r["call_s"] >= 0 for r in rows)
     fits = calibrate.fit_collectives(rows, 2)
     assert after["measurements"]["collective_fits"] == fits
@@ -278,3 +285,47 @@ def test_collectives_only_times_chains_and_refits_the_links(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="chain must be two lengths"):
         measure_collectives(2, (1 << 12,), chain=(4, 4))
     assert calibrate.main(["--collectives-only", "--out", str(tmp_path / "missing.json")]) == 2
+
+
+def test_collectives_between_compute_measure_each_collective_as_a_step_meets_it(tmp_path, monkeypatch):
+    """The default ``--collectives-only``: each collective follows a layer-like compute on every device, timed against
+    the same chain without collectives. A small chain on 8 devices (the barrier this measures needs more device
+    threads than cores; on 2 devices the difference is within the noise): every row is one collective, a positive
+    difference (not the floor the clamp gives a chain with collectives no slower than the one without), beside the
+    compute a link costs alone; the links fitted from them round-trip through the profile file into the cpu
+    preset, and every other figure is kept."""
+    if _devices() < 8:
+        pytest.skip("needs 8 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    from autopar_lab import cluster as cl
+
+    n = 8
+    rows = measure_collectives_between_compute(n, (1 << 12,), repeats=9, links=4, compute=(32, 32))
+    assert [(r["kind"], r["bytes"]) for r in rows] == [("all_reduce", 1 << 12), ("all_gather", 1 << 12)]
+    for r in rows:
+        assert r["seconds"] > 1e-9 and r["compute_s"] > 0 and r["links"] == 4 and r["compute"] == [32, 32]
+        assert r["x_bytes"] == pytest.approx((2 if r["kind"] == "all_reduce" else 1) * (n - 1) / n * r["bytes"])
+
+    out = tmp_path / "cpu.json"
+    before = json.loads(cl.CPU_PROFILE_PATH.read_text())
+    before["num_devices"] = n
+    out.write_text(json.dumps(before))
+    assert calibrate.main(["--collectives-only", "--quick", "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    measured = after["measurements"]["collectives"]
+    assert {r["kind"] for r in measured} == {"all_reduce", "all_gather"}
+    assert all(r["seconds"] > 0 and r["links"] >= 1 for r in measured)
+    assert "after a layer-like compute" in after["collectives_note"]
+    fits = calibrate.fit_collectives(measured, n)
+    assert after["measurements"]["collective_fits"] == fits
+    assert after["intra_host"] == {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
+    assert after["device"] == before["device"]
+    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    link = cl.Cluster.preset("cpu").intra_host
+    assert (link.bandwidth, link.latency) == (fits["joint"]["bandwidth"], fits["joint"]["latency"])
+
+    with pytest.raises(ValueError, match="links must be at least 1"):
+        measure_collectives_between_compute(2, (1 << 12,), links=0)
+    with pytest.raises(ValueError, match="compute must be"):
+        measure_collectives_between_compute(2, (1 << 12,), compute=(0, 16))
+    with pytest.raises(ValueError, match="collectives need"):
+        measure_collectives_between_compute(1, (1 << 12,))
