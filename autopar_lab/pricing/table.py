@@ -37,7 +37,8 @@ from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import LEAN, MeshPool, default_workers, mesh_key, plan_from_choice, solve_in_workers, solve_one
+from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_in_workers,
+                         solve_one)
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -332,8 +333,9 @@ class CostTable:
             self.solve_s += time.perf_counter() - t0
             self._report(key, len(self._mesh), 0)
         costs, stored = self._mesh[key]
-        if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
-            stored = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
+        if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices,
+            # rebuilt when first read (most payloads are not)
+            stored = DeferredIntraPlan(self.solve_graph, self.cluster, key, self._choices[key])
             self._mesh[key] = (costs, stored)
         return costs, stored
 
