@@ -209,3 +209,23 @@ def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(mod
     plan = al.auto_plan(moved.graph, SMALL, table=moved)
     assert all(isinstance(s.intra, DeferredIntraPlan) and not s.intra.is_built for s in plan.stages)
     assert plan.cost.to_dict() == al.auto_plan(table.graph, SMALL, table=table).cost.to_dict()
+
+
+def test_the_blocks_pareto_mask_is_pareto_on_random_options_with_ties():
+    """StageBlock's vectorised filter against pricing.stage.pareto, option by option, on random small integer
+    fields (many ties and equal options, where "ties to the first" decides)."""
+    import numpy as np
+
+    from autopar_lab.pricing.stage import pareto
+    from autopar_lab.pricing.table import pareto_mask
+    from autopar_lab.solve.inter import StageCandidate
+
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        K, P = int(rng.integers(1, 9)), 25
+        fields = [rng.integers(0, 3, (K, P)).astype(float) for _ in range(4)]
+        mask = pareto_mask(fields)
+        for p in range(P):
+            cands = [StageCandidate((0, 0), (1, 1), (1, 1), False, *(float(f[k, p]) for f in fields),
+                                    payload=k) for k in range(K)]
+            assert sorted(c.payload for c in pareto(cands)) == list(np.flatnonzero(mask[:, p]))

@@ -568,6 +568,24 @@ class CostTable:
         return StageCandidates(self, microbatches, mem_limit_bytes)
 
 
+def pareto_mask(fields: Sequence[np.ndarray]) -> np.ndarray:
+    """``keep[k, p]``: option k is Pareto-optimal at position p over ``fields`` (each (K, P), lower is better),
+    as :func:`~autopar_lab.pricing.stage.pareto` decides: an option no worse on every field than another, and
+    better on one or equal on all and later, is dropped. One option against all at a time: (K, P) temporaries
+    rather than (K, K, P), a quarter faster for the 1T table's blocks."""
+    K = fields[0].shape[0]
+    dominated = np.zeros(fields[0].shape, dtype=bool)
+    later = np.arange(K)[:, None]
+    for j in range(K):
+        le = np.ones_like(dominated)  # option j is <= option i on every field
+        eq = np.ones_like(dominated)
+        for v in fields:
+            le &= v[j] <= v
+            eq &= v[j] == v
+        dominated |= le & (~eq | (later > j)) & (later != j)
+    return ~dominated
+
+
 class StageCandidates:
     """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
     ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
@@ -619,16 +637,9 @@ class StageBlock:
             for out, v in zip(fields, costs):
                 out.append(np.where(upper, np.broadcast_to(v, (L, L)), np.inf))
         keys = [np.stack(f) for f in fields]  # (K, L, L) each
-        K = len(self.options)
-        le = np.ones((K, K, L, L), dtype=bool)  # [j, i]: option j is <= option i on every count
-        eq = np.ones((K, K, L, L), dtype=bool)
-        for v in keys:
-            le &= v[:, None] <= v[None, :]
-            eq &= v[:, None] == v[None, :]
-        j_before_i = np.tril(np.ones((K, K), dtype=bool), -1).T[:, :, None, None]  # j < i
-        not_self = ~np.eye(K, dtype=bool)[:, :, None, None]
-        dominated = (le & (~eq | j_before_i) & not_self).any(axis=0)
-        keep = ~dominated & upper[None]
+        keep = np.zeros(keys[0].shape, dtype=bool)
+        starts, ends = np.nonzero(upper)
+        keep[:, starts, ends] = pareto_mask([v[:, starts, ends] for v in keys])
         if mem_limit_bytes is not None:
             keep &= keys[2] + keys[3] <= mem_limit_bytes
         self.keys, self.keep = keys, keep
