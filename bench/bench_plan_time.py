@@ -9,6 +9,9 @@ planned logical mesh) and inter-op (the stage DP):
   V 51200): ``39b@512`` (48 layers, H 8192, 64 heads, batch 1536), ``145b@1536`` (80, 12288, 96, 2304),
   ``530b@2520`` (105, 20480, 128, 2520), ``1t@3072`` (128, 25600, 160, 3072).
 
+"trace s" is what `CostTable.build` spent tracing (a deep zoo model's 4- and 6-layer copies, its full graph traced
+only when read: `--trace full` traces it up front as before, `pricing/deepmap.py`); "table s" the part of "inter s"
+spent building the stage candidates' arrays (`StageBlock`), "dp s" the rest (the stage DP, the simulation).
 "meshes" counts the logical meshes the table solves (the planning space, `CostTable.planned_meshes`), "lean" those
 whose memory-lean solution was solved too (`CostTable.lean_solved`: where the fast one cannot hold a layer, or all
 when nothing fits without them); "cpu s" is
@@ -16,6 +19,7 @@ this process's CPU time and "workers cpu s" the ILP worker processes'; "peak GiB
 process and of any worker (getrusage); "load" the machine's 1-minute load average before and after the row.
 
     .venv/bin/python bench/bench_plan_time.py 48:64 39b@512 1t@3072 [--workers N] [--space full|divisors|auto]
+        [--trace auto|full]
 """
 
 from __future__ import annotations
@@ -26,7 +30,25 @@ import sys
 import time
 
 import autopar_lab as al
+from autopar_lab.pricing import table as table_module
 from autopar_lab.pricing.table_pool import default_workers
+
+#: Seconds spent building StageBlocks (the stage candidates' arrays) in this process, summed.
+BLOCK_S = [0.0]
+
+
+def timed_blocks() -> None:
+    """Count the time spent building each StageBlock into BLOCK_S."""
+    init = table_module.StageBlock.__init__
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            BLOCK_S[0] += time.perf_counter() - t0
+
+    table_module.StageBlock.__init__ = timed  # type: ignore[method-assign]
 
 MEGATRON = {  # name: (devices, layers, hidden, heads, batch)
     "39b": (512, 48, 8192, 64, 1536),
@@ -53,6 +75,7 @@ def config(item: str):
 
 def main(argv: list[str]) -> None:
     workers = space = None
+    trace = "auto"
     items = []
     args = iter(argv)
     for a in args:
@@ -60,17 +83,21 @@ def main(argv: list[str]) -> None:
             workers = int(next(args))
         elif a == "--space":
             space = next(args)
+        elif a == "--trace":
+            trace = next(args)
         else:
             items.append(a)
-    print(f"{'model':>10}{'devices':>8}{'meshes':>8}{'lean':>6}{'trace s':>9}{'intra s':>9}{'inter s':>9}{'total s':>9}"
+    print(f"{'model':>10}{'devices':>8}{'meshes':>8}{'lean':>6}{'trace s':>9}{'intra s':>9}{'table s':>9}{'dp s':>7}{'total s':>9}"
           f"{'stages':>8}{'mb':>6}{'step s':>10}{'cpu s':>8}{'wk cpu s':>9}{'peak GiB':>9}{'load':>12}", flush=True)
+    timed_blocks()
     for item in items or ["48:64", "39b@512"]:
+        BLOCK_S[0] = 0.0
         label, model, cluster, solver = config(item)
         load0 = os.getloadavg()[0]
         t0, c0 = time.perf_counter(), time.process_time()
         k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         table = al.CostTable.build(model, cluster, solver=solver, space=space or "auto",
-                                   workers=default_workers() if workers is None else workers)
+                                   workers=default_workers() if workers is None else workers, trace=trace)
         try:
             plan = al.auto_plan(table.graph, cluster, solver=solver, table=table, workers=workers)
         except ValueError as e:  # the model does not fit: the search still ran to the end
@@ -83,7 +110,7 @@ def main(argv: list[str]) -> None:
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, k1.ru_maxrss) / 2 ** 20
         print(f"{label:>10}{cluster.num_devices:>8}{len(table.planned_meshes()):>8}{len(table.lean_solved()):>6}"
               f"{table.trace_s:>9.1f}"
-              f"{s['intra']:>9.1f}{s['inter']:>9.1f}{total:>9.1f}{len(plan.stages):>8}{plan.microbatches:>6}"
+              f"{s['intra']:>9.1f}{BLOCK_S[0]:>9.1f}{s['inter'] - BLOCK_S[0]:>7.1f}{total:>9.1f}{len(plan.stages):>8}{plan.microbatches:>6}"
               f"{plan.cost.step_time_s:>10.4g}{time.process_time() - c0:>8.1f}"
               f"{(k1.ru_utime + k1.ru_stime) - (k0.ru_utime + k0.ru_stime):>9.1f}{peak:>9.2f}"
               f"{f'{load0:.1f}->{os.getloadavg()[0]:.1f}':>12}", flush=True)

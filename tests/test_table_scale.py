@@ -182,3 +182,50 @@ def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, m
     assert cancelled.solve_meshes(workers=1) == n - 1  # one mesh was collected before the hook raised
     for key in here.planned_meshes():
         assert cancelled.mesh_costs(*key)[0] == here.mesh_costs(*key)[0]
+
+
+def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(model):
+    """A mesh solved elsewhere comes back as strategy indices; its DeferredIntraPlan is plan_from_choice's plan
+    (which is the solve's own, to the bit), built only when a field is read, and pickles (a plain IntraPlan does
+    not) as what rebuilds it."""
+    import pickle
+
+    from autopar_lab.pricing.table_pool import DeferredIntraPlan, plan_from_choice, solve_one
+
+    table = CostTable.build(model, SMALL)
+    key = next(k for k in table.planned_meshes() if k[1][0] > 1 and k[1][1] > 1)
+    _, solved, choice = solve_one(table.solve_graph, SMALL, key, table.solver, {})
+    deferred = DeferredIntraPlan(table.solve_graph, SMALL, key, choice)
+    back = pickle.loads(pickle.dumps(deferred))
+    assert not deferred.is_built and not back.is_built
+    assert _same_plan(deferred, solved) and deferred.is_built
+    assert deferred == plan_from_choice(table.solve_graph, SMALL, key, choice)  # every field, the solve's record too
+    assert _same_plan(back, solved) and deferred.total_s == solved.total_s
+    with pytest.raises(AttributeError):
+        deferred.no_such_field  # noqa: B018 - not a field: nothing to build it from
+    # A table moved to another cluster hands out deferred plans; planning with it reads none of its stages' plans.
+    table.solve_meshes(workers=1)
+    moved = table.for_cluster(SMALL)
+    plan = al.auto_plan(moved.graph, SMALL, table=moved)
+    assert all(isinstance(s.intra, DeferredIntraPlan) and not s.intra.is_built for s in plan.stages)
+    assert plan.cost.to_dict() == al.auto_plan(table.graph, SMALL, table=table).cost.to_dict()
+
+
+def test_the_blocks_pareto_mask_is_pareto_on_random_options_with_ties():
+    """StageBlock's vectorised filter against pricing.stage.pareto, option by option, on random small integer
+    fields (many ties and equal options, where "ties to the first" decides)."""
+    import numpy as np
+
+    from autopar_lab.pricing.stage import pareto
+    from autopar_lab.pricing.table import pareto_mask
+    from autopar_lab.solve.inter import StageCandidate
+
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        K, P = int(rng.integers(1, 9)), 25
+        fields = [rng.integers(0, 3, (K, P)).astype(float) for _ in range(4)]
+        mask = pareto_mask(fields)
+        for p in range(P):
+            cands = [StageCandidate((0, 0), (1, 1), (1, 1), False, *(float(f[k, p]) for f in fields),
+                                    payload=k) for k in range(K)]
+            assert sorted(c.payload for c in pareto(cands)) == list(np.flatnonzero(mask[:, p]))

@@ -12,7 +12,7 @@ layer belongs to the last layer, as the layer costs count it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ..graph.opgraph import INPUT_PRIMITIVE, OpGraph
 from ..solve.intra import layer_signature
@@ -38,11 +38,37 @@ def _ops_by_layer(graph: OpGraph, names: list[str]) -> list[list[int]]:
     return out
 
 
+def signature_groups(solve_graph: OpGraph) -> dict[tuple, list[int]]:
+    """The solve graph's layer indices grouped by :func:`plain_signature` (ascending in each group)."""
+    out: dict[tuple, list[int]] = {}
+    for k, name in enumerate(list(solve_graph.layers)):
+        out.setdefault(plain_signature(solve_graph, name), []).append(k)
+    return out
+
+
+def layer_map_of(signatures: Sequence[tuple], solve_graph: OpGraph,
+                 groups: dict[tuple, list[int]] | None = None) -> list[int]:
+    """The solve graph's layer that prices each layer of a graph whose layers have these plain ``signatures``: the
+    middle one of the solve graph's layers with that structure (:attr:`OpMap.layer_map`). Raises LookupError for a
+    signature the solve graph has no layer of. A graph's signatures may come from its trace or, for a deep zoo
+    model, from the pattern of two shallow copies (:mod:`autopar_lab.pricing.deepmap`)."""
+    by_sig = signature_groups(solve_graph) if groups is None else groups
+    out = []
+    for k, sig in enumerate(signatures):
+        ks = by_sig.get(sig)
+        if not ks:
+            raise LookupError(f"layer {k} has no counterpart in the solve graph")
+        out.append(ks[len(ks) // 2])
+    return out
+
+
 class OpMap:
     """Full graph <-> solve graph, for operators and for layers.
 
     ``layer_map[k]``: the solve graph's layer that prices full-graph layer ``k`` (the middle one of the copy's
-    layers with its structure). Raises LookupError when some layer of the full graph has no counterpart.
+    layers with its structure). Raises LookupError when some layer of the full graph has no counterpart. A
+    ``layer_map`` given is taken as is (a deep zoo model's, derived from two shallow copies without reading the full
+    graph, :mod:`autopar_lab.pricing.deepmap`): the full graph is then read only for operator lookups.
 
     >>> import autopar_lab as al
     >>> deep = al.models.get("gpt-tiny", num_layers=6).trace()
@@ -66,13 +92,13 @@ class OpMap:
     True
     """
 
-    def __init__(self, graph: OpGraph, solve_graph: OpGraph | None = None):
+    def __init__(self, graph: OpGraph, solve_graph: OpGraph | None = None, layer_map: Sequence[int] | None = None):
         self.graph = graph
         self.solve_graph = solve_graph if solve_graph is not None else graph
         self.full_layer_names = _names(graph)
         self.solve_layer_names = _names(self.solve_graph)
         self._by_sig: dict[tuple, list[int]] = {}
-        self.layer_map = self._layer_map()
+        self.layer_map = self._layer_map(layer_map)
         self._to_solve: dict[int, int] | None = None
         self._place: dict[int, tuple[int, int]] | None = None  # solve op -> (its layer, its place in the layer)
         self._solve_ops: list[list[int]] = []  # per solve layer, its operators (layered ones only)
@@ -85,19 +111,14 @@ class OpMap:
         """True when the plan was solved on the full graph itself."""
         return self.solve_graph is self.graph
 
-    def _layer_map(self) -> list[int]:
+    def _layer_map(self, given: Sequence[int] | None) -> list[int]:
         if self.is_identity:
             return list(range(len(self.full_layer_names)))
-        by_sig = self._by_sig
-        for k, name in enumerate(list(self.solve_graph.layers)):
-            by_sig.setdefault(plain_signature(self.solve_graph, name), []).append(k)
-        out = []
-        for name in self.full_layer_names:
-            ks = by_sig.get(plain_signature(self.graph, name))
-            if not ks:
-                raise LookupError(name)
-            out.append(ks[len(ks) // 2])
-        return out
+        self._by_sig = signature_groups(self.solve_graph)
+        if given is not None:
+            return [int(k) for k in given]
+        return layer_map_of([plain_signature(self.graph, name) for name in self.full_layer_names], self.solve_graph,
+                            self._by_sig)
 
     # --- layers ---------------------------------------------------------------------------------------------------
     def solve_layer(self, full_layer: int) -> int:

@@ -26,16 +26,19 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..deprecation import renamed_keywords
+from ..graph.capture import DeferredGraph
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
 from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
 from ..solve.intra import IntraPlan, StrategyCache
+from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import LEAN, MeshPool, default_workers, mesh_key, plan_from_choice, solve_in_workers, solve_one
+from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_in_workers,
+                         solve_one)
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -79,6 +82,9 @@ def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple
     return out
 
 
+#: How :meth:`CostTable.build` gets a deep zoo model's graph: "auto" (derived from shallow copies where they
+#: follow the pattern, :mod:`~autopar_lab.pricing.deepmap`, the full graph traced when first read), "full" (traced).
+TRACE_MODES = ("auto", "full")
 #: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "auto" (full up
 #: to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above).
 SPACES = ("auto", "full", "divisors")
@@ -119,18 +125,38 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
 
 
+def is_deep_zoo_model(model) -> bool:
+    """A zoo model with more than 4 repeated layers (not a WResNet): planned on shallower copies of itself."""
+    cfg = getattr(model, "config", None)
+    return cfg is not None and hasattr(cfg, "num_layers") and cfg.num_layers > 4 and \
+        getattr(model, "family", "") != "wresnet"
+
+
+def shallow_copy(model, num_layers: int):
+    """The zoo model ``model`` (a ModelSpec) with ``num_layers`` layers and every other setting kept."""
+    from .. import models  # the zoo (and JAX models) load only when a zoo model is planned
+
+    cfg = model.config
+    overrides = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "num_layers"}
+    return models.get(model.name, num_layers=num_layers, **overrides)
+
+
 def solve_graph_for(model) -> OpGraph | None:
     """A shallower copy of a zoo model whose layers cover every distinct layer of the full model (None when the
     model is not a deep zoo model: it is then solved on its own graph)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "num_layers") or cfg.num_layers <= 4 or \
-            getattr(model, "family", "") == "wresnet":
+    if not is_deep_zoo_model(model):
         return None
-    from .. import models  # the zoo (and JAX models) load only when a zoo model is planned
+    return shallow_copy(model, SHALLOW).trace()
 
-    overrides = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "num_layers"}
-    small = models.get(model.name, num_layers=4, **overrides)
-    return small.trace()
+
+def deferred_graph(model, small: OpGraph) -> tuple[OpGraph, DeepMap | None]:
+    """(the full graph of the deep zoo model ``model`` as a :class:`DeferredGraph`, its :class:`DeepMap`) when its
+    layer names, layer map and cut bytes can be derived from ``small`` (its 4-layer copy) and its 6-layer copy
+    (:func:`~autopar_lab.pricing.deepmap.derive`); else (its full trace, None)."""
+    deep = derive(model.config.num_layers, small, lambda: shallow_copy(model, DEEPER).trace())
+    if deep is None:
+        return model.trace(), None
+    return DeferredGraph(model.trace, name=model.name, layers=deep.layer_names), deep
 
 
 def as_graph(model) -> tuple[OpGraph, Any, float]:
@@ -154,7 +180,7 @@ class CostTable:
     @renamed_keywords(progress="on_progress")
     def __init__(self, graph: OpGraph, cluster: Cluster, *, solve_graph: OpGraph | None = None,
                  solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None, space: str = "auto",
-                 lean: str = "auto"):
+                 lean: str = "auto", deep: DeepMap | None = None):
         if space not in SPACES:
             raise ValueError(f"space must be one of {SPACES}, got {space!r}")
         if lean not in LEAN_MODES:
@@ -163,16 +189,21 @@ class CostTable:
         self.graph = graph
         self.cluster = cluster
         self.space = space
-        self.layer_names = list(graph.layers) or [""]
         self.solve_graph = solve_graph or graph
+        if deep is not None and solve_graph is None:
+            raise ValueError("deep= goes with the solve graph it was derived from (solve_graph=)")
+        # A deep zoo model's names, layer map and cut bytes derived from its shallow copies (``deep``): its full
+        # graph is not read here, and may be a DeferredGraph not traced yet.
+        self.layer_names = list(deep.layer_names) if deep is not None else list(graph.layers) or [""]
         # Every operator's part in its kernel, before any strategy is priced (a plan file re-priced from this
         # table's graph prices its operators in their kernels too).
         attach_kernel_roles(self.solve_graph)
         self.solver = solver
         self.on_progress = on_progress
-        self.op_map = OpMap(graph, self.solve_graph)  # raises LookupError when a layer has no counterpart
-        self.cut_bytes = cut_bytes(graph, self.layer_names)
-        self.batch_size = batch_size(graph)
+        # raises LookupError when a layer has no counterpart
+        self.op_map = OpMap(graph, self.solve_graph, layer_map=None if deep is None else deep.layer_map)
+        self.cut_bytes = cut_bytes(graph, self.layer_names) if deep is None else list(deep.cut_bytes)
+        self.batch_size = batch_size(graph if deep is None else self.solve_graph)  # a copy keeps the batch
         self.solve_s = 0.0  # seconds spent in intra-op ILPs so far
         self.trace_s = 0.0  # seconds :meth:`build` spent tracing (0 for a table made from graphs)
         self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan | None]] = {}
@@ -187,61 +218,67 @@ class CostTable:
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
               on_progress: ProgressFn | None = None, space: str = "auto", workers: int = 0,
-              lean: str = "auto") -> CostTable:
+              lean: str = "auto", trace: str = "auto") -> CostTable:
         """The table of a zoo ModelSpec (traced; a deep one solved on its shallower copy) or of an OpGraph.
-        ``trace_s`` holds the seconds spent tracing and choosing the copy. No ILP runs until a mesh is priced,
-        unless ``workers`` (> 1) is given: a deep zoo model's shallow copy is then traced first and that many worker
-        processes start solving every planned mesh (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on)
-        while the full model is traced; :meth:`solve_meshes` (or the first mesh priced) collects them, with the same
-        numbers as solving them then. ``lean``: see the class."""
+        ``trace_s`` holds the seconds spent tracing and choosing the copy. A deep zoo model's full graph is not
+        traced here with ``trace="auto"``: its layer names, layer map and cut bytes come from its 4- and 6-layer
+        copies (:mod:`~autopar_lab.pricing.deepmap`, checked, else the full trace) and ``graph`` is a
+        :class:`~autopar_lab.graph.capture.DeferredGraph` traced when first read; ``trace="full"`` traces it here.
+        No ILP runs until a mesh is priced, unless ``workers`` (> 1) is given: a deep zoo model's shallow copy is
+        then traced first and that many worker processes start solving every planned mesh
+        (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on) while the rest is traced; :meth:`solve_meshes`
+        (or the first mesh priced) collects them, with the same numbers as solving them then. ``lean``: see the
+        class."""
         if lean not in LEAN_MODES:
             raise ValueError(f"lean must be one of {LEAN_MODES}, got {lean!r}")
-        if workers > 1 and not isinstance(model, OpGraph):
-            t0 = time.perf_counter()
-            small = solve_graph_for(model)
-            if small is not None:
-                ahead = cls._build_ahead(model, small, time.perf_counter() - t0, cluster, solver=solver,
-                                         on_progress=on_progress, space=space, workers=workers)
-                ahead.lean = lean
-                return ahead
-        graph, spec, trace_s = as_graph(model)
+        if trace not in TRACE_MODES:
+            raise ValueError(f"trace must be one of {TRACE_MODES}, got {trace!r}")
+        kw: dict[str, Any] = dict(solver=solver, on_progress=on_progress, space=space)
         t0 = time.perf_counter()
-        small = solve_graph_for(spec) if spec is not None else None
-        try:
-            table = cls(graph, cluster, solve_graph=small, solver=solver, on_progress=on_progress, space=space)
-        except LookupError:  # the copy lacks some layer's structure: solve the full graph
-            table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
-        table.trace_s = trace_s + (time.perf_counter() - t0)
+        if isinstance(model, OpGraph) or not is_deep_zoo_model(model):
+            graph, _, trace_s = as_graph(model)
+            t0 = time.perf_counter() - trace_s
+            table = cls(graph, cluster, **kw)
+        else:
+            small = solve_graph_for(model)
+            assert small is not None
+            pool = cls._start_pool(small, cluster, solver, space, workers) if workers > 1 else None
+            try:
+                graph, deep = deferred_graph(model, small) if trace == "auto" else (model.trace(), None)
+                table, fell_back = cls._with_copy(graph, small, deep, cluster, kw)
+            except BaseException:
+                if pool is not None:
+                    pool.close()
+                raise
+            if fell_back and pool is not None:  # the pool solves the copy's meshes, which the table does not use
+                pool.close()
+                pool = None
+            table._ahead = pool
+        table.trace_s = time.perf_counter() - t0
         table.lean = lean
         return table
 
     @classmethod
-    def _build_ahead(cls, spec, small: OpGraph, small_s: float, cluster: Cluster, *, solver, on_progress, space,
-                     workers) -> CostTable:
-        """:meth:`build` with the shallow copy's ILPs started in workers before the full model is traced."""
-        pool = None
+    def _with_copy(cls, graph: OpGraph, small: OpGraph, deep: DeepMap | None, cluster: Cluster,
+                   kw: dict) -> tuple[CostTable, bool]:
+        """(the table of ``graph`` solved on its copy ``small``, False), or (solved on ``graph`` itself, True) when
+        the copy lacks some layer's structure."""
+        try:
+            return cls(graph, cluster, solve_graph=small, deep=deep, **kw), False
+        except LookupError:
+            if isinstance(graph, DeferredGraph):
+                graph.materialize()
+            return cls(graph, cluster, **kw), True
+
+    @staticmethod
+    def _start_pool(small: OpGraph, cluster: Cluster, solver: str, space: str, workers: int) -> MeshPool | None:
+        """Worker processes solving every planned mesh of the copy ``small`` (None below ``POOL_MIN_MESHES``)."""
         keys = [(sub, shape) for sub in planning_submeshes(cluster, batch_size(small), space)
                 for shape in distinct_mesh_shapes(cluster, sub)]
-        if len(keys) >= POOL_MIN_MESHES:
-            keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
-            pool = MeshPool(small, cluster, solver, keys, workers)
-        try:
-            graph, _, trace_s = as_graph(spec)
-            t0 = time.perf_counter()
-            try:
-                table = cls(graph, cluster, solve_graph=small, solver=solver, on_progress=on_progress, space=space)
-            except LookupError:  # the copy lacks some layer's structure: solve the full graph (the pool's is moot)
-                table = cls(graph, cluster, solver=solver, on_progress=on_progress, space=space)
-                if pool is not None:
-                    pool.close()
-                    pool = None
-        except BaseException:
-            if pool is not None:
-                pool.close()
-            raise
-        table._ahead = pool
-        table.trace_s = small_s + trace_s + (time.perf_counter() - t0)
-        return table
+        if len(keys) < POOL_MIN_MESHES:
+            return None
+        keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
+        return MeshPool(small, cluster, solver, keys, workers)
 
     def collect(self) -> int:
         """Collect the meshes that :meth:`build`'s workers solve (waiting for them; ``on_progress`` sees each with
@@ -296,8 +333,9 @@ class CostTable:
             self.solve_s += time.perf_counter() - t0
             self._report(key, len(self._mesh), 0)
         costs, stored = self._mesh[key]
-        if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices
-            stored = plan_from_choice(self.solve_graph, self.cluster, key, self._choices[key])
+        if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices,
+            # rebuilt when first read (most payloads are not)
+            stored = DeferredIntraPlan(self.solve_graph, self.cluster, key, self._choices[key])
             self._mesh[key] = (costs, stored)
         return costs, stored
 
@@ -520,6 +558,24 @@ class CostTable:
         return StageCandidates(self, microbatches, mem_limit_bytes)
 
 
+def pareto_mask(fields: Sequence[np.ndarray]) -> np.ndarray:
+    """``keep[k, p]``: option k is Pareto-optimal at position p over ``fields`` (each (K, P), lower is better),
+    as :func:`~autopar_lab.pricing.stage.pareto` decides: an option no worse on every field than another, and
+    better on one or equal on all and later, is dropped. One option against all at a time: (K, P) temporaries
+    rather than (K, K, P), a quarter faster for the 1T table's blocks."""
+    K = fields[0].shape[0]
+    dominated = np.zeros(fields[0].shape, dtype=bool)
+    later = np.arange(K)[:, None]
+    for j in range(K):
+        le = np.ones_like(dominated)  # option j is <= option i on every field
+        eq = np.ones_like(dominated)
+        for v in fields:
+            le &= v[j] <= v
+            eq &= v[j] == v
+        dominated |= le & (~eq | (later > j)) & (later != j)
+    return ~dominated
+
+
 class StageCandidates:
     """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
     ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
@@ -571,16 +627,9 @@ class StageBlock:
             for out, v in zip(fields, costs):
                 out.append(np.where(upper, np.broadcast_to(v, (L, L)), np.inf))
         keys = [np.stack(f) for f in fields]  # (K, L, L) each
-        K = len(self.options)
-        le = np.ones((K, K, L, L), dtype=bool)  # [j, i]: option j is <= option i on every count
-        eq = np.ones((K, K, L, L), dtype=bool)
-        for v in keys:
-            le &= v[:, None] <= v[None, :]
-            eq &= v[:, None] == v[None, :]
-        j_before_i = np.tril(np.ones((K, K), dtype=bool), -1).T[:, :, None, None]  # j < i
-        not_self = ~np.eye(K, dtype=bool)[:, :, None, None]
-        dominated = (le & (~eq | j_before_i) & not_self).any(axis=0)
-        keep = ~dominated & upper[None]
+        keep = np.zeros(keys[0].shape, dtype=bool)
+        starts, ends = np.nonzero(upper)
+        keep[:, starts, ends] = pareto_mask([v[:, starts, ends] for v in keys])
         if mem_limit_bytes is not None:
             keep &= keys[2] + keys[3] <= mem_limit_bytes
         self.keys, self.keep = keys, keep
