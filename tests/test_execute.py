@@ -17,6 +17,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.runtime.partition import split_stages
+from reference import one_device_training
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
 
@@ -250,12 +251,7 @@ def test_any_model_with_scopes_or_markers(cluster, marked):
     ints = [n for n in sm.inputs(1, "fwd") if "int" in sm.value_dtype(n)]
     assert len(ints) == 1 and sm.producer(ints[0]) == (0, "fwd")
     losses = runner.train(2)
-    params, opt_state, _ = spec.init(0)
-    step = jax.jit(spec.step_fn, compiler_options=FAST)
-    ref = []
-    for i in range(2):
-        params, opt_state, loss = step(params, opt_state, spec.init(i)[2])
-        ref.append(float(loss))
+    ref, _ = one_device_training(spec, 2, compiler_options=FAST)
     _close(losses, ref)
 
 
@@ -298,14 +294,9 @@ def test_global_norm_clipping_runs_locally_and_in_stage_workers(cluster):
     runner = al.execute(plan, spec, compiler_options=FAST)
     assert runner.staged.update_crosses_stages  # the clip reads across the cut
     losses = runner.train(STEPS)
-    step = jax.jit(spec.step_fn, compiler_options=FAST)
-    args, ref = list(spec.init(0)), []
-    for i in range(STEPS):
-        args[2] = spec.init(i)[2]
-        args[0], args[1], loss = step(*args)
-        ref.append(float(loss))
+    ref, ref_params = one_device_training(spec, STEPS, compiler_options=FAST)
     _close(losses, ref)
-    for a, b in zip(jax.tree_util.tree_leaves(runner.params), jax.tree_util.tree_leaves(args[0])):
+    for a, b in zip(jax.tree_util.tree_leaves(runner.params), jax.tree_util.tree_leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
     class Now:  # a worker behind Ray's call syntax, run at once
@@ -330,10 +321,5 @@ def test_deep_model_two_stages_trains_like_one_device(cluster):
     plan = al.megatron_plan(deep, cluster, dp=2, tp=2, pp=2, microbatches=2)
     assert [st.layers for st in plan.stages] == [(0, 12), (13, 25)]
     losses = al.execute(plan, deep, compiler_options=FAST).train(2)
-    step = jax.jit(deep.step_fn, compiler_options=FAST)
-    params, opt_state, _ = deep.init(0)
-    ref = []
-    for i in range(2):
-        params, opt_state, loss = step(params, opt_state, deep.init(i)[2])
-        ref.append(float(loss))
+    ref, _ = one_device_training(deep, 2, compiler_options=FAST)
     _close(losses, ref)

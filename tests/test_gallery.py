@@ -24,6 +24,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import autopar_lab as al  # noqa: E402
+from reference import one_device_training  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}  # compiles several times faster on CPU; the same numbers in both runs
 STEPS = 3
@@ -342,13 +343,7 @@ def test_two_stage_pipeline_trains_like_one_device(name, graphs):
     runner = al.execute(plan, spec, compiler_options=FAST)
     assert runner.mode == "pipeline"
     losses = runner.train(STEPS)
-    step = jax.jit(spec.step_fn, compiler_options=FAST)
-    args = list(jax.device_put(spec.init(0), jax.devices()[0]))
-    ref = []
-    for i in range(STEPS):
-        args[2] = jax.device_put(spec.init(i)[2], jax.devices()[0])
-        args[0], args[1], loss = step(*args)
-        ref.append(float(loss))
+    ref, _ = one_device_training(spec, STEPS, compiler_options=FAST, device=jax.devices()[0])
     # (steps 2 and 3 run on parameters the pipeline updated: a step that lost an update would differ here)
     np.testing.assert_allclose(losses, ref, rtol=1e-5, atol=0)
 
