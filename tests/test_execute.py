@@ -144,6 +144,31 @@ def test_tied_weight_gradient_sums_both_uses(model, plan2):
     assert float(jnp.max(jnp.abs(mu_ref[0]))) > 0
 
 
+def test_stage_programs_run_the_plans_shardings(model, plan2):
+    """Every value a stage program makes is laid out as the plan's strategy for its operator says (the plan priced
+    those collectives), not as XLA would propagate from the stage's inputs: a Megatron plan stores the batch and the
+    qkv weights replicated and slices them at their first use (free in the plan); left to propagate from the inputs,
+    XLA kept the batch whole on every data-parallel device and split the hidden axis instead (bench_execute's
+    dp2 tp2 pp2 plan: 3x the plan's collectives a microbatch, the compute repeated on both data-parallel rows)."""
+    sm = split_stages(model, plan2, compiler_options=FAST)
+    g = plan2.graph
+    pinned = sm.op_shardings(0)
+    assert len(pinned) > 100  # the stage's forward, backward and update operators
+    mb = sm.split_batch(model.init(0)[2])[0]
+    res = sm.run_task(0, "fwd", sm.init_state(0, 0), {}, mb)
+    checked = split = 0
+    for name, v in {**res.exports, **res.acc, **{f"%{t}": x for t, x in res.stash.items()}}.items():
+        if not name.startswith("%"):
+            continue  # a step input passed on (the tied embedding): stored as the plan stores it
+        t = int(name[1:])
+        op = g.tensor(t).producer
+        want = pinned[op][0][g.op(op).outputs.index(t)]
+        assert want is not None and v.sharding.is_equivalent_to(want, v.ndim), (name, v.sharding, want)
+        checked += 1
+        split += not v.sharding.is_fully_replicated
+    assert checked > 10 and split > 0
+
+
 def test_remat_stage_recomputes_its_forward_in_the_backward(model, plan2):
     """A stage the plan rematerialises keeps nothing for its backward (the backward task runs the forward operators
     it needs again) and trains to the same numbers as one that keeps its activations."""

@@ -789,16 +789,64 @@ class StagedModel:
                                                                       self.mesh(k), ops=ops)
         return self._compiled[key]
 
-    def _run_ops(self, ops, env: dict, binds: dict | None = None) -> dict:
+    def op_shardings(self, k: int) -> dict[int, tuple]:
+        """Operator -> ``(output shardings, operand shardings or None)`` in stage k's programs: the plan's strategy
+        of each operator stage k runs, on its mesh (operands: a contraction's, as the strategy reads them). A spec
+        that does not divide this microbatch's shapes is None there (XLA chooses), like an operator without one.
+
+        The programs pin every value to these, as the one-stage replay does: the plan priced these shardings, and
+        XLA left to propagate from the inputs alone can pick others (a plan that stores a weight replicated and
+        slices it at its matmul, free in the plan, left XLA replicating the batch and splitting the hidden axis:
+        4x the priced collectives and compute repeated over the data-parallel axis)."""
+        key = ("opsh", self._check(k))
+        if key in self._compiled:
+            return self._compiled[key]
+        from ..export import strategy_lookup
+
+        out: dict[int, tuple] = {}
+        intra = self.plan.stages[k].intra
+        if intra is not None:
+            g, mesh = self._g, self.mesh(k)
+            mshape = tuple(mesh.devices.shape)
+            lookup = strategy_lookup(self.plan, intra)
+
+            def named(spec, shape):
+                shape = tuple(shape)
+                if spec is None or spec.rank != len(shape) or not spec.is_valid(shape, mshape):
+                    return None
+                return NamedSharding(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
+
+            ops = {i for kd in self.kinds for i in self._tasks[(k, kd)].ops} | set(self._update[k]["ops"])
+            for i in sorted(ops):
+                s = lookup(i)
+                if s is None:
+                    continue
+                node = g.op(i)
+                outs = tuple(named(sp, shape) for sp, shape in zip(s.out_specs, node.out_shapes))
+                operands = None
+                if node.primitive in ("dot_general", "conv_general_dilated") and s.in_specs:
+                    operands = tuple(named(sp, g.tensor(t).shape) for sp, t in zip(s.in_specs, node.inputs))
+                if any(outs) or (operands and any(operands)):
+                    out[i] = (outs, operands)
+        self._compiled[key] = out
+        return out
+
+    def _run_ops(self, ops, env: dict, binds: dict | None = None, shardings: dict | None = None) -> dict:
         g, fns, consts = self._g, self._prog.fns, self._prog.consts
-        binds = binds or {}
+        binds, shardings = binds or {}, shardings or {}
+        pin = jax.lax.with_sharding_constraint
         for i in ops:
             node = g.op(i)
             vals = [env[t] if t in env else consts[t] for t in node.inputs]
+            outs_sh, operands_sh = shardings.get(i, ((), None))
+            if operands_sh:  # a contraction runs on the operand shards its strategy reads (its reshards, not XLA's)
+                vals = [pin(v, sh) if sh is not None and hasattr(v, "shape") else v for v, sh in zip(vals, operands_sh)]
             if i in binds:  # a ring-attention matmul: its ring, with the operator's own parameters
                 outs = [binds[i](*vals, **self._prog.bind_params(i))]
             else:
                 outs = fns[i](*vals)
+            if outs_sh:
+                outs = [pin(o, sh) if sh is not None and hasattr(o, "shape") else o for o, sh in zip(outs, outs_sh)]
             env.update(zip(node.outputs, outs))
         return env
 
@@ -810,10 +858,10 @@ class StagedModel:
         ins = list(task.state_in) + list(task.recv) + list(task.stash_in) + list(task.batch_in)
         exports, stash, acc = sorted(task.exports), sorted(task.stash_out), sorted(task.acc_out)
         consts = self._prog.consts
-        binds = self.ring_ops(k)
+        binds, shardings = self.ring_ops(k), self.op_shardings(k)
 
         def run(*vals):
-            env = self._run_ops(task.ops, dict(zip(ins, vals)), binds)
+            env = self._run_ops(task.ops, dict(zip(ins, vals)), binds, shardings)
             pick = lambda ts: tuple(env[t] if t in env else consts[t] for t in ts)  # noqa: E731
             return pick(exports), pick(stash), pick(acc)
 
@@ -905,13 +953,14 @@ class StagedModel:
             if alias is not None:
                 new_of[alias] = g.op(o).inputs[0]
         results = [o for o in info["targets"] if g.op(o).params.get("alias_of") is None]
+        shardings = self.op_shardings(k)
 
         def run(*vals):
             env = {}
             for t, v in zip(ins, vals):
                 # the update sees the mean over the microbatches of what the forward and backward made
                 env[t] = v / M if t in acc_set and _inexact(v.dtype) and M > 1 else v
-            env = self._run_ops(info["ops"], env)
+            env = self._run_ops(info["ops"], env, shardings=shardings)
             val = lambda t: env[t] if t in env else consts[t]  # noqa: E731
             new_state = tuple(val(new_of[t]) if t in new_of else val(t) for t in held)
             return new_state, tuple(val(g.op(o).inputs[0]) for o in results)
