@@ -149,7 +149,7 @@ def test_stage_programs_run_the_plans_shardings(model, plan2):
     those collectives), not as XLA would propagate from the stage's inputs: a Megatron plan stores the batch and the
     qkv weights replicated and slices them at their first use (free in the plan); left to propagate from the inputs,
     XLA kept the batch whole on every data-parallel device and split the hidden axis instead (bench_execute's
-    dp2 tp2 pp2 plan: 3x the plan's collectives a microbatch, the compute repeated on both data-parallel rows)."""
+    dp2 tp2 pp2 plan: 2.4-4.2x the plan's collectives a microbatch, the compute repeated on both data-parallel rows)."""
     sm = split_stages(model, plan2, compiler_options=FAST)
     g = plan2.graph
     pinned = sm.op_shardings(0)

@@ -29,6 +29,11 @@ owner's forward task, per microbatch, and the step's own backward sums the gradi
 the update reads (Adam's step count) is held by every stage whose update reads it, each updating its copy the same
 way. Batch leaves are split along their leading axis into the plan's microbatches.
 
+Shardings: every operator a stage program runs (forward, backward, update) has its outputs, and a contraction its
+operands, pinned to the plan's strategy for it on the stage's mesh (:meth:`StagedModel.op_shardings`), as the
+one-stage replay pins them: the programs run the collectives the plan priced, not ones XLA propagates from the
+stage's inputs.
+
 Tasks: ``(stage, "fwd")`` and ``(stage, "bwd")`` per microbatch, then ``update`` per stage. :meth:`StagedModel.sources`
 says which tasks of the same microbatch a task reads from; values that cross stages are *exports* (named
 ``"args[0]['wte']"`` for a step input, ``"%123"`` for the value of tensor 123); what a stage keeps for itself stays
@@ -797,7 +802,7 @@ class StagedModel:
         The programs pin every value to these, as the one-stage replay does: the plan priced these shardings, and
         XLA left to propagate from the inputs alone can pick others (a plan that stores a weight replicated and
         slices it at its matmul, free in the plan, left XLA replicating the batch and splitting the hidden axis:
-        4x the priced collectives and compute repeated over the data-parallel axis)."""
+        2.4-4.2x the priced collectives, and the compute repeated over the data-parallel axis)."""
         key = ("opsh", self._check(k))
         if key in self._compiled:
             return self._compiled[key]
