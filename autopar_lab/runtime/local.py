@@ -3,15 +3,16 @@
 :func:`execute` returns a :class:`Runner`. Two ways to run a step:
 
 - **pipeline** (any plan with several stages, or one stage with several microbatches): the model's own training step
-  is cut into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), whatever made the plan's
-  layers, each stage's pieces jitted on a mesh of its own devices. One step splits the batch into microbatches and
-  drives every stage's task list in the plan's schedule order (:func:`autopar_lab.simulate.task_order`: GPipe,
-  1F1B, interleaved or ZB-H1) from one thread: a task runs as soon as what it needs is there (activations of
-  earlier stages for a forward, gradients of later stages for a backward), values move between stage meshes with
-  ``jax.device_put``, a forward keeps what its backward reads (no recomputation, unless the plan rematerialises the
-  stage), gradients are summed over microbatches, and then each stage runs the step's own update for its
-  parameters. An interleaved plan runs each of its chunks as a stage of its own on its plan stage's devices; a
-  ZB-H1 plan runs each backward as two tasks, B and then, where the schedule puts it, the weight gradients W.
+  is cut into the plan's stages (:func:`autopar_lab.runtime.partition.split_stages`), whatever made the plan's layers,
+  each stage's pieces jitted on a mesh of its own devices with every operator pinned to the plan's sharding. One step
+  splits the batch into microbatches and drives every stage's task list in the plan's schedule order
+  (:func:`autopar_lab.simulate.task_order`: GPipe, 1F1B, interleaved or ZB-H1) from one thread: a task runs as soon as
+  what it needs is there (activations of earlier stages for a forward, gradients of later stages for a backward),
+  values move between stage meshes with ``jax.device_put``, a forward keeps what its backward reads (no recomputation,
+  unless the plan rematerialises the stage), gradients are summed over microbatches, and then each stage runs the
+  step's own update for its parameters. An interleaved plan runs each of its chunks as a stage of its own on its plan
+  stage's devices; a ZB-H1 plan runs each backward as two tasks, B and then, where the schedule puts it, the weight
+  gradients W.
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
