@@ -269,21 +269,20 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
     intra_before = table.solve_s
-    table.solve_meshes(workers=workers)  # every mesh the DP prices, side by side where cores allow
+    choices = microbatch_choices(table.batch_size, microbatches)
+    # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
+    # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
+    table.solve_planned(mem, max(choices), workers=workers)
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     if schedule == "interleaved":
         kw["virtual_stages"] = v
     elif schedule == "zb-h1":
         kw["wgrad_share"] = wgrad_share(table)
-    choices = microbatch_choices(table.batch_size, microbatches)
-    # Memory-lean solutions (ZeRO-3 / FSDP storage) beside the fast ones, where the fast one cannot hold a layer;
-    # on every mesh when nothing fits without them (CostTable.lean_meshes).
-    table.solve_lean(table.lean_meshes(mem, max(choices)), workers=workers)
     grid = layer_grid(len(table.layer_names))
     try:
         result = search_microbatches(table, cluster, choices, grid=grid, **kw)
-    except inter.NoFeasiblePlanError:
+    except inter.NoFeasiblePlanError:  # lean solutions on every mesh when nothing fits without them
         if table.lean != "auto" or not table.solve_lean(workers=workers):
             raise
         result = search_microbatches(table, cluster, choices, grid=grid, **kw)
