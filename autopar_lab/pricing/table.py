@@ -662,14 +662,15 @@ class StageBlock:
         upper = np.triu(np.ones((L, L), dtype=bool))  # start <= end
         entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L]  # bytes entering layer a
         task = table.task_overhead_s(submesh)
-        fields: list[list[np.ndarray]] = [[], [], [], []]
-        for shape, sol, r in self.options:
-            sums = table.prefix_arrays(submesh, shape, sol)
-            totals = {f: v[None, 1:] - v[:-1, None] for f, v in sums.items()}  # [a, b] = sums[b + 1] - sums[a]
+        keys = [np.full((len(self.options), L, L), np.inf) for _ in range(4)]  # (K, L, L) each
+        totals: dict[str, np.ndarray] = {}
+        for k, (shape, sol, r) in enumerate(self.options):
+            if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
+                sums = table.prefix_arrays(submesh, shape, sol)
+                totals = {f: v[None, 1:] - v[:-1, None] for f, v in sums.items()}  # [a, b] = sums[b+1] - sums[a]
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task)
-            for out, v in zip(fields, costs):
-                out.append(np.where(upper, np.broadcast_to(v, (L, L)), np.inf))
-        keys = [np.stack(f) for f in fields]  # (K, L, L) each
+            for out, v in zip(keys, costs):
+                np.copyto(out[k], np.broadcast_to(v, (L, L)), where=upper)
         keep = np.zeros(keys[0].shape, dtype=bool)
         starts, ends = np.nonzero(upper)
         # Fitting is closed upwards under dominance (less static and activation memory sums to less, rounding
