@@ -141,6 +141,9 @@ class _Coarse:
         b = self.fine.block(submesh)
         if b is None:
             return None
+        if np.array_equal(getattr(b, "starts", None), self.starts) and np.array_equal(getattr(b, "ends", None),
+                                                                                      self.ends):
+            return b  # priced on the grid already (CostTable.candidate_fn(grid=...)): its make takes positions
         ix = np.ix_(np.arange(b.usable.shape[0]), self.starts, self.ends)
         starts, ends = self.starts, self.ends
         return inter.CandidateBlock(b.fwd_s[ix], b.bwd_s[ix], b.static_bytes[ix], b.act_bytes[ix], b.usable[ix],
@@ -173,6 +176,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         starts = list(grid)
         ends = [b - 1 for b in starts[1:]] + [L - 1]
         fine, L = make, len(starts)
+        if candidates is None:  # the table's blocks priced on the grid only (the same numbers there)
+            fine = lambda B, m: table.candidate_fn(B, m, grid=(starts, ends))  # noqa: E731
         cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
         make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
     mem = kw.get("mem_limit_bytes")

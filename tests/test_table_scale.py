@@ -102,6 +102,8 @@ def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
 def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
     """The coarse DP (blocks of layers, arrays cut from the fine ones) finds what the plain DP finds when only cuts on
     the grid are allowed: same latency, same stages."""
+    import numpy as np
+
     from autopar_lab import planner
     from autopar_lab.solve import inter
 
@@ -126,6 +128,17 @@ def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in plain.stages]
     assert planner.layer_grid(L) == list(range(L))  # at most 66 layers: every cut
     assert isinstance(coarse, inter.InterResult)
+    # The blocks priced on the grid hold the full blocks' numbers at the grid's ranges, to the bit.
+    rows, cols = sorted(starts), sorted(ends)
+    for B, mem in ((choices[-1], kw["mem_limit_bytes"]), (1, None)):
+        on_grid, full = table.candidate_fn(B, mem, grid=(rows, cols)), table.candidate_fn(B, mem)
+        for sub in table.submeshes():
+            g, f = on_grid.block(sub), full.block(sub)
+            ix = np.ix_(np.arange(len(f.options)), rows, cols)
+            for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "usable"):
+                assert np.array_equal(getattr(g, name), getattr(f, name)[ix])
+            a, b = rows[1], cols[-1]
+            assert [(c.layers, c.fwd_s) for c in on_grid(a, b, sub)] == [(c.layers, c.fwd_s) for c in full(a, b, sub)]
 
 
 def _link_by_counting(mesh, axis):

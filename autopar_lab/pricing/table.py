@@ -572,14 +572,17 @@ class CostTable:
         return pareto(cands)
 
     @renamed_keywords(mem_limit="mem_limit_bytes")
-    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None) -> StageCandidates:
+    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None, *,
+                     grid: tuple[Sequence[int], Sequence[int]] | None = None) -> StageCandidates:
         """``candidates`` for one microbatch count as the stage DP calls it, ``(start, end, submesh)``, computed
         for all layer ranges of a submesh at once with numpy; with ``mem_limit_bytes``, candidates that cannot fit
         even holding one microbatch are left out (the DP could never use them). Same candidates, same order, same
         numbers as :meth:`candidates` otherwise. The object returned also hands the DP each submesh's arrays
         (``block(submesh)``, a :class:`StageBlock`), so the DP reads them without building a candidate per range.
+        ``grid``: (first layers, last layers): only the ranges from one of the first to one of the last layers
+        (a layer grid's blocks, see ``planner.layer_grid``), the blocks' arrays indexed by their positions there.
         """
-        return StageCandidates(self, microbatches, mem_limit_bytes)
+        return StageCandidates(self, microbatches, mem_limit_bytes, grid)
 
 
 def pareto_mask(fields: Sequence[np.ndarray], alive: np.ndarray | None = None) -> np.ndarray:
@@ -623,8 +626,10 @@ class StageCandidates:
     """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
     ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
 
-    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None):
+    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None,
+                 grid: tuple[Sequence[int], Sequence[int]] | None = None):
         self.table, self.microbatches, self.mem_limit_bytes = table, microbatches, mem_limit_bytes
+        self.grid = grid
         self._blocks: dict[tuple, StageBlock] = {}
 
     def block(self, submesh) -> StageBlock | None:
@@ -633,7 +638,7 @@ class StageCandidates:
         if sub not in self.table.submeshes():
             return None
         if sub not in self._blocks:
-            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes)
+            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes, grid=self.grid)
         return self._blocks[sub]
 
     def __call__(self, start: int, end: int, submesh) -> list[StageCandidate]:
@@ -650,27 +655,34 @@ class StageBlock:
     ``keep[k, a, b]``: the option is Pareto-optimal there (as :func:`pareto` decides, ties to the first) and, when
     a memory limit is given, fits in it while holding one microbatch (a candidate that cannot is never usable: a
     stage holds at least one microbatch and its memory only grows with more).
+
+    ``grid``: (first layers, last layers) of the ranges priced, ``a`` and ``b`` then index them (``starts``,
+    ``ends``; default every layer): a deep model's layer grid prices only its blocks' ranges, with the same numbers.
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
-                 remat=REMAT_CHOICES):
+                 remat=REMAT_CHOICES, grid: tuple[Sequence[int], Sequence[int]] | None = None):
         L, B = len(table.layer_names), microbatches
         self.table = table
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
+        self.starts = np.arange(L) if grid is None else np.asarray(grid[0], dtype=np.int64)
+        self.ends = np.arange(L) if grid is None else np.asarray(grid[1], dtype=np.int64)
         self.options = [(shape, sol, r) for shape in table.mesh_shapes(submesh)
                         for sol in table.solutions(submesh, shape) for r in remat]
-        upper = np.triu(np.ones((L, L), dtype=bool))  # start <= end
-        entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L]  # bytes entering layer a
+        rows, cols = self.starts, self.ends
+        upper = rows[:, None] <= cols[None, :]  # start <= end
+        entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L][rows]  # bytes entering layer a
         task = table.task_overhead_s(submesh)
-        keys = [np.full((len(self.options), L, L), np.inf) for _ in range(4)]  # (K, L, L) each
+        dims = (len(self.options), len(rows), len(cols))
+        keys = [np.full(dims, np.inf) for _ in range(4)]  # (K, rows, cols) each
         totals: dict[str, np.ndarray] = {}
         for k, (shape, sol, r) in enumerate(self.options):
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
                 sums = table.prefix_arrays(submesh, shape, sol)
-                totals = {f: v[None, 1:] - v[:-1, None] for f, v in sums.items()}  # [a, b] = sums[b+1] - sums[a]
+                totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task)
             for out, v in zip(keys, costs):
-                np.copyto(out[k], np.broadcast_to(v, (L, L)), where=upper)
+                np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
         keep = np.zeros(keys[0].shape, dtype=bool)
         starts, ends = np.nonzero(upper)
         # Fitting is closed upwards under dominance (less static and activation memory sums to less, rounding
@@ -683,12 +695,18 @@ class StageBlock:
         self.fwd_s, self.bwd_s, self.static_bytes, self.act_bytes = keys
         self.usable = keep
 
-    def make(self, k: int, start: int, end: int) -> StageCandidate:
-        """Option k for layers start..end as a StageCandidate (its IntraPlan as the payload)."""
+    def make(self, k: int, row: int, col: int) -> StageCandidate:
+        """Option k for layers ``starts[row]..ends[col]`` (without a grid: row..col) as a StageCandidate (its
+        IntraPlan as the payload)."""
         shape, sol, r = self.options[k]
         _, plan = self.table.mesh_costs(self.submesh, shape, sol)
-        f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan, solution=sol)
+        f, b, st, a = (float(v[k, row, col]) for v in self.keys)
+        return StageCandidate((int(self.starts[row]), int(self.ends[col])), self.submesh, shape, r, f, b, st, a,
+                              payload=plan, solution=sol)
 
     def candidates(self, start: int, end: int) -> list[StageCandidate]:
-        return [self.make(int(k), start, end) for k in np.flatnonzero(self.keep[:, start, end])]
+        """The candidates for layers start..end (none for a range off the grid)."""
+        row, col = np.flatnonzero(self.starts == start), np.flatnonzero(self.ends == end)
+        if not row.size or not col.size:
+            return []
+        return [self.make(int(k), int(row[0]), int(col[0])) for k in np.flatnonzero(self.keep[:, row[0], col[0]])]
