@@ -297,3 +297,24 @@ def test_one_pool_solves_the_fast_and_then_the_lean_ilps_as_the_two_calls_do():
         for sol in ref.solutions(sub, shape):
             assert there.mesh_costs(sub, shape, sol)[0] == ref.mesh_costs(sub, shape, sol)[0]
         assert there.solutions(sub, shape) == ref.solutions(sub, shape)
+
+
+def test_the_workers_of_a_table_never_collected_stop_with_it():
+    """build's workers wait for more meshes (a lean ILP may follow a fast one) until their pool closes: a table
+    dropped without collecting them takes them down with it."""
+    import gc
+
+    import autopar_lab.pricing.table as table_module
+
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        t = CostTable.build(al.models.get("gpt-tiny", num_layers=8), SMALL, workers=2)
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    assert t._ahead is not None
+    procs = [w.proc for w in t._ahead._pool]
+    del t
+    gc.collect()
+    for p in procs:
+        p.wait(timeout=30)  # raises if a worker is still running

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -256,6 +257,8 @@ class CostTable:
                 pool.close()
                 pool = None
             table._ahead = pool
+            if pool is not None:  # its workers wait for more meshes until closed: closed with the table at the latest
+                weakref.finalize(table, pool.close)
         table.trace_s = time.perf_counter() - t0
         table.lean = lean
         return table
