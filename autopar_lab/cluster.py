@@ -981,8 +981,13 @@ class LogicalMesh:
         hosts = self._groups(axis) // self.cluster.devices_per_host
         if (hosts == hosts[:, :1]).all():
             return self.cluster.intra_host
-        crossing = [set(row.tolist()) for row in hosts if len(set(row.tolist())) > 1]
-        sharing = max(sum(h in g for g in crossing) for h in set().union(*crossing))
+        # How many crossing groups each host is in, the most of them: each row's distinct hosts (sorted, the
+        # first of each run), counted over the rows that span more than one host.
+        ordered = np.sort(hosts, axis=1)
+        first = np.ones(ordered.shape, dtype=bool)
+        first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        crossing = first.sum(axis=1) > 1
+        sharing = int(np.bincount(ordered[crossing][first[crossing]]).max())
         link = self.cluster.inter_host
         return link if sharing == 1 else Link(link.bandwidth / sharing, link.latency)
 

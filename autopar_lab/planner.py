@@ -141,6 +141,9 @@ class _Coarse:
         b = self.fine.block(submesh)
         if b is None:
             return None
+        if np.array_equal(getattr(b, "starts", None), self.starts) and np.array_equal(getattr(b, "ends", None),
+                                                                                      self.ends):
+            return b  # priced on the grid already (CostTable.candidate_fn(grid=...)): its make takes positions
         ix = np.ix_(np.arange(b.usable.shape[0]), self.starts, self.ends)
         starts, ends = self.starts, self.ends
         return inter.CandidateBlock(b.fwd_s[ix], b.bwd_s[ix], b.static_bytes[ix], b.act_bytes[ix], b.usable[ix],
@@ -173,6 +176,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         starts = list(grid)
         ends = [b - 1 for b in starts[1:]] + [L - 1]
         fine, L = make, len(starts)
+        if candidates is None:  # the table's blocks priced on the grid only (the same numbers there)
+            fine = lambda B, m: table.candidate_fn(B, m, grid=(starts, ends))  # noqa: E731
         cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
         make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
     mem = kw.get("mem_limit_bytes")
@@ -269,21 +274,20 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     t0 = time.perf_counter()
     intra_before = table.solve_s
-    table.solve_meshes(workers=workers)  # every mesh the DP prices, side by side where cores allow
+    choices = microbatch_choices(table.batch_size, microbatches)
+    # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
+    # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
+    table.solve_planned(mem, max(choices), workers=workers)
     kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     if schedule == "interleaved":
         kw["virtual_stages"] = v
     elif schedule == "zb-h1":
         kw["wgrad_share"] = wgrad_share(table)
-    choices = microbatch_choices(table.batch_size, microbatches)
-    # Memory-lean solutions (ZeRO-3 / FSDP storage) beside the fast ones, where the fast one cannot hold a layer;
-    # on every mesh when nothing fits without them (CostTable.lean_meshes).
-    table.solve_lean(table.lean_meshes(mem, max(choices)), workers=workers)
     grid = layer_grid(len(table.layer_names))
     try:
         result = search_microbatches(table, cluster, choices, grid=grid, **kw)
-    except inter.NoFeasiblePlanError:
+    except inter.NoFeasiblePlanError:  # lean solutions on every mesh when nothing fits without them
         if table.lean != "auto" or not table.solve_lean(workers=workers):
             raise
         result = search_microbatches(table, cluster, choices, grid=grid, **kw)

@@ -486,3 +486,31 @@ def test_measure_cpu_quick_gives_positive_finite_figures_that_build_a_cluster():
         assert len(sizes) >= 3 and all(m["seconds"] > 0 for m in sizes)
     c = Cluster.from_json({**p, "hosts": 1, "devices_per_host": p["num_devices"]})
     assert c.device.peak("float32") == p["device"]["peak_flops"]["float32"]
+
+
+def test_axis_link_counts_the_groups_sharing_a_host_as_by_its_definition():
+    """The vectorised count of crossing groups per host against sets, on every view of every submesh of clusters
+    of 1-12 hosts of 1-8 devices, and with the mesh placed off device 0."""
+
+    def by_sets(mesh, axis):
+        hosts = mesh._groups(axis) // mesh.cluster.devices_per_host
+        if (hosts == hosts[:, :1]).all():
+            return mesh.cluster.intra_host
+        crossing = [set(row.tolist()) for row in hosts if len(set(row.tolist())) > 1]
+        sharing = max(sum(h in g for g in crossing) for h in set().union(*crossing))
+        link = mesh.cluster.inter_host
+        return link if sharing == 1 else Link(link.bandwidth / sharing, link.latency)
+
+    seen = set()
+    for hosts in (1, 2, 3, 5, 12):
+        for per_host in (1, 2, 4, 8):
+            c = Cluster.preset("p3.16xlarge", hosts=hosts).with_(devices_per_host=per_host)
+            for sub in c.submesh_shapes():
+                for shape in c.logical_mesh_shapes(sub):
+                    for first in {0, per_host * (hosts - sub[0]) if sub[0] > 1 else 0}:
+                        mesh = c.logical_mesh(sub, shape, first_device=first)
+                        for axis in (0, 1, (0, 1)):
+                            got = mesh.axis_link(axis)
+                            assert got == by_sets(mesh, axis), (hosts, per_host, sub, shape, first, axis)
+                            seen.add(got.bandwidth)
+    assert len(seen) > 4  # shared NICs: several bandwidths, not only the two links

@@ -87,3 +87,28 @@ def test_layered_dp_equals_the_full_minimum(seed):
     want_F, _ = inter._layered_dp(p, masked, cut, valid, size, np.add)
     for s in range(1, p.max_stages + 1):
         np.testing.assert_array_equal(got_F[s], want_F[s])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_structure_equals_its_definition_offset_by_offset(seed):
+    """The placement table and the cut terms built per link (columns) equal placement_fits, priced_cut and
+    priced_neck evaluated at every (layer, free devices) as defined, to the bit, for every schedule's weight."""
+    rng = random.Random(seed)
+    p = random_problem(rng)
+    if rng.random() < 0.5:
+        p = inter.dataclasses.replace(p, schedule="interleaved", virtual_stages=2)
+    if rng.random() < 0.2:
+        p = inter.dataclasses.replace(p, stage_comm="ignore")
+    valid, size, cut, neck = inter._structure(p)
+    L, NM = p.num_layers, p.num_devices
+    assert list(size) == [n * m for n, m in p.shapes]
+    for sh, shape in enumerate(p.shapes):
+        assert [bool(v) for v in valid[sh]] == [inter.placement_fits(shape, NM - d, p.hosts, p.devices_per_host)
+                                                for d in range(NM + 1)]
+    kappa = p.coefficients[1]
+    want_cut, want_neck = np.zeros((L, NM + 1)), np.zeros((L, NM + 1))
+    for k in range(1, L):
+        for d in range(1, NM):
+            want_cut[k, d] = kappa * p.priced_cut(k, NM - d)
+            want_neck[k, d] = kappa * p.priced_neck(k, NM - d)
+    assert np.array_equal(cut, want_cut) and np.array_equal(neck, want_neck)

@@ -102,6 +102,8 @@ def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
 def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
     """The coarse DP (blocks of layers, arrays cut from the fine ones) finds what the plain DP finds when only cuts on
     the grid are allowed: same latency, same stages."""
+    import numpy as np
+
     from autopar_lab import planner
     from autopar_lab.solve import inter
 
@@ -126,6 +128,17 @@ def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in plain.stages]
     assert planner.layer_grid(L) == list(range(L))  # at most 66 layers: every cut
     assert isinstance(coarse, inter.InterResult)
+    # The blocks priced on the grid hold the full blocks' numbers at the grid's ranges, to the bit.
+    rows, cols = sorted(starts), sorted(ends)
+    for B, mem in ((choices[-1], kw["mem_limit_bytes"]), (1, None)):
+        on_grid, full = table.candidate_fn(B, mem, grid=(rows, cols)), table.candidate_fn(B, mem)
+        for sub in table.submeshes():
+            g, f = on_grid.block(sub), full.block(sub)
+            ix = np.ix_(np.arange(len(f.options)), rows, cols)
+            for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "usable"):
+                assert np.array_equal(getattr(g, name), getattr(f, name)[ix])
+            a, b = rows[1], cols[-1]
+            assert [(c.layers, c.fwd_s) for c in on_grid(a, b, sub)] == [(c.layers, c.fwd_s) for c in full(a, b, sub)]
 
 
 def _link_by_counting(mesh, axis):
@@ -229,3 +242,79 @@ def test_the_blocks_pareto_mask_is_pareto_on_random_options_with_ties():
             cands = [StageCandidate((0, 0), (1, 1), (1, 1), False, *(float(f[k, p]) for f in fields),
                                     payload=k) for k in range(K)]
             assert sorted(c.payload for c in pareto(cands)) == list(np.flatnonzero(mask[:, p]))
+
+
+def test_the_pareto_mask_among_options_that_fit_equals_the_full_mask_cut_to_them():
+    """Comparing only the options that fit a memory limit (``alive``) keeps the same options as the full filter
+    then cut to those that fit, on random small integer fields with many ties, at limits from none fitting to all;
+    and an ``alive`` that is not closed upwards can differ (so the test can tell the two apart)."""
+    import numpy as np
+
+    from autopar_lab.pricing.table import pareto_mask
+
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        K, P = int(rng.integers(1, 9)), 30
+        fields = [rng.integers(0, 4, (K, P)).astype(float) for _ in range(4)]
+        for limit in (-1.0, 1.0, 2.0, 3.0, 4.0, 6.0, 9.0):
+            fits = fields[2] + fields[3] <= limit
+            assert np.array_equal(pareto_mask(fields, fits), pareto_mask(fields) & fits)
+    # The one option that dominates the other dead: the other survives, which the full filter would drop.
+    fields = [np.array([[0.0], [1.0]]) for _ in range(4)]
+    alive = np.array([[False], [True]])
+    assert pareto_mask(fields, alive)[1, 0] and not pareto_mask(fields)[1, 0]
+
+
+def test_one_pool_solves_the_fast_and_then_the_lean_ilps_as_the_two_calls_do():
+    """``solve_planned``: the workers that ``build`` starts go on to each mesh's lean ILP as its fast one arrives.
+    At a memory limit where some meshes but not all need a lean solution, the same meshes are solved, fast and
+    lean, with the same layer costs to the bit as ``solve_meshes`` then ``solve_lean(lean_meshes(...))`` in one
+    process; the progress hook sees every mesh once, its total growing as lean meshes are queued."""
+    import autopar_lab.pricing.table as table_module
+
+    # Activations large enough that a layer's least memory differs from mesh to mesh (split by data parallelism).
+    model = al.models.get("gpt-tiny", num_layers=24, hidden_size=64, batch_size=64, seq_len=128)
+    cluster = al.Cluster.preset("p3.16xlarge", hosts=2)
+    ref = CostTable.build(model, cluster)
+    ref.solve_meshes(workers=1)
+    keys = ref.planned_meshes()
+    B = 1
+    mem = next(m for m in (1e4 * 1.25 ** e for e in range(80)) if 0 < len(ref.lean_meshes(m, B)) < len(keys))
+    ref.solve_lean(ref.lean_meshes(mem, B), workers=1)
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        there = CostTable.build(model, cluster, workers=2)
+        seen = []
+        there.on_progress = lambda msg, done, total: seen.append((msg, done, total))
+        n = there.solve_planned(mem, B, workers=2)
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    assert sorted(there.lean_solved()) == sorted(ref.lean_solved())
+    assert n == len(keys) + len(ref.lean_solved()) == len(seen) == len({m for m, _, _ in seen})
+    assert [d for _, d, _ in seen] == list(range(1, n + 1)) and seen[-1][2] == n
+    for sub, shape in keys:
+        for sol in ref.solutions(sub, shape):
+            assert there.mesh_costs(sub, shape, sol)[0] == ref.mesh_costs(sub, shape, sol)[0]
+        assert there.solutions(sub, shape) == ref.solutions(sub, shape)
+
+
+def test_the_workers_of_a_table_never_collected_stop_with_it():
+    """build's workers wait for more meshes (a lean ILP may follow a fast one) until their pool closes: a table
+    dropped without collecting them takes them down with it."""
+    import gc
+
+    import autopar_lab.pricing.table as table_module
+
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        t = CostTable.build(al.models.get("gpt-tiny", num_layers=8), SMALL, workers=2)
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    assert t._ahead is not None
+    procs = [w.proc for w in t._ahead._pool]
+    del t
+    gc.collect()
+    for p in procs:
+        p.wait(timeout=30)  # raises if a worker is still running

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -37,13 +38,14 @@ from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_in_workers,
-                         solve_one)
+from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_one)
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
 
 ProgressFn = Callable[[str, int, int], None]
+#: Keys to solve next once a mesh's ILP has arrived (see :meth:`CostTable.collect`).
+FollowFn = Callable[[tuple], list]
 
 
 def mesh_signature(mesh: LogicalMesh) -> tuple:
@@ -208,6 +210,7 @@ class CostTable:
         self.trace_s = 0.0  # seconds :meth:`build` spent tracing (0 for a table made from graphs)
         self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan | None]] = {}
         self._sums: dict[tuple, dict[str, list[float]]] = {}
+        self._arrays: dict[tuple, dict[str, np.ndarray]] = {}  # the same sums as arrays
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
         self._caches: dict[tuple, StrategyCache] = {}
@@ -254,6 +257,8 @@ class CostTable:
                 pool.close()
                 pool = None
             table._ahead = pool
+            if pool is not None:  # its workers wait for more meshes until closed: closed with the table at the latest
+                weakref.finalize(table, pool.close)
         table.trace_s = time.perf_counter() - t0
         table.lean = lean
         return table
@@ -280,19 +285,27 @@ class CostTable:
         keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
         return MeshPool(small, cluster, solver, keys, workers)
 
-    def collect(self) -> int:
+    def collect(self, follow: FollowFn | None = None) -> int:
         """Collect the meshes that :meth:`build`'s workers solve (waiting for them; ``on_progress`` sees each with
-        their total); a no-op without them. A progress hook that raises stops the workers (the meshes not
-        collected are solved when next needed). Returns how many were collected."""
+        their total); a no-op without them. ``follow(key)``: more keys to hand the same workers once ``key``
+        arrives (:meth:`solve_planned`: its lean solution). A progress hook that raises stops the workers (the
+        meshes not collected are solved when next needed). Returns how many were collected."""
         pool, self._ahead = self._ahead, None
         if pool is None:
             return 0
+        return self._drain(pool, follow)
+
+    def _drain(self, pool: MeshPool, follow: FollowFn | None) -> int:
+        """Store every mesh ``pool`` solves as it arrives, handing it the keys ``follow`` asks for; close it."""
         t0, n = time.perf_counter(), 0
         try:
             for n, (key, small, choice, _s) in enumerate(pool.results(), 1):
                 if key not in self._mesh:
                     self._store(key, small, None)
                     self._choices[key] = choice
+                    more = [k for k in follow(key) if k not in self._mesh and k not in pool.keys] if follow else []
+                    if more:
+                        pool.add(more)
                 self._report(key, n, len(pool.keys))
         finally:
             pool.close()
@@ -368,25 +381,24 @@ class CostTable:
         and planning a model that fits replicated (GPT-39B on A100s) solves no lean ILP at all; where the fast
         solution holds every layer but not the ranges a pipeline needs, the planner asks again for every mesh when
         the DP finds no plan (:meth:`solve_lean`)."""
-        if self.lean == "off":
-            return []
-        keys = self.planned_meshes()
-        if self.lean == "all":
-            return keys
-        out = []
+        return [k for k in self.planned_meshes() if self.lean_wanted(k, mem_limit_bytes, microbatches)]
+
+    def lean_wanted(self, key, mem_limit_bytes: float, microbatches: int) -> bool:
+        """Whether :meth:`lean_meshes` picks the mesh ``key`` ((submesh, shape)): by this mesh's fast layer costs
+        alone (solved on first use), so a table can decide as each mesh's fast ILP arrives."""
+        if self.lean != "auto":
+            return self.lean == "all"
+        sub, shape = key[0], key[1]
         L = len(self.layer_names)
         entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
-        for sub, shape in keys:
-            sums = {f: np.array(v, dtype=float) for f, v in self.prefix_sums(sub, shape).items()}
-            single = {f: v[1:] - v[:-1] for f, v in sums.items()}  # layer k alone
-            task = self.task_overhead_s(sub)
-            least = np.full(L, np.inf)
-            for remat in (False, True):
-                _, _, static, act = stage_cost(single, entry, microbatches, shape[0] * shape[1], remat, task)
-                least = np.minimum(least, static + act)
-            if (least > mem_limit_bytes).any():
-                out.append((sub, shape))
-        return out
+        sums = self.prefix_arrays(sub, shape)
+        single = {f: v[1:] - v[:-1] for f, v in sums.items()}  # layer k alone
+        task = self.task_overhead_s(sub)
+        least = np.full(L, np.inf)
+        for remat in (False, True):
+            _, _, static, act = stage_cost(single, entry, microbatches, shape[0] * shape[1], remat, task)
+            least = np.minimum(least, static + act)
+        return bool((least > mem_limit_bytes).any())
 
     def lean_solved(self) -> list[tuple]:
         """The (submesh, shape) of every mesh whose lean solution has been solved (or collected)."""
@@ -403,14 +415,28 @@ class CostTable:
         """Every (submesh, logical mesh) the stage DP prices: the distinct views of each planning submesh."""
         return [(sub, shape) for sub in self.submeshes() for shape in self.mesh_shapes(sub)]
 
-    def solve_meshes(self, keys=None, *, workers: int | None = None) -> int:
+    def solve_planned(self, mem_limit_bytes: float, microbatches: int, *, workers: int | None = None) -> int:
+        """Every planned mesh's ILP (:meth:`solve_meshes`) and the lean ones :meth:`lean_meshes` picks for
+        ``mem_limit_bytes`` and ``microbatches``, the same meshes as the two calls one after the other; but with
+        worker processes a mesh's lean ILP is handed to the same workers as soon as its fast one arrives (it needs
+        only that mesh's layer costs), so they go on from the fast ILPs to the lean ones without a second pool to
+        start or a wait for the slowest fast ILP (1T on 3,072 GPUs: 144 fast, then 122 lean). Returns how many
+        were solved or collected."""
+        def follow(key) -> list[tuple]:
+            return [self.key(key[0], key[1], LEAN)] if len(key) == 2 and \
+                self.lean_wanted(key, mem_limit_bytes, microbatches) else []
+
+        n = self.collect(follow) + self.solve_meshes(workers=workers, follow=follow)
+        return n + self.solve_lean(self.lean_meshes(mem_limit_bytes, microbatches), workers=workers)
+
+    def solve_meshes(self, keys=None, *, workers: int | None = None, follow: FollowFn | None = None) -> int:
         """Solve now the ILPs of ``keys`` ((submesh, shape) pairs; default :meth:`planned_meshes`) not solved yet,
         in ``workers`` processes (default :func:`~autopar_lab.pricing.table_pool.default_workers`; 1: here, one after
         the other). Worker processes start only for at least ``POOL_MIN_MESHES`` meshes (starting one costs an
         import of the library, a few seconds). ``on_progress`` sees each mesh as it finishes, with the count done and
-        the total; the same numbers as solving each on first use. Returns how many were solved (or collected from
-        :meth:`build`'s workers)."""
-        collected = self.collect()
+        the total; the same numbers as solving each on first use. ``follow``: as in :meth:`collect`, with worker
+        processes only. Returns how many were solved (or collected from :meth:`build`'s workers)."""
+        collected = self.collect(follow)
         todo = [k for k in (self.planned_meshes() if keys is None else [mesh_key(k) for k in keys])
                 if k not in self._mesh]
         workers = default_workers() if workers is None else max(1, int(workers))
@@ -425,17 +451,8 @@ class CostTable:
             return collected + len(todo)
         # Largest meshes first (they take longest), so that the workers finish together.
         todo.sort(key=lambda k: -k[0][0] * k[0][1])
-        t0 = time.perf_counter()
-        results = solve_in_workers(self.solve_graph, self.cluster, self.solver, todo, min(workers, len(todo)))
-        try:
-            for n, (key, small, choice, _s) in enumerate(results, 1):
-                self._store(key, small, None)
-                self._choices[key] = choice
-                self._report(key, n, len(todo))
-        finally:
-            results.close()
-            self.solve_s += time.perf_counter() - t0
-        return collected + len(todo)
+        pool = MeshPool(self.solve_graph, self.cluster, self.solver, todo, min(workers, len(todo)))
+        return collected + self._drain(pool, follow)
 
     def for_cluster(self, cluster: Cluster) -> CostTable:
         """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
@@ -452,12 +469,14 @@ class CostTable:
                 and cluster.devices_per_host == self.cluster.devices_per_host)
         if not same:
             new._mesh, new._sums, new._shapes, new._memo, new._choices = {}, {}, {}, {}, {}
+            new._arrays = {}
             return new
         subs = {tuple(s) for s in cluster.submesh_shapes()}
         keep = [k for k in self._mesh if k[0] in subs and k in self._choices]
         new._mesh = {k: (self._mesh[k][0], None) for k in keep}
         new._choices = {k: self._choices[k] for k in keep}
         new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
+        new._arrays = {k: v for k, v in self._arrays.items() if k in new._mesh}
         new._shapes = {k: v for k, v in self._shapes.items() if k in subs}
         new._memo = dict(self._memo)  # first passes: keyed by axis size and link
         return new
@@ -497,6 +516,14 @@ class CostTable:
             costs = self._mesh[key][0] if key in self._mesh else self.mesh_costs(submesh, shape, solution)[0]
             self._sums[key] = prefix_sums(costs)
         return self._sums[key]
+
+    def prefix_arrays(self, submesh, shape, solution: str = "fast") -> dict[str, np.ndarray]:
+        """:meth:`prefix_sums` as float arrays, kept (every microbatch count's :class:`StageBlock` reads them)."""
+        key = self.key(submesh, shape, solution)
+        if key not in self._arrays:
+            self._arrays[key] = {f: np.array(v, dtype=float)
+                                 for f, v in self.prefix_sums(submesh, shape, solution).items()}
+        return self._arrays[key]
 
     # --- stages -------------------------------------------------------------------------------------------------------
     def entry_bytes(self, start: int) -> float:
@@ -548,40 +575,64 @@ class CostTable:
         return pareto(cands)
 
     @renamed_keywords(mem_limit="mem_limit_bytes")
-    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None) -> StageCandidates:
+    def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None, *,
+                     grid: tuple[Sequence[int], Sequence[int]] | None = None) -> StageCandidates:
         """``candidates`` for one microbatch count as the stage DP calls it, ``(start, end, submesh)``, computed
         for all layer ranges of a submesh at once with numpy; with ``mem_limit_bytes``, candidates that cannot fit
         even holding one microbatch are left out (the DP could never use them). Same candidates, same order, same
         numbers as :meth:`candidates` otherwise. The object returned also hands the DP each submesh's arrays
         (``block(submesh)``, a :class:`StageBlock`), so the DP reads them without building a candidate per range.
+        ``grid``: (first layers, last layers): only the ranges from one of the first to one of the last layers
+        (a layer grid's blocks, see ``planner.layer_grid``), the blocks' arrays indexed by their positions there.
         """
-        return StageCandidates(self, microbatches, mem_limit_bytes)
+        return StageCandidates(self, microbatches, mem_limit_bytes, grid)
 
 
-def pareto_mask(fields: Sequence[np.ndarray]) -> np.ndarray:
+def pareto_mask(fields: Sequence[np.ndarray], alive: np.ndarray | None = None) -> np.ndarray:
     """``keep[k, p]``: option k is Pareto-optimal at position p over ``fields`` (each (K, P), lower is better),
     as :func:`~autopar_lab.pricing.stage.pareto` decides: an option no worse on every field than another, and
     better on one or equal on all and later, is dropped. One option against all at a time: (K, P) temporaries
-    rather than (K, K, P), a quarter faster for the 1T table's blocks."""
-    K = fields[0].shape[0]
-    dominated = np.zeros(fields[0].shape, dtype=bool)
+    rather than (K, K, P), a quarter faster for the 1T table's blocks.
+
+    ``alive`` (bool, (K, P)): only these options are compared and kept (``keep`` is False elsewhere). It must be
+    closed upwards under dominance (an option no worse than an alive one on every field is alive), as "fits in the
+    memory limit" is: then a dead option can dominate no alive one, so comparing the alive ones among themselves
+    gives ``pareto_mask(fields) & alive`` exactly, and only at the positions and against the options alive (1T on
+    3,072 GPUs: most layer ranges fit on no option)."""
+    K, P = fields[0].shape
+    if alive is None:
+        alive = np.ones((K, P), dtype=bool)
+    keep = np.zeros((K, P), dtype=bool)
+    cols = np.flatnonzero(alive.any(axis=0))
+    if cols.size == 0:
+        return keep
+    vals = [v[:, cols] for v in fields]
+    live = alive[:, cols]
+    dominated = np.zeros(live.shape, dtype=bool)
     later = np.arange(K)[:, None]
     for j in range(K):
-        le = np.ones_like(dominated)  # option j is <= option i on every field
-        eq = np.ones_like(dominated)
-        for v in fields:
-            le &= v[j] <= v
-            eq &= v[j] == v
-        dominated |= le & (~eq | (later > j)) & (later != j)
-    return ~dominated
+        at = np.flatnonzero(live[j])  # where option j is alive: only there can it dominate
+        if at.size == 0:
+            continue
+        le = np.ones((K, at.size), dtype=bool)  # option j is <= option i on every field
+        eq = np.ones_like(le)
+        for v in vals:
+            vj, vi = v[j, at], v[:, at]
+            le &= vj <= vi
+            eq &= vj == vi
+        dominated[:, at] |= le & (~eq | (later > j)) & (later != j)
+    keep[:, cols] = live & ~dominated
+    return keep
 
 
 class StageCandidates:
     """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
     ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
 
-    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None):
+    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None,
+                 grid: tuple[Sequence[int], Sequence[int]] | None = None):
         self.table, self.microbatches, self.mem_limit_bytes = table, microbatches, mem_limit_bytes
+        self.grid = grid
         self._blocks: dict[tuple, StageBlock] = {}
 
     def block(self, submesh) -> StageBlock | None:
@@ -590,7 +641,7 @@ class StageCandidates:
         if sub not in self.table.submeshes():
             return None
         if sub not in self._blocks:
-            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes)
+            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes, grid=self.grid)
         return self._blocks[sub]
 
     def __call__(self, start: int, end: int, submesh) -> list[StageCandidate]:
@@ -607,42 +658,58 @@ class StageBlock:
     ``keep[k, a, b]``: the option is Pareto-optimal there (as :func:`pareto` decides, ties to the first) and, when
     a memory limit is given, fits in it while holding one microbatch (a candidate that cannot is never usable: a
     stage holds at least one microbatch and its memory only grows with more).
+
+    ``grid``: (first layers, last layers) of the ranges priced, ``a`` and ``b`` then index them (``starts``,
+    ``ends``; default every layer): a deep model's layer grid prices only its blocks' ranges, with the same numbers.
     """
 
     def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
-                 remat=REMAT_CHOICES):
+                 remat=REMAT_CHOICES, grid: tuple[Sequence[int], Sequence[int]] | None = None):
         L, B = len(table.layer_names), microbatches
         self.table = table
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
+        self.starts = np.arange(L) if grid is None else np.asarray(grid[0], dtype=np.int64)
+        self.ends = np.arange(L) if grid is None else np.asarray(grid[1], dtype=np.int64)
         self.options = [(shape, sol, r) for shape in table.mesh_shapes(submesh)
                         for sol in table.solutions(submesh, shape) for r in remat]
-        upper = np.triu(np.ones((L, L), dtype=bool))  # start <= end
-        entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L]  # bytes entering layer a
+        rows, cols = self.starts, self.ends
+        upper = rows[:, None] <= cols[None, :]  # start <= end
+        entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L][rows]  # bytes entering layer a
         task = table.task_overhead_s(submesh)
-        fields: list[list[np.ndarray]] = [[], [], [], []]
-        for shape, sol, r in self.options:
-            sums = {f: np.array(v, dtype=float) for f, v in table.prefix_sums(submesh, shape, sol).items()}
-            totals = {f: v[None, 1:] - v[:-1, None] for f, v in sums.items()}  # [a, b] = sums[b + 1] - sums[a]
+        dims = (len(self.options), len(rows), len(cols))
+        keys = [np.full(dims, np.inf) for _ in range(4)]  # (K, rows, cols) each
+        totals: dict[str, np.ndarray] = {}
+        for k, (shape, sol, r) in enumerate(self.options):
+            if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
+                sums = table.prefix_arrays(submesh, shape, sol)
+                totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task)
-            for out, v in zip(fields, costs):
-                out.append(np.where(upper, np.broadcast_to(v, (L, L)), np.inf))
-        keys = [np.stack(f) for f in fields]  # (K, L, L) each
+            for out, v in zip(keys, costs):
+                np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
         keep = np.zeros(keys[0].shape, dtype=bool)
         starts, ends = np.nonzero(upper)
-        keep[:, starts, ends] = pareto_mask([v[:, starts, ends] for v in keys])
-        if mem_limit_bytes is not None:
-            keep &= keys[2] + keys[3] <= mem_limit_bytes
+        # Fitting is closed upwards under dominance (less static and activation memory sums to less, rounding
+        # included), so the Pareto filter need compare only the options that fit (see pareto_mask's ``alive``).
+        alive = None if mem_limit_bytes is None else \
+            keys[2][:, starts, ends] + keys[3][:, starts, ends] <= mem_limit_bytes
+        keep[:, starts, ends] = pareto_mask([v[:, starts, ends] for v in keys], alive)
         self.keys, self.keep = keys, keep
         # The arrays as the stage DP reads them (see solve.inter.CandidateBlock).
         self.fwd_s, self.bwd_s, self.static_bytes, self.act_bytes = keys
         self.usable = keep
 
-    def make(self, k: int, start: int, end: int) -> StageCandidate:
-        """Option k for layers start..end as a StageCandidate (its IntraPlan as the payload)."""
+    def make(self, k: int, row: int, col: int) -> StageCandidate:
+        """Option k for layers ``starts[row]..ends[col]`` (without a grid: row..col) as a StageCandidate (its
+        IntraPlan as the payload)."""
         shape, sol, r = self.options[k]
         _, plan = self.table.mesh_costs(self.submesh, shape, sol)
-        f, b, st, a = (float(v[k, start, end]) for v in self.keys)
-        return StageCandidate((start, end), self.submesh, shape, r, f, b, st, a, payload=plan, solution=sol)
+        f, b, st, a = (float(v[k, row, col]) for v in self.keys)
+        return StageCandidate((int(self.starts[row]), int(self.ends[col])), self.submesh, shape, r, f, b, st, a,
+                              payload=plan, solution=sol)
 
     def candidates(self, start: int, end: int) -> list[StageCandidate]:
-        return [self.make(int(k), start, end) for k in np.flatnonzero(self.keep[:, start, end])]
+        """The candidates for layers start..end (none for a range off the grid)."""
+        row, col = np.flatnonzero(self.starts == start), np.flatnonzero(self.ends == end)
+        if not row.size or not col.size:
+            return []
+        return [self.make(int(k), int(row[0]), int(col[0])) for k in np.flatnonzero(self.keep[:, row[0], col[0]])]

@@ -168,9 +168,8 @@ class _Worker:
             stdin.write(setup)
             stdin.flush()
             while True:
-                try:
-                    batch = self.tasks.get_nowait()
-                except queue.Empty:
+                batch = self.tasks.get()  # waits: the pool may be handed more meshes (MeshPool.add)
+                if batch is None:  # the pool is closing
                     break
                 for key in batch:
                     pickle.dump(key, stdin)
@@ -219,14 +218,23 @@ class MeshPool:
     mesh's :data:`MeshResult` as a worker finishes it (in no particular order); :meth:`close` stops every worker."""
 
     def __init__(self, graph: OpGraph, cluster: Cluster, solver: str, keys: Sequence, workers: int):
-        self.keys = [mesh_key(k) for k in keys]
+        self.keys: list[tuple] = []
+        self._cluster = cluster
         self._tasks: queue.Queue = queue.Queue()
-        for batch in first_pass_batches(cluster, self.keys):
-            self._tasks.put(batch)
         self._results: queue.Queue = queue.Queue()
-        self._left = len(self.keys)
+        self._left = 0
+        self.add(keys)
         setup = pickle.dumps((graph, cluster.to_dict(), solver))
         self._pool = [_Worker(setup, self._tasks, self._results) for _ in range(max(1, min(workers, len(keys))))]
+
+    def add(self, keys: Sequence) -> None:
+        """Hand the workers more meshes, after those already queued (a table queues a mesh's lean ILP as its fast
+        one arrives, so the same workers go on to it: no second pool to start). :meth:`results` yields them too."""
+        keys = [mesh_key(k) for k in keys]
+        self.keys.extend(keys)
+        self._left += len(keys)
+        for batch in first_pass_batches(self._cluster, keys):
+            self._tasks.put(batch)
 
     def results(self) -> Iterator[MeshResult]:
         """Each mesh not handed out yet, as it arrives; a worker's failure is raised here."""
@@ -240,6 +248,8 @@ class MeshPool:
 
     def close(self) -> None:
         self._left = 0
+        for _ in self._pool:
+            self._tasks.put(None)  # each feeding thread ends at its next wait for a batch
         for w in self._pool:
             w.stop()
 

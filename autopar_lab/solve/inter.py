@@ -56,6 +56,7 @@ Example (two layers, one host of two devices, one candidate per stage):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -798,20 +799,40 @@ def _structure(p: _Problem):
     cut[k, d]: priced cut term in front of a stage starting at layer k with d devices free (its sum term);
     neck[k, d]: the same cut's steady-state term (its slower direction), which t_max bounds."""
     L, NM = p.num_layers, p.num_devices
-    SH = len(p.shapes)
     size = np.array([n * m for n, m in p.shapes], dtype=np.int64)
-    valid = np.zeros((SH, NM + 1), dtype=bool)
-    for sh, shape in enumerate(p.shapes):
-        for d in range(NM + 1):
-            valid[sh, d] = placement_fits(shape, NM - d, p.hosts, p.devices_per_host)
+    valid = _placements(p.shapes, p.hosts, p.devices_per_host)
     cut = np.zeros((L, NM + 1))
     neck = np.zeros((L, NM + 1))
     kappa = p.coefficients[1]  # the schedule's weight of a cut (interleaved: v transfers per microbatch)
-    for k in range(1, L):
-        for d in range(1, NM):  # offset 1..NM-1; other d never start a stage after layer 0
-            cut[k, d] = kappa * p.priced_cut(k, NM - d)
-            neck[k, d] = kappa * p.priced_neck(k, NM - d)
+    if L > 1 and NM > 1 and p.stage_comm != "ignore":
+        # A cut's terms depend on the layer and on the link only (cut_link of the offset): one column per link,
+        # spread over the offsets 1..NM-1 that use it (other d never start a stage after layer 0). The same float
+        # operations as priced_cut / priced_neck, elementwise.
+        d = np.arange(1, NM)
+        inter_host = (NM - d) % p.devices_per_host == 0
+        for where in (inter_host, ~inter_host):
+            if not where.any():
+                continue
+            terms = [p.cut_terms(k, NM - int(d[where][0])) for k in range(1, L)]
+            f = np.array([t[0] for t in terms])
+            b = np.array([t[1] for t in terms])
+            cols = d[where]
+            cut[1:, cols] = (kappa * (f + b))[:, None]
+            neck[1:, cols] = (kappa * np.maximum(f, b))[:, None]
     return valid, size, cut, neck
+
+
+@functools.lru_cache(maxsize=16)
+def _placements(shapes: tuple[tuple[int, int], ...], hosts: int, devices_per_host: int) -> np.ndarray:
+    """valid[sh, d]: a stage of ``shapes[sh]`` may start with d devices free (:func:`placement_fits` at offset
+    N*M - d); the same for every microbatch count and t_max, so kept (read-only)."""
+    NM = hosts * devices_per_host
+    valid = np.zeros((len(shapes), NM + 1), dtype=bool)
+    for sh, shape in enumerate(shapes):
+        for d in range(NM + 1):
+            valid[sh, d] = placement_fits(shape, NM - d, hosts, devices_per_host)
+    valid.setflags(write=False)
+    return valid
 
 
 def _layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf, stop_at=None):
