@@ -201,9 +201,9 @@ def test_inter_solve_reports_progress_keeps_pins_and_is_no_worse(small_plan):
     name = s.plan.choice(op).name
     s.pin(op, name)
     seen = []
-    c = small_plan.cluster
-    missing = {(sub, lm) for sub in c.submesh_shapes() for lm in c.logical_mesh_shapes(sub)
-               if small_plan.table.solved_mesh(sub, lm) is None}
+    # The meshes the stage DP prices (each distinct view of a submesh once: (1, 2) seen as (2, 1) is the same
+    # devices in the same order, not another ILP) that no earlier solve has priced.
+    missing = {key for key in small_plan.table.planned_meshes() if small_plan.table.solved_mesh(*key) is None}
     p = s.solve("inter", on_progress=lambda msg, frac: seen.append((msg, frac)))
     assert seen[0][0] == "inter solve started" and seen[-1] == ("inter solve done", 1.0)
     # Each ILP the cost table had not run yet reports as it finishes; then the pins are re-solved around.
