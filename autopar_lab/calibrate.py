@@ -186,6 +186,20 @@ def refit_collectives(profile: dict) -> dict:
     return profile
 
 
+
+def collective_mesh(num_devices: int | None = None):
+    """A 1-D mesh ("d") of the first ``num_devices`` CPU devices (default all) for timing collectives; fewer
+    than 2, or more than JAX has, is refused with what to set."""
+    import jax
+    from jax.sharding import Mesh
+
+    devs = jax.devices("cpu")
+    n = len(devs) if num_devices is None else int(num_devices)
+    if not 2 <= n <= len(devs):
+        raise ValueError(f"collectives need 2..{len(devs)} devices, got num_devices={num_devices}; "
+                         "set JAX_NUM_CPU_DEVICES before jax is imported.")
+    return Mesh(np.array(devs[:n]), ("d",))
+
 def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23),
                         repeats: int = 15, chain: tuple[int, int] = (1, 9)) -> list[dict]:
     """Time an all-reduce and an all-gather over the first ``num_devices`` local devices at each buffer size.
@@ -201,17 +215,13 @@ def measure_collectives(num_devices: int | None = None, byte_sizes=(1 << 12, 1 <
     :func:`fit_collectives` (``seconds``: one collective; ``call_s``: the rest of the short chain's time).
     """
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     short, long = (int(k) for k in chain)
     if not 1 <= short < long:
         raise ValueError(f"chain must be two lengths 1 <= short < long, got {chain!r}")
-    devs = jax.devices("cpu")
-    n = len(devs) if num_devices is None else int(num_devices)
-    if not 2 <= n <= len(devs):
-        raise ValueError(f"collectives need 2..{len(devs)} devices, got num_devices={num_devices}; "
-                         "set JAX_NUM_CPU_DEVICES before jax is imported.")
-    mesh = Mesh(np.array(devs[:n]), ("d",))
+    mesh = collective_mesh(num_devices)
+    n = mesh.size
     split = NamedSharding(mesh, P("d"))
 
     def sums(k: int) -> Callable[..., Any]:
@@ -273,19 +283,15 @@ def measure_collectives_between_compute(num_devices: int | None = None,
     """
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     if int(links) < 1:
         raise ValueError(f"links must be at least 1, got {links!r}")
     rows_per_device, hidden = (int(v) for v in compute)
     if rows_per_device < 1 or hidden < 1:
         raise ValueError(f"compute must be (rows, hidden), both at least 1, got {compute!r}")
-    devs = jax.devices("cpu")
-    n = len(devs) if num_devices is None else int(num_devices)
-    if not 2 <= n <= len(devs):
-        raise ValueError(f"collectives need 2..{len(devs)} devices, got num_devices={num_devices}; "
-                         "set JAX_NUM_CPU_DEVICES before jax is imported.")
-    mesh = Mesh(np.array(devs[:n]), ("d",))
+    mesh = collective_mesh(num_devices)
+    n = mesh.size
     split, replicated = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
     rng = np.random.default_rng(0)
     act = jax.device_put(rng.standard_normal((n * rows_per_device, hidden), dtype=np.float32) * 0.1, split)

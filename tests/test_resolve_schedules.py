@@ -24,8 +24,9 @@ def six():
 
 
 @pytest.fixture(scope="module")
-def one_host():
-    return al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+def one_host(cluster):
+    """One host of four devices (conftest's ``cluster``)."""
+    return cluster
 
 
 @pytest.fixture(scope="module")
