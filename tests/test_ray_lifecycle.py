@@ -103,6 +103,19 @@ def test_a_head_whose_owner_dies_is_stopped_and_its_token_removed(token_auth, tm
     assert not _group_alive(int(pgid)) and not os.path.exists(temp_dir)
 
 
+def ray_folders_of(pid: int) -> set[Path]:
+    """The embedded-Ray folders process ``pid`` made (their "pid" file): tests on other xdist workers start Rays of
+    their own meanwhile, whose folders come and go."""
+    out = set()
+    for folder in Path(tempfile.gettempdir()).glob("autopar-ray-*"):
+        try:
+            if (folder / "pid").read_text() == str(pid):
+                out.add(folder)
+        except OSError:  # not ours, or being removed
+            pass
+    return out
+
+
 def _train(args, cwd, env):
     return subprocess.Popen([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -151,11 +164,10 @@ def test_ctrl_c_during_train_stops_cleanly_keeps_a_checkpoint_and_resumes(token_
 
 def test_sigterm_while_ray_starts_exits_143_and_leaves_nothing(token_auth, plan_file, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
-    mine = set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
     proc = _train(["--batch", "8", "--layers", "2", "--plan", str(plan_file), "--steps", "5"], tmp_path, env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # wait for its Ray folder to appear: the head is starting
-        new = set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - mine
+        new = ray_folders_of(proc.pid)
         if any((p / "auth_token").exists() or any(p.glob("head-*")) for p in new if p.is_dir()):
             break
         time.sleep(0.2)
@@ -164,16 +176,16 @@ def test_sigterm_while_ray_starts_exits_143_and_leaves_nothing(token_auth, plan_
     assert proc.returncode == 143, err
     assert err.strip() == "autopar-lab: interrupted (SIGTERM): before training started."
     time.sleep(1)
-    assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - mine == set()
+    assert ray_folders_of(proc.pid) == set()
 
 
 def test_a_head_that_does_not_start_in_time_is_a_clear_error_and_leaves_nothing(token_auth):
     from autopar_lab.runtime import launch as L
 
-    before = set(Path(tempfile.gettempdir()).glob("autopar-ray-*"))
+    before = ray_folders_of(os.getpid())
     with pytest.raises(RuntimeError, match=r"the embedded Ray did not start \(the Ray head did not start within 1 s"):
         L.start_local_ray(num_cpus=1, attempts=1, timeout_s=1)
     assert L.local_ray_head() is None and not L._LOCAL["owned"]
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     time.sleep(1)
-    assert set(Path(tempfile.gettempdir()).glob("autopar-ray-*")) - before == set()
+    assert ray_folders_of(os.getpid()) - before == set()

@@ -91,7 +91,10 @@ def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None
         if "RAY_AUTH_MODE" not in os.environ:
             os.environ["RAY_AUTH_MODE"] = "token"
             set_here.append("RAY_AUTH_MODE")
-        temp_dir = tempfile.mkdtemp(prefix="autopar-ray-")  # 0700: only this user can read what is inside
+        # 0700: only this user can read what is inside. Its name stays short (Ray's socket paths under it must fit
+        # in 107 bytes); the file "pid" says which process's Ray it is, for whoever cleans up beside other Rays.
+        temp_dir = tempfile.mkdtemp(prefix="autopar-ray-")
+        (Path(temp_dir) / "pid").write_text(str(os.getpid()))
         if os.environ["RAY_AUTH_MODE"].lower() == "token" and not _has_token():
             token_file = Path(temp_dir) / "auth_token"
             token_file.write_text(secrets.token_hex(32))
