@@ -97,14 +97,23 @@ def _table(model, cluster, solver, progress) -> tuple[CostTable, dict]:
 
 
 def microbatch_choices(batch: int, microbatches) -> list[int]:
-    """The microbatch counts to try: every power of two dividing ``batch`` for ``"auto"``, else ``[microbatches]``
-    (which must divide the batch).
+    """The microbatch counts to try, for ``"auto"``: every power of two dividing ``batch`` (Alpa's choices); and
+    where those reach less than half way to the batch on a log scale (a batch with a large odd factor, like
+    Megatron-LM's 2,520), for each power of two that does not divide it, the batch's divisor nearest to it (by
+    ratio), so that the search still spans 1 to the batch in steps of about 2. Else ``[microbatches]`` (which must
+    divide the batch).
 
-    >>> microbatch_choices(24, "auto"), microbatch_choices(24, 3)
-    ([1, 2, 4, 8], [3])
+    >>> microbatch_choices(24, "auto"), microbatch_choices(24, 3), microbatch_choices(2520, "auto")[-6:]
+    ([1, 2, 4, 8], [3], [63, 126, 252, 504, 840, 2520])
     """
     if microbatches == "auto":
-        return [b for b in (1 << e for e in range(batch.bit_length())) if batch % b == 0]
+        powers = [1 << e for e in range(batch.bit_length())]
+        out = {p for p in powers if batch % p == 0}
+        if max(out) ** 2 < batch:  # the powers of two cover under half of [1, batch] in log scale
+            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+            out |= {min(divisors, key=lambda d: max(d / p, p / d)) for p in powers}
+            out.add(batch)
+        return sorted(out)
     b = int(microbatches)
     if b < 1 or batch % b:
         raise ValueError(f"microbatches={microbatches} must be a positive divisor of the batch size {batch}")
@@ -247,7 +256,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
-    ``microbatches``: a count or ``"auto"`` (every power of two dividing the batch). ``stage_comm``: ``"model"``
+    ``microbatches``: a count or ``"auto"`` (:func:`microbatch_choices`: the powers of two dividing the batch,
+    filled in for a batch with a large odd factor). ``stage_comm``: ``"model"``
     prices transfers between stages, ``"ignore"`` reproduces Alpa (the plan's reported step time still includes
     them). ``mem_limit_bytes``: bytes per device (default: the device's memory). ``on_progress(message, done,
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster

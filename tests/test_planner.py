@@ -291,3 +291,17 @@ def test_the_microbatch_count_is_decided_by_the_simulated_step_among_the_dps_bes
     honest = {B: dataclasses.replace(r, latency_s=steps[B]) for B, r in solved.items()}
     result = dataclasses.replace(honest[fast], diagnostics={"solved": honest, "by_microbatches": {}})
     assert planner.simulated_best(table, result, schedule="1f1b", stage_comm="model", mem_limit_bytes=mem) is result
+
+
+def test_auto_microbatch_counts_span_a_batch_with_a_large_odd_factor():
+    """Megatron-LM's 530B run used a batch of 2,520 (8 x 315): its powers of two stop at 8 microbatches, so the
+    search fills in the batch's divisors nearest the larger powers of two; batches the powers of two span keep
+    exactly Alpa's choices."""
+    assert planner.microbatch_choices(1024, "auto") == [1 << e for e in range(11)]
+    assert planner.microbatch_choices(1536, "auto") == [1 << e for e in range(10)]  # 512^2 >= 1536
+    c = planner.microbatch_choices(2520, "auto")
+    assert all(2520 % b == 0 for b in c) and c == sorted(set(c)) and c[0] == 1 and c[-1] == 2520
+    assert {1, 2, 4, 8} <= set(c) and len(c) <= (2520).bit_length() + 1
+    assert max(b / a for a, b in zip(c, c[1:])) <= 3  # no stretch of the range left unsearched
+    with pytest.raises(ValueError, match="divisor"):
+        planner.microbatch_choices(2520, 16)
