@@ -571,7 +571,13 @@ def test_memory_view_splits_each_stage_before_and_after(wb, plan):
     for k, r in enumerate(rows):
         assert sum(cost.mem_fig.data[i].y[k] for i in range(len(PARTS))) == pytest.approx(r["total_bytes"] / scale)
     assert "off the scale" in cost.mem_fig.layout.title.text  # 16 GiB is far above: named, not drawn
+    # Only the parts some stage holds are in the legend, and the figure grows by a line for each of them (a legend
+    # squeezed into the default height became a scroll box over the stage labels in Chromium).
+    held = [figures.PART_LABELS[p] for p in PARTS if any(r[p] for r in rows)]
+    assert [t.name for t in cost.mem_fig.data if t.showlegend is not False] == held and len(held) < len(PARTS)
+    grown = cost.mem_fig.layout.height
     wb.layout.set_remat(1, True)
+    assert cost.mem_fig.layout.height > grown  # the recompute working set and "saved by remat" joined the legend
     after = memory_breakdown(wb.plan)
     # Before and now side by side: x is (stage, before/now).
     assert list(cost.mem_fig.data[0].x[1]) == ["before", "now", "before", "now"]

@@ -160,7 +160,8 @@ class CostPanel(View):
         mem = figures.memory_figure(now, was, after.mem_limit_bytes)
         sync_figure(self.mem_fig, mem, {"shapes": mem.layout.shapes, "annotations": mem.layout.annotations,
                                         "title.text": mem.layout.title.text,
-                                        "yaxis.title.text": mem.layout.yaxis.title.text})
+                                        "yaxis.title.text": mem.layout.yaxis.title.text,
+                                        "height": mem.layout.height, "margin": mem.layout.margin})
         self.memory.value = memory_text(now, after.mem_limit_bytes)
         self.show_measured()
         self.last_refresh = time.perf_counter()

@@ -120,7 +120,8 @@ def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = N
     fig = _figure()
     for part, name in PART_LABELS.items():
         ys = [flat[i].get(part, 0.0) / scale for i in order]
-        fig.add_trace(go.Bar(x=xs, y=ys, name=name, marker_color=PART_COLOURS[part],
+        # A part no stage holds (no remat: no recompute working set) stays out of the legend, which is long enough.
+        fig.add_trace(go.Bar(x=xs, y=ys, name=name, marker_color=PART_COLOURS[part], showlegend=any(ys),
                              customdata=[fmt_bytes(flat[i].get(part, 0.0)) for i in order],
                              hovertemplate=f"{name}: %{{customdata}}<extra>%{{x}}</extra>"))
     saved = [flat[i].get("remat_saved_bytes", 0.0) / scale for i in order]
@@ -137,9 +138,16 @@ def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = N
                           annotation_text=f"device limit {fmt_bytes(limit_bytes)}", annotation_position="top left")
         else:
             note = f" (device limit {fmt_bytes(limit_bytes)}, off the scale)"
-    fig.update_layout(barmode="stack", width=width, legend=dict(orientation="h", y=-0.3, font=dict(size=10)))
     fig.update_yaxes(title_text=unit, rangemode="tozero")
-    return _layout(fig, title + note, height)
+    _layout(fig, title + note, height)
+    # The legend goes below the two rows of axis labels (stage, before / now) and wraps into as many lines as it
+    # needs (one per part at this width); the figure grows by the room they take instead of the legend turning into
+    # a scroll box over the axis labels.
+    lines = sum(1 for t in fig.data if t.showlegend is not False)
+    fig.update_layout(barmode="stack", width=width, height=height + 19 * lines,
+                      margin=dict(l=50, r=10, t=30, b=60 + 19 * lines),
+                      legend=dict(orientation="h", yanchor="top", y=-0.3, x=0, font=dict(size=10)))
+    return fig
 
 
 def idle_intervals(rows: Sequence[Mapping], makespan: float) -> list[dict]:
