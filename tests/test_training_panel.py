@@ -298,6 +298,15 @@ def test_runs_are_kept_overlaid_and_measured_against_predicted(model, plan, monk
     names = [t.name for t in panel.loss_fig.data]
     assert names == ["run 2", "run 1 (local, 3 steps)"]
     assert list(panel.loss_fig.data[0].y) == [5.0, 4.0, 3.0, 2.0] and list(panel.loss_fig.data[1].y) == [5.0, 4.0, 3.0]
+    # A plan priced for this machine's devices measures like with like: no hardware note.
+    assert "different hardware" not in table
+    # A plan priced for V100s run here: the table says why measured ÷ predicted is far from 1.
+    v100 = al.megatron_plan(model, al.Cluster.preset("p3.16xlarge", hosts=1), dp=2, tp=2, pp=2, microbatches=2)
+    s.adopt(v100)
+    panel.run_local(2, background=False)
+    table = panel.runs_table.value
+    assert "run 3: its plan is priced for V100-SXM2-16GB devices" in table and "cpu devices" in table
+    assert "run 1" not in table.split("<br>")[-1]  # runs 1 and 2 were priced for the cpu preset
 
 
 @pytest.mark.slow

@@ -53,9 +53,33 @@ def _t(x):
     return "—" if x is None else fmt_s(x)
 
 
-def runs_table_html(runs) -> str:
+def hardware_note(runs, platform: str) -> str:
+    """A line saying which local runs measured other hardware than their plan was priced for: a plan for V100s run
+    on this machine's CPU devices is 50-100x "slower than predicted" for that reason alone. ``platform``: the JAX
+    platform the runs used ("cpu", "gpu", ...); "" when every run's plan was priced for it.
+
+    >>> class P: cluster = type("C", (), {"device": type("D", (), {"name": "V100-SXM2-16GB"})()})()
+    >>> class R: plan, run, kind = P(), 1, "local"
+    >>> hardware_note([R()], "cpu")[:60]
+    'run 1: its plan is priced for V100-SXM2-16GB devices and it '
+    """
+    # Local runs only: a Ray job may run on a cluster of the plan's own devices.
+    other = [r for r in runs if r.kind == "local"
+             and not str(r.plan.cluster.device.name).lower().startswith(platform.lower())]
+    if not other:
+        return ""
+    names = sorted({str(r.plan.cluster.device.name) for r in other})
+    which = ", ".join(str(r.run) for r in other)
+    return (f"run{'s' if len(other) > 1 else ''} {which}: {'their plans are' if len(other) > 1 else 'its plan is'} "
+            f"priced for {' / '.join(names)} devices and it ran on this machine's {platform} devices, so measured ÷ "
+            f"predicted compares different hardware; plan on the cluster the run uses (the 'cpu' preset here) to "
+            f"compare like with like")
+
+
+def runs_table_html(runs, platform: str | None = None) -> str:
     """Every run (:class:`~autopar_lab.widgets.training.RunRecord`), newest first: where it ran, its losses, and its
-    measured step time and throughput beside the plan's predicted ones (class ``autopar-runs``)."""
+    measured step time and throughput beside the plan's predicted ones (class ``autopar-runs``); with ``platform``
+    (the JAX platform the runs used), a note under it when a plan was priced for other hardware."""
     if not runs:
         return ""
     head = ("<tr><th>run</th><th>where</th><th>steps</th><th>loss first → last</th><th>step time measured</th>"
@@ -72,8 +96,18 @@ def runs_table_html(runs) -> str:
                     f"<td>{fmt_rate(r.measured_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
                     f"<td>{fmt_rate(r.predicted_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
                     f"<td>{html.escape(r.status)}</td></tr>")
+    note = hardware_note(runs, platform) if platform else ""
     return (f"<table class='autopar-cost-table autopar-runs'>{head}{''.join(body)}</table>"
-            "<small>measured: the median step after the first (which compiles)</small>")
+            "<small>measured: the median step after the first (which compiles)"
+            + (f"<br>{html.escape(note)}" if note else "") + "</small>")
+
+
+def local_platform() -> str:
+    """The JAX platform runs from this kernel use ("cpu", "gpu", "tpu"): local runs and the embedded Ray's workers
+    both run on this machine."""
+    import jax
+
+    return jax.default_backend()
 
 
 def stage_table_html(rows: list[dict]) -> str:
@@ -238,7 +272,7 @@ class TrainingPanel(View):
             with self.loss_fig.batch_update():
                 self.loss_fig.data = self.loss_fig.data[:1]
                 self.loss_fig.add_traces(past)
-        self.runs_table.value = runs_table_html(runs)
+        self.runs_table.value = runs_table_html(runs, local_platform())
 
     # --- starting and stopping ----------------------------------------------------------------------------------------
     def _steps(self, steps) -> int:
@@ -353,7 +387,7 @@ class TrainingPanel(View):
                 self._ys.append(float(ev.loss))
                 self._draw_curve()
             self.throughput.value = html.escape(progress_text(ev, self._total))
-            self.runs_table.value = runs_table_html(self.session.training.runs)
+            self.runs_table.value = runs_table_html(self.session.training.runs, local_platform())
         elif ev.kind == "restart":
             keep = sum(1 for x in self._xs if x <= ev.step)
             del self._xs[keep:], self._ys[keep:]
