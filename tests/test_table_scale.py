@@ -91,7 +91,8 @@ WHAT_IFS = {"hosts-3": dict(hosts=3), "hosts-1": dict(hosts=1),
             "inter-bw-0.1x": dict(inter_host_bandwidth=SMALL.inter_host.bandwidth * 0.1),
             "inter-bw-10x": dict(inter_host_bandwidth=SMALL.inter_host.bandwidth * 10),
             "intra-bw-0.5x": dict(intra_host_bandwidth=SMALL.intra_host.bandwidth * 0.5),
-            "inter-latency-4x": dict(inter_host_latency=SMALL.inter_host.latency * 4)}
+            "inter-latency-4x": dict(inter_host_latency=SMALL.inter_host.latency * 4),
+            "devices-2": dict(devices_per_host=2)}
 
 
 @pytest.mark.parametrize("what_if", list(WHAT_IFS))
