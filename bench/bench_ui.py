@@ -12,6 +12,9 @@
 4. The stage editor: one stage's first layer moved in the draft, timed until its preview is priced; and the memory
    breakdown of the plan (autopar_lab.memory).
 
+The what-if sliders' re-plans (GPT-39B on 512 GPUs, each beside a fresh plan of the same cluster) are timed by
+``bench/bench_whatif.py``.
+
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_ui.py                     # gpt-1.3b on 4 V100s, dp=1 tp=2 pp=2
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_ui.py gpt-tiny --repeat 5
 """

@@ -7,7 +7,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.pricing import CostTable, planning_submeshes
-from autopar_lab.pricing.table_pool import default_workers
+from autopar_lab.pricing.table_pool import LEAN, default_workers
 
 SMALL = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
 
@@ -81,9 +81,50 @@ def test_a_table_moved_to_more_hosts_reuses_every_mesh_and_plans_as_a_fresh_one(
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in fresh.stages]
     assert [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in again.stages] == \
         [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in fresh.stages]
-    # Another inter-host link: the traces carry over, no mesh does.
+    # A slower link inside the host: the traces carry over, and of the meshes only the one device's (no collective).
     slower = table.for_cluster(small.with_(intra_host_bandwidth=small.intra_host.bandwidth / 4))
-    assert slower.graph is table.graph and slower.solve_meshes(workers=1) == len(slower.planned_meshes())
+    assert slower.graph is table.graph and slower.kept_meshes == {((1, 1), (1, 1))}
+    assert slower.solve_meshes(workers=1) == len(slower.planned_meshes()) - 1
+
+
+WHAT_IFS = {"hosts-3": dict(hosts=3), "hosts-1": dict(hosts=1),
+            "inter-bw-0.1x": dict(inter_host_bandwidth=SMALL.inter_host.bandwidth * 0.1),
+            "inter-bw-10x": dict(inter_host_bandwidth=SMALL.inter_host.bandwidth * 10),
+            "intra-bw-0.5x": dict(intra_host_bandwidth=SMALL.intra_host.bandwidth * 0.5),
+            "inter-latency-4x": dict(inter_host_latency=SMALL.inter_host.latency * 4),
+            "devices-2": dict(devices_per_host=2)}
+
+
+@pytest.mark.parametrize("what_if", list(WHAT_IFS))
+def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_fresh_one(model, what_if):
+    """GPT-1.3B's 24 layers (planned on its shallow copy) on 2 hosts of 4, moved by each what-if of the sliders:
+    the meshes carried over are exactly those whose mesh_signature is unchanged (an inter-host change keeps the
+    one-host meshes, an intra-host one the meshes whose split axes all cross hosts), each equal to the fresh
+    table's solve of it (layer costs, strategies and totals, to the bit), and the plan equals a fresh auto_plan."""
+    from autopar_lab.pricing.table import mesh_signature
+
+    base = CostTable.build(model, SMALL)
+    al.auto_plan(base.graph, SMALL, table=base)
+    new = SMALL.with_(**WHAT_IFS[what_if])
+    moved = base.for_cluster(new)
+    solved = set(base.planned_meshes()) | {(a, b, LEAN) for a, b in base.lean_solved()}
+    subs = {tuple(s) for s in new.submesh_shapes()}
+    unchanged = {k for k in solved if k[0] in subs and
+                 mesh_signature(SMALL.logical_mesh(*k[:2])) == mesh_signature(new.logical_mesh(*k[:2]))}
+    assert moved.kept_meshes == unchanged
+    if what_if.startswith(("hosts", "inter-bw")):  # every mesh inside one host survives a change between hosts
+        assert {k for k in unchanged if k[0][0] == 1} == {k for k in solved if k[0][0] == 1}
+    assert what_if == "hosts-3" or len(unchanged) < len(solved)  # something re-solves
+    fresh = al.auto_plan(model, new)
+    again = al.auto_plan(moved.graph, new, table=moved)
+    for key in moved.kept_meshes:
+        (ca, pa), (cb, pb) = moved.mesh_costs(*key), fresh.table.mesh_costs(*key)
+        assert ca == cb and _same_plan(pa, pb)
+    assert again.cost.to_dict() == fresh.cost.to_dict()
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in again.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in fresh.stages]
+    assert [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in again.stages] == \
+        [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in fresh.stages]
 
 
 def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):

@@ -521,6 +521,41 @@ def test_what_if_sliders_replan(small_plan, graph):
     assert c.devices.value == 1 and c.progress.description == "done"
 
 
+def test_what_if_on_a_deep_model_reuses_the_table_shows_progress_and_plans_as_a_fresh_one(deep):
+    """24 layers on 2 hosts of 4: the sliders moved to a 10x slower link between hosts and the re-plan run from the
+    workbench. The one-host meshes' ILPs are not run again (the progress says how many were kept), the bar only
+    moves forward and ends full, and the plan is the one a fresh auto_plan makes of that cluster, to the bit."""
+    from autopar_lab.widgets.views.controls import hosts_max
+
+    model, megatron = deep
+    plan = al.auto_plan(model, megatron.cluster)  # every mesh priced, as after a full solve
+    wb = Workbench(model, plan.cluster, plan=plan)
+    c = wb.controls
+    assert c.hosts.max == hosts_max(2) == 8 and hosts_max(64) == 128  # 512 GPUs: the slider reaches 1,024
+    c.inter_bw.value = c.inter_bw.value / 10
+    seen = []
+    values = []
+    wb.session.subscribe(lambda e: seen.append(e.detail.get("message")) if e.name == "progress" else None)
+    c.progress.observe(lambda ch: values.append(ch["new"]), names="value")
+    c.what_if(background=False)
+    new = plan.cluster.with_(inter_host_bandwidth=plan.cluster.inter_host.bandwidth / 10)
+    assert wb.plan.cluster == new and c.progress.description == "done" and c.progress.value == 1.0
+    kept = next(m for m in seen if m and m.startswith("re-plan on 2x4"))
+    one_host = [k for k in wb.plan.table.planned_meshes() if k[0][0] == 1]
+    assert f"{len(one_host)} of {len(wb.plan.table.planned_meshes())} meshes kept" in kept
+    solved = [m for m in seen if m and m.startswith("intra-op")]
+    assert solved and not any(m.startswith("intra-op 1x") for m in solved)  # only meshes that cross hosts
+    assert any(m.startswith("stage DP") for m in seen)
+    assert values == sorted(values) and "what-if re-plan done" in c.status.value
+    fresh = al.auto_plan(model, new)
+    assert wb.plan.cost.to_dict() == fresh.cost.to_dict()
+    assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in wb.plan.stages] == \
+        [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in fresh.stages]
+    # The hosts slider grows with the cluster: at 5 hosts it reaches 10.
+    wb.session.set_cluster(hosts=5)
+    assert c.hosts.value == 5 and c.hosts.max == 10
+
+
 def test_labels_are_whole(wb):
     # Issue 12, item 5: "re-plan on this cl...", "unpin stage decis..." were cut off by fixed-width buttons.
     for view in wb.views.values():

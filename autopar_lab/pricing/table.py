@@ -217,6 +217,8 @@ class CostTable:
         self._memo_space: dict[str, list] = {}
         self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
         self._ahead: MeshPool | None = None  # meshes being solved since build (workers=), not collected yet
+        #: The mesh keys :meth:`for_cluster` carried over from the table it was made from (empty otherwise).
+        self.kept_meshes: frozenset[tuple] = frozenset()
 
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
@@ -456,9 +458,13 @@ class CostTable:
 
     def for_cluster(self, cluster: Cluster) -> CostTable:
         """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
-        shared, nothing is traced again; when the device, both links and the devices per host are the same (more or
-        fewer hosts), every mesh already solved that the new cluster has carries over, since a mesh's ILP reads
-        nothing else of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked)."""
+        shared, nothing is traced again, and every mesh already solved whose ILP the change cannot alter carries
+        over: a mesh the new cluster has with the same :func:`mesh_signature` (the device and each axis' collective
+        profile: size, hosts spanned, bottleneck link, latencies), since that is all a mesh's ILP and layer costs
+        read of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked). So a
+        host count keeps every mesh of a submesh both clusters have; an inter-host bandwidth keeps the meshes inside
+        one host; an intra-host bandwidth keeps the meshes whose split axes all cross hosts. :attr:`kept_meshes`
+        lists the keys carried over."""
         self.collect()  # the workers' meshes belong to this table's cluster
         new = copy.copy(self)
         new.cluster = cluster
@@ -467,18 +473,26 @@ class CostTable:
         same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
                 and cluster.inter_host == self.cluster.inter_host
                 and cluster.devices_per_host == self.cluster.devices_per_host)
-        if not same:
-            new._mesh, new._sums, new._shapes, new._memo, new._choices = {}, {}, {}, {}, {}
-            new._arrays = {}
-            return new
         subs = {tuple(s) for s in cluster.submesh_shapes()}
-        keep = [k for k in self._mesh if k[0] in subs and k in self._choices]
+        sigs: dict[tuple, bool] = {}  # (submesh, shape) -> the mesh's ILP is the same problem on both clusters
+
+        def unchanged(key) -> bool:
+            mesh = key[:2]
+            if mesh not in sigs:
+                sigs[mesh] = same or mesh_signature(self.cluster.logical_mesh(*mesh)) == \
+                    mesh_signature(cluster.logical_mesh(*mesh))
+            return sigs[mesh]
+
+        keep = [k for k in self._mesh if k[0] in subs and k in self._choices and unchanged(k)]
+        new.kept_meshes = frozenset(keep)
         new._mesh = {k: (self._mesh[k][0], None) for k in keep}
         new._choices = {k: self._choices[k] for k in keep}
         new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
         new._arrays = {k: v for k, v in self._arrays.items() if k in new._mesh}
-        new._shapes = {k: v for k, v in self._shapes.items() if k in subs}
-        new._memo = dict(self._memo)  # first passes: keyed by axis size and link
+        # Which views of a submesh are distinct depends on the links: kept only when they are the same.
+        new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same else {}
+        # First passes are keyed by axis 0's collective profile, not by the device: kept with the same device.
+        new._memo = dict(self._memo) if cluster.device == self.cluster.device else {}
         return new
 
     def _store(self, key, small: list[LayerCost], plan: IntraPlan | None) -> None:

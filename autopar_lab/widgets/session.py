@@ -472,8 +472,12 @@ class Session:
                     plan.table.on_progress = old
             elif cluster is not None and plan.table is not None and plan.table.graph is plan.graph:
                 # A what-if on the cluster: the table moves to the new cluster (no trace; every mesh it priced
-                # carries over when only the host count changed), the stage DP runs again.
+                # whose ILP the change cannot alter carries over: CostTable.for_cluster), the stage DP runs again.
                 table = plan.table.for_cluster(new_cluster)
+                planned = table.planned_meshes()
+                todo = sum(1 for k in planned if k not in table.kept_meshes)
+                hook(f"re-plan on {new_cluster.hosts}x{new_cluster.devices_per_host}: {len(planned) - todo} of "
+                     f"{len(planned)} meshes kept from the cost table, {todo} ILP(s) to solve")
                 table.on_progress = hook
                 try:
                     new = planner.auto_plan(plan.graph, new_cluster, table=table, **kw)
@@ -498,8 +502,10 @@ class Session:
         """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
         ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve, keeping every pin that still holds (see
         :meth:`solve`). The plan's cost table moves to the new cluster (:meth:`CostTable.for_cluster`): nothing is
-        traced again, and with the same device and links (a host count slider) every mesh already priced is
-        reused, so only the new submeshes' ILPs and the stage DP run."""
+        traced again, and every mesh already priced whose ILP the change cannot alter is reused (all of a submesh
+        both clusters have when the host count moves; the one-host meshes when the inter-host link changes; those
+        whose split axes all cross hosts when the intra-host link does), so only the other ILPs and the stage DP
+        run, to the same plan as a fresh :func:`~autopar_lab.auto_plan` of the new cluster."""
         if cluster is None:
             if not changes:
                 raise ValueError("set_cluster needs a Cluster or changes such as hosts=2, inter_host_bandwidth=1e9")

@@ -22,6 +22,15 @@ from .fmt import fmt_ratio, fmt_s
 from ..session import SolveCancelled
 
 
+def hosts_max(hosts: int) -> int:
+    """The hosts slider's upper end for a cluster of ``hosts`` hosts: twice as many (at least 8)."""
+    return max(8, 2 * int(hosts))
+
+
+#: The share of the progress bar the ILPs of a solve take when the stage DP follows them (it reports apart).
+ILP_SHARE = 0.7
+
+
 def comparison_rows(comparison: dict) -> list[dict]:
     """[{name, step_time_s, ratio (to the current plan), fits, detail}] from :meth:`Session.compare`'s result."""
     cur = comparison["current"].cost.step_time_s
@@ -78,7 +87,8 @@ class Controls(View):
         self.code.add_class("autopar-code")
         # What-if sliders: moving one re-plans with a full solve on the changed cluster (when "re-plan" is ticked).
         S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
-        self.hosts = w.IntSlider(value=c.hosts, min=1, max=max(8, c.hosts), description="hosts", **S)
+        # Up to twice the hosts: a user planning 512 GPUs tries 1,024 (the max grows as the cluster does).
+        self.hosts = w.IntSlider(value=c.hosts, min=1, max=hosts_max(c.hosts), description="hosts", **S)
         self.devices = w.SelectionSlider(options=[1, 2, 4, 8, 16], value=c.devices_per_host,
                                          description="devices per host", **S)
         self.intra_bw = w.FloatLogSlider(value=c.intra_host.bandwidth / 1e9, base=10, min=-1, max=4,
@@ -137,9 +147,21 @@ class Controls(View):
         return 2 + sum(len(cluster.logical_mesh_shapes(s)) for s in cluster.submesh_shapes())
 
     def _on_progress(self, expected: int) -> Callable[[str, Any], None]:
+        seen_ilp = [False]
+
         def report(message: str, fraction) -> None:
+            # One bar for the two phases that report a fraction each: the ILPs (when any run), then the stage DP.
             self._ticks += 1
-            self.progress.value = fraction if fraction is not None else min(self._ticks / expected, 0.99)
+            if fraction is None:
+                value = min(self._ticks / expected, 0.99)
+            elif message.startswith("intra-op"):
+                seen_ilp[0] = True
+                value = ILP_SHARE * fraction
+            elif message.startswith("stage DP"):
+                value = ILP_SHARE + (1 - ILP_SHARE) * fraction if seen_ilp[0] else fraction
+            else:
+                value = fraction
+            self.progress.value = max(self.progress.value, value) if value < 1 else value
             self.progress.description = "solving"
             self.status.value = html.escape(message)
         return report
@@ -276,7 +298,7 @@ class Controls(View):
         c = s.cluster
         self._quiet = True
         try:
-            self.hosts.max = max(self.hosts.max, c.hosts)
+            self.hosts.max = max(self.hosts.max, hosts_max(c.hosts))
             self.hosts.value = c.hosts
             if c.devices_per_host in self.devices.options:
                 self.devices.value = c.devices_per_host
