@@ -424,3 +424,43 @@ def test_direct_highs_rows_are_one_hot_then_each_edges_linking_rows(p):
         a, b = m.start[r], m.start[r + 1]
         assert m.index[a:b].tolist() == [int(c) for c in cols] and m.value[a:b].tolist() == vals
         assert m.row_lower[r] == m.row_upper[r] == rhs
+
+
+def test_read_only_edge_matrices_are_kept_checked_and_others_copied():
+    """A problem keeps an edge matrix nobody can write (the intra-op pass shares one among many edges) and copies
+    any other; either way a NaN or a wrong shape is still refused, on every edge that carries the matrix."""
+    costs = (np.zeros(2), np.zeros(2), np.zeros(3))
+    shared = np.array([[0.0, 1.0], [2.0, 3.0]])
+    shared.setflags(write=False)
+    mine = np.ones((2, 2))
+    p = IntraProblem(costs, edges=((0, 1), (1, 0), (0, 1)), edge_costs=(shared, shared.T, mine))
+    assert p.edge_costs[0] is shared and p.edge_costs[1].base is shared
+    assert p.edge_costs[2] is not mine and not p.edge_costs[2].flags.writeable
+    mine[0, 0] = 5.0  # the caller's array is not the problem's
+    assert p.edge_costs[2][0, 0] == 1.0
+    base = np.zeros((2, 2))
+    view = base[:, :]
+    view.setflags(write=False)  # read-only, but its base can still be written: copied
+    q = IntraProblem(costs[:2], edges=((0, 1),), edge_costs=(view,))
+    base[0, 0] = 7.0
+    assert q.edge_costs[0][0, 0] == 0.0
+    bad = np.array([[0.0, np.nan], [1.0, 2.0]])
+    bad.setflags(write=False)
+    with pytest.raises(ValueError, match="edge 0 .*NaN"):
+        IntraProblem(costs[:2], edges=((0, 1), (0, 1)), edge_costs=(bad, bad))
+    with pytest.raises(ValueError, match="edge 1 .*shape"):  # the same matrix, checked once, on a 2 x 3 edge
+        IntraProblem(costs, edges=((0, 1), (0, 2)), edge_costs=(shared, shared))
+
+
+@FAST
+@given(data=st.data())
+def test_restrict_is_the_submatrix_of_the_domains(data):
+    from autopar_lab.solve.ilp.reduce import restrict
+
+    rows, cols = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
+    m = np.arange(rows * cols, dtype=float).reshape(rows, cols)
+    du = np.array(sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1))), dtype=np.intp)
+    dv = np.array(sorted(data.draw(st.sets(st.integers(0, cols - 1), min_size=1))), dtype=np.intp)
+    r = restrict(m, du, dv)
+    assert np.array_equal(r, m[np.ix_(du, dv)])
+    assert (r is m) == (du.size == rows and dv.size == cols)

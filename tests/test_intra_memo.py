@@ -102,3 +102,24 @@ def test_a_solve_is_the_same_with_warm_and_cold_caches(graph):
     assert {op: s.key for op, s in warm.strategies.items()} == {op: s.key for op, s in cold.strategies.items()}
     assert (warm.compute_s, warm.comm_s, warm.reshard_s, warm.static_bytes, warm.act_bytes) == \
         (cold.compute_s, cold.comm_s, cold.reshard_s, cold.static_bytes, cold.act_bytes)
+
+
+def test_a_reused_layer_takes_what_same_strategy_gives(graph):
+    """Where :func:`shared_lists` says two operators share their strategy list, the reused layer takes the
+    reference's strategy object itself; that is what ``same_strategy`` returns for every strategy of the list."""
+    from autopar_lab.solve.intra import layer_groups, layer_signature, shared_lists
+
+    groups = [g for name, g in layer_groups(graph) if name]
+    pairs = [(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]
+             if layer_signature(graph, a) == layer_signature(graph, b)]
+    assert pairs  # gpt-tiny's two layers are identical
+    for mesh in _meshes()[:3]:
+        cache = StrategyCache(mesh)
+        for ref, ops in pairs:
+            flags = shared_lists(graph, ref, ops, cache)
+            assert len(flags) == len(ops)
+            for a, b, same in zip(ref, ops, flags):
+                sa, sb = cache.strategies(graph.op(a)), cache.strategies(graph.op(b))
+                assert (sa is sb) == same
+                if same:
+                    assert all(cache.same_strategy(s, graph.op(b)) is s for s in sa)

@@ -136,6 +136,32 @@ def layer_signature(graph: OpGraph, ops: Sequence[int]) -> tuple:
     return memo[key]
 
 
+def _names(graph: OpGraph, nodes: Sequence[int]) -> tuple[str, ...]:
+    """The ILP's node names (for its messages), each operator's described once per graph: the planner builds a
+    problem over the same operators on every mesh."""
+    memo = _graph_memo(graph, "describe")
+    out = []
+    for op in nodes:
+        name = memo.get(op)
+        if name is None:
+            name = memo[op] = graph.op(op).describe()
+        out.append(name)
+    return tuple(out)
+
+
+def shared_lists(graph: OpGraph, ref_ops: Sequence[int], ops: Sequence[int], cache: StrategyCache) -> tuple[bool, ...]:
+    """Per position, whether operator ``ops[k]`` gets the very strategy list of ``ref_ops[k]`` from ``cache`` (equal
+    signature and kernel role), on any mesh: a reused layer then takes the reference's strategy as it is, with no
+    look-up (:meth:`StrategyCache.same_strategy` per operator and mesh was a twentieth of the intra-op pass)."""
+    memo = _graph_memo(graph, "shared_lists")
+    key = (tuple(ref_ops), tuple(ops), cache.mesh.cluster.device.efficiency.flash_attention)
+    hit = memo.get(key)
+    if hit is None:
+        keys = cache.list_key
+        hit = memo[key] = tuple(keys(graph.op(a)) == keys(graph.op(b)) for a, b in zip(ref_ops, ops))
+    return hit
+
+
 def _graph_memo(graph: OpGraph, name: str) -> dict:
     """A dict kept on ``graph`` (graphs do not change once captured) for results the planner recomputes per mesh."""
     memos = graph.__dict__.setdefault("_intra_memos", {})
@@ -181,6 +207,7 @@ class StrategyCache:
         self._projs: dict[int, tuple] = {}
         self._single: dict[int, tuple] = {}
         self._members: dict[int, tuple] = {}
+        self._costs: dict[int, tuple] = {}
 
     def strategies(self, node: OpNode) -> list[Strategy]:
         # Asked ~10^5 times per mesh: remembered per node object first (hashing a signature and a kernel role each
@@ -190,7 +217,7 @@ class StrategyCache:
             return hit[2]
         # The same operator prices differently in different kernels (what it reads and writes): its kernel role
         # is part of the key.
-        key = (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
+        key = self.list_key(node)
         if key not in self._strats:
             self._strats[key] = strategies_for(node, self.mesh)
         self._by_node[id(node)] = (node, node.__dict__.get("_kernel"), self._strats[key])
@@ -208,6 +235,19 @@ class StrategyCache:
             kept = [s for s, p in zip(strats, projs[1]) if p == proj]
             hit = self._kept[key] = (strats, kept or strats)
         return hit[1]
+
+    def costs(self, strats: list[Strategy]) -> np.ndarray:
+        """Each strategy's seconds, one read-only array per list (operators of one signature share their list)."""
+        hit = self._costs.get(id(strats))
+        if hit is None or hit[0] is not strats:
+            arr = np.array([s.cost for s in strats])
+            arr.setflags(write=False)
+            hit = self._costs[id(strats)] = (strats, arr)
+        return hit[1]
+
+    def list_key(self, node: OpNode) -> tuple:
+        """What :meth:`strategies` keys a node's list by: nodes with equal keys get the same list object."""
+        return (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
 
     def single(self, s: Strategy) -> list[Strategy]:
         """``[s]``, one list per strategy (an operator decided outside the ILP joins it with this one choice)."""
@@ -468,7 +508,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     for op, pin in pins.items():
         if op in index:
             pin_idx[index[op]] = strategy_index(pin, strats[index[op]], graph.op(op))
-    node_costs = [np.array([s.cost for s in ss]) for ss in strats]
+    node_costs = [cache.costs(ss) for ss in strats]
     # Keeping a parameter or optimizer state whole costs no time when its readers slice it locally, but it costs
     # memory: among plans equally fast, prefer the one that stores step inputs sharded (a tie-break, 1e-15 s per byte).
     for k, op in enumerate(nodes):
@@ -512,7 +552,7 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     problem = ilp.IntraProblem(
         node_costs=tuple(node_costs),
         edges=tuple(edges), edge_costs=tuple(mats), node_mem=node_mem, live=live, mem_limit=mem_limit_bytes,
-        pins=pin_idx, names=tuple(graph.op(op).describe() for op in nodes), mem_terms=terms,
+        pins=pin_idx, names=_names(graph, nodes), mem_terms=terms,
     )
     return _Built(problem, nodes, strats)
 
@@ -597,6 +637,17 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
     mem_limit = math.inf if mem_limit_bytes is None else float(mem_limit_bytes)
     if axes not in ("auto", "joint", "sequential"):
         raise ValueError(f"axes must be 'auto', 'joint' or 'sequential', got {axes!r}")
+    chosen, infos = _choose(graph, mesh, ops, pins=pins, mem_limit=mem_limit, reuse_layers=reuse_layers, merge=merge,
+                            solver=solver, time_limit=time_limit, axes=axes, cache=cache, rounds=rounds, memo=memo)
+    return evaluate_intra(graph, mesh, chosen, ops=ops, cache=cache, groups=tuple(infos),
+                          solve_s=time.perf_counter() - t0)
+
+
+def _choose(graph: OpGraph, mesh, ops: list[int], *, pins: Mapping[int, Any], mem_limit: float, reuse_layers: bool,
+            merge: bool, solver: str, time_limit: float | None, axes: str, cache: StrategyCache, rounds: int,
+            memo: dict | None) -> tuple[dict[int, Strategy], list[GroupSolve]]:
+    """:func:`solve_intra`'s choice of strategies and its groups' solves, without the plan's evaluation (which the
+    sequential solve's first pass does not need: it keeps only the strategies)."""
     restrict: dict[int, tuple] = {}
     two_axes = mesh.shape[0] > 1 and mesh.shape[1] > 1
     if two_axes and axes in ("auto", "sequential"):
@@ -604,9 +655,10 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
         if memo is None or key not in memo:
             view: Any = _OneAxisView(mesh)  # axis 0 alone, standing in for a LogicalMesh
             vcache = StrategyCache(view)
-            first = solve_intra(graph, view, ops, mem_limit_bytes=None, reuse_layers=reuse_layers, merge=merge,
-                                solver=solver, time_limit=time_limit, axes="joint", rounds=rounds, cache=vcache)
-            restrict = {op: vcache.project(s) for op, s in first.strategies.items()}
+            first, _ = _choose(graph, view, ops, pins={}, mem_limit=math.inf, reuse_layers=reuse_layers, merge=merge,
+                               solver=solver, time_limit=time_limit, axes="joint", cache=vcache, rounds=rounds,
+                               memo=None)
+            restrict = {op: vcache.project(s) for op, s in first.items()}
             if memo is not None:
                 memo[key] = restrict
         else:
@@ -660,8 +712,8 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
                                         for i, op in enumerate(group) if op in group_pins))
             if reuse_key in done:
                 ref_name, ref_ops = groups[done[reuse_key]]
-                for a, b in zip(ref_ops, group):
-                    chosen[b] = cache.same_strategy(chosen[a], graph.op(b))
+                for a, b, same in zip(ref_ops, group, shared_lists(graph, ref_ops, group, cache)):
+                    chosen[b] = chosen[a] if same else cache.same_strategy(chosen[a], graph.op(b))
                 infos.append(GroupSolve(name, len(group), ref_name, "reused", 0.0, 0.0, 0, 0))
                 continue
             mirror: dict[int, int] = {}
@@ -673,8 +725,7 @@ def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = N
             chosen.update(part)
             infos.append(info)
             done[reuse_key] = k
-    return evaluate_intra(graph, mesh, chosen, ops=ops, cache=cache, groups=tuple(infos),
-                          solve_s=time.perf_counter() - t0)
+    return chosen, infos
 
 
 # --------------------------------------------------------------------------------------------------------------

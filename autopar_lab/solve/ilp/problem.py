@@ -36,6 +36,17 @@ def _frozen_vec(x, what: str) -> np.ndarray:
     return a
 
 
+def _frozen_float(m) -> bool:
+    """Is ``m`` a float64 array that nobody can write, through itself or the arrays it views?"""
+    if not isinstance(m, np.ndarray) or m.dtype != np.float64:
+        return False
+    while isinstance(m, np.ndarray):
+        if m.flags.writeable:
+            return False
+        m = m.base
+    return True
+
+
 @dataclass(frozen=True, eq=False)
 class IntraProblem:
     """One intra-operator ILP instance.
@@ -55,7 +66,8 @@ class IntraProblem:
             :func:`merge_followers` uses them so that a merged follower's memory still
             counts exactly at the points where the follower (not its leader) is live.
 
-    Arrays are copied and made read-only; ``pins`` becomes a read-only mapping.
+    Arrays are copied and made read-only (an edge matrix already read-only, with every array it views, is kept
+    as it is); ``pins`` becomes a read-only mapping.
 
     >>> p = IntraProblem(node_costs=([1.0, 2.0],), pins={0: 1})
     >>> p.num_nodes, p.num_strategies, dict(p.pins)
@@ -83,20 +95,28 @@ class IntraProblem:
         if len(self.edge_costs) != len(edges):
             raise ValueError(f"{len(edges)} edges but {len(self.edge_costs)} edge cost matrices")
         ecosts = []
+        # The intra-op pass hands the same read-only matrix to many edges (identical layers, chains of one shape):
+        # such a matrix is kept as it is (no copy: nobody can write it through this problem) and checked once.
+        checked: dict[int, np.ndarray] = {}
         for k, ((u, v), m) in enumerate(zip(edges, self.edge_costs)):
             if not (0 <= u < n and 0 <= v < n):
                 raise ValueError(f"edge {k} = ({u}, {v}) names a node outside 0..{n - 1}")
             if u == v:
                 raise ValueError(f"edge {k} = ({u}, {v}) is a self loop")
-            a = np.array(m, dtype=float)
+            kept = _frozen_float(m)
+            a = m if kept else np.array(m, dtype=float)
             if a.shape != (sizes[u], sizes[v]):
                 raise ValueError(
                     f"edge {k} = ({u}, {v}): cost matrix has shape {a.shape}, "
                     f"expected {(sizes[u], sizes[v])} (strategies of u x strategies of v)"
                 )
-            if np.isnan(a).any() or np.isneginf(a).any():
-                raise ValueError(f"edge {k} = ({u}, {v}): cost matrix contains NaN or -inf")
-            a.setflags(write=False)
+            if checked.get(id(a)) is not a:
+                if np.isnan(a).any() or np.isneginf(a).any():
+                    raise ValueError(f"edge {k} = ({u}, {v}): cost matrix contains NaN or -inf")
+                if kept:
+                    checked[id(a)] = a
+                else:
+                    a.setflags(write=False)
             ecosts.append(a)
         set_("edges", edges)
         set_("edge_costs", tuple(ecosts))

@@ -19,8 +19,16 @@ def combined_edges(problem: IntraProblem) -> dict[tuple[int, int], np.ndarray]:
         if (u, v) in out:
             out[(u, v)] = out[(u, v)] + m  # inf + x stays inf: a forbidden pair stays forbidden
         else:
-            out[(u, v)] = np.array(m)
+            out[(u, v)] = m  # a problem's matrices are read-only, and a sum makes a new one: no copy needed
     return out
+
+
+def restrict(m: np.ndarray, du: np.ndarray, dv: np.ndarray) -> np.ndarray:
+    """``m[np.ix_(du, dv)]``; ``m`` itself when both domains keep every strategy (the common case: a copy per
+    edge and call was a tenth of building a model)."""
+    if du.size == m.shape[0] and dv.size == m.shape[1]:  # domains are sorted and distinct: all of them
+        return m
+    return m[np.ix_(du, dv)]
 
 
 def _aggregate_rows(problem: IntraProblem) -> list[dict[int, np.ndarray]]:
@@ -120,9 +128,12 @@ def reductions(problem: IntraProblem, *, min_memory: bool):
     # ~1e-7, so bring the largest coefficient to ~1.
     finite_costs = [float(np.abs(c[d]).max()) for c, d in zip(problem.node_costs, dom)]
     for (u, v), m in edges.items():
-        r = m[np.ix_(dom[u], dom[v])]
-        if np.isfinite(r).any():
-            finite_costs.append(float(np.abs(r[np.isfinite(r)]).max()))
+        r = restrict(m, dom[u], dom[v])
+        fin = np.isfinite(r)
+        if fin.all():
+            finite_costs.append(float(np.abs(r).max()))
+        elif fin.any():
+            finite_costs.append(float(np.abs(r[fin]).max()))
     return edges, rows, dom, max(max(finite_costs, default=1.0), 1e-300)
 
 
@@ -164,7 +175,7 @@ def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
         du, dv = dom[u], dom[v]
         if du.size == 1 and dv.size == 1:
             continue
-        r = m[np.ix_(du, dv)]
+        r = restrict(m, du, dv)
         if min_memory:
             if np.isfinite(r).all():
                 continue
