@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar_lab as al
+from autopar_lab.runtime.local import synthetic_batch
 from autopar_lab.runtime.partition import split_stages
 from reference import one_device_training
 
@@ -101,8 +102,10 @@ def test_four_stages_one_layer_each(model, cluster, plan2, reference):
     assert order1[:4] == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 0)]
 
 
-def _run_step(sm, state, batch):
-    """One step through StagedModel's task contract by hand (GPipe order): ``(new_state, outputs)``."""
+def _run_step(sm, state, batch, inside: bool = False):
+    """One step through StagedModel's task contract by hand (GPipe order): ``(new_state, outputs)``. ``inside``: each
+    task adds its part to the running sums inside its program (``run_task(acc=)``, as the runner does), else the
+    sums are made with :meth:`accumulate`."""
     exports, stash, acc = {}, {}, {}
     for j, mb in enumerate(sm.split_batch(batch)):
         for kind, stages in (("fwd", range(sm.num_stages)), ("bwd", reversed(range(sm.num_stages)))):
@@ -110,17 +113,47 @@ def _run_step(sm, state, batch):
                 received = {}
                 for s, kd in sm.sources(k, kind):
                     received.update(exports[(s, kd, j)])
-                res = sm.run_task(k, kind, state[k], received, mb, stash.pop((k, j), None))
+                res = sm.run_task(k, kind, state[k], received, mb, stash.pop((k, j), None),
+                                  acc=acc.get((k, kind)) if inside else None)
                 exports[(k, kind, j)] = res.exports
                 if kind == "fwd":
                     stash[(k, j)] = res.stash
-                acc[(k, kind)] = sm.accumulate(k, acc.get((k, kind)), res.acc)
+                acc[(k, kind)] = res.acc if inside else sm.accumulate(k, acc.get((k, kind)), res.acc)
     new, outs = [], {}
     for k in range(sm.num_stages):
         st, o = sm.update(k, state[k], {**acc.get((k, "fwd"), {}), **acc.get((k, "bwd"), {})})
         new.append(st)
         outs.update(o)
     return new, outs
+
+
+def test_accumulation_inside_the_task_equals_summing_after(model, cluster, plan2):
+    """Gradients summed over the microbatches inside each task's program (the runner's way) give the update that
+    summing each task's own part afterwards gives, on the tensor-parallel stages (sums pinned to the plan's
+    shardings) and on data-parallel ones; the sums keep one layout from microbatch to microbatch."""
+    dp4 = al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=2, table=plan2.table)
+    for plan in (plan2, dp4):
+        sm = split_stages(model, plan, compiler_options=FAST)
+        state = [sm.init_state(k, 0) for k in range(sm.num_stages)]
+        batch = synthetic_batch(model, 1)
+        new_a, outs_a = _run_step(sm, state, batch, inside=False)
+        new_b, outs_b = _run_step(sm, state, batch, inside=True)
+        assert outs_a.keys() == outs_b.keys() and outs_a
+        for o in outs_a:
+            _close(outs_b[o], outs_a[o])
+        for a, b in zip(new_a, new_b):
+            assert a.keys() == b.keys()
+            for name in a:
+                _close(b[name], a[name], rtol=1e-4)
+        # a first microbatch's sum starts from zeros laid out like the sum the task returns
+        mb = sm.split_batch(batch)[0]
+        received = sm.run_task(0, "fwd", state[0], {}, mb).exports  # the last (second) stage reads stage 0's
+        first = sm.run_task(1, "fwd", state[1], received, mb)
+        again = sm.run_task(1, "fwd", state[1], received, mb, acc=first.acc)
+        assert first.acc and all(again.acc[n].sharding == first.acc[n].sharding for n in first.acc)
+        for n in first.acc:
+            if jnp.issubdtype(first.acc[n].dtype, jnp.inexact):
+                _close(again.acc[n], 2 * np.asarray(first.acc[n], np.float64))
 
 
 def test_tied_weight_gradient_sums_both_uses(model, plan2):

@@ -209,11 +209,12 @@ class StageWorker:
             self._left[(c, e, mb)] -= 1
             if not self._left[(c, e, mb)]:
                 del self._stash[(c, e, mb)], self._left[(c, e, mb)]
-        res = sm.run_task(c, kind, self.states[c], pool, self._microbatch(step, mb), kept if sources else None)
+        res = sm.run_task(c, kind, self.states[c], pool, self._microbatch(step, mb), kept if sources else None,
+                          acc=self._acc.get((c, kind)))
         if sm.stash_readers(c, kind):
             self._stash[(c, kind, mb)] = res.stash
             self._left[(c, kind, mb)] = len(sm.stash_readers(c, kind))
-        self._acc[(c, kind)] = sm.accumulate(c, self._acc.get((c, kind)), res.acc)
+        self._acc[(c, kind)] = res.acc  # summed over the microbatches inside the task's program
         jax.block_until_ready(self._acc[(c, kind)])
         out = {n: np.asarray(v) for n, v in res.exports.items()}  # np.asarray waits for the result
         self._times.setdefault(kind, []).append(time.perf_counter() - t0)

@@ -9,10 +9,10 @@
   (:func:`autopar_lab.simulate.task_order`: GPipe, 1F1B, interleaved or ZB-H1) from one thread: a task runs as soon as
   what it needs is there (activations of earlier stages for a forward, gradients of later stages for a backward),
   values move between stage meshes with ``jax.device_put``, a forward keeps what its backward reads (no recomputation,
-  unless the plan rematerialises the stage), gradients are summed over microbatches, and then each stage runs the
-  step's own update for its parameters. An interleaved plan runs each of its chunks as a stage of its own on its plan
-  stage's devices; a ZB-H1 plan runs each backward as two tasks, B and then, where the schedule puts it, the weight
-  gradients W.
+  unless the plan rematerialises the stage), gradients are summed over microbatches inside each task's program, and
+  then each stage runs the step's own update for its parameters. An interleaved plan runs each of its chunks as a
+  stage of its own on its plan stage's devices; a ZB-H1 plan runs each backward as two tasks, B and then, where the
+  schedule puts it, the weight gradients W.
 - **spmd** (one stage, one microbatch): the model's own ``step_fn`` replayed with the plan's sharding of every
   operator (:func:`autopar_lab.validate.replay_with_shardings`) and jitted once on the stage's mesh.
 
@@ -188,8 +188,9 @@ class Runner:
                     if not left[("stash", k, e, j)]:
                         del stash[(k, e, j)]
                 t0 = time.perf_counter()
-                res = sm.run_task(k, kind, self._state[k], received, mbs[j], kept if stash_from[(k, kind)] else None)
-                acc[(k, kind)] = sm.accumulate(k, acc.get((k, kind)), res.acc)
+                res = sm.run_task(k, kind, self._state[k], received, mbs[j], kept if stash_from[(k, kind)] else None,
+                                  acc=acc.get((k, kind)))
+                acc[(k, kind)] = res.acc  # summed over the microbatches inside the task's program
                 if self.timing:
                     _block((res.exports, res.stash, acc[(k, kind)]))
                 times.setdefault((k, kind), []).append(time.perf_counter() - t0)

@@ -882,28 +882,60 @@ class StagedModel:
         exports, stash, acc = sorted(task.exports), sorted(task.stash_out), sorted(task.acc_out)
         consts = self._prog.consts
         binds, shardings = self.ring_ops(k), self.op_shardings(k)
+        acc_sh = [self._acc_sharding(k, t) for t in acc]
 
         def run(*vals):
+            # the last len(acc) arguments: the running sums of the earlier microbatches (zeros for the first), added
+            # to here, as a real runtime accumulates gradients inside the backward (not as a program of its own)
+            vals, acc_in = vals[:len(ins)], vals[len(ins):]
             env = self._run_ops(task.ops, dict(zip(ins, vals)), binds, shardings)
             pick = lambda ts: tuple(env[t] if t in env else consts[t] for t in ts)  # noqa: E731
-            return pick(exports), pick(stash), pick(acc)
+            summed = tuple(jax.lax.with_sharding_constraint(a + b, sh) if _inexact(b.dtype) else b
+                           for a, b, sh in zip(acc_in, pick(acc), acc_sh))
+            return pick(exports), pick(stash), summed
 
         fn = jax.jit(run, compiler_options=self.compiler_options)
         self._compiled[key] = (fn, ins, exports, stash, acc)
         return self._compiled[key]
 
-    def run_task(self, k: int, kind: str, state: dict, received: dict, batch_mb, stash: dict | None = None
-                 ) -> TaskResult:
+    def _acc_sharding(self, k: int, t: int) -> NamedSharding:
+        """Where stage k keeps the running sum of value t: the plan's sharding of it (its producer's strategy), else
+        where :meth:`value_sharding` puts it. The task program pins its sum there and the zeros it starts from live
+        there, so every microbatch calls one compiled program."""
+        info = self._g.tensor(t)
+        outs = self.op_shardings(k).get(info.producer, ((), None))[0] if info.producer is not None else ()
+        node = self._g.op(info.producer) if outs else None
+        sh = outs[list(node.outputs).index(t)] if node is not None and t in node.outputs else None
+        return sh if sh is not None else self._sharding_of(k, t)
+
+    def _acc_zeros(self, k: int, kind: str) -> tuple:
+        key = ("acc0", k, kind)
+        if key not in self._compiled:
+            acc = sorted(self._tasks[(k, kind)].acc_out)
+            like = [(tuple(self._g.tensor(t).shape), jnp.dtype(self._g.tensor(t).dtype), self._acc_sharding(k, t))
+                    for t in acc]
+            # made by a program pinning them as the task's program pins its sums, so both come back with the same
+            # sharding object (a jit keys its compiled programs on it: P(None,) and P() would compile twice)
+            zeros = jax.jit(lambda: tuple(jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sh)
+                                          for shape, dtype, sh in like))
+            self._compiled[key] = zeros()
+        return self._compiled[key]
+
+    def run_task(self, k: int, kind: str, state: dict, received: dict, batch_mb, stash: dict | None = None,
+                 acc: dict | None = None) -> TaskResult:
         """Task ``(k, kind)`` on one microbatch (``batch_mb``: a list of batch leaves from :meth:`split_batch`).
 
         ``state``: stage k's step inputs (:meth:`init_state`); ``received``: the exports of the tasks in
         :meth:`sources` (a dict by name; extra names are ignored; values may live on any device, they are moved
         here); ``stash``: the stashes of stage k's earlier tasks of the same microbatch that this one reads (a backward
-        task: its forward's; a "wgrad" task: its forward's and backward's, merged)."""
+        task: its forward's; a "wgrad" task: its forward's and backward's, merged); ``acc``: this task's ``.acc`` of
+        the earlier microbatches of the step (None for the first). The result's ``acc`` is then ``acc`` plus this
+        microbatch's part, summed inside the task's program (floating values; any other value is this microbatch's),
+        the same as :meth:`accumulate` (``acc``, the result's ``acc`` with ``acc=None``)."""
         task = self._task(k, kind)
         if not task.ops:  # nothing to run (a first stage's B under ZB-H1 may have no input gradient to make)
-            return TaskResult({}, {}, {})
-        fn, ins, exports, stash_out, acc = self._task_fn(k, kind)
+            return TaskResult({}, {}, dict(acc or {}))
+        fn, ins, exports, stash_out, acc_out = self._task_fn(k, kind)
         vals = [state[self._names[t]] for t in task.state_in]
         for t in task.recv:
             name = self._names[t]
@@ -918,9 +950,13 @@ class StagedModel:
             vals += [stash[t] for t in task.stash_in]
         leaf_index = {t: j for j, t in enumerate(self._batch_tids)}
         vals += [move(batch_mb[leaf_index[t]], self._batch_sharding(k, t)) for t in task.batch_in]
+        if acc:
+            vals += [acc[self._names[t]] for t in acc_out]
+        else:
+            vals += list(self._acc_zeros(k, kind))
         e, s, a = fn(*vals)
         return TaskResult({self._names[t]: v for t, v in zip(exports, e)}, dict(zip(stash_out, s)),
-                          {self._names[t]: v for t, v in zip(acc, a)})
+                          {self._names[t]: v for t, v in zip(acc_out, a)})
 
     def _batch_sharding(self, k, t):
         key = ("batch_sh", k, t)
