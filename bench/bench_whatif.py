@@ -19,24 +19,11 @@ import sys
 import time
 
 import autopar_lab as al
-from autopar_lab.pricing import table as table_module
+from autopar_lab.pricing.table_pool import default_workers
 from autopar_lab.widgets.session import Session
 
-#: Seconds spent building StageBlocks (the stage candidates' arrays), summed.
-BLOCK_S = [0.0]
-
-
-def timed_blocks() -> None:
-    init = table_module.StageBlock.__init__
-
-    def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            init(self, *args, **kwargs)
-        finally:
-            BLOCK_S[0] += time.perf_counter() - t0
-
-    table_module.StageBlock.__init__ = timed  # type: ignore[method-assign]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_plan_time import BLOCK_S, timed_blocks  # noqa: E402  (one StageBlock timer for both benchmarks)
 
 
 def model():
@@ -64,7 +51,7 @@ def main(argv: list[str]) -> None:
     cluster = al.Cluster.preset("dgx-a100", hosts=64)
     t0 = time.perf_counter()
     spec = model()
-    table = al.CostTable.build(spec, cluster, workers=table_module.default_workers())
+    table = al.CostTable.build(spec, cluster, workers=default_workers())
     plan = al.auto_plan(table.graph, cluster, table=table)
     t_start = time.perf_counter() - t0
     session = Session(plan, model=spec)
