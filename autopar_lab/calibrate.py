@@ -55,7 +55,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -417,6 +417,17 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
             "beta_s_per_byte": beta}
 
 
+def per_device_task_overhead(task: Mapping[str, Any]) -> float:
+    """The profile's ``task_overhead_s`` from a :func:`measure_task_overhead` result: its fitted task on a block
+    of devices, per device (virtual devices: :func:`autopar_lab.pricing.stage.task_overhead_s` charges a task
+    this times its stage's devices).
+
+    >>> per_device_task_overhead({"task_overhead_s": 6e-4, "block": 2})
+    0.0003
+    """
+    return float(task["task_overhead_s"]) / max(int(task.get("block", 1)), 1)
+
+
 def measure_kernel_overhead(num_devices: int | None = None, steps=(8, 40), repeats: int = 21) -> dict:
     """Time a jitted chain of tiny kernels on every device at once and fit the fixed cost of one kernel.
 
@@ -638,8 +649,10 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "peak_flops": {"float32": peak_concurrent},
             "memory_bytes": total / n,
             "memory_bandwidth": bw_concurrent,
-            # One stage task's launch and input moves (0 when there are too few devices to measure it).
-            "task_overhead_s": task["task_overhead_s"] if task else 0.0,
+            # One stage task's launch and input moves, per device of the task (0 when there are too few devices
+            # to measure it): JAX's CPU devices share the machine's cores, so a task's fixed cost grows with them.
+            "task_overhead_s": per_device_task_overhead(task) if task else 0.0,
+            "virtual": True,
             # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
             "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"]},
         },
@@ -682,7 +695,8 @@ def update_task_overhead(path: str | os.PathLike | None = None, quick: bool = Fa
     out = Path(path) if path is not None else CPU_PROFILE_PATH
     profile = json.loads(out.read_text())
     task = measure_task_overhead(profile.get("num_devices"), repeats=21 if quick else 101)
-    profile["device"]["task_overhead_s"] = task["task_overhead_s"]
+    profile["device"]["task_overhead_s"] = per_device_task_overhead(task)
+    profile["device"]["virtual"] = True
     profile.setdefault("measurements", {})["task_overhead"] = task
     profile["task_overhead_measured_on"] = _dt.date.today().isoformat()
     out.write_text(json.dumps(profile, indent=2) + "\n")

@@ -229,6 +229,12 @@ class Device:
     leave it 0 (a few microseconds of launch, below the per-operator launch overhead the planner already charges);
     the ``cpu`` preset reads the figure :mod:`autopar_lab.calibrate` measured for the local runtime.
 
+    ``virtual``: the host's devices are slices of one machine's cores, as JAX's CPU devices are
+    (``JAX_NUM_CPU_DEVICES``): one driver thread and the same cores run every device's work, so the tasks of
+    different stages on a host run one after another, not at once, and ``task_overhead_s`` is paid per device of
+    the task (each device's part of a program is launched and synchronised on the shared cores). False for real
+    accelerators (see :func:`autopar_lab.pricing.stage.task_overhead_s` and :func:`autopar_lab.simulate.simulate`).
+
     >>> d = Device("toy", {"float32": 1e12, "bfloat16": 4e12}, memory_bytes=2**30, memory_bandwidth=1e11)
     >>> d.peak("bfloat16"), d.peak(np.float32), d.peak("int8"), d.task_overhead_s   # unknown dtype -> float32's
     (4000000000000.0, 1000000000000.0, 1000000000000.0, 0.0)
@@ -239,6 +245,7 @@ class Device:
     memory_bytes: float
     memory_bandwidth: float  # bytes/s
     task_overhead_s: float = 0.0  # seconds per pipeline task (stage forward or backward of one microbatch)
+    virtual: bool = False  # devices that share one machine's cores (JAX CPU devices): see the docstring
     # FLOP/s of elementwise work outside the matrix units (CUDA cores), per dtype; None: ``peak_flops``.
     vector_flops: Mapping[str, float] | None = None
     efficiency: Efficiency = Efficiency()
@@ -267,6 +274,9 @@ class Device:
             raise ValueError(f"device {self.name!r} task_overhead_s must be a finite number of seconds >= 0, got "
                              f"{self.task_overhead_s!r}; give 0 for no per-task overhead.")
         object.__setattr__(self, "task_overhead_s", overhead)
+        if not isinstance(self.virtual, (bool, np.bool_)):
+            raise ValueError(f"device {self.name!r} virtual must be true or false, got {self.virtual!r}.")
+        object.__setattr__(self, "virtual", bool(self.virtual))
         if self.vector_flops is not None:
             if not isinstance(self.vector_flops, Mapping):
                 raise ValueError(f"device {self.name!r} vector_flops must be a mapping of dtype name to FLOP/s or None, "
@@ -282,7 +292,7 @@ class Device:
     def __hash__(self) -> int:
         vec = tuple(sorted(self.vector_flops.items())) if self.vector_flops is not None else None
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth,
-                     self.task_overhead_s, vec, self.efficiency))
+                     self.task_overhead_s, vec, self.efficiency, self.virtual))
 
     def peak(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for ``dtype`` (a name, numpy/jax dtype or scalar type); float32's figure if unknown."""
@@ -323,6 +333,7 @@ class Device:
             "memory_bandwidth": self.memory_bandwidth,
             # Only when set: the GPU presets' dicts (and plan files saved before the field existed) stay as they were.
             **({"task_overhead_s": self.task_overhead_s} if self.task_overhead_s else {}),
+            **({"virtual": True} if self.virtual else {}),
             **({"vector_flops": dict(self.vector_flops)} if self.vector_flops is not None else {}),
             **({"efficiency": self.efficiency.to_dict()} if self.efficiency != Efficiency() else {}),
         }
@@ -518,6 +529,7 @@ def _cpu_preset(hosts: int) -> "Cluster":
         memory_bytes=total / n,
         memory_bandwidth=dev["memory_bandwidth"],
         task_overhead_s=dev.get("task_overhead_s", 0.0),  # profiles written before it was measured: none
+        virtual=bool(dev.get("virtual", False)),  # JAX's CPU devices share the machine's cores
         # Measured per-kernel overhead and the like (profiles written before they were measured: the defaults).
         efficiency=Efficiency.from_dict(dev.get("efficiency")),
     )
@@ -709,6 +721,7 @@ class Cluster:
             memory_bytes=get(dev, "memory_bytes", "device.memory_bytes"),
             memory_bandwidth=get(dev, "memory_bandwidth", "device.memory_bandwidth"),
             task_overhead_s=dev.get("task_overhead_s", 0.0) if isinstance(dev, Mapping) else 0.0,
+            virtual=dev.get("virtual", False) if isinstance(dev, Mapping) else False,
             vector_flops=dev.get("vector_flops") if isinstance(dev, Mapping) else None,
             efficiency=Efficiency.from_dict(dev.get("efficiency") if isinstance(dev, Mapping) else None),
         )

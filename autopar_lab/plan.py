@@ -116,6 +116,9 @@ class CostReport:
     collective_latency_s: float = 0.0
     # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
     schedule_choice: str = field(default="", compare=False)
+    # Virtual devices (JAX's CPU devices): the stages on a host share its cores and run one task at a time, so the
+    # busiest stage also waits while the others run (Device.virtual).
+    shared_host: bool = False
 
     @property
     def fits(self) -> bool:
@@ -152,14 +155,17 @@ class CostReport:
                    f"{tl.virtual_stages}, transfers grow by as much")
         elif tl is not None and tl.schedule == "zb-h1":
             how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
+        shared = ", and the other stages running on its host (virtual devices share its cores)" if self.shared_host \
+            else ""
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
             f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}) + collectives "
             f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
             f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
             f"microbatches, what is not hidden) "
-            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers; stage "
-            f"transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
+            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers"
+            f"{shared}"
+            f"; stage transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
             f"reduction behind the last backward, parameter gathers behind the forward)"
             + (f"; {self.schedule_choice}" if self.schedule_choice else "")

@@ -254,6 +254,7 @@ def simulate(
     warmup: Sequence[int] | None = None,
     wgrad_s: Sequence[float] | None = None,
     virtual_stages: int | None = None,
+    hosts: Sequence[int] | None = None,
 ) -> Timeline:
     """Simulate one training step of a pipeline and return its :class:`Timeline`.
 
@@ -264,7 +265,10 @@ def simulate(
     ``wgrad_s[i]`` (ZB-H1 only, required there): seconds of the weight-gradient task W, ``bwd_s[i]`` then being the
     input-gradient part B alone. ``virtual_stages = v`` (interleaved only, default 2): every per-stage list is per
     virtual stage (``p * v`` entries, chunk ``c`` on stage ``c % p``) and every cut list per cut between
-    consecutive chunks (``p * v - 1``); the timeline's figures are per stage.
+    consecutive chunks (``p * v - 1``); the timeline's figures are per stage. ``hosts[i]``: the compute resource
+    stage ``i`` shares with the stages of the same value (virtual devices: one machine's cores and driver run
+    every stage on it, one task at a time; default: each stage its own). Stages sharing a resource still run their
+    own tasks in order; among them the task that can start first runs next.
 
     Transfer tasks are recorded only on cuts whose transfer time is positive.
 
@@ -315,48 +319,74 @@ def simulate(
     fwd_start = [[0.0] * B for _ in range(C)]
     held_end = [[0.0] * B for _ in range(C)]  # when the microbatch's activations are freed (last bwd or wgrad end)
 
+    if hosts is not None and len(hosts) != S:
+        raise ValueError(f"hosts has {len(hosts)} entries but {S} are needed (one per stage).")
+    resource = list(range(S)) if hosts is None else [int(h) for h in hosts]
+    shared = len(set(resource)) < S
+    resource_free = dict.fromkeys(resource, 0.0)
+
+    def next_start(i: int) -> float | None:
+        """When stage i's next task could start (None: none left, or its input has not arrived)."""
+        if pos[i] >= len(orders[i]):
+            return None
+        kind, c, j = orders[i][pos[i]]
+        at = ready[kind][c][j]
+        return None if at is None else max(stage_free[i], resource_free[resource[i]], at)
+
+    def candidates():
+        """The stages whose next task to place now: each ready one in turn, as many as are ready, when every stage
+        has its own resource; with shared ones, the one task (of all stages) that can start first."""
+        if not shared:
+            for i in range(S):
+                while next_start(i) is not None:
+                    yield i
+            return
+        while True:
+            starts = [(t, i) for i in range(S) for t in (next_start(i),) if t is not None]
+            if not starts:
+                return
+            yield min(starts)[1]
+
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for i in range(S):
-            # Run as many tasks of stage i as are ready; the list is strictly in order.
-            while pos[i] < len(orders[i]):
-                kind, c, j = orders[i][pos[i]]
-                at = ready[kind][c][j]
-                if at is None:
-                    break
-                start = max(stage_free[i], at)
-                end = start + (fwd[c] if kind == "fwd" else bwd[c] if kind == "bwd" else wgt[c])
-                tasks.append(Task(i, kind, j, start, end, c))
-                stage_free[i] = end
-                pos[i] += 1
-                remaining -= 1
-                progressed = True
-                if kind == "fwd":
-                    fwd_start[c][j] = start
-                    if c == C - 1:
-                        ready["bwd"][c][j] = end
-                    else:
-                        t0 = max(end, link_fwd_free[i])
-                        t1 = t0 + sf[c]
-                        link_fwd_free[i] = t1
-                        if sf[c] > 0:
-                            tasks.append(Task(i, "send_fwd", j, t0, t1, c))
-                        ready["fwd"][c + 1][j] = t1
-                elif kind == "bwd":
-                    held_end[c][j] = end
-                    if split:
-                        ready["wgrad"][c][j] = end
-                    if c > 0:
-                        link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
-                        t0 = max(end, link_bwd_free[link])
-                        t1 = t0 + sb[c - 1]
-                        link_bwd_free[link] = t1
-                        if sb[c - 1] > 0:
-                            tasks.append(Task(link, "send_bwd", j, t0, t1, c - 1))
-                        ready["bwd"][c - 1][j] = t1
+        for i in candidates():
+            # One task of stage i, at the earliest its stage, its resource and its input allow.
+            kind, c, j = orders[i][pos[i]]
+            start = next_start(i)
+            assert start is not None  # candidates() yields only stages whose next task is ready
+            end = start + (fwd[c] if kind == "fwd" else bwd[c] if kind == "bwd" else wgt[c])
+            resource_free[resource[i]] = end
+            tasks.append(Task(i, kind, j, start, end, c))
+            stage_free[i] = end
+            pos[i] += 1
+            remaining -= 1
+            progressed = True
+            if kind == "fwd":
+                fwd_start[c][j] = start
+                if c == C - 1:
+                    ready["bwd"][c][j] = end
                 else:
-                    held_end[c][j] = end
+                    t0 = max(end, link_fwd_free[i])
+                    t1 = t0 + sf[c]
+                    link_fwd_free[i] = t1
+                    if sf[c] > 0:
+                        tasks.append(Task(i, "send_fwd", j, t0, t1, c))
+                    ready["fwd"][c + 1][j] = t1
+            elif kind == "bwd":
+                held_end[c][j] = end
+                if split:
+                    ready["wgrad"][c][j] = end
+                if c > 0:
+                    link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
+                    t0 = max(end, link_bwd_free[link])
+                    t1 = t0 + sb[c - 1]
+                    link_bwd_free[link] = t1
+                    if sb[c - 1] > 0:
+                        tasks.append(Task(link, "send_bwd", j, t0, t1, c - 1))
+                    ready["bwd"][c - 1][j] = t1
+            else:
+                held_end[c][j] = end
         if not progressed:  # cannot happen for the schedules above; guard anyway
             raise RuntimeError("pipeline schedule deadlocked; this is a bug in task_order.")
 

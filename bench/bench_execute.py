@@ -20,11 +20,13 @@ of the fastest measured plan.
 
 What the prediction knows about this machine (all measured by ``python -m autopar_lab.calibrate``): per-device
 FLOP/s and memory bandwidth with all 8 devices busy at once (8 virtual devices share the machine's cores), the
-collective link, and the fixed cost of one pipeline task (``device.task_overhead_s``: launching a stage program
-and moving its inputs), which the planner charges per stage forward and backward of each microbatch, shared by
-the host's devices (one driver runs every stage's tasks, so tasks of different stages do not overlap).
+collective link, and the fixed cost of one pipeline task per device of it (``device.task_overhead_s``: launching a
+stage program and moving its inputs), which the planner charges per stage forward and backward of each microbatch
+and per stage update. The devices are virtual (``device.virtual``): one driver and the same two cores run every
+stage, so the pipeline's tasks run one after another (the step is their sum) and a one-stage, one-microbatch plan
+is one program a step.
 
-    JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu .venv/bin/python bench/bench_execute.py [--steps 20] [--layers 4]
+    JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu .venv/bin/python bench/bench_execute.py [--steps 40] [--layers 4]
         [--batch 16] [--hidden 32] [--json] [--block 4] [--round-robin]
 """
 
@@ -145,9 +147,10 @@ def _batch(model, i):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # Steps are cheap next to compiling (tens of ms each); 20 rounds keep the median's noise on this shared machine
-    # well under the 10% the auto-plan check resolves (5 rounds left identical programs 10-15% apart).
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per plan (after one warm-up step)")
+    # Steps are cheap next to compiling (tens of ms each); 40 steps (10 turns of 4) keep the median's noise on this
+    # shared machine under the 10% the auto-plan check resolves (5 rounds left identical programs 10-15% apart; with
+    # 20, one loaded turn of five moved a plan's median by up to 30%).
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per plan (after one warm-up step)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=32)

@@ -162,14 +162,16 @@ def test_task_overhead_only_keeps_the_profile_and_the_preset_reads_it(tmp_path, 
     assert calibrate.main(["--task-overhead-only", "--quick", "--out", str(out)]) == 0
     after = json.loads(out.read_text())
     task = after["measurements"]["task_overhead"]
-    assert after["device"]["task_overhead_s"] == task["task_overhead_s"] >= 0
+    # stored per device of the task: the measured task ran on a block of task["block"] devices
+    assert after["device"]["task_overhead_s"] == pytest.approx(task["task_overhead_s"] / task["block"])
+    assert after["device"]["task_overhead_s"] >= 0 and after["device"]["virtual"] is True
     for key in ("intra_host", "inter_host", "total_memory_bytes"):
         assert after[key] == before[key]
     assert {k: v for k, v in after["device"].items() if k != "task_overhead_s"} == \
         {k: v for k, v in before["device"].items() if k != "task_overhead_s"}
     monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
     c = cl.Cluster.preset("cpu")
-    assert c.device.task_overhead_s == task["task_overhead_s"]
+    assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.virtual
     # it survives the cluster's JSON form (plan files compare it)
     assert cl.Cluster.from_json(c.to_dict()) == c
     # a profile written before the figure existed means no per-task overhead
@@ -197,16 +199,19 @@ def test_shipped_profile_has_the_task_overhead_fit():
 
     prof = json.loads(CPU_PROFILE_PATH.read_text())
     task = prof["measurements"]["task_overhead"]
-    assert prof["device"]["task_overhead_s"] == task["task_overhead_s"] > 0
+    # per device of a task: the fitted task ran on a block of devices
+    assert prof["device"]["task_overhead_s"] == pytest.approx(task["task_overhead_s"] / task["block"])
+    assert task["task_overhead_s"] > 0 and prof["device"]["virtual"] is True
     for p in task["points"]:
         assert p["fit_seconds"] == pytest.approx(task["task_overhead_s"] + task["beta_s_per_byte"] * p["bytes"])
 
 
 def test_planner_charges_the_task_overhead_once_per_task():
-    """Each stage forward and each backward of a microbatch costs the device's task_overhead_s once, times the
-    host's devices over the stage's (the host's one driver runs every stage's tasks; measured: tasks of different
-    stages do not overlap on the cpu preset). A rematerialised stage's backward (forward rerun inside it) is still
-    one task. The vectorised candidates the stage DP uses carry the same numbers."""
+    """Each stage forward and each backward of a microbatch costs the device's task_overhead_s once, and the
+    stage's update once a step (1/B of a task per backward); on virtual devices (JAX's CPU devices) times the
+    stage's devices (each device's part of a program is launched on the shared cores; measured, bench/RESULTS.md).
+    A rematerialised stage's backward (forward rerun inside it) is still one task. The vectorised candidates the
+    stage DP uses carry the same numbers."""
     import dataclasses
 
     import autopar_lab as al
@@ -216,22 +221,24 @@ def test_planner_charges_the_task_overhead_once_per_task():
     base = Cluster.preset("p3.16xlarge")  # 8 devices per host, no jax devices needed
     graph = al.models.get("gpt-tiny", batch_size=8, num_layers=2).trace()
     t = 1e-3
-    with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t))
     table = CostTable(graph, base)
     B = 4
-    for submesh, shape, factor in (((1, 2), (1, 2), 4), ((1, 8), (1, 8), 1)):
-        table.cluster = base
-        plain = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
-        table.cluster = with_overhead
-        charged = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
-        for p, c in zip(plain, charged):
-            assert c.fwd_s - p.fwd_s == pytest.approx(t * factor, rel=1e-9)
-            assert c.bwd_s - p.bwd_s == pytest.approx(t * factor, rel=1e-9)
-            assert (c.static_bytes, c.act_bytes) == (p.static_bytes, p.act_bytes)
-        fast = table.candidate_fn(B)(0, 2, submesh)
-        for c in fast:
-            ref = table.stage(0, 2, submesh, c.logical_mesh, B, c.remat)
-            assert (c.fwd_s, c.bwd_s) == (ref.fwd_s, ref.bwd_s)
+    for virtual in (False, True):
+        with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, virtual=virtual))
+        for submesh, shape, devices in (((1, 2), (1, 2), 2), ((1, 8), (1, 8), 8)):
+            factor = devices if virtual else 1
+            table.cluster = base
+            plain = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
+            table.cluster = with_overhead
+            charged = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
+            for p, c in zip(plain, charged):
+                assert c.fwd_s - p.fwd_s == pytest.approx(t * factor, rel=1e-9)
+                assert c.bwd_s - p.bwd_s == pytest.approx(t * factor * (1 + 1 / B), rel=1e-9)
+                assert (c.static_bytes, c.act_bytes) == (p.static_bytes, p.act_bytes)
+            fast = table.candidate_fn(B)(0, 2, submesh)
+            for c in fast:
+                ref = table.stage(0, 2, submesh, c.logical_mesh, B, c.remat)
+                assert (c.fwd_s, c.bwd_s) == (ref.fwd_s, ref.bwd_s)
 
 
 def test_buffer_overhead_is_measured_per_state_array():

@@ -48,7 +48,8 @@ def test_interleaved_plan_is_priced_chunk_by_chunk(plan):
              for c in range(1, p * v)]
     want = simulate([c.fwd_s for c in order], [c.bwd_s for c in order], B, "interleaved", send_fwd_s=sends,
                     send_bwd_s=sends, act_bytes=[c.act_bytes for c in order],
-                    static_bytes=[c.static_bytes for c in order], virtual_stages=v)
+                    static_bytes=[c.static_bytes for c in order], virtual_stages=v,
+                    hosts=[0] * p)  # the cpu preset's devices are virtual: both stages share one host's cores
     assert q.cost.step_time_s == want.makespan
     assert q.cost.peak_mem_bytes == want.peak_mem_bytes
     assert q.cost.stage_comm_s == pytest.approx(2 * sum(sends))
@@ -93,7 +94,8 @@ def test_zb_h1_splits_each_backward_into_input_and_weight_gradients(plan, model)
     sends = stage_transfers(table, plan.stages, 4)
     want = simulate([st.fwd_s for st in q.stages], [st.bwd_s - st.wgrad_s for st in q.stages], 4, "zb-h1",
                     send_fwd_s=sends, send_bwd_s=sends, act_bytes=[st.act_bytes for st in q.stages],
-                    static_bytes=[st.static_bytes for st in q.stages], wgrad_s=[st.wgrad_s for st in q.stages])
+                    static_bytes=[st.static_bytes for st in q.stages], wgrad_s=[st.wgrad_s for st in q.stages],
+                    hosts=[0] * len(q.stages))  # virtual devices: one host's cores run every stage
     assert q.cost.step_time_s == pytest.approx(want.makespan, rel=1e-12)
     assert "zero-bubble" in q.cost.explain() and q.report()["stages"][0]["wgrad_s"] > 0
 

@@ -90,17 +90,17 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
 def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches: int, schedule: str,
                       sends: Sequence[float], act_bytes: Sequence[float], static_bytes: Sequence[float],
                       mem_limit_bytes: float, wgrad_s: Sequence[float] | None = None,
-                      virtual_stages: int = 1) -> Timeline:
+                      virtual_stages: int = 1, hosts: Sequence[int] | None = None) -> Timeline:
     """The pipeline's timeline: the schedule as is, or for 1F1B with transfers, a deeper warm-up when that is
-    faster and still fits in ``mem_limit_bytes``. ``wgrad_s`` and ``virtual_stages``: as for
-    :func:`~autopar_lab.simulate.simulate` (ZB-H1 and interleaved).
+    faster and still fits in ``mem_limit_bytes``. ``wgrad_s``, ``virtual_stages`` and ``hosts``: as for
+    :func:`~autopar_lab.simulate.simulate` (ZB-H1, interleaved, stages sharing a virtual host's cores).
 
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
     def run(warmup):
         return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
                         act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, wgrad_s=wgrad_s,
-                        virtual_stages=virtual_stages)
+                        virtual_stages=virtual_stages, hosts=hosts)
 
     tl = run(None)
     if schedule == "1f1b" and any(sends):
@@ -224,8 +224,18 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         sim = dict(fwd=[t[0] for t in totals], bwd=[t[1] - w for t, w in zip(totals, wgrad)],
                    act=[t[3] for t in totals], static=[t[2] for t in totals])
         sends = stage_transfers(table, priced, microbatches)
+    hosts = None
+    if cluster.device.virtual:
+        # Virtual devices (JAX's CPU devices) share one machine's cores and driver: the stages on a host run one
+        # task at a time (measured: a pipeline's step is the sum of its tasks, bench/RESULTS.md).
+        hosts = [off // cluster.devices_per_host for off in stage_offsets(priced)]
+        if p == 1 and microbatches == 1 and v == 1:
+            # One stage, one microbatch: the runtime replays the whole step as one program (its "spmd" mode), one
+            # task a step where the stage formula counts a forward, a backward and an update.
+            task = table.task_overhead_s(priced[0].submesh)
+            sim["bwd"] = [max(b - 2 * task, 0.0) for b in sim["bwd"]]
     tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, sim["act"], sim["static"], mem,
-                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v)
+                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v, hosts=hosts)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
     for k, (st, off, peak, (costs, intra, kept)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
@@ -267,6 +277,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         collectives=colls,
         collective_latency_s=float(latency),
         flash_attention=cluster.device.efficiency.flash_attention,
+        shared_host=hosts is not None and len(priced) > 1,
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),

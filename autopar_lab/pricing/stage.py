@@ -4,7 +4,8 @@ A stage running layers ``a..b`` on a microbatch of ``batch / B`` samples costs `
 launch of every kernel it runs per microbatch (:attr:`~autopar_lab.pricing.layers.LayerCost.launch_fwd_s`: the term
 that stops more microbatches from being free) and the latency of every collective it issues per microbatch
 (:attr:`~autopar_lab.pricing.layers.LayerCost.latency_fwd_s`: the alpha term, paid by each microbatch, not shared);
-each forward and each backward task also costs the device's ``task_overhead_s`` (:func:`task_overhead_s`).
+each forward and each backward task, and the stage's update once a step, also cost the device's ``task_overhead_s``
+(:func:`task_overhead_s`).
 Communication that systems overlap is charged only where it shows
 (:func:`hidden_comm_s`): the data-parallel gradient reduction runs in buckets behind the backward of the step's last
 microbatch, and parameters gathered from their shards are prefetched behind the forward; tensor-parallel collectives
@@ -129,8 +130,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
         static = static + act / layers
         act = totals["ckpt_bytes"] / B
         bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"] + lat_fwd
-    # Once per task: a rematerialised backward is still one task.
-    return fwd + task_s, bwd + task_s, static, act
+    # Once per task: a rematerialised backward is still one task. The stage's update is a program of its own once a
+    # step (one more task), spread over the microbatches as the update's work is.
+    return fwd + task_s, bwd + task_s + task_s / B, static, act
 
 
 def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: int, task_s: float) -> float:
@@ -155,11 +157,23 @@ def recomputed_kernels(span: Mapping[str, float], cluster: Cluster) -> float:
 
 def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:
     """Seconds charged per stage task (the forward, or the backward, of one microbatch): the device's
-    ``task_overhead_s`` times the host's devices over the stage's devices on that host. A host runs every
-    stage's tasks from one driver, so a stage on d of its D devices gets d/D of it, as it gets d/D of the
-    host's cores (measured on the cpu preset: tasks of different stages do not overlap). 0 on the GPU presets."""
-    per_host = cluster.devices_per_host
-    return cluster.device.task_overhead_s * per_host / min(int(submesh[1]), per_host)
+    ``task_overhead_s``, times the stage's devices on one host when the devices are virtual (JAX's CPU devices:
+    every device's part of a program is launched and synchronised on the machine's shared cores, so a task on 4
+    devices costs twice one on 2; measured on this machine, bench/RESULTS.md). Tasks of different stages on a
+    virtual host run one after another (the pipeline simulation's host resource), so nothing else scales it.
+    0 on the GPU presets.
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> c = Cluster.preset("p3.16xlarge")
+    >>> cpu = c.with_(device=c.device.__class__("cpu", {"float32": 1e10}, 2**30, 1e9, task_overhead_s=1e-4,
+    ...                                         virtual=True))
+    >>> round(task_overhead_s(cpu, (1, 4)) * 1e3, 6), round(task_overhead_s(cpu, (1, 2)) * 1e3, 6)
+    (0.4, 0.2)
+    """
+    dev = cluster.device
+    if not dev.virtual:
+        return dev.task_overhead_s
+    return dev.task_overhead_s * min(int(submesh[1]), cluster.devices_per_host)
 
 
 def pareto(cands: Sequence[StageCandidate]) -> list[StageCandidate]:
