@@ -237,7 +237,19 @@ def _sharding(mesh: Mesh, spec: ShardingSpec | None, shape) -> NamedSharding:
     mshape = tuple(mesh.devices.shape)
     if spec is None or not spec.is_valid(tuple(shape), mshape):
         return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
+    return _named(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
+
+
+def _named(mesh: Mesh, pspec: PartitionSpec) -> NamedSharding:
+    """``NamedSharding(mesh, pspec)`` spelled as a jitted program spells its outputs' shardings: without trailing
+    unsplit dimensions (``P(None,)`` is ``P()``, ``P('x', None)`` is ``P('x')``). A jit keys its dispatch cache on the
+    sharding object, and the two spellings are unequal: a state placed as ``P(None,)`` and updated to ``P()`` gave
+    every task and update program a second cache entry in the second step (and a backward one in the first: its
+    received gradients), each a miss looked up again through jax's slow path."""
+    parts = list(pspec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return NamedSharding(mesh, PartitionSpec(*parts))
 
 
 def _batch_axis_spec(spec: ShardingSpec | None, rank: int) -> ShardingSpec | None:
@@ -723,7 +735,7 @@ class StagedModel:
         sh = getattr(x, "sharding", None)
         if (isinstance(x, jax.Array) and isinstance(sh, NamedSharding)
                 and tuple(sh.mesh.devices.shape) == tuple(mesh.devices.shape)):
-            return move(x, NamedSharding(mesh, sh.spec))
+            return move(x, _named(mesh, sh.spec))
         return move(x, self._sharding_of(k, t))
 
     # --- init, batches, merge -----------------------------------------------------------------------------------
@@ -837,7 +849,7 @@ class StagedModel:
                 shape = tuple(shape)
                 if spec is None or spec.rank != len(shape) or not spec.is_valid(shape, mshape):
                     return None
-                return NamedSharding(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
+                return _named(mesh, spec.to_partition_spec(DEFAULT_AXIS_NAMES))
 
             ops = {i for kd in self.kinds for i in self._tasks[(k, kd)].ops} | set(self._update[k]["ops"])
             for i in sorted(ops):
@@ -894,7 +906,11 @@ class StagedModel:
                            for a, b, sh in zip(acc_in, pick(acc), acc_sh))
             return pick(exports), pick(stash), summed
 
-        fn = jax.jit(run, compiler_options=self.compiler_options)
+        # the running sums are donated: XLA writes this microbatch's sums into their buffers, so a stage holds one
+        # buffer per sum through the step, not the old and the new one side by side (a non-floating value is not a
+        # sum: its output is this microbatch's value, no buffer could take it, and jax would warn of an unused one)
+        donate = tuple(len(ins) + j for j, t in enumerate(acc) if _inexact(jnp.dtype(self._g.tensor(t).dtype)))
+        fn = jax.jit(run, compiler_options=self.compiler_options, donate_argnums=donate)
         self._compiled[key] = (fn, ins, exports, stash, acc)
         return self._compiled[key]
 
@@ -909,6 +925,9 @@ class StagedModel:
         return sh if sh is not None else self._sharding_of(k, t)
 
     def _acc_zeros(self, k: int, kind: str) -> tuple:
+        """Fresh zeros to start task ``(k, kind)``'s sums from, made anew for each step's first microbatch: the task
+        program takes them donated and writes its sums into them, so no zeros outlive the first task (cached, they
+        were one more gradient-sized buffer per stage for the runner's lifetime)."""
         key = ("acc0", k, kind)
         if key not in self._compiled:
             acc = sorted(self._tasks[(k, kind)].acc_out)
@@ -916,10 +935,9 @@ class StagedModel:
                     for t in acc]
             # made by a program pinning them as the task's program pins its sums, so both come back with the same
             # sharding object (a jit keys its compiled programs on it: P(None,) and P() would compile twice)
-            zeros = jax.jit(lambda: tuple(jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sh)
-                                          for shape, dtype, sh in like))
-            self._compiled[key] = zeros()
-        return self._compiled[key]
+            self._compiled[key] = jax.jit(lambda: tuple(jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sh)
+                                                        for shape, dtype, sh in like))
+        return self._compiled[key]()
 
     def run_task(self, k: int, kind: str, state: dict, received: dict, batch_mb, stash: dict | None = None,
                  acc: dict | None = None) -> TaskResult:
@@ -931,7 +949,9 @@ class StagedModel:
         task: its forward's; a "wgrad" task: its forward's and backward's, merged); ``acc``: this task's ``.acc`` of
         the earlier microbatches of the step (None for the first). The result's ``acc`` is then ``acc`` plus this
         microbatch's part, summed inside the task's program (floating values; any other value is this microbatch's),
-        the same as :meth:`accumulate` (``acc``, the result's ``acc`` with ``acc=None``)."""
+        the same as :meth:`accumulate` (``acc``, the result's ``acc`` with ``acc=None``). ``acc``'s floating arrays are
+        *donated*: the program writes the new sums into their buffers, and they are deleted (keep the result's
+        ``acc``, or copy them first)."""
         task = self._task(k, kind)
         if not task.ops:  # nothing to run (a first stage's B under ZB-H1 may have no input gradient to make)
             return TaskResult({}, {}, dict(acc or {}))
