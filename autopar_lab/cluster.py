@@ -131,7 +131,8 @@ class Efficiency:
     - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch;
     - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
       step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
-      ``cpu`` preset, where it is tens of microseconds; 0 on the GPU presets, whose executables keep their buffers).
+      ``cpu`` preset, where it is tens of microseconds, with every array on all the host's devices: a mesh of fewer
+      virtual devices pays its share; 0 on the GPU presets, whose executables keep their buffers).
 
     The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
     device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
@@ -595,6 +596,12 @@ class Cluster:
                 raise ValueError(f"{field} must be a Link, got {type(getattr(self, field)).__name__}; use Link(bandwidth, latency).")
 
     # -- basic facts ------------------------------------------------------------------------------------
+
+    @property
+    def serial_host(self) -> bool:
+        """Whether a plan's stages all share one host's cores and driver (virtual devices, one host: the local
+        ``cpu`` preset), so they run one task at a time: the stage DP prices a pipeline as the sum of its tasks."""
+        return self.device.virtual and self.hosts == 1
 
     @property
     def num_devices(self) -> int:

@@ -381,7 +381,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
     return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
                     cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
                     intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
-                    constraints=con, **sched)
+                    constraints=con, serial_host=cluster.serial_host, **sched)
 
 
 # --------------------------------------------------------------------------------------------------------------

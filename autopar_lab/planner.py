@@ -179,6 +179,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     ``virtual_stages`` and ``wgrad_share`` among them: the DP prices every schedule with its own formula).
     """
     make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
+    # one host of virtual devices runs the stages one task at a time: the DP prices that, as price_plan does
+    kw.setdefault("serial_host", cluster.serial_host)
     L = len(table.layer_names)
     cuts = list(table.cut_bytes)
     if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks

@@ -157,19 +157,49 @@ def test_a_pipeline_on_one_cpu_host_costs_the_sum_of_its_tasks(layers, pp, dp):
 
 def test_a_one_program_step_pays_one_task():
     """One stage, one microbatch: the runtime runs the step as one program, so the plan pays one task, not a
-    forward, a backward and an update."""
+    forward, a backward and an update; with two microbatches it runs 2 forwards, 2 backwards and an update."""
     cluster = Cluster.preset("cpu")
+    quiet = cluster.with_(device=dataclasses.replace(cluster.device, task_overhead_s=0.0))
     model = _model(4)
-    plan = al.data_parallel_plan(model, cluster)
-    st = plan.stages[0]
-    task = plan.table.task_overhead_s(st.submesh)
-    assert len(plan.stages) == 1 and plan.microbatches == 1 and task > 0
-    # the stage's own figures count three tasks (forward, backward, update); the step one
-    assert plan.cost.step_time_s == pytest.approx(st.fwd_s + st.bwd_s - 2 * task, rel=1e-9)
-    # two microbatches run as tasks (two forwards, two backwards, one update): the stage formula as it is
-    two = al.data_parallel_plan(model, cluster, microbatches=2, table=plan.table)
-    st2 = two.stages[0]
-    assert two.cost.step_time_s == pytest.approx(2 * (st2.fwd_s + st2.bwd_s), rel=1e-9)
+    for B, tasks in ((1, 1), (2, 5)):
+        plan = al.data_parallel_plan(model, cluster, microbatches=B)
+        free = al.data_parallel_plan(model, quiet, microbatches=B)
+        task = plan.table.task_overhead_s(plan.stages[0].submesh)
+        assert len(plan.stages) == 1 and task == 8 * cluster.device.task_overhead_s > 0
+        assert plan.cost.step_time_s - free.cost.step_time_s == pytest.approx(tasks * task, rel=1e-9)
+
+
+def test_state_arrays_cost_their_share_of_the_host():
+    """The update's per-array cost (measured with each array on all 8 devices) is paid per shard: a stage on d of
+    the host's 8 devices pays d / 8 of it for each state array it holds."""
+    cluster = Cluster.preset("cpu")
+    b = cluster.device.efficiency.buffer_s
+    assert b > 0
+    model = _model(4)
+    graph = model.trace()
+    from autopar_lab.graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM
+
+    arrays = sum(1 for n in graph if n.primitive == INPUT_PRIMITIVE and graph.tensor(n.outputs[0]).kind in
+                 (PARAM, OPT_STATE))
+    delta = {}
+    for dp, pp, B in ((8, 1, 1), (4, 2, 2), (2, 4, 4)):
+        kw = dict(dp=dp, tp=1, pp=pp, microbatches=B)
+        delta[pp] = (al.megatron_plan(model, cluster, **kw).cost.step_time_s
+                     - al.megatron_plan(model, cluster.with_(buffer_s=0.0), **kw).cost.step_time_s)
+    assert delta[1] == pytest.approx(arrays * b, rel=1e-9)
+    assert delta[2] == pytest.approx(delta[1] / 2, rel=1e-9) and delta[4] == pytest.approx(delta[1] / 4, rel=1e-9)
+
+
+@pytest.mark.parametrize("name,kw", [("gpt-tiny", dict(batch_size=16, num_layers=4, hidden_size=32)),
+                                     ("gpt-tiny", dict(batch_size=16, num_layers=24))])
+def test_auto_is_never_slower_than_data_parallel_on_the_cpu_preset(name, kw):
+    """The stage DP prices a virtual host as the simulation does (the sum of its tasks, one program for a whole
+    step): before it did, auto chose an 8-stage pipeline for the 24-layer model, 3x data parallel's step."""
+    cluster = Cluster.preset("cpu")
+    model = al.models.get(name, **kw)
+    auto = al.auto_plan(model, cluster)
+    dp = al.data_parallel_plan(model, cluster, table=auto.table)
+    assert auto.cost.step_time_s <= dp.cost.step_time_s * (1 + 1e-9)
 
 
 def test_cli_plan_on_the_cpu_preset_from_another_directory(tmp_path):
@@ -185,3 +215,39 @@ def test_cli_plan_on_the_cpu_preset_from_another_directory(tmp_path):
     B = data["microbatches"]
     assert data["step_time_s"] == pytest.approx(sum(B * (s["fwd_s"] + s["bwd_s"]) for s in stages),
                                                         rel=1e-2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_serial_stage_dp_against_brute_force(seed):
+    """The stage DP on one host of virtual devices minimises B (sum t + sum c), as the brute force over every
+    partition and submesh assignment does, and its plan's latency is the simulation of the plan on one host."""
+    import random
+
+    from autopar_lab.solve.inter import StageCandidate, brute_force_stages, serial_latency, stage_dp
+
+    rng = random.Random(seed)
+    table = {}
+
+    def cands(a, b, sub):
+        key = (a, b, sub)
+        if key not in table:  # a stage is cheaper per device on more devices, plus a fixed cost per task
+            d = sub[0] * sub[1]
+            work = sum(rng.uniform(0.5, 2.0) for _ in range(a, b + 1))
+            table[key] = [StageCandidate((a, b), sub, sub, False, work / d + 0.3 * d, 2 * work / d + 0.3 * d, 0, 0)]
+        return table[key]
+
+    B = rng.choice([1, 2, 4])
+    kw = dict(cut_bytes=[rng.uniform(0, 1e6) for _ in range(4)], intra_link=Cluster.preset("cpu").intra_host,
+              inter_link=Cluster.preset("cpu").inter_host, serial_host=True)
+    dp = stage_dp(5, 1, 4, cands, B, **kw)
+    bf = brute_force_stages(5, 1, 4, cands, B, **kw)
+    assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
+    times = [c.fwd_s + c.bwd_s for c in dp.stages]
+    # at least the stages' own work, at most that and every cut's round trip
+    assert serial_latency(times, [], B) <= dp.latency_s <= serial_latency(times, [], B) + B * 2 * sum(
+        kw["cut_bytes"]) / kw["intra_link"].bandwidth + B * 2 * 4 * kw["intra_link"].latency + 1e-12
+    tl = simulate([c.fwd_s for c in dp.stages], [c.bwd_s for c in dp.stages], B, "1f1b", hosts=[0] * len(dp.stages))
+    assert tl.makespan == pytest.approx(B * sum(times), rel=1e-9)
+    # separate devices would overlap the stages: Alpa's formula is never above the serial one
+    plain = stage_dp(5, 1, 4, cands, B, **dict(kw, serial_host=False))
+    assert plain.latency_s <= dp.latency_s * (1 + 1e-12)

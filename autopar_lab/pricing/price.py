@@ -229,11 +229,6 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         # Virtual devices (JAX's CPU devices) share one machine's cores and driver: the stages on a host run one
         # task at a time (measured: a pipeline's step is the sum of its tasks, bench/RESULTS.md).
         hosts = [off // cluster.devices_per_host for off in stage_offsets(priced)]
-        if p == 1 and microbatches == 1 and v == 1:
-            # One stage, one microbatch: the runtime replays the whole step as one program (its "spmd" mode), one
-            # task a step where the stage formula counts a forward, a backward and an update.
-            task = table.task_overhead_s(priced[0].submesh)
-            sim["bwd"] = [max(b - 2 * task, 0.0) for b in sim["bwd"]]
     tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, sim["act"], sim["static"], mem,
                            wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v, hosts=hosts)
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 #: ``efficiency.kernel_launch_s`` is what prices a launch now).
 LAUNCH_OVERHEAD_S = 5e-6
 
+#: What each of a stage's three tasks a step (forward, backward, update, with one microbatch) is charged of the task
+#: overhead when the stage is the whole step run as one program (:meth:`CostTable.one_program`): one task in all.
+ONE_PROGRAM_SHARE = 1.0 / 3.0
+
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",

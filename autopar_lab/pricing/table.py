@@ -37,7 +37,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
+from .stage import ONE_PROGRAM_SHARE, pareto, prefix_sums, stage_cost, task_overhead_s
 from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_one)
 
 if TYPE_CHECKING:
@@ -548,14 +548,25 @@ class CostTable:
         """Seconds charged per stage task on ``submesh`` (see :func:`~autopar_lab.pricing.stage.task_overhead_s`)."""
         return task_overhead_s(self.cluster, submesh)
 
+    def one_program(self, start: int, end: int, submesh, microbatches: int) -> bool:
+        """Whether a stage of layers start..end on ``submesh`` is a whole step run as one program: every layer on
+        every device with one microbatch, on virtual devices (the runtime's "spmd" mode replays the step). Its
+        forward, backward and update, three tasks in the stage formula, are then one task
+        (:data:`ONE_PROGRAM_SHARE` of the per-task charge each)."""
+        return (self.cluster.device.virtual and int(microbatches) == 1 and start == 0
+                and end == len(self.layer_names) - 1 and int(submesh[0]) * int(submesh[1]) == self.cluster.num_devices)
+
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None, solution: str = "fast") -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
+        task = self.task_overhead_s(submesh)
+        if self.one_program(start, end, submesh, microbatches):
+            task *= ONE_PROGRAM_SHARE
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
-                                           self.task_overhead_s(submesh))
+                                           task)
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                               payload=intra, solution=solution)
 
@@ -689,7 +700,10 @@ class StageBlock:
         rows, cols = self.starts, self.ends
         upper = rows[:, None] <= cols[None, :]  # start <= end
         entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L][rows]  # bytes entering layer a
-        task = table.task_overhead_s(submesh)
+        task: Any = table.task_overhead_s(submesh)
+        if table.one_program(0, L - 1, submesh, B) and rows[0] == 0 and cols[-1] == L - 1:
+            task = np.full((len(rows), len(cols)), task)
+            task[0, -1] *= ONE_PROGRAM_SHARE  # the whole step on the whole cluster: one program (one_program)
         dims = (len(self.options), len(rows), len(cols))
         keys = [np.full(dims, np.inf) for _ in range(4)]  # (K, rows, cols) each
         totals: dict[str, np.ndarray] = {}

@@ -77,6 +77,7 @@ __all__ = [
     "stage_dp_auto",
     "transfer_s",
     "brute_force_stages",
+    "serial_latency",
     "pipeline_latency",
     "submesh_shapes",
     "placement_fits",
@@ -430,6 +431,17 @@ def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
     return a * (sum(stage_s) + kappa * sum(cut_s) + K * max(list(stage_s) + [kappa * c for c in necks]))
 
 
+def serial_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int) -> float:
+    """The step time when every stage runs on one host's shared cores (virtual devices, one driver): each stage's
+    forward and backward of every microbatch, and each transfer, one after another, ``B (sum t + sum c)``; the
+    simulator's makespan on one host (checked in the tests), whatever the schedule.
+
+    >>> serial_latency([3, 1], [0.5], 4)
+    18.0
+    """
+    return microbatches * (sum(stage_s) + sum(cut_s))
+
+
 def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int,
                      cut_neck_s: Sequence[float] | None = None) -> float:
     """``sum t + sum c + (B-1) * max(t, n)``: transfers act as extra pipeline stages. ``c`` is a cut's
@@ -493,6 +505,7 @@ class _Problem:
     virtual_stages: int = 1  # chunks per stage (interleaved)
     wgrad_share: float = DEFAULT_WGRAD_SHARE  # W's share of a stage's time (zb-h1)
     total_stages: int | None = None  # the stage count this problem is solved for (the schedules of BY_STAGE_COUNT)
+    serial: bool = False  # the stages share one host's cores (virtual devices): they run one task at a time
 
     @property
     def fixed_stages(self) -> int | None:
@@ -507,11 +520,16 @@ class _Problem:
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
-        """``(a, kappa, K)`` of the schedule's formula (:func:`_coefficients`)."""
+        """``(a, kappa, K)`` of the schedule's formula (:func:`_coefficients`); on a serial host every stage's
+        microbatches run one after another whatever the schedule: ``B (sum t + sum c)`` (:func:`serial_latency`)."""
+        if self.serial:
+            return float(self.microbatches), 1.0, 0.0
         return _coefficients(self.schedule, self.microbatches, self.virtual_stages, self.wgrad_share)
 
     def latency(self, stage_s: Sequence[float], cut_s: Sequence[float],
                 cut_neck_s: Sequence[float] | None = None) -> float:
+        if self.serial:
+            return serial_latency(stage_s, cut_s, self.microbatches)
         return schedule_latency(stage_s, cut_s, self.microbatches, self.schedule, self.virtual_stages,
                                 self.wgrad_share, cut_neck_s)
 
@@ -560,7 +578,7 @@ def transfer_s(nbytes: float, link: Any) -> float:
 def _build_problem(
     num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
     intra_link, inter_link, stage_comm, max_stages, schedule, constraints=None, virtual_stages=None,
-    wgrad_share=None,
+    wgrad_share=None, serial_host=False,
 ) -> _Problem:
     L = _positive_int(num_layers, "num_layers")
     N = _positive_int(hosts, "hosts")
@@ -640,7 +658,8 @@ def _build_problem(
         used = tuple(shape for shape in shapes if shape in have)
     # Shapes without any candidate can never be placed: the DP's tables leave them out (at thousands of devices most
     # submesh shapes have none), which keeps the order of the others and so every tie-break.
-    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w)
+    return _Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w,
+                    serial=bool(serial_host))
 
 
 def _check_block(b: CandidateBlock, shape: tuple[int, int], L: int) -> None:
@@ -1030,6 +1049,7 @@ def stage_dp(
     prune: bool = True,
     virtual_stages: int | None = None,
     wgrad_share: float | None = None,
+    serial_host: bool = False,
 ) -> InterResult | None:
     """Alpa's stage DP: the latency-optimal pipeline over the candidates given.
 
@@ -1050,6 +1070,9 @@ def stage_dp(
     direction over ``intra_link`` or ``inter_link`` (see the placement rule in the module
     docstring). A candidate is usable only if ``static_bytes + held * act_bytes <=
     mem_limit_bytes`` with ``held`` from :func:`held_microbatches`.
+
+    ``serial_host``: the stages share one host's cores (virtual devices, JAX's CPU devices): they run one task at a
+    time, so every schedule's step is :func:`serial_latency` (no max term: one DP, no t_max search).
 
     T* = min over t_max of [min_s F(s, 0, N*M; t_max) + (B-1) t_max], with t_max over the
     distinct stage and (priced) cut times. ``t_max_search`` picks which t_max to solve:
@@ -1086,6 +1109,7 @@ def stage_dp(
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
         intra_link, inter_link, stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share,
+        serial_host,
     )
     if p.schedule not in BY_STAGE_COUNT:
         return _solve(p, t_max_search, upper_bound, prune, t0)
@@ -1168,7 +1192,7 @@ def _solve(p: _Problem, t_max_search: str, upper_bound: float, prune: bool, t0: 
         t_lb = H / NM * (1 - _MARGIN)
         cut_min = float(cut_full[1:, 1:NM].min()) if L > 1 and NM > 1 else 0.0
         sum_lb = dpbounds.stage_sum_bounds(G, NM, cut_min) * (1 - _MARGIN)
-        seed = _seed_latency(p, arrays) * (1 + _MARGIN)
+        seed = _seed_latency(p, arrays) * (1 + _MARGIN) / a_coef  # seconds -> the DP's units
     tables = _tables(p, arrays)
     best_time = tables.best_time
 
@@ -1421,6 +1445,7 @@ def brute_force_stages(
     constraints: StageConstraints | None = None,
     virtual_stages: int | None = None,
     wgrad_share: float | None = None,
+    serial_host: bool = False,
 ) -> InterResult:
     """Every layer partition x every in-order submesh assignment x every candidate choice,
     priced with :func:`schedule_latency`. Same inputs and result as :func:`stage_dp`;
@@ -1436,6 +1461,7 @@ def brute_force_stages(
     p = _build_problem(
         num_layers, hosts, devices_per_host, candidates, microbatches, mem_limit_bytes, cut_bytes,
         intra_link, inter_link, stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share,
+        serial_host,
     )
     if p.num_layers > 10 or p.num_devices > 32:
         raise ValueError("brute_force_stages is exponential; use at most 10 layers and 32 devices.")
