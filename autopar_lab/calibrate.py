@@ -8,8 +8,8 @@ What is measured, and why each figure is the one the cost model wants:
 
 * matmul FLOP/s (float32, a few sizes, best of several runs), once on one device alone and once with every
   device multiplying at the same time (one batched matmul sharded over the N devices, a k x k product each). The
-  preset's ``peak_flops`` is the concurrent figure: the machine's aggregate throughput with all N devices busy,
-  divided by N (best size). N virtual CPU devices share the machine's C cores, so this is the honest model of
+  preset's ``peak_flops`` starts from the concurrent figure: the machine's aggregate throughput with all N devices
+  busy, divided by N (best size), and is then brought to a small model's kernel sizes (the step fit below). N virtual CPU devices share the machine's C cores, so this is the honest model of
   "N devices on C cores": every device runs concurrently at 1/N of the machine, and a stage on d devices gets d/N
   of it (one device alone runs much faster: ``matmul_flops_single_device``, kept for comparison).
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).
@@ -23,8 +23,14 @@ What is measured, and why each figure is the one the cost model wants:
   buffer; all-gather (n-1)/n B, B the gathered buffer: the formulas of :class:`~autopar_lab.cluster.LogicalMesh`),
   and alpha (latency) and beta (1 / bandwidth) fitted by least squares, per collective and jointly. The joint fit
   is the intra-host link; every fit is stored with its residuals (measured vs fitted time per size).
-* the fixed cost of one kernel (:func:`measure_kernel_overhead`): a chain of tiny kernels on every device at once,
-  counted as the cost model counts kernels; stored as ``device.efficiency.kernel_launch_s``.
+* what a small model's kernels cost (:func:`measure_kernel_overhead`): gpt-tiny's whole training step at a few
+  depths and batches on every device at once (each its own copy, no communication), fitted as a fixed cost per
+  kernel plus the cost model's roofline at the rates above times a work scale, then on a quarter of the devices
+  (their share). Stored as ``device.efficiency.kernel_launch_s`` and ``driver_share``; ``peak_flops`` and
+  ``memory_bandwidth`` are the measured rates over the work scale (about 4x on this machine: 32-256-row kernels
+  reach a quarter of what 1024-wide matmuls and 32 MB streams do). Measured one at a time, the figures did not add
+  up to a step: a chain of scalar kernels (the measurement until 2026-12-04) gave a tenth of a step's per-kernel
+  cost.
 * the fixed cost of one state array a program takes and returns (:func:`measure_buffer_overhead`): a jitted update
   of many small arrays replicated on every device, fitted per array; stored as ``device.efficiency.buffer_s`` (a
   step's update program takes and returns every parameter and optimizer-state array once).
@@ -35,6 +41,9 @@ What is measured, and why each figure is the one the cost model wants:
   microbatch.
 
 ``--quick`` uses small sizes and few repeats (seconds; noisier figures, for tests and a first look).
+Each profile records the load average at its start and end (``load_average``): this machine is shared, and its
+speed moves with what else runs (``bench/bench_execute.py --calibrate`` measures a profile just before it runs).
+
 ``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel and per-state-array)
 overhead and adds it to an existing profile; ``--collectives-only`` measures just the collectives and refits the
 links.
@@ -59,7 +68,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from autopar_lab.cluster import CPU_PROFILE_PATH
+from autopar_lab.cluster import CPU_PROFILE_KIND, CPU_PROFILE_PATH
 
 __all__ = ["measure_cpu", "measure_collectives", "measure_collectives_between_compute", "fit_collectives", "measure_task_overhead", "write_profile",
            "update_task_overhead", "update_collectives", "fit_alpha_beta", "latency_steps", "refit_collectives", "total_memory_bytes",
@@ -411,9 +420,13 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
     for r in rows:
         r["fit_seconds"] = alpha + beta * r["bytes"]
         r["rel_residual"] = (r["fit_seconds"] - r["seconds"]) / r["seconds"]
-    return {"task_overhead_s": alpha, "block": block, "points": rows, "call_s": call_s,
+    # The fixed cost is the smallest task's time (its bytes move in about a microsecond): the fit's intercept swings
+    # with the noise of the larger sizes on this shared machine (0 on 2026-12-04, the 16 KB task slower than the
+    # 256 KB one), and the bytes are charged separately anyway.
+    smallest = min(rows, key=lambda r: r["bytes"])["seconds"]
+    return {"task_overhead_s": smallest, "fit_alpha_s": alpha, "block": block, "points": rows, "call_s": call_s,
             "max_abs_rel_residual": max(abs(r["rel_residual"]) for r in rows),
-            "fit": "t = task_overhead_s + bytes * beta over activation sizes; median of repeats per size",
+            "fit": "task_overhead_s = the smallest activation's task time (median of repeats); beta from t = alpha + bytes * beta over the sizes",
             "beta_s_per_byte": beta}
 
 
@@ -428,40 +441,85 @@ def per_device_task_overhead(task: Mapping[str, Any]) -> float:
     return float(task["task_overhead_s"]) / max(int(task.get("block", 1)), 1)
 
 
-def measure_kernel_overhead(num_devices: int | None = None, steps=(8, 40), repeats: int = 21) -> dict:
-    """Time a jitted chain of tiny kernels on every device at once and fit the fixed cost of one kernel.
+def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 2), (4, 16)), repeats: int = 21,
+                            peak_flops: float = 1e10, memory_bandwidth: float = 1e9,
+                            model: str = "gpt-tiny") -> dict:
+    """Fit what a small model's kernels cost on every device at once: a fixed cost per kernel and how far the
+    measured rates (``peak_flops``, ``memory_bandwidth``: large matmuls, long streams) are from what kernels of a
+    small model's sizes reach.
 
-    The chain (``x = tanh(x - max(x))``, ``k`` times, on 16 floats per device) does almost no work: its time is the
-    program's call plus one launch per kernel. Its kernels are counted as the cost model counts them
-    (:func:`autopar_lab.graph.fusion.kernel_view` of the same function), so the fitted cost per kernel is what
-    :attr:`~autopar_lab.cluster.Efficiency.kernel_launch_s` charges: with every device running its kernels at once
-    on the machine's shared cores, as the plans run. Returns {"kernel_launch_s", "points": [{"steps", "kernels",
-    "seconds"}], "call_s" (the intercept: the program's call), "fit"}.
+    For each (layers, batch) of ``points``, the zoo ``model`` of that depth and batch runs its whole training step on
+    every device at once, each device its own copy (``shard_map`` over replicated inputs: no communication), as the
+    plans run their kernels on the machine's shared cores. The cost model prices the same step on one device at the
+    given rates (:func:`autopar_lab.sharding.strategies.price` of every operator, kernels by
+    :func:`autopar_lab.graph.fusion.kernel_view`) and the times, less the call of an empty program on the same
+    devices, are fitted, least squares on all points, as ``kernel_launch_s * kernels + work_scale * roofline_s``.
+    The first point runs again on a quarter of the devices (the rest idle, as a pipeline stage's task finds them):
+    what it pays of the fit gives ``driver_share`` (:meth:`autopar_lab.cluster.Cluster.virtual_share`). The batch-2
+    points (a data-parallel shard of
+    gpt-tiny: launch-bound kernels of a few KB) and the batch-16 one (the whole batch: a replicated plan's kernels)
+    pin the two terms. ``work_scale`` divides the profile's rates (see :func:`measure_cpu`).
+
+    Why: measured one at a time, the figures did not add up to a step. A chain of 16-float kernels gave 1.1 us a
+    kernel where a step's kernels cost 10-12 us each on 8 devices over 2 cores; 256-row kernels took 2-3x their
+    roofline at the 32 MB stream bandwidth. Returns {"kernel_launch_s", "work_scale", "driver_share", "points":
+    [{"layers", "batch", "devices", "kernels", "roofline_s", "call_s", "seconds", "fit_seconds"}], "fewer" (the
+    point on fewer devices, with its "share"; None below 4 devices), "fit"}.
     """
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from autopar_lab.graph.capture import trace
-    from autopar_lab.graph.fusion import kernel_view
+    from autopar_lab import models
+    from autopar_lab.cluster import Cluster, Device, Link
+    from autopar_lab.graph.fusion import attach_kernel_roles, kernel_view
+    from autopar_lab.sharding.strategies import price, replicated_strategy
 
     devs = jax.devices("cpu")
     n = len(devs) if num_devices is None else int(num_devices)
-    sharding = NamedSharding(Mesh(np.array(devs[:n]), ("d",)), P("d"))
-    x = jax.device_put(np.ones((n, 16), np.float32), sharding)
-    rows = []
-    for k in steps:
-        def chain(x, k=k):
-            for _ in range(k):
-                x = jnp.tanh(x - jnp.max(x, axis=-1, keepdims=True))
-            return x
+    if len(points) < 2:
+        raise ValueError(f"points needs two (layers, batch) pairs or more to fit two terms, got {points!r}")
+    one = Cluster(hosts=1, devices_per_host=1, name="one",
+                  device=Device("cpu", {"float32": float(peak_flops)}, memory_bytes=2.0 ** 30,
+                                memory_bandwidth=float(memory_bandwidth)),
+                  intra_host=Link(1e9, 0.0), inter_host=Link(1e9, 0.0)).logical_mesh((1, 1), (1, 1))
 
-        fn = jax.jit(chain)
-        kernels = len(kernel_view(trace(chain, jax.ShapeDtypeStruct((1, 16), jnp.float32))).kernels)
-        rows.append({"steps": k, "kernels": kernels, "seconds": _median_time(lambda: fn(x), repeats=repeats)})
-    alpha, beta = fit_alpha_beta([r["kernels"] for r in rows], [r["seconds"] for r in rows])
-    return {"kernel_launch_s": beta, "call_s": alpha, "points": rows,
-            "fit": "t = call_s + kernel_launch_s * kernels (the cost model's count), median of repeats per chain"}
+    def run(layers: int, batch: int, d: int) -> dict:
+        mesh = Mesh(np.array(devs[:d]), ("d",))
+        replicated = NamedSharding(mesh, P())
+        spec = models.get(model, num_layers=int(layers), batch_size=int(batch))
+        graph = spec.trace()
+        attach_kernel_roles(graph)
+        kernels = len(kernel_view(graph).kernels)
+        roof = float(sum(price(op, replicated_strategy(op), one).compute_s for op in graph))
+        args = jax.device_put(jax.tree.map(np.asarray, spec.init(seed=0)), replicated)
+        fn = jax.jit(jax.shard_map(spec.step_fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                                   check_vma=False))
+        nothing = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        x = jax.device_put(np.zeros(d, np.float32), NamedSharding(mesh, P("d")))
+        call = _median_time(lambda: nothing(x), repeats=repeats)  # a program's call alone, on these devices
+        return {"layers": int(layers), "batch": int(batch), "devices": d, "kernels": kernels, "roofline_s": roof,
+                "call_s": call, "seconds": _median_time(lambda: fn(*args), repeats=repeats)}
+
+    rows = [run(layers, batch, n) for layers, batch in points]
+    a = np.array([[r["kernels"], r["roofline_s"]] for r in rows])
+    t = np.array([r["seconds"] - r["call_s"] for r in rows])
+    launch, scale = (float(v) for v in np.linalg.lstsq(a, t, rcond=None)[0])
+    launch, scale = max(launch, 0.0), max(scale, 1e-3)
+    for r in rows:
+        r["fit_seconds"] = r["call_s"] + launch * r["kernels"] + scale * r["roofline_s"]
+    # The same step on fewer devices (the rest idle, as a pipeline stage's task finds them): its share of the cost.
+    share, few = 0.0, None
+    if n >= 4:
+        few = run(points[0][0], points[0][1], max(n // 4, 2))
+        phi = (few["seconds"] - few["call_s"]) / (launch * few["kernels"] + scale * few["roofline_s"])
+        d = few["devices"]
+        few["share"] = phi
+        share = max((d - phi * n) / (phi - 1.0), 0.0) if phi < 1.0 else 0.0
+    return {"kernel_launch_s": launch, "work_scale": scale, "driver_share": share, "points": rows, "fewer": few,
+            "model": model, "rates": {"peak_flops": float(peak_flops), "memory_bandwidth": float(memory_bandwidth)},
+            "fit": "t - call_s = kernel_launch_s * kernels + work_scale * roofline_s (the cost model's kernels and "
+                   "roofline at the rates given), least squares over the points, all devices busy; on d of the n "
+                   "devices the step pays (d + driver_share) / (n + driver_share) of that; medians of repeats"}
 
 
 def measure_buffer_overhead(num_devices: int | None = None, counts=(8, 128), repeats: int = 21) -> dict:
@@ -491,10 +549,17 @@ def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = 
     (default: the shipped one), keeping every other figure; returns the profile."""
     out = Path(path) if path is not None else CPU_PROFILE_PATH
     profile = json.loads(out.read_text())
-    kern = measure_kernel_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
+    raw = profile.get("measurements", {})
+    kern = measure_kernel_overhead(profile.get("num_devices"), repeats=7 if quick else 21,
+                                   peak_flops=raw.get("matmul_flops_concurrent_per_device",
+                                                      profile["device"]["peak_flops"]["float32"]),
+                                   memory_bandwidth=raw.get("memory_bandwidth_concurrent_per_device",
+                                                            profile["device"]["memory_bandwidth"]))
+    profile["device"]["peak_flops"] = {"float32": kern["rates"]["peak_flops"] / kern["work_scale"]}
+    profile["device"]["memory_bandwidth"] = kern["rates"]["memory_bandwidth"] / kern["work_scale"]
     buf = measure_buffer_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
     profile["device"].setdefault("efficiency", {}).update(kernel_launch_s=kern["kernel_launch_s"],
-                                                          buffer_s=buf["buffer_s"])
+                                                          buffer_s=buf["buffer_s"], driver_share=kern["driver_share"])
     profile.setdefault("measurements", {})["kernel_overhead"] = kern
     profile["measurements"]["buffer_overhead"] = buf
     profile["kernel_overhead_measured_on"] = _dt.date.today().isoformat()
@@ -574,6 +639,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    load0 = os.getloadavg()[0]
     all_cpu = jax.devices("cpu")
     n = len(all_cpu) if num_devices is None else int(num_devices)
     if not 1 <= n <= len(all_cpu):
@@ -625,16 +691,21 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     task = None
     if n >= 4:
         task = measure_task_overhead(n, byte_sizes=(1 << 10, 1 << 14, 1 << 18), repeats=21 if quick else 101)
-    kern = measure_kernel_overhead(n, repeats=7 if quick else 21)
+    kern = measure_kernel_overhead(n, repeats=7 if quick else 21, peak_flops=peak_concurrent,
+                                   memory_bandwidth=bw_concurrent,
+                                   points=((1, 2), (2, 2), (2, 8)) if quick else ((2, 2), (4, 2), (4, 16)))
     buf = measure_buffer_overhead(n, repeats=7 if quick else 21)
 
     total = total_memory_bytes()
     return {
         "version": 1,
-        "kind": "autopar-lab cpu profile",
+        "kind": CPU_PROFILE_KIND,
         "measured_on": _dt.date.today().isoformat(),
         "command": REGENERATE,
         "quick": bool(quick),
+        # This machine's speed moves with what else runs on it: the 1-minute load average when the measurement
+        # started and ended says which machine the figures describe.
+        "load_average": [load0, os.getloadavg()[0]],
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
@@ -646,15 +717,18 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
         "device": {
             "name": "cpu",
             # Concurrent per-device figures: every device of a plan computes at once on shared cores.
-            "peak_flops": {"float32": peak_concurrent},
+            # ... at a small model's kernel sizes: the large-kernel rates over the fitted work scale (see
+            # measure_kernel_overhead; the rates as measured are kept under "measurements").
+            "peak_flops": {"float32": peak_concurrent / kern["work_scale"]},
             "memory_bytes": total / n,
-            "memory_bandwidth": bw_concurrent,
+            "memory_bandwidth": bw_concurrent / kern["work_scale"],
             # One stage task's launch and input moves, per device of the task (0 when there are too few devices
             # to measure it): JAX's CPU devices share the machine's cores, so a task's fixed cost grows with them.
             "task_overhead_s": per_device_task_overhead(task) if task else 0.0,
             "virtual": True,
             # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
-            "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"]},
+            "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"],
+                           "driver_share": kern["driver_share"]},
         },
         "intra_host": intra,
         # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
@@ -667,6 +741,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
         "measurements": {
             "matmul_float32": mm_rows,
             "matmul_flops_single_device": peak_single,
+            "matmul_flops_concurrent_per_device": peak_concurrent,
             "memory_bandwidth_single_device": bw_single,
             "memory_bandwidth_concurrent_per_device": bw_concurrent,
             "elementwise_bytes_per_device": moved,

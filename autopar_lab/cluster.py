@@ -36,12 +36,16 @@ __all__ = [
     "send_recv",
     "PRESETS",
     "CPU_PROFILE_PATH",
+    "CPU_PROFILE_KIND",
 ]
 
 Axis = Union[int, tuple]
 
 #: Where the ``cpu`` preset reads its measured figures (regenerate with ``python -m autopar_lab.calibrate``).
 CPU_PROFILE_PATH = Path(__file__).resolve().parent / "profiles" / "cpu.json"
+#: The ``kind`` a profile written by :mod:`autopar_lab.calibrate` carries (``Cluster.from_json`` reads one as the
+#: ``cpu`` preset with its figures).
+CPU_PROFILE_KIND = "autopar-lab cpu profile"
 
 #: Bounds on a cluster's size, checked where a Cluster is made: past them the planner's tables (a submesh shape per
 #: host count, a mesh view per divisor) would take longer than anyone waits. Alpa's largest runs used 8 hosts x 8.
@@ -132,7 +136,11 @@ class Efficiency:
     - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
       step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
       ``cpu`` preset, where it is tens of microseconds, with every array on all the host's devices: a mesh of fewer
-      virtual devices pays its share; 0 on the GPU presets, whose executables keep their buffers).
+      virtual devices pays its share; 0 on the GPU presets, whose executables keep their buffers);
+    - ``driver_share``: on virtual devices (:attr:`Device.virtual`), the part of a kernel's cost that does not
+      shrink with the devices running it, in devices: a program on ``d`` of a host's ``D`` devices pays
+      ``(d + driver_share) / (D + driver_share)`` of its kernels' calibrated cost (measured with all ``D`` busy), as
+      the devices share the machine's cores and one driver dispatches them all (:meth:`Cluster.virtual_share`).
 
     The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
     device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
@@ -155,6 +163,7 @@ class Efficiency:
     flash_attention: bool = False
     kernel_launch_s: float = 5e-6
     buffer_s: float = 0.0
+    driver_share: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("matmul", "memory", "attention"):
@@ -174,6 +183,10 @@ class Efficiency:
         if not isinstance(buf, numbers.Real) or not math.isfinite(buf) or buf < 0:
             raise ValueError(f"efficiency.buffer_s must be a finite number of seconds >= 0, got {buf!r}.")
         object.__setattr__(self, "buffer_s", float(buf))
+        share = self.driver_share
+        if not isinstance(share, numbers.Real) or not math.isfinite(share) or share < 0:
+            raise ValueError(f"efficiency.driver_share must be a finite number of devices >= 0, got {share!r}.")
+        object.__setattr__(self, "driver_share", float(share))
         object.__setattr__(self, "flash_attention", bool(self.flash_attention))
 
     def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:
@@ -507,14 +520,26 @@ def _local_cpu_device_count() -> int:
     return len(jax.devices("cpu"))
 
 
-def _cpu_preset(hosts: int) -> "Cluster":
-    """The ``cpu`` preset: this machine's JAX CPU devices with figures measured by autopar_lab.calibrate."""
+def _cpu_preset(hosts: int, path: str | os.PathLike | None = None) -> "Cluster":
+    """The ``cpu`` preset: this machine's JAX CPU devices with figures measured by autopar_lab.calibrate (the
+    shipped profile, or the one at ``path``)."""
+    where = Path(path) if path is not None else CPU_PROFILE_PATH
     try:
-        profile = json.loads(CPU_PROFILE_PATH.read_text())
+        profile = json.loads(where.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(
-            f"the cpu preset needs the profile {CPU_PROFILE_PATH} ({e}); regenerate it with `python -m autopar_lab.calibrate`."
+            f"the cpu preset needs the profile {where} ({e}); regenerate it with `python -m autopar_lab.calibrate"
+            f" --out {where}`."
         ) from None
+    return _cpu_cluster(profile, hosts, str(where))
+
+
+def _cpu_cluster(profile: Any, hosts: int, where: str) -> "Cluster":
+    """The cpu preset's cluster from a profile's contents (``where``: its file, for messages)."""
+    if not isinstance(profile, Mapping) or not all(isinstance(profile.get(k), Mapping)
+                                                   for k in ("device", "intra_host", "inter_host")):
+        raise ValueError(f"{where} is not a cpu profile (it needs 'device', 'intra_host' and 'inter_host' objects); "
+                         f"write one with `python -m autopar_lab.calibrate --out {where}`.")
     n = _local_cpu_device_count()
     if not _is_power_of_two(n):
         raise ValueError(
@@ -607,6 +632,26 @@ class Cluster:
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
 
+    def virtual_share(self, devices: int) -> float:
+        """What a program on ``devices`` of one host pays of its kernels' calibrated cost: 1 on real accelerators
+        (each runs its own kernels); on virtual devices, which share the machine's cores and were calibrated with
+        all of a host's D devices busy, ``(d + driver_share) / (D + driver_share)`` (see :class:`Efficiency`).
+
+        >>> c = Cluster.preset("dgx-a100")
+        >>> c.virtual_share(2)
+        1.0
+        >>> v = c.with_(device=dataclasses.replace(c.device, virtual=True,
+        ...             efficiency=Efficiency(driver_share=2.0)))
+        >>> v.virtual_share(2), v.virtual_share(8)
+        (0.4, 1.0)
+        """
+        if not self.device.virtual:
+            return 1.0
+        total = self.devices_per_host
+        d = min(max(int(devices), 1), total)
+        c = self.device.efficiency.driver_share
+        return (d + c) / (total + c)
+
     def host_of(self, device: int) -> int:
         """The host index of a (host-major) device index."""
         return int(device) // self.devices_per_host
@@ -631,6 +676,20 @@ class Cluster:
         if key not in _GPU_PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; {_SPEC_HELP}.")
         return cls(hosts=hosts, name=key, **_GPU_PRESETS[key])
+
+    @classmethod
+    def from_profile(cls, path: str | os.PathLike, hosts: int = 1) -> "Cluster":
+        """The ``cpu`` preset with the figures of the profile at ``path`` (one ``python -m autopar_lab.calibrate
+        --out PATH`` wrote) in place of the shipped one: this machine as it measures now (its speed moves with its
+        load), for a prediction to set beside a run made at the same time.
+
+        >>> from autopar_lab.cluster import CPU_PROFILE_PATH
+        >>> Cluster.from_profile(CPU_PROFILE_PATH).name
+        'cpu'
+        """
+        if not _is_int(hosts) or hosts <= 0 or hosts > MAX_HOSTS:
+            raise ValueError(f"hosts must be a whole number from 1 to {MAX_HOSTS}, got {hosts!r}.")
+        return _cpu_preset(hosts, path)
 
     @classmethod
     def parse(cls, spec: str) -> "Cluster":
@@ -715,6 +774,8 @@ class Cluster:
                 raise ValueError(f"{str(e).rstrip('.')}{hint}.") from None
         if not isinstance(data, Mapping):
             raise ValueError(f"{where} must hold a JSON object, got {type(data).__name__}; use the form shown in Cluster.from_json.")
+        if data.get("kind") == CPU_PROFILE_KIND:  # a calibration of this machine: the cpu preset with its figures
+            return _cpu_cluster(data, 1, where)
 
         def get(obj: Any, key: str, label: str) -> Any:
             if not isinstance(obj, Mapping) or key not in obj:

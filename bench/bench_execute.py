@@ -19,15 +19,22 @@ measured (computed here: Pearson correlation of the ranks, ties averaged), and w
 of the fastest measured plan.
 
 What the prediction knows about this machine (all measured by ``python -m autopar_lab.calibrate``): per-device
-FLOP/s and memory bandwidth with all 8 devices busy at once (8 virtual devices share the machine's cores), the
+FLOP/s and memory bandwidth with all 8 devices busy at once (8 virtual devices share the machine's cores), brought
+to a small model's kernel sizes with the cost of one kernel by a fit on gpt-tiny's own step, and what a program on
+fewer of the devices pays of that (``Cluster.virtual_share``), the
 collective link, and the fixed cost of one pipeline task per device of it (``device.task_overhead_s``: launching a
 stage program and moving its inputs), which the planner charges per stage forward and backward of each microbatch
 and per stage update. The devices are virtual (``device.virtual``): one driver and the same two cores run every
 stage, so the pipeline's tasks run one after another (the step is their sum) and a one-stage, one-microbatch plan
 is one program a step.
 
+This machine's speed moves with what else runs on it (+-35% in the runs of bench/RESULTS.md). ``--calibrate``
+measures a fresh profile just before the plans (about 25 s) and plans with it, so prediction and measurement meet the
+same machine; the printout says which profile was used and the load it was measured at. ``--profile PATH`` plans
+with a profile written earlier.
+
     JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu .venv/bin/python bench/bench_execute.py [--steps 40] [--layers 4]
-        [--batch 16] [--hidden 32] [--json] [--block 4] [--round-robin]
+        [--batch 16] [--hidden 32] [--json] [--block 4] [--round-robin] [--calibrate | --profile PATH]
 """
 
 from __future__ import annotations
@@ -139,6 +146,16 @@ def measure_all(candidates, model, steps: int, block: int = 4, round_robin: bool
     return [_summary(runner, first, timed) for runner, first, timed in runners]
 
 
+def _profile_load(path):
+    """The load average the profile was measured under (at its start and end), where it says."""
+    from autopar_lab.cluster import CPU_PROFILE_PATH
+
+    try:
+        return json.loads(open(path or CPU_PROFILE_PATH).read()).get("load_average")
+    except (OSError, ValueError):
+        return None
+
+
 def _batch(model, i):
     from autopar_lab.runtime.local import synthetic_batch
 
@@ -156,6 +173,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--block", type=int, default=4, help="timed steps of a plan per turn")
+    ap.add_argument("--profile", default=None,
+                    help="plan with this cpu profile (a `python -m autopar_lab.calibrate --out` file), not the shipped one")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure a fresh cpu profile first (about 15 s) and plan with it: the machine as it is now")
     ap.add_argument("--round-robin", action="store_true",
                     help="one step per plan per turn, each batch made just before its step (the old way)")
     args = ap.parse_args(argv)
@@ -170,7 +191,15 @@ def main(argv=None) -> dict:
     if jax.device_count() < 8:
         raise SystemExit("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu")
     model = al.models.get("gpt-tiny", batch_size=args.batch, num_layers=args.layers, hidden_size=args.hidden)
-    cluster = al.Cluster.preset("cpu", hosts=1)
+    profile = args.profile
+    if args.calibrate:
+        import tempfile
+
+        from autopar_lab import calibrate
+
+        profile = os.path.join(tempfile.mkdtemp(prefix="autopar-bench-"), "cpu.json")
+        calibrate.write_profile(profile)
+    cluster = al.Cluster.preset("cpu", hosts=1) if profile is None else al.Cluster.from_profile(profile)
     t0 = time.perf_counter()
     candidates = plans(model, cluster)
     plan_s = time.perf_counter() - t0
@@ -193,6 +222,8 @@ def main(argv=None) -> dict:
     auto = next(r for r in rows if r["plan"] == "auto")
     out = {"model": f"gpt-tiny (L={args.layers}, H={args.hidden}, batch={args.batch}, seq={model.config.seq_len})",
            "cluster": "cpu preset, 1 host x 8 devices", "task_overhead_s": cluster.device.task_overhead_s,
+           "profile": "calibrated at the start of this run" if args.calibrate else (profile or "shipped"),
+           "profile_load_average": _profile_load(profile),
            "steps": args.steps, "plan_s": plan_s, "rows": rows,
            "timing": "round robin" if args.round_robin else f"blocks of {args.block} steps, batches made beforehand",
            "load_average": (load0, os.getloadavg()[0]),  # at the start and at the end (the machine is shared)
@@ -205,7 +236,10 @@ def main(argv=None) -> dict:
     if args.json:
         print(json.dumps(out, indent=1))
         return out
-    print(f"{out['model']} on {out['cluster']} (calibrated task overhead {out['task_overhead_s'] * 1e3:.2f} ms); "
+    pl = out["profile_load_average"]
+    print(f"{out['model']} on {out['cluster']}, profile {out['profile']} (measured at load "
+          f"{'unknown' if not pl else f'{pl[0]:.1f} -> {pl[1]:.1f}'}; task overhead "
+          f"{out['task_overhead_s'] * 1e3:.2f} ms a device); "
           f"median of {args.steps} steps after a warm-up step; planning {plan_s:.1f} s; "
           f"{out['timing']}; "
           f"load average {out['load_average'][0]:.1f} -> {out['load_average'][1]:.1f}")

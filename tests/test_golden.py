@@ -83,7 +83,9 @@ def _priced_dot(plan) -> int:
     """The first matmul of the solve graph that prices some layer of the full graph (a deep model's shallow copy
     prices all its repeated layers with one of its own: a pin on another copy layer stands for nothing)."""
     g = plan.table.solve_graph
-    return next(o for o in g.ops if g.op(o).primitive == "dot_general" and plan.table.op_map.full_layers_of(o))
+    # ... with another strategy to choose (a stage on one device has none: the cpu preset's auto plan has such stages)
+    return next((o for o in g.ops if g.op(o).primitive == "dot_general" and plan.table.op_map.full_layers_of(o)
+                 and len(plan.alternatives(o)) > 1), None)
 
 
 def _overrides(plan) -> dict:
@@ -110,12 +112,15 @@ def compute(name: str) -> dict:
     model = al.models.get(zoo, **get_kw)
     table = _table(model, cluster)
     auto = _with_table(planner.auto_plan, model, cluster, table, **auto_kw)
+    megatron = [_with_table(planner.megatron_plan, model, cluster, table, **kw) for kw in megatron_kws]
     out = {
         "auto": record(auto),
-        "megatron": [record(_with_table(planner.megatron_plan, model, cluster, table, **kw)) for kw in megatron_kws],
+        "megatron": [record(p) for p in megatron],
         "data_parallel": [record(_with_table(planner.data_parallel_plan, model, cluster, table, **kw))
                           for kw in dp_kws],
-        "overrides": _overrides(auto),
+        # the overrides of the auto plan, or of the first plan with a matmul to re-choose (the cpu preset's auto plan
+        # puts every stage on one device)
+        "overrides": _overrides(next(p for p in [auto, *megatron] if _priced_dot(p) is not None)),
     }
     if name == "gpt-tiny":
         base = planner.baselines(table, cluster)

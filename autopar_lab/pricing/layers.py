@@ -85,6 +85,7 @@ class LayerCost:
     latency_bwd_s: float = 0.0
     collectives_fwd: int = 0
     collectives_bwd: int = 0
+    task_arrays_s: float = 0.0
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -106,7 +107,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
-             latb=0.0, cf=0, cb=0,
+             latb=0.0, cf=0, cb=0, arrays=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -114,6 +115,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     device = plan.mesh.cluster.device
     fused = device.efficiency.flash_attention
     launch = device.efficiency.kernel_launch_s
+    if device.virtual:  # calibrated with all of the host's devices busy (Cluster.virtual_share)
+        launch *= plan.mesh.cluster.virtual_share(plan.mesh.num_devices)
     per_buffer = device.efficiency.buffer_s
     if device.virtual:
         # Measured with each array on every device of the host (calibrate.measure_buffer_overhead): on virtual
@@ -151,6 +154,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         if per_buffer and node.primitive == INPUT_PRIMITIVE and \
                 graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
             a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
+            if device.virtual and graph.tensor(node.outputs[0]).kind == PARAM:
+                a["arrays"] += per_buffer  # and each forward and backward task takes it (stage_cost)
         role = view.roles.get(op)
         if role is not None and role.root:
             if node.role == UPDATE:
@@ -214,7 +219,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
-                             collectives_bwd=a["cb"]))
+                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"]))
     return out
 
 

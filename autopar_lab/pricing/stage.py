@@ -45,7 +45,7 @@ ONE_PROGRAM_SHARE = 1.0 / 3.0
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "latency_fwd_s", "latency_bwd_s",
-              "collectives_fwd", "collectives_bwd")
+              "collectives_fwd", "collectives_bwd", "task_arrays_s")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
@@ -83,13 +83,17 @@ def hidden_comm_s(totals: Mapping[str, Any], microbatches: int) -> tuple[Any, An
 
 
 def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, devices: int, remat: bool | str,
-               task_s: float) -> tuple[Any, Any, Any, Any]:
+               task_s: float, arrays: Any = 1.0) -> tuple[Any, Any, Any, Any]:
     """(forward s, backward s, static bytes, activation bytes) of one stage per microbatch.
 
     ``totals``: each of :data:`SUM_FIELDS` summed over the stage's layers (per training step at the full batch);
     ``entry_bytes``, ``devices``: kept for callers of the earlier formula (a rematerialised stage now keeps every
     layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
+
+    ``task_arrays_s`` (virtual devices): what one task pays to take the stage's parameter arrays; the forward task
+    takes them once, the backward three times (the parameters, and the running gradient sums in and out). ``arrays``
+    is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1.
 
     Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
     working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations
@@ -135,8 +139,10 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
         act = totals["ckpt_bytes"] / B
         bwd = bwd + (totals["fwd_s"] - totals["gather_s"]) / B + totals["launch_fwd_s"] + lat_fwd
     # Once per task: a rematerialised backward is still one task. The stage's update is a program of its own once a
-    # step (one more task), spread over the microbatches as the update's work is.
-    return fwd + task_s, bwd + task_s + task_s / B, static, act
+    # step (one more task), spread over the microbatches as the update's work is. Each task also takes its state
+    # arrays (measured on 8 CPU devices: a pipeline's tasks ran 3-5 ms a step slower than priced without it).
+    args = totals.get("task_arrays_s", 0.0) * arrays
+    return fwd + task_s + args, bwd + task_s + task_s / B + 3 * args, static, act
 
 
 def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: int, task_s: float) -> float:

@@ -562,11 +562,11 @@ class CostTable:
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
-        task = self.task_overhead_s(submesh)
+        task, arrays = self.task_overhead_s(submesh), 1.0
         if self.one_program(start, end, submesh, microbatches):
-            task *= ONE_PROGRAM_SHARE
+            task, arrays = task * ONE_PROGRAM_SHARE, 0.0
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
-                                           task)
+                                           task, arrays)
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
                               payload=intra, solution=solution)
 
@@ -701,9 +701,12 @@ class StageBlock:
         upper = rows[:, None] <= cols[None, :]  # start <= end
         entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L][rows]  # bytes entering layer a
         task: Any = table.task_overhead_s(submesh)
+        arrays: Any = 1.0
         if table.one_program(0, L - 1, submesh, B) and rows[0] == 0 and cols[-1] == L - 1:
             task = np.full((len(rows), len(cols)), task)
             task[0, -1] *= ONE_PROGRAM_SHARE  # the whole step on the whole cluster: one program (one_program)
+            arrays = np.ones((len(rows), len(cols)))
+            arrays[0, -1] = 0.0  # ... which takes its arrays once, in the update (layer costs' buffer_s)
         dims = (len(self.options), len(rows), len(cols))
         keys = [np.full(dims, np.inf) for _ in range(4)]  # (K, rows, cols) each
         totals: dict[str, np.ndarray] = {}
@@ -711,7 +714,7 @@ class StageBlock:
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
                 sums = table.prefix_arrays(submesh, shape, sol)
                 totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
-            costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task)
+            costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
             for out, v in zip(keys, costs):
                 np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
         keep = np.zeros(keys[0].shape, dtype=bool)

@@ -727,6 +727,8 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
     flops = op.flops / n_work
     bw = device.achievable_bandwidth
+    # virtual devices (the cpu preset) were calibrated with all of a host's devices busy; fewer share the cores less
+    share = mesh.cluster.virtual_share(mesh.num_devices) if getattr(device, "virtual", False) else 1.0
     if role is not None and role.kind in ("free", "dead"):
         return 0.0  # folded into the kernels that read it (a layout change, a scalar), or removed
     if role is None:
@@ -736,7 +738,7 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     elif role.absorbed:
         # Its traffic is its kernel root's; its own elementwise work it does where its spec puts it (so an epilogue
         # computed on a shard costs less than one replicated). A flash-attention step's work is the root's.
-        return 0.0 if role.kind in ("attention", "dead") else flops / device.vector_rate(dtype)
+        return 0.0 if role.kind in ("attention", "dead") else flops / device.vector_rate(dtype) * share
     else:
         traffic = float(sum(f * b for f, b in zip(role.reads, ins)) + sum(f * b for f, b in zip(role.writes, outs)))
         traffic += role.extra_bytes * float(sum(outs))
@@ -752,7 +754,7 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
         t = flops * (1.0 + extra_mm) * work / rate + flops * extra_vec / device.vector_rate(dtype)
     else:
         t = flops * (1.0 + extra_vec) / device.vector_rate(dtype)
-    return max(t, traffic / bw)
+    return max(t, traffic / bw) * share
 
 
 def strategies_for(op: OpNode, mesh) -> list[Strategy]:

@@ -594,6 +594,7 @@ class _OneAxisView:
         self._mesh = mesh
         self.cluster = mesh.cluster
         self.shape = (mesh.shape[0], 1)
+        self.num_devices = mesh.num_devices  # the program still runs on all of them (Cluster.virtual_share)
 
     def axis_size(self, axis) -> int:
         return self.shape[0] if axis in (0, (0, 1)) else 1
