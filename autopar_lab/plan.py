@@ -119,6 +119,10 @@ class CostReport:
     # Virtual devices (JAX's CPU devices): the stages on a host share its cores and run one task at a time, so the
     # busiest stage also waits while the others run (Device.virtual).
     shared_host: bool = False
+    # The fixed cost of the busiest stage's programs a step, part of its compute: each task's launch (the device's
+    # task_overhead_s) and, on virtual devices, the state arrays each task takes (pricing.stage.stage_cost). 0 where
+    # none is charged (the GPU presets).
+    task_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -142,6 +146,7 @@ class CostReport:
             "flash_attention": self.flash_attention,
             "collectives": self.collectives,
             "collective_latency_s": self.collective_latency_s,
+            "task_s": self.task_s,
         }
 
     def explain(self) -> str:
@@ -157,9 +162,11 @@ class CostReport:
             how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
         shared = ", and the other stages running on its host (virtual devices share its cores)" if self.shared_host \
             else ""
+        tasks = (f"; of which {self.task_s:.4g} s the fixed cost of its programs: launches and the arrays they take"
+                 if self.task_s > 0 else "")
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
-            f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}) + collectives "
+            f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}{tasks}) + collectives "
             f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
             f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
             f"microbatches, what is not hidden) "

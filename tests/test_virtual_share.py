@@ -217,3 +217,37 @@ def test_each_task_takes_its_parameter_arrays():
                       False, 0.5, np.array([1.0, 0.0, 1.0]))
     assert list(many[0]) == pytest.approx([withs[0], base[0], withs[0]])
     assert list(many[1]) == pytest.approx([withs[1], base[1], withs[1]])
+
+
+def test_the_programs_fixed_cost_is_reported_everywhere(tmp_path):
+    """CostReport.task_s: the busiest stage's task overheads and the arrays its tasks take, by the stage formula;
+    shown by explain(), plan --json and the text CLI, and the cost panel; 0 on a GPU preset."""
+    from autopar_lab.pricing import task_overhead_s
+    from autopar_lab.pricing.stage import ONE_PROGRAM_SHARE
+    from autopar_lab.widgets.views.cost_panel import breakdown_html, explain_text
+
+    model = al.models.get("gpt-tiny", batch_size=16, num_layers=4, hidden_size=32)
+    c = Cluster.preset("cpu")
+    dp = al.data_parallel_plan(model, c)
+    pp = al.megatron_plan(model, c, dp=4, tp=1, pp=2, microbatches=2, table=dp.table)
+    # one program: its three tasks are one; it takes its arrays once, in the update (no task arrays)
+    assert dp.cost.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) * ONE_PROGRAM_SHARE)
+    st = pp.stages[pp.cost.busiest_stage]
+    args = sum(lc.task_arrays_s for lc in st.layer_costs[st.layers[0]:st.layers[1] + 1])
+    assert args > 0
+    B = pp.microbatches
+    assert pp.cost.task_s == pytest.approx((2 * B + 1) * task_overhead_s(c, st.submesh) + 4 * B * args)
+    assert pp.cost.task_s < pp.cost.compute_s + pp.cost.bubble_s + 1e-12
+    assert "fixed cost of its programs" in pp.cost.explain()
+    assert "fixed cost of its programs" in explain_text(pp.cost)
+    assert "programs' fixed cost" in breakdown_html(dp.cost, pp.cost)
+    gpu = al.data_parallel_plan(al.models.get("gpt-tiny"), Cluster.preset("p3.16xlarge"))
+    assert gpu.cost.task_s == 0.0 and "fixed cost of its programs" not in gpu.cost.explain()
+    env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "PATH": "/usr/bin:/bin"}
+    args_cli = [sys.executable, "-m", "autopar_lab", "plan", "gpt-tiny", "--cluster", "cpu", "--method", "megatron",
+                "--dp", "4", "--tp", "1", "--pp", "2", "--microbatches", "2"]
+    js = subprocess.run(args_cli + ["--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert js.returncode == 0, js.stderr
+    assert json.loads(js.stdout)["task_s"] > 0
+    text = subprocess.run(args_cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0 and "its programs' fixed cost" in text.stdout

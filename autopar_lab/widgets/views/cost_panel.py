@@ -77,7 +77,9 @@ def explain_text(cost) -> str:
     """:meth:`CostReport.explain` in the views' number format: the step time as the sum of its terms."""
     attention = "flash attention" if getattr(cost, "flash_attention", False) else "attention through memory"
     return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} (the busiest stage, "
-            f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}) + "
+            f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}"
+            + (f"; {fmt_s(cost.task_s)} of it the fixed cost of its programs" if getattr(cost, "task_s", 0.0) else "")
+            + ") + "
             f"collectives {fmt_s(cost.comm_s)} (including the latency of {getattr(cost, 'collectives', 0):,} "
             f"collectives a step, {fmt_s(getattr(cost, 'collective_latency_s', 0.0))}: each microbatch pays its "
             f"own) + resharding {fmt_s(cost.reshard_s)} (over all microbatches, what is "
@@ -90,7 +92,8 @@ def explain_text(cost) -> str:
 def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
-    rows = [("compute", "compute_s"), ("collectives", "comm_s"),
+    rows = [("compute", "compute_s"), ("of which the programs' fixed cost (launches, arrays taken)", "task_s"),
+            ("collectives", "comm_s"),
             ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
             ("bubble", "bubble_s"),
             ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
