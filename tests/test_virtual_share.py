@@ -251,3 +251,23 @@ def test_the_programs_fixed_cost_is_reported_everywhere(tmp_path):
     assert json.loads(js.stdout)["task_s"] > 0
     text = subprocess.run(args_cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert text.returncode == 0 and "its programs' fixed cost" in text.stdout
+
+
+def test_a_deep_model_planned_on_a_copy_is_not_one_program():
+    """The runtime replays a one-stage, one-microbatch plan as one program only when its strategies are per operator
+    of the model's own graph; a 24-layer model planned on a shallower copy runs as a one-stage pipeline (measured),
+    so its plan pays three tasks and their arrays, and the executed runner says so."""
+    from autopar_lab.pricing import task_overhead_s
+
+    c = Cluster.preset("cpu")
+    deep = al.data_parallel_plan(al.models.get("gpt-tiny", batch_size=16, num_layers=24), c)
+    assert deep.table.solve_graph is not deep.graph  # planned on a copy
+    assert not deep.table.one_program(0, len(deep.layer_names) - 1, (1, 8), 1)
+    args = sum(lc.task_arrays_s for lc in deep.stages[0].layer_costs)
+    assert args > 0
+    assert deep.cost.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) + 4 * args)
+    shallow = al.data_parallel_plan(al.models.get("gpt-tiny", batch_size=16, num_layers=4), c)
+    assert shallow.table.one_program(0, len(shallow.layer_names) - 1, (1, 8), 1)
+    if _devices() >= 8:
+        runner = al.execute(deep, al.models.get("gpt-tiny", batch_size=16, num_layers=24), timing=False)
+        assert runner.mode == "pipeline"
