@@ -545,8 +545,9 @@ def measure_buffer_overhead(num_devices: int | None = None, counts=(8, 128), rep
 
 def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
     """Measure only the per-kernel and per-state-array overheads (:func:`measure_kernel_overhead`,
-    :func:`measure_buffer_overhead`) and store them in the profile at ``path``
-    (default: the shipped one), keeping every other figure; returns the profile."""
+    :func:`measure_buffer_overhead`) and store them in the profile at ``path`` (default: the shipped one), with the
+    device's rates refitted from the profile's measured large-kernel rates (kept under "measurements"), keeping
+    every other figure; returns the profile."""
     out = Path(path) if path is not None else CPU_PROFILE_PATH
     profile = json.loads(out.read_text())
     raw = profile.get("measurements", {})
@@ -563,6 +564,7 @@ def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = 
     profile.setdefault("measurements", {})["kernel_overhead"] = kern
     profile["measurements"]["buffer_overhead"] = buf
     profile["kernel_overhead_measured_on"] = _dt.date.today().isoformat()
+    profile["kernel_overhead_load_average"] = list(os.getloadavg()[:1])
     out.write_text(json.dumps(profile, indent=2) + "\n")
     return profile
 

@@ -271,3 +271,26 @@ def test_a_deep_model_planned_on_a_copy_is_not_one_program():
     if _devices() >= 8:
         runner = al.execute(deep, al.models.get("gpt-tiny", batch_size=16, num_layers=24), timing=False)
         assert runner.mode == "pipeline"
+
+
+def test_kernel_overhead_only_refits_a_profile_in_place(tmp_path):
+    """`--kernel-overhead-only` on a copy of the shipped profile: the kernel figures and the rates change together
+    (rates = the profile's measured large-kernel rates over the new work scale, so a second run does not compound
+    the scale), everything else is kept."""
+    if _devices() < 8:
+        pytest.skip("needs 8 JAX CPU devices (JAX_NUM_CPU_DEVICES=8)")
+    path = tmp_path / "cpu.json"
+    path.write_text(CPU_PROFILE_PATH.read_text())
+    before = json.loads(path.read_text())
+    assert calibrate.main(["--kernel-overhead-only", "--quick", "--out", str(path)]) == 0
+    after = json.loads(path.read_text())
+    k, raw = after["measurements"]["kernel_overhead"], after["measurements"]
+    assert after["device"]["peak_flops"]["float32"] == pytest.approx(
+        raw["matmul_flops_concurrent_per_device"] / k["work_scale"])
+    assert after["device"]["memory_bandwidth"] == pytest.approx(
+        raw["memory_bandwidth_concurrent_per_device"] / k["work_scale"])
+    assert after["device"]["efficiency"]["driver_share"] == k["driver_share"]
+    assert raw["matmul_flops_concurrent_per_device"] == before["measurements"]["matmul_flops_concurrent_per_device"]
+    for key in ("intra_host", "inter_host", "num_devices", "total_memory_bytes"):
+        assert after[key] == before[key]
+    assert after["device"]["task_overhead_s"] == before["device"]["task_overhead_s"]
