@@ -25,6 +25,7 @@ import autopar_lab as al
 from autopar_lab import planner
 from autopar_lab.parallelism import expert_degree
 from autopar_lab.rematmode import remat_label
+from autopar_lab.solve.inter import NoFeasiblePlanError
 
 
 #: The --quick subset of the 21 Alpa configurations: a small GPT where every layout ties, and the 16-GPU rows of each
@@ -49,8 +50,12 @@ def main(items: list[str], schedules: bool = False) -> None:
         name, gpus = item.split(":")
         gpus = int(gpus)
         t0 = time.perf_counter()
-        res = planner.compare(al.models.get(name), cluster_for(gpus), **(
-            dict(schedule="auto", grid_schedules=GRID_SCHEDULES) if schedules else {}))
+        try:
+            res = planner.compare(al.models.get(name), cluster_for(gpus), **(
+                dict(schedule="auto", grid_schedules=GRID_SCHEDULES) if schedules else {}))
+        except NoFeasiblePlanError as e:  # nothing fits: a row that says so, and the next row
+            print(f"{name:<12}{gpus:>5}  no plan fits: {str(e).split(': ', 1)[-1][:150]}", flush=True)
+            continue
         took = time.perf_counter() - t0
         auto, meg, data = res["auto"], res["megatron_best"], res["data_parallel"]
         c = res["megatron_config"]
