@@ -22,7 +22,7 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import ONE_PROGRAM_SHARE, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
+from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
@@ -198,9 +198,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         # forward and a backward task per microbatch and the update once, each taking its arrays (virtual devices).
         tasks_s = 0.0
         for first, last in ranges[j]:
-            task, arrays = table.task_overhead_s(spec.submesh), 1.0
-            if table.one_program(first, last, spec.submesh, microbatches):
-                task, arrays = task * ONE_PROGRAM_SHARE, 0.0
+            task, arrays = table.task_charge(first, last, spec.submesh, microbatches)
             args = sums["task_arrays_s"][last + 1] - sums["task_arrays_s"][first]
             per_mb = 3 if schedule == "zb-h1" else 2  # ZB-H1's weight gradient is a task of its own
             tasks_s += (per_mb * microbatches + 1) * task + 4 * microbatches * args * arrays

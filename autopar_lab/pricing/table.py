@@ -559,15 +559,22 @@ class CostTable:
                 and self.solve_graph is self.graph
                 and end == len(self.layer_names) - 1 and int(submesh[0]) * int(submesh[1]) == self.cluster.num_devices)
 
+    def task_charge(self, start: int, end: int, submesh, microbatches: int) -> tuple[float, float]:
+        """``(task_s, arrays)`` for :func:`~autopar_lab.pricing.stage.stage_cost` of layers start..end on
+        ``submesh``: the per-task overhead, and 1 where its tasks take their arrays; a one-program stage
+        (:meth:`one_program`) pays :data:`ONE_PROGRAM_SHARE` of the overhead per task and no task arrays."""
+        task = self.task_overhead_s(submesh)
+        if self.one_program(start, end, submesh, microbatches):
+            return task * ONE_PROGRAM_SHARE, 0.0
+        return task, 1.0
+
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None, solution: str = "fast") -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
-        task, arrays = self.task_overhead_s(submesh), 1.0
-        if self.one_program(start, end, submesh, microbatches):
-            task, arrays = task * ONE_PROGRAM_SHARE, 0.0
+        task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            task, arrays)
         return StageCandidate((start, end), tuple(submesh), tuple(shape), remat, fwd, bwd, static, act,
