@@ -45,7 +45,8 @@ Each profile records the load average at its start and end (``load_average``): t
 speed moves with what else runs (``bench/bench_execute.py --calibrate`` measures a profile just before it runs).
 
 ``--task-overhead-only`` (``--kernel-overhead-only``) measures just the per-task (per-kernel and per-state-array)
-overhead and adds it to an existing profile; ``--collectives-only`` measures just the collectives and refits the
+overhead and adds it to an existing profile; ``--chain-reads-only`` just the gradient chain's re-reads
+(:func:`measure_chain_reads`); ``--collectives-only`` measures just the collectives and refits the
 links.
 
 >>> p = measure_cpu(quick=True)            # doctest: +SKIP
@@ -467,38 +468,14 @@ def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 
     point on fewer devices, with its "share"; None below 4 devices), "fit"}.
     """
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from autopar_lab import models
-    from autopar_lab.cluster import Cluster, Device, Link
-    from autopar_lab.graph.fusion import attach_kernel_roles, kernel_view
-    from autopar_lab.sharding.strategies import price, replicated_strategy
 
     devs = jax.devices("cpu")
     n = len(devs) if num_devices is None else int(num_devices)
     if len(points) < 2:
         raise ValueError(f"points needs two (layers, batch) pairs or more to fit two terms, got {points!r}")
-    one = Cluster(hosts=1, devices_per_host=1, name="one",
-                  device=Device("cpu", {"float32": float(peak_flops)}, memory_bytes=2.0 ** 30,
-                                memory_bandwidth=float(memory_bandwidth)),
-                  intra_host=Link(1e9, 0.0), inter_host=Link(1e9, 0.0)).logical_mesh((1, 1), (1, 1))
 
     def run(layers: int, batch: int, d: int) -> dict:
-        mesh = Mesh(np.array(devs[:d]), ("d",))
-        replicated = NamedSharding(mesh, P())
-        spec = models.get(model, num_layers=int(layers), batch_size=int(batch))
-        graph = spec.trace()
-        attach_kernel_roles(graph)
-        kernels = len(kernel_view(graph).kernels)
-        roof = float(sum(price(op, replicated_strategy(op), one).compute_s for op in graph))
-        args = jax.device_put(jax.tree.map(np.asarray, spec.init(seed=0)), replicated)
-        fn = jax.jit(jax.shard_map(spec.step_fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                                   check_vma=False))
-        nothing = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        x = jax.device_put(np.zeros(d, np.float32), NamedSharding(mesh, P("d")))
-        call = _median_time(lambda: nothing(x), repeats=repeats)  # a program's call alone, on these devices
-        return {"layers": int(layers), "batch": int(batch), "devices": d, "kernels": kernels, "roofline_s": roof,
-                "call_s": call, "seconds": _median_time(lambda: fn(*args), repeats=repeats)}
+        return step_point(model, layers, batch, d, peak_flops, memory_bandwidth, repeats)
 
     rows = [run(layers, batch, n) for layers, batch in points]
     a = np.array([[r["kernels"], r["roofline_s"]] for r in rows])
@@ -520,6 +497,77 @@ def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 
             "fit": "t - call_s = kernel_launch_s * kernels + work_scale * roofline_s (the cost model's kernels and "
                    "roofline at the rates given), least squares over the points, all devices busy; on d of the n "
                    "devices the step pays (d + driver_share) / (n + driver_share) of that; medians of repeats"}
+
+
+def step_point(model: str, layers: int, batch: int, devices: int, peak_flops: float, memory_bandwidth: float,
+               repeats: int) -> dict:
+    """One point of the kernel fits: the zoo ``model`` at ``layers`` and ``batch`` runs its whole step on ``devices``
+    CPU devices at once, each its own copy (``shard_map`` over replicated inputs: no communication). Returns
+    {"layers", "batch", "devices", "kernels" (:func:`autopar_lab.graph.fusion.kernel_view`'s), "roofline_s" (every
+    operator priced on one device at the rates given), "chain_s" (the gradient chain's re-read bytes per read,
+    :func:`autopar_lab.pricing.layers.chain_pair_bytes`, at ``memory_bandwidth``), "call_s" (an empty program's
+    call on the same devices), "seconds" (median of ``repeats``)}."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from autopar_lab import models
+    from autopar_lab.cluster import Cluster, Device, Link
+    from autopar_lab.graph.fusion import attach_kernel_roles, kernel_view
+    from autopar_lab.pricing.layers import chain_pair_bytes
+    from autopar_lab.sharding.strategies import price, replicated_strategy
+
+    devs = jax.devices("cpu")
+    d = int(devices)
+    if d > len(devs):
+        raise ValueError(f"this point runs on {d} CPU devices and JAX has {len(devs)}: set JAX_NUM_CPU_DEVICES={d} "
+                         f"before Python starts (or pass fewer devices)")
+    one = Cluster(hosts=1, devices_per_host=1, name="one",
+                  device=Device("cpu", {"float32": float(peak_flops)}, memory_bytes=2.0 ** 30,
+                                memory_bandwidth=float(memory_bandwidth)),
+                  intra_host=Link(1e9, 0.0), inter_host=Link(1e9, 0.0)).logical_mesh((1, 1), (1, 1))
+    mesh = Mesh(np.array(devs[:d]), ("d",))
+    replicated = NamedSharding(mesh, P())
+    spec = models.get(model, num_layers=int(layers), batch_size=int(batch))
+    graph = spec.trace()
+    attach_kernel_roles(graph)
+    kernels = len(kernel_view(graph).kernels)
+    roof = float(sum(price(op, replicated_strategy(op), one).compute_s for op in graph))
+    chain = chain_pair_bytes(graph, list(graph.layers) or [""]) / float(memory_bandwidth)
+    args = jax.device_put(jax.tree.map(np.asarray, spec.init(seed=0)), replicated)
+    fn = jax.jit(jax.shard_map(spec.step_fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                               check_vma=False))
+    nothing = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    x = jax.device_put(np.zeros(d, np.float32), NamedSharding(mesh, P("d")))
+    call = _median_time(lambda: nothing(x), repeats=repeats)  # a program's call alone, on these devices
+    return {"layers": int(layers), "batch": int(batch), "devices": d, "kernels": kernels, "roofline_s": roof,
+            "chain_s": chain, "call_s": call, "seconds": _median_time(lambda: fn(*args), repeats=repeats)}
+
+
+def measure_chain_reads(kernel_fit: Mapping[str, Any], depths=(12, 24), batch: int = 2, repeats: int = 11) -> dict:
+    """Fit ``Efficiency.chain_reads`` from deep steps: what a ``kernel_fit``'s formula (of
+    :func:`measure_kernel_overhead`, fitted at 2-4 layers) leaves unexplained of the step at each of ``depths``
+    layers, on the same devices, over the gradient chain's re-read bytes at the profile's bandwidth (least squares
+    through the origin; none below 0).
+
+    Why: on this machine a layer of gpt-tiny's step cost ~2x more at 24 layers than at 4 with no communication. XLA
+    on CPU fuses the residual stream's gradient (the sum of every later layer's term) into each reader kernel of
+    each layer's backward instead of writing it once: at 24 layers 140 of the backward's fusions read 33 MB of
+    operands (1.1 MB at 4 layers), ~29 reads of a link per pair of layers; the forward's per-kernel time does not
+    grow. Returns {"chain_reads", "points": [... as :func:`step_point`, with "rest_s" (seconds the fit leaves)],
+    "fit"}."""
+    rates = kernel_fit["rates"]
+    n = int(kernel_fit["points"][0]["devices"])
+    launch, scale = float(kernel_fit["kernel_launch_s"]), float(kernel_fit["work_scale"])
+    rows = [step_point(kernel_fit.get("model", "gpt-tiny"), L, batch, n, rates["peak_flops"],
+                       rates["memory_bandwidth"], repeats) for L in depths]
+    for r in rows:
+        r["rest_s"] = r["seconds"] - r["call_s"] - launch * r["kernels"] - scale * r["roofline_s"]
+    u = np.array([r["chain_s"] * scale for r in rows])  # priced at the profile's bandwidth (measured / work_scale)
+    rest = np.array([r["rest_s"] for r in rows])
+    reads = max(float(u @ rest / (u @ u)), 0.0) if float(u @ u) > 0 else 0.0
+    return {"chain_reads": reads, "points": rows,
+            "fit": "t - call_s - (kernel_launch_s * kernels + work_scale * roofline_s) = chain_reads * work_scale * "
+                   "chain_s (the chain's re-read bytes at the measured bandwidth), least squares through 0"}
 
 
 def measure_buffer_overhead(num_devices: int | None = None, counts=(8, 128), repeats: int = 21) -> dict:
@@ -558,10 +606,13 @@ def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = 
                                                             profile["device"]["memory_bandwidth"]))
     profile["device"]["peak_flops"] = {"float32": kern["rates"]["peak_flops"] / kern["work_scale"]}
     profile["device"]["memory_bandwidth"] = kern["rates"]["memory_bandwidth"] / kern["work_scale"]
+    chain = measure_chain_reads(kern, repeats=5 if quick else 11)
     buf = measure_buffer_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
     profile["device"].setdefault("efficiency", {}).update(kernel_launch_s=kern["kernel_launch_s"],
-                                                          buffer_s=buf["buffer_s"], driver_share=kern["driver_share"])
+                                                          buffer_s=buf["buffer_s"], driver_share=kern["driver_share"],
+                                                          chain_reads=chain["chain_reads"])
     profile.setdefault("measurements", {})["kernel_overhead"] = kern
+    profile["measurements"]["chain_reads"] = chain
     profile["measurements"]["buffer_overhead"] = buf
     profile["kernel_overhead_measured_on"] = _dt.date.today().isoformat()
     profile["kernel_overhead_load_average"] = list(os.getloadavg()[:1])
@@ -696,6 +747,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
     kern = measure_kernel_overhead(n, repeats=7 if quick else 21, peak_flops=peak_concurrent,
                                    memory_bandwidth=bw_concurrent,
                                    points=((1, 2), (2, 2), (2, 8)) if quick else ((2, 2), (4, 2), (4, 16)))
+    chain = measure_chain_reads(kern, depths=(6, 8) if quick else (12, 24), repeats=5 if quick else 11)
     buf = measure_buffer_overhead(n, repeats=7 if quick else 21)
 
     total = total_memory_bytes()
@@ -730,7 +782,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "virtual": True,
             # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
             "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"],
-                           "driver_share": kern["driver_share"]},
+                           "driver_share": kern["driver_share"], "chain_reads": chain["chain_reads"]},
         },
         "intra_host": intra,
         # Never faster than the measured in-machine link, so a "cpu:2" what-if keeps the usual ordering.
@@ -752,6 +804,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             "collective_fit": _COLLECTIVE_FIT,
             "task_overhead": task,
             "kernel_overhead": kern,
+            "chain_reads": chain,
             "buffer_overhead": buf,
         },
     }
@@ -780,6 +833,25 @@ def update_task_overhead(path: str | os.PathLike | None = None, quick: bool = Fa
     return profile
 
 
+def update_chain_reads(path: str | os.PathLike | None = None, quick: bool = False) -> dict:
+    """Measure only ``chain_reads`` (:func:`measure_chain_reads`, against the profile's own kernel fit) and store it
+    in the profile at ``path`` (default: the shipped one), keeping every other figure; returns the profile. A
+    profile without a kernel fit is a ValueError that says what to run first."""
+    out = Path(path) if path is not None else CPU_PROFILE_PATH
+    profile = json.loads(out.read_text())
+    kern = profile.get("measurements", {}).get("kernel_overhead")
+    if not kern or "rates" not in kern:
+        raise ValueError(f"{out} has no kernel fit to measure the gradient chain against; run "
+                         f"`python -m autopar_lab.calibrate --kernel-overhead-only --out {out}` first")
+    chain = measure_chain_reads(kern, depths=(6, 8) if quick else (12, 24), repeats=5 if quick else 11)
+    profile["device"].setdefault("efficiency", {})["chain_reads"] = chain["chain_reads"]
+    profile.setdefault("measurements", {})["chain_reads"] = chain
+    profile["chain_reads_measured_on"] = _dt.date.today().isoformat()
+    profile["chain_reads_load_average"] = list(os.getloadavg()[:1])
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar_lab.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(CPU_PROFILE_PATH), help="where to write the JSON profile")
@@ -796,10 +868,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-overhead-only", action="store_true",
                         help="measure only the per-kernel and per-state-array overheads and add them to the existing "
                              "profile at --out")
+    parser.add_argument("--chain-reads-only", action="store_true",
+                        help="measure only the gradient chain's re-reads (deep steps against the profile's kernel "
+                             "fit) and add them to the existing profile at --out")
     args = parser.parse_args(argv)
     # Calibrate CPU devices; give the usual 8 unless the caller chose (only works before jax is imported).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+    if "jax" in sys.modules:  # imported with the package: its config read the environment already
+        import jax
+
+        try:
+            jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+        except (RuntimeError, ValueError):
+            pass  # the backend is up already: the devices are what they are (step_point says if too few)
     try:
         if args.task_overhead_only:
             profile = update_task_overhead(args.out, quick=args.quick)
@@ -807,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
             profile = update_collectives(args.out, quick=args.quick, back_to_back=args.back_to_back)
         elif args.kernel_overhead_only:
             profile = update_kernel_overhead(args.out, quick=args.quick)
+        elif args.chain_reads_only:
+            profile = update_chain_reads(args.out, quick=args.quick)
         else:
             profile = write_profile(args.out, num_devices=args.devices, quick=args.quick)
     except (OSError, ValueError) as e:
@@ -822,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(concurrent), collective link (all-reduce + all-gather fit) {link['bandwidth'] / 1e9:.2f} GB/s + {link['latency'] * 1e6:.1f} us, "
             f"{d['task_overhead_s'] * 1e3:.2f} ms per pipeline task, "
             f"{d.get('efficiency', {}).get('kernel_launch_s', 0.0) * 1e6:.1f} us per kernel, "
-            f"{d.get('efficiency', {}).get('buffer_s', 0.0) * 1e6:.1f} us per state array"
+            f"{d.get('efficiency', {}).get('buffer_s', 0.0) * 1e6:.1f} us per state array, "
+            f"{d.get('efficiency', {}).get('chain_reads', 0.0):.3g} gradient-chain reads per later layer"
         )
     return 0
 

@@ -141,6 +141,14 @@ class Efficiency:
       shrink with the devices running it, in devices: a program on ``d`` of a host's ``D`` devices pays
       ``(d + driver_share) / (D + driver_share)`` of its kernels' calibrated cost (measured with all ``D`` busy), as
       the devices share the machine's cores and one driver dispatches them all (:meth:`Cluster.virtual_share`).
+    - ``chain_reads``: where the compiler fuses a gradient-accumulation chain into every kernel that reads it (XLA
+      on CPU: the residual stream's gradient, a sum with one term per later layer, is not written once but summed
+      again inside each consumer kernel of each layer's backward), the times each backward kernel of a layer reads
+      one later layer's term, in units of the chain's link tensor (:attr:`LayerCost.chain_s
+      <autopar_lab.pricing.layers.LayerCost>`): a backward program of n layers reads ~n^2/2 link tensors x
+      ``chain_reads``. Measured on the ``cpu`` preset (:func:`autopar_lab.calibrate.measure_chain_reads`), where a
+      24-layer backward ran 2x its kernels' time; 0 elsewhere (XLA on GPU caps a fusion's operands, and the
+      presets' figures are fitted without it).
 
     The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
     device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
@@ -164,6 +172,7 @@ class Efficiency:
     kernel_launch_s: float = 5e-6
     buffer_s: float = 0.0
     driver_share: float = 0.0
+    chain_reads: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("matmul", "memory", "attention"):
@@ -187,6 +196,11 @@ class Efficiency:
         if not isinstance(share, numbers.Real) or not math.isfinite(share) or share < 0:
             raise ValueError(f"efficiency.driver_share must be a finite number of devices >= 0, got {share!r}.")
         object.__setattr__(self, "driver_share", float(share))
+        reads = self.chain_reads
+        if not isinstance(reads, numbers.Real) or not math.isfinite(reads) or reads < 0:
+            raise ValueError(f"efficiency.chain_reads must be a finite number >= 0 (reads per later layer), got "
+                             f"{reads!r}.")
+        object.__setattr__(self, "chain_reads", float(reads))
         object.__setattr__(self, "flash_attention", bool(self.flash_attention))
 
     def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:

@@ -123,6 +123,10 @@ class CostReport:
     # task_overhead_s) and, on virtual devices, the state arrays each task takes (pricing.stage.stage_cost). 0 where
     # none is charged (the GPU presets).
     task_s: float = 0.0
+    # The busiest stage's re-reads of the gradient chain a step, part of its compute: where the compiler sums the
+    # chain again inside each layer's backward kernels (Efficiency.chain_reads; XLA on CPU), a backward program of n
+    # layers reads ~n^2/2 links (pricing.stage.chain_pairs). 0 where none is charged (the GPU presets).
+    chain_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -147,6 +151,7 @@ class CostReport:
             "collectives": self.collectives,
             "collective_latency_s": self.collective_latency_s,
             "task_s": self.task_s,
+            "chain_s": self.chain_s,
         }
 
     def explain(self) -> str:
@@ -164,6 +169,9 @@ class CostReport:
             else ""
         tasks = (f"; of which {self.task_s:.4g} s the fixed cost of its programs: launches and the arrays they take"
                  if self.task_s > 0 else "")
+        tasks += (f"; of which {self.chain_s:.4g} s re-reading the gradient chain (the compiler sums the residual "
+                  f"stream's gradient again in each layer's backward kernels: quadratic in a program's layers)"
+                  if self.chain_s > 0 else "")
         return (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
             f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}{tasks}) + collectives "

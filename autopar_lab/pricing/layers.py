@@ -53,6 +53,12 @@ class LayerCost:
     reduction, parameter gathers and the optimizer's); ``latency_fwd_s``/``latency_bwd_s``, their latency (the alpha
     term of each, by the link class its axis crosses). ``fwd_s``/``bwd_s`` count it once a step, as they count the
     bandwidth; a microbatch pays it in full (:func:`~autopar_lab.pricing.stage.stage_cost`).
+
+    Gradient chain (``Efficiency.chain_reads`` > 0): ``chain_s``, ``chain_reads`` times the time to read the layer's
+    link of the cotangent chain that carries the gradient to the layers before it (a backward ``add_any`` whose sum
+    an earlier layer reads: a residual stream's gradient), per step. A compiler that fuses the chain into its
+    readers re-reads every later layer's link in each layer's backward kernels: a backward program over layers
+    a..b pays ``sum over k of (b - k) x chain_s[k]`` (:func:`~autopar_lab.pricing.stage.chain_pairs`).
     """
 
     fwd_s: float
@@ -86,6 +92,27 @@ class LayerCost:
     collectives_fwd: int = 0
     collectives_bwd: int = 0
     task_arrays_s: float = 0.0
+    chain_s: float = 0.0
+
+
+#: The primitive JAX's autodiff sums cotangents with: a chain of them across layers is the gradient chain.
+CHAIN_PRIMITIVE = "add_any"
+
+
+def is_chain_link(graph: OpGraph, node: Any) -> bool:
+    """Whether ``node`` is a link of a gradient chain: a backward cotangent sum (:data:`CHAIN_PRIMITIVE`) that an
+    operator of another layer reads (a residual stream's gradient passing to the layer before)."""
+    return (node.primitive == CHAIN_PRIMITIVE and node.role not in (FORWARD, UPDATE) and bool(node.outputs)
+            and any(graph.op(c).layer != node.layer for c in graph.consumers.get(node.outputs[0], ())))
+
+
+def chain_pair_bytes(graph: OpGraph, layer_names: Sequence[str]) -> float:
+    """Bytes (whole batch, unsharded) a one-program backward over all of ``layer_names`` re-reads of the gradient
+    chain per read (:attr:`LayerCost.chain_s`): ``sum over k of (L - 1 - k) x`` the links of layer k."""
+    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
+    last = len(layer_names) - 1
+    return float(sum((last - index.get(n.layer, last)) * graph.tensor(n.outputs[0]).nbytes
+                     for n in graph if is_chain_link(graph, n)))
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -107,7 +134,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
-             latb=0.0, cf=0, cb=0, arrays=0.0,
+             latb=0.0, cf=0, cb=0, arrays=0.0, chain=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -123,6 +150,10 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         # devices the cost is per shard (each device's buffer is made on the shared cores; measured 6.8, 10.6 and
         # 18.2 us an array on 2, 4 and 8 devices), so a mesh of d of the host's D devices pays d / D of it.
         per_buffer *= min(plan.mesh.num_devices / plan.mesh.cluster.devices_per_host, 1.0)
+    # Seconds per byte of a gradient-chain link re-read (0 unless the device's compiler duplicates the chain).
+    chain_unit = device.efficiency.chain_reads / device.achievable_bandwidth
+    if device.virtual:
+        chain_unit *= plan.mesh.cluster.virtual_share(plan.mesh.num_devices)
     view = kernel_view(graph, fused)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
@@ -166,6 +197,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             else:
                 a["hb"] += 1
                 a["lb"] += launch
+        if chain_unit and is_chain_link(graph, node):
+            link = graph.tensor(node.outputs[0])
+            a["chain"] += chain_unit * s.out_specs[0].bytes_per_device(link.shape, link.dtype, mshape)
         internal = op in internals
         if internal:
             a["attn_fwd"] += s.cost
@@ -219,7 +253,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
-                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"]))
+                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"], chain_s=a["chain"]))
     return out
 
 
@@ -246,4 +280,5 @@ def batch_size(graph: OpGraph) -> int:
     return max(sizes) if sizes else 1
 
 
-__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "collective_latency_s", "layer_costs", "cut_bytes", "batch_size"]
+__all__ = ["CHAIN_PRIMITIVE", "HEAVY_PRIMITIVES", "LayerCost", "chain_pair_bytes", "collective_latency_s",
+           "is_chain_link", "layer_costs", "cut_bytes", "batch_size"]

@@ -22,7 +22,7 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
+from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 
 if TYPE_CHECKING:
@@ -196,13 +196,15 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             latency += (span["latency_fwd_s"] * twice + span["latency_bwd_s"]) * microbatches
         # The fixed cost of the stage's programs a step (its chunks' when interleaved), by stage_cost's formula: a
         # forward and a backward task per microbatch and the update once, each taking its arrays (virtual devices).
-        tasks_s = 0.0
+        tasks_s = chain_s = 0.0
         for first, last in ranges[j]:
+            # Every microbatch's backward re-reads the gradient chain (stage_cost's chain_pairs_s, per step).
+            chain_s += chain_pairs({f: sums[f][last + 1] - sums[f][first] for f in ("chain_s", "chain_rank_s")}, last)
             task, arrays = table.task_charge(first, last, spec.submesh, microbatches)
             args = sums["task_arrays_s"][last + 1] - sums["task_arrays_s"][first]
             per_mb = 3 if schedule == "zb-h1" else 2  # ZB-H1's weight gradient is a task of its own
             tasks_s += (per_mb * microbatches + 1) * task + 4 * microbatches * args * arrays
-        hidden.append((hid_sync, hid_gather, int(round(launches)), int(round(colls)), latency, tasks_s))
+        hidden.append((hid_sync, hid_gather, int(round(launches)), int(round(colls)), latency, tasks_s, chain_s))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
@@ -253,7 +255,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     # Communication hidden behind compute is not in the busy time: only what shows is split.
-    hid_sync, hid_gather, kernels, colls, latency, tasks_s = hidden[busiest]
+    hid_sync, hid_gather, kernels, colls, latency, tasks_s, chain_s = hidden[busiest]
     # The stage's comm_s counts each per-microbatch collective's latency once a step; its busy time pays it every
     # microbatch (and once more per recomputed forward): what is left of the step's latency shows as collectives.
     once = sum(c.latency_fwd_s + c.latency_bwd_s for c in (c for a, z in chunks[busiest]
@@ -282,6 +284,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         flash_attention=cluster.device.efficiency.flash_attention,
         shared_host=hosts is not None and len(priced) > 1,
         task_s=float(tasks_s),
+        chain_s=float(chain_s),
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),

@@ -45,17 +45,30 @@ ONE_PROGRAM_SHARE = 1.0 / 3.0
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "latency_fwd_s", "latency_bwd_s",
-              "collectives_fwd", "collectives_bwd", "task_arrays_s")
+              "collectives_fwd", "collectives_bwd", "task_arrays_s", "chain_s")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     """Running sums of each :data:`SUM_FIELDS` field over a list of LayerCosts: ``sums[f][b + 1] - sums[f][a]`` is
-    the total over layers ``a..b``."""
-    sums: dict[str, list[float]] = {f: [0.0] for f in SUM_FIELDS}
-    for c in costs:
+    the total over layers ``a..b``; also of ``k x chain_s`` of layer k (``chain_rank_s``, for :func:`chain_pairs`)."""
+    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "chain_rank_s")}
+    for k, c in enumerate(costs):
         for f in SUM_FIELDS:
             sums[f].append(sums[f][-1] + getattr(c, f))
+        sums["chain_rank_s"].append(sums["chain_rank_s"][-1] + k * c.chain_s)
     return sums
+
+
+def chain_pairs(totals: Mapping[str, Any], end: Any) -> Any:
+    """Seconds a step of a backward program over layers a..``end`` spends re-reading the gradient chain:
+    ``sum over k in a..end of (end - k) x chain_s[k]`` (each layer's backward kernels read the link of every later
+    layer of the same program again, see :class:`~autopar_lab.pricing.layers.LayerCost`), from the range's totals
+    of ``chain_s`` and ``chain_rank_s`` (:func:`prefix_sums`). Floats or numpy arrays.
+
+    >>> chain_pairs({"chain_s": 3.0, "chain_rank_s": 0 * 1.0 + 1 * 1.0 + 2 * 1.0}, 2)   # layers 0..2: 2 + 1 + 0
+    3.0
+    """
+    return end * totals.get("chain_s", 0.0) - totals.get("chain_rank_s", 0.0)
 
 
 def _minimum(a: Any, b: Any) -> Any:
@@ -91,7 +104,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
 
-    ``task_arrays_s`` (virtual devices): what one task pays to take the stage's parameter arrays; the forward task
+    ``chain_pairs_s`` (:func:`chain_pairs`, set by the caller, who knows the range's last layer): the backward's
+    re-reads of the gradient chain a step, paid by every microbatch's backward. ``task_arrays_s`` (virtual
+    devices): what one task pays to take the stage's parameter arrays; the forward task
     takes them once, the backward three times (the parameters, and the running gradient sums in and out). ``arrays``
     is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1.
 
@@ -121,6 +136,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     lat_fwd = totals.get("latency_fwd_s", 0.0) * again
     fwd = (totals["fwd_s"] - hidden_gather) / B + totals["launch_fwd_s"] + lat_fwd
     bwd = (totals["bwd_s"] - hidden_sync) / B + totals["launch_bwd_s"] + totals.get("latency_bwd_s", 0.0) * again
+    bwd = bwd + totals.get("chain_pairs_s", 0.0) / B
     n = totals["layers"]
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers

@@ -37,7 +37,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import ONE_PROGRAM_SHARE, pareto, prefix_sums, stage_cost, task_overhead_s
+from .stage import ONE_PROGRAM_SHARE, chain_pairs, pareto, prefix_sums, stage_cost, task_overhead_s
 from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_one)
 
 if TYPE_CHECKING:
@@ -574,6 +574,7 @@ class CostTable:
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
+        totals["chain_pairs_s"] = chain_pairs(totals, end)
         task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            task, arrays)
@@ -724,6 +725,7 @@ class StageBlock:
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
                 sums = table.prefix_arrays(submesh, shape, sol)
                 totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
+                totals["chain_pairs_s"] = chain_pairs(totals, cols[None, :])
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
             for out, v in zip(keys, costs):
                 np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)

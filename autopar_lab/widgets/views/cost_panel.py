@@ -79,6 +79,8 @@ def explain_text(cost) -> str:
     return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} (the busiest stage, "
             f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}"
             + (f"; {fmt_s(cost.task_s)} of it the fixed cost of its programs" if getattr(cost, "task_s", 0.0) else "")
+            + (f"; {fmt_s(cost.chain_s)} of it re-reading the gradient chain (summed again in each layer's backward "
+               "kernels)" if getattr(cost, "chain_s", 0.0) else "")
             + ") + "
             f"collectives {fmt_s(cost.comm_s)} (including the latency of {getattr(cost, 'collectives', 0):,} "
             f"collectives a step, {fmt_s(getattr(cost, 'collective_latency_s', 0.0))}: each microbatch pays its "
@@ -93,6 +95,7 @@ def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
     rows = [("compute", "compute_s"), ("of which the programs' fixed cost (launches, arrays taken)", "task_s"),
+            ("of which re-reading the gradient chain", "chain_s"),
             ("collectives", "comm_s"),
             ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
             ("bubble", "bubble_s"),
