@@ -199,7 +199,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         tasks_s = chain_s = 0.0
         for first, last in ranges[j]:
             # Every microbatch's backward re-reads the gradient chain (stage_cost's chain_pairs_s, per step).
-            chain_s += chain_pairs({f: sums[f][last + 1] - sums[f][first] for f in ("chain_s", "chain_rank_s")}, last)
+            chain_s += chain_pairs(sums, first, last)
             task, arrays = table.task_charge(first, last, spec.submesh, microbatches)
             args = sums["task_arrays_s"][last + 1] - sums["task_arrays_s"][first]
             per_mb = 3 if schedule == "zb-h1" else 2  # ZB-H1's weight gradient is a task of its own

@@ -59,16 +59,21 @@ def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     return sums
 
 
-def chain_pairs(totals: Mapping[str, Any], end: Any) -> Any:
-    """Seconds a step of a backward program over layers a..``end`` spends re-reading the gradient chain:
-    ``sum over k in a..end of (end - k) x chain_s[k]`` (each layer's backward kernels read the link of every later
-    layer of the same program again, see :class:`~autopar_lab.pricing.layers.LayerCost`), from the range's totals
-    of ``chain_s`` and ``chain_rank_s`` (:func:`prefix_sums`). Floats or numpy arrays.
+def chain_pairs(sums: Mapping[str, Any], start: Any, end: Any) -> Any:
+    """Seconds a step of a backward program over layers ``start..end`` spends re-reading the gradient chain:
+    ``sum over k of (end - k) x chain_s[k]`` (each layer's backward kernels read the link of every later layer of
+    the same program again; see :class:`~autopar_lab.pricing.layers.LayerCost`), from the running sums of
+    ``chain_s`` and ``chain_rank_s`` (:func:`prefix_sums`, lists or numpy arrays). ``start``/``end``: ints, or
+    broadcastable integer arrays (the stage DP's blocks).
 
-    >>> chain_pairs({"chain_s": 3.0, "chain_rank_s": 0 * 1.0 + 1 * 1.0 + 2 * 1.0}, 2)   # layers 0..2: 2 + 1 + 0
-    3.0
+    >>> s = prefix_sums([type("C", (), {f: 1.0 if f == "chain_s" else 0.0 for f in SUM_FIELDS})()] * 3)
+    >>> chain_pairs(s, 0, 2), chain_pairs(s, 1, 2), chain_pairs(s, 2, 2)   # 2+1+0, 1+0, 0
+    (3.0, 1.0, 0.0)
     """
-    return end * totals.get("chain_s", 0.0) - totals.get("chain_rank_s", 0.0)
+    c, r = sums["chain_s"], sums["chain_rank_s"]
+    if isinstance(start, np.ndarray) or isinstance(end, np.ndarray):
+        c, r = np.asarray(c, dtype=float), np.asarray(r, dtype=float)
+    return end * (c[end + 1] - c[start]) - (r[end + 1] - r[start])
 
 
 def _minimum(a: Any, b: Any) -> Any:
@@ -104,7 +109,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
 
-    ``chain_pairs_s`` (:func:`chain_pairs`, set by the caller, who knows the range's last layer): the backward's
+    ``chain_pairs_s`` (:func:`chain_pairs`, set by the caller, who has the running sums): the backward's
     re-reads of the gradient chain a step, paid by every microbatch's backward. ``task_arrays_s`` (virtual
     devices): what one task pays to take the stage's parameter arrays; the forward task
     takes them once, the backward three times (the parameters, and the running gradient sums in and out). ``arrays``

@@ -574,7 +574,7 @@ class CostTable:
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
-        totals["chain_pairs_s"] = chain_pairs(totals, end)
+        totals["chain_pairs_s"] = chain_pairs(sums, start, end)
         task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            task, arrays)
@@ -725,7 +725,7 @@ class StageBlock:
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
                 sums = table.prefix_arrays(submesh, shape, sol)
                 totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
-                totals["chain_pairs_s"] = chain_pairs(totals, cols[None, :])
+                totals["chain_pairs_s"] = chain_pairs(sums, rows[:, None], cols[None, :])
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
             for out, v in zip(keys, costs):
                 np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
