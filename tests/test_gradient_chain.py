@@ -23,7 +23,8 @@ import pytest
 import autopar_lab as al
 from autopar_lab import calibrate
 from autopar_lab.cluster import CPU_PROFILE_PATH, Cluster, Efficiency
-from autopar_lab.pricing.layers import chain_pair_bytes, is_chain_link
+from autopar_lab.graph.fusion import is_chain_link
+from autopar_lab.pricing.layers import chain_pair_bytes
 from autopar_lab.pricing.stage import chain_pairs, prefix_sums, stage_cost
 
 
@@ -193,3 +194,58 @@ def test_update_chain_reads_keeps_the_rest_and_says_what_to_run(tmp_path):
         assert out["device"]["efficiency"][key] == prof["device"]["efficiency"][key]
     assert out["device"]["peak_flops"] == prof["device"]["peak_flops"]
     assert Cluster.from_profile(path).device.efficiency.chain_reads == out["device"]["efficiency"]["chain_reads"]
+
+
+def test_the_ilp_prices_one_reread_of_each_link_at_its_sharding():
+    """The intra-op ILP sees the chain (solve.intra.CHAIN_READERS_IN_ILP later layers re-read each link): a link's
+    strategy costs chain_read_s_per_byte x its bytes per device more than with chain_reads = 0, so a replicated link
+    costs the mesh's size times a sharded one's; every other operator's costs are unchanged; a GPU preset adds none."""
+    from autopar_lab.sharding.strategies import chain_read_s_per_byte
+    from autopar_lab.solve.intra import CHAIN_READERS_IN_ILP, StrategyCache, build_problem
+
+    g = al.models.get("gpt-tiny", batch_size=16, num_layers=4, hidden_size=32).trace()
+    cpu = Cluster.preset("cpu")
+    c, plain = _with_reads(cpu, 40.0), _with_reads(cpu, 0.0)
+    mesh, mesh0 = c.logical_mesh((1, 4), (4, 1)), plain.logical_mesh((1, 4), (4, 1))
+    assert chain_read_s_per_byte(mesh) == pytest.approx(40.0 / c.device.achievable_bandwidth * c.virtual_share(4))
+    with_chain = build_problem(g, mesh, cache=StrategyCache(mesh))
+    without = build_problem(g, mesh0, cache=StrategyCache(mesh0))
+    assert with_chain.nodes == without.nodes
+    links = 0
+    for k, op in enumerate(with_chain.nodes):
+        node = g.op(op)
+        added = with_chain.problem.node_costs[k] - without.problem.node_costs[k]
+        if not is_chain_link(g, node):
+            assert np.allclose(added, 0.0, atol=1e-15), node.primitive
+            continue
+        links += 1
+        t = g.tensor(node.outputs[0])
+        want = [CHAIN_READERS_IN_ILP * chain_read_s_per_byte(mesh) * s.out_specs[0].bytes_per_device(
+            t.shape, t.dtype, (4, 1)) for s in with_chain.strats[k]]
+        assert np.allclose(added, want, rtol=1e-12)
+        whole = [a for a, s in zip(added, with_chain.strats[k]) if not s.out_specs[0].axes]
+        assert whole and max(whole) == pytest.approx(4 * min(added))
+    assert links == 5
+    gpu = Cluster.preset("dgx-a100").logical_mesh((1, 4), (4, 1))
+    assert chain_read_s_per_byte(gpu) == 0.0
+
+
+def test_deep_pipeline_keeps_the_chain_sharded():
+    """gpt-tiny at 24 layers as the bench runs it: Megatron's pp=2 on 4x1 meshes used to replicate every link of the
+    chain (the ILP did not see it: 53.6 ms of re-reads predicted, 12-layer stages each re-reading 66 links whole);
+    with the chain in the ILP each link stays split over the batch, as the runtime's data parallelism keeps it, and
+    the plan's predicted step drops with it."""
+    model = al.models.get("gpt-tiny", batch_size=16, num_layers=24, hidden_size=32)
+    cpu = Cluster.preset("cpu")
+    pp2 = al.megatron_plan(model, cpu, dp=4, tp=1, pp=2, microbatches=2)
+    g = pp2.op_graph
+    for st in pp2.stages:
+        links = [(g.tensor(g.op(op).outputs[0]), s.out_specs[0]) for op, s in st.intra.strategies.items()
+                 if is_chain_link(g, g.op(op))]
+        assert links and all(spec.bytes_per_device(t.shape, t.dtype, (4, 1)) * 4 == t.nbytes for t, spec in links)
+    blind = al.megatron_plan(model, _with_reads(cpu, 0.0), dp=4, tp=1, pp=2, microbatches=2)
+    assert pp2.cost.chain_s > 0 and blind.cost.chain_s == 0.0
+    dp = al.data_parallel_plan(model, cpu, table=pp2.table)
+    # per microbatch, a 12-layer stage on 4 devices re-reads 66 quarter-links: under dp's 276 eighth-links of one
+    # program over all 26 layers
+    assert pp2.cost.chain_s < dp.cost.chain_s

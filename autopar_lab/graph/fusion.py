@@ -45,9 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import opcost
-from .opgraph import BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, OpGraph, OpNode, dtype_size
+from .opgraph import (BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, UPDATE, OpGraph, OpNode,
+                      dtype_size)
 
-__all__ = ["Kernel", "KernelView", "OpKernel", "KINDS", "kernel_view", "kernel_role", "attach_kernel_roles"]
+__all__ = ["CHAIN_PRIMITIVE", "Kernel", "KernelView", "OpKernel", "KINDS", "attach_kernel_roles", "is_chain_link",
+           "kernel_role", "kernel_view"]
 
 #: The kinds of kernel.
 KINDS = ("gemm", "attention", "loop", "reduce", "library")
@@ -607,3 +609,28 @@ def kernel_role(node: OpNode, fused_attention: bool = False) -> OpKernel | None:
     None (priced as a kernel of its own)."""
     both = node.__dict__.get("_kernel")
     return None if both is None else both[1 if fused_attention else 0]
+
+
+#: The primitive JAX's autodiff sums cotangents with: a chain of them across layers is the gradient chain.
+CHAIN_PRIMITIVE = "add_any"
+
+
+def is_chain_link(graph: OpGraph, node: OpNode) -> bool:
+    """Whether ``node`` is a link of a gradient chain: a backward cotangent sum (:data:`CHAIN_PRIMITIVE`) that an
+    operator of another layer reads (a residual stream's gradient passing to the layer before). XLA on CPU fuses the
+    chain into every kernel that reads it (``Efficiency.chain_reads``), so each later layer's backward reads it again.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from autopar_lab.graph.capture import trace
+    >>> def loss(w, x):
+    ...     with jax.named_scope("layer_0"):
+    ...         x = x + jnp.tanh(x @ w[0])
+    ...     with jax.named_scope("layer_1"):
+    ...         x = x + jnp.tanh(x @ w[1])
+    ...     return x.sum()
+    >>> g = trace(jax.grad(loss), jnp.ones((2, 4, 4)), jnp.ones((8, 4)))
+    >>> any(is_chain_link(g, n) for n in g)
+    True
+    """
+    return (node.primitive == CHAIN_PRIMITIVE and node.role not in (FORWARD, UPDATE) and bool(node.outputs)
+            and any(graph.op(c).layer != node.layer for c in graph.consumers.get(node.outputs[0], ())))

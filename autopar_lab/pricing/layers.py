@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.attention import attention_internals
-from ..graph.fusion import attach_kernel_roles, kernel_view
+from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
 from ..sharding.reshard import collective_time
-from ..sharding.strategies import COLLECTIVE_KINDS
+from ..sharding.strategies import COLLECTIVE_KINDS, chain_read_s_per_byte
 from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
 
 if TYPE_CHECKING:
@@ -95,17 +95,6 @@ class LayerCost:
     chain_s: float = 0.0
 
 
-#: The primitive JAX's autodiff sums cotangents with: a chain of them across layers is the gradient chain.
-CHAIN_PRIMITIVE = "add_any"
-
-
-def is_chain_link(graph: OpGraph, node: Any) -> bool:
-    """Whether ``node`` is a link of a gradient chain: a backward cotangent sum (:data:`CHAIN_PRIMITIVE`) that an
-    operator of another layer reads (a residual stream's gradient passing to the layer before)."""
-    return (node.primitive == CHAIN_PRIMITIVE and node.role not in (FORWARD, UPDATE) and bool(node.outputs)
-            and any(graph.op(c).layer != node.layer for c in graph.consumers.get(node.outputs[0], ())))
-
-
 def chain_pair_bytes(graph: OpGraph, layer_names: Sequence[str]) -> float:
     """Bytes (whole batch, unsharded) a one-program backward over all of ``layer_names`` re-reads of the gradient
     chain per read (:attr:`LayerCost.chain_s`): ``sum over k of (L - 1 - k) x`` the links of layer k."""
@@ -151,9 +140,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         # 18.2 us an array on 2, 4 and 8 devices), so a mesh of d of the host's D devices pays d / D of it.
         per_buffer *= min(plan.mesh.num_devices / plan.mesh.cluster.devices_per_host, 1.0)
     # Seconds per byte of a gradient-chain link re-read (0 unless the device's compiler duplicates the chain).
-    chain_unit = device.efficiency.chain_reads / device.achievable_bandwidth
-    if device.virtual:
-        chain_unit *= plan.mesh.cluster.virtual_share(plan.mesh.num_devices)
+    chain_unit = chain_read_s_per_byte(plan.mesh)
     view = kernel_view(graph, fused)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
@@ -280,5 +267,5 @@ def batch_size(graph: OpGraph) -> int:
     return max(sizes) if sizes else 1
 
 
-__all__ = ["CHAIN_PRIMITIVE", "HEAVY_PRIMITIVES", "LayerCost", "chain_pair_bytes", "collective_latency_s",
-           "is_chain_link", "layer_costs", "cut_bytes", "batch_size"]
+__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "chain_pair_bytes", "collective_latency_s",
+           "layer_costs", "cut_bytes", "batch_size"]

@@ -816,8 +816,26 @@ def unsupported_ops(graph: OpGraph) -> list[str]:
     return out
 
 
+def chain_read_s_per_byte(mesh) -> float:
+    """Seconds one device of ``mesh`` spends per byte of its shard of a gradient-chain link
+    (:func:`~autopar_lab.graph.fusion.is_chain_link`) each time one later layer's backward reads it again: the
+    device's ``Efficiency.chain_reads`` reads at its achievable bandwidth, at the mesh's share of a virtual host's
+    cores. 0 where the compiler writes the chain once (the GPU presets).
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> chain_read_s_per_byte(Cluster.preset("dgx-a100").logical_mesh((1, 8)))
+    0.0
+    """
+    device = mesh.cluster.device
+    unit = device.efficiency.chain_reads / device.achievable_bandwidth
+    if unit and getattr(device, "virtual", False):
+        unit *= mesh.cluster.virtual_share(mesh.num_devices)
+    return unit
+
+
 __all__ = [
     "COLLECTIVE_KINDS",
+    "chain_read_s_per_byte",
     "Rule",
     "Strategy",
     "ZERO_COST",

@@ -46,12 +46,12 @@ from ..graph.opgraph import (
     OpNode,
     op_signature,
 )
-from ..graph.fusion import attach_kernel_roles, kernel_role, kernel_view
+from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_role, kernel_view
 from ..graph.opcost import CONTRACTIONS, REDUCTIONS, SCATTERS, WINDOWED
 from ..sharding.fsdp import is_param_input
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
-from ..sharding.strategies import Strategy, strategies_for
+from ..sharding.strategies import Strategy, chain_read_s_per_byte, strategies_for
 from ..deprecation import renamed_keywords
 from . import ilp
 
@@ -59,6 +59,12 @@ if TYPE_CHECKING:
     from ..cluster import LogicalMesh
 
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
+
+#: Later layers the ILP assumes re-read each gradient-chain link (where the device's compiler re-reads the chain,
+#: ``Efficiency.chain_reads``): the stage DP decides afterwards how many layers share a program, so the ILP prices the
+#: least a link is re-read when it is read at all (by the next layer), enough to keep a link sharded where the
+#: runtime's propagation keeps it so (pricing.stage.chain_pairs charges the stage's real count).
+CHAIN_READERS_IN_ILP = 1
 
 # Elementwise-like operators that Alpa merges into the operator they follow (see ilp.merge_followers).
 _MERGEABLE = frozenset(
@@ -515,6 +521,15 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
         if op in inside and graph.op(op).primitive == INPUT_PRIMITIVE and \
                 graph.tensor(graph.op(op).outputs[0]).kind in (PARAM, OPT_STATE):
             node_costs[k] = node_costs[k] + MEMORY_TIE_BREAK_S_PER_BYTE * np.array([s.mem_bytes for s in strats[k]])
+    chain_unit = CHAIN_READERS_IN_ILP * chain_read_s_per_byte(mesh)
+    if chain_unit:
+        mshape = tuple(mesh.shape)
+        for k, op in enumerate(nodes):
+            node = graph.op(op)
+            if op in inside and is_chain_link(graph, node):
+                link = graph.tensor(node.outputs[0])
+                node_costs[k] = node_costs[k] + chain_unit * np.array(
+                    [s.out_specs[0].bytes_per_device(link.shape, link.dtype, mshape) for s in strats[k]])
     edges, mats = [], []
     # Edges to and from identical layers, folded onto this layer's own operators (each pattern once: a middle layer
     # both receives and sends the same boundary).
