@@ -176,7 +176,10 @@ def test_tied_weight_gradient_sums_both_uses(model, plan2):
     mu_ref = [x for p, x in jax.tree_util.tree_flatten_with_path(ref[1])[0] if "mu" in jax.tree_util.keystr(p)
               and "wte" in jax.tree_util.keystr(p)]
     assert len(mu) == len(mu_ref) == 1
-    np.testing.assert_allclose(np.asarray(mu[0]), np.asarray(mu_ref[0]), rtol=1e-4, atol=1e-9)
+    # float32 sums taken in the plan's order (its shardings) differ from one device's by a few ulps of the largest
+    # terms: an entry near zero after cancellation (7.5e-6 where entries reach 1.7e-2) moves by 2e-9
+    scale = float(np.abs(np.asarray(mu_ref[0])).max())
+    np.testing.assert_allclose(np.asarray(mu[0]), np.asarray(mu_ref[0]), rtol=1e-4, atol=1e-6 * scale)
     assert float(jnp.max(jnp.abs(mu_ref[0]))) > 0
 
 

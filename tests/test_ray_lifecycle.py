@@ -47,6 +47,24 @@ def _ray_default_sessions() -> set[str]:
     return {p.name for p in base.glob("session_2*")} if base.is_dir() else set()
 
 
+def _listening_ports(pgid: int) -> set[int]:
+    """TCP ports the processes of process group ``pgid`` listen on."""
+    import psutil
+
+    ports = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                ports |= {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return ports
+
+
+# Ray's fixed defaults: the node agent's HTTP port (the Jobs API submits through it) and Ray Client's server.
+RAY_DEFAULT_PORTS = {52365, 10001}
+
+
 def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(token_auth):
     from autopar_lab.runtime import launch as L
 
@@ -74,6 +92,10 @@ def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(tok
         assert result["status"] == "done" and len(result["losses"]) == 3
         assert seen == [(1, True), (2, True), (3, True)]  # the head was up for every step
         assert head.alive() and _group_alive(head.ray_group)  # and still is, until it is stopped
+        # It leaves Ray's default ports free: a head the user starts on this machine (`ray start --head`) keeps its
+        # job agent (CI saw "No available agent to submit job" while an embedded head held 52365).
+        ports = _listening_ports(head.ray_group)
+        assert ports and not ports & RAY_DEFAULT_PORTS, sorted(ports)
     finally:
         L.shutdown_local_ray()
     assert not head.alive() and not _group_alive(head.pid) and not _group_alive(head.ray_group)  # all gone

@@ -67,9 +67,13 @@ class RayHead:
 
         head_dir = tempfile.mkdtemp(prefix="head-", dir=temp_dir)
         port = _free_port()
+        # Ray's node agent listens on fixed default ports (52365 for the Jobs API's agent, 10001 for Ray Client) even
+        # with the dashboard off: an embedded head holding them leaves a head the user starts on this machine with
+        # no job agent ("No available agent to submit job"), so this one takes free ports.
         args = ["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(head_dir, 'ray')}",
-                "--min-worker-port=0", "--max-worker-port=0"]
+                "--min-worker-port=0", "--max-worker-port=0", f"--dashboard-agent-listen-port={_free_port()}",
+                f"--ray-client-server-port={_free_port()}"]
         if num_cpus is not None:
             args.append(f"--num-cpus={int(num_cpus)}")
         if object_store_memory is not None:
