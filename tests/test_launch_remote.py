@@ -37,7 +37,7 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path):
     start = [str(ray_bin), "start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
              "--include-dashboard=true", "--num-cpus=4", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
              f"--temp-dir={temp}", f"--dashboard-agent-listen-port={_free_port()}",
-             f"--ray-client-server-port={_free_port()}"]  # free of any other Ray on this machine (Ray's defaults are fixed)
+             f"--ray-client-server-port={_free_port()}"]  # free of any other Ray here (Ray's defaults are fixed)
     proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=240)
     try:
         if proc.returncode != 0:
