@@ -828,7 +828,7 @@ def chain_read_s_per_byte(mesh) -> float:
     """
     device = mesh.cluster.device
     unit = device.efficiency.chain_reads / device.achievable_bandwidth
-    if unit and getattr(device, "virtual", False):
+    if unit and device.virtual:
         unit *= mesh.cluster.virtual_share(mesh.num_devices)
     return unit
 

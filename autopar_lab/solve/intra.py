@@ -62,8 +62,8 @@ MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
 
 #: Later layers the ILP assumes re-read each gradient-chain link (where the device's compiler re-reads the chain,
 #: ``Efficiency.chain_reads``): the stage DP decides afterwards how many layers share a program, so the ILP prices the
-#: least a link is re-read when it is read at all (by the next layer), enough to keep a link sharded where the
-#: runtime's propagation keeps it so (pricing.stage.chain_pairs charges the stage's real count).
+#: least a link is re-read when it is read at all (by the next layer), enough that it does not replicate the chain to
+#: save a resharding elsewhere (pricing.stage.chain_pairs charges the stage's real count).
 CHAIN_READERS_IN_ILP = 1
 
 # Elementwise-like operators that Alpa merges into the operator they follow (see ilp.merge_followers).
