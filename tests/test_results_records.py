@@ -40,7 +40,7 @@ def test_each_marker_is_unique_and_heads_a_table_with_rows():
 
 def test_results_is_a_page_and_the_journal_holds_no_current_table():
     lines = RESULTS.read_text().splitlines()
-    assert len(lines) < 300, "bench/RESULTS.md holds the current table of each question; move history to JOURNAL.md"
+    assert len(lines) < 400, "bench/RESULTS.md is over issue 32's 400 lines: move superseded tables to JOURNAL.md"
     assert max(map(len, lines)) <= 300
     assert not MARKER.search(JOURNAL.read_text())
 
