@@ -148,8 +148,8 @@ def test_layer_map_sends_dense_layers_to_a_dense_copy_layer_and_moe_to_moe(first
     """2 dense layers: the 4- and 6-layer copies' pattern extends to the full model (derived without the full trace);
     3 (DeepSeek-V3's) or 5 (more than a copy keeps): the copies' blocks disagree, so the pattern is refused and the
     full model's layers are matched by structure."""
-    model = al.models.get("deepseek-tiny", num_layers=12, first_dense_layers=first_dense)
-    derived = derive(12, solve_graph_for(model), lambda: shallow_copy(model, 6).trace())
+    model = al.models.get("deepseek-tiny", num_layers=8, first_dense_layers=first_dense)
+    derived = derive(8, solve_graph_for(model), lambda: shallow_copy(model, 6).trace())
     assert (derived is None) == (first_dense >= 3)
     _check_layer_map(model)
 
