@@ -6,8 +6,11 @@
     >>> params, opt_state, batch = tiny.init(seed=0)
     >>> params, opt_state, loss = jax.jit(tiny.step_fn)(params, opt_state, batch)
 
-Families: gpt (GPT-3 / Megatron), moe (GShard MoE), wresnet (Wide-ResNet), mlp. Configurations are those of Alpa's
-benchmark suites (see docs/reference alpa-facts.md); ``-tiny`` variants run a step on a CPU in well under a second.
+Families: gpt (GPT-3 / Megatron), moe (GShard MoE), wresnet (Wide-ResNet), mlp: the configurations of Alpa's
+benchmark suites (see docs/reference alpa-facts.md); llama (Llama 3 8B/70B/405B, and the Mixtral 8x7B and Qwen3-30B-A3B
+shapes: grouped-query attention, SwiGLU, RMSNorm, RoPE, optional routed experts) and deepseek (DeepSeek-V3:
+multi-head latent attention, dense first layers, shared + fine-grained routed experts), bfloat16 with float32 master
+weights. ``-tiny`` variants run a step on a CPU in well under a second.
 """
 from __future__ import annotations
 
@@ -15,17 +18,17 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import gpt, mlp, moe, wresnet
+from . import deepseek, gpt, llama, mlp, moe, wresnet
 from .base import ModelSpec, replace_config
 
-_FAMILIES = {"gpt": gpt, "moe": moe, "wresnet": wresnet, "mlp": mlp}
+_FAMILIES = {"gpt": gpt, "moe": moe, "wresnet": wresnet, "mlp": mlp, "llama": llama, "deepseek": deepseek}
 _REGISTRY = {name: (family, cfg) for family, mod in _FAMILIES.items() for name, cfg in mod.PRESETS.items()}
 
-__all__ = ["ModelSpec", "get", "names", "config_of", "fields"]
+__all__ = ["ModelSpec", "get", "names", "config_of", "fields", "with_layers"]
 
 
 def names(family: str | None = None) -> list[str]:
-    """Names in the zoo (optionally of one family: "gpt", "moe", "wresnet", "mlp")."""
+    """Names in the zoo (optionally of one family: "gpt", "moe", "wresnet", "mlp", "llama", "deepseek")."""
     if family is not None and family not in _FAMILIES:
         raise ValueError(f"unknown model family {family!r}; valid families are: {', '.join(_FAMILIES)}.")
     return [n for n, (f, _) in _REGISTRY.items() if family is None or f == family]
@@ -63,15 +66,19 @@ def config_of(name: str, batch_size=None, num_layers=None, dtype=None, **overrid
 MAX_LAYERS = 1024
 MAX_BATCH = 1 << 20
 MAX_DIM = 1 << 24  # any other size (hidden, sequence, vocabulary, experts ...)
+#: Sizes for which 0 means "none": no routed or shared experts, no dense first layers, no query compression.
+MAY_BE_ZERO = frozenset(["num_experts", "num_shared_experts", "first_dense_layers", "q_lora_rank"])
 
 
 def _check_bounds(overrides: dict) -> None:
     for key, value in overrides.items():
         if key == "dtype" or not isinstance(value, int) or isinstance(value, bool):
             continue  # flags, factors and names: the family's own config checks them
-        most = MAX_LAYERS if key == "num_layers" else MAX_BATCH if key == "batch_size" else MAX_DIM
-        if not 1 <= value <= most:
-            raise ValueError(f"{key} must be between 1 and {most:,}, got {value:,}; pick a size in that range.")
+        most = MAX_LAYERS if key in ("num_layers", "first_dense_layers") else MAX_BATCH if key == "batch_size" \
+            else MAX_DIM
+        least = 0 if key in MAY_BE_ZERO else 1
+        if not least <= value <= most:
+            raise ValueError(f"{key} must be between {least} and {most:,}, got {value:,}; pick a size in that range.")
 
 
 def get(name: str, batch_size: int | None = None, num_layers: int | None = None, dtype=None,
@@ -88,3 +95,15 @@ def get(name: str, batch_size: int | None = None, num_layers: int | None = None,
 def fields(name: str) -> list[str]:
     """Config fields of a zoo model (what get() accepts as overrides)."""
     return [f.name for f in dataclasses.fields(_lookup(name)[2])]
+
+
+def with_layers(model: ModelSpec, num_layers: int) -> ModelSpec:
+    """The zoo model ``model`` with ``num_layers`` layers and every other setting kept: the shallow copies a deep
+    model is planned on. A family may adjust a field so that the copy keeps every kind of layer the model has (a
+    DeepSeek copy keeps at least one MoE layer after its dense ones: :func:`deepseek.copy_config`)."""
+    family = _FAMILIES.get(model.family)
+    if family is None or not dataclasses.is_dataclass(model.config):
+        raise ValueError(f"{model.name!r} is not a zoo model; only zoo models have copies of another depth.")
+    copy = getattr(family, "copy_config", None)
+    cfg = copy(model.config, num_layers) if copy else replace_config(model.config, num_layers=num_layers)
+    return get(model.name, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})

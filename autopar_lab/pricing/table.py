@@ -135,12 +135,11 @@ def is_deep_zoo_model(model) -> bool:
 
 
 def shallow_copy(model, num_layers: int):
-    """The zoo model ``model`` (a ModelSpec) with ``num_layers`` layers and every other setting kept."""
+    """The zoo model ``model`` (a ModelSpec) with ``num_layers`` layers and every other setting kept (a DeepSeek copy
+    keeps an MoE layer after its dense ones: :func:`autopar_lab.models.with_layers`)."""
     from .. import models  # the zoo (and JAX models) load only when a zoo model is planned
 
-    cfg = model.config
-    overrides = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "num_layers"}
-    return models.get(model.name, num_layers=num_layers, **overrides)
+    return models.with_layers(model, num_layers)
 
 
 def solve_graph_for(model) -> OpGraph | None:
