@@ -292,3 +292,34 @@ def test_llama3_8b_plans_on_one_dgx_h100_and_fits():
     assert sum(st.layers[1] - st.layers[0] + 1 for st in plan.stages) == 34          # embed, 32 layers, head
     assert plan.table.solve_graph is not plan.table.graph and len(plan.table.solve_graph.layers) == 6
     assert llama.head_dim(model.config) == 128
+
+
+def test_dispatch_and_combine_shard_like_the_batch_and_experts_take_all_to_alls():
+    """The index-based dispatch (gather) and combine (scatter-add) have strategies that split the token groups with
+    no communication, and the ILP splits the 8 experts over 8 devices with four all-to-alls of the dispatched
+    tensor (dispatch and combine, forward and backward) of B = capacity_factor x top_k x tokens x hidden x bytes."""
+    from autopar_lab.sharding.experts import expert_layers
+    from autopar_lab.solve.intra import solve_intra
+
+    # 8 groups of 64 tokens over 8 devices; the cpu link pinned as tests/test_moe.py pins it
+    cpu8 = al.Cluster.preset("cpu", hosts=1).with_(devices_per_host=8, intra_host=al.Link(843551402.6727079, 6.972e-05),
+                                                    inter_host=al.Link(843551402.6727079, 6.972e-05))
+    spec = al.models.get("qwen3-moe-tiny", batch_size=8, seq_len=64, hidden_size=128, vocab_size=256, num_layers=1,
+                         expert_group_size=64)
+    c = spec.config
+    g = spec.trace()
+    mesh = cpu8.logical_mesh((1, 8), (8, 1))
+    moved = [op for op in g if op.role == FORWARD and op.primitive in ("gather", "scatter-add")
+             and ("/dispatch/" in op.scope or "/combine/" in op.scope) and len(op.out_shapes[0]) == 3]
+    assert {op.primitive for op in moved} == {"gather", "scatter-add"}
+    for op in moved:
+        splits = [s for s in strategies_for(op, mesh) if s.out_specs[0].dims[0] == (0,)]
+        assert any(not s.collectives and all(i.dims[0] == (0,) for i in s.in_specs[:2]) for s in splits), op.describe()
+    intra = solve_intra(g, mesh)
+    (layer,) = expert_layers(g, intra.strategies, mesh)
+    assert layer.axes == (0,) and layer.degree == 8 and layer.num_experts == 8
+    B = c.capacity_factor * c.top_k * c.batch_size * c.seq_len * c.hidden_size * 4
+    assert layer.all_to_alls == (("all_to_all", 0, B),) * 4
+    n = 8
+    one = 3 * cpu8.intra_host.latency + (n - 1) / n**2 * B / mesh.axis_link(0).bandwidth
+    assert layer.all_to_all_s == pytest.approx(4 * one, rel=1e-12)

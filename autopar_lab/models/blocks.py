@@ -83,11 +83,15 @@ def decoder_loss(params, batch, c, layer_fn: LayerFn, num_moe_layers: int):
     tokens, targets = batch["tokens"], batch["targets"]                    # [B, S] int32 each
     with jax.named_scope("embed"):
         x = jnp.take(compute_copy(c, params["embed"]), tokens, axis=0)
-    aux_total = jnp.zeros((), jnp.float32)
+        # The balance losses' sum starts here as a [1]-shaped zero made by an operator (a scalar zero would be a
+        # literal): every MoE layer then adds to a computed value, the first as the others, and the sum crosses every
+        # cut between layers alike, so layers of one structure read alike (pricing/opmap.py and deepmap.py match a
+        # deep model's layers with its shallow copies' by structure and by the bytes entering them).
+        aux_total = jnp.zeros((1,), jnp.float32) if num_moe_layers else None
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             x, aux = layer_fn(i, compute_copy(c, p), x)
-            if aux is not None:
+            if aux is not None and aux_total is not None:
                 aux_total = aux_total + aux
     with jax.named_scope("head"):
         norm, lm_head = compute_copy(c, (params["final_norm"], params["lm_head"]))
@@ -96,8 +100,8 @@ def decoder_loss(params, batch, c, layer_fn: LayerFn, num_moe_layers: int):
         with jax.named_scope("lm_head"):
             logits = x @ lm_head
         loss = cross_entropy(logits, targets)
-        if num_moe_layers:
-            loss = loss + c.aux_loss_weight * aux_total / num_moe_layers
+        if aux_total is not None:
+            loss = loss + c.aux_loss_weight * aux_total[0] / num_moe_layers
         return loss
 
 

@@ -98,13 +98,22 @@ def routing(c: DeepSeekConfig) -> Routing:
                    c.routed_scaling_factor)
 
 
+#: The most dense first layers a shallow copy keeps (DeepSeek-V3 has 3). The planner solves a deep model on its 4-layer
+#: copy and reads its layer pattern off the 4- and 6-layer copies (pricing/deepmap.py): with at most 3 dense layers
+#: in every copy, the 4-layer one has an MoE layer for the full model's MoE layers, and a model of 3 or more dense
+#: layers gives copies whose blocks disagree, so the pattern is refused and each full layer is matched by its own
+#: structure; capping only where a copy would run out of MoE layers (at num_layers - 1) gives copies of 4 and 6
+#: layers that agree on a pattern the full model does not follow (5 dense: [d d d m] and [d d d d d m]).
+COPY_DENSE_MAX = 3
+
+
 def copy_config(c: DeepSeekConfig, num_layers: int) -> DeepSeekConfig:
     """``c`` with ``num_layers`` layers (a shallow copy the planner solves on): when ``c`` has MoE layers the copy
-    keeps at least one (``first_dense_layers`` capped at ``num_layers - 1``), so each layer of the full model has a
-    copy layer of its structure."""
+    keeps ``min(first_dense_layers, COPY_DENSE_MAX, num_layers - 1)`` dense layers, so that it has both kinds and
+    each layer of the full model has a copy layer of its structure."""
     first = c.first_dense_layers
-    if num_moe_layers(c) and first >= num_layers:
-        first = max(0, num_layers - 1)
+    if num_moe_layers(c):
+        first = max(0, min(first, COPY_DENSE_MAX, num_layers - 1))
     return replace_config(c, num_layers=num_layers, first_dense_layers=first)
 
 

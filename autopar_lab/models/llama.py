@@ -6,8 +6,10 @@ per layer ``x += Attn(RMSNorm(x)); x += FFN(RMSNorm(x))``, then a final RMSNorm 
 * attention: grouped-query attention (Ainslie et al. 2023) with ``num_heads`` query heads of ``head_dim`` (default
   ``hidden / heads``; Qwen3 sets it apart: 32 x 128 on hidden 2,048) and ``num_kv_heads`` key/value heads; each
   query head ``h`` reads KV head ``h // (heads / kv_heads)``. Q is laid out ``[B, S, kv, heads/kv, hd]`` and K, V
-  ``[B, S, kv, hd]``, so tensor parallelism splits whole KV heads (no finer than their count; with more devices
-  than KV heads the ILP keeps K and V replicated over the rest, as Megatron-LM and torchtitan do). RoPE
+  ``[B, S, kv, hd]``: a reshape carries a split on its first dimension only (sharding/strategies.py), so tensor
+  parallelism splits attention by whole KV heads, each device holding its KV heads and their query heads. A mesh
+  axis with more devices than KV heads cannot split that dimension: the ILP splits another one over it (the batch,
+  the sequence) or leaves K and V whole on it (Megatron-LM and torchtitan replicate KV heads there). RoPE
   (``rope_theta``, 500,000 for Llama 3; no Llama 3.1 frequency scaling) on Q and K; optional per-head RMSNorm on Q
   and K before RoPE (``qk_norm``: Qwen3).
 * FFN: SwiGLU ``down(silu(gate(x)) * up(x))`` of width ``ffn_hidden``; or, with ``num_experts`` > 0, routed experts
