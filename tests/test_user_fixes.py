@@ -242,7 +242,7 @@ def test_resume_of_a_directory_that_does_not_exist_or_holds_no_run_is_refused(tm
     typo = tmp_path / "ckpt-typo"
     with pytest.raises(CheckpointError, match="does not exist") as e:
         claim(typo, "run-a", resume=True)
-    assert str(typo) in str(e.value) and "without resume" in str(e.value)
+    assert str(typo) in str(e.value) and "leave out resume" in str(e.value)
     assert not typo.exists()  # not created either
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds no checkpoint to resume"):

@@ -279,8 +279,8 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
 
     d = Path(directory)
     if resume and not os.path.lexists(d):
-        raise CheckpointError(f"cannot resume from {d}: it does not exist; check the path, or start a new run without "
-                              "resume (--resume).")
+        raise CheckpointError(f"cannot resume from {d}: it does not exist; check the path, or leave out resume "
+                              "(--resume) to start a new run.")
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe_writable(d)
@@ -300,7 +300,7 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
                                       "belong to is unknown; resume from the directory the run wrote, or start a "
                                       "new run without resume.")
             raise CheckpointError(f"{d} holds no checkpoint to resume from (no run wrote there); check the path, or "
-                                  "start a new run without resume (--resume).")
+                                  "leave out resume (--resume) to start a new run.")
         return str(rec.get("run_id") or run_id), rec
     if rec is not None and rec.get("run_id") == run_id:
         return run_id, None  # this run claimed it already (the driver claims again what launch claimed)
