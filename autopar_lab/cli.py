@@ -21,7 +21,33 @@ class UsageError(Exception):
     """Bad input from the command line: printed as one sentence, exit status 2."""
 
 
+def _whole_number(text: str, what: str) -> int:
+    """``int(text)``; a number too large for Python to read (past its 4300-digit limit, whose own message tells the
+    user to raise it) is a UsageError saying it is too large; other bad text raises int's ValueError."""
+    try:
+        return int(text)
+    except ValueError:
+        digits = text.strip().lstrip("+-").replace("_", "")
+        if digits.isdigit():
+            raise UsageError(f"{what} is a {len(digits):,}-digit number, far too large") from None
+        raise
+
+
+def _int_arg(text: str) -> int:
+    """argparse's type for every ``type=int`` flag: one short sentence for a bad or huge number."""
+    try:
+        return _whole_number(text, "the value")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r:.40}") from None
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", int, _int_arg)  # argparse looks type=int up here: every int flag parses with it
+
     def error(self, message: str):  # argparse's default prints the whole usage block; one sentence is the contract
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
@@ -113,9 +139,9 @@ def _microbatches(text):
     if text is None or text == "auto":
         return "auto"
     try:
-        return int(text)
+        return _whole_number(text, "--microbatches")
     except ValueError:
-        raise UsageError(f"--microbatches must be a number or 'auto', got {text!r}") from None
+        raise UsageError(f"--microbatches must be a number or 'auto', got {text!r:.40}") from None
 
 
 def _solution_text(stage: dict) -> str:
@@ -297,9 +323,9 @@ def cmd_validate(args) -> dict:
     mesh = None
     if args.mesh:
         try:
-            mesh = tuple(int(x) for x in args.mesh.lower().split("x"))
+            mesh = tuple(_whole_number(x, "a --mesh side") for x in args.mesh.lower().split("x"))
         except ValueError:
-            raise UsageError(f"--mesh must look like 2x4, got {args.mesh!r}") from None
+            raise UsageError(f"--mesh must look like 2x4, got {args.mesh!r:.40}") from None
     return validate_plan(args.model, devices=args.devices, mesh_shape=mesh, overrides=overrides or None)
 
 
@@ -341,10 +367,15 @@ def cmd_train(args) -> dict:
     --checkpoint-dir is set, stops the embedded Ray this command started (nothing else) and exits 130 or 143 with one
     sentence; a second signal stops at once."""
     from .runtime.launch import launch, shutdown_local_ray
+    from .runtime.train_entry import check_seed
     from .planfile import load_plan
 
     if args.steps < 1:
         raise UsageError(f"--steps must be a positive whole number, got {args.steps}")
+    try:  # here, not after Ray started and JAX choked on the key
+        check_seed(args.seed, args.steps, "--seed")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in --checkpoint-dir and --overwrite replaces it; pass one")
     model = _model(args)
@@ -498,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ray-address", dest="ray_address", help="a cluster's dashboard address, http://HEAD:8265")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--checkpoint-dir", dest="checkpoint_dir")
-    sp.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
+    sp.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0,
+                    help="also checkpoint every N steps (with --checkpoint-dir; the end of the run always is)")
     sp.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir")
     sp.add_argument("--overwrite", action="store_true",
                     help="replace the checkpoints of another run in --checkpoint-dir (refused otherwise)")
@@ -509,12 +541,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_writable_file(path: str, what: str) -> None:
-    """Refuse (UsageError) a path a file cannot be written to: a directory, a missing or read-only folder. Checked
-    by creating and removing a file beside it, which works for root and read-only file systems alike."""
-    from .safeio import probe_writable
+    """Refuse (UsageError) a path a file cannot be written to: a directory, something else than a regular file (a
+    FIFO, a device, a symlink: writing would replace it), a missing or read-only folder. The folder is checked by
+    creating and removing a file in it, which works for root and read-only file systems alike."""
+    from .safeio import check_write_target, probe_writable
 
     if path.endswith(os.sep) or os.path.isdir(path):
         raise UsageError(f"{what} {path!r} is a directory; give a file name, e.g. {os.path.join(path, 'plan.json')!r}")
+    try:
+        check_write_target(path, what)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     folder = os.path.dirname(os.path.abspath(path))
     try:
         probe_writable(folder)

@@ -20,6 +20,7 @@ A pipelined plan has a mesh per stage: ``to_jax_code(plan, stage=k)`` writes sta
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .graph.attention import attention_internals
@@ -29,11 +30,17 @@ from .rematmode import remat_label
 AXIS_NAMES = ("x", "y")
 
 
+#: What makes a comment on a file's first two lines a PEP 263 encoding declaration (``# coding: utf-16``): Python
+#: would then decode the whole saved file with it (https://peps.python.org/pep-0263/).
+_CODING_COOKIE = re.compile(r"coding([:=])")
+
+
 def _comment_text(text) -> str:
     """``text`` for the inside of a ``#`` comment: as it is when it is one printable line, else its repr (which
-    escapes line breaks and every other control character), so it cannot end the comment and start code."""
+    escapes line breaks and every other control character), so it cannot end the comment and start code; and with a
+    space before the ``:`` or ``=`` of any ``coding:``, so it cannot declare the file's encoding either."""
     text = str(text)
-    return text if text.isprintable() else repr(text)
+    return _CODING_COOKIE.sub(r"coding \1", text if text.isprintable() else repr(text))
 
 
 def _spec_text(spec) -> str:

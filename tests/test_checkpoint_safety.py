@@ -62,11 +62,12 @@ def test_resume_with_a_damaged_index_is_refused_naming_it(tmp_path):
         claim(tmp_path, "run-b")
 
 
-def test_resume_keeps_the_run_id_and_an_empty_directory_starts_fresh(tmp_path):
+def test_resume_keeps_the_run_id_and_refuses_a_directory_without_a_run(tmp_path):
     _run(tmp_path / "used", 2)
     run_id, rec = claim(tmp_path / "used", "run-b", resume=True)
     assert run_id == "run-a" and rec["step"] == 2
-    assert claim(tmp_path / "new", "run-c", resume=True) == ("run-c", None)
+    with pytest.raises(CheckpointError, match="does not exist"):  # issue 35: a typo must not start training over
+        claim(tmp_path / "new", "run-c", resume=True)
 
 
 def test_a_read_only_place_is_refused_before_anything_runs(tmp_path):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..safeio import probe_writable, write_atomic
+from ..safeio import loads_json, open_regular, probe_writable, read_text_file, write_atomic
 
 __all__ = ["save_stage", "load_stage", "latest_step", "steps_of", "save_job", "load_job", "CheckpointError", "claim",
            "verify_step", "resume_point"]
@@ -66,6 +66,63 @@ def _to_storable(arr: np.ndarray) -> np.ndarray:
     if arr.dtype.kind in "biufc":
         return arr
     return arr.view(np.dtype(f"uint{8 * arr.dtype.itemsize}"))
+
+
+#: What a checkpoint file that is not a regular file (a symlink to /dev/zero, a FIFO) is told: the run wrote none.
+_NOT_OURS = "a checkpoint is regular files only, so this is not one autopar-lab wrote"
+
+
+def _read_index(path: Path, what: str = "checkpoint index"):
+    """The parsed JSON of a checkpoint's index (or the run's job.json), read as plan files are: a regular file, of
+    bounded size, nested and numbered as JSON we wrote. ValueError (naming the file) otherwise."""
+    return loads_json(read_text_file(path, what, hint=_NOT_OURS), f"{what} {os.fspath(path)!r}")
+
+
+def _stored_dtype_fits(stored: np.dtype, name: str) -> bool:
+    """Whether an array stored with dtype ``stored`` holds leaves of dtype ``name`` (see :func:`_to_storable`)."""
+    try:
+        want = np.dtype(name)
+    except TypeError:  # bfloat16 & co. unknown to numpy here: stored as their bits
+        return stored.kind == "u"
+    return stored == (want if want.kind in "biufc" else np.dtype(f"uint{8 * want.itemsize}"))
+
+
+def _index_problem(index, step: int, stage: int) -> str | None:
+    """Why a parsed index is not checkpoint ``step`` of ``stage`` (None when it is): its format, the step and stage
+    it names (stage files swapped or copied between steps name another), and its list of leaves."""
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        return f"it is not a version-{VERSION} autopar-lab stage checkpoint index"
+    if index.get("step") != int(step) or index.get("stage") != int(stage):
+        return (f"it holds step {index.get('step')!r} of stage {index.get('stage')!r}, not step {int(step)} of stage "
+                f"{int(stage)} (its files were moved)")
+    leaves = index.get("leaves")
+    if not isinstance(leaves, list) or not all(
+            isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("dtype"), str)
+            and isinstance(x.get("shape"), list) and all(isinstance(n, int) and n >= 0 for n in x["shape"])
+            for x in leaves):
+        return "its list of leaves is damaged"
+    return None
+
+
+def _member_problem(z, i: int, meta: dict) -> str | None:
+    """Why array ``i`` of an open ``.npz`` zip does not hold the leaf its index describes (None when it does): read
+    from the array's header only (its shape and dtype), no data."""
+    name = f"leaf_{i:05d}.npy"
+    try:
+        with z.open(name) as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    except KeyError:
+        return f"it lacks array {i}"
+    except (ValueError, OSError, EOFError) as e:
+        return f"array {i} is damaged ({' '.join(str(e).split())[:80]})"
+    if list(shape) != meta["shape"] or not _stored_dtype_fits(dtype, meta["dtype"]):
+        return (f"array {i} ({meta['path']}) has shape {list(shape)} and dtype {dtype.name}, but its index says "
+                f"{meta['shape']} {meta['dtype']}")
+    return None
 
 
 def save_stage(directory, step: int, stage: int, tree) -> Path:
@@ -115,25 +172,31 @@ def load_stage(directory, step: int, stage: int, template):
     d = _stage_dir(directory, stage)
     base = f"step_{int(step):08d}"
     where = f"checkpoint {d / base}"
+    if not os.path.lexists(d / f"{base}.json"):
+        raise CheckpointError(f"{where} does not exist; pick a step from {steps_of(directory, stage)}.")
     try:
-        index = json.loads((d / f"{base}.json").read_text())
-    except OSError:
-        raise CheckpointError(f"{where} does not exist; pick a step from {steps_of(directory, stage)}.") from None
+        index = _read_index(d / f"{base}.json")
     except ValueError as e:
-        raise CheckpointError(f"{where} has a corrupt index ({e}).") from None
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(f"{where} is not a version-{VERSION} autopar-lab stage checkpoint.")
+        raise CheckpointError(f"{where} has an unusable index ({str(e).rstrip('.')}).") from None
+    problem = _index_problem(index, step, stage)
+    if problem:
+        raise CheckpointError(f"{where} cannot be loaded: {problem}.")
     entries, treedef = _flatten(template)
     saved = index["leaves"]
     if len(saved) != len(entries):
         raise CheckpointError(f"{where} holds {len(saved)} arrays but stage {stage} has {len(entries)}; it was "
                               "written for another plan or model; use another checkpoint directory.")
     try:
-        npz = np.load(d / f"{base}.npz", allow_pickle=False)
+        fh = open_regular(d / f"{base}.npz", "array file", hint=_NOT_OURS)
+    except ValueError as e:
+        raise CheckpointError(f"{where} has an unusable array file ({str(e).rstrip('.')}).") from None
+    try:
+        npz = np.load(fh, allow_pickle=False)
     except (OSError, ValueError) as e:
+        fh.close()
         raise CheckpointError(f"{where} has an unreadable array file ({e}).") from None
     leaves = []
-    with npz:
+    with fh, npz:
         for i, ((path, ref), meta) in enumerate(zip(entries, saved)):
             ref_shape, ref_dtype = tuple(np.shape(ref)), np.dtype(getattr(ref, "dtype", np.asarray(ref).dtype))
             if meta["path"] != path or tuple(meta["shape"]) != ref_shape or meta["dtype"] != ref_dtype.name:
@@ -145,7 +208,11 @@ def load_stage(directory, step: int, stage: int, template):
             except (KeyError, ValueError, OSError) as e:
                 raise CheckpointError(f"{where} lacks array {i} ({e}).") from None
             if arr.dtype != ref_dtype:
-                arr = arr.view(ref_dtype)
+                try:
+                    arr = arr.view(ref_dtype)
+                except ValueError:
+                    raise CheckpointError(f"{where}: array {i} is stored as {arr.dtype.name}, which cannot hold "
+                                          f"{ref_dtype.name}.") from None
             if arr.shape != ref_shape:
                 raise CheckpointError(f"{where}: array {i} has shape {list(arr.shape)}, its index says "
                                       f"{list(ref_shape)}.")
@@ -175,14 +242,14 @@ def load_job(directory) -> dict | None:
 def read_job(directory) -> dict | None:
     """``job.json`` of ``directory``: None when there is none, CheckpointError (naming the file) when it is damaged."""
     path = Path(directory) / "job.json"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"the run index {path} cannot be read ({getattr(e, 'strerror', None) or e}).") from None
     try:
-        rec = json.loads(text)
+        text = read_text_file(path, "run index", hint=_NOT_OURS)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        rec = loads_json(text, f"run index {os.fspath(path)!r}")
         ok = (isinstance(rec, dict) and rec.get("format") == FORMAT and isinstance(rec.get("step"), int)
               and rec["step"] >= 0 and isinstance(rec.get("losses"), list))
     except ValueError:
@@ -204,12 +271,16 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
     A new run (``resume=False``) into a directory holding another run's ``job.json`` or stage checkpoints is refused
     unless ``overwrite=True`` (then that run's files are removed: ``job.json`` and the ``stage_*`` folders, nothing
     else). ``resume=True`` keeps the directory's run id; a missing or damaged ``job.json`` beside checkpoints is
-    refused (the run cannot be resumed safely); an empty or new directory starts a fresh run. The directory must be
-    writable: a probe file is created and removed (which works for root and read-only file systems alike).
+    refused (the run cannot be resumed safely), and so is a directory that does not exist or holds no run (a typo in
+    the path must not quietly start training over). The directory must be writable: a probe file is created and
+    removed (which works for root and read-only file systems alike).
     """
     import shutil
 
     d = Path(directory)
+    if resume and not os.path.lexists(d):
+        raise CheckpointError(f"cannot resume from {d}: it does not exist; check the path, or leave out resume "
+                              "(--resume) to start a new run.")
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe_writable(d)
@@ -228,9 +299,8 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
                 raise CheckpointError(f"{d} holds stage checkpoints but no job.json, so which run and step they "
                                       "belong to is unknown; resume from the directory the run wrote, or start a "
                                       "new run without resume.")
-            rec = {"run_id": run_id, "step": 0, "losses": []}
-            save_job(d, 0, [], run_id)
-            return run_id, None
+            raise CheckpointError(f"{d} holds no checkpoint to resume from (no run wrote there); check the path, or "
+                                  "leave out resume (--resume) to start a new run.")
         return str(rec.get("run_id") or run_id), rec
     if rec is not None and rec.get("run_id") == run_id:
         return run_id, None  # this run claimed it already (the driver claims again what launch claimed)
@@ -248,29 +318,37 @@ def claim(directory, run_id: str, *, resume: bool = False, overwrite: bool = Fal
 
 
 def verify_step(directory, step: int, stage: int) -> str | None:
-    """Why checkpoint ``step`` of ``stage`` cannot be read back (None when it can): its index must parse and its
-    array file must be a whole zip (every member's CRC checked) with one array per leaf of the index."""
+    """Why checkpoint ``step`` of ``stage`` cannot be read back (None when it can): its index must be a regular file
+    that parses and names this step and stage, and its array file a regular file and a whole zip (every member's CRC
+    checked) holding one array per leaf of the index, of the shape and dtype the index gives it."""
     import zipfile
 
     d = _stage_dir(directory, stage)
     base = d / f"step_{int(step):08d}"
     try:
-        index = json.loads(Path(f"{base}.json").read_text())
-        leaves = index["leaves"]
-        if index.get("format") != FORMAT or not isinstance(leaves, list):
-            return f"{base}.json is not a stage checkpoint index"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{base}.json cannot be read ({type(e).__name__})"
+        index = _read_index(Path(f"{base}.json"))
+    except ValueError as e:
+        return str(e).rstrip(".")
+    problem = _index_problem(index, step, stage)
+    if problem:
+        return f"{base}.json: {problem}"
+    leaves = index["leaves"]
     try:
-        with zipfile.ZipFile(f"{base}.npz") as z:
+        with open_regular(f"{base}.npz", "array file", hint=_NOT_OURS) as fh, zipfile.ZipFile(fh) as z:
             broken = z.testzip()
             names = z.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+            problem = None if broken else next(
+                (p for p in (_member_problem(z, i, meta) for i, meta in enumerate(leaves)) if p), None)
+    except ValueError as e:
+        return str(e).rstrip(".")
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
         return f"{base}.npz is damaged ({' '.join(str(e).split())[:120]})"
     if broken is not None:
         return f"{base}.npz is damaged (member {broken} fails its CRC)"
     if len(names) != len(leaves):
         return f"{base}.npz holds {len(names)} arrays, its index lists {len(leaves)}"
+    if problem:
+        return f"{base}.npz: {problem}"
     return None
 
 

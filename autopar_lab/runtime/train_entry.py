@@ -34,7 +34,7 @@ from typing import Any
 
 from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
 
-__all__ = ["job_spec", "run_job", "check_resources", "main", "step_loss", "RESULT_PREFIX", "JobFailed"]
+__all__ = ["job_spec", "check_seed", "run_job", "check_resources", "main", "step_loss", "RESULT_PREFIX", "JobFailed"]
 
 RESULT_PREFIX = "AUTOPAR_RESULT "
 
@@ -47,17 +47,30 @@ def _config_dict(config) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+def check_seed(seed, steps: int, name: str = "seed") -> None:
+    """Raise ValueError (one sentence naming ``name``) unless every random key a run of ``steps`` steps makes from
+    ``seed`` fits JAX's: the model's initial state takes ``seed``, step ``i``'s batch ``seed + i``, and
+    ``jax.random.PRNGKey`` holds a 64-bit signed integer (a larger one fails inside JAX, after Ray started)."""
+    low, high = -(2**63), 2**63 - max(int(steps), 1)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ValueError(f"{name} must be a whole number between {low} and {high} (JAX's random keys hold 64 bits and "
+                         f"step i uses {name} + i), got {seed!r:.40}.")
+
+
 def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | None = None,
              checkpoint_every: int = 0, resume: bool = False, device_kind: str | None = None,
              compiler_options: dict | None = None, max_restarts: int = 3, env_vars: dict | None = None,
              overwrite: bool = False) -> dict:
     """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring).
 
-    Checks, before anything starts: ``steps`` and checkpoint settings; that ``plan`` was made for ``model``; that a
-    zoo model can be rebuilt from its name and config (the actors rebuild it so); ``device_kind`` ("cpu": the stages
-    run on CPU devices, "gpu": on GPUs; default: what the plan's cluster has). A model of your own
-    (``ModelSpec.from_step``) is carried as the object under ``"model_spec"``: the spec is then not JSON, and trains
-    on an embedded Ray only.
+    ``checkpoint_dir``: every stage's state is saved there at the end of the run (and when it is cancelled), and
+    every ``checkpoint_every`` steps when that is positive.
+
+    Checks, before anything starts: ``steps``, ``seed`` (:func:`check_seed`) and checkpoint settings; that ``plan``
+    was made for ``model``; that a zoo model can be rebuilt from its name and config (the actors rebuild it so);
+    ``device_kind`` ("cpu": the stages run on CPU devices, "gpu": on GPUs; default: what the plan's cluster has). A
+    model of your own (``ModelSpec.from_step``) is carried as the object under ``"model_spec"``: the spec is then not
+    JSON, and trains on an embedded Ray only.
     """
     from ..planfile import plan_to_dict
     from .actors import is_gpu_plan
@@ -65,8 +78,10 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive whole number, got {steps!r}.")
+    check_seed(seed, steps)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be 0 (never) or a positive number of steps, got {checkpoint_every!r}.")
+        raise ValueError(f"checkpoint_every must be 0 (only at the end) or a positive number of steps, got "
+                         f"{checkpoint_every!r:.40}.")
     if checkpoint_every and not checkpoint_dir:
         raise ValueError("checkpoint_every needs a checkpoint_dir to write into; pass checkpoint_dir=... .")
     if resume and not checkpoint_dir:
@@ -300,6 +315,8 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                     "restarts": 0, "checkpoint_dir": ck_dir, "elapsed_s": time.perf_counter() - t_start}
         if job.get("resume"):
             step, losses, note = resume_point(ck_dir, S)
+            if not note and step == 0:  # the run was stopped before it wrote one: say so, never start over quietly
+                note = f"the run in {ck_dir} has no checkpoint yet (it stopped before its first); starting from step 1"
             if note:
                 channel.publish(ProgressEvent(kind="note", step=step, message=note))
     saved = step  # the newest step on disk: a cancelled run writes one more checkpoint if it got past it
@@ -308,6 +325,12 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     step_times: list[float] = []
     restarts, status, message = 0, "done", ""
     actors = None
+
+    def rewind(to: int) -> None:  # forget the measurements of the steps after ``to`` (they run again)
+        nonlocal first
+        del step_times[max(to - first, 0):], per_step[max(to - first, 0):]
+        first = min(first, to)
+
     try:
         while step < steps:
             if channel.cancelled:
@@ -317,7 +340,24 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                 if actors is None:
                     actors = _Actors(ray, job)
                     if step > 0:
-                        actors.restore(ck_dir, step)
+                        try:
+                            actors.restore(ck_dir, step)
+                        except ray.exceptions.RayError as e:
+                            if _is_actor_death(ray, e) or _dead(ray, actors.handles):
+                                raise  # a restart, below
+                            # a whole step the stages refuse (arrays that do not fit them): the one before, as a
+                            # damaged step is skipped; each time an older step, so this ends (at step 0 at worst)
+                            bad = step
+                            actors.kill()
+                            actors = None
+                            step, losses, note = resume_point(ck_dir, S, upto=bad - 1)
+                            saved = step
+                            rewind(step)
+                            why = _short(e).rstrip(".")
+                            channel.publish(ProgressEvent(
+                                kind="note", step=step, message=f"checkpoint step {bad} cannot be restored ({why}); "
+                                f"resuming from step {step}" + (f" ({note})" if note else "")))
+                            continue
                     if on_actors is not None:
                         on_actors(list(actors.handles))
                     routes = _Routes(actors.infos)
@@ -334,7 +374,8 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                                     f"{job.get('max_restarts', 3)}).") from None
                 step, kept, note = resume_point(ck_dir, S) if ck_dir else (0, [], "")
                 losses = losses[:step] if len(losses) >= step else kept
-                del step_times[max(step - first, 0):], per_step[max(step - first, 0):]
+                saved = step
+                rewind(step)
                 channel.publish(ProgressEvent(kind="restart", step=step, elapsed_s=time.perf_counter() - t_start,
                                               message=f"a stage actor died ({_short(e)}); restarting from step {step}"
                                                       + (f" ({note})" if note else "")))
@@ -345,7 +386,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
             step_times.append(dt)
             per_step.append(rows)
             step += 1
-            if ck_dir and ck_every and (step % ck_every == 0 or step == steps):
+            if ck_dir and ((ck_every and step % ck_every == 0) or step == steps):  # and always at the end
                 ray.get([a.save.remote(ck_dir, step) for a in actors.handles])
                 save_job(ck_dir, step, losses, run_id)
                 saved = step
