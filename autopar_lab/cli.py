@@ -52,22 +52,41 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+#: Model fields the CLI takes as flags: (flag, config field, help).
+MODEL_FLAGS = (
+    ("--layers", "num_layers", "the number of layers"),
+    ("--batch", "batch_size", "the global batch size (sequences)"),
+    ("--seq-len", "seq_len", "the sequence length (models with attention; 4096 and up offers ring attention)"),
+    ("--hidden", "hidden_size", "the hidden size"),
+    ("--ffn", "ffn_hidden", "the FFN width (llama-*, deepseek-*: the dense layers')"),
+    ("--heads", "num_heads", "the number of attention (query) heads"),
+    ("--kv-heads", "num_kv_heads", "the number of key/value heads (grouped-query attention: llama-*, mixtral, qwen3)"),
+    ("--vocab", "vocab_size", "the vocabulary size"),
+    ("--experts", "num_experts", "the number of routed experts (MoE models)"),
+    ("--top-k", "top_k", "experts per token (MoE models)"),
+)
+
+
 def _model(args):
+    """The model the command names: a zoo name or a config.json (a path to it or its folder), with the flags'
+    fields replaced."""
     from . import models
 
     overrides = {}
-    if getattr(args, "layers", None) is not None:
-        overrides["num_layers"] = args.layers
-    if getattr(args, "batch", None) is not None:
-        overrides["batch_size"] = args.batch
     if getattr(args, "dtype", None) is not None:
         overrides["dtype"] = args.dtype
-    for flag, field in (("seq-len", "seq_len"), ("heads", "num_heads")):
-        value = getattr(args, field if field == "seq_len" else "heads", None)
-        if value is not None:
-            if field not in models.fields(args.model):  # a long-sequence plan needs a model with a sequence
-                raise UsageError(f"--{flag} applies to models with attention (gpt-*, moe-*); {args.model!r} has none")
-            overrides[field] = value
+    is_file = os.path.exists(args.model) or args.model.lower().endswith(".json")
+    fields = None if is_file else models.fields(args.model)
+    for flag, field, _ in MODEL_FLAGS:
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        if fields is not None and field not in fields:  # one sentence naming the flag, not the config's field list
+            raise UsageError(f"{flag} does not apply to {args.model!r} (it has no {field.replace('_', ' ')}); "
+                             f"its fields are {', '.join(fields)}")
+        overrides[field] = value
+    if is_file:
+        return models.from_config(args.model, **overrides)
     return models.get(args.model, **overrides)
 
 
@@ -300,11 +319,7 @@ def cmd_validate(args) -> dict:
         except RuntimeError:
             pass
 
-    overrides = {}
-    if args.layers is not None:
-        overrides["num_layers"] = args.layers
-    if args.batch is not None:
-        overrides["batch_size"] = args.batch
+    overrides = {f: getattr(args, f) for f in ("num_layers", "batch_size") if getattr(args, f) is not None}
     mesh = None
     if args.mesh:
         try:
@@ -460,13 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def model_args(sp):
-        sp.add_argument("model", help="a zoo model name, e.g. gpt-1.3b, moe-2.4b, wresnet-1b, mlp")
-        sp.add_argument("--layers", type=int, help="override the number of layers")
-        sp.add_argument("--batch", type=int, help="override the global batch size")
+        sp.add_argument("model", help="a zoo model name (e.g. llama3-70b, deepseek-v3, gpt-1.3b, mlp) or a Hugging "
+                                      "Face config.json (its path, or its folder's)")
+        for flag, field, what in MODEL_FLAGS:
+            sp.add_argument(flag, dest=field, type=int, help=f"override {what}")
         sp.add_argument("--dtype", help="override the dtype (float32, float16, bfloat16)")
-        sp.add_argument("--seq-len", dest="seq_len", type=int,
-                        help="override the sequence length (gpt-*, moe-*; 4096 and up offers ring attention)")
-        sp.add_argument("--heads", type=int, help="override the number of attention heads (gpt-*, moe-*)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
     model_args(sub.add_parser("graph", help="capture a model's training step as an operator graph"))

@@ -11,7 +11,8 @@
   FLOPs ``2 B (kv g) S^2 (d_qk + d_v)`` (the full square; a causal flash kernel runs half, which the pricing's
   kernel view accounts for);
 * :func:`decoder_loss`: embedding lookup (a gather), the layers each in ``jax.named_scope("layer_i")``, final
-  RMSNorm, untied ``lm_head`` and next-token cross-entropy plus the routed experts' balance loss.
+  RMSNorm, the ``lm_head`` (or, tied, the embedding) and next-token cross-entropy plus the routed experts' balance
+  loss.
 
 Every weight is one array named by its module (``params['layers'][3]['attn']['q_proj']``), no biases, as the
 released checkpoints.
@@ -94,22 +95,26 @@ def decoder_loss(params, batch, c, layer_fn: LayerFn, num_moe_layers: int):
             if aux is not None and aux_total is not None:
                 aux_total = aux_total + aux
     with jax.named_scope("head"):
-        norm, lm_head = compute_copy(c, (params["final_norm"], params["lm_head"]))
+        tied = "lm_head" not in params  # a tied head reads the embedding (small Llama 3.2 and Qwen models)
+        norm, head = compute_copy(c, (params["final_norm"], params["embed" if tied else "lm_head"]))
         with jax.named_scope("final_norm"):
             x = rms_norm(norm, x, c.norm_eps)
         with jax.named_scope("lm_head"):
-            logits = x @ lm_head
+            logits = jnp.einsum("bsh,vh->bsv", x, head) if tied else x @ head
         loss = cross_entropy(logits, targets)
         if aux_total is not None:
             loss = loss + c.aux_loss_weight * aux_total[0] / num_moe_layers
         return loss
 
 
-def embed_and_head(key, vocab: int, hidden: int, dtype) -> dict:
-    """The untied token embedding ``[V, H]``, the final norm's scale and the ``lm_head`` ``[H, V]``."""
+def embed_and_head(key, vocab: int, hidden: int, dtype, tied: bool = False) -> dict:
+    """The token embedding ``[V, H]``, the final norm's scale and, untied, the ``lm_head`` ``[H, V]`` (tied: the
+    logits read the embedding, as :func:`decoder_loss` does when there is no ``lm_head``)."""
     k_embed, k_head = jax.random.split(key)
-    return {"embed": normal(k_embed, (vocab, hidden), dtype), "final_norm": jnp.ones((hidden,), dtype),
-            "lm_head": normal(k_head, (hidden, vocab), dtype)}
+    out = {"embed": normal(k_embed, (vocab, hidden), dtype), "final_norm": jnp.ones((hidden,), dtype)}
+    if not tied:
+        out["lm_head"] = normal(k_head, (hidden, vocab), dtype)
+    return out
 
 
 __all__ = ["rms_norm", "rope", "swiglu", "swiglu_init", "causal_attention", "decoder_loss", "embed_and_head"]

@@ -20,9 +20,9 @@ per layer ``x += Attn(RMSNorm(x)); x += FFN(RMSNorm(x))``, then a final RMSNorm 
 * training: next-token cross-entropy (+ ``aux_loss_weight`` x the routers' balance loss), Adam. ``dtype`` bfloat16
   with ``mixed_precision``: float32 master weights and Adam moments, each layer computing with a bfloat16 copy.
 
-Parameters (no biases): ``2 V H`` (embedding, lm_head) ``+ H`` (final norm) ``+ L [H (heads + 2 kv) hd + heads hd H
-+ 2 H (+ 2 hd with qk_norm) + FFN]`` with FFN ``3 H F`` dense, or ``H E + 3 E H F_e + 3 H (shared F_e)`` routed.
-Llama 3 8B: 8,030,261,248.
+Parameters: ``2 V H`` (embedding, lm_head; ``V H`` tied) ``+ H`` (final norm) ``+ L [H (heads + 2 kv) hd + heads hd H
++ 2 H (+ 2 hd with qk_norm, + (heads + 2 kv) hd with Qwen2's qkv biases) + FFN]`` with FFN ``3 H F`` dense, or
+``H E + 3 E H F_e + 3 H (shared F_e)`` routed. Llama 3 8B: 8,030,261,248.
 
 Forward matmul FLOPs per step (``N = B S`` tokens; the scores' full square, which a causal flash kernel halves):
 ``2 N H (heads + 2 kv) hd + 2 N heads hd H`` (projections) ``+ 4 B heads S^2 hd`` (QK^T and PV) ``+ 6 N H F``
@@ -61,6 +61,8 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     qk_norm: bool = False                # per-head RMSNorm of Q and K before RoPE (Qwen3)
+    qkv_bias: bool = False               # biases on the q, k and v projections (Qwen2)
+    tie_embeddings: bool = False         # the lm_head reads the embedding (Llama 3.2 1B/3B, small Qwen models)
     num_experts: int = 0                 # > 0: every layer's FFN is routed experts
     top_k: int = 2
     moe_ffn_hidden: int | None = None    # None: ffn_hidden
@@ -109,6 +111,9 @@ def init_layer(key, c: LlamaConfig, dtype) -> dict:
             "v_proj": normal(k[2], (H, kv * hd), dtype), "o_proj": normal(k[3], (nh * hd, H), dtype)}
     if c.qk_norm:
         attn["q_norm"], attn["k_norm"] = jnp.ones((hd,), dtype), jnp.ones((hd,), dtype)
+    if c.qkv_bias:
+        attn["q_bias"], attn["k_bias"] = jnp.zeros((nh * hd,), dtype), jnp.zeros((kv * hd,), dtype)
+        attn["v_bias"] = jnp.zeros((kv * hd,), dtype)
     p = {"attn_norm": jnp.ones((H,), dtype), "attn": attn, "mlp_norm": jnp.ones((H,), dtype)}
     if c.num_experts:
         p["moe"] = init_moe(k[4], H, moe_ffn_hidden(c), c.num_experts, c.num_shared_experts, dtype)
@@ -120,7 +125,7 @@ def init_layer(key, c: LlamaConfig, dtype) -> dict:
 def init_params(key, c: LlamaConfig) -> dict:
     dtype = param_dtype_of(c)
     k_outer, k_layers = jax.random.split(key)
-    p = embed_and_head(k_outer, c.vocab_size, c.hidden_size, dtype)
+    p = embed_and_head(k_outer, c.vocab_size, c.hidden_size, dtype, tied=c.tie_embeddings)
     p["layers"] = [init_layer(k, c, dtype) for k in jax.random.split(k_layers, c.num_layers)]
     return p
 
@@ -130,12 +135,16 @@ def attention(p, x, c: LlamaConfig):
     ``k_norm``, ``rope``, ``o_proj``)."""
     B, S, _ = x.shape
     nh, kv, hd = c.num_heads, c.num_kv_heads, head_dim(c)
+    def proj(name):
+        y = x @ p[f"{name}_proj"]
+        return y + p[f"{name}_bias"] if c.qkv_bias else y
+
     with jax.named_scope("q_proj"):
-        q = (x @ p["q_proj"]).reshape(B, S, kv, nh // kv, hd)
+        q = proj("q").reshape(B, S, kv, nh // kv, hd)
     with jax.named_scope("k_proj"):
-        k = (x @ p["k_proj"]).reshape(B, S, kv, hd)
+        k = proj("k").reshape(B, S, kv, hd)
     with jax.named_scope("v_proj"):
-        v = (x @ p["v_proj"]).reshape(B, S, kv, hd)
+        v = proj("v").reshape(B, S, kv, hd)
     if c.qk_norm:
         with jax.named_scope("q_norm"):
             q = rms_norm(p["q_norm"], q, c.norm_eps)
