@@ -182,18 +182,19 @@ def _groups(plan) -> dict:
     return out
 
 
-#: The table's columns: (title, width); a width of 0 is the widest entry's (:func:`column_widths`).
-COLUMNS = (("pin #op", 7), ("primitive", 14), ("module", 0), ("layer", 10), ("stage", 5), ("spec", 8),
-           ("shapes", 0), ("PartitionSpec", 0), ("module path", 0))
+#: The table's columns: (title, width); a width of 0 is the widest entry's (:func:`column_widths`). What tells the
+#: rows apart (module, layer, stage, spec) comes first: the list scrolls sideways for the rest in a narrow column.
+COLUMNS = (("pin #op", 7), ("module", 0), ("layer", 10), ("stage", 5), ("spec", 8), ("shapes", 0),
+           ("PartitionSpec", 0), ("primitive", 0), ("module path", 0))
 
 
 def _cells(r: dict) -> list[str]:
     pin = "*" if r["pinned"] else " "
     op = r.get("full_op") if isinstance(r.get("key"), tuple) else r["op"]
     note = f"  ({r['note']})" if r.get("note") else ""  # ZeRO-3/FSDP, sequence or context parallelism
-    return [f"{pin}#{op}", r["primitive"], r.get("label") or "—", r["layer"] if r["layer"] is not None else "—",
+    return [f"{pin}#{op}", r.get("label") or "—", r["layer"] if r["layer"] is not None else "—",
             r.get("stage_text", f"S{r['stage']}"), r["alpa"], r.get("shapes", ""), r["partition_spec"],
-            r.get("module_path", "") + note]
+            r["primitive"], r.get("module_path", "") + note]
 
 
 def column_widths(rows: list[dict]) -> list[int]:
@@ -256,6 +257,11 @@ class ShardingTable(View):
         self.layer_filter.layout.width = "340px"  # group labels name their layers and stages
         self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="auto"))  # stretches, margins inside
         self.rows_select.add_class("autopar-op-rows")
+        self.header = w.HTML("")
+        self.header.add_class("autopar-op-header")
+        # The column titles and the rows scroll sideways together, inside the view (a row is wider than a column).
+        self.listing = w.VBox([self.header, self.rows_select], layout=w.Layout(overflow_x="auto", min_width="0"))
+        self.listing.add_class("autopar-op-listing")
         self.rows_select.observe(self._select_changed, names="value")
         self.count = w.HTML("")
         self.detail = w.HTML("")
@@ -279,13 +285,11 @@ class ShardingTable(View):
         self.op: int | None = None  # the selected row's operator in the graph the plan was solved on
         self.key: Any = None  # the selected row's key (see op_rows)
         self._alts: list = []
-        self.header = w.HTML("")
-        self.header.add_class("autopar-op-header")
         self.refresh_rows()
         self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter],
-                                    layout=w.Layout(flex_flow="row wrap")), self.count, self.header,
-                             self.rows_select, self.detail, self.scope, self.alternatives,
-                             w.HBox([self.pin_button, self.unpin_button]), self.message]))
+                                    layout=w.Layout(flex_flow="row wrap")), self.count, self.listing, self.detail,
+                             self.scope, self.alternatives, w.HBox([self.pin_button, self.unpin_button]),
+                             self.message]))
 
     # --- data --------------------------------------------------------------------------------------------------------
     def filters(self) -> dict:
@@ -335,8 +339,7 @@ class ShardingTable(View):
         self._sync_options()
         self.rows = op_rows(self.session, limit=self.max_rows, **self.filters())
         widths = column_widths(self.rows)
-        self.header.value = (f"<pre style='margin:0 0 0 4px; font-size:12px'>{html.escape(header_label(widths))}"
-                             "</pre>")
+        self.header.value = f"<pre>{html.escape(header_label(widths))}</pre>"  # styled as the rows (workbench CSS)
         self._quiet = True
         try:
             self.rows_select.options = [(row_label(r, widths), r["key"]) for r in self.rows]
