@@ -300,3 +300,38 @@ def test_layer_operators_refuses_an_unknown_layer():
     g = al.models.get("gpt-tiny").trace()
     with pytest.raises(ValueError, match="no layer 'layer_9'"):
         layer_operators(g, ["layer_9"])
+
+
+def test_a_flax_model_is_named_by_its_modules():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(64)(nn.LayerNorm()(x))  # Dense_0: Flax numbers modules as they are built
+            return x + nn.Dense(16)(nn.gelu(h))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = Block(name=f"block_{i}")(x)
+            return nn.Dense(4, name="head")(x)
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    params = jax.eval_shape(Net().init, jax.random.key(0), x)
+
+    def step(p, x):
+        grads = jax.grad(lambda q: (Net().apply(q, x) ** 2).mean())(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, grads)
+
+    g = al.trace(step, params, x, batch_argnums=(1,))
+    labels = module_labels(g)
+    dots = [(n.layer, n.role, labels[n.id].label) for n in g if n.primitive == "dot_general"]
+    assert [d[2] for d in dots if d[1] == "forward"] == ["Dense_0", "Dense_1"] * 2 + ["head"]
+    assert ("block_1", "backward", "Dense_0 (weight grad)") in dots and ("head", "backward", "head (data grad)") in dots
+    norm = [labels[n.id] for n in g if n.layer == "block_0" and n.role == "forward" and
+            labels[n.id].module == "LayerNorm_0"]
+    # its statistics by its scope, the operators on its scale and bias (some outside the scope) by those parameters
+    assert {(x.source, x.path) for x in norm} >= {("scope", "Net/block_0/LayerNorm_0"),
+                                                   ("param", "args[0]['params']['block_0']['LayerNorm_0']['scale']")}

@@ -174,7 +174,9 @@ def _param_module(path: str, layer: str | None) -> tuple[str, bool]:
     at = max((i for i, k in enumerate(keys) if isinstance(k, int) or k == layer), default=None)
     top = at is None
     if at is not None:
-        keys = keys[at + 1:]
+        # a layer that is itself the module (Flax's Dense named "head"): its name, not its leaf's
+        rest = [k for k in keys[at + 1:] if not isinstance(k, int)]
+        keys = keys[at:] if isinstance(keys[at], str) and all(k in _LEAVES for k in rest) else keys[at + 1:]
     else:
         # an optimizer state's own name (mu, nu) before the parameter's path; a scan's stacked layers' container
         while len(keys) > 1 and keys[0] in ("mu", "nu", "m", "v", "momentum", "trace", base, "params"):
