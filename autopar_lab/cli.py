@@ -91,12 +91,16 @@ def _model(args):
 
 
 def cmd_graph(args) -> dict:
-    """The captured graph: operators, FLOPs by primitive and role, bytes."""
+    """The captured graph: operators, FLOPs by primitive and role, bytes; the matmuls of the first layer of each
+    kind by module."""
+    from .graph.modules import layer_operators
+
     model = _model(args)
     graph = model.trace()
     out = graph.summary()
     out["model"] = model.name
     out["flops_by_layer"] = graph.flops_by("layer")
+    out["layer_modules"] = layer_operators(graph)
     return out
 
 
@@ -109,6 +113,11 @@ def _print_graph(out: dict) -> None:
     print("  top primitives by FLOPs:")
     for prim, flops in list(out["flops_by_primitive"].items())[:6]:
         print(f"    {prim:<22} {flops:.4g}")
+    for block in out.get("layer_modules", ()):  # the first layer of each kind (dense, experts)
+        print(f"  {block['layer']}'s matmuls (forward; the backward's too with --json):")
+        for o in block["operators"]:
+            if o["role"] == "forward":
+                print(f"    {o['label'] or '?':<22} {o['shapes']}")
     for w in out["warnings"]:
         print(f"  warning: {w}")
 

@@ -312,8 +312,8 @@ def test_deep_workbench_in_chromium(tmp_path):
         assert re.search(r"layer_5: \d{3} operators", text_of(page, ".autopar-graph .apg-detail-title"))
         # Named operators, legible where the view opens (the top of the layer).
         assert "apg-nolabels" not in (root_el.get_attribute("class") or "")
-        names = svg_texts(graph.locator(".apg-op-label"))
-        assert len(names) > 300 and "dot_general" in names
+        names = svg_texts(graph.locator(".apg-op-label"))  # matmuls by module, the rest by primitive
+        assert len(names) > 300 and {"qkv", "fc1", "fc1 (weight grad)", "add"} <= set(names)
         page.mouse.move(0, 0)  # no tooltip in the screenshot
         page.wait_for_timeout(300)
         _save(graph, "workbench-graph.png", dirs)
@@ -518,3 +518,93 @@ def test_deep_workbench_in_chromium(tmp_path):
         assert_fits(page)
         assert not cell_errors(page), cell_errors(page)
         (dirs[0] / "clicks.txt").write_text("\n".join(log) + "\n")
+
+
+# The workbench the module check opens, and what it expects layer LAYER's rows to be named. When llama3-8b lands the
+# lead switches it to llama3-8b on dgx-h100:2 (its labels attn/q_proj, attn/k_proj, ..., mlp/down): only these lines
+# change.
+MODULES_MODEL, MODULES_CLUSTER, MODULES_LAYER = "gpt-1.3b", "p3.16xlarge:2", "layer_20"
+MODULES_LABELS = ("qkv", "attn/scores", "attn/context", "proj", "fc1", "fc2")
+SHAPES = re.compile(r"\[\d+(,\d+)*\](x\[\d+(,\d+)*\])* -> \[\d+(,\d+)*\]")
+
+
+@pytest.mark.slow
+def test_views_name_modules_in_chromium(tmp_path):
+    """Issue 30 item 6 and issue 35 item 8 as a user meets them: the sharding table's rows of a deep layer name their
+    module and shapes, the filter by module keeps one module's rows, the graph names the layer's matmuls by module and
+    the overview names the layer selected."""
+    import nbformat
+
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    cell = (f"import autopar_lab as al\n"
+            f"wb = al.Workbench(al.models.get({MODULES_MODEL!r}), al.Cluster.parse({MODULES_CLUSTER!r}))\nwb")
+    kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}  # as the tour's
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)], metadata=kernel),
+                   root / "modules.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    dirs = _shots_dirs(tmp_path)[:1]  # kept with the test (the README's table screenshot is the tour's)
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 2400)) as page:
+        open_and_run_all(page, url, token, "modules.ipynb", timeout_s=90)
+        page.wait_for_selector(".autopar-sharding-table", state="visible", timeout=300_000)
+        wait_until_idle(page, timeout_s=300)
+        assert not cell_errors(page), cell_errors(page)
+        wait_for_plots(page, ".autopar-workbench")
+        page.wait_for_timeout(1500)  # the figures fit their grid cells after the first resize
+        settle(page)
+
+        # --- the table: layer LAYER's rows name their module, with shapes -------------------------------------------
+        table = page.locator(".autopar-sharding-table").first
+        layer_filter = table.locator(".widget-dropdown").filter(has=page.locator("label", has_text="layer")).locator(
+            "select").first
+        layer_filter.select_option(MODULES_LAYER)
+        settle(page)
+        rows = table.locator(".autopar-op-rows select").first
+        page.wait_for_function("([el, layer]) => el.options.length > 0 && el.options[0].text.includes(layer)",
+                               arg=[rows.element_handle(), MODULES_LAYER], timeout=30_000)
+
+        def texts() -> list[str]:
+            return [t.replace("\xa0", " ") for t in rows.locator("option").all_inner_texts()]
+
+        shown = texts()
+        assert all(MODULES_LAYER in t and SHAPES.search(t) for t in shown), shown
+        for label in MODULES_LABELS:
+            assert any(f" {label} " in t for t in shown), (label, shown)
+        header = text_of(page, ".autopar-sharding-table .autopar-op-header")
+        assert "module" in header and "shapes" in header and "module path" in header
+        assert_fits(page)  # the rows are wider than the column: they scroll inside the table, not the page
+        table.scroll_into_view_if_needed()
+        _save(table, "workbench-sharding-table-modules.png", dirs)
+
+        # --- the filter by module: one module's rows (its forward and its gradients) --------------------------------
+        module = MODULES_LABELS[-1]
+        box = table.locator(".autopar-module-filter input").first
+        box.fill(module)
+        box.press("Enter")
+        settle(page)
+        page.wait_for_function("([el, n]) => el.options.length > 0 && el.options.length < n",
+                               arg=[rows.element_handle(), len(shown)], timeout=30_000)
+        kept = texts()
+        assert all(f" {module}" in t and MODULES_LAYER in t for t in kept), kept
+        assert sum(f" {module} " in t for t in shown) == len(kept)
+
+        # --- the graph: the layer opened, its matmuls named by module, its name in the overview --------------------
+        graph = page.locator(".autopar-graph").first
+        for _ in range(8):  # open the groups of repeated layers until the layer has its own node
+            if graph.locator(f'[data-key="L:{MODULES_LAYER}"]').count():
+                break
+            graph.locator('[data-key^="G:"]').first.click()
+            settle(page)
+        graph.locator(f'[data-key="L:{MODULES_LAYER}"]').click()
+        page.wait_for_function("() => Number(document.querySelector('.autopar-graph .apg-root').dataset.nodes) > 100",
+                               timeout=60_000)
+        assert MODULES_LAYER in svg_texts(graph.locator(".apg-ov-label"))  # named though its neighbours may not be
+        names = set(svg_texts(graph.locator(".apg-op-label")))
+        assert set(MODULES_LABELS) <= names, sorted(names)
+        node = graph.locator('.apg-op[data-key^="O:"]').filter(has_text=MODULES_LABELS[0]).first
+        node.dispatch_event("mousemove", {"clientX": 200, "clientY": 200})
+        tip = graph.locator(".apg-tip").first
+        assert f"module: {MODULES_LABELS[0]}" in tip.inner_text() and "FLOP" in tip.inner_text()
+        page.mouse.move(0, 0)
+        _save(graph, "workbench-graph-modules.png", dirs)

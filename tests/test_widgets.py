@@ -169,9 +169,15 @@ def test_graph_clicks_expand_and_select(wb):
     assert len(g.keys) == n_overview + len(ops)  # the step's inputs and outputs are folded into their neighbours
     folded = [n["hover"] for n in g.data["detail"]["nodes"] if "reads param" in n["hover"]]
     assert folded and "folded into their readers" in g.data["detail"]["title"]
-    # Every operator is named (its primitive) in its box.
+    # Every operator is named in its box: a matmul by its module (the layer's landmarks), the others by primitive.
     labels = {n["key"]: n["label"] for n in g.data["detail"]["nodes"]}
-    assert all(labels[f"O:{o}"] == wb.session.graph.op(o).primitive for o in ops)
+    matmuls = [o for o in ops if graph.op(o).primitive == "dot_general"]
+    assert all(labels[f"O:{o}"] == graph.op(o).primitive for o in ops if o not in matmuls)
+    assert sorted(labels[f"O:{o}"] for o in matmuls if graph.op(o).role == "forward") == sorted(
+        ["qkv", "attn/scores", "attn/context", "proj", "fc1", "fc2"])
+    assert {"fc1 (weight grad)", "fc1 (data grad)", "qkv (weight grad)"} <= set(labels.values())
+    hover = next(n["hover"] for n in g.data["detail"]["nodes"] if n["label"] == "fc1")
+    assert "module: fc1" in hover and "['layers'][1]['fc1']['w']" in hover and "FLOP" in hover
     op = _dot(wb, "layer_1")
     g.canvas.handle_message(None, {"type": "click", "key": f"O:{op}"})  # what the browser sends on a click
     assert wb.session.selection.op == op and wb.session.selection.stage == 1

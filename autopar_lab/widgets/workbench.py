@@ -51,6 +51,9 @@ STYLE = """<style>
 .autopar-grid > .autopar-wide { grid-column: 1 / -1; }
 .autopar-grid .widget-html-content { white-space: normal; line-height: 1.4; }
 .autopar-sharding-table select { font-family: monospace; font-size: 12px; }
+.autopar-op-listing select { width: max-content; min-width: 100%; }
+.autopar-op-listing .widget-select, .autopar-op-listing .widget-html { width: max-content; min-width: 100%; }
+.autopar-op-listing .widget-html-content pre { margin: 0 0 0 4px; font-family: monospace; font-size: 12px; }
 .autopar-cost-table td, .autopar-cost-table th { padding: 1px 8px; text-align: right; white-space: nowrap; }
 .autopar-cost-table td:first-child, .autopar-cost-table th:first-child { text-align: left; white-space: normal; }
 .autopar-workbench .jupyter-button:disabled { opacity: 0.45; }

@@ -3,7 +3,9 @@ layered DAG of its operators.
 
 Consecutive layers with the same operators (the same primitives in the same order) on the same stage are one group
 node, "layer_0..layer_11 ×12"; a click opens the group into its layers, a click on a layer expands it below as a DAG
-with every operator named, laid out in the browser by dagre (``extensions/graph``). Nodes are coloured by stage or by
+with every operator named (a matmul by its module, :mod:`autopar_lab.graph.modules`: ``qkv``, ``fc1 (weight grad)``;
+the others by primitive; the hover gives the module and where it was read), laid out in the browser by dagre
+(``extensions/graph``). The overview always names the selected (or expanded) layer. Nodes are coloured by stage or by
 sharding (an operator's output spec; a layer takes its stage's logical mesh), with a legend for each colouring. An
 edge whose two ends use different shardings is resharded: drawn thick and red, its hover says which collectives
 convert it, over which mesh axis, how many bytes and how long. Edges from the forward pass into the backward pass
@@ -24,6 +26,8 @@ from typing import Any
 
 import ipywidgets as w
 
+from ...graph.modules import module_labels
+from ...graph.opcost import CONTRACTIONS
 from ...layergroups import group_of_layer, span_text
 from . import figures
 from ._base import View
@@ -155,13 +159,21 @@ def _shapes_text(shapes, dtypes) -> str:
     return ", ".join(f"{d}{list(s)}" for s, d in zip(shapes, dtypes)) or "none"
 
 
-def _op_hover(session, node, strat, stage: int, pinned: bool) -> str:
+def op_label(node, lab) -> str:
+    """An operator node's name in the drawing: a matmul's module (``qkv``, ``fc1 (weight grad)``: the landmarks of a
+    layer), else its primitive."""
+    return lab.label if lab.label and node.primitive in CONTRACTIONS else node.primitive
+
+
+def _op_hover(session, node, strat, stage: int, pinned: bool, lab=None) -> str:
     plan = session.plan
     st = plan.stages[stage]
-    lines = [f"#{node.id} {node.primitive} ({node.role})",
-             f"in: {_shapes_text(node.in_shapes, node.in_dtypes)}",
-             f"out: {_shapes_text(node.out_shapes, node.out_dtypes)}",
-             f"{fmt_flops(node.flops)}, {fmt_bytes(node.bytes_accessed)} read and written"]
+    lines = [f"#{node.id} {node.primitive} ({node.role})"]
+    if lab is not None and lab.module:
+        lines += [f"module: {lab.label}", f"  from {lab.explain()}"]
+    lines += [f"in: {_shapes_text(node.in_shapes, node.in_dtypes)}",
+              f"out: {_shapes_text(node.out_shapes, node.out_dtypes)}",
+              f"{fmt_flops(node.flops)}, {fmt_bytes(node.bytes_accessed)} read and written"]
     if strat is not None:
         lines.append(f"sharding: {strategy_text(strat.name)} on stage {stage}'s {_mesh_text(st)} mesh"
                      + (" (pinned)" if pinned else ""))
@@ -305,6 +317,7 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
     members = [o for o in members if o not in io]
     inside = set(members)
     strategies = {o: _strategy(session, o) for o in members}
+    labels = module_labels(graph)
     spec_colours: dict[str, str] = {}
     roles: dict[str, int] = defaultdict(int)
     nodes = []
@@ -320,11 +333,11 @@ def _detail(session, layer: str, stage: int, mode: str, selected, max_ops: int, 
         else:
             colour = spec_colours.setdefault(spec, figures.colour(len(spec_colours)))
         pinned = _pinned(session, o)
-        hover = _op_hover(session, node, strat, stage, pinned)
+        hover = _op_hover(session, node, strat, stage, pinned, labels[o])
         if notes.get(o):
             hover += "\n" + "\n".join(notes[o])
-        nodes.append({"key": f"O:{o}", "label": node.primitive, "colour": colour, "selected": selected == f"O:{o}",
-                      "pinned": pinned, "hover": hover})
+        nodes.append({"key": f"O:{o}", "label": op_label(node, labels[o]), "colour": colour,
+                      "selected": selected == f"O:{o}", "pinned": pinned, "hover": hover, "module": labels[o].module})
     edges, hidden, resharded = [], 0, 0
     mesh_cache: dict = {}
     mesh = _mesh_text(plan.stages[stage])

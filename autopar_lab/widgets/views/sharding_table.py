@@ -1,9 +1,11 @@
-"""Sharding choices: the operators (filtered by layer, stage, primitive) with their strategy in Alpa's notation and as
-a ``PartitionSpec``; for the selected one a dropdown of alternatives with their step-time deltas, and pin / unpin.
+"""Sharding choices: the operators (filtered by layer, stage, primitive and module) with the module they belong to
+(:mod:`autopar_lab.graph.modules`: ``qkv``, ``attn/q_proj``, ``fc1 (weight grad)``), their shapes and their strategy in
+Alpa's notation and as a ``PartitionSpec``; for the selected one a dropdown of alternatives with their step-time
+deltas, and pin / unpin.
 
     >>> rows = op_rows(session, primitive="dot_general")          # doctest: +SKIP
-    >>> rows[0]["alpa"], rows[0]["partition_spec"]                # doctest: +SKIP
-    ('S0RR', "P('x', None, None)")
+    >>> rows[0]["label"], rows[0]["shapes"], rows[0]["alpa"]      # doctest: +SKIP
+    ('qkv', '[8,1024,2048]x[2048,6144] -> [8,1024,6144]', 'S0RR')
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import ipywidgets as w
 
+from ...graph.modules import module_label, module_labels, modules_present, shapes_text, under
 from ...layergroups import group_of_layer, layer_groups, span_text
 from ...parallelism import op_notes
 from ._base import View
@@ -35,14 +38,15 @@ def _spec_texts(strategy) -> tuple[str, str]:
 
 
 def _scope_rows(plan, group, full_layer: int | None):
-    """(key, stand-in, full op or None, stages) for each operator of ``group`` in graph order. A row of a whole
-    group is keyed by the stand-in's id (every row of a model solved on its own graph); a row of one real layer
+    """(key, stand-in, full op or None, stages, shown) for each operator of ``group`` in graph order. A row of a
+    whole group is keyed by the stand-in's id (every row of a model solved on its own graph); a row of one real layer
     whose solution other layers share (``full_layer``, one layer of the group shown alone, or a layer split from
-    its group) by ``("layer", full_op)``."""
+    its group) by ``("layer", full_op)``. ``shown``: the model's operator whose module and shapes the row shows (a
+    group's: its first layer's)."""
     m = plan.table.op_map if plan.table is not None else None
     if m is None or m.is_identity:
         names = list(plan.layer_names)
-        return [(o, o, o, group.stages) for o in plan.graph.ops_in_layer(names[group.layers[0]])]
+        return [(o, o, o, group.stages, o) for o in plan.graph.ops_in_layer(names[group.layers[0]])]
     k = full_layer if full_layer is not None else group.layers[0]
     alone = full_layer is not None or group.split
     out = []
@@ -51,17 +55,23 @@ def _scope_rows(plan, group, full_layer: int | None):
         if sop is None:
             continue
         if alone:
-            out.append((("layer", full), sop, full, (plan.full_stage_of(full),)))
+            out.append((("layer", full), sop, full, (plan.full_stage_of(full),), full))
         else:
-            out.append((sop, sop, full if len(group.layers) == 1 else None, group.stages))
+            out.append((sop, sop, full if len(group.layers) == 1 else None, group.stages, full))
     return out
 
 
 def _outside_rows(plan):
     g = plan.op_graph
     last = len(plan.stages) - 1
-    return [(node.id, node.id, None, (plan.stage_of(node.id) if plan.table is not None else last,))
+    return [(node.id, node.id, None, (plan.stage_of(node.id) if plan.table is not None else last,), None)
             for node in g if node.layer is None]
+
+
+def module_choices(session) -> list[str]:
+    """The modules the filter by module offers: every module of the plan's operators and every module they sit
+    under (``attn`` for ``attn/q_proj``)."""
+    return modules_present(module_labels(session.op_graph))
 
 
 def scopes(session) -> list[tuple[str, str]]:
@@ -78,17 +88,22 @@ def scopes(session) -> list[tuple[str, str]]:
 
 
 def op_rows(session, layer: str | None = None, stage: int | None = None, primitive: str | None = None,
-            limit: int | None = None) -> list[dict]:
+            limit: int | None = None, module: str | None = None) -> list[dict]:
     """One dict per row of the table passing the filters. ``layer``: a group's key (``"layer_0.."``), a real layer's
-    name, or :data:`OUTSIDE`; None: every group. A row of a group of layers sharing one solution stands for its
-    operator in every one of them (``key``: the stand-in's id); a row of one real layer of a deep model for that
-    layer's own operator (``key``: ``("layer", full_op)``).
+    name, or :data:`OUTSIDE`; None: every group. ``module``: only the operators of that module or of modules under
+    it (``"attn"`` keeps ``attn/q_proj`` and ``attn/scores``; the backward's and the optimizer's operators of a module
+    are its too). A row of a group of layers sharing one solution stands for its operator in every one of them
+    (``key``: the stand-in's id); a row of one real layer of a deep model for that layer's own operator (``key``:
+    ``("layer", full_op)``).
 
     Each row: key, op (the stand-in in the graph the plan was solved on), full_op (the model's operator, None for a
     group's row), primitive, role, layer (the group's or layer's name), stages and stage (the first of them; a
     group spanning stages lists each), stage_text, strategy (its full Alpa name, on the first stage), alpa (output
     spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved its layer), note
-    (ZeRO-3/FSDP, sequence or context parallelism it takes part in: :func:`autopar_lab.parallelism.op_notes`)."""
+    (ZeRO-3/FSDP, sequence or context parallelism it takes part in: :func:`autopar_lab.parallelism.op_notes`),
+    module, label and module_path (:class:`autopar_lab.graph.modules.ModuleLabel`: ``"fc1"``, ``"fc1 (weight
+    grad)"``, the parameter path or name scope it was read from; of the model's operator in the row's layer, a
+    group's first layer), shapes (``"[8,1024,2048]x[2048,6144] -> [8,1024,6144]"``) and dtype (its result's)."""
     plan = session.plan
     groups = layer_groups(plan)
     pins = plan.pins
@@ -113,11 +128,15 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
     notes = op_notes(plan)
     out = []
     for grp, items in picked:
-        for key, sop, full, stages in items:
+        for key, sop, full, stages, shown in items:
             node = g.op(sop)
             if primitive is not None and node.primitive != primitive:
                 continue
             if stage is not None and stage not in stages:
+                continue
+            where, at = (plan.graph, shown) if shown is not None else (g, sop)
+            lab = module_label(where, at)
+            if module is not None and not under(lab.module, module):
                 continue
             if isinstance(key, tuple):
                 strats = [plan.full_choice(full)]
@@ -140,7 +159,9 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
                         "stage_text": "+".join(f"S{k}" for k in stages),
                         "strategy": strats[0].name if strats[0] is not None else "", "alpa": alpa,
                         "partition_spec": texts[0][1], "pinned": pinned,
-                        "group": ilp.get((stages[0], node.layer), ""), "note": notes.get(sop, "")})
+                        "group": ilp.get((stages[0], node.layer), ""), "note": notes.get(sop, ""),
+                        "module": lab.module, "label": lab.label, "module_path": lab.path,
+                        "shapes": shapes_text(where.op(at)), "dtype": ",".join(where.op(at).out_dtypes)})
             if limit is not None and len(out) >= limit:
                 return out
     return out
@@ -161,15 +182,38 @@ def _groups(plan) -> dict:
     return out
 
 
-def row_label(r: dict) -> str:
-    """One row of the table in fixed columns; nothing is cut short (a long name widens its column)."""
+#: The table's columns: (title, width); a width of 0 is the widest entry's (:func:`column_widths`). What tells the
+#: rows apart (module, layer, stage, spec) comes first: the list scrolls sideways for the rest in a narrow column.
+COLUMNS = (("pin #op", 7), ("module", 0), ("layer", 10), ("stage", 5), ("spec", 8), ("shapes", 0),
+           ("PartitionSpec", 0), ("primitive", 0), ("module path", 0))
+
+
+def _cells(r: dict) -> list[str]:
     pin = "*" if r["pinned"] else " "
-    layer = r["layer"] if r["layer"] is not None else "—"
     op = r.get("full_op") if isinstance(r.get("key"), tuple) else r["op"]
-    stage = r.get("stage_text", f"S{r['stage']}")
     note = f"  ({r['note']})" if r.get("note") else ""  # ZeRO-3/FSDP, sequence or context parallelism
-    return (f"{pin}#{op:<5} {r['primitive']:<14} {layer:<10} {stage:<5} "
-            f"{r['alpa']:<8} {r['partition_spec']}{note}")
+    return [f"{pin}#{op}", r.get("label") or "—", r["layer"] if r["layer"] is not None else "—",
+            r.get("stage_text", f"S{r['stage']}"), r["alpa"], r.get("shapes", ""), r["partition_spec"],
+            r["primitive"], r.get("module_path", "") + note]
+
+
+def column_widths(rows: list[dict]) -> list[int]:
+    """Each column's width for ``rows``: its fixed width, or the widest entry's (and the title's)."""
+    cells = [_cells(r) for r in rows]
+    return [w or max([len(title)] + [len(c[k]) for c in cells]) for k, (title, w) in enumerate(COLUMNS)]
+
+
+def row_label(r: dict, widths: list[int] | None = None) -> str:
+    """One row of the table in fixed columns (``widths``: :func:`column_widths` of the rows shown together; by
+    default each entry's own width); nothing is cut short (a long name widens its column)."""
+    cells = _cells(r)
+    widths = widths or [w or len(c) for (_, w), c in zip(COLUMNS, cells)]
+    return " ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def header_label(widths: list[int]) -> str:
+    """The column titles over rows laid out with ``widths``."""
+    return " ".join(title.ljust(w) for (title, _), w in zip(COLUMNS, widths)).rstrip()
 
 
 def delta_text(delta_s: float) -> str:
@@ -203,12 +247,21 @@ class ShardingTable(View):
         self.primitive_filter = w.Dropdown(options=[ALL] + prims,
                                            value="dot_general" if "dot_general" in prims else ALL,
                                            description="primitive")
-        for f in (self.layer_filter, self.stage_filter, self.primitive_filter):
+        # a text box offering the modules present: "attn" keeps every module under it, "fc1" fc1 and its gradients
+        self.module_filter = w.Combobox(options=module_choices(session), value="", placeholder="all modules",
+                                        description="module", ensure_option=False, continuous_update=False)
+        self.module_filter.add_class("autopar-module-filter")
+        for f in (self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter):
             f.layout.width = "220px"
             f.observe(lambda ch: self.refresh_rows(), names="value")
         self.layer_filter.layout.width = "340px"  # group labels name their layers and stages
         self.rows_select = w.Select(options=[], rows=12, layout=w.Layout(width="auto"))  # stretches, margins inside
         self.rows_select.add_class("autopar-op-rows")
+        self.header = w.HTML("")
+        self.header.add_class("autopar-op-header")
+        # The column titles and the rows scroll sideways together, inside the view (a row is wider than a column).
+        self.listing = w.VBox([self.header, self.rows_select], layout=w.Layout(overflow_x="auto", min_width="0"))
+        self.listing.add_class("autopar-op-listing")
         self.rows_select.observe(self._select_changed, names="value")
         self.count = w.HTML("")
         self.detail = w.HTML("")
@@ -233,32 +286,35 @@ class ShardingTable(View):
         self.key: Any = None  # the selected row's key (see op_rows)
         self._alts: list = []
         self.refresh_rows()
-        header = w.HTML("<code>pin #op primitive layer stage spec PartitionSpec</code>")
-        self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter],
-                                    layout=w.Layout(flex_flow="row wrap")), self.count, header,
-                             self.rows_select, self.detail, self.scope, self.alternatives,
-                             w.HBox([self.pin_button, self.unpin_button]), self.message]))
+        self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter],
+                                    layout=w.Layout(flex_flow="row wrap")), self.count, self.listing, self.detail,
+                             self.scope, self.alternatives, w.HBox([self.pin_button, self.unpin_button]),
+                             self.message]))
 
     # --- data --------------------------------------------------------------------------------------------------------
     def filters(self) -> dict:
         return {"layer": None if self.layer_filter.value == ALL else self.layer_filter.value,
                 "stage": None if self.stage_filter.value == ALL else int(self.stage_filter.value),
-                "primitive": None if self.primitive_filter.value == ALL else self.primitive_filter.value}
+                "primitive": None if self.primitive_filter.value == ALL else self.primitive_filter.value,
+                "module": self.module_filter.value.strip() or None}
 
-    def set_filters(self, layer: Any = ALL, stage: Any = ALL, primitive: Any = ALL) -> None:
-        """Set the three filters at once (``None`` or ``"(all)"``: no filter) and refresh the rows once. ``layer``:
-        a group's key, a real layer's name, or :data:`OUTSIDE`."""
+    def set_filters(self, layer: Any = ALL, stage: Any = ALL, primitive: Any = ALL, module: Any = ALL) -> None:
+        """Set the four filters at once (``None`` or ``"(all)"``: no filter) and refresh the rows once. ``layer``:
+        a group's key, a real layer's name, or :data:`OUTSIDE`; ``module``: a module (``"fc1"``) or one that others
+        sit under (``"attn"``)."""
         self._quiet = True
         try:
             self.layer_filter.value = ALL if layer is None else layer
             self.stage_filter.value = ALL if stage is None else str(stage)
             self.primitive_filter.value = ALL if primitive is None else primitive
+            self.module_filter.value = "" if module in (None, ALL) else str(module)
         finally:
             self._quiet = False
         self.refresh_rows()
 
     def _sync_options(self) -> None:
-        """The stage and layer filters' choices for the current plan (stages and groups change with it)."""
+        """The stage, layer and module filters' choices for the current plan (stages and groups change with it; a
+        what-if re-plan may bring another graph)."""
         n = len(self.session.plan.stages)
         self._quiet = True
         try:
@@ -271,6 +327,9 @@ class ShardingTable(View):
                 self._layer_options = layers
                 self.layer_filter.options = layers
                 self.layer_filter.value = value if value in [v for _, v in layers] else ALL
+            modules = module_choices(self.session)
+            if list(self.module_filter.options) != modules:
+                self.module_filter.options = modules
         finally:
             self._quiet = False
 
@@ -279,14 +338,19 @@ class ShardingTable(View):
             return
         self._sync_options()
         self.rows = op_rows(self.session, limit=self.max_rows, **self.filters())
+        widths = column_widths(self.rows)
+        self.header.value = f"<pre>{html.escape(header_label(widths))}</pre>"  # styled as the rows (workbench CSS)
         self._quiet = True
         try:
-            self.rows_select.options = [(row_label(r), r["key"]) for r in self.rows]
+            self.rows_select.options = [(row_label(r, widths), r["key"]) for r in self.rows]
             self.rows_select.value = self.key if any(r["key"] == self.key for r in self.rows) else None
         finally:
             self._quiet = False
         more = " (first rows only; narrow the filters)" if len(self.rows) >= self.max_rows else ""
-        self.count.value = f"{len(self.rows)} operator(s){more}; * = pinned"
+        module = self.filters()["module"]
+        none = (f"; no operator of module {module!r} here (the box lists the modules present)"
+                if module and not self.rows else "")
+        self.count.value = html.escape(f"{len(self.rows)} operator(s){more}; * = pinned{none}")
 
     def row(self, key) -> dict | None:
         """The table row of ``key`` (an operator id, or ``("layer", full_op)``; None when the filters hide it)."""
@@ -451,10 +515,19 @@ class ShardingTable(View):
         self.show_op(sel.op, key)
 
 
+def _shown(session, key) -> tuple:
+    """(graph, operator) whose module and shapes row ``key`` shows: the model's operator (a group's, in its first
+    layer), else the plan's own."""
+    if isinstance(key, tuple):
+        return session.plan.graph, key[1]
+    full = session.op_map.full_ops(key)
+    return (session.plan.graph, full[0]) if full else (session.op_graph, key)
+
+
 def detail_html(session, key, scope: str = GROUP) -> str:
     """The detail pane of row ``key``: the operator, its strategy in words and its output spec on the mesh of the
-    stage that runs it (each stage, for a group spanning stages), whether it is pinned, and which layers its
-    solution stands for."""
+    stage that runs it (each stage, for a group spanning stages), whether it is pinned, the module it belongs to and
+    how that was found, its shapes, and which layers its solution stands for."""
     plan = session.plan
     if isinstance(key, tuple):
         full = key[1]
@@ -489,6 +562,11 @@ def detail_html(session, key, scope: str = GROUP) -> str:
                       f"{plan.stages[k].logical_mesh[0]}x{plan.stages[k].logical_mesh[1]} mesh" for k, s in stages)
     text = (f"<b>{html.escape(what)}</b> {where}<br>strategy <code>{html.escape(cur.name)}</code>: "
             f"{html.escape(strategy_text(cur.name))}; {specs}; {pinned}")
+    seen_graph, seen = _shown(session, key)
+    lab = module_label(seen_graph, seen)
+    if lab.module:
+        text += f"<br>module <b>{html.escape(lab.label)}</b>, from {html.escape(lab.explain())}"
+    text += f"<br>shapes <code>{html.escape(shapes_text(seen_graph.op(seen)))}</code>"
     if isinstance(key, tuple):
         text += ("<br>an override applies to " + ("this layer alone" if scope == LAYER else
                                                   "every layer sharing its solution"))

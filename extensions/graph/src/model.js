@@ -81,8 +81,9 @@ export function sparseLabels(n, width, labelPx) {
 }
 
 /**
- * The overview strip: nodes [{key, label, count}] placed left to right in `width` pixels, a group's box wider by its
- * member count (up to 3 slots). Returns [{key, x, w, showLabel}] with x the box's left edge.
+ * The overview strip: nodes [{key, label, count, selected, expanded}] placed left to right in `width` pixels, a group's
+ * box wider by its member count (up to 3 slots). Returns [{key, x, w, showLabel}] with x the box's left edge. The
+ * selected or expanded node is always named; a neighbour's label it would overlap gives way.
  */
 export function overviewLayout(nodes, width, gap = 6) {
   const weights = nodes.map((n) => (n.count > 1 ? Math.min(3, 1 + Math.log2(n.count) / 2) : 1));
@@ -104,6 +105,18 @@ export function overviewLayout(nodes, width, gap = 6) {
     for (const i of sparseLabels(nodes.length, width, widest)) out[i].showLabel = true;
     out.forEach((b, i) => { if (nodes[i].count > 1 && fits[i]) b.showLabel = true; });
   }
+  const centre = (i) => out[i].x + out[i].w / 2;
+  nodes.forEach((n, i) => {
+    if (!(n.selected || n.expanded)) return;
+    out[i].showLabel = true;
+    out.forEach((o, j) => {
+      const mine = nodes[j].selected || nodes[j].expanded;
+      if (j !== i && !mine && o.showLabel &&
+          Math.abs(centre(j) - centre(i)) < (boxWidth(n.label) + boxWidth(nodes[j].label)) / 2) {
+        o.showLabel = false;
+      }
+    });
+  });
   return out;
 }
 

@@ -88,6 +88,25 @@ test("the overview fits its width, gives groups more room, and labels what fits"
   assert.ok(shown.length < 26 && shown.length >= 2 && shown[0] === 0 && shown[shown.length - 1] === 25);
 });
 
+test("the selected layer of the overview is always named, and no drawn label overlaps it", () => {
+  const many = Array.from({ length: 26 }, (_, i) => ({ key: `L:${i}`, label: `layer_${i}` }));
+  const plain = overviewLayout(many, 600);
+  const hidden = plain.findIndex((b) => !b.showLabel);  // a layer the sparse labelling leaves unnamed
+  assert.ok(hidden > 0);
+  for (const flag of ["selected", "expanded"]) {
+    const nodes = many.map((n, i) => (i === hidden ? { ...n, [flag]: true } : n));
+    const boxes = overviewLayout(nodes, 600);
+    assert.ok(boxes[hidden].showLabel, `the ${flag} layer is named`);
+    const centre = (b) => b.x + b.w / 2;
+    const half = (i) => boxWidth(nodes[i].label) / 2;
+    for (const [j, b] of boxes.entries()) {
+      if (j === hidden || !b.showLabel) continue;
+      assert.ok(Math.abs(centre(b) - centre(boxes[hidden])) >= half(j) + half(hidden), `label ${j} overlaps`);
+    }
+    assert.ok(boxes.filter((b) => b.showLabel).length >= 3);  // the others still named every k-th
+  }
+});
+
 test("fit, zoom about a point, and the label threshold", () => {
   const t = fitTransform(1000, 2000, 500, 400);
   assert.ok(1000 * t.k <= 500 && 2000 * t.k <= 400);
