@@ -520,11 +520,11 @@ def test_deep_workbench_in_chromium(tmp_path):
         (dirs[0] / "clicks.txt").write_text("\n".join(log) + "\n")
 
 
-# The workbench the module check opens, and what it expects layer LAYER's rows to be named. When llama3-8b lands the
-# lead switches it to llama3-8b on dgx-h100:2 (its labels attn/q_proj, attn/k_proj, ..., mlp/down): only these lines
-# change.
-MODULES_MODEL, MODULES_CLUSTER, MODULES_LAYER = "gpt-1.3b", "p3.16xlarge:2", "layer_20"
-MODULES_LABELS = ("qkv", "attn/scores", "attn/context", "proj", "fc1", "fc2")
+# The workbench the module check opens (issue 30: Llama 3 8B on two DGX H100 hosts), and what it expects layer
+# MODULES_LAYER's rows to be named.
+MODULES_MODEL, MODULES_CLUSTER, MODULES_LAYER = "llama3-8b", "dgx-h100:2", "layer_20"
+MODULES_LABELS = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/scores", "attn/context", "attn/o_proj",
+                  "mlp/gate", "mlp/up", "mlp/down")
 SHAPES = re.compile(r"\[\d+(,\d+)*\](x\[\d+(,\d+)*\])* -> \[\d+(,\d+)*\]")
 
 
