@@ -260,6 +260,20 @@ def test_bad_formats_are_one_sentence():
     assert as_precision(" BF16 ") is as_precision("bf16")
 
 
+@pytest.mark.slow
+def test_the_runtime_runs_the_models_own_step():
+    """A format is priced, not executed: al.execute runs the model's own step (bf16 with bf16 gradients, as traced)
+    for a bf16 or an FP8 plan, with the losses of the plan in the model's own format."""
+    spec = al.models.get("gpt-tiny", dtype="bfloat16", batch_size=8)
+    own = al.data_parallel_plan(spec, TWO_H100)
+    assert own.precision.name == "traced" and "priced, not executed" not in own.cost.explain()
+    losses = al.execute(own, spec).train(2)
+    for name in ("bf16", "fp8"):
+        plan = al.data_parallel_plan(spec, TWO_H100, precision=name)
+        assert "priced, not executed" in plan.cost.explain()
+        assert al.execute(plan, spec).train(2) == losses, name
+
+
 def _cli(*args, cwd="/tmp"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "autopar_lab", *args], capture_output=True, text=True, env=env,
