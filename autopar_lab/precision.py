@@ -16,8 +16,10 @@ The formats (:data:`NAMES`), with Adam's memory per parameter as ZeRO counts it 
 - ``"fp16"``: float16 compute copies of float32 master weights, float32 optimizer state, gradients accumulated and
   reduced in float16 (as JAX traces a float16 step: the weight-gradient matmuls write float16, cast to float32 for
   the update): 2 + 2 + 4 + 8 = 16 bytes.
-- ``"bf16"``: Megatron-LM's and Llama 3's recipe (Megatron-LM ``--bf16`` with ``--accumulate-allreduce-grads-in-fp32``,
-  its default for bf16; Llama 3 405B: "bf16 with fp32 gradient accumulation and reduce-scatter", Llama 3 paper):
+- ``"bf16"``: Megatron-LM's and Llama 3's recipe (Megatron-LM's ``--bf16`` turns on
+  ``accumulate_allreduce_grads_in_fp32``: "bfloat16 requires gradient accumulation and all-reduce to be done in fp32",
+  megatron/training/arguments.py, unless ``--grad-reduce-in-bf16``; Llama 3 405B was trained in bf16 with fp32
+  gradient accumulation and reduce-scatter, Llama 3 paper, as ``published-measurements.md`` summarises it):
   bfloat16 compute copies, float32 master weights and optimizer state, gradients accumulated and reduced in float32.
   In the graph the weight-gradient operators (the matmuls that contract the batch, the bias and norm reductions, an
   embedding's scatter) write float32, and so do the layout and elementwise operators between them and the optimizer
@@ -37,8 +39,8 @@ What the FP8 formats price, and what they assume:
   weight (data gradient) or the same activation (weight gradient). Attention's score and value matmuls (two
   activations) stay in bf16, as Transformer Engine keeps them; so do the GEMMs of the graph's first and last layer
   (the embedding and the output head, which Megatron-LM with Transformer Engine and DeepSeek-V3 keep in higher
-  precision) and GEMMs with a dimension that is not a multiple of 16 (FP8 tensor-core GEMMs need 16-element
-  alignment; Transformer Engine refuses others).
+  precision) and GEMMs with a dimension that is not a multiple of 16 (Transformer Engine asks FP8 GEMM operands
+  for dimensions divisible by 8 or 16; 16 is required of all three here, an assumption on the safe side).
 - Their rate: both operands are ``float8_e4m3fn`` (:data:`FP8_DTYPE`), priced at the device's FP8 rate
   (``Device.peak("float8_e4m3fn")``) with the device's matmul efficiency. Transformer Engine's HYBRID format keeps
   gradients in E5M2; both formats run at one rate on Hopper and Blackwell. Outputs stay bf16 (fp32 for the weight

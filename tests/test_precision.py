@@ -213,6 +213,15 @@ def test_plan_files_views_and_export_say_the_format(bf16, tmp_path):
     assert json.loads(path.read_text())["precision"] == "bf16"
     back = al.load_plan(path, spec)  # the graph is retyped before its fingerprint is checked
     assert back.precision.name == "bf16" and back.cost.step_time_s == plan.cost.step_time_s
+    # a format with a field changed (FP8 GEMMs that read either layout: no transposed copies) is saved by its fields
+    fp8 = as_precision("fp8").with_(transposed=False)
+    one = al.data_parallel_plan(spec, TWO_H100, precision=fp8)
+    al.save_plan(one, path)
+    assert json.loads(path.read_text())["precision"]["transposed"] is False
+    again = al.load_plan(path, spec)
+    assert again.precision == fp8 and again.cost.step_time_s == one.cost.step_time_s
+    assert memory_breakdown(again)[0]["fp8_copies_bytes"] * 2 == memory_breakdown(
+        al.data_parallel_plan(spec, TWO_H100, precision="fp8"))[0]["fp8_copies_bytes"]
     from autopar_lab.widgets.views.header import plan_text
 
     assert plan_text(plan).endswith(", bf16")
