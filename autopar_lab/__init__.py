@@ -32,6 +32,7 @@ _LAZY = {
     "load_plan": ("autopar_lab.planfile", "load_plan"),
     "resolve": ("autopar_lab.pins", "resolve"),
     "CostTable": ("autopar_lab.pricing", "CostTable"),
+    "Precision": ("autopar_lab.precision", "Precision"),
     "price_plan": ("autopar_lab.pricing", "price_plan"),
     "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
     "pipeline_boundary": ("autopar_lab.graph.markers", "pipeline_boundary"),

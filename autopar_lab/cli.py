@@ -144,6 +144,19 @@ def _progress(args):
     return show
 
 
+def _precision(args):
+    """``--precision``, checked before anything is traced (None: the model's own format)."""
+    text = getattr(args, "precision", None)
+    if text is None:
+        return None
+    from .precision import as_precision
+
+    try:
+        return as_precision(text)
+    except ValueError as e:
+        raise UsageError(f"--precision: {str(e).rstrip('.')}") from None
+
+
 def _microbatches(text):
     if text is None or text == "auto":
         return "auto"
@@ -180,6 +193,7 @@ def cmd_plan(args) -> dict:
     schedule, virtual = _schedule(args)
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
+    fmt = _precision(args)
     model, cluster = _model(args), _cluster(args)
     mb = _microbatches(args.microbatches)
     notes: list[str] = []
@@ -187,15 +201,16 @@ def cmd_plan(args) -> dict:
         # The stage DP prices each schedule with its own formula; "auto" plans each and keeps the fastest.
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
                                  schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else None,
-                                 on_progress=_progress(args))
+                                 on_progress=_progress(args), precision=fmt)
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
         plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
                                      microbatches=1 if mb == "auto" else mb, remat=remat, schedule=schedule,
-                                     virtual_stages=virtual)
+                                     virtual_stages=virtual, precision=fmt)
     else:
-        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat)
+        plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat,
+                                          precision=fmt)
     if schedule not in (plan.schedule, "auto"):
         try:
             plan = plan.with_schedule(schedule, virtual)
@@ -247,6 +262,8 @@ def _print_plan(out: dict) -> None:
     sched = out["schedule"] + (f" with {out['virtual_stages']} chunks per stage" if "virtual_stages" in out else "")
     print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
           f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches, {sched}")
+    if out.get("precision_text"):
+        print(f"  number format: {out['precision_text']}")
     print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s (latency "
           f"{out.get('collective_latency_s', 0.0):.4g} s of {out.get('collectives', 0):,} a step) + resharding "
           f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
@@ -261,7 +278,8 @@ def _print_plan(out: dict) -> None:
         parts = "" if mem is None else " = " + " + ".join(
             f"{label} {mem[key] / scale:.2f}" for key, label in (
                 ("params_bytes", "params"), ("grads_bytes", "grads"), ("master_bytes", "master"),
-                ("optimizer_bytes", "optimizer"), ("copies_bytes", "copies"), ("buffers_bytes", "buffers"),
+                ("optimizer_bytes", "optimizer"), ("copies_bytes", "copies"), ("fp8_copies_bytes", "fp8 copies"),
+                ("buffers_bytes", "buffers"),
                 ("recompute_bytes", "recompute"), ("activations_bytes", "activations")) if mem[key])
         if st.get("chunks"):  # interleaved: the stage runs its chunks, not one range
             where = "chunks " + ", ".join(
@@ -284,9 +302,11 @@ def cmd_compare(args) -> dict:
     """Auto vs the best Megatron-style configuration vs data parallelism."""
     from . import planner
 
+    fmt = _precision(args)
     model, cluster = _model(args), _cluster(args)
-    res = planner.compare(model, cluster, microbatches=_microbatches(args.microbatches))
-    out = {"model": model.name, "cluster": args.cluster}
+    res = planner.compare(model, cluster, microbatches=_microbatches(args.microbatches), precision=fmt)
+    out = {"model": model.name, "cluster": args.cluster, "precision": res["auto"].precision.name,
+           "precision_text": res["auto"].cost.precision}
     for key in ("auto", "megatron_best", "data_parallel"):
         plan = res[key]
         out[key] = None if plan is None else plan.report(model.name)
@@ -297,6 +317,8 @@ def cmd_compare(args) -> dict:
 
 
 def _print_compare(out: dict) -> None:
+    if out.get("precision_text"):
+        print(f"number format: {out['precision_text']}")
     for key in ("auto", "megatron_best", "data_parallel"):
         r = out[key]
         if r is None:
@@ -491,6 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", help="override the dtype (float32, float16, bfloat16)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
 
+    def precision_arg(sp):
+        sp.add_argument("--precision", metavar="FORMAT",
+                        help="the number format to plan in: fp32, fp16, bf16 (fp32 master weights, gradients and "
+                             "their reduction), fp8 or fp8-block (FP8 linear-layer matmuls, per-tensor or blockwise "
+                             "scaling); default: the model's own")
+
     model_args(sub.add_parser("graph", help="capture a model's training step as an operator graph"))
 
     sp = sub.add_parser("plan", help="plan a model on a cluster")
@@ -515,11 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--virtual-stages", dest="virtual_stages", type=int,
                     help="with --schedule interleaved: model chunks per stage (default 2)")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
+    precision_arg(sp)
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")
     model_args(sp)
     sp.add_argument("--cluster", required=True)
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
+    precision_arg(sp)
 
     sp = sub.add_parser("validate", help="the intra-op plan against what XLA compiles on N local devices")
     model_args(sp)

@@ -15,6 +15,8 @@
   under ``jax.checkpoint`` as the plan recomputes it (full: everything; selective: a policy that saves every value
   the backward reads but the attention internals, the batched matmuls and what reads the scores).
 
+Its header comment names the plan's number format (:mod:`autopar_lab.precision`); the code sets shardings only.
+
 A pipelined plan has a mesh per stage: ``to_jax_code(plan, stage=k)`` writes stage ``k``'s (default 0).
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from .graph.attention import attention_internals
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
+from .precision import TRACED
 from .rematmode import remat_label
 
 AXIS_NAMES = ("x", "y")
@@ -267,6 +270,10 @@ def to_jax_code(plan, stage: int = 0) -> str:
         f"# autopar-lab plan: {_comment_text(plan.method)}, {len(plan.stages)} stage(s), {int(plan.microbatches)} "
         f"microbatch(es), predicted step {float(plan.cost.step_time_s):.4g} s",
     ]
+    fmt = plan.precision
+    lines.append(f"# Number format: {_comment_text(fmt.describe())}"
+                 + ("" if fmt.name == TRACED or plan.op_graph.__dict__.get("precision") is None else
+                    ": the plan is priced in it; these shardings do not set it (compute in it in your step)."))
     if len(plan.stages) > 1:
         where = ", ".join(f"{int(x)}..{int(y)}" for x, y in st.layer_ranges)  # an interleaved stage: its chunks
         lines.append(f"# Stage {stage} (layers {where}) of {len(plan.stages)}: each "

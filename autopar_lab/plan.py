@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .cluster import Cluster
     from .graph.opgraph import OpGraph
     from .overrides import Alternative
+    from .precision import Precision
     from .pricing.layers import LayerCost
     from .pricing.table import CostTable
     from .simulate import Timeline
@@ -127,6 +128,9 @@ class CostReport:
     # chain again inside each layer's backward kernels (Efficiency.chain_reads; XLA on CPU), a backward program of n
     # layers reads ~n^2/2 links (pricing.stage.chain_pairs). 0 where none is charged (the GPU presets).
     chain_s: float = 0.0
+    # The number format the plan is priced in (autopar_lab.precision: "bf16 (bf16 compute, fp32 gradients, ...)"),
+    # and whether it is priced only (a format the graph was retyped to: the runtime runs the model's own step).
+    precision: str = field(default="", compare=False)
 
     @property
     def fits(self) -> bool:
@@ -172,7 +176,8 @@ class CostReport:
         tasks += (f"; of which {self.chain_s:.4g} s re-reading the gradient chain (the compiler sums the residual "
                   f"stream's gradient again in each layer's backward kernels: quadratic in a program's layers)"
                   if self.chain_s > 0 else "")
-        return (
+        fmt = f"number format {self.precision}; " if self.precision else ""
+        return fmt + (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
             f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}{tasks}) + collectives "
             f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
@@ -217,6 +222,14 @@ class Plan:
     # name; see with_layer_choice): a deep model solved on a shallower copy prices every block by one copy layer,
     # and a layer with pins here is priced on its own instead.
     layer_pins: Mapping[int, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def precision(self) -> Precision:
+        """The number format the plan is priced in (``precision=`` of the planners; by default the model's own, as
+        traced): its graph's, :func:`~autopar_lab.precision.precision_of`."""
+        from .precision import precision_of
+
+        return precision_of(self.op_graph)
 
     @property
     def op_graph(self) -> OpGraph:
@@ -387,6 +400,8 @@ class Plan:
             "schedule": self.schedule,
             **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
             "stage_comm": self.stage_comm,
+            "precision": self.precision.name,
+            "precision_text": self.cost.precision,
             **self.cost.to_dict(),
             "stages": [s.to_dict(self.layer_names) for s in self.stages],
             "solve_s": dict(self.solve_s),

@@ -18,8 +18,11 @@ differs (they price the edges at the stage's borders). An interleaved plan (``"s
 ``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
 :func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
 fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
-``layer_pins`` (version 3, written only when the plan has some): the operators of single layers split from the
-layers that share their solution, by their id in the model's full graph, with their strategy names
+``precision`` (written since number formats exist; a file without it loads in the model's own format): the plan's
+number format, its name (``"bf16"``, ``"traced"`` for the model's own when it has no name) or, for a format with
+fields changed, an object of its fields (:mod:`autopar_lab.precision`); the graph is retyped to it before its
+fingerprint is checked. ``layer_pins`` (version 3, written only when the plan has some): the operators of single
+layers split from the layers that share their solution, by their id in the model's full graph, with their strategy names
 (:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
 
 A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
@@ -35,6 +38,7 @@ import math
 import os
 
 from .planschema import READS, SPLIT_VERSION, VERSION  # noqa: F401 - READS is offered here as before
+from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_NAMES, is_selective, remat_value
 from .safeio import write_atomic
 from .schedules import SCHEDULES
@@ -67,6 +71,7 @@ def plan_to_dict(plan) -> dict:
         "schedule": plan.schedule,
         **({"virtual_stages": plan.virtual_stages} if plan.virtual_stages > 1 else {}),
         "stage_comm": plan.stage_comm,
+        "precision": precision_to_json(plan.precision),
         "mem_limit_bytes": plan.cost.mem_limit_bytes,
         "layer_names": list(plan.layer_names),
         "stages": stages,
@@ -172,6 +177,12 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         graph = graph.trace()
     data = planschema.read_plan_file(path)
     planschema.check_form(data, where)
+    try:
+        fmt = precision_from_json(data.get("precision"))
+    except ValueError as e:
+        raise _bad(where, str(e).rstrip(".")) from None
+    if fmt is not None:
+        graph = retype(graph, fmt)  # the plan's number format: its graph is the retyped one
     if cluster is None:
         try:
             cluster = Cluster.from_json(data["cluster"])
@@ -193,6 +204,8 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
         solve_graph = graph
         if "solve_graph_fingerprint" in data and data["solve_graph_fingerprint"] != graph.fingerprint:
             solve_graph = solve_graph_for(model) if model is not None else None
+            if solve_graph is not None and fmt is not None:
+                solve_graph = retype(solve_graph, fmt)
             if solve_graph is None or solve_graph.fingerprint != data["solve_graph_fingerprint"]:
                 raise ValueError(f"{where} was planned on a shallower copy of the model; pass model= (the zoo model "
                                  "it was made for) to load it.")

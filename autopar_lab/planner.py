@@ -28,6 +28,7 @@ from . import checks
 from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
 from .plan import Plan
+from .precision import Precision, as_precision
 from .pricing import (  # noqa: F401 - names this module has always offered (notebooks and user code import them)
     LAUNCH_OVERHEAD_S,
     CostTable,
@@ -63,16 +64,18 @@ def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, 
 
 def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: str = DEFAULT_SOLVER,
               on_progress: ProgressFn | None = None, space: str = "auto",
-              workers: int = 0) -> tuple[CostTable, Cluster, float | None]:
+              workers: int = 0, precision: str | Precision | None = None) -> tuple[CostTable, Cluster, float | None]:
     """(the cost table to plan with, the cluster, seconds spent tracing or None when a table was given).
 
-    With ``table`` it is checked against ``cluster`` and ``model`` (an OpGraph must be the table's graph); without,
-    one is built (:meth:`CostTable.build`, with ``space`` and ``workers``: processes that start on the ILPs while
-    the full model traces)."""
+    With ``table`` it is checked against ``cluster``, ``model`` (an OpGraph must be the table's graph, or the graph
+    it was retyped from) and ``precision`` (the table's number format, when given); without, one is built
+    (:meth:`CostTable.build`, with ``space``, ``workers``: processes that start on the ILPs while the full model
+    traces, and ``precision``: the number format, None for the model's own)."""
     if table is None:
         if model is None or cluster is None:
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
-        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space, workers=workers)
+        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space, workers=workers,
+                                precision=precision)
         return built, cluster, built.trace_s
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
@@ -82,7 +85,12 @@ def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: s
         raise ValueError(f"the cost table was built for another cluster ({table.cluster.name}: {table.cluster.hosts} "
                          f"x {table.cluster.devices_per_host} devices); build one for this cluster with "
                          "CostTable.build(model, cluster), or pass table.cluster.")
-    if isinstance(model, OpGraph) and model is not table.graph and model.fingerprint != table.graph.fingerprint:
+    if precision is not None and not as_precision(precision).same_format(table.precision):
+        want = as_precision(precision).name
+        raise ValueError(f"the cost table prices precision {table.precision.name!r}, not {want!r}; build one with "
+                         f"CostTable.build(model, cluster, precision={want!r}), or leave precision out.")
+    if isinstance(model, OpGraph) and model is not table.graph and model.fingerprint != table.graph.fingerprint \
+            and model.fingerprint != table.graph.__dict__.get("source_fingerprint"):
         raise ValueError("the cost table was built for another graph; build one for this model with "
                          "CostTable.build(model, cluster)")
     return table, cluster, None
@@ -254,7 +262,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
               table: CostTable | None = None, space: str = "auto", workers: int | None = None,
-              virtual_stages: int | None = None) -> Plan:
+              virtual_stages: int | None = None, precision: str | Precision | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -273,9 +281,14 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     "zb-h1", each searched with its own step-time formula and memory by the stage DP; or ``"auto"``: each of
     :data:`AUTO_SCHEDULES` (interleaving only where a layout allows it) is planned and the fastest plan that fits
     is kept, its notes (``plan.notes``, shown by ``explain``) saying which schedules were tried and their steps.
+
+    ``precision``: the number format to plan in (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp8-block"`` or a
+    :class:`~autopar_lab.precision.Precision`; see :mod:`autopar_lab.precision`); None (default): the model's own,
+    as traced. The plan records it (``plan.precision``).
     """
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space,
-                                        workers=default_workers() if workers is None else workers)
+                                        workers=default_workers() if workers is None else workers,
+                                        precision=precision)
     if schedule == "auto":
         if virtual_stages is not None:
             raise ValueError("virtual_stages goes with schedule='interleaved'; schedule='auto' tries 2 and 4.")
@@ -423,7 +436,7 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
                   schedule: str = "1f1b", remat: bool | str = False, mem_limit_bytes: float | None = None,
                   solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-                  virtual_stages: int | None = None) -> Plan:
+                  virtual_stages: int | None = None, precision: str | Precision | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
     logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
     intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
@@ -431,11 +444,11 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     or only its attention internals (``"selective"``: ``--recompute-activations``).
     ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
     per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
-    :mod:`autopar_lab.schedules`). ``table``: as for :func:`auto_plan`."""
+    :mod:`autopar_lab.schedules`). ``table``, ``precision``: as for :func:`auto_plan`."""
     dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
     remat = remat_value(remat)
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
-    table, cluster, trace_s = table_for(model, cluster, table, solver)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
     if dp * tp * pp != n:
@@ -466,16 +479,15 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool | str = False,
                        mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
-                       table: CostTable | None = None) -> Plan:
+                       table: CostTable | None = None, precision: str | Precision | None = None) -> Plan:
     """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
 
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
     ``remat``: the forward is recomputed in the backward (gradient checkpointing; ``"selective"``: the attention
-    internals only). ``table``: as for
-    :func:`auto_plan`."""
+    internals only). ``table``, ``precision``: as for :func:`auto_plan`."""
     microbatches, remat = checks.whole(microbatches, "microbatches"), remat_value(remat)
-    table, cluster, trace_s = table_for(model, cluster, table, solver)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
     submesh = (cluster.hosts, cluster.devices_per_host) if cluster.hosts > 1 else (1, cluster.devices_per_host)
@@ -507,7 +519,7 @@ def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int
 @renamed_keywords(model_or_graph="model")
 def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", solver: str = DEFAULT_SOLVER,
             stage_comm: str = "model", table: CostTable | None = None, schedule: str = "1f1b",
-            grid_schedules: Sequence[str] = ("1f1b",)) -> dict:
+            grid_schedules: Sequence[str] = ("1f1b",), precision: str | Precision | None = None) -> dict:
     """Auto vs the best Megatron-style configuration vs data parallelism, all priced by one cost table.
 
     Both baselines are tried with every rematerialisation auto chooses from (none, full: Megatron-LM's activation
@@ -515,8 +527,9 @@ def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", 
     lists every Megatron configuration with its step time and peak memory. ``table``: as for :func:`auto_plan`.
     ``schedule``: the auto plan's (``"auto"``: it chooses);
     ``grid_schedules``: the schedules every Megatron configuration is tried with (see :func:`baselines`), so that a
-    comparison with ``schedule="auto"`` stays fair."""
-    table, cluster, trace_s = table_for(model, cluster, table, solver)
+    comparison with ``schedule="auto"`` stays fair. ``precision``: the number format all three are planned in (see
+    :func:`auto_plan`)."""
+    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     auto = auto_plan(table.graph, cluster, microbatches=microbatches, solver=solver, stage_comm=stage_comm,
                      table=table, schedule=schedule)
     return {"auto": auto, **baselines(table, cluster, microbatches, schedules=grid_schedules),

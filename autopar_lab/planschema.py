@@ -5,7 +5,8 @@ A plan file is shared between colleagues, so it is untrusted input. :func:`read_
 checks every field's type, range and enum (strictly: ``"remat": "false"`` is a string, not a boolean; operator ids
 are canonical decimal strings; names that end up in generated code are printable one-liners). Version 3 adds
 ``layer_pins`` (operators of layers split from the layers sharing their solution: full-graph op id -> strategy
-name); a plan without split layers is still written as version 2. :func:`check_fits`
+name); a plan without split layers is still written as version 2. ``precision`` (optional: a file without it is in
+the model's own number format) names the plan's format or holds its fields. :func:`check_fits`
 then checks the fields against the graph and cluster the plan is loaded for: pins name operators of the graph, stage
 pins name layers and stages that exist, submeshes are shapes of the cluster and tile it, logical meshes are views of
 their submesh, the microbatch count divides the batch. Every failure is one ValueError that names the field.
@@ -124,6 +125,12 @@ def check_form(data: Mapping, where: str) -> None:
         if (v >= 2) != (data["schedule"] == "interleaved"):
             raise bad(where, f"virtual_stages {v} does not go with schedule {data['schedule']!r} (2 or more for "
                              "'interleaved' only)")
+    if "precision" in data:  # the number format: a name, or an object of fields (planfile reads it, checked)
+        fmt = data["precision"]
+        if isinstance(fmt, str):
+            printable_name(fmt, "precision", where, 64)
+        elif not isinstance(fmt, dict):
+            raise bad(where, f"precision must be a format's name or an object of its fields, got {fmt!r:.40}")
     if data["stage_comm"] not in ("model", "ignore"):
         raise bad(where, f"stage_comm must be 'model' or 'ignore', got {data['stage_comm']!r:.40}")
     if "mem_limit_bytes" in data:

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import opcost
-from .opgraph import (BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, UPDATE, OpGraph, OpNode,
-                      dtype_size)
+from .opgraph import (BACKWARD, BATCH, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, PARAM, RETYPED, UPDATE, OpGraph,
+                      OpNode, dtype_size)
 
 __all__ = ["CHAIN_PRIMITIVE", "Kernel", "KernelView", "OpKernel", "KINDS", "attach_kernel_roles", "is_chain_link",
            "kernel_role", "kernel_view"]
@@ -143,6 +143,8 @@ def _category(node: OpNode) -> int:
         return _FREE
     if p in opcost.CONTRACTIONS:
         return _GEMM_CAT
+    if p == "convert_element_type" and RETYPED in node.params and node.in_dtypes[:1] == node.out_dtypes[:1]:
+        return _CHEAP_CAT  # a cast a number format made a no-op (fp32 compute's copy of an fp32 weight): dropped
     if p in _CHEAP or (p in (_LOOP | _DUP) and all(math.prod(s) <= 1 for s in (*node.in_shapes, *node.out_shapes))):
         return _CHEAP_CAT  # layout changes, and arithmetic on scalars (folded into whatever kernel reads it)
     if p in _REDUCE:

@@ -33,6 +33,24 @@ FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 ROLES = (FORWARD, BACKWARD, UPDATE)
 # Pseudo-primitives for the step function's inputs and outputs, as HLO has `parameter` and the root tuple.
 INPUT_PRIMITIVE, OUTPUT_PRIMITIVE = "parameter", "output"
+# Keys a number format (:func:`autopar_lab.precision.retype`) writes into an operator's ``params``, read by the
+# formulas that price it (the graph layer knows the keys, not the formats):
+#: an operator whose output dtypes the format changed: the dtypes it had as traced (a convert made a no-op by it
+#: costs nothing: the compiler drops it);
+RETYPED = "retyped_from"
+#: per input, the bytes of the separate memory-bound kernels that cast that input to FP8 (and take its scale), as a
+#: multiple of the input's bytes as the operator reads it (0: none); each nonzero entry is one kernel launch;
+FP8_CASTS = "fp8_casts"
+#: on a parameter's input operator: the bytes per element its gradient is kept in (the format's gradient dtype;
+#: absent: the compute copy's width, as JAX traces it);
+GRAD_BYTES = "grad_bytes"
+#: on a parameter's input operator: the bytes per element of its FP8 copies (and their scales), held all step.
+FP8_COPY_BYTES = "fp8_copy_bytes"
+
+
+def cast_kernels(node: "OpNode") -> int:
+    """The FP8 cast kernels an operator launches besides its own (one per nonzero entry of its ``FP8_CASTS``)."""
+    return sum(1 for f in node.params.get(FP8_CASTS, ()) if f)
 
 
 def dtype_size(dtype: str) -> int:
@@ -109,7 +127,7 @@ class OpNode:
         return f"#{self.id} {self.primitive}({ins}) -> {outs}{where} [{self.role}]"
 
 
-_SIGNATURE_IGNORES = ("path", "argnum", "index", "alias_of")  # where an operator sits, not what it computes
+_SIGNATURE_IGNORES = ("path", "argnum", "index", "alias_of", RETYPED)  # where an operator sits, not what it computes
 
 
 def op_signature(node: OpNode) -> tuple:
@@ -149,8 +167,11 @@ class OpGraph:
         trace_s: float = 0.0,
         layer_rule: str = "",
         layer_note: str = "",
+        precision: Any = None,
     ):
         self._nodes = tuple(nodes)
+        # The number format the graph was retyped to (:func:`autopar_lab.precision.retype`); None: as traced.
+        self.precision = precision
         # How the layers were found (see autopar_lab.graph.layerfind): a rule's key, and a sentence for people.
         self.layer_rule = layer_rule
         self.layer_note = layer_note
@@ -282,6 +303,10 @@ class OpGraph:
         h = hashlib.sha256()
         for n in self._nodes:
             h.update(json.dumps([n.primitive, n.inputs, n.outputs, n.in_shapes, n.out_shapes, n.out_dtypes]).encode())
+        # A retyped graph is another graph (an FP8 format changes operand dtypes only): plans and tables never mix.
+        fmt = self.__dict__.get("precision")
+        if fmt is not None:
+            h.update(repr(fmt).encode())
         return h.hexdigest()[:16]
 
     def __repr__(self) -> str:

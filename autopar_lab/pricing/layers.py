@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.attention import attention_internals
 from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_view
-from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph
+from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
 from ..sharding.strategies import COLLECTIVE_KINDS, chain_read_s_per_byte
 from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
@@ -38,7 +38,8 @@ class LayerCost:
     ``launch_bwd_s`` what they cost per microbatch.
 
     Memory: ``static_bytes`` (held all step) = ``param_bytes`` + ``grad_bytes`` + ``master_bytes`` +
-    ``opt_bytes`` + ``copies_bytes`` (:data:`~autopar_lab.solve.intra.STATIC_KINDS`); ``act_bytes``: the forward
+    ``opt_bytes`` + ``copies_bytes`` + ``fp8_bytes`` (an FP8 format's weight copies; 0 otherwise;
+    :data:`~autopar_lab.solve.intra.STATIC_KINDS`); ``act_bytes``: the forward
     tensors the backward reads; ``ckpt_bytes``: the activations entering the layer (what it keeps when
     rematerialised); ``temp_bytes``: its largest tensor written and not kept (a transient buffer); ``layers``: 1 (so
     that running sums count layers).
@@ -83,6 +84,7 @@ class LayerCost:
     master_bytes: float = 0.0
     opt_bytes: float = 0.0
     copies_bytes: float = 0.0
+    fp8_bytes: float = 0.0
     layers: int = 1
     attn_act_bytes: float = 0.0
     attn_fwd_s: float = 0.0
@@ -184,6 +186,16 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             else:
                 a["hb"] += 1
                 a["lb"] += launch
+        casts = cast_kernels(node)  # an FP8 format's cast kernels, launched where the operator runs
+        if casts:
+            if node.role == UPDATE:
+                a["bwd"] += casts * launch
+            elif fwd:
+                a["hf"] += casts
+                a["lf"] += casts * launch
+            else:
+                a["hb"] += casts
+                a["lb"] += casts * launch
         if chain_unit and is_chain_link(graph, node):
             link = graph.tensor(node.outputs[0])
             a["chain"] += chain_unit * s.out_specs[0].bytes_per_device(link.shape, link.dtype, mshape)
@@ -238,6 +250,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              gather_s=a["gather"], launch_fwd_s=a["lf"], launch_bwd_s=a["lb"], ckpt_bytes=a["ckpt"],
                              temp_bytes=a["temp"], param_bytes=a["param"], grad_bytes=a["grad"],
                              master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
+                             fp8_bytes=a["fp8"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], chain_s=a["chain"]))

@@ -7,13 +7,16 @@ and :func:`memory_breakdown` splits the same sums:
 
 * ``params_bytes``: the parameters as the step computes with them (for a mixed-precision step, their float16 or
   bfloat16 copy), as sharded on the stage's mesh;
-* ``grads_bytes``: their gradients (at the compute precision);
+* ``grads_bytes``: their gradients (at the compute precision as JAX traces them; float32 under the ``bf16`` and FP8
+  formats, which accumulate and reduce gradients in float32: :mod:`autopar_lab.precision`);
 * ``master_bytes``: float32 master weights of a mixed-precision step (0 otherwise);
 * ``optimizer_bytes``: the optimizer state (Adam's two moments, float32 for a mixed-precision step, and its count):
-  with the three above, 16 bytes a parameter for Adam in mixed precision, as ZeRO counts;
+  with the three above, 16 bytes a parameter for Adam in mixed precision, as ZeRO counts (18 with fp32 gradients);
 * ``copies_bytes``: copies of parameters kept through the step: gathered from their shards (weight-update sharding,
   ZeRO-2 style: the forward's gathered weight is what the backward reads), or cast, sliced or transposed in the
   forward and read by the backward;
+* ``fp8_copies_bytes``: an FP8 format's FP8 copies of the weights its FP8 matmuls read (and their transposed copies
+  and block scales; 0 otherwise);
 * ``buffers_bytes``: transient buffers: the stage's (average) layer's largest tensor written and not kept;
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
@@ -41,12 +44,12 @@ if TYPE_CHECKING:
 __all__ = ["PARTS", "memory_breakdown", "stage_memory"]
 
 #: The parts of a stage's peak memory, in the order they stack.
-PARTS = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "copies_bytes", "buffers_bytes",
-         "recompute_bytes", "activations_bytes")
+PARTS = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "copies_bytes", "fp8_copies_bytes",
+         "buffers_bytes", "recompute_bytes", "activations_bytes")
 
 # LayerCost field -> part, for the parts held all step.
 _STATIC = (("param_bytes", "params_bytes"), ("grad_bytes", "grads_bytes"), ("master_bytes", "master_bytes"),
-           ("opt_bytes", "optimizer_bytes"), ("copies_bytes", "copies_bytes"))
+           ("opt_bytes", "optimizer_bytes"), ("copies_bytes", "copies_bytes"), ("fp8_bytes", "fp8_copies_bytes"))
 
 
 def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool | str) -> dict[str, float]:

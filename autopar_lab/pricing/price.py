@@ -17,6 +17,7 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from ..plan import CostReport, Plan, Stage
+from ..precision import precision_note
 from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import Timeline, simulate
@@ -285,6 +286,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         shared_host=hosts is not None and len(priced) > 1,
         task_s=float(tasks_s),
         chain_s=float(chain_s),
+        precision=precision_note(table.solve_graph),
     )
     return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
                 stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),

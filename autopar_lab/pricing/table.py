@@ -30,6 +30,7 @@ from ..deprecation import renamed_keywords
 from ..graph.capture import DeferredGraph
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
+from ..precision import Precision, as_precision, check_device, precision_of, retype
 from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
@@ -150,14 +151,23 @@ def solve_graph_for(model) -> OpGraph | None:
     return shallow_copy(model, SHALLOW).trace()
 
 
-def deferred_graph(model, small: OpGraph) -> tuple[OpGraph, DeepMap | None]:
+def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | None = None
+                   ) -> tuple[OpGraph, DeepMap | None]:
     """(the full graph of the deep zoo model ``model`` as a :class:`DeferredGraph`, its :class:`DeepMap`) when its
     layer names, layer map and cut bytes can be derived from ``small`` (its 4-layer copy) and its 6-layer copy
-    (:func:`~autopar_lab.pricing.deepmap.derive`); else (its full trace, None)."""
-    deep = derive(model.config.num_layers, small, lambda: shallow_copy(model, DEEPER).trace())
+    (:func:`~autopar_lab.pricing.deepmap.derive`); else (its full trace, None). ``fit``: what every traced graph
+    goes through (a number format, :func:`~autopar_lab.precision.retype`), as ``small`` did."""
+    def traced(spec) -> OpGraph:
+        graph = spec.trace()
+        return graph if fit is None else fit(graph)
+
+    deep = derive(model.config.num_layers, small, lambda: traced(shallow_copy(model, DEEPER)))
     if deep is None:
-        return model.trace(), None
-    return DeferredGraph(model.trace, name=model.name, layers=deep.layer_names), deep
+        return traced(model), None
+    lazy = DeferredGraph(lambda: traced(model), name=model.name, layers=deep.layer_names)
+    if small.__dict__.get("precision") is not None:
+        lazy.__dict__["precision"] = small.precision  # answered without the trace, as the name and layers are
+    return lazy, deep
 
 
 def as_graph(model) -> tuple[OpGraph, Any, float]:
@@ -166,6 +176,10 @@ def as_graph(model) -> tuple[OpGraph, Any, float]:
         return model, None, model.trace_s
     graph = model.trace()
     return graph, model, graph.trace_s
+
+
+def _fitter(fmt: Precision) -> Callable[[OpGraph], OpGraph]:
+    return lambda graph: retype(graph, fmt)
 
 
 class CostTable:
@@ -196,6 +210,8 @@ class CostTable:
         # A deep zoo model's names, layer map and cut bytes derived from its shallow copies (``deep``): its full
         # graph is not read here, and may be a DeferredGraph not traced yet.
         self.layer_names = list(deep.layer_names) if deep is not None else list(graph.layers) or [""]
+        # The number format is the graph's (CostTable.build retypes it); a device without its matmul rate refuses.
+        check_device(self.precision, cluster.device)
         # Every operator's part in its kernel, before any strategy is priced (a plan file re-priced from this
         # table's graph prices its operators in their kernels too).
         attach_kernel_roles(self.solve_graph)
@@ -219,10 +235,15 @@ class CostTable:
         #: The mesh keys :meth:`for_cluster` carried over from the table it was made from (empty otherwise).
         self.kept_meshes: frozenset[tuple] = frozenset()
 
+    @property
+    def precision(self) -> Precision:
+        """The number format the table prices: its solve graph's (:func:`~autopar_lab.precision.precision_of`)."""
+        return precision_of(self.solve_graph)
+
     @classmethod
     def build(cls, model, cluster: Cluster, *, solver: str = DEFAULT_SOLVER,
               on_progress: ProgressFn | None = None, space: str = "auto", workers: int = 0,
-              lean: str = "auto", trace: str = "auto") -> CostTable:
+              lean: str = "auto", trace: str = "auto", precision: str | Precision | None = None) -> CostTable:
         """The table of a zoo ModelSpec (traced; a deep one solved on its shallower copy) or of an OpGraph.
         ``trace_s`` holds the seconds spent tracing and choosing the copy. A deep zoo model's full graph is not
         traced here with ``trace="auto"``: its layer names, layer map and cut bytes come from its 4- and 6-layer
@@ -232,7 +253,11 @@ class CostTable:
         then traced first and that many worker processes start solving every planned mesh
         (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on) while the rest is traced; :meth:`solve_meshes`
         (or the first mesh priced) collects them, with the same numbers as solving them then. ``lean``: see the
-        class."""
+        class. ``precision``: the number format to price (a name of :data:`~autopar_lab.precision.NAMES` or a
+        :class:`~autopar_lab.precision.Precision`): every graph traced here is retyped to it
+        (:func:`~autopar_lab.precision.retype`); None: the model's own (as traced, or as ``model``, a graph, was
+        retyped)."""
+        fit = None if precision is None else _fitter(as_precision(precision))
         if lean not in LEAN_MODES:
             raise ValueError(f"lean must be one of {LEAN_MODES}, got {lean!r}")
         if trace not in TRACE_MODES:
@@ -242,13 +267,17 @@ class CostTable:
         if isinstance(model, OpGraph) or not is_deep_zoo_model(model):
             graph, _, trace_s = as_graph(model)
             t0 = time.perf_counter() - trace_s
-            table = cls(graph, cluster, **kw)
+            table = cls(graph if fit is None else fit(graph), cluster, **kw)
         else:
             small = solve_graph_for(model)
             assert small is not None
+            if fit is not None:
+                small = fit(small)
+                check_device(precision_of(small), cluster.device)  # before any worker starts
             pool = cls._start_pool(small, cluster, solver, space, workers) if workers > 1 else None
             try:
-                graph, deep = deferred_graph(model, small) if trace == "auto" else (model.trace(), None)
+                graph, deep = deferred_graph(model, small, fit) if trace == "auto" else \
+                    (model.trace() if fit is None else fit(model.trace()), None)
                 table, fell_back = cls._with_copy(graph, small, deep, cluster, kw)
             except BaseException:
                 if pool is not None:
@@ -463,7 +492,9 @@ class CostTable:
         read of the cluster (its plan is rebuilt for the new cluster from the strategy indices when asked). So a
         host count keeps every mesh of a submesh both clusters have; an inter-host bandwidth keeps the meshes inside
         one host; an intra-host bandwidth keeps the meshes whose split axes all cross hosts. :attr:`kept_meshes`
-        lists the keys carried over."""
+        lists the keys carried over. The number format is the table's (an FP8 one refused on a device without an FP8
+        rate)."""
+        check_device(self.precision, cluster.device)
         self.collect()  # the workers' meshes belong to this table's cluster
         new = copy.copy(self)
         new.cluster = cluster

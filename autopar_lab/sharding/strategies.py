@@ -8,7 +8,8 @@ logical mesh, priced:
 - ``compute_s``: one device's share of the kernel the operator runs in (:func:`kernel_time`): the roofline
   ``max(flops / n_work / achievable FLOP/s, bytes / achievable bandwidth)``, where ``n_work`` is the number of devices
   the work is divided over (the product of the sizes of every mesh axis any of its specs splits) and ``bytes`` the
-  bytes its kernel moves for it (:mod:`autopar_lab.graph.fusion`: fused neighbours' tensors move none);
+  bytes its kernel moves for it (:mod:`autopar_lab.graph.fusion`: fused neighbours' tensors move none), plus the
+  FP8 cast kernels a number format gives it (:func:`cast_time`);
 - ``comm_s``: the sum of its collectives on the mesh (alpha-beta, see :mod:`autopar_lab.cluster`);
 - ``mem_bytes``: bytes of its output shards on one device.
 
@@ -48,7 +49,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..graph import opcost
 from ..graph.fusion import kernel_role
-from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
+from ..graph.opgraph import FP8_CASTS, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
 from .reshard import Collective, collective_time
 from .ring import RING_KIND, ring_exposed_s, ring_variants
 from .spec import ShardingSpec, assignments, useful_axes
@@ -706,6 +707,8 @@ def price(op: OpNode, s: Strategy, mesh) -> Strategy:
         used = set().union(*(spec.axes for spec in s.out_specs + s.in_specs)) if (s.out_specs or s.in_specs) else set()
         n_work = math.prod(mshape[a] for a in used)
         compute = kernel_time(op, s, mesh, ins, outs, n_work)
+        if FP8_CASTS in op.params:
+            compute += cast_time(op, mesh, ins)
     comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
                ring_exposed_s(mesh, nbytes, axis, compute) for kind, axis, nbytes in s.collectives)
     return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
@@ -755,6 +758,17 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     else:
         t = flops * (1.0 + extra_vec) / device.vector_rate(dtype)
     return max(t, traffic / bw) * share
+
+
+def cast_time(op: OpNode, mesh, ins: Sequence[float]) -> float:
+    """Seconds one device spends on the FP8 cast kernels ``op`` pays for (``op.params[FP8_CASTS]``, written by
+    :func:`autopar_lab.precision.retype`): each a memory-bound kernel of its own, moving ``FP8_CASTS[i]`` times the
+    bytes ``ins[i]`` the operator reads of input ``i`` (as its strategy shards it) at the achievable bandwidth. Their
+    launches are counted with the other kernels' (:mod:`autopar_lab.pricing.layers`)."""
+    device = mesh.cluster.device
+    share = mesh.cluster.virtual_share(mesh.num_devices) if getattr(device, "virtual", False) else 1.0
+    moved = sum(f * b for f, b in zip(op.params[FP8_CASTS], ins))
+    return moved / device.achievable_bandwidth * share
 
 
 def strategies_for(op: OpNode, mesh) -> list[Strategy]:

@@ -37,6 +37,8 @@ import numpy as np
 from ..graph.opgraph import (
     BACKWARD,
     FORWARD,
+    FP8_COPY_BYTES,
+    GRAD_BYTES,
     INPUT_PRIMITIVE,
     OPT_STATE,
     OUTPUT_PRIMITIVE,
@@ -44,6 +46,7 @@ from ..graph.opgraph import (
     UPDATE,
     OpGraph,
     OpNode,
+    dtype_size,
     op_signature,
 )
 from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_role, kernel_view
@@ -897,9 +900,9 @@ def mesh_axis_size(mesh, axis) -> int:
 
 #: The kinds of static memory (held all step) :func:`memory_terms` and :func:`gathered_bytes` name, in stacking
 #: order: the parameters as the step computes with them (a mixed-precision step's half-precision copy), their
-#: gradients, fp32 master weights, optimizer state, and copies of parameters kept all step (gathered from their
-#: shards, or cast, sliced or transposed in the forward for the backward).
-STATIC_KINDS = ("param", "grad", "master", "opt", "copies")
+#: gradients, fp32 master weights, optimizer state, copies of parameters kept all step (gathered from their
+#: shards, or cast, sliced or transposed in the forward for the backward), and an FP8 format's FP8 weight copies.
+STATIC_KINDS = ("param", "grad", "master", "opt", "copies", "fp8")
 
 
 def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...],
@@ -908,7 +911,9 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
 
     A parameter input: ``param`` and ``grad`` (as sharded), or for an fp32 master weight of a lower-precision step
     ``master`` (4 bytes), ``param`` and ``grad`` at the compute precision (the copy the step computes with and its
-    gradient: 2 + 2 bytes for fp16/bf16, 16 bytes a parameter with Adam's two fp32 moments, as ZeRO counts);
+    gradient: 2 + 2 bytes for fp16/bf16, 16 bytes a parameter with Adam's two fp32 moments, as ZeRO counts); a
+    number format that keeps gradients wider (bf16's fp32 gradients, :mod:`autopar_lab.precision`) says so on the
+    input operator (``GRAD_BYTES``), and one with FP8 weight copies adds them as ``fp8`` (``FP8_COPY_BYTES``);
     optimizer state: ``opt``; a forward tensor the backward reads, as its kernel wrote it
     (:attr:`~autopar_lab.graph.fusion.KernelView.saved`: broadcasts and cheap elementwise work are recomputed, a
     flash-attention kernel keeps no scores): ``act``, or ``copies`` when computed from parameters alone (it does not
@@ -920,13 +925,17 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
         kind = graph.tensor(t).kind
         if kind == PARAM:
             ratio = view.masters.get(t)
+            wide = node.params.get(GRAD_BYTES)  # a format's gradient width, bytes per element (else the copy's)
             if ratio is None:
                 yield "param", s.mem_bytes
-                yield "grad", s.mem_bytes
+                yield "grad", s.mem_bytes if wide is None else s.mem_bytes * wide / dtype_size(graph.tensor(t).dtype)
             else:
                 yield "master", s.mem_bytes
                 yield "param", s.mem_bytes * ratio
-                yield "grad", s.mem_bytes * ratio
+                yield "grad", s.mem_bytes * (ratio if wide is None else wide / dtype_size(graph.tensor(t).dtype))
+            fp8 = node.params.get(FP8_COPY_BYTES)
+            if fp8:
+                yield "fp8", s.mem_bytes * fp8 / dtype_size(graph.tensor(t).dtype)
         elif kind == OPT_STATE:
             yield "opt", s.mem_bytes
         return

@@ -485,7 +485,9 @@ class Session:
                     table.on_progress = None  # the hook belongs to this solve only
             else:
                 source = self.model if self.model is not None else plan.graph
-                new = planner.auto_plan(source, new_cluster, on_progress=hook, **kw)
+                # the plan's number format, when it was chosen (None: the model's own, as traced, again)
+                fmt = plan.op_graph.__dict__.get("precision")
+                new = planner.auto_plan(source, new_cluster, on_progress=hook, precision=fmt, **kw)
                 if new.table is not None:
                     new.table.on_progress = None  # the hook belongs to this solve only
             new, dropped = keep_pins(new, plan, solver=self.solver, on_progress=hook)

@@ -202,7 +202,8 @@ def memory_text(rows, limit_bytes: float) -> str:
     for r in rows:
         extra = "".join(f", {label} {fmt_bytes(r[key])}" for key, label in (
             ("master_bytes", "fp32 master weights"), ("copies_bytes", "parameter copies"),
-            ("buffers_bytes", "buffers"), ("recompute_bytes", "recompute working set")) if r.get(key))
+            ("fp8_copies_bytes", "FP8 weight copies"), ("buffers_bytes", "buffers"),
+            ("recompute_bytes", "recompute working set")) if r.get(key))
         parts = (f"parameters {fmt_bytes(r['params_bytes'])}, gradients {fmt_bytes(r['grads_bytes'])}, optimizer "
                  f"{fmt_bytes(r['optimizer_bytes'])}{extra}, activations {fmt_bytes(r['activations_bytes'])} "
                  f"({r['microbatches_in_flight']} microbatch(es) in flight)")

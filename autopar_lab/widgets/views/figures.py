@@ -77,10 +77,12 @@ def cost_figure(before: Mapping[str, float] | None, after: Mapping[str, float], 
 
 PART_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "master_bytes": "fp32 master weights",
                "optimizer_bytes": "optimizer state", "copies_bytes": "parameter copies",
-               "buffers_bytes": "buffers", "recompute_bytes": "recompute working set",
+               "fp8_copies_bytes": "FP8 weight copies", "buffers_bytes": "buffers",
+               "recompute_bytes": "recompute working set",
                "activations_bytes": "activations (x microbatches in flight)"}
 PART_COLOURS = {"params_bytes": "#636EFA", "grads_bytes": "#19D3F3", "master_bytes": "#00CC96",
-                "optimizer_bytes": "#AB63FA", "copies_bytes": "#B6E880", "buffers_bytes": "#BAB0AC",
+                "optimizer_bytes": "#AB63FA", "copies_bytes": "#B6E880", "fp8_copies_bytes": "#FECB52",
+                "buffers_bytes": "#BAB0AC",
                 "recompute_bytes": "#FF97FF", "activations_bytes": "#FFA15A", "remat_saved_bytes": "#FFFFFF"}
 _UNITS = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 

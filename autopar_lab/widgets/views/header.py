@@ -3,7 +3,9 @@ against the device limit, the pins, the history, and the undo / redo buttons. It
 view while the workbench scrolls under it (CSS ``position: sticky``, see :mod:`autopar_lab.widgets.workbench`).
 
     >>> plan_text(session.plan)                          # doctest: +SKIP
-    'auto plan: 2 stages on 8 devices, 8 microbatches, 1f1b'
+    'auto plan: 2 stages on 8 devices, 8 microbatches, 1f1b, fp16'
+
+The number format (:mod:`autopar_lab.precision`) is the plan's; its tooltip says what it keeps in which dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import html
 
 import ipywidgets as w
 
+from ...precision import TRACED
 from ...rematmode import is_full, is_selective
 from ._base import View
 from .cost_panel import step_time_text
@@ -23,8 +26,10 @@ def plan_text(plan) -> str:
     n = len(plan.stages)
     remat = sum(is_full(st.remat) for st in plan.stages)
     selective = sum(is_selective(st.remat) for st in plan.stages)
+    fmt = plan.precision
     return (f"{plan.method} plan: {n} stage{'s' if n != 1 else ''} on {plan.cluster.num_devices} devices, "
-            f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''}, {plan.schedule}"
+            f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''}, {plan.schedule}, "
+            f"{'as traced' if fmt.name == TRACED else fmt.name}"
             + (f", remat on {remat} stage{'s' if remat != 1 else ''}" if remat else "")
             + (f", selective remat on {selective} stage{'s' if selective != 1 else ''}" if selective else ""))
 
@@ -72,7 +77,8 @@ class Header(View):
         s = self.session
         plan = s.plan
         before = self.before.cost if self.before is not None else None
-        self.plan_line.value = f"<b>{html.escape(plan_text(plan))}</b>&nbsp;&nbsp;"
+        self.plan_line.value = (f"<b title='{html.escape(plan.cost.precision or plan.precision.describe())}'>"
+                                f"{html.escape(plan_text(plan))}</b>&nbsp;&nbsp;")
         self.step_time.value = f"<b>{html.escape(step_time_text(before, plan.cost))}</b>"
         over = max(plan.cost.peak_mem_bytes) > plan.cost.mem_limit_bytes
         style = " style='color:#B00020'" if over else ""
