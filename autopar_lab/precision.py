@@ -40,7 +40,8 @@ What the FP8 formats price, and what they assume:
   activations) stay in bf16, as Transformer Engine keeps them; so do the GEMMs of the graph's first and last layer
   (the embedding and the output head, which Megatron-LM with Transformer Engine and DeepSeek-V3 keep in higher
   precision) and GEMMs with a dimension that is not a multiple of 16 (Transformer Engine asks FP8 GEMM operands
-  for dimensions divisible by 8 or 16; 16 is required of all three here, an assumption on the safe side).
+  for dimensions divisible by 8 or 16; 16 is required of all three here, an assumption on the safe side), and a
+  mixture of experts' router (:func:`router_gemms`: its scores pick the experts; DeepSeek-V3 keeps gating in BF16).
 - Their rate: both operands are ``float8_e4m3fn`` (:data:`FP8_DTYPE`), priced at the device's FP8 rate
   (``Device.peak("float8_e4m3fn")``) with the device's matmul efficiency. Transformer Engine's HYBRID format keeps
   gradients in E5M2; both formats run at one rate on Hopper and Blackwell. Outputs stay bf16 (fp32 for the weight
@@ -387,6 +388,36 @@ def _graph_like(graph: OpGraph, nodes, tensors, fmt: Precision | None) -> OpGrap
                    trace_s=graph.trace_s, layer_rule=graph.layer_rule, layer_note=graph.layer_note, precision=fmt)
 
 
+#: Primitives that pick experts from a router's scores.
+ROUTING_PICKS = frozenset(["top_k", "argmax", "sort"])
+#: How far (forward operators, no matmul between) a router's scores travel to the pick: a softmax is five.
+ROUTER_HOPS = 8
+
+
+def router_gemms(g: OpGraph) -> frozenset[int]:
+    """The forward GEMMs whose result picks experts (reaches a top-k, argmax or sort through forward operators other
+    than matmuls): a mixture of experts' router, which stays in the compute format under FP8, as DeepSeek-V3 keeps
+    its gating (technical report, section 3.3.1: the gating module in BF16/FP32)."""
+    out = set()
+    for node in g:
+        if node.role != FORWARD or node.primitive != "dot_general":
+            continue
+        frontier, seen = list(node.outputs), set(node.outputs)
+        for _ in range(ROUTER_HOPS):
+            nxt = []
+            for t in frontier:
+                for c in g.consumers.get(t, ()):
+                    reader = g.op(c)
+                    if reader.role != FORWARD or reader.primitive == "dot_general":
+                        continue
+                    if reader.primitive in ROUTING_PICKS:
+                        out.add(node.id)
+                    nxt.extend(o for o in reader.outputs if o not in seen)
+                    seen.update(reader.outputs)
+            frontier = nxt
+    return frozenset(out)
+
+
 def _fp8_plan(g: OpGraph, fmt: Precision, dtypes: dict[int, str], masters) -> tuple[dict, dict, dict]:
     """The FP8 GEMMs of ``g`` (see the module docstring): ``({(op, input): FP8 dtype}, {op: cast multiples per
     input}, {master parameter tensor: FP8 copy bytes per element})``."""
@@ -409,9 +440,11 @@ def _fp8_plan(g: OpGraph, fmt: Precision, dtypes: dict[int, str], masters) -> tu
         _b, m, n, k = opcost.gemm_dims(node.primitive, node.in_shapes, node.out_shapes, node.params)
         return all(int(d) % FP8_ALIGN == 0 for d in (m, n, k))
 
+    routers = router_gemms(g)
+
     def matmul(node: OpNode) -> bool:
         return node.primitive == "dot_general" and len(node.inputs) == 2 and node.layer in inner and \
-            all(dtype(t) == fmt.compute for t in node.inputs) and aligned(node)
+            node.id not in routers and all(dtype(t) == fmt.compute for t in node.inputs) and aligned(node)
 
     weights: dict[int, int] = {}  # weight tensor -> its master parameter
     acts: set[int] = set()

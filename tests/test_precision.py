@@ -313,3 +313,43 @@ def test_cli_plans_gpt_1_3b_in_bf16_from_another_directory():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["precision"] == "fp8" and out["memory"][0]["fp8_copies_bytes"] > 0
+
+
+def test_a_router_stays_in_the_compute_format_under_fp8():
+    """DeepSeek-V3 (technical report 3.3.1) keeps its gating in BF16: the router's GEMM, whose scores pick the
+    experts, is not an FP8 GEMM; the experts' and the attention projections' are."""
+    from autopar_lab.graph.modules import module_labels
+    from autopar_lab.precision import FP8_DTYPE, retype, router_gemms
+
+    g = al.models.get("deepseek-tiny", dtype="bfloat16", num_layers=4, hidden_size=64, moe_ffn_hidden=32,
+                      ffn_hidden=64, seq_len=32, expert_group_size=32).trace()
+    labels = module_labels(g)
+    routers = router_gemms(g)
+    assert routers and {labels[op].label for op in routers} == {"moe/router"}
+    fp8 = retype(g, "fp8")
+    forward = [n for n in fp8 if n.role == "forward" and n.primitive == "dot_general"]
+    by_label = {labels[n.id].label: n.in_dtypes for n in forward if n.layer == "layer_2"}
+    assert FP8_DTYPE not in by_label["moe/router"]
+    assert set(by_label["moe/experts/up"]) == {FP8_DTYPE} and set(by_label["attn/q_up"]) == {FP8_DTYPE}
+
+
+@pytest.mark.slow
+def test_llama3_8b_on_one_h100_in_bf16_is_18_bytes_a_parameter():
+    """Issue 30's check at the size users plan: Llama 3 8B (32 layers, planned on its 4-layer copy) on one H100 in
+    bf16 holds 2 + 4 + 4 + 4 + 4 bytes a parameter (bf16 weights, fp32 gradients, fp32 master, two fp32 moments), to
+    the byte: 144.5 GB, which does not fit 80 GB, and the plan says so; FP8 adds its weight copies (the 32 layers'
+    linear weights, the embedding and head staying bf16) as a part of their own."""
+    llama = al.models.get("llama3-8b", batch_size=1, seq_len=1024)
+    P, c = llama.param_count, llama.config
+    assert P == 8_030_261_248
+    plans = {name: al.data_parallel_plan(llama, ONE_H100, precision=name) for name in ("bf16", "fp8")}
+    row = memory_breakdown(plans["bf16"])[0]
+    assert (row["params_bytes"], row["grads_bytes"], row["master_bytes"]) == (2 * P, 4 * P, 4 * P)
+    assert row["optimizer_bytes"] == 8 * P + ADAM_COUNT
+    assert not plans["bf16"].cost.fits
+    kv = c.num_kv_heads * c.hidden_size // c.num_heads
+    linear = c.num_layers * (c.hidden_size * (2 * c.hidden_size + 2 * kv) + 3 * c.hidden_size * c.ffn_hidden)
+    fp8 = memory_breakdown(plans["fp8"])[0]
+    assert fp8["fp8_copies_bytes"] == 2 * linear                  # an FP8 copy and its transpose of each
+    assert {k: fp8[k] for k in ("params_bytes", "grads_bytes", "master_bytes")} == \
+        {k: row[k] for k in ("params_bytes", "grads_bytes", "master_bytes")}
