@@ -443,8 +443,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
         raise ValueError(f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp}, but the cluster has {n} devices")
     if tp > cluster.devices_per_domain:
         raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_domain} devices of a scale-up domain (Megatron "
-                         "keeps tensor parallelism inside one: a host, or the hosts sharing an NVLink fabric); use a "
-                         "smaller tp")
+                         "keeps tensor parallelism inside a host, or inside the hosts sharing one NVLink fabric); use "
+                         "a smaller tp")
     L = len(table.layer_names)
     if pp > L:
         raise ValueError(f"pp={pp} stages but the model has only {L} layers")
