@@ -255,6 +255,15 @@ def test_a_4_chip_sub_ring_has_no_wraparound_and_half_the_bandwidth():
     assert ring.bandwidth == 2 * line.bandwidth
 
 
+def test_the_scaling_books_worked_all_gather_on_a_v5e_slice():
+    """Part 3, pop quiz 2: AllGather_Y([E_Y, F]) with E = 2048, F = 8192 in bf16 on a v5e mesh {X: 8, Y: 4}: no
+    wraparound on an axis under 16, so 3 hops of an 8.4 MB shard at 4.5e10 bytes/s one way: about 560 us."""
+    mesh = Cluster.parse("tpu-v5e:32").logical_mesh((1, 32), (8, 4))  # a 4x8 slice; axis 1: the x line of 4
+    total = 2048 * 8192 * 2
+    assert mesh.all_gather(total, 1) == pytest.approx(560e-6, rel=0.01)
+    assert mesh.all_gather(total, 1) == pytest.approx(3 * ALPHA + 3 * (total / 4) / V5E_LINK, rel=1e-12)
+
+
 def test_an_axis_over_two_torus_dimensions_of_a_v5p_slice_adds_their_bandwidth():
     mesh = Cluster.parse("tpu-v5p:128").logical_mesh((1, 128), (8, 16))  # 4x4x8: axis 1 is x and y, axis 0 is z
     # axis 1: two wrapped dimensions of 4: 2 + 2 hops, 2 x 2 one-way links' worth of bandwidth
