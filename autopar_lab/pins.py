@@ -344,7 +344,7 @@ def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_ch
                                    virtual_stages=int(schedule.get("virtual_stages", 1)))
     return planner.search_microbatches(
         table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
-        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
+        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
         stage_comm=plan.stage_comm, constraints=constraints, **schedule)
 
 
@@ -380,7 +380,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)
     return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
                     cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
-                    intra_link=cluster.intra_host, inter_link=cluster.inter_host, stage_comm=plan.stage_comm,
+                    intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link, stage_comm=plan.stage_comm,
                     constraints=con, serial_host=cluster.serial_host, **sched)
 
 

@@ -303,7 +303,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
     # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
     table.solve_planned(mem, max(choices), workers=workers)
-    kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.inter_host,
+    kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
                               stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
     if schedule == "interleaved":
         kw["virtual_stages"] = v
@@ -438,8 +438,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None, precision: str | Precision | None = None) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
-    logical mesh with the tensor-parallel axis inside a host; the operators' shardings on that mesh come from the
-    intra-op ILP (so this baseline is Megatron's layout with the best sharding our cost model finds for it).
+    logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts of one NVLink fabric);
+    the operators' shardings on that mesh come from the intra-op ILP (so this baseline is Megatron's layout with the
+    best sharding our cost model finds for it).
     ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
     or only its attention internals (``"selective"``: ``--recompute-activations``).
     ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
@@ -453,9 +454,10 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     n = cluster.num_devices
     if dp * tp * pp != n:
         raise ValueError(f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp}, but the cluster has {n} devices")
-    if tp > cluster.devices_per_host:
-        raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_host} devices of a host (Megatron keeps tensor "
-                         "parallelism inside a host)")
+    if tp > cluster.devices_per_domain:
+        raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_domain} devices of a scale-up domain (Megatron "
+                         "keeps tensor parallelism inside a host, or inside the hosts sharing one NVLink fabric); use "
+                         "a smaller tp")
     L = len(table.layer_names)
     if pp > L:
         raise ValueError(f"pp={pp} stages but the model has only {L} layers")
@@ -499,11 +501,12 @@ def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatch
 
 
 def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int]]:
-    """Every valid (dp, tp, pp): tp a power of two inside a host, pp dividing into submesh-shaped stages."""
+    """Every valid (dp, tp, pp): tp a power of two inside a scale-up domain, pp dividing into submesh-shaped
+    stages."""
     n, M = cluster.num_devices, cluster.devices_per_host
     out = []
     tp = 1
-    while tp <= M:
+    while tp <= min(cluster.devices_per_domain, n):
         pp = 1
         while pp <= min(n // tp, num_layers):
             if n % (tp * pp) == 0:

@@ -105,7 +105,7 @@ def test_quick_profile_file_and_cpu_preset(tmp_path, monkeypatch):
     # The cpu preset reads the profile file: pointed at this one, it has these figures.
     from autopar_lab import cluster as cl
 
-    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     c = cl.Cluster.preset("cpu")
     assert c.intra_host.bandwidth == joint["bandwidth"] and c.intra_host.latency == joint["latency"]
     assert c.device.peak_flops["float32"] == prof["device"]["peak_flops"]["float32"]
@@ -171,7 +171,7 @@ def test_task_overhead_only_keeps_the_profile_and_the_preset_reads_it(tmp_path, 
         assert after[key] == before[key]
     assert {k: v for k, v in after["device"].items() if k != "task_overhead_s"} == \
         {k: v for k, v in before["device"].items() if k != "task_overhead_s"}
-    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     c = cl.Cluster.preset("cpu")
     assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.virtual
     # it survives the cluster's JSON form (plan files compare it)
@@ -291,7 +291,7 @@ def test_collectives_only_times_chains_and_refits_the_links(tmp_path, monkeypatc
     assert after["device"] == before["device"] and after["total_memory_bytes"] == before["total_memory_bytes"]
     for key in ("task_overhead", "kernel_overhead", "buffer_overhead", "matmul_float32"):
         assert after["measurements"][key] == before["measurements"][key]
-    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     assert cl.Cluster.preset("cpu").intra_host.latency == fits["joint"]["latency"]
     with pytest.raises(ValueError, match="chain must be two lengths"):
         measure_collectives(2, (1 << 12,), chain=(4, 4))
@@ -330,7 +330,7 @@ def test_collectives_between_compute_measure_each_collective_as_a_step_meets_it(
     assert after["measurements"]["collective_fits"] == fits
     assert after["intra_host"] == {"bandwidth": fits["joint"]["bandwidth"], "latency": fits["joint"]["latency"]}
     assert after["device"] == before["device"]
-    monkeypatch.setattr(cl, "CPU_PROFILE_PATH", out)
+    monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     link = cl.Cluster.preset("cpu").intra_host
     assert (link.bandwidth, link.latency) == (fits["joint"]["bandwidth"], fits["joint"]["latency"])
 

@@ -318,10 +318,10 @@ def test_cluster_module_does_not_import_jax():
 
 
 def test_cpu_preset_with_odd_device_count_says_what_to_set(monkeypatch):
-    monkeypatch.setattr(cluster_mod, "_local_cpu_device_count", lambda: 6)
+    monkeypatch.setattr(cluster_mod.cpuprofile, "_local_cpu_device_count", lambda: 6)
     with pytest.raises(ValueError, match="found 6 JAX CPU devices.*set JAX_NUM_CPU_DEVICES=8"):
         Cluster.preset("cpu")
-    monkeypatch.setattr(cluster_mod, "_local_cpu_device_count", lambda: 4)
+    monkeypatch.setattr(cluster_mod.cpuprofile, "_local_cpu_device_count", lambda: 4)
     profile = json.loads(cluster_mod.CPU_PROFILE_PATH.read_text())
     assert Cluster.preset("cpu").device.memory_bytes == pytest.approx(profile["total_memory_bytes"] / 4)
 

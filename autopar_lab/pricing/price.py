@@ -61,12 +61,13 @@ def stage_offsets(stages: Sequence[Any]) -> list[int]:
 
 def stage_transfers(table: CostTable, stages: Sequence[Any], microbatches: int) -> list[float]:
     """Seconds to send one microbatch's activations across each cut (gradients come back at the same size): over
-    the intra-host link when the next stage starts inside a host, else the inter-host link."""
+    the scale-up link when the next stage starts inside a scale-up domain (a host, or the hosts sharing an NVLink
+    fabric), else the scale-out link."""
     cluster, offsets = table.cluster, stage_offsets(stages)
     out = []
     for k in range(1, len(stages)):
         nbytes = table.cut_bytes[stages[k].layers[0] - 1] / microbatches
-        link = cluster.intra_host if offsets[k] % cluster.devices_per_host else cluster.inter_host
+        link = cluster.intra_host if offsets[k] % cluster.devices_per_domain else cluster.inter_host
         out.append(transfer_s(nbytes, link))
     return out
 
@@ -75,7 +76,7 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
                     microbatches: int) -> list[float]:
     """:func:`stage_transfers` of an interleaved plan: one per cut between consecutive chunks (virtual stage ``c``
     on stage ``c % p``), the link chosen as for the stage the chunk after the cut runs on; the cut from the last
-    stage back to stage 0 crosses hosts unless the whole pipeline sits in one host."""
+    stage back to stage 0 crosses domains unless the whole pipeline sits in one scale-up domain."""
     cluster, offsets, p = table.cluster, stage_offsets(stages), len(stages)
     order = [chunks[c % p][c // p] for c in range(p * len(chunks[0]))]
     last_device = offsets[-1] + stages[-1].submesh[0] * stages[-1].submesh[1] - 1
@@ -83,7 +84,7 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
     for c in range(1, len(order)):
         k = c % p
         nbytes = table.cut_bytes[order[c][0] - 1] / microbatches
-        inside = offsets[k] % cluster.devices_per_host if k else last_device < cluster.devices_per_host
+        inside = offsets[k] % cluster.devices_per_domain if k else last_device < cluster.devices_per_domain
         out.append(transfer_s(nbytes, cluster.intra_host if inside else cluster.inter_host))
     return out
 

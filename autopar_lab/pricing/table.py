@@ -502,7 +502,8 @@ class CostTable:
         new._caches, new._memo_space = {}, {}
         same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
                 and cluster.inter_host == self.cluster.inter_host
-                and cluster.devices_per_host == self.cluster.devices_per_host)
+                and cluster.devices_per_host == self.cluster.devices_per_host
+                and (cluster.domain_hosts, cluster.torus) == (self.cluster.domain_hosts, self.cluster.torus))
         subs = {tuple(s) for s in cluster.submesh_shapes()}
         sigs: dict[tuple, bool] = {}  # (submesh, shape) -> the mesh's ILP is the same problem on both clusters
 

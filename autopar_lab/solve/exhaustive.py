@@ -150,7 +150,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
 
     # Per-cut transfer time for a microbatch count B: the cut in front of layer k, into a stage at device offset o.
     def send_s(k: int, o: int, B: int) -> float:
-        link = cluster.intra_host if o % M else cluster.inter_host
+        link = cluster.intra_host if o % cluster.devices_per_domain else cluster.inter_host
         return transfer_s(table.cut_bytes[k - 1] / B, link)
 
     # Can devices offset..NM be tiled by at most `stages` more stages?
