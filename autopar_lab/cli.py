@@ -500,6 +500,11 @@ COMMANDS: dict[str, tuple[Callable, Callable | None]] = {
 }
 
 
+CLUSTER_HELP = ("PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, dgx-h200, dgx-b200, h800: hosts of 8 GPUs; gb200-nvl72: "
+                "trays of 4 GPUs, 18 a rack; cpu: this machine's JAX devices), PRESET:CHIPS (tpu-v5e, tpu-v5p, "
+                "tpu-v6e) or a JSON cluster file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="autopar-lab", description="Alpa-style automatic parallelization planning on JAX.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -523,8 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="plan a model on a cluster")
     model_args(sp)
-    sp.add_argument("--cluster", required=True,
-                    help="PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, cpu) or a JSON file")
+    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     sp.add_argument("--method", choices=["auto", "megatron", "data"], default="auto")
     sp.add_argument("--dp", type=int)
     sp.add_argument("--tp", type=int)
@@ -547,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")
     model_args(sp)
-    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
     precision_arg(sp)
 
@@ -558,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("optimum", help="the hierarchical plan vs the exhaustive global optimum (small instances)")
     model_args(sp)
-    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     sp.add_argument("--microbatches", help="a number, or 'auto' (the default)")
 
     sp = sub.add_parser("train", help="train a model with a saved plan on Ray (embedded local cluster by default)")

@@ -1,0 +1,66 @@
+"""Issue 30's command lines as a user types them, from another directory: Llama 3 70B on 64 H100s at sequence 8,192
+in bf16 (by zoo name and by config.json), and on a TPU v5p slice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_from_config import LLAMA3_70B
+
+LLAMA_70B_RUN = ["--seq-len", "8192", "--batch", "512", "--precision", "bf16"]
+
+
+def _cli(*args, cwd):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "autopar_lab", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=900)
+
+
+def _fits_with_breakdown(out) -> dict:
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "number format: bf16" in out.stdout
+    stages = [ln for ln in lines if ln.strip().startswith("stage ") and "peak" in ln]
+    assert stages and all(p in ln for ln in stages for p in ("params", "grads", "master", "optimizer"))
+    return {"text": out.stdout}
+
+
+@pytest.mark.slow
+def test_llama3_70b_on_64_h100s_by_name_and_by_config_json(tmp_path):
+    by_name = _cli("plan", "llama3-70b", "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, "--json", cwd=tmp_path)
+    assert by_name.returncode == 0, by_name.stderr[-2000:]
+    plan = json.loads(by_name.stdout)
+    assert plan["precision"] == "bf16" and plan["hosts"] == 8
+    assert max(plan["peak_mem_bytes"]) <= plan["mem_limit_bytes"]          # a plan that fits 80 GB
+    text = _fits_with_breakdown(_cli("plan", "llama3-70b", "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, cwd=tmp_path))
+    assert "does not fit" not in text["text"]
+    folder = tmp_path / "Meta-Llama-3-70B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA3_70B))
+    by_file = _cli("plan", str(folder / "config.json"), "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, "--json",
+                   cwd=tmp_path)
+    assert by_file.returncode == 0, by_file.stderr[-2000:]
+    same = json.loads(by_file.stdout)
+    assert same["model"] == "meta-llama-3-70b"
+    assert same["step_time_s"] == plan["step_time_s"] and same["stages"] == plan["stages"]   # the same model
+
+
+@pytest.mark.slow
+def test_llama3_70b_plans_on_a_tpu_v5p_slice(tmp_path):
+    out = _cli("plan", "llama3-70b", "--cluster", "tpu-v5p:128", *LLAMA_70B_RUN, "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout)
+    assert plan["cluster"].startswith("tpu-v5p") and sum(s["submesh"][0] * s["submesh"][1] for s in plan["stages"]) == 128
+    assert max(plan["peak_mem_bytes"]) <= plan["mem_limit_bytes"]
+
+
+def test_a_model_flag_the_model_does_not_have_is_one_sentence(tmp_path):
+    out = _cli("graph", "gpt-tiny", "--kv-heads", "2", cwd=tmp_path)
+    assert out.returncode == 2 and "--kv-heads" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("graph", "llama3-tiny", "--kv-heads", "3", cwd=tmp_path)
+    assert out.returncode == 2 and "num_kv_heads" in out.stderr and "Traceback" not in out.stderr
