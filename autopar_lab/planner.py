@@ -19,13 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from . import checks
-from .deprecation import renamed_keywords
 from .graph.opgraph import OpGraph
 from .plan import Plan
 from .precision import Precision, as_precision
@@ -94,14 +92,6 @@ def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: s
         raise ValueError("the cost table was built for another graph; build one for this model with "
                          "CostTable.build(model, cluster)")
     return table, cluster, None
-
-
-def _table(model, cluster, solver, progress) -> tuple[CostTable, dict]:
-    """Deprecated: ``(CostTable.build(...), {"trace": seconds})``; notebooks written before ``table=`` call it."""
-    warnings.warn("planner._table(...) is deprecated; use CostTable.build(model, cluster, solver=..., "
-                  "on_progress=...) and its trace_s", DeprecationWarning, stacklevel=2)
-    table = CostTable.build(model, cluster, solver=solver, on_progress=progress)
-    return table, {"trace": table.trace_s}
 
 
 def microbatch_choices(batch: int, microbatches) -> list[int]:
@@ -257,7 +247,6 @@ def wgrad_share(table: CostTable) -> float:
 AUTO_SCHEDULES = (("1f1b", None), ("interleaved", 2), ("interleaved", 4), ("zb-h1", None))
 
 
-@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", progress="on_progress", _table_cache="table")
 def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto", stage_comm: str = "model",
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
@@ -432,7 +421,6 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
     return result
 
 
-@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
                   schedule: str = "1f1b", remat: bool | str = False, mem_limit_bytes: float | None = None,
                   solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
@@ -478,7 +466,6 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                       solve_s=planning_times(table, solve_s))
 
 
-@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool | str = False,
                        mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
                        table: CostTable | None = None, precision: str | Precision | None = None) -> Plan:
@@ -519,7 +506,6 @@ def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int
     return out
 
 
-@renamed_keywords(model_or_graph="model")
 def compare(model=None, cluster: Cluster | None = None, *, microbatches="auto", solver: str = DEFAULT_SOLVER,
             stage_comm: str = "model", table: CostTable | None = None, schedule: str = "1f1b",
             grid_schedules: Sequence[str] = ("1f1b",), precision: str | Precision | None = None) -> dict:

@@ -236,23 +236,17 @@ def test_a_cost_table_is_a_value_the_user_builds_once(model, result):
         planner.auto_plan(model, SMALL, table={})
 
 
-def test_old_keyword_names_still_work_with_a_deprecation_warning(model, result):
+def test_the_old_keyword_names_are_gone(model, result):
+    # 0.1.0 is unreleased: the names renamed before it (mem_limit, progress, model_or_graph, _table_cache) are refused
+    # as any unknown keyword is, not kept with a warning.
     table = result["auto"].table
-    new = planner.megatron_plan(model, SMALL, dp=1, tp=2, pp=2, microbatches=2, mem_limit_bytes=1e9, table=table)
-    with pytest.warns(DeprecationWarning, match=r"megatron_plan\(_table_cache=...\) is deprecated.*use table="):
-        with pytest.warns(DeprecationWarning, match=r"mem_limit=.*use mem_limit_bytes="):
-            old = planner.megatron_plan(model_or_graph=model, cluster=SMALL, dp=1, tp=2, pp=2, microbatches=2,
-                                        mem_limit=1e9, _table_cache=table)
-    assert old.cost == new.cost and old.cost.mem_limit_bytes == 1e9
-    seen = []
-    with pytest.warns(DeprecationWarning, match="on_progress"):
-        planner.auto_plan(model, SMALL, progress=lambda *a: seen.append(a), microbatches=1)
-    assert seen and seen[0][0].startswith("intra-op")
-    with pytest.raises(TypeError, match="got both"):
-        planner.auto_plan(model, SMALL, mem_limit=1.0, mem_limit_bytes=2.0)
-    with pytest.warns(DeprecationWarning, match="CostTable.build"):
-        t, times = planner._table(model, SMALL, "highs", None)
-    assert isinstance(t, planner.CostTable) and times == {"trace": t.trace_s}
+    with pytest.raises(TypeError, match="mem_limit"):
+        planner.megatron_plan(model, SMALL, dp=1, tp=2, pp=2, microbatches=2, mem_limit=1e9, table=table)
+    with pytest.raises(TypeError, match="progress"):
+        planner.auto_plan(model, SMALL, progress=print, table=table)
+    with pytest.raises(TypeError, match="_table_cache"):
+        planner.data_parallel_plan(model, SMALL, _table_cache=table)
+    assert not hasattr(planner, "_table")
 
 
 def test_one_default_solver():

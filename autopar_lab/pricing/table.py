@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..deprecation import renamed_keywords
 from ..graph.capture import DeferredGraph
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
@@ -192,7 +191,6 @@ class CostTable:
     :meth:`lean_meshes`). Build one from a model with :meth:`build`.
     """
 
-    @renamed_keywords(progress="on_progress")
     def __init__(self, graph: OpGraph, cluster: Cluster, *, solve_graph: OpGraph | None = None,
                  solver: str = DEFAULT_SOLVER, on_progress: ProgressFn | None = None, space: str = "auto",
                  lean: str = "auto", deep: DeepMap | None = None):
@@ -641,7 +639,6 @@ class CostTable:
                  for sol in self.solutions(sub, shape) for r in remat]
         return pareto(cands)
 
-    @renamed_keywords(mem_limit="mem_limit_bytes")
     def candidate_fn(self, microbatches: int, mem_limit_bytes: float | None = None, *,
                      grid: tuple[Sequence[int], Sequence[int]] | None = None) -> StageCandidates:
         """``candidates`` for one microbatch count as the stage DP calls it, ``(start, end, submesh)``, computed

@@ -61,7 +61,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import planner
-from ..deprecation import renamed_keywords
 from ..pricing import CostTable, price_plan, simulate_pipeline
 from ..rematmode import REMAT_CHOICES, remat_value
 from ..schedules import check_schedule
@@ -100,7 +99,6 @@ def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int,
     return microbatch_choices * per_b
 
 
-@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=REMAT_CHOICES,
                    schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
                    solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,

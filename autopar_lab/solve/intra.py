@@ -55,7 +55,6 @@ from ..sharding.fsdp import is_param_input
 from ..sharding.reshard import reshard_cost
 from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy, chain_read_s_per_byte, strategies_for
-from ..deprecation import renamed_keywords
 from . import ilp
 
 if TYPE_CHECKING:
@@ -480,7 +479,6 @@ def _project(s: Strategy, drop_axis: int) -> tuple:
             tuple(x.without_axes((drop_axis,)) for x in s.in_specs))
 
 
-@renamed_keywords(mem_limit="mem_limit_bytes")
 def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *,
                   context: Mapping[int, Strategy] = {}, pins: Mapping[int, Any] = {},
                   mem_limit_bytes: float = math.inf, cache: StrategyCache | None = None,
@@ -622,7 +620,6 @@ class _OneAxisView:
         return lambda nbytes, axis: fn(nbytes, 0) if axis in (0, (0, 1)) else 0.0
 
 
-@renamed_keywords(mem_limit="mem_limit_bytes")
 def solve_intra(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None = None, *, pins: Mapping[int, Any] = {},
                 mem_limit_bytes: float | None = None, reuse_layers: bool = True, merge: bool = False,
                 solver: str = "cbc",

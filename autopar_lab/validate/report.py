@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from ..deprecation import renamed_keywords
 from ..graph.opgraph import OUTPUT_PRIMITIVE, OpGraph
 from ..sharding.spec import DEFAULT_AXIS_NAMES
 from .hlo import COLLECTIVE_KINDS, collectives_in_hlo, total_bytes
@@ -293,7 +292,6 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
     }
 
 
-@renamed_keywords(model_name_or_spec="model")
 def validate_plan(model, devices: int = 8, mesh_shape=None, overrides: Mapping[str, Any] | None = None,
                   solver: str = "cbc", *, small: bool = True, run: bool = True) -> dict:
     """Solve the intra-op plan of a model on ``devices`` local devices, compile it with XLA, run one step, compare.

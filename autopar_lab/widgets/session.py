@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from ..deprecation import renamed_keywords
 from ..rematmode import remat_value
 from ..solve.ilp import DEFAULT_SOLVER
 from .training import TrainingController
@@ -429,7 +428,6 @@ class Session:
 
         return hook
 
-    @renamed_keywords(progress="on_progress")
     def solve(self, kind: str = "full", *, on_progress: Callable[[str, float | None], None] | None = None,
               cancel: threading.Event | None = None, microbatches="auto", cluster=None) -> Any:
         """Run a solver and make its plan current; pins are kept (re-solved around) wherever they still hold.
@@ -499,7 +497,6 @@ class Session:
         self.dropped_pins = list(dropped)
         return self._push(new, f"solve_{kind}", dropped_pins=list(dropped))
 
-    @renamed_keywords(progress="on_progress")
     def set_cluster(self, cluster=None, *, on_progress=None, cancel=None, **changes) -> Any:
         """What if the cluster were different: ``cluster`` or changes for :meth:`Cluster.with_` (``hosts=4``,
         ``inter_host_bandwidth=1e9``, ...); re-plans with a full solve, keeping every pin that still holds (see
@@ -517,7 +514,6 @@ class Session:
         return self.solve("full", on_progress=on_progress, cancel=cancel, cluster=cluster)
 
     # --- comparisons -----------------------------------------------------------------------------------------------
-    @renamed_keywords(progress="on_progress")
     def compare(self, *, optimum: bool | None = None, optimum_limit: int = 20_000, on_progress=None,
                 cancel: threading.Event | None = None) -> dict:
         """The current plan against the best Megatron-style layout and data parallelism, priced by the plan's own cost
