@@ -201,7 +201,7 @@ def _with_group_strategy(plan: Plan, grp: _Group, s: Strategy) -> Plan:
                 raise ValueError(f"operator {g.op(op).describe()} (which shares {g.op(grp.rep).describe()}'s "
                                  f"solution) has no strategy {s.name!r} on stage {k}'s mesh")
             chosen[op] = hit
-        new = LazyIntraPlan(g, intra.mesh, chosen, intra.ops, cache, intra.groups, intra.solve_s)
+        new = LazyIntraPlan.with_strategies(g, intra.mesh, chosen, intra.ops, cache, intra.groups, intra.solve_s)
         st = plan.stages[k]
         old_costs = st.layer_costs if st.layer_costs is not None else table.layer_costs_of(intra)
         # Only the layers the change reaches are priced again.

@@ -264,7 +264,8 @@ def pinned_intra(pins: PinIndex, table: CostTable, runs, submesh, shape, stage: 
                              f"strategies on stage {stage}'s {shape[0]}x{shape[1]} logical mesh; choose another "
                              "logical mesh for that stage, or pin the operator to a strategy of that mesh.")
         chosen[op] = s
-    return LazyIntraPlan(pins.g, base.mesh, chosen, base.ops, pins.cache(submesh, shape), base.groups, base.solve_s)
+    return LazyIntraPlan.with_strategies(pins.g, base.mesh, chosen, base.ops, pins.cache(submesh, shape), base.groups,
+                                         base.solve_s)
 
 
 def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSpec], solver: str,

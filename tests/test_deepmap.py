@@ -1,6 +1,6 @@
 """A deep zoo model's layer names, layer map and cut bytes derived from its 4- and 6-layer copies
 (:mod:`autopar_lab.pricing.deepmap`) equal the full trace's; where the copies do not follow the pattern the table
-traces the full model; the full graph (a DeferredGraph) is traced only when read, and plans are the same either way."""
+traces the full model; the full graph (a lazy value, graph.capture.deferred_trace) is traced only when read, and plans are the same either way."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import sys
 import pytest
 
 import autopar_lab as al
-from autopar_lab.graph.capture import DeferredGraph
+from autopar_lab.graph.capture import deferred_trace
+from autopar_lab.lazy import Lazy
 from autopar_lab.graph.opgraph import OpGraph
 from autopar_lab.pricing import CostTable
 from autopar_lab.pricing.deepmap import derive
@@ -66,9 +67,9 @@ def test_a_model_whose_copies_break_the_pattern_is_traced_in_full_with_the_same_
     the full trace, and its layer map and cut bytes equal trace="full"'s."""
     model = al.models.get("moe-tiny", num_layers=8)
     graph, deep = deferred_graph(model, solve_graph_for(model))
-    assert deep is None and not isinstance(graph, DeferredGraph)
+    assert deep is None and not isinstance(graph, Lazy)
     auto, full = CostTable.build(model, CLUSTER), CostTable.build(model, CLUSTER, trace="full")
-    assert not isinstance(auto.graph, DeferredGraph)
+    assert not isinstance(auto.graph, Lazy)
     assert (auto.layer_names, auto.layer_map, auto.cut_bytes) == (full.layer_names, full.layer_map, full.cut_bytes)
 
 
@@ -76,18 +77,18 @@ def test_a_deep_table_does_not_trace_the_full_graph_until_read():
     model = al.models.get("gpt-tiny", num_layers=24)
     table = CostTable.build(model, CLUSTER)
     full = CostTable.build(model, CLUSTER, trace="full")
-    assert isinstance(table.graph, DeferredGraph) and not table.graph.is_traced
-    assert not isinstance(full.graph, DeferredGraph)
+    assert isinstance(table.graph, Lazy) and not table.graph.is_filled
+    assert not isinstance(full.graph, Lazy)
     assert (table.layer_names, table.layer_map, table.cut_bytes, table.batch_size) == \
         (full.layer_names, full.layer_map, full.cut_bytes, full.batch_size)
     assert table.graph.name == model.name and table.graph.layers == full.graph.layers
-    assert not table.graph.is_traced
+    assert not table.graph.is_filled
     # The same layer costs on a mesh, still without the full graph.
     assert table.mesh_costs((1, 8), (2, 4))[0] == full.mesh_costs((1, 8), (2, 4))[0]
-    assert not table.graph.is_traced
+    assert not table.graph.is_filled
     # Read, it is the full graph: operator lookups equal the traced table's.
     assert len(table.graph) == len(full.graph) and table.graph.fingerprint == full.graph.fingerprint
-    assert table.graph.is_traced
+    assert table.graph.is_filled
     op = full.graph.ops_in_layer("layer_11")[7]
     assert table.solve_op(op) == full.solve_op(op) is not None
     assert dict(table.op_map.items()) == dict(full.op_map.items())
@@ -99,7 +100,7 @@ def test_plans_are_the_same_with_and_without_derived_values():
     traced = CostTable.build(model, CLUSTER, trace="full")
     a = al.auto_plan(derived.graph, CLUSTER, table=derived)
     b = al.auto_plan(traced.graph, CLUSTER, table=traced)
-    assert not derived.graph.is_traced  # planning reads no operator of the full graph
+    assert not derived.graph.is_filled  # planning reads no operator of the full graph
     assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in a.stages] == \
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in b.stages]
     assert (a.microbatches, a.cost.step_time_s) == (b.microbatches, b.cost.step_time_s)
@@ -161,10 +162,10 @@ def test_a_deferred_graph_traces_once_on_first_read_and_is_then_the_graph():
         calls.append(1)
         return _tiny_graph()
 
-    g = DeferredGraph(trace, name="gpt-tiny", layers=["embed", "layer_0", "layer_1", "layer_2", "layer_3", "head"])
+    g = deferred_trace(trace, name="gpt-tiny", layers=["embed", "layer_0", "layer_1", "layer_2", "layer_3", "head"])
     assert isinstance(g, OpGraph) and g.name == "gpt-tiny" and len(g.layers) == 6 and not calls
     real = _tiny_graph()
-    assert len(g) == len(real) and g.ops == real.ops and g.is_traced
+    assert len(g) == len(real) and g.ops == real.ops and g.is_filled
     assert g.fingerprint == real.fingerprint and g.total_flops == real.total_flops
     assert [n.primitive for n in g] == [n.primitive for n in real]
     assert len(calls) == 1
@@ -174,9 +175,9 @@ def test_a_deferred_graph_traces_once_on_first_read_and_is_then_the_graph():
 
 
 def test_a_deferred_graph_pickles_as_a_plain_graph():
-    g = DeferredGraph(_tiny_graph, name="gpt-tiny")
+    g = deferred_trace(_tiny_graph, name="gpt-tiny")
     back = pickle.loads(pickle.dumps(g))
-    assert type(back) is OpGraph and back.fingerprint == _tiny_graph().fingerprint and g.is_traced
+    assert type(back) is OpGraph and back.fingerprint == _tiny_graph().fingerprint and g.is_filled
 
 
 def test_a_failed_trace_is_tried_again_and_other_layers_are_refused():
@@ -188,10 +189,10 @@ def test_a_failed_trace_is_tried_again_and_other_layers_are_refused():
             raise KeyboardInterrupt("cancelled")
         return _tiny_graph()
 
-    g = DeferredGraph(flaky)
+    g = deferred_trace(flaky)
     with pytest.raises(KeyboardInterrupt):
         len(g)
-    assert not g.is_traced and len(g) == len(_tiny_graph()) and len(tries) == 2
-    wrong = DeferredGraph(_tiny_graph, name="gpt-tiny", layers=["embed", "head"])
+    assert not g.is_filled and len(g) == len(_tiny_graph()) and len(tries) == 2
+    wrong = deferred_trace(_tiny_graph, name="gpt-tiny", layers=["embed", "head"])
     with pytest.raises(RuntimeError, match="other layers"):
-        wrong.materialize()
+        wrong.fill_now()

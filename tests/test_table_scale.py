@@ -239,20 +239,21 @@ def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, m
 
 
 def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(model):
-    """A mesh solved elsewhere comes back as strategy indices; its DeferredIntraPlan is plan_from_choice's plan
+    """A mesh solved elsewhere comes back as strategy indices; its LazyIntraPlan.from_choice is plan_from_choice's plan
     (which is the solve's own, to the bit), built only when a field is read, and pickles (a plain IntraPlan does
     not) as what rebuilds it."""
     import pickle
 
-    from autopar_lab.pricing.table_pool import DeferredIntraPlan, plan_from_choice, solve_one
+    from autopar_lab.pricing.incremental import LazyIntraPlan
+    from autopar_lab.pricing.table_pool import plan_from_choice, solve_one
 
     table = CostTable.build(model, SMALL)
     key = next(k for k in table.planned_meshes() if k[1][0] > 1 and k[1][1] > 1)
     _, solved, choice = solve_one(table.solve_graph, SMALL, key, table.solver, {})
-    deferred = DeferredIntraPlan(table.solve_graph, SMALL, key, choice)
+    deferred = LazyIntraPlan.from_choice(table.solve_graph, SMALL, key, choice)
     back = pickle.loads(pickle.dumps(deferred))
-    assert not deferred.is_built and not back.is_built
-    assert _same_plan(deferred, solved) and deferred.is_built
+    assert not deferred.is_filled and not back.is_filled
+    assert _same_plan(deferred, solved) and deferred.is_filled
     assert deferred == plan_from_choice(table.solve_graph, SMALL, key, choice)  # every field, the solve's record too
     assert _same_plan(back, solved) and deferred.total_s == solved.total_s
     with pytest.raises(AttributeError):
@@ -261,7 +262,7 @@ def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(mod
     table.solve_meshes(workers=1)
     moved = table.for_cluster(SMALL)
     plan = al.auto_plan(moved.graph, SMALL, table=moved)
-    assert all(isinstance(s.intra, DeferredIntraPlan) and not s.intra.is_built for s in plan.stages)
+    assert all(isinstance(s.intra, LazyIntraPlan) and not s.intra.is_filled for s in plan.stages)
     assert plan.cost.to_dict() == al.auto_plan(table.graph, SMALL, table=table).cost.to_dict()
 
 

@@ -34,6 +34,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
+from ..lazy import Lazy
 from . import opcost
 from .scopes import layer_depth, propagate_layers, scope_layer_and_role, scope_path_and_role  # noqa: F401
 from .opgraph import (
@@ -582,63 +583,28 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
 
 
 
-class DeferredGraph(OpGraph):
-    """An :class:`OpGraph` whose trace runs the first time something reads it.
+def deferred_trace(trace_fn: Callable[[], OpGraph], *, name: str = "", layers: Sequence[str] | None = None,
+                   **known: Any) -> OpGraph:
+    """An :class:`OpGraph` whose trace runs the first time something reads it (a :class:`~autopar_lab.lazy.Lazy`
+    value).
 
     A deep zoo model's cost table needs only its layer names, layer map and cut bytes up front, which
     :mod:`autopar_lab.pricing.deepmap` derives from two shallow copies; the full graph (48 layers of GPT-39B, 128 of
     a 1T model: most of the tracing time) is wanted only by what reads operators (a plan's sharding table, export,
-    overrides). ``trace_fn()`` returns the graph; ``name`` and ``layers``, when given, are answered without it. Once
-    traced the object is that graph in every respect (its attributes are the traced graph's); it pickles and copies
-    as a plain OpGraph. Reading it after the trace finds other layers than ``layers`` raises RuntimeError (the
-    values derived from them would be wrong).
-    """
+    overrides). ``trace_fn()`` returns the graph; ``name``, ``layers`` and the ``known`` attributes, when given, are
+    answered without it. Once traced the object is that graph in every respect; it pickles and copies as a plain
+    OpGraph. A trace that finds other layers than ``layers`` raises RuntimeError (the values derived from them
+    would be wrong)."""
+    def fill() -> dict[str, Any]:
+        real = trace_fn()
+        state = dict(real.__dict__)
+        state["layers"] = list(real.layers)
+        if layers is not None and list(layers) != state["layers"]:
+            raise RuntimeError(f"the traced graph of {name or 'the model'} has other layers than the ones its cost "
+                               "table was derived with")
+        return state
 
-    def __init__(self, trace_fn: Callable[[], OpGraph], *, name: str = "",  # noqa: D107 - OpGraph's init is skipped
-                 layers: Sequence[str] | None = None):
-        self.__dict__["_deferred"] = trace_fn
-        self.__dict__["name"] = name
-        if layers is not None:
-            self.__dict__["layers"] = list(layers)  # the cached_property's slot: read without tracing
-
-    @property
-    def is_traced(self) -> bool:
-        """True once the full graph has been traced."""
-        return "_deferred" not in self.__dict__
-
-    def materialize(self) -> OpGraph:
-        """Trace now if not done yet; returns self."""
-        trace_fn = self.__dict__.pop("_deferred", None)
-        if trace_fn is not None:
-            derived = self.__dict__.get("layers")
-            try:
-                real = trace_fn()
-            except BaseException:
-                self.__dict__["_deferred"] = trace_fn  # a failed (or interrupted) trace is tried again next read
-                raise
-            state = dict(real.__dict__)
-            state["layers"] = list(real.layers)
-            self.__dict__.update(state)
-            if derived is not None and derived != state["layers"]:
-                raise RuntimeError(f"the traced graph of {self.name or 'the model'} has other layers than the "
-                                   "ones its cost table was derived with")
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        # Only attributes an OpGraph has (its fields, cached values) get here; dunder probes by copy and pickle do not
-        # start a trace.
-        if name.startswith("__") or "_deferred" not in self.__dict__:
-            raise AttributeError(name)
-        self.materialize()
-        return getattr(self, name)
-
-    def __reduce__(self):
-        self.materialize()
-        return _plain_graph, (dict(self.__dict__),)
-
-
-def _plain_graph(state: dict) -> OpGraph:
-    """An OpGraph with these attributes (a DeferredGraph unpickled)."""
-    graph = OpGraph.__new__(OpGraph)
-    graph.__dict__.update(state)
-    return graph
+    given: dict[str, Any] = {"name": name, **known}
+    if layers is not None:
+        given["layers"] = list(layers)  # the cached_property's slot: read without tracing
+    return Lazy.of(OpGraph, fill, **given)

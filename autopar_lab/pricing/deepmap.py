@@ -13,7 +13,7 @@ distance to the first and to the last block up to 2 (so blocks 2 .. n-3 are alik
 by the block's index. Both copies are checked against it exactly (the 4-layer copy must be what the pattern read off
 the 6-layer one gives for 4 blocks, and the 6-layer copy's two middle blocks must agree); where they are not,
 :func:`derive` returns None and the table traces the full model as before. The full graph is still traced when
-something reads it (:class:`~autopar_lab.graph.capture.DeferredGraph`); ``tests/test_deepmap.py`` compares the
+something reads it (:func:`~autopar_lab.graph.capture.deferred_trace`); ``tests/test_deepmap.py`` compares the
 derived values with the full trace's on zoo models up to 48 layers.
 """
 

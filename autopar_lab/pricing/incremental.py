@@ -2,8 +2,9 @@
 
 An override that changes one operator's strategy (:meth:`~autopar_lab.plan.Plan.with_choice`, and every row of
 :meth:`~autopar_lab.plan.Plan.alternatives`) gets a :class:`LazyIntraPlan` (the old choice with one strategy
-replaced, its totals computed only when read) and its layer costs from :func:`changed_layer_costs`, which prices
-again only the layers the change can reach, to the same bits as pricing every layer. A full-graph layer split from
+replaced, its totals computed only when read: :meth:`LazyIntraPlan.with_strategies`) and its layer costs from
+:func:`changed_layer_costs`, which prices again only the layers the change can reach, to the same bits as pricing
+every layer. A full-graph layer split from
 the layers that share its solution (its own operator pins, ``Plan.layer_pins``) is priced on its own by
 :func:`split_layer_costs`.
 """
@@ -13,54 +14,80 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
+import numpy as np
+
+from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph
+from ..lazy import Lazy
 from ..solve.intra import IntraPlan, StrategyCache, evaluate_intra
 from .layers import LayerCost, layer_costs
+from .table_pool import mesh_key, plan_from_choice
 
 if TYPE_CHECKING:
+    from ..cluster import Cluster
     from .table import CostTable
 
 _TOTALS = ("compute_s", "comm_s", "reshard_s", "role_s", "sync_s", "static_bytes", "act_bytes", "collectives")
+_FIELDS = tuple(f.name for f in dataclasses.fields(IntraPlan))
 
 
-class LazyIntraPlan(IntraPlan):
-    """An :class:`IntraPlan` whose totals (compute, collectives, resharding, memory) are computed by
-    :func:`evaluate_intra` the first time one is read: an override needs only the strategies and its layers' costs
-    to re-price a plan, and evaluating every operator and edge again is what would make it slow. Once computed the
-    totals are exactly evaluate_intra's."""
+class LazyIntraPlan(Lazy, IntraPlan):
+    """An :class:`IntraPlan` whose fields are computed the first time one is read (a :class:`~autopar_lab.lazy.Lazy`
+    value); once read they are exactly what computing them at once gives. Two kinds:
 
-    def __init__(self, graph=None, mesh=None, strategies=None, ops=(), cache=None, groups=(), solve_s=0.0,
-                 **totals):  # noqa: D107
-        for name, value in (("mesh", mesh), ("ops", tuple(ops)), ("strategies", dict(strategies or {})),
-                            ("groups", groups), ("solve_s", solve_s)):
-            object.__setattr__(self, name, value)
-        if totals:  # dataclasses.replace passes every field: nothing left to compute
-            for name, value in totals.items():
-                object.__setattr__(self, name, value)
-        else:
-            object.__setattr__(self, "_lazy", (graph, cache))
+    - :meth:`with_strategies`: an override's plan, the strategies given and the totals (compute, collectives,
+      resharding, memory) :func:`evaluate_intra`'s: an override needs only the strategies and its layers' costs to
+      re-price a plan, and evaluating every operator and edge again is what would make it slow.
+    - :meth:`from_choice`: a mesh solved in a worker process (or for another cluster), rebuilt from its strategy
+      indices (:func:`~autopar_lab.pricing.table_pool.plan_from_choice`). The stage DP hands each stage candidate its
+      mesh's plan and most are never read (a second or so each for GPT-39B's 4-layer copy). Unlike a plain IntraPlan
+      it pickles as what rebuilds it: the graph, the cluster (as its JSON form), the mesh key and the indices.
+    """
 
-    def __getattr__(self, name):
-        lazy = self.__dict__.get("_lazy")
-        if name not in _TOTALS or lazy is None:
-            raise AttributeError(name)
-        full = evaluate_intra(lazy[0], self.mesh, self.strategies, ops=self.ops, cache=lazy[1], groups=self.groups,
-                              solve_s=self.solve_s)
-        for f in _TOTALS:
-            object.__setattr__(self, f, getattr(full, f))
-        self.__dict__.pop("_lazy", None)
-        return getattr(self, name)
+    @classmethod
+    def with_strategies(cls, graph, mesh, strategies, ops=(), cache=None, groups=(), solve_s=0.0) -> LazyIntraPlan:
+        """The plan running ``strategies`` on ``mesh``, its totals :func:`evaluate_intra`'s when first read."""
+        strategies, ops = dict(strategies), tuple(ops)
+
+        def fill():
+            full = evaluate_intra(graph, mesh, strategies, ops=ops, cache=cache, groups=groups, solve_s=solve_s)
+            return {f: getattr(full, f) for f in _TOTALS}
+
+        return cls.defer(fill, names=_TOTALS, mesh=mesh, ops=ops, strategies=strategies, groups=groups,
+                         solve_s=solve_s)
+
+    @classmethod
+    def from_choice(cls, graph: OpGraph, cluster: Cluster, key, choice: np.ndarray) -> LazyIntraPlan:
+        """The plan of mesh ``key`` solved elsewhere, rebuilt from its strategy indices when first read."""
+        recipe = (graph, cluster, mesh_key(key), np.asarray(choice))
+
+        def fill():
+            plan = plan_from_choice(*recipe)
+            return {f: getattr(plan, f) for f in _FIELDS}
+
+        obj = cls.defer(fill, names=_FIELDS)
+        obj.__dict__["_recipe"] = recipe
+        return obj
 
     def __reduce__(self):
-        # Pickled (and deep-copied) as the plain IntraPlan it stands for, totals computed.
-        return IntraPlan, tuple(getattr(self, f.name) for f in dataclasses.fields(IntraPlan))
+        recipe = self.__dict__.get("_recipe")
+        if recipe is None:
+            return super().__reduce__()  # the plain IntraPlan it stands for, totals computed
+        graph, cluster, key, choice = recipe
+        return rebuilt_plan, (graph, cluster.to_dict(), key, choice)  # a Cluster pickles as its JSON form
 
     def __eq__(self, other):
         if not isinstance(other, IntraPlan):
             return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(IntraPlan))
+        return all(getattr(self, f) == getattr(other, f) for f in _FIELDS)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def rebuilt_plan(graph: OpGraph, cluster_dict: dict, key, choice: np.ndarray) -> LazyIntraPlan:
+    """A :meth:`LazyIntraPlan.from_choice` unpickled."""
+    from ..cluster import Cluster
+
+    return LazyIntraPlan.from_choice(graph, Cluster.from_json(cluster_dict), key, choice)
 
 
 def changed_layer_costs(table: CostTable, old: IntraPlan, new: IntraPlan, op: int | Iterable[int],
@@ -126,7 +153,7 @@ def _costs_of_layers(table: CostTable, old: IntraPlan, new: IntraPlan, layers: s
                 extra.add(u)
     sub |= extra & inside
     ops = tuple(v for v in old.ops if v in sub)
-    view = LazyIntraPlan(g, new.mesh, new.strategies, ops, cache)
+    view = LazyIntraPlan.with_strategies(g, new.mesh, new.strategies, ops, cache)
     return layer_costs(g, view, names, cache=cache)
 
 
@@ -166,6 +193,6 @@ def split_layer_costs(table: CostTable, intra: IntraPlan, costs: Sequence[LayerC
                                  f"{mesh.shape[1]} logical mesh; pin it to a strategy of that mesh or unpin it.")
             chosen[sop] = hit[0]
         j = m.layer_map[k]
-        view = LazyIntraPlan(g, mesh, chosen, intra.ops, cache)
+        view = LazyIntraPlan.with_strategies(g, mesh, chosen, intra.ops, cache)
         out[k] = _costs_of_layers(table, intra, view, {j}, cache)[j]
     return out

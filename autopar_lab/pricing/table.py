@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..graph.capture import DeferredGraph
+from ..graph.capture import deferred_trace
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
+from ..lazy import Lazy
 from ..precision import Precision, as_precision, check_device, precision_of, retype
 from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
@@ -38,7 +39,8 @@ from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import ONE_PROGRAM_SHARE, chain_pairs, pareto, prefix_sums, stage_cost, task_overhead_s
-from .table_pool import (LEAN, DeferredIntraPlan, MeshPool, default_workers, mesh_key, solve_one)
+from .incremental import LazyIntraPlan
+from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -152,7 +154,8 @@ def solve_graph_for(model) -> OpGraph | None:
 
 def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | None = None
                    ) -> tuple[OpGraph, DeepMap | None]:
-    """(the full graph of the deep zoo model ``model`` as a :class:`DeferredGraph`, its :class:`DeepMap`) when its
+    """(the full graph of the deep zoo model ``model``, traced when first read
+    (:func:`~autopar_lab.graph.capture.deferred_trace`), its :class:`DeepMap`) when its
     layer names, layer map and cut bytes can be derived from ``small`` (its 4-layer copy) and its 6-layer copy
     (:func:`~autopar_lab.pricing.deepmap.derive`); else (its full trace, None). ``fit``: what every traced graph
     goes through (a number format, :func:`~autopar_lab.precision.retype`), as ``small`` did."""
@@ -163,10 +166,9 @@ def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | No
     deep = derive(model.config.num_layers, small, lambda: traced(shallow_copy(model, DEEPER)))
     if deep is None:
         return traced(model), None
-    lazy = DeferredGraph(lambda: traced(model), name=model.name, layers=deep.layer_names)
-    if small.__dict__.get("precision") is not None:
-        lazy.__dict__["precision"] = small.precision  # answered without the trace, as the name and layers are
-    return lazy, deep
+    # the number format is answered without the trace, as the name and layers are
+    known = {"precision": small.precision} if small.__dict__.get("precision") is not None else {}
+    return deferred_trace(lambda: traced(model), name=model.name, layers=deep.layer_names, **known), deep
 
 
 def as_graph(model) -> tuple[OpGraph, Any, float]:
@@ -206,7 +208,7 @@ class CostTable:
         if deep is not None and solve_graph is None:
             raise ValueError("deep= goes with the solve graph it was derived from (solve_graph=)")
         # A deep zoo model's names, layer map and cut bytes derived from its shallow copies (``deep``): its full
-        # graph is not read here, and may be a DeferredGraph not traced yet.
+        # graph is not read here, and may not be traced yet (graph.capture.deferred_trace).
         self.layer_names = list(deep.layer_names) if deep is not None else list(graph.layers) or [""]
         # The number format is the graph's (CostTable.build retypes it); a device without its matmul rate refuses.
         check_device(self.precision, cluster.device)
@@ -246,7 +248,7 @@ class CostTable:
         ``trace_s`` holds the seconds spent tracing and choosing the copy. A deep zoo model's full graph is not
         traced here with ``trace="auto"``: its layer names, layer map and cut bytes come from its 4- and 6-layer
         copies (:mod:`~autopar_lab.pricing.deepmap`, checked, else the full trace) and ``graph`` is a
-        :class:`~autopar_lab.graph.capture.DeferredGraph` traced when first read; ``trace="full"`` traces it here.
+        :func:`~autopar_lab.graph.capture.deferred_trace`: traced when first read; ``trace="full"`` traces it here.
         No ILP runs until a mesh is priced, unless ``workers`` (> 1) is given: a deep zoo model's shallow copy is
         then traced first and that many worker processes start solving every planned mesh
         (:meth:`planned_meshes`, from ``POOL_MIN_MESHES`` meshes on) while the rest is traced; :meth:`solve_meshes`
@@ -299,8 +301,8 @@ class CostTable:
         try:
             return cls(graph, cluster, solve_graph=small, deep=deep, **kw), False
         except LookupError:
-            if isinstance(graph, DeferredGraph):
-                graph.materialize()
+            if isinstance(graph, Lazy):
+                graph.fill_now()
             return cls(graph, cluster, **kw), True
 
     @staticmethod
@@ -376,7 +378,7 @@ class CostTable:
         costs, stored = self._mesh[key]
         if stored is None:  # solved in a worker process (or for another cluster): the plan from its strategy indices,
             # rebuilt when first read (most payloads are not)
-            stored = DeferredIntraPlan(self.solve_graph, self.cluster, key, self._choices[key])
+            stored = LazyIntraPlan.from_choice(self.solve_graph, self.cluster, key, self._choices[key])
             self._mesh[key] = (costs, stored)
         return costs, stored
 

@@ -12,7 +12,6 @@ priced by the same code, so the same numbers to the bit as solving in the parent
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import queue
@@ -102,52 +101,6 @@ def plan_from_choice(graph: OpGraph, cluster: Cluster, key, choice: np.ndarray) 
     cache = StrategyCache(mesh)
     chosen = {op: cache.strategies(graph.op(op))[int(k)] for op, k in zip(graph.ops, choice)}
     return evaluate_intra(graph, mesh, chosen, ops=list(graph.ops), cache=cache)
-
-
-class DeferredIntraPlan(IntraPlan):
-    """The IntraPlan of a mesh solved elsewhere, rebuilt from its strategy indices (:func:`plan_from_choice`) the
-    first time one of its fields is read.
-
-    The stage DP hands each stage candidate its mesh's plan as a payload, and a plan's stages carry them; most are
-    never read (a plan is priced from the table's layer costs), and rebuilding one evaluates every operator and edge
-    of the solve graph (a second or so for GPT-39B's 4-layer copy on a loaded machine). Once read it is
-    :func:`plan_from_choice`'s plan in every field. Unlike a plain IntraPlan (whose mappings are read-only proxies)
-    it pickles, as what rebuilds it: the graph, the cluster (as its JSON form), the mesh key and the indices."""
-
-    def __init__(self, graph: OpGraph, cluster: Cluster, key, choice: np.ndarray):  # noqa: D107 - fields come later
-        object.__setattr__(self, "_recipe", (graph, cluster, mesh_key(key), np.asarray(choice)))
-
-    @property
-    def is_built(self) -> bool:
-        """True once the plan has been rebuilt (a field was read)."""
-        return "mesh" in self.__dict__
-
-    def __getattr__(self, name: str) -> Any:
-        recipe = self.__dict__.get("_recipe")
-        if recipe is None or name.startswith("__") or self.is_built:
-            raise AttributeError(name)
-        plan = plan_from_choice(*recipe)
-        for f in dataclasses.fields(IntraPlan):
-            object.__setattr__(self, f.name, getattr(plan, f.name))
-        return getattr(self, name)
-
-    def __reduce__(self):
-        graph, cluster, key, choice = self.__dict__["_recipe"]
-        return _deferred_plan, (graph, cluster.to_dict(), key, choice)  # a Cluster pickles as its JSON form
-
-    def __eq__(self, other):
-        if not isinstance(other, IntraPlan):
-            return NotImplemented
-        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(IntraPlan))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _deferred_plan(graph: OpGraph, cluster_dict: dict, key, choice: np.ndarray) -> DeferredIntraPlan:
-    """A DeferredIntraPlan unpickled."""
-    from ..cluster import Cluster
-
-    return DeferredIntraPlan(graph, Cluster.from_json(cluster_dict), key, choice)
 
 
 class _Worker:
