@@ -1,6 +1,7 @@
-"""A deep zoo model's layer names, layer map and cut bytes derived from its 4- and 6-layer copies
+"""A deep model's layer names, layer map and cut bytes derived from its 4- and 6-layer copies
 (:mod:`autopar_lab.pricing.deepmap`) equal the full trace's; where the copies do not follow the pattern the table
-traces the full model; the full graph (a lazy value, graph.capture.deferred_trace) is traced only when read, and plans are the same either way."""
+traces the full model; the full graph (a lazy value, graph.capture.deferred_trace) is traced only when read, and
+plans are the same either way. Whether a model is planned on copies is the model's to say (ModelSpec.copy_fn)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.graph.capture import deferred_trace
-from autopar_lab.lazy import Lazy
 from autopar_lab.graph.opgraph import OpGraph
+from autopar_lab.lazy import Lazy
 from autopar_lab.pricing import CostTable
 from autopar_lab.pricing.deepmap import derive
 from autopar_lab.pricing.layers import cut_bytes
 from autopar_lab.pricing.opmap import OpMap, layer_map_of, plain_signature
-from autopar_lab.pricing.table import deferred_graph, shallow_copy, solve_graph_for
+from autopar_lab.pricing.table import deferred_graph, planned_on_copies, solve_graph_for
 
 CLUSTER = al.Cluster.preset("p3.16xlarge", hosts=2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ def _full_values(model):
 def test_derived_names_layer_map_and_cut_bytes_equal_the_full_trace(name, layers, overrides):
     model = al.models.get(name, num_layers=layers, **overrides)
     small = solve_graph_for(model)
-    deep = derive(layers, small, lambda: shallow_copy(model, 6).trace())
+    deep = derive(layers, small, lambda: model.with_layers(6).trace())
     assert deep is not None
     names, layer_map, cuts = _full_values(model)
     assert list(deep.layer_names) == names and len(names) > layers
@@ -60,6 +61,28 @@ def test_copies_that_break_the_pattern_give_no_derived_values():
     other = al.models.get("gpt-tiny", num_layers=6, hidden_size=2 * model.config.hidden_size)
     assert derive(12, small, other.trace) is None
     assert derive(4, small, lambda: pytest.fail("no 6-layer copy is needed for 4 layers")) is None
+
+
+def test_the_model_says_whether_it_is_planned_on_copies():
+    """Pricing asks the model (ModelSpec.repeated_layers / with_layers), not its family's name: a zoo model deeper
+    than a copy is planned on its 4-layer copy; the same model without copies (copy_fn None, as a step of your own
+    or a Wide-ResNet has) on its own graph, with the same layer names; Wide-ResNet says it has none."""
+    import dataclasses
+
+    deep = al.models.get("gpt-tiny", num_layers=6, hidden_size=32, seq_len=16, vocab_size=64)
+    assert deep.repeated_layers == 6 and planned_on_copies(deep) and deep.with_layers(4).repeated_layers == 4
+    assert not planned_on_copies(deep.with_layers(4))  # no deeper than a copy: its own graph
+    own = dataclasses.replace(deep, copy_fn=None)
+    assert own.repeated_layers is None and not planned_on_copies(own)
+    with pytest.raises(ValueError, match="no copies"):
+        own.with_layers(4)
+    copied, alone = CostTable.build(deep, CLUSTER), CostTable.build(own, CLUSTER)
+    assert len(copied.solve_graph.layers) == 6 and copied.solve_graph is not copied.graph  # 4 blocks + embed, head
+    assert alone.solve_graph is alone.graph and alone.layer_names == copied.layer_names
+    wide = al.models.get("wresnet-tiny")
+    assert wide.config.num_layers > 4 and wide.repeated_layers is None and not planned_on_copies(wide)
+    with pytest.raises(ValueError, match="Wide-ResNet has none"):
+        al.models.with_layers(wide, 4)
 
 
 def test_a_model_whose_copies_break_the_pattern_is_traced_in_full_with_the_same_table():

@@ -13,7 +13,7 @@ from autopar_lab.graph.opgraph import FORWARD
 from autopar_lab.models import deepseek
 from autopar_lab.pricing import CostTable
 from autopar_lab.pricing.deepmap import derive
-from autopar_lab.pricing.table import shallow_copy, solve_graph_for
+from autopar_lab.pricing.table import solve_graph_for
 from autopar_lab.sharding.experts import expert_matmuls
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -111,15 +111,15 @@ def test_bad_combinations_are_one_clear_sentence(overrides, message):
 
 def test_a_shallow_copy_keeps_an_moe_layer_after_the_dense_ones():
     v3 = al.models.get("deepseek-v3")
-    assert shallow_copy(v3, 4).config.first_dense_layers == 3                 # 3 dense + 1 MoE: both kinds as is
+    assert v3.with_layers(4).config.first_dense_layers == 3                 # 3 dense + 1 MoE: both kinds as is
     deep = al.models.get("deepseek-tiny", num_layers=24, first_dense_layers=5)
-    four, six = shallow_copy(deep, 4), shallow_copy(deep, 6)
+    four, six = deep.with_layers(4), deep.with_layers(6)
     assert (four.config.first_dense_layers, six.config.first_dense_layers) == (3, 3)   # capped alike: MoE kept
     assert deepseek.num_moe_layers(four.config) == 1
     assert {f: getattr(four.config, f) for f in ("hidden_size", "num_experts", "top_k", "batch_size")} == \
         {f: getattr(deep.config, f) for f in ("hidden_size", "num_experts", "top_k", "batch_size")}
     dense = al.models.get("deepseek-tiny", num_layers=8, first_dense_layers=8)   # no MoE layer: nothing to keep
-    assert shallow_copy(dense, 4).config.first_dense_layers == 8
+    assert dense.with_layers(4).config.first_dense_layers == 8
 
 
 def _kinds(graph) -> list[str]:
@@ -149,7 +149,7 @@ def test_layer_map_sends_dense_layers_to_a_dense_copy_layer_and_moe_to_moe(first
     3 (DeepSeek-V3's) or 5 (more than a copy keeps): the copies' blocks disagree, so the pattern is refused and the
     full model's layers are matched by structure."""
     model = al.models.get("deepseek-tiny", num_layers=8, first_dense_layers=first_dense)
-    derived = derive(8, solve_graph_for(model), lambda: shallow_copy(model, 6).trace())
+    derived = derive(8, solve_graph_for(model), lambda: model.with_layers(6).trace())
     assert (derived is None) == (first_dense >= 3)
     _check_layer_map(model)
 

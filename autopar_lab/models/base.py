@@ -41,6 +41,11 @@ class ModelSpec:
     param_argnums: tuple = (0,)
     # The optax optimizer inside step_fn: a pipeline runtime applies it per stage (exact for element-wise ones).
     optimizer: Any = field(default=None, compare=False, repr=False)
+    # How to make this model with another number of its repeated layers, every other setting kept: ``copy_fn(n)``.
+    # A deep model is planned on such shallow copies (its repeated layers are identical, so a 4-layer trace prices
+    # all of them: autopar_lab.pricing.table.solve_graph_for). None for a model without them: a step of your own,
+    # a Wide-ResNet (its blocks are not all alike: the widths change from stage to stage). The zoo's families set it.
+    copy_fn: Callable[[int], ModelSpec] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_step(cls, step_fn: Callable, init_fn: Callable, *, batch_argnums, param_argnums=(0,),
@@ -114,6 +119,27 @@ class ModelSpec:
                    abstract_args=args,
                    init_fn=lambda seed=0: tuple(init_fn(seed)), batch_argnums=batch_argnums,
                    param_argnums=param_argnums)
+
+    @property
+    def repeated_layers(self) -> int | None:
+        """How many repeated layers the model has when it can be made with another number of them
+        (:meth:`with_layers`), else None."""
+        if self.copy_fn is None:
+            return None
+        return getattr(self.config, "num_layers", None)
+
+    def with_layers(self, num_layers: int) -> ModelSpec:
+        """This model with ``num_layers`` repeated layers, every other setting kept (its shallow copies); a
+        ValueError for a model that has no such copies.
+
+        >>> import autopar_lab as al
+        >>> al.models.get("gpt-1.3b").with_layers(4).repeated_layers, al.models.get("wresnet-tiny").repeated_layers
+        (4, None)
+        """
+        if self.copy_fn is None:
+            raise ValueError(f"model {self.name!r} has no copies with another number of layers (its layers are not "
+                             "all alike, or it is a step of your own); plan it on its own graph.")
+        return self.copy_fn(num_layers)
 
     def init(self, seed: int = 0):
         """Concrete arguments of the step (zoo: (params, opt_state, batch)), deterministic in ``seed``."""

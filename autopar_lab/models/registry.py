@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -61,7 +62,16 @@ def build_config(family, name: str, **fields) -> ModelSpec:
     if module not in _FAMILIES.values():
         raise ValueError(f"unknown model family {family!r}; valid families are: {', '.join(_FAMILIES)}.")
     base = type(next(iter(module.PRESETS.values())))()  # the family's config class at its defaults
-    return module.build(str(name), _configured(base, **fields))
+    return _built(module, str(name), _configured(base, **fields))
+
+
+def _built(family, name: str, cfg) -> ModelSpec:
+    """``family.build(name, cfg)``, with its shallow copies (``ModelSpec.copy_fn``) unless the family has none
+    (``HAS_COPIES = False``: Wide-ResNet)."""
+    spec = family.build(name, cfg)
+    if not getattr(family, "HAS_COPIES", True):
+        return spec
+    return dataclasses.replace(spec, copy_fn=functools.partial(with_layers, spec))
 
 
 #: The largest size a config field may take. Tracing unrolls every layer and shapes are Python ints, so a typo such as
@@ -92,7 +102,7 @@ def get(name: str, batch_size: int | None = None, num_layers: int | None = None,
     """
     key, family, _ = _lookup(name)
     cfg = config_of(key, batch_size=batch_size, num_layers=num_layers, dtype=dtype, **overrides)
-    return _FAMILIES[family].build(key, cfg)
+    return _built(_FAMILIES[family], key, cfg)
 
 
 def fields(name: str) -> list[str]:
@@ -106,10 +116,10 @@ def with_layers(model: ModelSpec, num_layers: int) -> ModelSpec:
     every kind of layer the model has (a DeepSeek copy keeps at least one MoE layer after its dense ones:
     :func:`deepseek.copy_config`)."""
     family = _FAMILIES.get(model.family)
-    if family is None or not dataclasses.is_dataclass(model.config):
-        raise ValueError(f"{model.name!r} is not a zoo model; only zoo models have copies of another depth.")
+    if family is None or not dataclasses.is_dataclass(model.config) or not getattr(family, "HAS_COPIES", True):
+        raise ValueError(f"{model.name!r} is not a zoo model with copies of another depth (Wide-ResNet has none).")
     copy = getattr(family, "copy_config", None)
     cfg = copy(model.config, num_layers) if copy else replace_config(model.config, num_layers=num_layers)
     _check_bounds({"num_layers": num_layers})
-    return family.build(model.name, cfg)
+    return _built(family, model.name, cfg)
 

@@ -21,6 +21,10 @@ import jax.numpy as jnp
 from .base import check, compute_copy, cross_entropy, dtype_of, make_spec, param_dtype_of
 from .data import teacher_labels
 
+#: A Wide-ResNet has no shallow copies to plan it on (ModelSpec.copy_fn): its blocks are not all alike (each
+#: stage doubles the width and its first block strides and changes the shortcut), so a few blocks cannot price all.
+HAS_COPIES = False
+
 STAGES = {14: (1, 1, 1, 1), 26: (2, 2, 2, 2), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 

@@ -129,27 +129,19 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
 
 
-def is_deep_zoo_model(model) -> bool:
-    """A zoo model with more than 4 repeated layers (not a WResNet): planned on shallower copies of itself."""
-    cfg = getattr(model, "config", None)
-    return cfg is not None and hasattr(cfg, "num_layers") and cfg.num_layers > 4 and \
-        getattr(model, "family", "") != "wresnet"
-
-
-def shallow_copy(model, num_layers: int):
-    """The zoo model ``model`` (a ModelSpec) with ``num_layers`` layers and every other setting kept (a DeepSeek copy
-    keeps an MoE layer after its dense ones: :func:`autopar_lab.models.with_layers`)."""
-    from .. import models  # the zoo (and JAX models) load only when a zoo model is planned
-
-    return models.with_layers(model, num_layers)
+def planned_on_copies(model) -> bool:
+    """Whether ``model`` is planned on shallower copies of itself: it can be made with another number of its
+    repeated layers (``ModelSpec.with_layers``; the zoo's families say so) and has more than a copy's 4."""
+    depth = getattr(model, "repeated_layers", None)
+    return depth is not None and depth > SHALLOW
 
 
 def solve_graph_for(model) -> OpGraph | None:
-    """A shallower copy of a zoo model whose layers cover every distinct layer of the full model (None when the
-    model is not a deep zoo model: it is then solved on its own graph)."""
-    if not is_deep_zoo_model(model):
+    """A shallower copy of a model whose layers cover every distinct layer of the full model (None when the model is
+    not planned on copies, :func:`planned_on_copies`: it is then solved on its own graph)."""
+    if not planned_on_copies(model):
         return None
-    return shallow_copy(model, SHALLOW).trace()
+    return model.with_layers(SHALLOW).trace()
 
 
 def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | None = None
@@ -163,7 +155,7 @@ def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | No
         graph = spec.trace()
         return graph if fit is None else fit(graph)
 
-    deep = derive(model.config.num_layers, small, lambda: traced(shallow_copy(model, DEEPER)))
+    deep = derive(model.repeated_layers, small, lambda: traced(model.with_layers(DEEPER)))
     if deep is None:
         return traced(model), None
     # the number format is answered without the trace, as the name and layers are
@@ -264,7 +256,7 @@ class CostTable:
             raise ValueError(f"trace must be one of {TRACE_MODES}, got {trace!r}")
         kw: dict[str, Any] = dict(solver=solver, on_progress=on_progress, space=space)
         t0 = time.perf_counter()
-        if isinstance(model, OpGraph) or not is_deep_zoo_model(model):
+        if isinstance(model, OpGraph) or not planned_on_copies(model):
             graph, _, trace_s = as_graph(model)
             t0 = time.perf_counter() - trace_s
             table = cls(graph if fit is None else fit(graph), cluster, **kw)
