@@ -33,7 +33,7 @@ _LAZY = {
     "resolve": ("autopar_lab.pins", "resolve"),
     "CostTable": ("autopar_lab.pricing", "CostTable"),
     "Precision": ("autopar_lab.precision", "Precision"),
-    "price_plan": ("autopar_lab.pricing", "price_plan"),
+    "price_plan": ("autopar_lab.plan", "price_plan"),
     "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
     "pipeline_boundary": ("autopar_lab.graph.markers", "pipeline_boundary"),
     "relayer": ("autopar_lab.graph.relayer", "relayer"),

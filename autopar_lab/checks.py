@@ -14,9 +14,8 @@ here, apart from the modules that call them, so each entry point needs one line.
 from __future__ import annotations
 
 import numbers
-import os
 
-__all__ = ["whole", "flag", "stage_index", "op_id", "plan_object"]
+__all__ = ["whole", "flag", "stage_index", "op_id"]
 
 
 def whole(value, what: str, lo: int = 1, hi: int | None = None) -> int:
@@ -54,16 +53,3 @@ def op_id(op) -> int:
     if isinstance(op, bool) or not isinstance(op, numbers.Integral):
         raise ValueError(f"an operator id must be a whole number from graph.ops, got {op!r:.60}.")
     return int(op)
-
-
-def plan_object(plan, where: str):
-    """``plan`` if it is a :class:`~autopar_lab.plan.Plan`; a path gets told how to load it."""
-    from .plan import Plan
-
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, (str, os.PathLike)):
-        raise ValueError(f"{where} takes a Plan, got the path {os.fspath(plan)!r:.200}; load it first with "
-                         "al.load_plan(path, model.trace()).")
-    raise ValueError(f"{where} takes a Plan (from al.auto_plan, al.megatron_plan, al.load_plan ...), got "
-                     f"{type(plan).__name__}.")

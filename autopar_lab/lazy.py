@@ -39,7 +39,7 @@ class Lazy:
     @classmethod
     def of(cls, value_class: type[T], fill: Fill, *, names: Iterable[str] | None = None, **given: Any) -> T:
         """A ``value_class`` whose fields ``fill()`` computes when first read (see the class)."""
-        lazy = _CLASSES.get(value_class)
+        lazy: Any = _CLASSES.get(value_class)
         if lazy is None:
             lazy = _CLASSES[value_class] = type(f"Lazy{value_class.__name__}", (cls, value_class), {})
         return lazy.defer(fill, names=names, **given)

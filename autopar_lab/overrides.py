@@ -1,7 +1,7 @@
 """Overrides of a plan, re-estimated: plans are values, so each override returns a new :class:`~autopar_lab.plan.Plan`.
 
-How an override is re-priced (by :func:`~autopar_lab.pricing.price_plan`, the function the planner's own plans go
-through, so an unchanged plan prices to the same bits):
+How an override is re-priced (by :func:`~autopar_lab.pricing.price.price_stages`, the function the planner's own plans
+go through, so an unchanged plan prices to the same bits):
 
 1. The stage running the operator gets a new :class:`~autopar_lab.solve.intra.IntraPlan`: the old choice with one
    strategy replaced (a :class:`~autopar_lab.pricing.LazyIntraPlan`: its totals are evaluate_intra's, computed when
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-from . import checks, planner
+from . import checks, stagesearch
 from .layergroups import stage_of_layer
 from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve were first offered here
     PinIndex,
@@ -42,7 +42,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
     stage_ranges,
     stage_runs,
 )
-from .pricing import LazyIntraPlan, changed_layer_costs, price_plan
+from .pricing import LazyIntraPlan, changed_layer_costs, price_stages
 from .pricing.price import StageSpec, table_of
 from .rematmode import remat_value
 from .schedules import check_schedule
@@ -88,12 +88,13 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
         layer_costs = [before.get(id(intra)) for intra in intras]
     # The plan's chunk count stays with its schedule, pinned or not (a schedule given takes its pinned or default one).
     keep_v = plan.virtual_stages if schedule is None and plan.virtual_stages > 1 else None
-    return price_plan(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
-                      schedule=schedule or plan.schedule, virtual_stages=keep_v, solutions=solutions,
-                      stage_comm=plan.stage_comm,
-                      mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method, solve_s=plan.solve_s,
-                      notes=plan.notes, pins=pins, stage_pins=plan.stage_pins if stage_pins is None else stage_pins,
-                      layer_pins=plan.layer_pins if layer_pins is None else layer_pins)
+    stage_pins = plan.stage_pins if stage_pins is None else stage_pins
+    layer_pins = plan.layer_pins if layer_pins is None else layer_pins
+    priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
+                          schedule=schedule or plan.schedule, virtual_stages=keep_v, solutions=solutions,
+                          mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=stage_pins, layer_pins=layer_pins)
+    return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins),
+                       layer_pins=dict(layer_pins))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -363,7 +364,7 @@ def with_microbatches(plan: Plan, n: int) -> Plan:
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"microbatches must be a positive integer dividing the batch size {table.batch_size}, "
                          f"got {n!r}")
-    planner.microbatch_choices(table.batch_size, n)
+    stagesearch.microbatch_choices(table.batch_size, n)
     return reprice(plan, [st.intra for st in plan.stages], n, plan.pins,
                    stage_pins={**plan.stage_pins, "microbatches": n})
 
@@ -499,7 +500,7 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
         if isinstance(microbatches, bool) or not isinstance(microbatches, int):
             raise ValueError(f"microbatches must be a positive integer dividing the batch size {table.batch_size}, "
                              f"got {microbatches!r}")
-        planner.microbatch_choices(table.batch_size, microbatches)
+        stagesearch.microbatch_choices(table.batch_size, microbatches)
         B = microbatches
     if submeshes is not None:
         subs: list[tuple[int, int] | None] = list(check_submeshes(cluster, _per_stage(submeshes, S, "submeshes")))

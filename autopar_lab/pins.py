@@ -5,7 +5,7 @@ stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_mesh
 "schedule"). This module re-solves around them:
 
 - :func:`resolve`: the stage DP with the stage pins as constraints (:class:`~autopar_lab.solve.inter.StageConstraints`,
-  the one microbatch search :func:`~autopar_lab.planner.search_microbatches`) and the plan's own schedule
+  the one microbatch search :func:`~autopar_lab.stagesearch.search_microbatches`) and the plan's own schedule
   (:func:`schedule_keywords`), then the intra-op ILP of each stage around the operator pins of the layers it runs
   (:func:`stage_runs`: an interleaved stage's chunks);
 - :func:`solve_intra_around_pins`: the same stages, each stage's ILP again around its pins (the workbench's "intra"
@@ -23,8 +23,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from . import planner
-from .pricing import LazyIntraPlan, pareto, price_plan
+from . import stagesearch
+from .pricing import LazyIntraPlan, pareto, price_stages
 from .pricing.price import StageSpec, table_of
 from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
@@ -231,7 +231,7 @@ def schedule_keywords(plan: Plan, schedule: str | None = None) -> dict[str, Any]
     if name == "interleaved":
         kw["virtual_stages"] = v
     elif name == "zb-h1":
-        kw["wgrad_share"] = planner.wgrad_share(table_of(plan))
+        kw["wgrad_share"] = stagesearch.wgrad_share(table_of(plan))
     return kw
 
 
@@ -338,12 +338,12 @@ def constrained_candidates(table: CostTable, cluster: Cluster, constraints: Stag
 def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_choices: Sequence[int],
                  schedule: Mapping[str, Any], mem_limit_bytes: float, pins: PinIndex | None, *, prune: bool = True):
     """The stage DP over the plan's table, around the stage pins (``constraints``) and on meshes that can run the
-    operator pins, for each microbatch count (:func:`~autopar_lab.planner.search_microbatches`), with the
+    operator pins, for each microbatch count (:func:`~autopar_lab.stagesearch.search_microbatches`), with the
     schedule keywords ``schedule`` (:func:`schedule_keywords`)."""
     table, cluster = table_of(plan), plan.cluster
     cands = constrained_candidates(table, cluster, constraints, pins, prune=prune,
                                    virtual_stages=int(schedule.get("virtual_stages", 1)))
-    return planner.search_microbatches(
+    return stagesearch.search_microbatches(
         table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
         mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
         stage_comm=plan.stage_comm, constraints=constraints, **schedule)
@@ -422,7 +422,7 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     constraints = constraints_of(sp)
     sched = schedule_keywords(plan)
     v = int(sched.get("virtual_stages", 1))
-    choices = [sp["microbatches"]] if "microbatches" in sp else planner.microbatch_choices(table.batch_size, "auto")
+    choices = [sp["microbatches"]] if "microbatches" in sp else stagesearch.microbatch_choices(table.batch_size, "auto")
     mem = plan.cost.mem_limit_bytes
     try:
         res = solve_stages(plan, constraints, choices, sched, mem,
@@ -437,10 +437,10 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     runs = stage_runs([s.layers for s in specs], v)
     intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions, runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
-    kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], stage_comm=plan.stage_comm,
-              mem_limit_bytes=mem, method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins,
-              stage_pins=sp, layer_pins=plan.layer_pins, virtual_stages=v if v > 1 else None)
-    out = price_plan(table, specs, intras=intras, solutions=solutions, **kw)
+    kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem, stage_pins=sp,
+              layer_pins=plan.layer_pins, virtual_stages=v if v > 1 else None)
+    fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp)
+    out = price_stages(table, specs, intras=intras, solutions=solutions, **kw).onto(plan, **fields)
     # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
     # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
     # every pin of the layers it runs, keep that sharding if it wins.
@@ -457,7 +457,8 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
             costs.append(None)
             kept_solutions.append(solution)
     if any(a is not b for a, b in zip(kept, intras)):
-        alt = price_plan(table, specs, intras=kept, layer_costs=costs, solutions=kept_solutions, **kw)
+        alt = price_stages(table, specs, intras=kept, layer_costs=costs, solutions=kept_solutions, **kw).onto(
+            plan, **fields)
         if alt.cost.step_time_s < out.cost.step_time_s:
             return alt
     return out
@@ -472,12 +473,10 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
     solutions = [st.solution for st in plan.stages]
     intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress,
                                 solutions=solutions, runs=runs)
-    return price_plan(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
-                      schedule=plan.schedule,
-                      stage_comm=plan.stage_comm, mem_limit_bytes=plan.cost.mem_limit_bytes, method=plan.method,
-                      solve_s=plan.solve_s, notes=plan.notes, pins=plan.pins, stage_pins=plan.stage_pins,
-                      layer_pins=plan.layer_pins, virtual_stages=plan.virtual_stages if plan.virtual_stages > 1
-                      else None)
+    return price_stages(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
+                        schedule=plan.schedule, mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=plan.stage_pins,
+                        layer_pins=plan.layer_pins,
+                        virtual_stages=plan.virtual_stages if plan.virtual_stages > 1 else None).onto(plan)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -502,7 +501,7 @@ def _stage_pins_that_hold(stage_pins: Mapping[str, Any], plan: Plan) -> tuple[di
                 if bad:
                     raise ValueError(f"{tuple(bad[0])} is a logical mesh of no submesh of this cluster")
             elif key == "microbatches":
-                planner.microbatch_choices(batch, value)
+                stagesearch.microbatch_choices(batch, value)
         except ValueError as e:
             dropped.append(f"stage pin {key}={value!r} dropped: {str(e).rstrip('.')}.")
             continue

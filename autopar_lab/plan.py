@@ -1,20 +1,24 @@
-"""Plans as values: stages on submeshes, a sharding strategy per operator, and the cost report.
+"""Plans as values with behaviour: :class:`Plan`, and :func:`price_plan`, which makes one from decisions.
 
-A :class:`Plan` is immutable. Its cost is a :class:`CostReport` whose step time splits into named terms:
-
-    step_time_s = compute_s + comm_s + reshard_s + bubble_s
-
-where the first three are the work of the pipeline's busiest stage over one step (its kernels' roofline time, the
-collectives they run, the resharding between them, as far as they are not hidden behind compute: ``hidden_comm_s``
-says how much is) and ``bubble_s`` is the time that stage waits (pipeline fill and
-drain, and transfers between stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the
-makespan of the event-level pipeline simulation (:mod:`autopar_lab.simulate`).
+The data a plan holds (:class:`~autopar_lab.planvalues.Stage`, :class:`~autopar_lab.planvalues.CostReport`) sits
+below the pricing layer, which computes it (:func:`~autopar_lab.pricing.price.price_stages`); this module sits above
+pricing and the modules that edit plans (:mod:`autopar_lab.overrides`, :mod:`autopar_lab.pins`,
+:mod:`autopar_lab.parallelism`, :mod:`autopar_lab.export`), so a plan's methods call them with plain imports. Those
+modules never make a Plan from nothing: they re-price the plan they were given and return it with its new fields
+(:meth:`~autopar_lab.pricing.price.Priced.onto`, ``dataclasses.replace``), so it keeps its class. What makes a plan
+from nothing (the planner, plan files, the global optimum) sits above this module and calls :func:`price_plan`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from . import export, overrides, parallelism
+from .planvalues import CostReport, Stage
+from .precision import precision_of
+from .pricing.price import price_stages
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -23,173 +27,9 @@ if TYPE_CHECKING:
     from .precision import Precision
     from .pricing.layers import LayerCost
     from .pricing.table import CostTable
-    from .simulate import Timeline
     from .solve.intra import IntraPlan
 
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: a contiguous range of layers on a submesh, viewed as a 2D logical mesh."""
-
-    layers: tuple[int, int]  # first and last layer index (inclusive), into Plan.layer_names
-    submesh: tuple[int, int]
-    logical_mesh: tuple[int, int]
-    devices: tuple[int, ...]
-    remat: bool | str  # False (none), True (full) or "selective" (autopar_lab.rematmode)
-    fwd_s: float  # per microbatch
-    bwd_s: float  # per microbatch (optimizer update and gradient synchronisation spread over the microbatches)
-    compute_s: float  # per step
-    comm_s: float
-    reshard_s: float
-    static_bytes: float
-    act_bytes: float  # per microbatch in flight
-    peak_mem_bytes: float
-    intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
-    # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
-    # kept so that an override re-prices only what it changes. A layer split from its group (Plan.layer_pins) is
-    # priced on top of these (pricing.incremental.split_layer_costs), so removing its pins restores its cost.
-    layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
-    # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is
-    # then the stage's range in the plan's 1F1B layout, which gives its layer count). Empty otherwise.
-    chunks: tuple[tuple[int, int], ...] = ()
-    # Zero-bubble schedule: the part of ``bwd_s`` that is the weight-gradient task W (0 for the other schedules).
-    wgrad_s: float = 0.0
-    # Which of its mesh's intra-op solutions the stage's sharding starts from: "fast" (the time-only ILP) or "lean"
-    # (weights stored at their least, ZeRO-3 / FSDP style; :meth:`~autopar_lab.pricing.table.CostTable.solutions`),
-    # as the stage DP chose it (pins, if any, applied on top).
-    solution: str = "fast"
-
-    @property
-    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
-        """The (first, last) layer ranges the stage runs: its chunks when interleaved, else ``(layers,)``."""
-        return self.chunks or (self.layers,)
-
-    def to_dict(self, layer_names=None) -> dict:
-        out: dict[str, Any] = {
-            "layers": list(self.layers),
-            "submesh": list(self.submesh),
-            "logical_mesh": list(self.logical_mesh),
-            "devices": [self.devices[0], self.devices[-1] + 1],
-            "remat": self.remat,
-            "fwd_s": self.fwd_s,
-            "bwd_s": self.bwd_s,
-            "peak_mem_bytes": self.peak_mem_bytes,
-        }
-        if layer_names is not None:
-            out["layer_names"] = [layer_names[self.layers[0]], layer_names[self.layers[1]]]
-        if self.chunks:
-            out["chunks"] = [list(c) for c in self.chunks]
-            if layer_names is not None:
-                out["chunk_layer_names"] = [[layer_names[a], layer_names[b]] for a, b in self.chunks]
-        if self.wgrad_s:
-            out["wgrad_s"] = self.wgrad_s
-        out["solution"] = self.solution
-        return out
-
-
-@dataclass(frozen=True)
-class CostReport:
-    """Every figure of a plan's cost, in seconds per training step and bytes per device."""
-
-    step_time_s: float
-    compute_s: float
-    comm_s: float
-    reshard_s: float
-    stage_comm_s: float
-    bubble_s: float
-    peak_mem_bytes: tuple[float, ...]
-    mem_limit_bytes: float
-    samples_per_s: float
-    busiest_stage: int
-    timeline: Timeline | None = field(default=None, compare=False, repr=False)
-    # Communication the busiest stage runs hidden behind its compute (not part of the step time): the data-parallel
-    # gradient reduction bucketed behind the last microbatch's backward, parameter gathers prefetched behind the
-    # forward.
-    hidden_comm_s: float = 0.0
-    # Kernels the busiest stage launches per step (forward, recomputation and backward, every microbatch); whether
-    # attention ran as one fused (flash) kernel.
-    kernels: int = 0
-    flash_attention: bool = False
-    # Collectives the busiest stage issues per step that every microbatch issues again (tensor-parallel all-reduces,
-    # activation resharding; not the once-a-step gradient reduction or parameter gathers) and their latency (the
-    # alpha term of each, count x latency of its link class, over all microbatches): part of the collectives term.
-    collectives: int = 0
-    collective_latency_s: float = 0.0
-    # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
-    schedule_choice: str = field(default="", compare=False)
-    # Virtual devices (JAX's CPU devices): the stages on a host share its cores and run one task at a time, so the
-    # busiest stage also waits while the others run (Device.virtual).
-    shared_host: bool = False
-    # The fixed cost of the busiest stage's programs a step, part of its compute: each task's launch (the device's
-    # task_overhead_s) and, on virtual devices, the state arrays each task takes (pricing.stage.stage_cost). 0 where
-    # none is charged (the GPU presets).
-    task_s: float = 0.0
-    # The busiest stage's re-reads of the gradient chain a step, part of its compute: where the compiler sums the
-    # chain again inside each layer's backward kernels (Efficiency.chain_reads; XLA on CPU), a backward program of n
-    # layers reads ~n^2/2 links (pricing.stage.chain_pairs). 0 where none is charged (the GPU presets).
-    chain_s: float = 0.0
-    # The number format the plan is priced in (autopar_lab.precision: "bf16 (bf16 compute, fp32 gradients, ...)"),
-    # and whether it is priced only (a format the graph was retyped to: the runtime runs the model's own step).
-    precision: str = field(default="", compare=False)
-
-    @property
-    def fits(self) -> bool:
-        """Whether every stage's peak memory is within the device's limit."""
-        return all(m <= self.mem_limit_bytes for m in self.peak_mem_bytes)
-
-    def to_dict(self) -> dict:
-        return {
-            "step_time_s": self.step_time_s,
-            "samples_per_s": self.samples_per_s,
-            "compute_s": self.compute_s,
-            "comm_s": self.comm_s,
-            "reshard_s": self.reshard_s,
-            "stage_comm_s": self.stage_comm_s,
-            "bubble_s": self.bubble_s,
-            "peak_mem_bytes": list(self.peak_mem_bytes),
-            "mem_limit_bytes": self.mem_limit_bytes,
-            "busiest_stage": self.busiest_stage,
-            "hidden_comm_s": self.hidden_comm_s,
-            "kernels": self.kernels,
-            "flash_attention": self.flash_attention,
-            "collectives": self.collectives,
-            "collective_latency_s": self.collective_latency_s,
-            "task_s": self.task_s,
-            "chain_s": self.chain_s,
-        }
-
-    def explain(self) -> str:
-        """The step time as the sum of its terms, with what each one is."""
-        attention = "attention as one fused (flash) kernel" if self.flash_attention else \
-            "attention as matmuls and a softmax through memory"
-        tl = self.timeline
-        how = ""
-        if tl is not None and tl.schedule == "interleaved":
-            how = (f"; interleaved schedule, {tl.virtual_stages} chunks per stage: fill and drain shrink by "
-                   f"{tl.virtual_stages}, transfers grow by as much")
-        elif tl is not None and tl.schedule == "zb-h1":
-            how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
-        shared = ", and the other stages running on its host (virtual devices share its cores)" if self.shared_host \
-            else ""
-        tasks = (f"; of which {self.task_s:.4g} s the fixed cost of its programs: launches and the arrays they take"
-                 if self.task_s > 0 else "")
-        tasks += (f"; of which {self.chain_s:.4g} s re-reading the gradient chain (the compiler sums the residual "
-                  f"stream's gradient again in each layer's backward kernels: quadratic in a program's layers)"
-                  if self.chain_s > 0 else "")
-        fmt = f"number format {self.precision}; " if self.precision else ""
-        return fmt + (
-            f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
-            f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}{tasks}) + collectives "
-            f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
-            f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
-            f"microbatches, what is not hidden) "
-            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers"
-            f"{shared}"
-            f"; stage transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
-            f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
-            f"reduction behind the last backward, parameter gathers behind the forward)"
-            + (f"; {self.schedule_choice}" if self.schedule_choice else "")
-        )
+__all__ = ["Plan", "Stage", "CostReport", "price_plan", "plan_object"]
 
 
 @dataclass(frozen=True)
@@ -227,8 +67,6 @@ class Plan:
     def precision(self) -> Precision:
         """The number format the plan is priced in (``precision=`` of the planners; by default the model's own, as
         traced): its graph's, :func:`~autopar_lab.precision.precision_of`."""
-        from .precision import precision_of
-
         return precision_of(self.op_graph)
 
     @property
@@ -267,16 +105,12 @@ class Plan:
 
     def full_stage_of(self, full_op: int) -> int:
         """The stage that runs operator ``full_op`` of the model's full graph (:attr:`graph`): its layer's stage."""
-        from .overrides import full_stage_of
-
-        return full_stage_of(self, full_op)
+        return overrides.full_stage_of(self, full_op)
 
     def full_choice(self, full_op: int) -> Any:
         """The sharding strategy operator ``full_op`` of the full graph (:attr:`graph`) runs with: its own pin if its
         layer is split (:attr:`layer_pins`), else its stand-in's strategy in the stage that runs its layer."""
-        from .overrides import full_choice
-
-        return full_choice(self, full_op)
+        return overrides.full_choice(self, full_op)
 
     def choice(self, op: int) -> Any:
         """The sharding strategy of one operator (from the stage that runs its layer)."""
@@ -293,15 +127,11 @@ class Plan:
         raise KeyError(f"operator {op} is not in this plan")
 
     # --- overrides: each returns a new Plan, re-estimated (see autopar_lab.overrides) -----------------------------
-    # These convenience methods delegate to autopar_lab.overrides (and export), which build on this module: the
-    # imports are inside the methods, the one deliberate upward edge of the engine (tests/test_structure.py).
     def with_choice(self, op: int, strategy) -> "Plan":
         """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
         for a deep model's copy, in every layer that shares ``op``'s solution and on every stage that runs one of
         them (each re-priced), then the pipeline is simulated again."""
-        from .overrides import with_choice
-
-        return with_choice(self, op, strategy)
+        return overrides.with_choice(self, op, strategy)
 
     def with_layer_choice(self, full_op: int, strategy) -> "Plan":
         """This plan with operator ``full_op`` of the full graph (:attr:`graph`) run by ``strategy`` in its layer
@@ -309,15 +139,11 @@ class Plan:
         :attr:`layer_pins`) and re-priced on its stage's mesh; the other layers keep theirs. For a layer that shares
         its solution with no other (every layer of a model solved on its own graph), the same as
         :meth:`with_choice` on its operator."""
-        from .overrides import with_layer_choice
-
-        return with_layer_choice(self, full_op, strategy)
+        return overrides.with_layer_choice(self, full_op, strategy)
 
     def with_microbatches(self, n: int) -> "Plan":
         """This plan with ``n`` microbatches (stages and strategies kept), re-simulated; ``n`` is pinned."""
-        from .overrides import with_microbatches
-
-        return with_microbatches(self, n)
+        return overrides.with_microbatches(self, n)
 
     def with_stages(self, boundaries=None, submeshes=None, logical_meshes=None, microbatches=None) -> "Plan":
         """This plan with its stages changed: ``boundaries`` the first layer of each stage after the first (or a
@@ -327,66 +153,48 @@ class Plan:
 
         >>> plan.with_stages(boundaries=[6], submeshes=[(1, 4), (1, 4)])   # doctest: +SKIP
         """
-        from .overrides import with_stages
-
-        return with_stages(self, boundaries, submeshes, logical_meshes, microbatches)
+        return overrides.with_stages(self, boundaries, submeshes, logical_meshes, microbatches)
 
     def with_schedule(self, schedule: str, virtual_stages: int | None = None) -> "Plan":
         """This plan run with pipeline schedule ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (``virtual_stages``
         model chunks per stage, default 2) or ``"zb-h1"`` (pinned), re-priced and re-simulated."""
-        from .overrides import with_schedule
-
-        return with_schedule(self, schedule, virtual_stages)
+        return overrides.with_schedule(self, schedule, virtual_stages)
 
     def with_remat(self, stage: int, on: bool | str = True) -> "Plan":
         """This plan with rematerialisation of stage ``stage`` switched ``on`` (True: full), off (False) or to
         ``"selective"`` (the attention internals only), pinned: its activation memory and backward time re-priced,
         the pipeline re-simulated."""
-        from .overrides import with_remat
-
-        return with_remat(self, stage, on)
+        return overrides.with_remat(self, stage, on)
 
     def with_fsdp(self, axes: tuple[int, ...] | None = None) -> "Plan":
         """This plan with every parameter stored sharded over its stage's data-parallel axes (or ``axes``) and
         all-gathered where read, in forward and again in backward: ZeRO-3 / FSDP (each a pin, re-priced); see
         :func:`autopar_lab.parallelism.with_fsdp`."""
-        from .parallelism import with_fsdp
-
-        return with_fsdp(self, axes)
+        return parallelism.with_fsdp(self, axes)
 
     def with_expert_parallel(self, axes: tuple[int, ...] = (), resolve: bool = True) -> "Plan":
         """This plan with the experts of every MoE layer split over mesh ``axes`` (``()``: replicated, EP=1), the
         rest re-solved around them; see :func:`autopar_lab.overrides.with_expert_parallel`."""
-        from .overrides import with_expert_parallel
-
-        return with_expert_parallel(self, axes, resolve)
+        return overrides.with_expert_parallel(self, axes, resolve)
 
     def alternatives(self, op: int) -> list[Alternative]:
         """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
         change if chosen instead), sorted by ``delta_s``: "why this choice"."""
-        from .overrides import alternatives
-
-        return alternatives(self, op)
+        return overrides.alternatives(self, op)
 
     def layer_alternatives(self, full_op: int) -> list[Alternative]:
         """Every strategy of operator ``full_op`` of the full graph on its layer's stage mesh, with the step-time
         change of choosing it for that layer alone (:meth:`with_layer_choice`), sorted by ``delta_s``."""
-        from .overrides import layer_alternatives
-
-        return layer_alternatives(self, full_op)
+        return overrides.layer_alternatives(self, full_op)
 
     def diff(self, other: "Plan") -> dict:
         """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""
-        from .overrides import diff
-
-        return diff(self, other)
+        return overrides.diff(self, other)
 
     def to_jax_code(self, stage: int = 0) -> str:
         """Python source that builds one stage's mesh (default the first), the PartitionSpecs / NamedShardings of
         the step's inputs and the sharding constraints of its forward matmuls (see :mod:`autopar_lab.export`)."""
-        from .export import to_jax_code
-
-        return to_jax_code(self, stage)
+        return export.to_jax_code(self, stage)
 
     def report(self, model_name: str | None = None) -> dict:
         """The JSON report of `autopar-lab plan --json`."""
@@ -413,3 +221,41 @@ class Plan:
         shapes = ", ".join(f"{s.layers[0]}-{s.layers[1]}@{s.submesh[0]}x{s.submesh[1]}" for s in self.stages)
         return (f"Plan({self.method}: {len(self.stages)} stage(s) [{shapes}], {self.microbatches} microbatches, "
                 f"step {self.cost.step_time_s:.4g} s)")
+
+
+def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, schedule: str = "1f1b",
+               stage_comm: str = "model", mem_limit_bytes: float | None = None, method: str = "custom",
+               intras: Sequence[IntraPlan | None] | None = None,
+               layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
+               solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
+               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
+               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None,
+               solutions: Sequence[str] | None = None) -> Plan:
+    """The :class:`Plan` of these decisions, priced by ``table``
+    (:func:`~autopar_lab.pricing.price.price_stages`, whose keywords these are, says how), with ``method``,
+    ``stage_comm`` (what the stage DP was told about stage transfers), ``solve_s``, ``notes``, ``pins`` and
+    ``stage_pins`` stored on it as given.
+
+    >>> import autopar_lab as al                                                           # doctest: +SKIP
+    >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
+    >>> al.price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
+    """
+    priced = price_stages(table, stages, microbatches=microbatches, schedule=schedule,
+                          mem_limit_bytes=mem_limit_bytes, intras=intras, layer_costs=layer_costs,
+                          stage_pins=stage_pins, virtual_stages=virtual_stages, layer_pins=layer_pins,
+                          solutions=solutions)
+    return Plan(table.graph, table.cluster, method, tuple(table.layer_names), priced.stages, microbatches,
+                priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
+                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages,
+                layer_pins=dict(layer_pins or {}))
+
+
+def plan_object(plan, where: str) -> Plan:
+    """``plan`` if it is a :class:`Plan`; a path gets told how to load it."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        raise ValueError(f"{where} takes a Plan, got the path {os.fspath(plan)!r:.200}; load it first with "
+                         "al.load_plan(path, model.trace()).")
+    raise ValueError(f"{where} takes a Plan (from al.auto_plan, al.megatron_plan, al.load_plan ...), got "
+                     f"{type(plan).__name__}.")

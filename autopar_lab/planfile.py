@@ -4,7 +4,7 @@ The file holds the plan's decisions, not its numbers: stages (layers, submesh, l
 strategy name of every operator (``choices``, from the stage that runs it), pins, microbatches, schedule. Loading
 checks the version, that the graph and the cluster are the ones the plan was made for, looks every strategy up by
 name among :func:`~autopar_lab.sharding.strategies.strategies_for` on its stage's mesh, and re-prices the plan the
-way the planner does (:func:`autopar_lab.pricing.price_plan`), so the step time comes back to the last bit::
+way the planner does (:func:`autopar_lab.plan.price_plan`), so the step time comes back to the last bit::
 
     {"version": 2, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
      "schedule": "1f1b", "stage_comm": "model", "mem_limit_bytes": 1.7e10, "layer_names": [...],
@@ -166,7 +166,8 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
     from . import planschema
     from .cluster import Cluster
     from .planner import microbatch_choices
-    from .pricing import CostTable, price_plan, solve_graph_for
+    from .plan import price_plan
+    from .pricing import CostTable, solve_graph_for
     from .solve.intra import StrategyCache, evaluate_intra
 
     where = f"plan file {os.fspath(path)!r}"

@@ -11,7 +11,7 @@ Planning makes decisions; :mod:`autopar_lab.pricing` prices them:
    heavy operator, the device's per-task overhead, rematerialisation).
 3. The stage DP (:func:`~autopar_lab.solve.inter.stage_dp`) picks stages, submeshes and logical meshes for each
    microbatch count (:func:`search_microbatches`); the plan's step time is the makespan of the event-level
-   simulation of that pipeline (:func:`~autopar_lab.pricing.price.price_plan`).
+   simulation of that pipeline (:func:`~autopar_lab.plan.price_plan`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import numpy as np
 
 from . import checks
 from .graph.opgraph import OpGraph
-from .plan import Plan
+from .plan import Plan, price_plan
 from .precision import Precision, as_precision
 from .pricing import (  # noqa: F401 - names this module has always offered (notebooks and user code import them)
     LAUNCH_OVERHEAD_S,
@@ -36,20 +35,25 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     layer_costs,
     mesh_signature,
     pareto,
-    price_plan,
 )
 from .pricing.table_pool import default_workers
 from .rematmode import REMAT_CHOICES, is_full, is_selective, remat_value
 from .solve import inter
 from .schedules import check_schedule
 from .solve.ilp import DEFAULT_SOLVER
+from .stagesearch import (  # noqa: F401 - names this module has always offered
+    LAYER_GRID_MAX,
+    CandidateFactory,
+    layer_grid,
+    microbatch_choices,
+    search_microbatches,
+    wgrad_share,
+)
 
 if TYPE_CHECKING:
     from .cluster import Cluster
 
 ProgressFn = Callable[[str, int, int], None]
-#: ``candidates(microbatches, mem_limit_bytes or None)`` -> the DP's ``candidates(start, end, submesh)``.
-CandidateFactory = Callable[[int, "float | None"], Callable[[int, int, tuple], Sequence[inter.StageCandidate]]]
 
 
 def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, float]:
@@ -92,155 +96,6 @@ def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: s
         raise ValueError("the cost table was built for another graph; build one for this model with "
                          "CostTable.build(model, cluster)")
     return table, cluster, None
-
-
-def microbatch_choices(batch: int, microbatches) -> list[int]:
-    """The microbatch counts to try, for ``"auto"``: every power of two dividing ``batch`` (Alpa's choices); and
-    where those reach less than half way to the batch on a log scale (a batch with a large odd factor, like
-    Megatron-LM's 2,520), for each power of two that does not divide it, the batch's divisor nearest to it (by
-    ratio), so that the search still spans 1 to the batch in steps of about 2. Else ``[microbatches]`` (which must
-    divide the batch).
-
-    >>> microbatch_choices(24, "auto"), microbatch_choices(24, 3), microbatch_choices(2520, "auto")[-6:]
-    ([1, 2, 4, 8], [3], [63, 126, 252, 504, 840, 2520])
-    """
-    if microbatches == "auto":
-        powers = [1 << e for e in range(batch.bit_length())]
-        out = {p for p in powers if batch % p == 0}
-        if max(out) ** 2 < batch:  # the powers of two cover under half of [1, batch] in log scale
-            divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-            out |= {min(divisors, key=lambda d: max(d / p, p / d)) for p in powers}
-            out.add(batch)
-        return sorted(out)
-    b = int(microbatches)
-    if b < 1 or batch % b:
-        raise ValueError(f"microbatches={microbatches} must be a positive divisor of the batch size {batch}")
-    return [b]
-
-
-#: Above this many layers the stage DP of a deep model cuts only on a coarser grid (see :func:`layer_grid`).
-LAYER_GRID_MAX = 66
-
-
-def layer_grid(num_layers: int, most: int = LAYER_GRID_MAX) -> list[int]:
-    """The first layer of each block the stage DP may cut between: every layer up to ``most`` layers; above, the
-    first and the last layer alone (a deep zoo model's embedding and head) and the layers between in equal groups,
-    so that at most ``most`` blocks remain. An approximation (a stage boundary falls on a group edge), taken for
-    the DP's cost, which grows with the cube of the layer count; its gap is measured in ``bench/RESULTS.md``.
-
-    >>> layer_grid(5), layer_grid(10, most=6)
-    ([0, 1, 2, 3, 4], [0, 1, 3, 5, 7, 9])
-    """
-    if num_layers <= most:
-        return list(range(num_layers))
-    g = math.ceil((num_layers - 2) / (most - 2))
-    return [0] + list(range(1, num_layers - 1, g)) + [num_layers - 1]
-
-
-class _Coarse:
-    """A :class:`~autopar_lab.pricing.table.StageCandidates` seen on a layer grid: block b of the grid is layers
-    starts[b]..ends[b] (the arrays are sub-arrays, the candidates made are the full-layer ones)."""
-
-    def __init__(self, fine, starts: list[int], ends: list[int]):
-        self.fine, self.starts, self.ends = fine, np.array(starts), np.array(ends)
-
-    def block(self, submesh):
-        b = self.fine.block(submesh)
-        if b is None:
-            return None
-        if np.array_equal(getattr(b, "starts", None), self.starts) and np.array_equal(getattr(b, "ends", None),
-                                                                                      self.ends):
-            return b  # priced on the grid already (CostTable.candidate_fn(grid=...)): its make takes positions
-        ix = np.ix_(np.arange(b.usable.shape[0]), self.starts, self.ends)
-        starts, ends = self.starts, self.ends
-        return inter.CandidateBlock(b.fwd_s[ix], b.bwd_s[ix], b.static_bytes[ix], b.act_bytes[ix], b.usable[ix],
-                                    lambda k, a, e: b.make(k, int(starts[a]), int(ends[e])))
-
-
-def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[int], *,
-                        candidates: CandidateFactory | None = None, grid: Sequence[int] | None = None,
-                        **kw) -> inter.InterResult:
-    """The stage DP for each microbatch count, the fastest plan kept: what ``inter.stage_dp_auto`` (the reference)
-    does, with the same answer (ties to the smaller count) and the same ``diagnostics["by_microbatches"]``, in less
-    time. The one microbatch search: :func:`auto_plan` and :func:`~autopar_lab.pins.resolve` both use it.
-
-    Counts are tried from the largest down, and the search stops at the first count where nothing fits: a
-    candidate's memory, ``static + min(s, B) * act / B``, never grows with ``B``, so a plan that fits with ``B``
-    microbatches fits with any larger count, and a count where nothing fits rules out every smaller one. The
-    candidates come from ``candidates(B, mem_limit_bytes)`` (default: :meth:`CostTable.candidate_fn`, vectorised,
-    unusable ones dropped; with ``None`` for the limit every candidate; with ``grid`` (first layers of blocks, see
-    :func:`layer_grid`) stages start only at those layers). The best latency found so far is handed to
-    each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
-    ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
-    count is run again with every candidate, for the error's smallest memory requirement.
-    ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes``, ``schedule``,
-    ``virtual_stages`` and ``wgrad_share`` among them: the DP prices every schedule with its own formula).
-    """
-    make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
-    # one host of virtual devices runs the stages one task at a time: the DP prices that, as price_plan does
-    kw.setdefault("serial_host", cluster.serial_host)
-    L = len(table.layer_names)
-    cuts = list(table.cut_bytes)
-    if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
-        starts = list(grid)
-        ends = [b - 1 for b in starts[1:]] + [L - 1]
-        fine, L = make, len(starts)
-        if candidates is None:  # the table's blocks priced on the grid only (the same numbers there)
-            fine = lambda B, m: table.candidate_fn(B, m, grid=(starts, ends))  # noqa: E731
-        cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
-        make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
-    mem = kw.get("mem_limit_bytes")
-    by: dict[int, float | None] = {B: None for B in choices}
-    solved: dict[int, inter.InterResult] = {}
-    best: inter.InterResult | None = None
-    order = sorted(set(choices), reverse=True)
-    for n, B in enumerate(order):
-        if table.on_progress:  # the stage DP's progress (and a cancel's chance) once per microbatch count
-            table.on_progress(f"stage DP, {B} microbatches", n, len(order))
-        # The best latency so far bounds the DP's t_max search (nextafter: an equal latency with fewer
-        # microbatches still wins, as in stage_dp_auto).
-        bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
-        try:
-            r = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, mem), B,
-                               cut_bytes=[c / B for c in cuts], upper_bound=bound, **kw)
-        except inter.NoFeasiblePlanError:
-            break
-        if r is None:
-            by[B] = math.inf  # plans fit, but none beats the best: not solved to the end
-            continue
-        by[B] = r.latency_s
-        solved[B] = r
-        if best is None or r.latency_s < best.latency_s or (r.latency_s == best.latency_s and B < best.microbatches):
-            best = r
-    if best is None:
-        B = max(choices)
-        try:
-            best = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, None), B,
-                                  cut_bytes=[c / B for c in cuts], **kw)
-        except inter.NoFeasiblePlanError as e:
-            raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
-                                            e.min_mem_bytes) from e
-        if best is None:  # pragma: no cover - stage_dp returns None only under an upper bound
-            raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: no plan", math.inf)
-        by[B] = best.latency_s  # pragma: no cover - the filtered candidates lose no usable one
-    best.diagnostics["by_microbatches"] = by
-    best.diagnostics["solved"] = solved  # every count's DP plan solved to the end (see auto_plan)
-    return best
-
-
-def wgrad_share(table: CostTable) -> float:
-    """ZB-H1's weight-gradient part W as a share of a stage's fwd + bwd, the figure the stage DP's zero-bubble
-    formula takes (:func:`~autopar_lab.solve.inter.schedule_latency`): measured on the whole model on one device
-    (:func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` of the backward), the DP's default when the table
-    has nothing to measure."""
-    from .pricing.wgrad import weight_grad_fraction
-
-    costs, intra = table.mesh_costs((1, 1), (1, 1))
-    fwd, bwd = sum(c.fwd_s for c in costs), sum(c.bwd_s for c in costs)
-    if fwd + bwd <= 0:
-        return inter.DEFAULT_WGRAD_SHARE
-    share = weight_grad_fraction(table, intra, costs, 0, len(costs) - 1) * bwd / (fwd + bwd)
-    return min(max(share, 0.0), 0.9)
 
 
 #: What ``schedule="auto"`` tries: (schedule, virtual stages), each planned by the stage DP with its own formula.

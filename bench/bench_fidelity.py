@@ -159,7 +159,8 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     """(plan, model, GPUs, published TFLOP/s, FLOPs per step) of one row in its published layout (pipelined rows
     interleaved unless ``interleave`` is False)."""
     import autopar_lab as al
-    from autopar_lab.pricing import CostTable, price_plan
+    from autopar_lab.plan import price_plan
+    from autopar_lab.pricing import CostTable
     from autopar_lab.solve.intra import solve_intra
 
     _, a, h, l, t, p, gpus, B, pub = next(r for r in ROWS if r[0] == name)  # noqa: E741

@@ -111,7 +111,7 @@ def test_megatron_grid_with_schedules_is_no_slower_and_says_which(table):
 @pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
 def test_nudged_cuts_only_move_cuts_and_only_when_the_simulation_is_faster(table, schedule):
     from autopar_lab.planner import nudged_cuts
-    from autopar_lab.pricing import price_plan
+    from autopar_lab.plan import price_plan
 
     v = 2 if schedule == "interleaved" else 1
     kw = dict(microbatches=4, schedule=schedule, virtual_stages=v, stage_comm="model",

@@ -21,7 +21,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.cluster import Link
-from autopar_lab.pricing.price import price_plan
+from autopar_lab.plan import price_plan
 from autopar_lab.pricing.stage import stage_cost
 
 ROOT = Path(__file__).resolve().parents[1]

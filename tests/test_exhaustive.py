@@ -8,7 +8,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab import cli
-from autopar_lab.pricing import price_plan
+from autopar_lab.plan import price_plan
 from autopar_lab.cluster import Cluster
 from autopar_lab.solve.exhaustive import DEFAULT_LIMIT, count_plans, global_optimum
 from autopar_lab.solve.inter import placement_fits

@@ -171,7 +171,8 @@ def test_tensor_parallelism_splits_the_attention_scores_by_heads(gpt16):
     import sys
     from pathlib import Path
 
-    from autopar_lab.pricing import CostTable, price_plan
+    from autopar_lab.plan import price_plan
+    from autopar_lab.pricing import CostTable
     from autopar_lab.solve.intra import solve_intra
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -6,7 +6,8 @@ import math
 import pytest
 
 import autopar_lab as al
-from autopar_lab.pricing import CostTable, OpMap, price_plan, stage_cost
+from autopar_lab.plan import price_plan
+from autopar_lab.pricing import CostTable, OpMap, stage_cost
 from autopar_lab.pricing.opmap import plain_signature
 from autopar_lab.pricing.price import table_of
 from autopar_lab.pricing.stage import SUM_FIELDS

@@ -1,43 +1,32 @@
-"""The package's structure, read from its source: no import cycle among its modules, no underscore name used across
-modules, and no notebook-widget library in the engine.
+"""The package's structure, read from its source and from the layer table of docs/ARCHITECTURE.md: every module sits
+in one layer of that table and imports only modules of its own layer and of the layers listed before it; no import
+cycle among the modules; no underscore name imported across modules; no notebook-widget library in the engine.
 
 Imports are read with ``ast``: module-level ones and those inside functions (an import inside a function is still a
-dependency; it only runs later). The one deliberate upward edge is listed below with its reason; files another
-issue is rewriting are listed with theirs, to be emptied as those land.
+dependency; it only runs later). Only imports under ``if TYPE_CHECKING:`` (annotations, no runtime dependency) are
+left out. Nothing is allowed by exception: there is no allowlist.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "autopar_lab"
-
-# The value's convenience methods (plan.with_choice, plan.alternatives, plan.to_jax_code, ...) delegate to the
-# modules that implement them, which build on plan.py: the imports sit inside those methods.
-UPWARD = {("autopar_lab.plan", "autopar_lab.overrides"), ("autopar_lab.plan", "autopar_lab.export")}
-
-# (importing module, name): underscore names used across modules in files other engineers own this round.
-FOREIGN_PRIVATE = {
-    ("autopar_lab.runtime.partition", "_sub_jaxpr"),   # issue 15: one jaxpr walker shared by capture/partition/validate
-    ("autopar_lab.runtime.partition", "_FAMILIES"),    # issue 15 (partition.py is being rewritten)
-    ("autopar_lab.runtime.local", "_mesh"),            # issue 15 (partition.py's placement helper)
-    ("autopar_lab.calibrate", "_mesh"),                # issue 15 (partition.py's placement helper)
-    ("autopar_lab.validate.replay", "_INLINE"),        # issue 15: the shared walker replaces this import
-    ("autopar_lab.validate.replay", "_sub_jaxpr"),     # issue 15: the shared walker replaces this import
-    ("autopar_lab.widgets.views.sharding_table", "_escape"),  # the workbench views (their own package's helper)
-}
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "autopar_lab"
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 
 WIDGET_LIBRARIES = ("ipywidgets", "IPython", "plotly", "anywidget")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -45,6 +34,68 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+
+# --- the layer table -------------------------------------------------------------------------------------------------
+
+
+def layer_table(text: str) -> list[tuple[str, list[str]]]:
+    """(layer name, its entries) for each row of the first table under "## The layers", in order. An entry is a
+    backticked path relative to ``autopar_lab/``: ``graph/`` (a package), ``plan.py`` (a module), or a data file."""
+    section = text.split("## The layers", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break  # the table ended
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue  # the header and its rule
+        rows.append((cells[0], re.findall(r"`([^`]+)`", cells[1])))
+    return rows
+
+
+def _pattern(entry: str) -> str | None:
+    """The module name (or package prefix) a table entry names; None for a file that is not Python."""
+    if entry.endswith("/"):
+        return "autopar_lab." + entry.rstrip("/").replace("/", ".")
+    if entry.endswith(".py"):
+        name = entry[:-3].replace("/", ".")
+        return "autopar_lab" if name == "__init__" else f"autopar_lab.{name}"
+    return None
+
+
+def layers_of(rows: list[tuple[str, list[str]]], modules) -> tuple[dict[str, int], list[str]]:
+    """({module: index of its layer}, problems): each module in the layer of the most specific entry naming it
+    (``solve/exhaustive.py`` before ``solve/``); a problem for a module no entry names and an entry naming nothing."""
+    patterns: list[tuple[str, int]] = []
+    problems = []
+    for k, (name, entries) in enumerate(rows):
+        for entry in entries:
+            pat = _pattern(entry)
+            if pat is None:
+                if not list(ROOT.glob(entry)) and not list(REPO.glob(entry)):
+                    problems.append(f"layer {name!r} lists {entry!r}, which does not exist")
+                continue
+            if not any(m == pat or m.startswith(pat + ".") for m in modules):
+                problems.append(f"layer {name!r} lists {entry!r}, which is no module of autopar_lab")
+            patterns.append((pat, k))
+    out = {}
+    for m in modules:
+        hits = [(len(pat), k) for pat, k in patterns if m == pat or m.startswith(pat + ".")]
+        if not hits:
+            problems.append(f"{m} is in no layer of docs/ARCHITECTURE.md's table")
+        else:
+            out[m] = max(hits)[1]
+    return out, problems
+
+
+ROWS = layer_table(ARCHITECTURE.read_text())
+LAYER, PROBLEMS = layers_of(ROWS, MODULES)
+
+
+# --- imports ---------------------------------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,23 +133,23 @@ def _imports(module: str, modules: dict[str, Path] = MODULES) -> list[tuple[str,
     return out
 
 
-def _type_checking_only(module: str) -> set[int]:
+def _type_checking_only(module: str, modules: dict[str, Path] = MODULES) -> set[int]:
     """Line numbers of imports under ``if TYPE_CHECKING:`` (annotations only: no runtime dependency)."""
     lines = set()
-    for node in ast.walk(_tree(MODULES[module])):
+    for node in ast.walk(_tree(modules[module])):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             for sub in node.body:
                 lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
     return lines
 
 
-def _edges() -> dict[str, set[str]]:
-    edges: dict[str, set[str]] = {m: set() for m in MODULES}
-    for module in MODULES:
-        skip = _type_checking_only(module)
-        for target, _name, node in _imports(module):
-            hit = _known(target) if target.startswith("autopar_lab") else None
-            if hit and hit != module and node.lineno not in skip and (module, hit) not in UPWARD:
+def _edges(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module in modules:
+        skip = _type_checking_only(module, modules)
+        for target, _name, node in _imports(module, modules):
+            hit = _known(target, modules) if target.startswith("autopar_lab") else None
+            if hit and hit != module and node.lineno not in skip:
                 edges[module].add(hit)
     return edges
 
@@ -138,15 +189,51 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _upward(edges: dict[str, set[str]], layer: dict[str, int]) -> list[str]:
+    """Every import of a module from a layer listed after its own."""
+    names = [name for name, _ in ROWS]
+    return [f"{m} ({names[layer[m]]}) imports {t} ({names[layer[t]]})"
+            for m in sorted(edges) for t in sorted(edges[m]) if m in layer and t in layer and layer[t] > layer[m]]
+
+
+# --- the tests -------------------------------------------------------------------------------------------------------
+
+
+def test_the_layer_table_is_read_as_written():
+    names = [name for name, _ in ROWS]
+    assert names[:3] == ["utilities", "graph", "cluster"] and names[-1] == "command line"
+    assert names.index("plan values") < names.index("pricing") < names.index("plans") < names.index("session")
+    # the most specific entry wins: solve/exhaustive.py is listed with the plans, the rest of solve/ below them
+    assert names[LAYER["autopar_lab.solve.exhaustive"]] == "plans"
+    assert names[LAYER["autopar_lab.solve.inter"]] == "solve"
+    rows = layer_table("## The layers\n\ntext\n\n| layer | modules | job |\n|---|---|---|\n| a | `graph/`, `x.json` | "
+                       "j |\n| b | `graph/capture.py`, `nothing.py` | j |\n\n| other | `plan.py` | j |\n")
+    assert rows == [("a", ["graph/", "x.json"]), ("b", ["graph/capture.py", "nothing.py"])]
+    layer, problems = layers_of(rows, ["autopar_lab.graph", "autopar_lab.graph.capture", "autopar_lab.plan"])
+    assert layer == {"autopar_lab.graph": 0, "autopar_lab.graph.capture": 1}
+    assert problems == ["layer 'a' lists 'x.json', which does not exist",
+                        "layer 'b' lists 'nothing.py', which is no module of autopar_lab",
+                        "autopar_lab.plan is in no layer of docs/ARCHITECTURE.md's table"]
+
+
+def test_every_module_is_in_one_layer_of_the_architecture():
+    assert PROBLEMS == []
+
+
 def test_the_reader_sees_the_imports_it_must():
     edges = _edges()
     assert "autopar_lab.pricing" in edges["autopar_lab.planner"]           # module level
     assert "autopar_lab.pins" in edges["autopar_lab.widgets.session"]       # inside a method
     assert "autopar_lab.solve.ilp.problem" in edges["autopar_lab.solve.ilp.highs_direct"]  # relative, in a package
-    assert "autopar_lab.overrides" not in edges["autopar_lab.plan"]          # the listed delegation
     assert "autopar_lab.pricing.table" not in edges["autopar_lab.plan"]      # TYPE_CHECKING only
-    # A cycle is found when there is one.
+    # A cycle is found when there is one, and an import from a later layer.
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    low, high = "autopar_lab.graph.capture", "autopar_lab.plan"
+    assert _upward({low: {high}, high: {low}}, LAYER) == [f"{low} (graph) imports {high} (plans)"]
+
+
+def test_each_module_imports_only_its_own_layer_and_the_ones_before_it():
+    assert _upward(_edges(), LAYER) == []
 
 
 def test_no_import_cycle_among_the_package_modules():
@@ -177,7 +264,7 @@ def _private_uses(modules: dict[str, Path]) -> set[tuple[str, str]]:
 
 
 def test_no_underscore_name_used_across_modules():
-    assert _private_uses(MODULES) - FOREIGN_PRIVATE == set()
+    assert _private_uses(MODULES) == set()
 
 
 def test_a_private_name_across_modules_is_caught(tmp_path):

@@ -152,7 +152,8 @@ class Cluster:
         """The link the stage DP prices a pipeline cut at a host boundary with: the scale-up link when one domain of
         several hosts holds them all (one GB200 NVL72 rack), else the scale-out link. Where domains span several
         hosts but not all, a cut between two hosts of one domain is priced by the DP at the scale-out link
-        (pessimistic); the plan's own pricing (:func:`~autopar_lab.pricing.price_plan`) gives it the scale-up link."""
+        (pessimistic); the plan's own pricing (:func:`~autopar_lab.pricing.price.price_stages`) gives it the scale-up
+        link."""
         return self.intra_host if 1 < self.domain_hosts and self.hosts <= self.domain_hosts else self.inter_host
 
     # -- construction ---------------------------------------------------------------------------------

@@ -54,9 +54,10 @@ from .opgraph import (
     TensorInfo,
 )
 
-# Call-like primitives whose body is inlined, and the parameter that holds the body.
+# Call-like primitives whose body is inlined (the capture and the replay inline the same), and the parameter that
+# holds the body.
 _INLINE_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_INLINE = frozenset(
+INLINED = frozenset(
     [
         "pjit",
         "jit",
@@ -147,7 +148,9 @@ def _join(outer: str, inner: str) -> str:
     return f"{outer}/{inner}" if outer and inner else (outer or inner)
 
 
-def _sub_jaxpr(params: dict):
+def sub_jaxpr(params: dict):
+    """(the body jaxpr, its constants) of a call-like equation's ``params`` (those of :data:`INLINED`), or (None,
+    None) when it holds none."""
     for key in _INLINE_BODY_PARAMS:
         if key in params and params[key] is not None:
             body = params[key]
@@ -180,7 +183,7 @@ def _jaxpr_flops(jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        body, _ = _sub_jaxpr(eqn.params)
+        body, _ = sub_jaxpr(eqn.params)
         if name == "scan":
             total += eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr)
         elif name == "cond":
@@ -209,8 +212,8 @@ def _walk(b: _Builder, jaxpr, env: dict, scope: str, scan_layer: str | None) -> 
         name = eqn.primitive.name
         eqn_scope = _join(scope, str(eqn.source_info.name_stack))
         inputs = [read(v) for v in eqn.invars]
-        body, consts = _sub_jaxpr(eqn.params)
-        if name in _INLINE and body is not None:
+        body, consts = sub_jaxpr(eqn.params)
+        if name in INLINED and body is not None:
             inner_env = {}
             for cv, c in zip(body.constvars, consts):
                 inner_env[cv] = b.new_tensor(c, CONST, None, value=c)

@@ -1,8 +1,10 @@
-"""A plan's price from its decisions: :func:`price_plan`, the one function every plan goes through.
+"""A plan's price from its decisions: :func:`price_stages`, the one function every plan goes through.
 
 The planner (auto, Megatron, data parallel), the global-optimum search, every override, :func:`resolve` and
 :func:`~autopar_lab.planfile.load_plan` all hand their decisions here (each stage's layers, submesh, logical mesh,
-remat and sharding; the microbatch count and schedule) and get the same numbers for the same decisions:
+remat and sharding; the microbatch count and schedule) and get the same numbers for the same decisions, as a
+:class:`Priced` value (the stages and the cost report) that the plans layer puts into a Plan
+(:func:`autopar_lab.plan.price_plan` for a new one, :meth:`Priced.onto` for a plan re-priced):
 
 1. each stage's per-microbatch times and memory from its layer costs (:func:`~autopar_lab.pricing.stage.stage_cost`);
 2. the transfers between stages over the link their placement implies (:func:`stage_transfers`);
@@ -13,10 +15,11 @@ remat and sharding; the microbatch count and schedule) and get the same numbers 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-from ..plan import CostReport, Plan, Stage
+from ..planvalues import CostReport, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_layout, interleave, schedule_of
@@ -115,38 +118,45 @@ def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatch
     return tl
 
 
-def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, schedule: str = "1f1b",
-               stage_comm: str = "model", mem_limit_bytes: float | None = None, method: str = "custom",
-               intras: Sequence[IntraPlan | None] | None = None,
-               layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
-               solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
-               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
-               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None,
-               solutions: Sequence[str] | None = None) -> Plan:
-    """The :class:`~autopar_lab.plan.Plan` of these decisions, priced by ``table``.
+class Priced(NamedTuple):
+    """What pricing a plan's decisions gives: its stages (times, memory, each one's IntraPlan and layer costs), the
+    cost report, and the schedule and model chunks per stage it was priced with."""
+
+    stages: tuple[Stage, ...]
+    cost: CostReport
+    schedule: str
+    virtual_stages: int
+
+    def onto(self, plan: Any, **fields: Any) -> Any:
+        """``plan`` (re-priced from its own table) with these stages, cost, schedule and chunk count, and ``fields``
+        (the microbatch count, pins ... that changed) replaced: a new value of the plan's own class."""
+        return dataclasses.replace(plan, stages=self.stages, cost=self.cost, schedule=self.schedule,
+                                   virtual_stages=self.virtual_stages, **fields)
+
+
+def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, schedule: str = "1f1b",
+                 mem_limit_bytes: float | None = None, intras: Sequence[IntraPlan | None] | None = None,
+                 layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
+                 stage_pins: Mapping[str, Any] | None = None, virtual_stages: int | None = None,
+                 layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None) -> Priced:
+    """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
     (StageCandidates from the DP, a plan's Stages); their times are not read, they are priced here. ``intras``: each
     stage's IntraPlan (None or absent: a stage candidate's payload, else the table's solution for its mesh);
     ``solutions``: which of its mesh's solutions each stage's sharding is ("fast" or "lean", see
     :meth:`~autopar_lab.pricing.table.CostTable.solutions`; absent: a stage candidate's or stage's own ``solution``,
-    else "fast"), recorded on the plan's stages and used where a stage has no IntraPlan given;
-    ``layer_costs``: each stage's full-graph layer costs of that IntraPlan when the caller already has them
-    (absent: computed). ``mem_limit_bytes``: the
-    memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
-    from the layers that share their solution, each priced on its own
-    (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
+    else "fast"), recorded on the stages and used where a stage has no IntraPlan given; ``layer_costs``: each
+    stage's full-graph layer costs of that IntraPlan when the caller already has them (absent: computed).
+    ``mem_limit_bytes``: the memory per device the plan is checked against (default: the device's).
+    ``layer_pins`` (full-graph op -> strategy name): layers split from the layers that share their solution, each
+    priced on its own (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
     stage runs ``virtual_stages`` chunks (default: ``stage_pins["virtual_stages"]``, else 2), each chunk priced by
     the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks.
     ZB-H1: each stage's backward is priced as two tasks, B and W, split by
     :func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` (W pays its own per-task overhead).
-
-    >>> import autopar_lab as al                                                           # doctest: +SKIP
-    >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
-    >>> price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
     """
     specs = [stage_spec(st) for st in stages]
     schedule, v = schedule_of(schedule, virtual_stages, stage_pins)
@@ -289,13 +299,10 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
         chain_s=float(chain_s),
         precision=precision_note(table.solve_graph),
     )
-    return Plan(table.graph, cluster, method, tuple(table.layer_names), tuple(plan_stages), microbatches, schedule,
-                stage_comm, cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=v,
-                layer_pins=dict(layer_pins or {}))
+    return Priced(tuple(plan_stages), cost, schedule, v)
 
 
-def table_of(plan: Plan) -> CostTable:
+def table_of(plan: Any) -> CostTable:
     """The cost table that priced ``plan`` (what re-pricing an override needs); a ValueError when it has none."""
     if plan.table is None:
         raise ValueError("this plan has no cost table to re-price it with; build it with autopar_lab.planner "

@@ -41,7 +41,7 @@ import weakref
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .. import checks
+from ..plan import plan_object
 from .progress import ProgressChannel, ProgressEvent, parse_event
 from .train_entry import RESULT_PREFIX, JobFailed, check_resources, job_spec, run_job
 
@@ -460,7 +460,7 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     cluster without enough devices for the plan, a checkpoint directory that is not writable, belongs to another
     run, or cannot be resumed. The embedded Ray failing to start raises RuntimeError.
     """
-    checks.plan_object(plan, "al.launch")
+    plan_object(plan, "al.launch")
     spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
                     compiler_options=compiler_options, max_restarts=max_restarts, overwrite=overwrite)

@@ -40,9 +40,10 @@ from typing import Any, Sequence
 
 import jax
 
-from .. import checks
+from ..plan import plan_object
 from ..simulate import ScheduleStuck, issue_order, task_order
-from .partition import StagedModel, _mesh, batch_of, check_plan_matches, move, split_stages, stage_device_blocks
+from .partition import (StagedModel, batch_of, check_plan_matches, move, split_stages, stage_device_blocks,
+                        stage_mesh)
 from .ring import ring_binds
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
@@ -109,7 +110,7 @@ class Runner:
         if st.intra is None or (plan.table is not None and plan.table.solve_graph is not plan.graph):
             raise LookupError("the plan's strategies are not per operator of this graph")
         block = stage_device_blocks(plan, devices)[0]
-        mesh = _mesh(block, st.logical_mesh)
+        mesh = stage_mesh(block, st.logical_mesh)
         out_specs, output_specs = specs_from_strategies(plan.graph, st.intra.strategies)
         output_specs = _stored_like_inputs(plan.graph, out_specs, output_specs)
         # ring-marked matmuls (context parallelism) run as rings of shard_map steps, not XLA's algorithm
@@ -376,6 +377,6 @@ def execute(plan, model, *, seed: int = 0, devices=None, timing: bool = True, mo
     ``model``: a :class:`~autopar_lab.models.base.ModelSpec` (the zoo's, or yours from
     ``ModelSpec.from_step(step_fn, init_fn, batch_argnums=...)``).
     """
-    checks.plan_object(plan, "al.execute")
+    plan_object(plan, "al.execute")
     return Runner(plan, model, seed=seed, devices=devices, timing=timing, mode=mode,
                   compiler_options=compiler_options, optimizer=optimizer)

@@ -171,7 +171,8 @@ def virtual_plan(plan):
     return dataclasses.replace(plan, stages=stages, virtual_stages=1)
 
 
-def _mesh(block, shape) -> Mesh:
+def stage_mesh(block, shape) -> Mesh:
+    """A JAX mesh of the devices ``block`` in the logical ``shape`` (axes named as the plan's specs name them)."""
     arr = np.empty(len(block), dtype=object)
     arr[:] = block
     arr = arr.reshape(tuple(int(s) for s in shape))
@@ -688,7 +689,7 @@ class StagedModel:
             block = self._blocks[k]
             if block is None:
                 raise ValueError(f"this process was given no devices for stage {k}.")
-            self._meshes[d] = _mesh(block, self.plan.stages[k].logical_mesh)
+            self._meshes[d] = stage_mesh(block, self.plan.stages[k].logical_mesh)
         return self._meshes[d]
 
     # --- shardings --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ minimising a *latency formula*. :func:`global_optimum` instead enumerates every 
     contiguous layer partition x in-order submesh sequence that tiles the cluster x logical mesh per stage
     x rematerialisation per stage x microbatch count
 
-and prices each one exactly as :func:`autopar_lab.pricing.price_plan` prices a plan: the makespan of the event-level
+and prices each one exactly as :func:`autopar_lab.plan.price_plan` prices a plan: the makespan of the event-level
 pipeline simulation (:func:`autopar_lab.simulate.simulate`), with the transfers between stages always priced, and a
 plan counts only if every stage's simulated peak memory fits the device. Both searches read the SAME
 :class:`~autopar_lab.pricing.table.CostTable` (one intra-op ILP per logical mesh), so the gap
@@ -61,7 +61,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import planner
-from ..pricing import CostTable, price_plan, simulate_pipeline
+from ..plan import price_plan
+from ..pricing import CostTable, simulate_pipeline
 from ..rematmode import REMAT_CHOICES, remat_value
 from ..schedules import check_schedule
 from .ilp import DEFAULT_SOLVER

@@ -10,7 +10,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..graph.capture import _INLINE, _sub_jaxpr  # the SAME inlining decisions as the capture, by construction
+from ..graph.capture import INLINED, sub_jaxpr  # the SAME inlining decisions as the capture, by construction
 from ..graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph
 from ..sharding.spec import DEFAULT_AXIS_NAMES, ShardingSpec
 
@@ -222,8 +222,8 @@ class Replay:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             invals = [self._read(env, v) for v in eqn.invars]
-            body, consts = _sub_jaxpr(eqn.params)
-            if name in _INLINE and body is not None:
+            body, consts = sub_jaxpr(eqn.params)
+            if name in INLINED and body is not None:
                 inner = dict(zip(body.constvars, consts))
                 inner.update(zip(body.invars, invals))
                 self._walk(body, inner)

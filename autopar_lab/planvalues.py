@@ -1,0 +1,190 @@
+"""A plan's value types: what pricing computes and a :class:`~autopar_lab.plan.Plan` holds.
+
+:class:`Stage` (one pipeline stage: its layers, submesh, logical mesh, times and memory) and :class:`CostReport` (the
+step time as a sum of named terms) are plain data: the pricing layer builds them (:mod:`autopar_lab.pricing.price`)
+and the plans layer puts them into a ``Plan``, whose behaviour (overrides, alternatives, export) lives above
+pricing (:mod:`autopar_lab.plan`). A cost report's step time splits as
+
+    step_time_s = compute_s + comm_s + reshard_s + bubble_s
+
+where the first three are the work of the pipeline's busiest stage over one step (its kernels' roofline time, the
+collectives they run, the resharding between them, as far as they are not hidden behind compute: ``hidden_comm_s``
+says how much is) and ``bubble_s`` is the time that stage waits (pipeline fill and drain, and transfers between
+stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the makespan of the event-level
+pipeline simulation (:mod:`autopar_lab.simulate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pricing.layers import LayerCost
+    from .simulate import Timeline
+    from .solve.intra import IntraPlan
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous range of layers on a submesh, viewed as a 2D logical mesh."""
+
+    layers: tuple[int, int]  # first and last layer index (inclusive), into Plan.layer_names
+    submesh: tuple[int, int]
+    logical_mesh: tuple[int, int]
+    devices: tuple[int, ...]
+    remat: bool | str  # False (none), True (full) or "selective" (autopar_lab.rematmode)
+    fwd_s: float  # per microbatch
+    bwd_s: float  # per microbatch (optimizer update and gradient synchronisation spread over the microbatches)
+    compute_s: float  # per step
+    comm_s: float
+    reshard_s: float
+    static_bytes: float
+    act_bytes: float  # per microbatch in flight
+    peak_mem_bytes: float
+    intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
+    # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
+    # kept so that an override re-prices only what it changes. A layer split from its group (Plan.layer_pins) is
+    # priced on top of these (pricing.incremental.split_layer_costs), so removing its pins restores its cost.
+    layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
+    # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is
+    # then the stage's range in the plan's 1F1B layout, which gives its layer count). Empty otherwise.
+    chunks: tuple[tuple[int, int], ...] = ()
+    # Zero-bubble schedule: the part of ``bwd_s`` that is the weight-gradient task W (0 for the other schedules).
+    wgrad_s: float = 0.0
+    # Which of its mesh's intra-op solutions the stage's sharding starts from: "fast" (the time-only ILP) or "lean"
+    # (weights stored at their least, ZeRO-3 / FSDP style; :meth:`~autopar_lab.pricing.table.CostTable.solutions`),
+    # as the stage DP chose it (pins, if any, applied on top).
+    solution: str = "fast"
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) layer ranges the stage runs: its chunks when interleaved, else ``(layers,)``."""
+        return self.chunks or (self.layers,)
+
+    def to_dict(self, layer_names=None) -> dict:
+        out: dict[str, Any] = {
+            "layers": list(self.layers),
+            "submesh": list(self.submesh),
+            "logical_mesh": list(self.logical_mesh),
+            "devices": [self.devices[0], self.devices[-1] + 1],
+            "remat": self.remat,
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "peak_mem_bytes": self.peak_mem_bytes,
+        }
+        if layer_names is not None:
+            out["layer_names"] = [layer_names[self.layers[0]], layer_names[self.layers[1]]]
+        if self.chunks:
+            out["chunks"] = [list(c) for c in self.chunks]
+            if layer_names is not None:
+                out["chunk_layer_names"] = [[layer_names[a], layer_names[b]] for a, b in self.chunks]
+        if self.wgrad_s:
+            out["wgrad_s"] = self.wgrad_s
+        out["solution"] = self.solution
+        return out
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """Every figure of a plan's cost, in seconds per training step and bytes per device."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+    stage_comm_s: float
+    bubble_s: float
+    peak_mem_bytes: tuple[float, ...]
+    mem_limit_bytes: float
+    samples_per_s: float
+    busiest_stage: int
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # Communication the busiest stage runs hidden behind its compute (not part of the step time): the data-parallel
+    # gradient reduction bucketed behind the last microbatch's backward, parameter gathers prefetched behind the
+    # forward.
+    hidden_comm_s: float = 0.0
+    # Kernels the busiest stage launches per step (forward, recomputation and backward, every microbatch); whether
+    # attention ran as one fused (flash) kernel.
+    kernels: int = 0
+    flash_attention: bool = False
+    # Collectives the busiest stage issues per step that every microbatch issues again (tensor-parallel all-reduces,
+    # activation resharding; not the once-a-step gradient reduction or parameter gathers) and their latency (the
+    # alpha term of each, count x latency of its link class, over all microbatches): part of the collectives term.
+    collectives: int = 0
+    collective_latency_s: float = 0.0
+    # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
+    schedule_choice: str = field(default="", compare=False)
+    # Virtual devices (JAX's CPU devices): the stages on a host share its cores and run one task at a time, so the
+    # busiest stage also waits while the others run (Device.virtual).
+    shared_host: bool = False
+    # The fixed cost of the busiest stage's programs a step, part of its compute: each task's launch (the device's
+    # task_overhead_s) and, on virtual devices, the state arrays each task takes (pricing.stage.stage_cost). 0 where
+    # none is charged (the GPU presets).
+    task_s: float = 0.0
+    # The busiest stage's re-reads of the gradient chain a step, part of its compute: where the compiler sums the
+    # chain again inside each layer's backward kernels (Efficiency.chain_reads; XLA on CPU), a backward program of n
+    # layers reads ~n^2/2 links (pricing.stage.chain_pairs). 0 where none is charged (the GPU presets).
+    chain_s: float = 0.0
+    # The number format the plan is priced in (autopar_lab.precision: "bf16 (bf16 compute, fp32 gradients, ...)"),
+    # and whether it is priced only (a format the graph was retyped to: the runtime runs the model's own step).
+    precision: str = field(default="", compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage's peak memory is within the device's limit."""
+        return all(m <= self.mem_limit_bytes for m in self.peak_mem_bytes)
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "samples_per_s": self.samples_per_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "reshard_s": self.reshard_s,
+            "stage_comm_s": self.stage_comm_s,
+            "bubble_s": self.bubble_s,
+            "peak_mem_bytes": list(self.peak_mem_bytes),
+            "mem_limit_bytes": self.mem_limit_bytes,
+            "busiest_stage": self.busiest_stage,
+            "hidden_comm_s": self.hidden_comm_s,
+            "kernels": self.kernels,
+            "flash_attention": self.flash_attention,
+            "collectives": self.collectives,
+            "collective_latency_s": self.collective_latency_s,
+            "task_s": self.task_s,
+            "chain_s": self.chain_s,
+        }
+
+    def explain(self) -> str:
+        """The step time as the sum of its terms, with what each one is."""
+        attention = "attention as one fused (flash) kernel" if self.flash_attention else \
+            "attention as matmuls and a softmax through memory"
+        tl = self.timeline
+        how = ""
+        if tl is not None and tl.schedule == "interleaved":
+            how = (f"; interleaved schedule, {tl.virtual_stages} chunks per stage: fill and drain shrink by "
+                   f"{tl.virtual_stages}, transfers grow by as much")
+        elif tl is not None and tl.schedule == "zb-h1":
+            how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
+        shared = ", and the other stages running on its host (virtual devices share its cores)" if self.shared_host \
+            else ""
+        tasks = (f"; of which {self.task_s:.4g} s the fixed cost of its programs: launches and the arrays they take"
+                 if self.task_s > 0 else "")
+        tasks += (f"; of which {self.chain_s:.4g} s re-reading the gradient chain (the compiler sums the residual "
+                  f"stream's gradient again in each layer's backward kernels: quadratic in a program's layers)"
+                  if self.chain_s > 0 else "")
+        fmt = f"number format {self.precision}; " if self.precision else ""
+        return fmt + (
+            f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "
+            f"#{self.busiest_stage}, runs {self.kernels:,} fused kernels a step, {attention}{tasks}) + collectives "
+            f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
+            f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
+            f"microbatches, what is not hidden) "
+            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers"
+            f"{shared}"
+            f"; stage transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
+            f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
+            f"reduction behind the last backward, parameter gathers behind the forward)"
+            + (f"; {self.schedule_choice}" if self.schedule_choice else "")
+        )
