@@ -27,6 +27,7 @@ from typing import Any
 
 from .graph.attention import attention_internals
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE, OPT_STATE, PARAM
+from .planvalues import layer_scoped
 from .precision import TRACED
 from .rematmode import remat_label
 
@@ -57,20 +58,20 @@ def _spec_text(spec) -> str:
 def strategy_lookup(plan, intra):
     """op of the plan's graph -> its strategy in ``intra``, or None. A plan solved on a shallower copy of a deep model
     keys its strategies by the copy's operators: each of the model's operators takes the one at its place in the
-    layer that priced it (:meth:`autopar_lab.planner.CostTable.solve_op`), or its own pin when its layer is split
-    from the others (``plan.layer_pins``)."""
+    layer that priced it (:meth:`autopar_lab.pricing.OpMap.solve_op`), or its own pin when its layer is split from
+    the others (a "layer" scope in ``plan.pins``)."""
     table = plan.table
     if table is None or table.solve_graph is plan.graph:
         return intra.strategies.get
     cache = table.strategy_cache(intra.mesh)
+    own = layer_scoped(plan.pins)  # an operator of a layer split from its group runs its own strategy
 
     def strategy(op):
-        stand_in = table.solve_op(op)
+        stand_in = table.op_map.solve_op(op)
         if stand_in is None:
             return None
-        own = plan.layer_pins.get(op)  # an operator of a layer split from its group runs its own strategy
-        if own is not None:
-            hit = [s for s in cache.strategies(table.solve_graph.op(stand_in)) if s.name == own]
+        if op in own:
+            hit = [s for s in cache.strategies(table.solve_graph.op(stand_in)) if s.name == own[op]]
             if hit:
                 return hit[0]
         return intra.strategies.get(stand_in)

@@ -3,8 +3,8 @@
 A deep zoo model is solved on a shallower copy, and every block of the model is priced by one layer of the copy
 (:class:`~autopar_lab.pricing.OpMap`): the 24 blocks of GPT-1.3B run one solution. :func:`layer_groups` lists a
 plan's layers as the user should see them: each group of real layers that shares a solution (with the stages that
-run it), each layer split from its group (``Plan.layer_pins``, :meth:`~autopar_lab.plan.Plan.with_layer_choice`)
-on its own, and every other layer alone. For a model solved on its own graph every layer is a group of one.
+run it), each layer split from its group (a pin of its own: ``plan.with_choice(op, s, scope="layer")``) on its own,
+and every other layer alone. For a model solved on its own graph every layer is a group of one.
 
     >>> [g.label for g in layer_groups(plan)]                   # doctest: +SKIP
     ['embed', 'layer_0..23 (×24, one solution; S0: layer_0..11, S1: layer_12..23)', 'head']
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .planvalues import LAYER
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -82,10 +84,11 @@ def stage_of_layer(plan: Plan, k: int) -> int:
 
 
 def _split_layers(plan: Plan) -> set[int]:
-    if not plan.layer_pins or plan.table is None:
+    """The layers with pins of their own (a "layer" scope in ``plan.pins``)."""
+    own = [op for op, p in plan.pins.items() if p.scope == LAYER]
+    if not own or plan.table is None:
         return set()
-    m = plan.table.op_map
-    return {m.full_layer_of(op) for op in plan.layer_pins}
+    return {plan.table.op_map.full_layer_of(op) for op in own}
 
 
 def layer_groups(plan: Plan) -> list[LayerGroup]:

@@ -16,8 +16,9 @@ the layer costs of every stage whose layers and mesh are unchanged and takes the
 stage DP for what the user left free (with the rest pinned) and the simulation run again.
 
 Other stages keep their IntraPlans and layer costs. Overrides record pins: operators' strategies in ``Plan.pins``
-(op -> strategy name), stage decisions in ``Plan.stage_pins`` (:func:`with_stages`: boundaries, submeshes, logical
-meshes, microbatches; :func:`with_remat`; :func:`with_schedule`; :func:`with_microbatches`).
+(operator of ``plan.graph`` -> :class:`~autopar_lab.planvalues.Pin`: a name and a scope, see
+:mod:`autopar_lab.operators`), stage decisions in ``Plan.stage_pins`` (:func:`with_stages`: boundaries, submeshes,
+logical meshes, microbatches; :func:`with_remat`; :func:`with_schedule`; :func:`with_microbatches`).
 :func:`~autopar_lab.pins.resolve` re-solves everything else around them.
 
 >>> q = plan.with_stages(boundaries=[12], submeshes=[(1, 4), (1, 4)]).with_remat(0)   # doctest: +SKIP
@@ -28,10 +29,10 @@ meshes, microbatches; :func:`with_remat`; :func:`with_schedule`; :func:`with_mic
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-from . import checks, stagesearch
-from .layergroups import stage_of_layer
+from . import checks, operators, stagesearch
 from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve were first offered here
     PinIndex,
     check_submeshes,
@@ -42,6 +43,7 @@ from .pins import (  # noqa: F401 - stage_ranges, check_submeshes and resolve we
     stage_ranges,
     stage_runs,
 )
+from .planvalues import LAYER, SHARED, Pin, layer_scoped
 from .pricing import LazyIntraPlan, changed_layer_costs, price_stages
 from .pricing.price import StageSpec, table_of
 from .rematmode import remat_value
@@ -52,7 +54,7 @@ from .solve.inter import NoFeasiblePlanError, StageConstraints
 from .solve.intra import IntraPlan, strategy_index
 
 if TYPE_CHECKING:
-    from .graph.opgraph import OpGraph
+    from .graph.opgraph import OpGraph, OpNode
     from .plan import Plan
     from .pricing.layers import LayerCost
     from .solve.intra import StrategyCache
@@ -66,19 +68,15 @@ class Alternative(NamedTuple):
     delta_s: float
 
 
-def owner_stage(plan: Plan, op: int) -> int:
-    """The index of the stage that runs operator ``op`` (see :meth:`Plan.stage_of`)."""
-    return plan.stage_of(op)
-
-
-def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, pins: Mapping[int, str], *,
+def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, pins: Mapping[int, Pin], *,
             specs: Sequence[StageSpec] | None = None, schedule: str | None = None,
             stage_pins: Mapping[str, Any] | None = None,
             layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
-            layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None) -> Plan:
+            solutions: Sequence[str] | None = None) -> Plan:
     """``plan`` with some of its decisions replaced (each stage's IntraPlan, the stages themselves, the microbatch
-    count, the schedule, the pins, the split layers' pins), priced again by its table. Stages whose IntraPlan is
-    unchanged reuse their layer costs. ``solutions``: each stage's mesh solution (default: the plan's stages')."""
+    count, the schedule, the pins), priced again by its table. Stages whose IntraPlan is unchanged reuse their layer
+    costs; a layer with pins of its own is priced on its own. ``solutions``: each stage's mesh solution (default:
+    the plan's stages')."""
     if specs is None:
         specs = [StageSpec(st.layers, st.submesh, st.logical_mesh, st.remat) for st in plan.stages]
     if solutions is None:
@@ -89,22 +87,21 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     # The plan's chunk count stays with its schedule, pinned or not (a schedule given takes its pinned or default one).
     keep_v = plan.virtual_stages if schedule is None and plan.virtual_stages > 1 else None
     stage_pins = plan.stage_pins if stage_pins is None else stage_pins
-    layer_pins = plan.layer_pins if layer_pins is None else layer_pins
     priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
                           schedule=schedule or plan.schedule, virtual_stages=keep_v, solutions=solutions,
-                          mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=stage_pins, layer_pins=layer_pins)
-    return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins),
-                       layer_pins=dict(layer_pins))
+                          mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=stage_pins,
+                          layer_pins=layer_scoped(pins))
+    return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Operator overrides
+# Operator overrides: an operator of plan.graph, in every layer sharing its solution or in its layer alone
 
 
-def resolve_strategy(graph: OpGraph, op: int, strategy, strats: Sequence[Strategy]) -> Strategy:
-    """``strategy`` (a Strategy, its name, or an output spec string) among ``strats``; a ValueError naming the
-    operator and its valid choices otherwise. An output spec several strategies share picks the cheapest of them."""
-    node = graph.op(op)
+def resolve_strategy(node: OpNode, strategy, strats: Sequence[Strategy]) -> Strategy:
+    """``strategy`` (a Strategy, its name, or an output spec string) among ``strats``, the strategies of operator
+    ``node``; a ValueError naming the operator and its valid choices otherwise. An output spec several strategies
+    share picks the cheapest of them."""
     if isinstance(strategy, Strategy):
         return strats[strategy_index(strategy, strats, node)]
     text = str(strategy)
@@ -132,62 +129,62 @@ def _named(cache: StrategyCache, g: OpGraph, op: int, name: str) -> Strategy | N
 
 
 class _Group(NamedTuple):
-    """Where a change of one operator's strategy lands: its representative (the id its pin is kept under), its
-    siblings (the copy's operators that take the strategy with it), and the stages that run them."""
+    """Where a change of an operator's shared solution lands: the operator (of plan.graph), its stand-in's
+    representative in the graph the plan was solved on (whose strategy lists are asked), the stand-in's siblings
+    there (which take the strategy with it) and the stages that run a layer sharing the solution."""
 
+    op: int
     rep: int
     siblings: list[int]
     stages: list[int]
 
 
 def _group(plan: Plan, op: int) -> _Group:
-    m = table_of(plan).op_map
-    rep = m.representative(op)
-    stages = plan.stages_of(rep)
+    m = operators.op_map(plan)
+    rep = m.representative(operators.stand_in(plan, op))
+    stages = operators.stages_of(plan, op)
     for k in stages:
         intra = plan.stages[k].intra
         if intra is None or rep not in intra.strategies:
             raise ValueError(f"operator {op} has no strategy in stage {k} of this plan")
-    return _Group(rep, m.siblings(rep), stages)
+    return _Group(op, rep, m.siblings(rep), stages)
 
 
 def _group_strategy(plan: Plan, grp: _Group, strategy) -> Strategy:
     """``strategy`` resolved on the first stage of the group, checked to exist (by name) on every other one."""
-    g, table = plan.op_graph, table_of(plan)
+    g, table, node = plan.op_graph, table_of(plan), plan.graph.op(grp.op)
     first = _mesh_of(plan, grp.stages[0])
-    s = resolve_strategy(g, grp.rep, strategy, table.strategy_cache(first).strategies(g.op(grp.rep)))
+    s = resolve_strategy(node, strategy, table.strategy_cache(first).strategies(g.op(grp.rep)))
     for k in grp.stages[1:]:
         mesh = _mesh_of(plan, k)
         if _named(table.strategy_cache(mesh), g, grp.rep, s.name) is None:
-            raise ValueError(f"strategy {s.name!r} of operator {g.op(grp.rep).describe()} is not one of its strategies "
-                             f"on stage {k}'s {mesh.shape[0]}x{mesh.shape[1]} logical mesh, which runs layers that "
-                             "share its solution; choose a strategy every such stage has.")
+            raise ValueError(f"strategy {s.name!r} of operator {node.describe()} is not one of its strategies on "
+                             f"stage {k}'s {mesh.shape[0]}x{mesh.shape[1]} logical mesh, which runs layers that share "
+                             "its solution; choose a strategy every such stage has.")
     return s
 
 
-def _frozen_split_layers(plan: Plan, grp: _Group, name: str) -> dict[int, str]:
-    """Layer pins that keep each split layer of the group as it is when the group's strategy of ``grp.rep``
-    changes to ``name``: a split layer has its own strategies from its split on."""
-    if not plan.layer_pins:
+def _frozen_split_layers(plan: Plan, grp: _Group, name: str) -> dict[int, Pin]:
+    """Pins that keep each split layer sharing ``grp``'s solution as it is when the solution's strategy there changes
+    to ``name``: a split layer has its own strategies from its split on."""
+    split = operators.split_layers(plan)
+    if not split:
         return {}
-    m = table_of(plan).op_map
-    split = {m.full_layer_of(o) for o in plan.layer_pins}
+    m = operators.op_map(plan)
     out = {}
     for k in m.full_layers_of(grp.rep):
-        if k not in split:
+        full = m.full_op_in(grp.rep, k) if k in split else None
+        if full is None or (full in plan.pins and plan.pins[full].scope == LAYER):
             continue
-        full = m.full_op_in(grp.rep, k)
-        if full is None or full in plan.layer_pins:
-            continue
-        old = plan.full_choice(full).name
+        old = operators.choice(plan, full).name
         if old != name:
-            out[full] = old
+            out[full] = Pin(old, LAYER)
     return out
 
 
 def _with_group_strategy(plan: Plan, grp: _Group, s: Strategy) -> Plan:
-    """``plan`` with ``grp``'s operators run by ``s`` (by name, on each stage's mesh), each stage re-priced only in
-    the layers the change reaches; the pin is recorded under the representative (replacing pins on its siblings)."""
+    """``plan`` with ``grp``'s solution running ``s`` (by name, on each stage's mesh), each stage re-priced only in
+    the layers the change reaches, and the shared pin recorded."""
     g, table = plan.op_graph, table_of(plan)
     intras = [other.intra for other in plan.stages]
     costs: list[Sequence[LayerCost] | None] = [other.layer_costs for other in plan.stages]
@@ -199,8 +196,8 @@ def _with_group_strategy(plan: Plan, grp: _Group, s: Strategy) -> Plan:
         for op in grp.siblings:
             hit = _named(cache, g, op, s.name) if op in chosen else None
             if hit is None:
-                raise ValueError(f"operator {g.op(op).describe()} (which shares {g.op(grp.rep).describe()}'s "
-                                 f"solution) has no strategy {s.name!r} on stage {k}'s mesh")
+                raise ValueError(f"an operator sharing the solution of {plan.graph.op(grp.op).describe()} has no "
+                                 f"strategy {s.name!r} on stage {k}'s mesh")
             chosen[op] = hit
         new = LazyIntraPlan.with_strategies(g, intra.mesh, chosen, intra.ops, cache, intra.groups, intra.solve_s)
         st = plan.stages[k]
@@ -208,154 +205,85 @@ def _with_group_strategy(plan: Plan, grp: _Group, s: Strategy) -> Plan:
         # Only the layers the change reaches are priced again.
         costs[k] = changed_layer_costs(table, intra, new, grp.siblings, old_costs, cache)
         intras[k] = new
-    sibs = set(grp.siblings)
-    pins = {op: name for op, name in plan.pins.items() if op not in sibs}
-    pins[grp.rep] = s.name
-    layer_pins = {**_frozen_split_layers(plan, grp, s.name), **plan.layer_pins}
-    return reprice(plan, intras, plan.microbatches, pins, layer_costs=costs, layer_pins=layer_pins)
+    pins = operators.pins_with(plan, grp.op, Pin(s.name, SHARED),
+                               {**plan.pins, **_frozen_split_layers(plan, grp, s.name)})
+    return reprice(plan, intras, plan.microbatches, pins, layer_costs=costs)
 
 
-def with_choice(plan: Plan, op: int, strategy) -> Plan:
-    """A new plan with operator ``op`` run by ``strategy``; the original is left as it was.
+def _layer_strategies(plan: Plan, op: int) -> list[Strategy]:
+    """The strategies operator ``op`` may run in its layer alone: its stand-in's on the mesh of its layer's stage."""
+    k = operators.stage_of(plan, op)
+    sop = operators.stand_in(plan, op)
+    intra = plan.stages[k].intra
+    if intra is None or sop not in intra.strategies:
+        raise ValueError(f"operator {op} has no strategy in stage {k} of this plan")
+    return table_of(plan).strategy_cache(intra.mesh).strategies(plan.op_graph.op(sop))
 
-    On a deep model solved on a shallower copy, ``op`` stands for an operator of every layer that shares its
-    solution (:meth:`~autopar_lab.pricing.OpMap.full_layers_of`): the strategy is given to ``op`` and its siblings
-    in the copy (:meth:`~autopar_lab.pricing.OpMap.siblings`) on every stage that runs one of those layers, and the
-    pin is recorded under the representative (:meth:`~autopar_lab.pricing.OpMap.representative`). A layer split from
-    the group (:func:`with_layer_choice`) keeps its own strategy. To change one layer alone, use
-    :func:`with_layer_choice`."""
-    op = checks.op_id(op)
+
+def _alone(plan: Plan, op: int, scope: str) -> bool:
+    """Whether an override of ``op`` with ``scope`` splits its layer from others (``"layer"`` on a shared layer)."""
+    return operators.check_scope(scope) == LAYER and operators.shares_solution(plan, op)
+
+
+def with_choice(plan: Plan, op: int, strategy, scope: str = SHARED) -> Plan:
+    """A new plan with operator ``op`` of ``plan.graph`` run by ``strategy``, pinned; the original is left as it was
+    (see :meth:`Plan.with_choice` and :mod:`autopar_lab.operators`).
+
+    ``scope="shared"``: ``op``'s stand-in in the graph the plan was solved on and its siblings there take the
+    strategy on every stage that runs a layer sharing the solution (a layer split from them keeps its own strategy:
+    pinned in its layer from then on). ``scope="layer"``: ``op``'s layer alone, priced on its own
+    (:func:`~autopar_lab.pricing.incremental.split_layer_costs`)."""
+    op = operators.check_op(plan, op)
     table_of(plan)
-    plan.stage_of(op)  # a ValueError naming the range when op is not in the graph
+    if _alone(plan, op, scope):
+        s = resolve_strategy(plan.graph.op(op), strategy, _layer_strategies(plan, op))
+        return reprice(plan, [st.intra for st in plan.stages], plan.microbatches,
+                       operators.pins_with(plan, op, Pin(s.name, LAYER)))
     grp = _group(plan, op)
     return _with_group_strategy(plan, grp, _group_strategy(plan, grp, strategy))
 
 
-def alternatives(plan: Plan, op: int) -> list[Alternative]:
-    """Every strategy of ``op`` (on the meshes of every stage that runs a layer sharing its solution) with the
-    step-time change it would bring (``with_choice(plan, op, s).cost.step_time_s - plan.cost.step_time_s``), best
-    first."""
-    op = checks.op_id(op)
+def alternatives(plan: Plan, op: int, scope: str = SHARED) -> list[Alternative]:
+    """Every strategy of operator ``op`` with the step-time change :func:`with_choice` with that strategy and
+    ``scope`` brings (``with_choice(plan, op, s, scope).cost.step_time_s - plan.cost.step_time_s``, exactly), best
+    first. A shared change offers only the strategies every stage running a layer sharing the solution has."""
+    op = operators.check_op(plan, op)
     table_of(plan)
-    plan.stage_of(op)
-    grp = _group(plan, op)
-    g, table = plan.op_graph, table_of(plan)
-    meshes = [_mesh_of(plan, k) for k in grp.stages]
     base = plan.cost.step_time_s
     out = []
-    for s in table.strategy_cache(meshes[0]).strategies(g.op(grp.rep)):
-        if any(_named(table.strategy_cache(mesh), g, grp.rep, s.name) is None for mesh in meshes[1:]):
-            continue  # not a strategy of every stage the change would reach
-        p = _with_group_strategy(plan, grp, s)
-        spec = str(s.out_specs[0]) if s.out_specs else ""
-        out.append(Alternative(s.name, spec, p.cost.step_time_s - base))
+    if _alone(plan, op, scope):
+        intras = [st.intra for st in plan.stages]
+        for s in _layer_strategies(plan, op):
+            p = reprice(plan, intras, plan.microbatches, operators.pins_with(plan, op, Pin(s.name, LAYER)))
+            out.append(Alternative(s.name, str(s.out_specs[0]) if s.out_specs else "", p.cost.step_time_s - base))
+    else:
+        grp = _group(plan, op)
+        g, table = plan.op_graph, table_of(plan)
+        meshes = [_mesh_of(plan, k) for k in grp.stages]
+        for s in table.strategy_cache(meshes[0]).strategies(g.op(grp.rep)):
+            if any(_named(table.strategy_cache(mesh), g, grp.rep, s.name) is None for mesh in meshes[1:]):
+                continue  # not a strategy of every stage the change would reach
+            p = _with_group_strategy(plan, grp, s)
+            out.append(Alternative(s.name, str(s.out_specs[0]) if s.out_specs else "", p.cost.step_time_s - base))
     out.sort(key=lambda a: (a.delta_s, a.strategy))
     return out
 
 
-# --------------------------------------------------------------------------------------------------------------
-# One layer alone: split from the layers that share its solution
-
-
-def full_stage_of(plan: Plan, full_op: int) -> int:
-    """The stage that runs operator ``full_op`` of the full graph (the stage of its layer; no layer: the last)."""
-    full_op = checks.op_id(full_op)
-    g = plan.graph
-    try:
-        layer = g.op(full_op).layer
-    except (KeyError, IndexError):
-        raise ValueError(f"operator {full_op} is not in this model's graph (ids run 0..{len(g.ops) - 1})") from None
-    names = list(plan.layer_names)
-    k = names.index(layer) if layer in names else len(names) - 1
-    return stage_of_layer(plan, k)
-
-
-def _stand_in(plan: Plan, full_op: int) -> int:
-    full_op = checks.op_id(full_op)
-    if plan.table is None:
-        return full_op
-    sop = plan.table.op_map.solve_op(full_op)
-    if sop is None:
-        raise ValueError(f"operator {plan.graph.op(full_op).describe()} has no counterpart in the graph this plan was "
-                         "solved on, so it has no strategy of its own")
-    return sop
-
-
-def full_choice(plan: Plan, full_op: int) -> Strategy:
-    """The strategy operator ``full_op`` of the full graph runs with (see :meth:`Plan.full_choice`)."""
-    k = full_stage_of(plan, full_op)
-    sop = _stand_in(plan, full_op)
-    intra = plan.stages[k].intra
-    if intra is None or sop not in intra.strategies:
-        return plan.choice(sop)
-    name = plan.layer_pins.get(int(full_op))
-    if name is not None:
-        hit = _named(table_of(plan).strategy_cache(intra.mesh), plan.op_graph, sop, name)
-        if hit is not None:
-            return hit
-    return intra.strategies[sop]
-
-
-def _is_shared(plan: Plan, full_op: int) -> bool:
-    """Whether operator ``full_op``'s layer shares its solution with other layers (a deep model's block)."""
-    if plan.table is None or plan.table.op_map.is_identity:
-        return False
-    m = plan.table.op_map
-    return len(m.sharing(m.full_layer_of(full_op))) > 1 and plan.graph.op(int(full_op)).layer is not None
-
-
-def _layer_target(plan: Plan, full_op: int, strategy) -> tuple[int, Strategy]:
-    k = full_stage_of(plan, full_op)
-    sop = _stand_in(plan, full_op)
-    intra = plan.stages[k].intra
-    if intra is None or sop not in intra.strategies:
-        raise ValueError(f"operator {full_op} has no strategy in stage {k} of this plan")
-    g = plan.op_graph
-    strats = table_of(plan).strategy_cache(intra.mesh).strategies(g.op(sop))
-    return sop, resolve_strategy(g, sop, strategy, strats)
-
-
-def with_layer_choice(plan: Plan, full_op: int, strategy) -> Plan:
-    """A new plan with operator ``full_op`` of the full graph run by ``strategy`` in its layer alone (see
-    :meth:`Plan.with_layer_choice`): recorded in ``layer_pins`` and priced by
-    :func:`~autopar_lab.pricing.incremental.split_layer_costs`."""
-    full_op = checks.op_id(full_op)
-    table_of(plan)
-    if not _is_shared(plan, full_op):
-        return with_choice(plan, _stand_in(plan, full_op), strategy)
-    _, s = _layer_target(plan, full_op, strategy)
-    return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins,
-                   layer_pins={**plan.layer_pins, full_op: s.name})
-
-
-def layer_alternatives(plan: Plan, full_op: int) -> list[Alternative]:
-    """Every strategy of operator ``full_op`` of the full graph on its stage's mesh with the step-time change of
-    running it in that layer alone (:func:`with_layer_choice`), best first."""
-    full_op = checks.op_id(full_op)
-    table_of(plan)
-    if not _is_shared(plan, full_op):
-        return alternatives(plan, _stand_in(plan, full_op))
-    sop, _ = _layer_target(plan, full_op, full_choice(plan, full_op).name)
-    mesh = _mesh_of(plan, full_stage_of(plan, full_op))
-    base = plan.cost.step_time_s
-    intras = [st.intra for st in plan.stages]
-    out = []
-    for s in table_of(plan).strategy_cache(mesh).strategies(plan.op_graph.op(sop)):
-        p = reprice(plan, intras, plan.microbatches, plan.pins, layer_pins={**plan.layer_pins, full_op: s.name})
-        out.append(Alternative(s.name, str(s.out_specs[0]) if s.out_specs else "", p.cost.step_time_s - base))
-    out.sort(key=lambda a: (a.delta_s, a.strategy))
-    return out
-
-
-def without_layer_pin(plan: Plan, full_op: int) -> Plan:
-    """A new plan where operator ``full_op`` of the full graph no longer has a strategy of its own: it runs its
-    group's strategy again (re-priced); a layer left with no pin of its own shares its group's solution again."""
-    full_op = checks.op_id(full_op)
-    if full_op not in plan.layer_pins:
-        raise ValueError(f"operator {full_op} has no strategy of its own in its layer; operators with one: "
-                         f"{sorted(plan.layer_pins)}")
-    rest = {op: name for op, name in plan.layer_pins.items() if op != full_op}
-    return reprice(plan, [st.intra for st in plan.stages], plan.microbatches, plan.pins, layer_pins=rest)
+def without_pin(plan: Plan, op: int, scope: str | None = None) -> Plan:
+    """A new plan without the pin that holds operator ``op`` (see :meth:`Plan.without_pin`)."""
+    op = operators.check_op(plan, op)
+    if scope is not None:
+        operators.check_scope(scope)
+    own = plan.pins.get(op)
+    if scope != SHARED and own is not None and own.scope == LAYER:
+        rest = {k: p for k, p in plan.pins.items() if k != op}
+        return reprice(plan, [st.intra for st in plan.stages], plan.microbatches,
+                       operators.normalised_pins(plan, rest))
+    key = operators.shared_pin_key(plan, op, plan.pins) if scope != LAYER else None
+    if key is not None:
+        return dataclasses.replace(plan, pins={k: p for k, p in plan.pins.items() if k != key})
+    kind = {None: "", SHARED: " for the layers sharing its solution", LAYER: " in its layer"}[scope]
+    raise ValueError(f"operator {op} is not pinned{kind}; pinned operators: {sorted(plan.pins)}")
 
 
 def with_microbatches(plan: Plan, n: int) -> Plan:
@@ -369,29 +297,23 @@ def with_microbatches(plan: Plan, n: int) -> Plan:
                    stage_pins={**plan.stage_pins, "microbatches": n})
 
 
-def intra_name(plan: Plan, op: int) -> str:
-    return plan.choice(op).name
-
-
 def diff(plan: Plan, other: Plan) -> dict:
     """What changed from ``plan`` to ``other``.
 
-    ``ops``: [{op, before, after}] operators whose strategy differs (strategy names); ``stages``: [{stage, field,
-    before, after}] per-stage differences (layers, submesh, logical_mesh, remat, devices, or the stage itself added or
-    removed); ``microbatches``: (before, after) or None; ``pins``, ``stage_pins``, ``layer_pins``: {key: (before,
-    after)} of the pins that differ; ``step_time_delta_s``: other's step time minus this one's.
+    ``ops``: [{op, before, after}] operators of ``plan.graph`` whose strategy differs (strategy names); ``stages``:
+    [{stage, field, before, after}] per-stage differences (layers, submesh, logical_mesh, remat, devices, or the
+    stage itself added or removed); ``microbatches``: (before, after) or None; ``pins``, ``stage_pins``: {key:
+    (before, after)} of the pins that differ; ``step_time_delta_s``: other's step time minus this one's.
     """
+    def strategy(p: Plan, op: int) -> str | None:
+        try:
+            return operators.choice(p, op).name
+        except (KeyError, ValueError):
+            return None
+
     ops = []
-    g = plan.op_graph
-    for op in g.ops:
-        try:
-            a = plan.choice(op).name
-        except KeyError:
-            a = None
-        try:
-            b = other.choice(op).name
-        except KeyError:
-            b = None
+    for op in plan.graph.ops:
+        a, b = strategy(plan, op), strategy(other, op)
         if a != b:
             ops.append({"op": op, "before": a, "after": b})
     stages = []
@@ -401,28 +323,20 @@ def diff(plan: Plan, other: Plan) -> dict:
                            "after": k < len(other.stages)})
             continue
         sa, sb = plan.stages[k], other.stages[k]
-        for f in ("layers", "submesh", "logical_mesh", "remat", "devices"):
+        for f in ("layers", "submesh", "logical_mesh", "remat", "devices", "fwd_s", "bwd_s", "peak_mem_bytes"):
             if getattr(sa, f) != getattr(sb, f):
                 stages.append({"stage": k, "field": f, "before": getattr(sa, f), "after": getattr(sb, f)})
-        for f in ("fwd_s", "bwd_s", "peak_mem_bytes"):
-            if getattr(sa, f) != getattr(sb, f):
-                stages.append({"stage": k, "field": f, "before": getattr(sa, f), "after": getattr(sb, f)})
-    pins = {op: (plan.pins.get(op), other.pins.get(op)) for op in set(plan.pins) | set(other.pins)
-            if plan.pins.get(op) != other.pins.get(op)}
-    stage_pins = {k: (plan.stage_pins.get(k), other.stage_pins.get(k))
-                  for k in set(plan.stage_pins) | set(other.stage_pins)
-                  if plan.stage_pins.get(k) != other.stage_pins.get(k)}
-    layer_pins = {op: (plan.layer_pins.get(op), other.layer_pins.get(op))
-                  for op in set(plan.layer_pins) | set(other.layer_pins)
-                  if plan.layer_pins.get(op) != other.layer_pins.get(op)}
+
+    def changed(a: Mapping, b: Mapping) -> dict:
+        return {key: (a.get(key), b.get(key)) for key in set(a) | set(b) if a.get(key) != b.get(key)}
+
     return {
         "ops": ops,
         "stages": stages,
         "microbatches": None if plan.microbatches == other.microbatches else (plan.microbatches, other.microbatches),
         "schedule": None if plan.schedule == other.schedule else (plan.schedule, other.schedule),
-        "pins": pins,
-        "stage_pins": stage_pins,
-        "layer_pins": layer_pins,
+        "pins": changed(plan.pins, other.pins),
+        "stage_pins": changed(plan.stage_pins, other.stage_pins),
         "step_time_before_s": plan.cost.step_time_s,
         "step_time_after_s": other.cost.step_time_s,
         "step_time_delta_s": other.cost.step_time_s - plan.cost.step_time_s,
@@ -583,11 +497,12 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
 def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool = True) -> Plan:  # noqa: F811
     """``plan`` with the experts of every MoE layer split over mesh ``axes`` (``()``: every expert on every device,
     EP=1; ``(0,)``: over the first mesh axis). Each forward expert matmul is pinned (``plan.with_choice``) to its
-    cheapest strategy whose expert dimension is split over exactly those axes. With ``resolve`` (the default) the
-    stages keep their layers, meshes and microbatch count (pinned) and the intra-op ILP re-solves every other operator
-    around the pins (:func:`autopar_lab.resolve`), so the dispatch, the combine, the backward and the stored expert
-    weights follow; without, everything else is kept as it was (only the reshardings around the pins re-priced: a
-    half-changed layer that moves its tokens back and forth). An axis of one device counts as not splitting.
+    cheapest strategy whose expert dimension is split over exactly those axes (in every layer sharing its solution).
+    With ``resolve`` (the default) the stages keep their layers, meshes and microbatch count (pinned) and the
+    intra-op ILP re-solves every other operator around the pins (:func:`autopar_lab.resolve`), so the dispatch, the
+    combine, the backward and the stored expert weights follow; without, everything else is kept as it was (only the
+    reshardings around the pins re-priced: a half-changed layer that moves its tokens back and forth). An axis of one
+    device counts as not splitting.
 
     >>> replicated = with_expert_parallel(plan, ())                          # doctest: +SKIP
     >>> al.parallelism.expert_degree(replicated), replicated.cost.step_time_s > plan.cost.step_time_s   # doctest: +SKIP
@@ -607,19 +522,24 @@ def with_expert_parallel(plan: Plan, axes: tuple[int, ...] = (), resolve: bool =
         plan = plan.with_stages(boundaries=[st.layers for st in plan.stages],
                                 submeshes=[st.submesh for st in plan.stages],
                                 logical_meshes=[st.logical_mesh for st in plan.stages], microbatches=plan.microbatches)
-    for op, (j, d, _p) in mats.items():
-        intra = plan.stages[plan.stage_of(op)].intra
-        if intra is None or op not in intra.strategies:
+    done = set()
+    for mat, (j, d, _p) in mats.items():
+        op = operators.user_op(plan, mat)  # the operator of plan.graph whose shared solution runs it
+        if op is None or op in done:
+            continue
+        done.add(op)
+        k, sop = plan.stage_of(op), operators.stand_in(plan, op)
+        intra = plan.stages[k].intra
+        if intra is None or sop not in intra.strategies:
             continue
         mshape = tuple(int(x) for x in intra.mesh.shape)
         want = sorted(a for a in axes if mshape[a] > 1)
-        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(op))
+        cands = [s for s in table_of(plan).strategy_cache(intra.mesh).strategies(g.op(sop))
                  if sorted(a for a in s.in_specs[j].dims[d] if mshape[a] > 1) == want]
         if not cands:
-            n = g.op(op).in_shapes[j][d]
-            raise ValueError(f"the {n} experts of {g.op(op).describe()} cannot be split over mesh axes "
-                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {plan.stage_of(op)} (the "
-                             "device count must divide the expert count); choose other axes or () for replicated "
-                             "experts.")
+            n = g.op(sop).in_shapes[j][d]
+            raise ValueError(f"the {n} experts of {plan.graph.op(op).describe()} cannot be split over mesh axes "
+                             f"{tuple(axes)} of the {mshape[0]}x{mshape[1]} mesh of stage {k} (the device count "
+                             "must divide the expert count); choose other axes or () for replicated experts.")
         plan = plan.with_choice(op, min(cands, key=lambda s: s.cost).name)
     return resolve_pins(plan) if resolve else plan

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import operators
 from .graph.opgraph import BATCH, INPUT_PRIMITIVE
 from .sharding.experts import ExpertLayer, expert_layers
 from .sharding.fsdp import GatheredParam, fsdp_spec, gathered_params, is_param_input
@@ -60,7 +61,8 @@ def stage_intras(plan: Plan, stage: int | None = None):
     for k, st in enumerate(plan.stages):
         if (stage is not None and k != stage) or st.intra is None:
             continue
-        yield k, st.intra, ([op for op in st.intra.ops if plan.stage_of(op) == k] if len(plan.stages) > 1 else None)
+        yield k, st.intra, ([op for op in st.intra.ops if operators.solve_stage_of(plan, op) == k]
+                            if len(plan.stages) > 1 else None)
 
 
 def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
@@ -80,8 +82,10 @@ def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
     for op in g.ops:
         if not is_param_input(g, op):
             continue
-        k = plan.stage_of(op)
-        intra = plan.stages[k].intra
+        full = operators.user_op(plan, op)  # the operator of plan.graph a change of its solution is asked with
+        if full is None:
+            continue
+        intra = plan.stages[operators.solve_stage_of(plan, op)].intra
         if intra is None or op not in intra.strategies:
             continue
         mshape = tuple(intra.mesh.shape)
@@ -91,7 +95,7 @@ def with_fsdp(plan: Plan, axes: tuple[int, ...] | None = None) -> Plan:
         cur = intra.strategies[op].out_specs[0]
         new = fsdp_spec(cur, t.shape, mshape, over)
         if new is not None and new != cur:
-            plan = plan.with_choice(op, str(new))
+            plan = plan.with_choice(full, str(new))
     return plan
 
 
@@ -173,10 +177,10 @@ def summary(plan: Plan, axis_names=("x", "y")) -> list[str]:
 
 
 def op_notes(plan: Plan, axis_names=("x", "y")) -> dict[int, str]:
-    """Operator of ``plan.op_graph`` -> one line naming the newer parallelism it takes part in: a ZeRO-3 / FSDP
+    """Operator of ``plan.graph`` -> one line naming the newer parallelism it takes part in: a ZeRO-3 / FSDP
     parameter (stored and gathered specs), an operator of a sequence-parallel region, a ring-attention matmul
     (context parallelism), an expert matmul (expert parallelism). Operators in none of them are absent. The first
-    stage that runs an operator says."""
+    stage that runs an operator's solution says."""
     out: dict[int, str] = {}
     for k, layers in expert_parallel(plan).items():
         for e in layers:
@@ -198,4 +202,11 @@ def op_notes(plan: Plan, axis_names=("x", "y")) -> dict[int, str]:
                 over = "+".join(axis_names[a] for a in ring_axes_used(s))
                 out.setdefault(op, f"context parallel: ring attention over {over} (blocks passed around the ring, "
                                    "overlapping compute)")
-    return out
+    m = operators.op_map(plan)
+    if m.is_identity:
+        return out
+    full: dict[int, str] = {}  # the notes above are of the graph the plan was solved on: each stands for its layers'
+    for op, note in out.items():
+        for real in m.full_ops(op):
+            full.setdefault(real, note)
+    return full

@@ -1,8 +1,8 @@
 """Pins: the decisions a user fixed, checked, and everything else re-solved around them.
 
-Overrides record pins (:mod:`autopar_lab.overrides`): operators' strategies in ``Plan.pins`` (op -> strategy name),
-stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_meshes", "remat", "microbatches",
-"schedule"). This module re-solves around them:
+Overrides record pins (:mod:`autopar_lab.overrides`): operators' strategies in ``Plan.pins`` (operator ->
+:class:`~autopar_lab.planvalues.Pin`), stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes",
+"logical_meshes", "remat", "microbatches", "schedule"). This module re-solves around them:
 
 - :func:`resolve`: the stage DP with the stage pins as constraints (:class:`~autopar_lab.solve.inter.StageConstraints`,
   the one microbatch search :func:`~autopar_lab.stagesearch.search_microbatches`) and the plan's own schedule
@@ -13,8 +13,8 @@ stage decisions in ``Plan.stage_pins`` ("boundaries", "submeshes", "logical_mesh
 - :func:`keep_pins`: a fresh plan (another cluster: a what-if question) re-solved around every pin of the old one
   that still holds there, with one message per pin it had to drop.
 
-Operator ids are those of the graph the plan was solved on (``plan.op_graph``); a pin on a deep model's shallower
-copy holds for every layer that copy's layer stands for (:class:`~autopar_lab.pricing.opmap.OpMap`).
+Pins name operators of ``plan.graph`` (:mod:`autopar_lab.operators`); a shared pin holds for every layer that shares
+its operator's solution, a layer's own pin for that layer alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from . import stagesearch
+from . import operators, stagesearch
+from .planvalues import LAYER, SHARED, Pin, layer_scoped
 from .pricing import LazyIntraPlan, pareto, price_stages
 from .pricing.price import StageSpec, table_of
 from .pricing.table_pool import LEAN, lean_pins
@@ -128,21 +129,30 @@ def constraints_of(stage_pins: Mapping[str, Any]) -> StageConstraints | None:
 
 
 class PinIndex:
-    """Operator pins, looked up by layer and by mesh: which stages they fall in and which meshes can run them.
+    """Operator pins (``Plan.pins``, operators of ``plan.graph``), looked up by layer and by mesh: which stages they
+    fall in and which meshes can run them, in the ids of the graph the plan was solved on (``plan.op_graph``).
 
-    A pin on an operator of a deep model's copy holds for its siblings too (:meth:`OpMap.siblings`: the same place in
-    every copy layer of that structure), so the layer that prices the blocks reads its input as the pin says; the
-    pins of single layers split from their group (``Plan.layer_pins``, full-graph operators) are checked against the
-    mesh of the stage that runs their layer."""
+    A shared pin is held by its operator's stand-in in that graph, recorded under the stand-in's representative
+    (:attr:`pins`), and by its siblings too (:meth:`OpMap.siblings`: the same place in every copy layer of that
+    structure), so the layer that prices the blocks reads its input as the pin says. The pins of single layers split
+    from their group (:attr:`layer_pins`, operators of ``plan.graph``) are checked against the mesh of the stage that
+    runs their layer."""
 
-    def __init__(self, plan: Plan, pins: Mapping[int, str] | None = None,
-                 layer_pins: Mapping[int, str] | None = None):
+    def __init__(self, plan: Plan, pins: Mapping[int, Pin] | None = None):
         self.plan = plan
-        self.pins = dict(plan.pins if pins is None else pins)
-        self.layer_pins = dict(plan.layer_pins if layer_pins is None else layer_pins)
+        given = plan.pins if pins is None else pins
         self.table = table_of(plan)
         self.g = plan.op_graph
         m = self.table.op_map
+        #: Shared pins: representative in the solve graph -> strategy name; and the user's operator of each.
+        self.pins: dict[int, str] = {}
+        self.user: dict[int, int] = {}
+        for op, p in given.items():
+            if p.scope == SHARED:
+                rep = m.representative(operators.stand_in(plan, op))
+                self.pins[rep], self.user[rep] = p.strategy, op
+        #: Pins of single layers: operator of plan.graph -> strategy name.
+        self.layer_pins = layer_scoped(given)
         self.layers = {op: m.full_layers_of(op) for op in self.pins}
         # A layer pin: (its full layer, its stand-in in the solve graph).
         self.split = {op: (m.full_layer_of(op), m.solve_op(op)) for op in self.layer_pins}
@@ -189,11 +199,13 @@ class PinIndex:
                 self._ok[key] = self.strategy(op, submesh, shape) is not None
         return self._ok[key]
 
-    def anywhere(self, op: int, layer_pin: bool = False) -> bool:
-        """Whether some logical mesh of the cluster has ``op``'s pinned strategy (``layer_pin``: ``op`` is a
-        full-graph operator of :attr:`layer_pins`)."""
+    def anywhere(self, op: int) -> bool:
+        """Whether some logical mesh of the cluster has the strategy pinned on operator ``op`` of ``plan.graph``
+        (a key of the pins given)."""
+        layer_pin = op in self.layer_pins
+        key = op if layer_pin else next(rep for rep, user in self.user.items() if user == op)
         cluster = self.plan.cluster
-        return any(self._held(op, sub, shape, layer_pin)
+        return any(self._held(key, sub, shape, layer_pin)
                    for sub in cluster.submesh_shapes() for shape in cluster.logical_mesh_shapes(sub))
 
     def mesh_ok(self, a: int, b: int, submesh, shape) -> bool:
@@ -408,15 +420,11 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     """
     t0 = time.perf_counter()
     table = table_of(plan)
-    g = plan.op_graph
     pins = PinIndex(plan)
-    for op, name in plan.pins.items():
+    for op, p in plan.pins.items():
         if not pins.anywhere(op):
-            raise ValueError(f"operator {g.op(op).describe()} is pinned to {name!r}, which is a strategy of it on "
-                             "no logical mesh of this cluster; pin it to another strategy.")
-    for op, name in plan.layer_pins.items():
-        if not pins.anywhere(op, layer_pin=True):
-            raise ValueError(f"operator {plan.graph.op(op).describe()} is pinned in its layer to {name!r}, which is a "
+            where = " in its layer" if p.scope == LAYER else ""
+            raise ValueError(f"operator {plan.graph.op(op).describe()} is pinned{where} to {p.strategy!r}, which is a "
                              "strategy of it on no logical mesh of this cluster; pin it to another strategy.")
     sp = dict(plan.stage_pins)
     constraints = constraints_of(sp)
@@ -425,12 +433,11 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     choices = [sp["microbatches"]] if "microbatches" in sp else stagesearch.microbatch_choices(table.batch_size, "auto")
     mem = plan.cost.mem_limit_bytes
     try:
-        res = solve_stages(plan, constraints, choices, sched, mem,
-                           pins if plan.pins or plan.layer_pins else None)
+        res = solve_stages(plan, constraints, choices, sched, mem, pins if plan.pins else None)
     except NoFeasiblePlanError as e:
         if plan.pins and e.min_mem_bytes == float("inf"):
             raise NoFeasiblePlanError(f"{e} (operator pins limit each stage to the logical meshes that have the "
-                                      f"pinned strategies: {dict(plan.pins)})", e.min_mem_bytes) from None
+                                      f"pinned strategies: {_pins_text(plan.pins)})", e.min_mem_bytes) from None
         raise
     specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
     solutions = [c.solution for c in res.stages]
@@ -438,8 +445,10 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions, runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem, stage_pins=sp,
-              layer_pins=plan.layer_pins, virtual_stages=v if v > 1 else None)
-    fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp)
+              layer_pins=pins.layer_pins, virtual_stages=v if v > 1 else None)
+    # the pins as given, recorded where the rules say (a plan made by hand may hold a shared pin on any block)
+    fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp,
+                  pins=operators.normalised_pins(plan, plan.pins))
     out = price_stages(table, specs, intras=intras, solutions=solutions, **kw).onto(plan, **fields)
     # The ILP minimises its own objective, not the simulated step time, so a re-solved stage can come out a hair
     # slower than the user's overridden one. Where a stage is unchanged in layout and its old sharding honours
@@ -475,7 +484,7 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
                                 solutions=solutions, runs=runs)
     return price_stages(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
                         schedule=plan.schedule, mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=plan.stage_pins,
-                        layer_pins=plan.layer_pins,
+                        layer_pins=layer_scoped(plan.pins),
                         virtual_stages=plan.virtual_stages if plan.virtual_stages > 1 else None).onto(plan)
 
 
@@ -520,47 +529,39 @@ def keep_pins(plan: Plan, old: Plan, *, solver: str = DEFAULT_SOLVER,
     cannot all be kept together (no layout keeping them fits in memory), the stage pins are dropped first, then the
     operator pins, each with the reason.
     """
-    if not old.pins and not old.stage_pins and not old.layer_pins:
+    if not old.pins and not old.stage_pins:
         return plan, []
     messages: list[str] = []
-    if old.op_graph.fingerprint != plan.op_graph.fingerprint or \
-            (old.layer_pins and old.graph.fingerprint != plan.graph.fingerprint):
-        n = len(old.pins) + len(old.stage_pins) + len(old.layer_pins)
+    if not same_graph(old, plan):
+        n = len(old.pins) + len(old.stage_pins)
         return plan, [f"{n} pin(s) dropped: the new plan is of another graph, whose operators they do not name."]
-    pins = PinIndex(plan, old.pins, old.layer_pins)
-    op_pins, layer_pins = {}, {}
-    for op, name in old.pins.items():
+    pins = PinIndex(plan, old.pins)
+    op_pins = {}
+    for op, p in old.pins.items():
         if pins.anywhere(op):
-            op_pins[op] = name
+            op_pins[op] = p
         else:
-            messages.append(f"pin of operator {plan.op_graph.op(op).describe()} to {name!r} dropped: no logical mesh "
-                            "of the new cluster has that strategy.")
-    for op, name in old.layer_pins.items():
-        if pins.anywhere(op, layer_pin=True):
-            layer_pins[op] = name
-        else:
-            messages.append(f"pin of operator {plan.graph.op(op).describe()} in its layer to {name!r} dropped: no "
+            where = " in its layer" if p.scope == LAYER else ""
+            messages.append(f"pin of operator {plan.graph.op(op).describe()}{where} to {p.strategy!r} dropped: no "
                             "logical mesh of the new cluster has that strategy.")
     stage_pins, dropped = _stage_pins_that_hold(old.stage_pins, plan)
     messages += dropped
-    if not op_pins and not layer_pins and not stage_pins:
+    if not op_pins and not stage_pins:
         return plan, messages
     if on_progress is not None:
         on_progress("re-solving around the pins")
-    # Operator pins (of groups and of split layers) go together: a split layer's pins assume its group's.
-    ops_all = (op_pins, layer_pins)
-    attempts = [(ops_all, stage_pins)]
+    # Operator pins (shared and of split layers) go together: a split layer's pins assume its solution's.
+    attempts = [(op_pins, stage_pins)]
     if stage_pins:
-        attempts.append((ops_all, {}))
-    if op_pins or layer_pins:
-        attempts.append((({}, {}), {}))
+        attempts.append((op_pins, {}))
+    if op_pins:
+        attempts.append(({}, {}))
     last: Exception | None = None
-    for (ops, lops), stages in attempts:
-        if not ops and not lops and not stages:
+    for ops, stages in attempts:
+        if not ops and not stages:
             break
         try:
-            out = resolve(dataclasses.replace(plan, pins=dict(ops), layer_pins=dict(lops), stage_pins=dict(stages)),
-                          solver=solver)
+            out = resolve(dataclasses.replace(plan, pins=dict(ops), stage_pins=dict(stages)), solver=solver)
         except (ValueError, NoFeasiblePlanError) as e:
             last = e
             continue
@@ -570,10 +571,25 @@ def keep_pins(plan: Plan, old: Plan, *, solver: str = DEFAULT_SOLVER,
                 what.append(f"stage pins {sorted(stage_pins)}")
             if op_pins and not ops:
                 what.append(f"operator pins {sorted(op_pins)}")
-            if layer_pins and not lops:
-                what.append(f"pins of split layers' operators {sorted(layer_pins)}")
             messages.append(f"{' and '.join(what)} dropped: the new cluster cannot keep them all "
                             f"({str(last).rstrip('.')}).")
         return out, messages
     messages.append(f"every pin dropped: the new cluster cannot keep them ({str(last).rstrip('.')}).")
     return plan, messages
+
+
+def same_graph(old: Plan, new: Plan) -> bool:
+    """Whether ``new``'s operators are ``old``'s (pins name them): the same graph, or for a model planned on a
+    shallower copy the same copy and the same layers (the full graph is then the same model's, not traced again to
+    be compared)."""
+    if old.graph is new.graph:
+        return True
+    copied = old.op_graph is not old.graph
+    if copied != (new.op_graph is not new.graph) or list(old.layer_names) != list(new.layer_names):
+        return False
+    return old.op_graph.fingerprint == new.op_graph.fingerprint
+
+
+def _pins_text(pins: Mapping[int, Pin]) -> str:
+    return "{" + ", ".join(f"{op}: {p.strategy!r}" + (" (its layer)" if p.scope == LAYER else "")
+                           for op, p in sorted(pins.items())) + "}"

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from . import export, overrides, parallelism
-from .planvalues import CostReport, Stage
+from . import export, operators, overrides, parallelism
+from .planvalues import SHARED, CostReport, Pin, Stage, as_pins, layer_scoped
 from .precision import precision_of
 from .pricing.price import price_stages
 
@@ -29,12 +29,17 @@ if TYPE_CHECKING:
     from .pricing.table import CostTable
     from .solve.intra import IntraPlan
 
-__all__ = ["Plan", "Stage", "CostReport", "price_plan", "plan_object"]
+__all__ = ["Plan", "Stage", "CostReport", "Pin", "price_plan", "plan_object"]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A complete parallelization plan of a training step on a cluster."""
+    """A complete parallelization plan of a training step on a cluster.
+
+    Every operator a plan's methods take or give is one of :attr:`graph`, the model's own graph (the ids every view
+    shows), also for a deep model solved on a shallower copy of itself; ``scope`` says whether a change applies to
+    the operator in every layer sharing its layer's solution (``"shared"``, the default) or in its layer alone
+    (``"layer"``): see :mod:`autopar_lab.operators`."""
 
     graph: OpGraph = field(repr=False)
     cluster: Cluster = field(repr=False)
@@ -47,8 +52,10 @@ class Plan:
     cost: CostReport
     solve_s: Mapping[str, float] = field(default_factory=dict, compare=False)
     notes: tuple[str, ...] = ()
-    # Operators the user fixed (op id -> strategy name): overrides record them so a later re-solve keeps them.
-    pins: Mapping[int, str] = field(default_factory=dict, hash=False)
+    # Operators the user fixed (operator of ``graph`` -> Pin(strategy name, scope)): overrides record them so a later
+    # re-solve keeps them. A shared pin is recorded under its place in the first layer sharing the solution that has
+    # no pin of its own there (autopar_lab.operators); a bare strategy name given here is a shared pin.
+    pins: Mapping[int, Pin] = field(default_factory=dict, hash=False)
     # Stage decisions the user fixed, which a re-solve keeps (see autopar_lab.overrides): any of "boundaries" (first
     # layer of each stage after the first), "submeshes", "logical_meshes", "remat" (one entry per stage, None where
     # free), "microbatches", "schedule".
@@ -58,10 +65,10 @@ class Plan:
     table: CostTable | None = field(default=None, compare=False, repr=False)
     # Model chunks per stage: > 1 only for the interleaved schedule (each stage's chunks in Stage.chunks).
     virtual_stages: int = 1
-    # Operators of single layers split from the layers that share their solution (full-graph op id -> strategy
-    # name; see with_layer_choice): a deep model solved on a shallower copy prices every block by one copy layer,
-    # and a layer with pins here is priced on its own instead.
-    layer_pins: Mapping[int, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if any(not isinstance(p, Pin) for p in self.pins.values()):
+            object.__setattr__(self, "pins", as_pins(self.pins))
 
     @property
     def precision(self) -> Precision:
@@ -71,75 +78,43 @@ class Plan:
 
     @property
     def op_graph(self) -> OpGraph:
-        """The graph whose operator ids the stages' strategies use: the plan's own graph, or for a deep zoo model
-        planned on a shallower copy, that copy (see :class:`~autopar_lab.pricing.opmap.OpMap`)."""
+        """The graph the stages' intra-op plans are keyed by: :attr:`graph`, or for a deep model planned on a
+        shallower copy, that copy (an internal detail: the methods here take operators of :attr:`graph`)."""
         return self.table.solve_graph if self.table is not None else self.graph
 
     def stage_of(self, op: int) -> int:
-        """The index of the stage that runs operator ``op`` of :attr:`op_graph`: its layer's stage (no layer: the
-        last layer's; an operator of a shallower copy: the stage of the first full-graph layer it stands for)."""
-        g = self.op_graph
-        try:
-            node = g.op(op)
-        except (KeyError, IndexError):
-            raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1})") from None
-        if self.table is None:
-            names = list(self.layer_names)
-            layers = [names.index(node.layer) if node.layer in names else len(names) - 1]
-        else:
-            layers = self.table.op_map.full_layers_of(op)
-        for s, st in enumerate(self.stages):
-            if any(a <= i <= b for i in layers for a, b in st.layer_ranges):
-                return s
-        return len(self.stages) - 1
+        """The index of the stage that runs operator ``op``'s layer (an operator outside layers: the last layer's)."""
+        return operators.stage_of(self, op)
 
     def stages_of(self, op: int) -> list[int]:
-        """Every stage that runs a full-graph layer operator ``op`` of :attr:`op_graph` stands for (a block of a deep
-        model's copy stands for blocks that may span stages; an override of it re-prices each of them)."""
-        first = self.stage_of(op)
-        if self.table is None:
-            return [first]
-        layers = self.table.op_map.full_layers_of(op)
-        out = [s for s, st in enumerate(self.stages) if any(a <= i <= b for a, b in st.layer_ranges for i in layers)]
-        return out or [first]
-
-    def full_stage_of(self, full_op: int) -> int:
-        """The stage that runs operator ``full_op`` of the model's full graph (:attr:`graph`): its layer's stage."""
-        return overrides.full_stage_of(self, full_op)
-
-    def full_choice(self, full_op: int) -> Any:
-        """The sharding strategy operator ``full_op`` of the full graph (:attr:`graph`) runs with: its own pin if its
-        layer is split (:attr:`layer_pins`), else its stand-in's strategy in the stage that runs its layer."""
-        return overrides.full_choice(self, full_op)
+        """Every stage that runs a layer sharing operator ``op``'s solution: what a shared override of ``op``
+        re-prices (a deep model's blocks share one solution and may span stages)."""
+        return operators.stages_of(self, op)
 
     def choice(self, op: int) -> Any:
-        """The sharding strategy of one operator (from the stage that runs its layer)."""
-        try:
-            k = self.stage_of(op)
-        except (KeyError, ValueError, IndexError):
-            k = None
-        own = self.stages[k].intra if k is not None else None
-        if own is not None and op in own.strategies:
-            return own.strategies[op]
-        for st in self.stages:
-            if st.intra is not None and op in st.intra.strategies:
-                return st.intra.strategies[op]
-        raise KeyError(f"operator {op} is not in this plan")
+        """The sharding strategy operator ``op`` runs with: its layer's own pin when its layer is split from the
+        layers sharing its solution, else its solution's strategy in the stage that runs its layer."""
+        return operators.choice(self, op)
+
+    def pin_of(self, op: int) -> Pin | None:
+        """The pin that holds operator ``op`` (its layer's own, else its shared solution's), or None."""
+        return operators.pin_of(self, op)
 
     # --- overrides: each returns a new Plan, re-estimated (see autopar_lab.overrides) -----------------------------
-    def with_choice(self, op: int, strategy) -> "Plan":
-        """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R");
-        for a deep model's copy, in every layer that shares ``op``'s solution and on every stage that runs one of
-        them (each re-priced), then the pipeline is simulated again."""
-        return overrides.with_choice(self, op, strategy)
+    def with_choice(self, op: int, strategy, scope: str = SHARED) -> "Plan":
+        """This plan with operator ``op`` run by ``strategy`` (a Strategy, its name, or an output spec like "S0R"),
+        pinned, re-priced and re-simulated. ``scope="shared"`` (the default): in every layer that shares ``op``'s
+        solution, on every stage that runs one of them (a layer split from them keeps its own); ``"layer"``: in
+        ``op``'s layer alone, which is split from the others and priced on its own (the same as shared for a layer
+        that shares its solution with no other)."""
+        return overrides.with_choice(self, op, strategy, scope)
 
-    def with_layer_choice(self, full_op: int, strategy) -> "Plan":
-        """This plan with operator ``full_op`` of the full graph (:attr:`graph`) run by ``strategy`` in its layer
-        alone: the layer is split from the layers that share its solution (its own pins from then on, in
-        :attr:`layer_pins`) and re-priced on its stage's mesh; the other layers keep theirs. For a layer that shares
-        its solution with no other (every layer of a model solved on its own graph), the same as
-        :meth:`with_choice` on its operator."""
-        return overrides.with_layer_choice(self, full_op, strategy)
+    def without_pin(self, op: int, scope: str | None = None) -> "Plan":
+        """This plan without the pin that holds operator ``op`` (``scope``: only that kind; None: its layer's own,
+        else its shared solution's). A layer's own pin removed, the layer runs its solution's strategy again
+        (re-priced; a layer left with no pin of its own shares the solution again); a shared pin removed, the
+        strategies stay until the next re-solve."""
+        return overrides.without_pin(self, op, scope)
 
     def with_microbatches(self, n: int) -> "Plan":
         """This plan with ``n`` microbatches (stages and strategies kept), re-simulated; ``n`` is pinned."""
@@ -177,15 +152,11 @@ class Plan:
         rest re-solved around them; see :func:`autopar_lab.overrides.with_expert_parallel`."""
         return overrides.with_expert_parallel(self, axes, resolve)
 
-    def alternatives(self, op: int) -> list[Alternative]:
-        """Every strategy of ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)`` (the step-time
-        change if chosen instead), sorted by ``delta_s``: "why this choice"."""
-        return overrides.alternatives(self, op)
-
-    def layer_alternatives(self, full_op: int) -> list[Alternative]:
-        """Every strategy of operator ``full_op`` of the full graph on its layer's stage mesh, with the step-time
-        change of choosing it for that layer alone (:meth:`with_layer_choice`), sorted by ``delta_s``."""
-        return overrides.layer_alternatives(self, full_op)
+    def alternatives(self, op: int, scope: str = SHARED) -> list[Alternative]:
+        """Every strategy of operator ``op`` on its stage's mesh as ``Alternative(strategy, spec, delta_s)``, where
+        ``delta_s`` is the step-time change of :meth:`with_choice` with that strategy and ``scope`` (exactly), sorted
+        by ``delta_s``: "why this choice"."""
+        return overrides.alternatives(self, op, scope)
 
     def diff(self, other: "Plan") -> dict:
         """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""
@@ -228,26 +199,26 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                intras: Sequence[IntraPlan | None] | None = None,
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
-               pins: Mapping[int, str] | None = None, stage_pins: Mapping[str, Any] | None = None,
-               virtual_stages: int | None = None, layer_pins: Mapping[int, str] | None = None,
-               solutions: Sequence[str] | None = None) -> Plan:
+               pins: Mapping[int, Pin | str] | None = None, stage_pins: Mapping[str, Any] | None = None,
+               virtual_stages: int | None = None, solutions: Sequence[str] | None = None) -> Plan:
     """The :class:`Plan` of these decisions, priced by ``table``
     (:func:`~autopar_lab.pricing.price.price_stages`, whose keywords these are, says how), with ``method``,
-    ``stage_comm`` (what the stage DP was told about stage transfers), ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` stored on it as given.
+    ``stage_comm`` (what the stage DP was told about stage transfers), ``solve_s``, ``notes``, ``pins`` (operator
+    of the table's graph -> :class:`Pin`, or a strategy name for a shared pin; a layer's own pins are priced on
+    their own) and ``stage_pins`` stored on it as given.
 
     >>> import autopar_lab as al                                                           # doctest: +SKIP
     >>> table = al.CostTable.build(al.models.get("gpt-tiny"), cluster)                     # doctest: +SKIP
     >>> al.price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
     """
+    given = as_pins(pins or {})
     priced = price_stages(table, stages, microbatches=microbatches, schedule=schedule,
                           mem_limit_bytes=mem_limit_bytes, intras=intras, layer_costs=layer_costs,
-                          stage_pins=stage_pins, virtual_stages=virtual_stages, layer_pins=layer_pins,
+                          stage_pins=stage_pins, virtual_stages=virtual_stages, layer_pins=layer_scoped(given),
                           solutions=solutions)
     return Plan(table.graph, table.cluster, method, tuple(table.layer_names), priced.stages, microbatches,
-                priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=dict(pins or {}),
-                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages,
-                layer_pins=dict(layer_pins or {}))
+                priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=given,
+                stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages)
 
 
 def plan_object(plan, where: str) -> Plan:

@@ -6,24 +6,27 @@ checks the version, that the graph and the cluster are the ones the plan was mad
 name among :func:`~autopar_lab.sharding.strategies.strategies_for` on its stage's mesh, and re-prices the plan the
 way the planner does (:func:`autopar_lab.plan.price_plan`), so the step time comes back to the last bit::
 
-    {"version": 2, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
+    {"version": 4, "graph_fingerprint": "...", "cluster": {...}, "method": "auto", "microbatches": 4,
      "schedule": "1f1b", "stage_comm": "model", "mem_limit_bytes": 1.7e10, "layer_names": [...],
      "stages": [{"layers": [0, 1], "submesh": [1, 4], "logical_mesh": [2, 2], "remat": false,
                  "devices": [0, 1, 2, 3], "choices_outside": {}}],
-     "choices": {"0": "RR = ()", ...}, "pins": {"165": "S0RR = S0RR x RR"},
+     "choices": {"0": "RR = ()", ...}, "pins": {"165": {"strategy": "S0RR = S0RR x RR", "scope": "shared"}},
      "stage_pins": {"boundaries": [2], "submeshes": [[1, 4], [1, 4]], "remat": [null, true], "microbatches": 4}}
 
-``choices_outside`` keeps, per stage, the strategies of operators other stages run where this stage's IntraPlan
-differs (they price the edges at the stage's borders). An interleaved plan (``"schedule": "interleaved"``) also has
+``choices`` holds the strategy of every operator of the graph the plan was solved on (a deep model's shallower copy,
+then named by ``solve_graph_fingerprint``): each stage's intra-op plan. ``choices_outside`` keeps, per stage, the
+strategies of operators other stages run where this stage's IntraPlan differs (they price the edges at the stage's
+borders). ``pins`` names operators of the model's own graph, as every view and method does, each with its scope
+(:mod:`autopar_lab.operators`). An interleaved plan (``"schedule": "interleaved"``) also has
 ``"virtual_stages"`` (model chunks per stage, 2 or more; each stage's chunks follow from its layers, see
 :func:`~autopar_lab.schedules.interleave`). ``stage_pins`` (version 2) holds the stage decisions the user
 fixed (see :class:`~autopar_lab.plan.Plan`); a version 1 file (which has none) still loads, with no stage pins.
 ``precision`` (written since number formats exist; a file without it loads in the model's own format): the plan's
 number format, its name (``"bf16"``, ``"traced"`` for the model's own when it has no name) or, for a format with
 fields changed, an object of its fields (:mod:`autopar_lab.precision`); the graph is retyped to it before its
-fingerprint is checked. ``layer_pins`` (version 3, written only when the plan has some): the operators of single
-layers split from the layers that share their solution, by their id in the model's full graph, with their strategy names
-(:meth:`~autopar_lab.plan.Plan.with_layer_choice`); a version 2 file has none.
+fingerprint is checked. Versions 1 to 3 named pins by the operators of the graph the plan was solved on and kept
+the pins of split layers apart (``layer_pins``, version 3): they load with their pins converted to the model's own
+operators (a pin of a copy's operator becomes a shared pin of the operator it stands for).
 
 A stage that runs its mesh's memory-lean solution (:meth:`~autopar_lab.pricing.table.CostTable.solutions`) says so
 in ``"solution": "lean"`` (its strategies are in ``choices`` like any stage's; the plan loads with
@@ -33,11 +36,14 @@ loads as ``"fast"``; readers that do not know the key ignore it, so the file ver
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 
-from .planschema import READS, SPLIT_VERSION, VERSION  # noqa: F401 - READS is offered here as before
+from . import operators, planschema
+from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
+from .planvalues import LAYER, Pin
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_NAMES, is_selective, remat_value
 from .safeio import write_atomic
@@ -53,7 +59,7 @@ def remat_json(value) -> bool | str:
 
 def plan_to_dict(plan) -> dict:
     g = plan.op_graph
-    owner = {op: plan.stage_of(op) for op in g.ops}
+    owner = {op: operators.solve_stage_of(plan, op) for op in g.ops}
     choices = {op: plan.stages[owner[op]].intra.strategies[op].name for op in g.ops}
     stages = []
     for k, st in enumerate(plan.stages):
@@ -63,7 +69,7 @@ def plan_to_dict(plan) -> dict:
         if st.solution != "fast":  # old files have none: they load as "fast"
             stages[-1]["solution"] = st.solution
     out = {
-        "version": SPLIT_VERSION if plan.layer_pins else VERSION,
+        "version": VERSION,
         "graph_fingerprint": plan.graph.fingerprint,
         "cluster": plan.cluster.to_dict(),
         "method": plan.method,
@@ -76,15 +82,13 @@ def plan_to_dict(plan) -> dict:
         "layer_names": list(plan.layer_names),
         "stages": stages,
         "choices": {str(op): name for op, name in choices.items()},
-        "pins": {str(op): name for op, name in plan.pins.items()},
+        "pins": {str(op): {"strategy": p.strategy, "scope": p.scope} for op, p in plan.pins.items()},
         "stage_pins": _stage_pins_to_json(plan.stage_pins),
         "notes": list(plan.notes),
         "step_time_s": plan.cost.step_time_s,  # for reading only: load_plan prices the plan again
     }
     if g is not plan.graph:
         out["solve_graph_fingerprint"] = g.fingerprint
-    if plan.layer_pins:
-        out["layer_pins"] = {str(op): name for op, name in plan.layer_pins.items()}
     return out
 
 
@@ -163,7 +167,6 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
     ``model``: the zoo model, needed only for a deep model planned on a shallower copy. ``graph`` may be the model
     itself (a ``ModelSpec``, as :func:`~autopar_lab.auto_plan` takes it): it is traced, and is the ``model``.
     """
-    from . import planschema
     from .cluster import Cluster
     from .planner import microbatch_choices
     from .plan import price_plan
@@ -223,8 +226,6 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
             raise _bad(where, f"schedule must be one of {', '.join(map(repr, SCHEDULES))} and stage_comm 'model' or "
                               "'ignore'")
         choices = {int(op): str(name) for op, name in dict(data["choices"]).items()}
-        pins = {int(op): str(name) for op, name in dict(data["pins"]).items()}
-        layer_pins = {int(op): str(name) for op, name in dict(data.get("layer_pins", {})).items()}
         g = solve_graph
         if set(choices) != set(g.ops):
             raise _bad(where, f"choices cover {len(choices)} operators, the graph has {len(g.ops)}")
@@ -271,13 +272,48 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
             solutions.append(str(st.get("solution", "fast")))
         mem = float(data.get("mem_limit_bytes", cluster.device.memory_bytes))
         stage_pins = _stage_pins_from_json(data.get("stage_pins", {}), len(specs))
-        return price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
+        shared, own = _pins_of(data, table)
+        plan = price_plan(table, specs, intras=intras, microbatches=B, schedule=data["schedule"],
                           stage_comm=data["stage_comm"], mem_limit_bytes=mem, method=str(data["method"]), solve_s={},
-                          notes=tuple(data.get("notes", ())), pins=pins, stage_pins=stage_pins,
-                          virtual_stages=data.get("virtual_stages"), layer_pins=layer_pins, solutions=solutions)
+                          notes=tuple(data.get("notes", ())), pins=own, stage_pins=stage_pins,
+                          virtual_stages=data.get("virtual_stages"), solutions=solutions)
+        return _with_shared_pins(plan, shared, where)
     except ValueError as e:
         if where in str(e):
             raise
         raise _bad(where, str(e).rstrip(".")) from None
     except (KeyError, TypeError, AttributeError, IndexError) as e:
         raise _bad(where, f"a field has the wrong form ({type(e).__name__}: {e})") from None
+
+
+def _pins_of(data, table) -> tuple[dict[int, Pin], dict[int, Pin]]:
+    """(shared pins, pins of single layers) of a checked plan file, by operator of the model's own graph; a version
+    1-3 file's pins (by the solve graph's operators) are converted: each becomes a shared pin of the first operator
+    its solution stands for."""
+    if not planschema.old_pins(data):
+        given = {int(op): Pin(str(e["strategy"]), str(e["scope"])) for op, e in dict(data["pins"]).items()}
+        return ({op: p for op, p in given.items() if p.scope != LAYER},
+                {op: p for op, p in given.items() if p.scope == LAYER})
+    m = table.op_map
+    shared = {}
+    for op, name in dict(data["pins"]).items():
+        full = m.full_ops(m.representative(int(op)))
+        if full:  # an operator of a copy layer that prices none and stands for nothing: a pin of nothing
+            shared[full[0]] = Pin(str(name))
+    own = {int(op): Pin(str(name), LAYER) for op, name in dict(data.get("layer_pins", {})).items()}
+    return shared, own
+
+
+def _with_shared_pins(plan, shared: dict[int, Pin], where: str):
+    """``plan`` (priced with its layers' own pins) with the shared pins recorded by the rules
+    (:func:`~autopar_lab.operators.pins_with`), each checked to name the strategy the plan runs."""
+    pins = dict(plan.pins)
+    for op, pin in shared.items():
+        pins = operators.pins_with(plan, op, pin, pins)
+    out = dataclasses.replace(plan, pins=pins)
+    for op, pin in pins.items():
+        runs = operators.choice(out, op).name
+        if runs != pin.strategy:
+            raise _bad(where, f"pins[{op}] is {pin.strategy[:60]!r} but the plan runs operator {op} as "
+                              f"{runs[:60]!r}; a pin names the strategy the plan chose")
+    return out

@@ -3,13 +3,16 @@
 A plan file is shared between colleagues, so it is untrusted input. :func:`read_plan_file` reads it as
 :mod:`autopar_lab.safeio` does (a regular file, a size limit, finite numbers, bounded nesting). :func:`check_form`
 checks every field's type, range and enum (strictly: ``"remat": "false"`` is a string, not a boolean; operator ids
-are canonical decimal strings; names that end up in generated code are printable one-liners). Version 3 adds
-``layer_pins`` (operators of layers split from the layers sharing their solution: full-graph op id -> strategy
-name); a plan without split layers is still written as version 2. ``precision`` (optional: a file without it is in
-the model's own number format) names the plan's format or holds its fields. :func:`check_fits`
-then checks the fields against the graph and cluster the plan is loaded for: pins name operators of the graph, stage
-pins name layers and stages that exist, submeshes are shapes of the cluster and tile it, logical meshes are views of
-their submesh, the microbatch count divides the batch. Every failure is one ValueError that names the field.
+are canonical decimal strings; names that end up in generated code are printable one-liners). Version 4 names every
+pin by its operator in the model's own graph, with its scope: ``"pins": {"3521": {"strategy": "...", "scope":
+"shared"}}`` (``"layer"``: that layer alone). Versions 1 to 3 named a pin by its operator in the graph the plan was
+solved on (a deep model's shallower copy) and kept a split layer's pins apart in ``layer_pins`` (version 3, by the
+model's own operators); they still load, their pins converted (:mod:`autopar_lab.planfile`). ``precision``
+(optional: a file without it is in the model's own number format) names the plan's format or holds its fields.
+:func:`check_fits` then checks the fields against the graph and cluster the plan is loaded for: pins name operators
+of the graph, stage pins name layers and stages that exist, submeshes are shapes of the cluster and tile it, logical
+meshes are views of their submesh, the microbatch count divides the batch. Every failure is one ValueError that names
+the field.
 
 The cluster inside a plan file is data (a JSON object), never a path or a spec string to resolve: a plan file
 cannot make the loader read another file.
@@ -28,11 +31,13 @@ from collections.abc import Mapping
 from .safeio import read_json_file
 from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
-VERSION = 2  # the plan-file version save_plan writes
-SPLIT_VERSION = 3  # ... for a plan with split layers (``layer_pins``), which a version-2 reader cannot represent
-READS = (1, 2, 3)  # file versions load_plan accepts
+VERSION = 4  # the plan-file version save_plan writes: pins by operator of the model's own graph, with their scope
+PINS_BY_OPERATOR = 4  # the first version whose pins name operators of the model's own graph (before: the solve graph)
+READS = (1, 2, 3, 4)  # file versions load_plan accepts
+SCOPES = ("shared", "layer")  # a pin's scope (autopar_lab.planvalues.SCOPES)
 
-__all__ = ["REQUIRED", "read_plan_file", "check_form", "check_fits", "bad", "printable_name"]
+__all__ = ["REQUIRED", "read_plan_file", "check_form", "check_fits", "bad", "printable_name", "old_pins", "VERSION",
+           "READS", "PINS_BY_OPERATOR", "SCOPES"]
 
 REQUIRED = ("version", "graph_fingerprint", "cluster", "method", "microbatches", "schedule", "stage_comm",
             "layer_names", "stages", "choices", "pins")
@@ -97,6 +102,27 @@ def _op_map(value, what: str, where: str) -> dict[int, str]:
             raise bad(where, f"{what} has the key {key[:40]!r}, not an operator id (a whole number like \"12\")")
         out[int(key)] = printable_name(name, f"{what}[{key}]", where)
     return out
+
+
+def _pins(value, where: str) -> dict[int, tuple[str, str]]:
+    """A version-4 ``pins`` object: operator id -> {"strategy": name, "scope": "shared" or "layer"}."""
+    if not isinstance(value, dict):
+        raise bad(where, "pins must be an object mapping operator ids to {\"strategy\": ..., \"scope\": ...}")
+    out = {}
+    for key, entry in value.items():
+        if not _OP_ID.match(key):
+            raise bad(where, f"pins has the key {key[:40]!r}, not an operator id (a whole number like \"12\")")
+        if not isinstance(entry, dict) or set(entry) != {"strategy", "scope"}:
+            raise bad(where, f"pins[{key}] must be an object with a strategy and a scope, got {entry!r:.60}")
+        if entry["scope"] not in SCOPES:
+            raise bad(where, f"pins[{key}]'s scope must be 'shared' or 'layer', got {entry['scope']!r:.40}")
+        out[int(key)] = (printable_name(entry["strategy"], f"pins[{key}]", where), entry["scope"])
+    return out
+
+
+def old_pins(data: Mapping) -> bool:
+    """Whether a plan file names its pins by the graph the plan was solved on (versions 1 to 3)."""
+    return data.get("version", 1) < PINS_BY_OPERATOR
 
 
 def check_form(data: Mapping, where: str) -> None:
@@ -182,9 +208,12 @@ def check_form(data: Mapping, where: str) -> None:
         if st.get("solution", "fast") not in ("fast", "lean"):
             raise bad(where, f"stage {k}'s solution must be 'fast' or 'lean', got {st['solution']!r:.40}")
     _op_map(data["choices"], "choices", where)
-    _op_map(data["pins"], "pins", where)
-    if "layer_pins" in data:
-        _op_map(data["layer_pins"], "layer_pins", where)
+    if old_pins(data):
+        _op_map(data["pins"], "pins", where)
+        if "layer_pins" in data:
+            _op_map(data["layer_pins"], "layer_pins", where)
+    else:
+        _pins(data["pins"], where)
     if "stage_pins" in data and not isinstance(data["stage_pins"], dict):
         raise bad(where, "stage_pins must be an object")
     sp = data.get("stage_pins", {})
@@ -196,21 +225,21 @@ def check_form(data: Mapping, where: str) -> None:
 
 def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int,
                full_ops=None) -> None:
-    """The plan file's fields against the graph (its operator ids ``ops``, ``num_layers`` layers, ``batch_size``) and
-    ``cluster`` it is loaded for; run after :func:`check_form`. ``full_ops``: the model's full graph's operator ids
-    (those ``layer_pins`` name; default ``ops``)."""
+    """The plan file's fields against the graph (the operator ids ``ops`` its choices name, ``num_layers`` layers,
+    ``batch_size``) and ``cluster`` it is loaded for; run after :func:`check_form`. ``full_ops``: the model's own
+    graph's operator ids (those a version-4 file's pins and a version-3 file's ``layer_pins`` name; default
+    ``ops``). That each shared pin names the strategy the plan runs is checked once the plan is built, where the
+    pins' operators are mapped onto the choices' (a version 1-3 file's pins name the choices' operators: here)."""
     known = set(ops)
     full = set(ops if full_ops is None else full_ops)
-    stray = sorted(int(op) for op in data.get("layer_pins", {}) if int(op) not in full)
-    if stray:
-        raise bad(where, f"layer_pins name operator {stray[0]}, which this model's graph does not have (its operators "
-                         f"are {min(full)}..{max(full)})")
-    for key in ("pins", "choices"):
-        stray = sorted(int(op) for op in data[key] if int(op) not in known)
+    named = [("choices", known)] + ([("pins", known), ("layer_pins", full)] if old_pins(data) else [("pins", full)])
+    for key, ids in named:
+        stray = sorted(int(op) for op in data.get(key, {}) if int(op) not in ids)
         if stray:
-            raise bad(where, f"{key} name operator {stray[0]}, which this graph does not have (its operators are "
-                             f"{min(known)}..{max(known)})")
-    for op, name in data["pins"].items():
+            whose = "this model's graph" if ids is full and full is not known else "this graph"
+            raise bad(where, f"{key} name operator {stray[0]}, which {whose} does not have (its operators are "
+                             f"{min(ids)}..{max(ids)})")
+    for op, name in data["pins"].items() if old_pins(data) else ():
         if data["choices"].get(op) != name:
             raise bad(where, f"pins[{op}] is {name[:60]!r} but the plan runs operator {op} as "
                              f"{str(data['choices'].get(op))[:60]!r}; a pin names the strategy the plan chose")

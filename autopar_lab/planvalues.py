@@ -17,12 +17,41 @@ pipeline simulation (:mod:`autopar_lab.simulate`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 if TYPE_CHECKING:
     from .pricing.layers import LayerCost
     from .simulate import Timeline
     from .solve.intra import IntraPlan
+
+#: An override's scope: the operator in every layer that shares its layer's solution, or in its layer alone.
+SHARED, LAYER = "shared", "layer"
+SCOPES = (SHARED, LAYER)
+
+
+class Pin(NamedTuple):
+    """A strategy the user fixed for an operator (``Plan.pins``: operator of ``plan.graph`` -> Pin): its name, and
+    its scope: ``"shared"`` (every layer sharing the operator's solution runs it) or ``"layer"`` (the operator's layer
+    alone, split from the others). A re-solve keeps it.
+
+    >>> Pin("S0R = S0R x RR") == ("S0R = S0R x RR", "shared")
+    True
+    """
+
+    strategy: str
+    scope: str = SHARED
+
+
+def as_pins(pins: Mapping[int, Any]) -> dict[int, Pin]:
+    """``pins`` with every value a :class:`Pin` (a strategy name alone is a shared pin; a pair is (name, scope))."""
+    return {int(op): p if isinstance(p, Pin) else Pin(*p) if isinstance(p, tuple) else Pin(str(p))
+            for op, p in pins.items()}
+
+
+def layer_scoped(pins: Mapping[int, Pin]) -> dict[int, str]:
+    """The pins of single layers split from their solution's layers, as operator -> strategy name (what pricing
+    prices on their own)."""
+    return {op: p.strategy for op, p in pins.items() if p.scope == LAYER}
 
 
 @dataclass(frozen=True)
@@ -44,7 +73,7 @@ class Stage:
     peak_mem_bytes: float
     intra: IntraPlan | None = field(default=None, compare=False, repr=False)  # the IntraPlan of the stage's mesh
     # The full-graph layer costs of ``intra`` (every layer, not only this stage's): what the stage was priced from,
-    # kept so that an override re-prices only what it changes. A layer split from its group (Plan.layer_pins) is
+    # kept so that an override re-prices only what it changes. A layer split from its group (a "layer" Plan.pins) is
     # priced on top of these (pricing.incremental.split_layer_costs), so removing its pins restores its cost.
     layer_costs: tuple[LayerCost, ...] | None = field(default=None, compare=False, repr=False)
     # Interleaved schedule: the layer ranges the stage runs, one per virtual stage (its model chunks; ``layers`` is

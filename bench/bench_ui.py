@@ -98,9 +98,8 @@ def main() -> None:
           f"({summary['operators']} operators, {summary['edges']} edges, {summary['resharded']} resharded) "
           f"{t_expand:.3f} s, collapsing {t_collapse:.3f} s")
 
-    g = wb.session.op_graph
-    dots = [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).role == "forward"]
-    op = dots[len(dots) // 2]
+    dots = [r["op"] for r in wb.table.rows if r["primitive"] == "dot_general" and r["role"] == "forward"]
+    op = dots[len(dots) // 2]  # a row of the table (operators of the model's graph)
     t0 = time.perf_counter()
     wb.table.rows_select.value = op  # a row click: selection, then the table prices the alternatives
     t_select = time.perf_counter() - t0
@@ -114,7 +113,7 @@ def main() -> None:
         assert wb.plan.choice(op).name == target
         to_cost.append(wb.cost.last_refresh - t0)
         total.append(t1 - t0)
-    print(f"select op #{op} ({g.op(op).primitive}, {len(options)} strategies priced): {t_select:.3f} s")
+    print(f"select op #{op} ({wb.session.graph.op(op).primitive}, {len(options)} strategies priced): {t_select:.3f} s")
     print(f"override from the dropdown (median of {args.repeat}): to the updated cost panel "
           f"{statistics.median(to_cost):.3f} s, to every view updated {statistics.median(total):.3f} s")
     print(f"  each: cost panel {', '.join(f'{x:.3f}' for x in to_cost)} s; all views "

@@ -165,7 +165,7 @@ def cpu():
 
 def _data_parallel(plan):
     """``plan`` with the batch split over mesh axis 0 (the CPU preset's latencies keep a tiny model replicated)."""
-    g = plan.op_graph
+    g = plan.graph
     for op in g.ops:
         if g.op(op).primitive == "parameter" and g.tensor(g.op(op).outputs[0]).kind == "batch":
             plan = plan.with_choice(op, "S0R")

@@ -65,7 +65,9 @@ def record(plan) -> dict:
         "method": plan.method, "microbatches": plan.microbatches, "schedule": plan.schedule,
         "stage_comm": plan.stage_comm, "layer_names": len(plan.layer_names), "cost": plan.cost.to_dict(),
         "stages": [_stage(st) for st in plan.stages],
-        "pins": {str(k): v for k, v in sorted(plan.pins.items())},
+        # operator of the model's graph -> [strategy, scope] (before issue 32 the solve graph's operator -> strategy:
+        # only these entries changed then, every number was kept to the bit)
+        "pins": {str(k): [p.strategy, p.scope] for k, p in sorted(plan.pins.items())},
         "stage_pins": {k: repr(v) for k, v in sorted(plan.stage_pins.items())},
     }
 
@@ -80,12 +82,10 @@ def _with_table(fn, model, cluster, table, **kw):
 
 
 def _priced_dot(plan) -> int:
-    """The first matmul of the solve graph that prices some layer of the full graph (a deep model's shallow copy
-    prices all its repeated layers with one of its own: a pin on another copy layer stands for nothing)."""
-    g = plan.table.solve_graph
-    # ... with another strategy to choose (a stage on one device has none: the cpu preset's auto plan has such stages)
-    return next((o for o in g.ops if g.op(o).primitive == "dot_general" and plan.table.op_map.full_layers_of(o)
-                 and len(plan.alternatives(o)) > 1), None)
+    """The model's first matmul with another strategy to choose (a stage on one device has none: the cpu preset's
+    auto plan has such stages)."""
+    g = plan.graph
+    return next((o for o in g.ops if g.op(o).primitive == "dot_general" and len(plan.alternatives(o)) > 1), None)
 
 
 def _overrides(plan) -> dict:

@@ -279,7 +279,7 @@ def test_resolve_solves_the_ilp_around_an_operator_pin(two):
     q = two.with_choice(op, worst.strategy)
     assert q.cost.step_time_s > two.cost.step_time_s
     r = al.resolve(q)
-    assert r.choice(op).name == worst.strategy and r.pins == {op: worst.strategy}
+    assert r.choice(op).name == worst.strategy and r.pins == {op: (worst.strategy, "shared")}
     assert r.cost.step_time_s <= q.cost.step_time_s
     # The pinned stage's strategies are as good as the ILP's with the pin, solved directly (ties may differ).
     st = r.stages[k]
@@ -343,15 +343,16 @@ def test_stage_pins_json_round_trip(two, small_cluster, tmp_path):
     path = tmp_path / "plan.json"
     al.save_plan(edited, path)
     data = json.loads(path.read_text())
-    assert data["version"] == planfile.VERSION == 2
+    assert data["version"] == planfile.VERSION == 4
     back = al.load_plan(path, edited.graph, small_cluster)
     assert back.cost.step_time_s == edited.cost.step_time_s  # to the last bit
     assert back.cost.peak_mem_bytes == edited.cost.peak_mem_bytes
     assert back.stage_pins == edited.stage_pins and back.pins == edited.pins and back.stages == edited.stages
     assert al.resolve(back).stage_pins == edited.stage_pins
-    # A version 1 file (no stage pins) still loads.
+    # A version 1 file (no stage pins; pins named by the graph solved on, here the model's own) still loads.
     data["version"] = 1
     del data["stage_pins"]
+    data["pins"] = {key: pin["strategy"] for key, pin in data["pins"].items()}
     path.write_text(json.dumps(data))
     old = al.load_plan(path, edited.graph, small_cluster)
     assert old.stage_pins == {} and old.cost.step_time_s == edited.cost.step_time_s

@@ -37,7 +37,7 @@ def test_with_choice_is_pure_and_reestimated(plan):
     q = plan.with_choice(op, worst.strategy)
     assert plan.cost.step_time_s == before and plan.pins == {}  # the original is untouched
     assert q.choice(op).name == worst.strategy and plan.choice(op).name != worst.strategy
-    assert q.pins == {op: worst.strategy}
+    assert q.pins == {op: (worst.strategy, "shared")}
     assert q.cost.step_time_s == pytest.approx(before + worst.delta_s, rel=0, abs=1e-15)
     # Overriding back to the original strategy gives the original cost exactly.
     back = q.with_choice(op, plan.choice(op))
@@ -98,7 +98,7 @@ def test_save_load_round_trip(plan, plan2, cluster, tmp_path):
         assert back.cost.peak_mem_bytes == p.cost.peak_mem_bytes
         assert back.stages == p.stages and back.pins == p.pins
         assert all(back.choice(o) == p.choice(o) for o in p.graph.ops)
-    assert back.pins == {op: edited.choice(op).name}
+    assert back.pins == {op: (edited.choice(op).name, "shared")}
 
 
 def test_load_refuses_other_graph_cluster_and_broken_files(plan, cluster, tmp_path):

@@ -115,15 +115,19 @@ def test_the_map_is_the_identity_without_a_copy(graph, cluster):
 
 
 def test_session_plan_and_export_share_the_table_s_map(small_cluster):
+    from autopar_lab import operators
+    from autopar_lab.export import strategy_lookup
     from autopar_lab.widgets.session import Session
 
     deep = al.models.get("gpt-tiny", batch_size=8, num_layers=6, dtype="float32")
     p = al.auto_plan(deep, small_cluster, microbatches=1)
     table = p.table
-    assert table.solve_graph is not p.graph and Session(p).op_map is table.op_map
-    op = p.graph.ops_in_layer("layer_4")[2]
-    assert Session(p).solve_op(op) == table.solve_op(op) == table.op_map.solve_op(op)
+    assert table.solve_graph is not p.graph and operators.op_map(p) is table.op_map
+    op = p.graph.ops_in_layer("layer_4")[2]  # an operator of the model's graph, as every one of them takes it
     s = table.solve_op(op)
-    # It runs in the stage of the first block it stands for.
-    k = next(j for j, st in enumerate(p.stages) if st.layers[0] <= 1 <= st.layers[1])
-    assert p.stage_of(s) == k and p.choice(s) is p.stages[k].intra.strategies[s]
+    assert s == table.op_map.solve_op(op) and s < len(table.solve_graph.ops)
+    # It runs in the stage of its own layer, by its stand-in's strategy there; the session and the export agree.
+    k = next(j for j, st in enumerate(p.stages) if st.layers[0] <= 5 <= st.layers[1])  # layer_4 is layer 5
+    assert p.stage_of(op) == k and p.choice(op) is p.stages[k].intra.strategies[s]
+    assert Session(p).select(op=op).stage == k
+    assert strategy_lookup(p, p.stages[k].intra)(op) is p.choice(op)

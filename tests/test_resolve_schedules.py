@@ -10,7 +10,7 @@ import math
 import pytest
 
 import autopar_lab as al
-from autopar_lab import pins, planner
+from autopar_lab import operators, pins, planner
 from autopar_lab.rematmode import REMAT_CHOICES
 from autopar_lab.solve.inter import NoFeasiblePlanError, StageConstraints, brute_force_stages
 
@@ -173,15 +173,17 @@ def test_deep_interleaved_model_resolves_around_a_pin_on_its_chunks():
     cluster = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
     plan = al.auto_plan(model, cluster, schedule="interleaved", virtual_stages=3, microbatches=8)
     assert len(plan.layer_names) >= 24 and plan.virtual_stages == 3
-    g = plan.op_graph
-    op = next(i for i in g.ops if g.op(i).primitive == "dot_general" and
-              len(plan.table.op_map.full_layers_of(i)) > 1)
+    g = plan.graph
+
+    def dot(layer):
+        return next(i for i in g.ops_in_layer(layer) if g.op(i).primitive == "dot_general")
+
+    op = dot("layer_10")
     alts = [a.strategy for a in plan.alternatives(op)]
     name = alts[len(alts) // 2]
     out = al.resolve(plan.with_choice(op, name))
     assert out.schedule == "interleaved" and out.virtual_stages == 3
-    runs = set(plan.table.op_map.full_layers_of(op))
-    stages = {j for j, st in enumerate(out.stages) for a, b in st.layer_ranges if any(a <= k <= b for k in runs)}
+    stages = out.stages_of(op)
     assert len(stages) >= 2  # the blocks sharing the solution run on several stages
-    for j in stages:
-        assert out.stages[j].intra.strategies[op].name == name, j
+    assert [(k, s.name) for k, s in operators.shared_choices(out, op)] == [(k, name) for k in stages]
+    assert {out.choice(dot(f"layer_{i}")).name for i in range(24)} == {name}  # every block, on its own stage

@@ -16,7 +16,7 @@ def session(plan):
 
 
 def _dot(s: Session, layer="layer_0", k=0) -> int:
-    g = s.op_graph
+    g = s.graph
     return [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == layer][k]
 
 
@@ -35,7 +35,7 @@ def test_set_choice_pushes_a_new_plan_and_tells_observers(session, plan):
     assert session.plan is after and session.previous is plan
     assert after.choice(op).name == worst.strategy and plan.choice(op).name != worst.strategy
     assert after.cost.step_time_s == pytest.approx(plan.cost.step_time_s + worst.delta_s, rel=0, abs=1e-15)
-    assert session.pins == {op: worst.strategy}
+    assert session.pins == {op: (worst.strategy, "shared")}
     d = session.diff()
     assert d["ops"] == [{"op": op, "before": plan.choice(op).name, "after": worst.strategy}]
     assert d["step_time_delta_s"] == after.cost.step_time_s - plan.cost.step_time_s
@@ -91,7 +91,7 @@ def test_pin_and_unpin(session, plan):
     op = _dot(session)
     current = plan.choice(op).name
     session.pin(op, current)
-    assert session.pins == {op: current}
+    assert session.pins == {op: (current, "shared")}
     assert session.plan.cost.step_time_s == plan.cost.step_time_s  # pinning the current choice costs nothing
     session.unpin(op)
     assert session.pins == {} and session.plan.choice(op).name == current
@@ -209,7 +209,7 @@ def test_inter_solve_reports_progress_keeps_pins_and_is_no_worse(small_plan):
     # Each ILP the cost table had not run yet reports as it finishes; then the pins are re-solved around.
     assert sum(m.startswith("intra-op") for m, _ in seen) == len(missing)
     assert ("re-solving around the pins", None) in seen
-    assert p.pins == {op: name} and p.choice(op).name == name
+    assert p.pins == {op: (name, "shared")} and p.choice(op).name == name
     assert p.cost.step_time_s <= small_plan.cost.step_time_s * (1 + 1e-9)
 
 
@@ -297,7 +297,7 @@ def test_what_if_replan_keeps_operator_pins(small_plan, graph):
     for change in (dict(devices_per_host=4), dict(hosts=2)):
         events = _record(s)
         p = s.set_cluster(**change)
-        assert p.pins == {op: other} and p.choice(op).name == other
+        assert p.pins == {op: (other, "shared")} and p.choice(op).name == other
         assert s.dropped_pins == [] and events[-1].detail["dropped_pins"] == []
         s.undo()
     # The inter solve keeps it too.

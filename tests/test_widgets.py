@@ -58,7 +58,7 @@ def _walk(widget):
 
 
 def _dot(wb, layer="layer_0"):
-    g = wb.session.op_graph
+    g = wb.session.graph
     return [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == layer][0]
 
 
@@ -106,7 +106,7 @@ def test_dropdown_change_overrides_and_updates_table_and_cost_panel(wb, plan):
     before_text = wb.header.step_time.value
     wb.table.alternatives.value = worst  # the dropdown change
     new = wb.plan
-    assert new is not plan and new.choice(op).name == worst and new.pins == {op: worst}
+    assert new is not plan and new.choice(op).name == worst and new.pins == {op: (worst, "shared")}
     row = wb.table.row(op)
     assert row["strategy"] == worst and row["pinned"]
     assert row["alpa"] == str(new.choice(op).out_specs[0])
@@ -150,7 +150,7 @@ def test_pin_unpin_buttons(wb, plan):
     op = _dot(wb)
     wb.table.select(op)
     wb.table.pin_button.click()
-    assert wb.plan.pins == {op: plan.choice(op).name} and wb.table.row(op)["pinned"]
+    assert wb.plan.pins == {op: (plan.choice(op).name, "shared")} and wb.table.row(op)["pinned"]
     assert not wb.controls.resolve_button.disabled
     wb.table.unpin_button.click()
     assert wb.plan.pins == {} and not wb.table.row(op)["pinned"]
@@ -213,7 +213,7 @@ def test_graph_colours_have_legends(wb):
 
 def test_resharded_edges_carry_their_collective_and_bytes(small_plan, graph):
     s = al.Session(small_plan)
-    g = s.op_graph
+    g = s.graph
     # Override the first forward matmul of layer_0 to its dearest strategy: its neighbours must be resharded.
     op = [o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_0"][0]
     s.set_choice(op, s.alternatives(op)[-1].strategy)
@@ -282,7 +282,7 @@ def test_deep_table_shows_real_layers_and_the_groups_that_share_a_solution(deep)
     # A real layer of stage 1 lists its own operators, on stage 1.
     t.set_filters(layer="layer_13", primitive="dot_general")
     full = _real_dot(plan, "layer_13")
-    assert t.rows[0]["key"] == ("layer", full) and t.rows[0]["full_op"] == full
+    assert t.rows[0]["key"] == t.rows[0]["op"] == full and t.rows[0]["alone"]
     assert all(r["stage"] == 1 and r["stage_text"] == "S1" and r["layer"] == "layer_13" for r in t.rows)
     assert f"#{full}" in row_label(t.rows[0])
 
@@ -296,13 +296,12 @@ def test_a_click_on_a_deep_layer_lands_on_that_layer_on_its_stage(deep):
     wb.graph.on_click("L:layer_13")
     wb.graph.canvas.handle_message(None, {"type": "click", "key": f"O:{full}"})
     sel = wb.session.selection
-    assert (sel.full_op, sel.layer, sel.stage) == (full, "layer_13", 1)
-    assert sel.op == plan.table.op_map.solve_op(full)
+    assert (sel.op, sel.layer, sel.stage) == (full, "layer_13", 1)  # the operator clicked, no stand-in
     t = wb.table
-    assert t.key == ("layer", full) and t.layer_filter.value == "layer_13"
+    assert t.key == full and t.alone and t.layer_filter.value == "layer_13"
     assert t.row(t.key)["stage_text"] == "S1" and "stage 1's 1x4 mesh" in t.detail.value
     assert "layer_13" in t.detail.value and "one of 24 layers sharing one solution" in t.detail.value
-    assert t.scope.layout.display is None and t.scope.value == "group"
+    assert t.scope.layout.display is None and t.scope.value == "shared"
     deltas = [label for label, _ in t.alternatives.options if "no change" not in label]
     assert len(deltas) >= 2 and all("µs" in d or "ms" in d for d in deltas)
     assert wb.graph.expanded == "layer_13" and wb.graph.selected_key == f"O:{full}"
@@ -314,7 +313,7 @@ def test_a_deep_override_moves_the_header_by_the_predicted_delta_and_refreshes_t
     wb = Workbench(model, plan.cluster, plan=plan)
     t, s = wb.table, wb.session
     full = _real_dot(plan, "layer_13")
-    s.select(full_op=full)
+    s.select(op=full)
     # Every layer sharing the solution (the default): both stages re-priced.
     alts = t._alts
     worst = alts[-1]
@@ -322,22 +321,21 @@ def test_a_deep_override_moves_the_header_by_the_predicted_delta_and_refreshes_t
     group = wb.plan
     assert group.cost.step_time_s - plan.cost.step_time_s == worst.delta_s > 0
     assert _ms(group.cost.step_time_s) in wb.header.step_time.value and "1 operator pin" in wb.header.pins.value
-    row = t.row(("layer", full))
-    assert row["strategy"] == worst.strategy and row["pinned"] and row["alpa"] == str(
-        group.full_choice(full).out_specs[0])
+    row = t.row(full)
+    assert row["strategy"] == worst.strategy and row["pinned"] and row["alpa"] == str(group.choice(full).out_specs[0])
     other = _real_dot(plan, "layer_2")
-    assert group.full_choice(other).name == worst.strategy  # a block on stage 0 too
+    assert group.choice(other).name == worst.strategy  # a block on stage 0 too
     # This layer alone: split from the group, re-priced, the others unchanged.
     t.scope.value = "layer"
     layer_alts = t._alts
     pick = next(a for a in layer_alts if a.strategy != worst.strategy and a.delta_s != 0)
     t.alternatives.value = pick.strategy
     split = wb.plan
-    assert split.layer_pins == {full: pick.strategy} and s.last_action == "set_layer_choice"
+    assert split.pins[full] == (pick.strategy, "layer") and s.last_action == "set_choice"
     assert split.cost.step_time_s - group.cost.step_time_s == pick.delta_s
     assert _ms(split.cost.step_time_s) in wb.header.step_time.value
-    assert split.full_choice(other).name == worst.strategy
-    assert t.row(("layer", full))["strategy"] == pick.strategy  # the row shows the new spec at once
+    assert split.choice(other).name == worst.strategy
+    assert t.row(full)["strategy"] == pick.strategy  # the row shows the new spec at once
     assert "layer_13 (split from its group)" in [label for label, _ in t._layer_options]
     assert t.scope.value == "layer" and "pinned in its layer" in t.detail.value
     # The graph draws the split layer on its own, its operator pinned with the new strategy.
@@ -346,11 +344,11 @@ def test_a_deep_override_moves_the_header_by_the_predicted_delta_and_refreshes_t
     node = next(n for n in wb.graph.data["detail"]["nodes"] if n["key"] == f"O:{full}")
     assert node["pinned"] and "stage 1's 1x4 mesh" in node["hover"]
     t.unpin_button.click()
-    assert wb.plan.layer_pins == {} and wb.plan.cost.step_time_s == group.cost.step_time_s
+    assert wb.plan.pins == group.pins and wb.plan.cost.step_time_s == group.cost.step_time_s
     wb.controls.undo()
     wb.controls.undo()
     wb.controls.undo()
-    assert wb.plan is plan and t.row(("layer", full))["strategy"] == plan.full_choice(full).name
+    assert wb.plan is plan and t.row(full)["strategy"] == plan.choice(full).name
 
 
 def test_graph_front_end_is_built():

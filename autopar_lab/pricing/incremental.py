@@ -5,7 +5,7 @@ An override that changes one operator's strategy (:meth:`~autopar_lab.plan.Plan.
 replaced, its totals computed only when read: :meth:`LazyIntraPlan.with_strategies`) and its layer costs from
 :func:`changed_layer_costs`, which prices again only the layers the change can reach, to the same bits as pricing
 every layer. A full-graph layer split from
-the layers that share its solution (its own operator pins, ``Plan.layer_pins``) is priced on its own by
+the layers that share its solution (its own operator pins, a "layer" scope in ``Plan.pins``) is priced on its own by
 :func:`split_layer_costs`.
 """
 

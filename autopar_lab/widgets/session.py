@@ -12,9 +12,10 @@ pushes the new plan and tells the observers with an :class:`Event` carrying the 
     >>> s.undo()                                                                    # doctest: +SKIP
     plan undo
 
-Operator ids are those of the graph the plan's strategies refer to (``session.op_graph``: the plan's own graph, or for
-a deep zoo model its shallower copy, see :mod:`autopar_lab.planner`); :attr:`Session.op_map` (an
-:class:`~autopar_lab.pricing.opmap.OpMap`) maps the full graph's operators and layers onto it and back.
+Operator ids are those of the model's own graph (``session.graph``, ``plan.graph``), as every view shows them, also for
+a deep model solved on a shallower copy of itself; an override's ``scope`` says whether it applies to the operator in
+every layer sharing its layer's solution (``"shared"``, the default) or in its layer alone (``"layer"``): see
+:mod:`autopar_lab.operators`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from ..operators import check_op
 from ..rematmode import remat_value
 from ..solve.ilp import DEFAULT_SOLVER
 from .training import TrainingController
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..pricing.opmap import OpMap
     from ..pricing.table import CostTable
 
 
@@ -46,14 +47,11 @@ class SolveCancelled(Exception):
 
 @dataclass(frozen=True)
 class Selection:
-    """What the views highlight: an operator (of ``op_graph``), a layer name, a stage index; any may be None.
-    ``full_op``: the operator of the model's full graph that was picked (a real layer's operator of a deep model,
-    whose ``op`` is its stand-in in the copy the plan was solved on); ``layer`` is always a real layer's name."""
+    """What the views highlight: an operator (of the plan's graph), a layer name, a stage index; any may be None."""
 
     op: int | None = None
     layer: str | None = None
     stage: int | None = None
-    full_op: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,39 +120,21 @@ class Session:
 
     @property
     def graph(self):
-        """The plan's (full) operator graph."""
+        """The plan's operator graph: the model's own, whose ids every operator here is."""
         return self.plan.graph
-
-    @property
-    def op_graph(self):
-        """The graph whose operator ids the plan's strategies use (see the module docstring)."""
-        return self.plan.op_graph
-
-    @property
-    def op_map(self) -> OpMap:
-        """Full graph <-> :attr:`op_graph`, for operators and layers (the identity for a model solved on its own
-        graph)."""
-        from ..pricing.opmap import OpMap
-
-        t = self.plan.table
-        return t.op_map if t is not None else OpMap(self.plan.graph)
 
     @property
     def cluster(self):
         return self.plan.cluster
 
     @property
-    def pins(self) -> Mapping[int, str]:
+    def pins(self) -> Mapping[int, Any]:
+        """The plan's operator pins: operator -> Pin(strategy name, scope)."""
         return dict(self.plan.pins)
 
     @property
     def stage_pins(self) -> Mapping[str, Any]:
         return dict(self.plan.stage_pins)
-
-    @property
-    def layer_pins(self) -> Mapping[int, str]:
-        """Pins of operators of single layers split from their group (full-graph op -> strategy name)."""
-        return dict(self.plan.layer_pins)
 
     @property
     def can_undo(self) -> bool:
@@ -200,7 +180,7 @@ class Session:
         sel = self.selection
         if sel.op is not None:
             try:
-                stage = self.plan.full_stage_of(sel.full_op) if sel.full_op is not None else self.plan.stage_of(sel.op)
+                stage = self.plan.stage_of(sel.op)
             except (ValueError, KeyError):
                 stage = None
             self.selection = dataclasses.replace(sel, stage=stage)
@@ -208,39 +188,13 @@ class Session:
             self.selection = dataclasses.replace(sel, stage=None)
 
     # --- selection -------------------------------------------------------------------------------------------------
-    def select(self, op: int | None = None, layer: str | None = None, stage: int | None = None,
-               full_op: int | None = None) -> Selection:
-        """Select an operator (which also selects its layer and stage), a layer, or a stage; no argument clears.
-
-        ``op`` is an operator of :attr:`op_graph` (its layer: the first real layer it stands for); ``full_op`` one
-        of the model's full graph (:attr:`graph`), for a deep model the operator of one real layer: its stand-in
-        becomes ``op``, its layer and the stage running that layer are selected."""
+    def select(self, op: int | None = None, layer: str | None = None, stage: int | None = None) -> Selection:
+        """Select an operator of the plan's graph (which also selects its layer and the stage that runs it), a layer,
+        or a stage; no argument clears."""
         plan = self.plan
-        if full_op is not None:
-            g = self.graph
-            try:
-                node = g.op(int(full_op))
-            except (KeyError, IndexError):
-                raise ValueError(f"operator {full_op} is not in this model's graph (ids run 0..{len(g.ops) - 1})"
-                                 ) from None
-            sop = self.solve_op(int(full_op))
-            if sop is None:
-                raise ValueError(f"operator {node.describe()} has no counterpart in the graph this plan was solved "
-                                 "on")
-            full_op, op = int(full_op), sop
-            layer = node.layer
-            stage = plan.full_stage_of(full_op)
-        elif op is not None:
-            g = self.op_graph
-            try:
-                node = g.op(int(op))
-            except (KeyError, IndexError):
-                raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1})") from None
-            op = int(op)
-            layer = node.layer
-            if layer is not None and g is not self.graph:  # a copy's layer: name the first real layer it stands for
-                layers = self.op_map.full_layers_of(op)
-                layer = plan.layer_names[layers[0]] if layers else layer
+        if op is not None:
+            op = check_op(plan, op)
+            layer = self.graph.op(op).layer
             stage = plan.stage_of(op)
         elif layer is not None:
             names = list(plan.layer_names)
@@ -253,29 +207,24 @@ class Session:
             if not 0 <= int(stage) < len(plan.stages):
                 raise ValueError(f"stage {stage} does not exist; this plan has {len(plan.stages)} stage(s)")
             stage = int(stage)
-        self.selection = Selection(op, layer, stage, full_op)
+        self.selection = Selection(op, layer, stage)
         self._emit("selection", "select", selection=self.selection)
         return self.selection
 
-    def solve_op(self, full_op: int) -> int | None:
-        """The operator of ``op_graph`` that stands for operator ``full_op`` of the full graph (the same position in
-        the layer its layer maps to), or None when it has no counterpart (see :attr:`op_map`)."""
-        return self.op_map.solve_op(int(full_op))
-
     # --- overrides -------------------------------------------------------------------------------------------------
-    def set_choice(self, op: int, strategy) -> Any:
-        """Run operator ``op`` by ``strategy`` (name, output spec or Strategy) and pin it there."""
-        return self._push(self.plan.with_choice(int(op), strategy), "set_choice")
+    def set_choice(self, op: int, strategy, scope: str = "shared") -> Any:
+        """Run operator ``op`` by ``strategy`` (name, output spec or Strategy) and pin it there: in every layer that
+        shares its layer's solution (``scope="shared"``) or in its layer alone (``"layer"``; see
+        :meth:`Plan.with_choice`)."""
+        return self._push(self.plan.with_choice(int(op), strategy, scope), "set_choice")
 
     pin = set_choice
 
-    def unpin(self, op: int) -> Any:
-        """Forget the pin on ``op`` (its strategy stays until the next :meth:`resolve` or solve)."""
-        op = int(op)
-        if op not in self.plan.pins:
-            raise ValueError(f"operator {op} is not pinned; pinned operators: {sorted(self.plan.pins)}")
-        pins = {k: v for k, v in self.plan.pins.items() if k != op}
-        return self._push(dataclasses.replace(self.plan, pins=pins), "unpin")
+    def unpin(self, op: int, scope: str | None = None) -> Any:
+        """Forget the pin that holds ``op`` (``scope``: only that kind; see :meth:`Plan.without_pin`): a shared pin's
+        strategy stays until the next :meth:`resolve` or solve; a layer's own pin gives the layer its solution's
+        strategy again."""
+        return self._push(self.plan.without_pin(int(op), scope), "unpin")
 
     def unpin_stages(self, key: str | None = None) -> Any:
         """Forget the stage pins (``key``: one of "boundaries", "submeshes", "logical_meshes", "remat",
@@ -289,26 +238,9 @@ class Session:
             del sp[key]
         return self._push(dataclasses.replace(self.plan, stage_pins=sp), "unpin_stages")
 
-    def alternatives(self, op: int) -> list:
+    def alternatives(self, op: int, scope: str = "shared") -> list:
         """Every strategy of ``op`` with its step-time change (see :meth:`Plan.alternatives`)."""
-        return self.plan.alternatives(int(op))
-
-    # --- one real layer alone (a deep model's block split from the blocks that share its solution) ---------------
-    def set_layer_choice(self, full_op: int, strategy) -> Any:
-        """Run operator ``full_op`` of the full graph by ``strategy`` in its layer alone, splitting that layer from
-        the layers that share its solution (:meth:`Plan.with_layer_choice`)."""
-        return self._push(self.plan.with_layer_choice(int(full_op), strategy), "set_layer_choice")
-
-    def layer_alternatives(self, full_op: int) -> list:
-        """Every strategy of ``full_op`` with the step-time change of choosing it in its layer alone."""
-        return self.plan.layer_alternatives(int(full_op))
-
-    def unpin_layer(self, full_op: int) -> Any:
-        """Give operator ``full_op`` of a split layer its group's strategy again (re-priced); a layer left with no
-        pin of its own rejoins the layers that share its solution."""
-        from ..overrides import without_layer_pin
-
-        return self._push(without_layer_pin(self.plan, int(full_op)), "unpin_layer")
+        return self.plan.alternatives(int(op), scope)
 
     def layer_groups(self) -> list:
         """The plan's real layers grouped by the solution they share (:func:`autopar_lab.layergroups.layer_groups`)."""

@@ -146,7 +146,7 @@ class Workbench:
         sel = self.session.selection
         parts = []
         if sel.op is not None:
-            node = self.session.op_graph.op(sel.op)
+            node = self.session.graph.op(sel.op)
             parts.append(f"operator #{sel.op} ({node.primitive})")
         if sel.layer is not None:
             parts.append(f"layer {sel.layer}")

@@ -294,7 +294,7 @@ class Controls(View):
         s = self.session
         self.undo_button.disabled = not s.can_undo
         self.redo_button.disabled = not s.can_redo
-        self.resolve_button.disabled = not (s.plan.pins or s.plan.stage_pins or s.plan.layer_pins)
+        self.resolve_button.disabled = not (s.plan.pins or s.plan.stage_pins)
         c = s.cluster
         self._quiet = True
         try:

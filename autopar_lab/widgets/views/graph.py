@@ -22,13 +22,13 @@ the hover of the operators that read or write them.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import ipywidgets as w
 
 from ...graph.modules import module_labels
 from ...graph.opcost import CONTRACTIONS
 from ...layergroups import group_of_layer, span_text
+from ...operators import split_layers
 from . import figures
 from ._base import View
 from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
@@ -94,7 +94,7 @@ def _layer_stage(plan, names: list[str]) -> dict[str, int]:
 
 def _split_names(plan) -> set[str]:
     """The real layers split from the layers that share their solution (they have operator pins of their own)."""
-    return {plan.graph.op(o).layer for o in plan.layer_pins}
+    return {plan.layer_names[k] for k in split_layers(plan)}
 
 
 def layer_groups(session) -> list[dict]:
@@ -138,21 +138,17 @@ def _label(name: str) -> str:
     return OTHER_LABEL if name == OTHER else name
 
 
-def _strategy(session, full_op: int):
-    """The strategy the real operator ``full_op`` runs with, on the stage that runs its layer (None: none)."""
+def _strategy(session, op: int):
+    """The strategy operator ``op`` runs with, on the stage that runs its layer (None: none)."""
     try:
-        return session.plan.full_choice(full_op)
+        return session.plan.choice(op)
     except (KeyError, ValueError):
         return None
 
 
-def _pinned(session, full_op: int) -> bool:
-    """Whether ``full_op`` is pinned: in its layer alone, or for every layer sharing its solution."""
-    plan = session.plan
-    if full_op in plan.layer_pins:
-        return True
-    sop = session.solve_op(full_op)
-    return sop is not None and any(o in plan.pins for o in session.op_map.siblings(sop))
+def _pinned(session, op: int) -> bool:
+    """Whether ``op`` is pinned: in its layer alone, or for every layer sharing its solution."""
+    return session.plan.pin_of(op) is not None
 
 
 def _shapes_text(shapes, dtypes) -> str:
@@ -427,14 +423,13 @@ class GraphView(View):
                 self.run("select", lambda: self.session.select(layer=rest))
             self.redraw()
         elif kind == "O":
-            full = int(rest)
-            sop = self.session.solve_op(full)
+            op = int(rest)
             self.selected_key = key
-            if sop is None:
-                self.info.value = f"operator #{full} has no counterpart in the plan's solve graph"
+            if _strategy(self.session, op) is None:
+                self.info.value = f"operator #{op} has no strategy in this plan"
                 self.redraw()
-            else:  # the real operator: its own layer and stage, not the stand-in's
-                self.run("select", lambda: self.session.select(full_op=full))
+            else:
+                self.run("select", lambda: self.session.select(op=op))
         else:
             raise ValueError(f"unknown node key {key!r}")
 
@@ -475,17 +470,10 @@ class GraphView(View):
             layer = sel.layer  # a real layer's name (the session names the real layer, not the copy's)
             if layer is not None and layer in self.session.plan.layer_names:
                 self.expanded = layer
-                full = sel.full_op if sel.full_op is not None else _inverse(self.session, sel.op, layer)
-                key = f"O:{full}" if full is not None else f"L:{layer}"
+                key = f"O:{sel.op}"
         elif sel.layer is not None:
             key = f"L:{sel.layer}"
         if key != self.selected_key or sel.op is not None:
             self.selected_key = key
             self.redraw()
 
-
-def _inverse(session, sop: int, layer: str) -> Any:
-    """The full-graph operator of ``layer`` that ``sop`` (or the sibling that stands for it) stands for."""
-    if session.op_graph is session.graph:
-        return sop
-    return session.op_map.full_op_in(sop, list(session.plan.layer_names).index(layer))

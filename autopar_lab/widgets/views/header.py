@@ -42,9 +42,9 @@ def memory_summary(plan) -> str:
 
 
 def pins_text(plan) -> str:
-    ops, stages = len(plan.pins), sorted(plan.stage_pins)
+    own = sum(p.scope == "layer" for p in plan.pins.values())  # operators of layers split from their group
+    ops, stages = len(plan.pins) - own, sorted(plan.stage_pins)
     text = f"{ops} operator pin{'s' if ops != 1 else ''}"
-    own = len(getattr(plan, "layer_pins", {}))  # operators of layers split from their group
     text += f" + {own} in split layer{'s' if own != 1 else ''}" if own else ""
     return text + (f"; pinned: {', '.join(stages)}" if stages else "")
 

@@ -17,13 +17,14 @@ import ipywidgets as w
 
 from ...graph.modules import module_label, module_labels, modules_present, shapes_text, under
 from ...layergroups import group_of_layer, layer_groups, span_text
+from ...operators import ilp_group, layer_operators, shared_choices, shares_solution
+from ...planvalues import LAYER, SHARED
 from ...parallelism import op_notes
 from ._base import View
 from .fmt import fmt_s, strategy_text
 
 ALL = "(all)"
 OUTSIDE = "outside layers"  # the layer filter's choice for operators outside every layer
-GROUP, LAYER = "group", "layer"  # what an override applies to: every layer sharing the solution, or one alone
 
 
 def _spec_texts(strategy) -> tuple[str, str]:
@@ -37,41 +38,23 @@ def _spec_texts(strategy) -> tuple[str, str]:
     return str(spec), ps
 
 
-def _scope_rows(plan, group, full_layer: int | None):
-    """(key, stand-in, full op or None, stages, shown) for each operator of ``group`` in graph order. A row of a
-    whole group is keyed by the stand-in's id (every row of a model solved on its own graph); a row of one real layer
-    whose solution other layers share (``full_layer``, one layer of the group shown alone, or a layer split from
-    its group) by ``("layer", full_op)``. ``shown``: the model's operator whose module and shapes the row shows (a
-    group's: its first layer's)."""
-    m = plan.table.op_map if plan.table is not None else None
-    if m is None or m.is_identity:
-        names = list(plan.layer_names)
-        return [(o, o, o, group.stages, o) for o in plan.graph.ops_in_layer(names[group.layers[0]])]
-    k = full_layer if full_layer is not None else group.layers[0]
-    alone = full_layer is not None or group.split
-    out = []
-    for full in plan.graph.ops_in_layer(plan.layer_names[k]):
-        sop = m.solve_op(full)
-        if sop is None:
-            continue
-        if alone:
-            out.append((("layer", full), sop, full, (plan.full_stage_of(full),), full))
-        else:
-            out.append((sop, sop, full if len(group.layers) == 1 else None, group.stages, full))
-    return out
+def _scope_rows(plan, group, layer: int | None):
+    """(operator, stages, alone) for each operator of ``group`` that has a strategy, in graph order: those of the
+    group's first layer, or of real layer ``layer`` of it. ``alone``: the row is of one layer among several that share
+    its solution (a layer of the group shown alone, or a layer split from it), so an override may apply to it alone."""
+    k = group.layers[0] if layer is None else layer
+    alone = layer is not None or group.split
+    return [(op, (plan.stage_of(op),) if alone else group.stages, alone) for op in layer_operators(plan, k)]
 
 
 def _outside_rows(plan):
-    g = plan.op_graph
-    last = len(plan.stages) - 1
-    return [(node.id, node.id, None, (plan.stage_of(node.id) if plan.table is not None else last,), None)
-            for node in g if node.layer is None]
+    return [(op, (plan.stage_of(op),), False) for op in layer_operators(plan, None)]
 
 
 def module_choices(session) -> list[str]:
     """The modules the filter by module offers: every module of the plan's operators and every module they sit
     under (``attn`` for ``attn/q_proj``)."""
-    return modules_present(module_labels(session.op_graph))
+    return modules_present(module_labels(session.plan.op_graph))  # the same modules as the model's, fewer operators
 
 
 def scopes(session) -> list[tuple[str, str]]:
@@ -82,7 +65,7 @@ def scopes(session) -> list[tuple[str, str]]:
     groups = layer_groups(plan)
     out = [(grp.label, grp.key) for grp in groups]
     out += [(name, name) for grp in groups if len(grp.layers) > 1 for name in grp.names]
-    if any(node.layer is None for node in plan.op_graph):
+    if layer_operators(plan, None):
         out.append((OUTSIDE, OUTSIDE))
     return out
 
@@ -92,22 +75,19 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
     """One dict per row of the table passing the filters. ``layer``: a group's key (``"layer_0.."``), a real layer's
     name, or :data:`OUTSIDE`; None: every group. ``module``: only the operators of that module or of modules under
     it (``"attn"`` keeps ``attn/q_proj`` and ``attn/scores``; the backward's and the optimizer's operators of a module
-    are its too). A row of a group of layers sharing one solution stands for its operator in every one of them
-    (``key``: the stand-in's id); a row of one real layer of a deep model for that layer's own operator (``key``:
-    ``("layer", full_op)``).
+    are its too). A row of a group of layers sharing one solution is its operator in the group's first layer and
+    stands for it in every one of them; a row of one real layer among several sharing a solution (``alone``) is that
+    layer's own operator. Every row is keyed by its operator of the plan's graph.
 
-    Each row: key, op (the stand-in in the graph the plan was solved on), full_op (the model's operator, None for a
-    group's row), primitive, role, layer (the group's or layer's name), stages and stage (the first of them; a
-    group spanning stages lists each), stage_text, strategy (its full Alpa name, on the first stage), alpa (output
-    spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved its layer), note
-    (ZeRO-3/FSDP, sequence or context parallelism it takes part in: :func:`autopar_lab.parallelism.op_notes`),
-    module, label and module_path (:class:`autopar_lab.graph.modules.ModuleLabel`: ``"fc1"``, ``"fc1 (weight
-    grad)"``, the parameter path or name scope it was read from; of the model's operator in the row's layer, a
-    group's first layer), shapes (``"[8,1024,2048]x[2048,6144] -> [8,1024,6144]"``) and dtype (its result's)."""
+    Each row: key and op (the operator), alone, primitive, role, layer (the group's or layer's name), stages and stage
+    (the first of them; a group spanning stages lists each), stage_text, strategy (its full Alpa name, on the first
+    stage), alpa (output spec; per stage where they differ), partition_spec, pinned, group (the ILP group that solved
+    its layer), note (ZeRO-3/FSDP, sequence or context parallelism it takes part in:
+    :func:`autopar_lab.parallelism.op_notes`), module, label and module_path
+    (:class:`autopar_lab.graph.modules.ModuleLabel`: ``"fc1"``, ``"fc1 (weight grad)"``, the parameter path or name
+    scope it was read from), shapes (``"[8,1024,2048]x[2048,6144] -> [8,1024,6144]"``) and dtype (its result's)."""
     plan = session.plan
     groups = layer_groups(plan)
-    pins = plan.pins
-    m = session.op_map
     picked: list[tuple] = []
     if layer is None:
         for grp in groups:
@@ -123,62 +103,43 @@ def op_rows(session, layer: str | None = None, stage: int | None = None, primiti
             grp = group_of_layer(plan, layer)
             k = list(plan.layer_names).index(layer)
             picked.append((grp, _scope_rows(plan, grp, k if len(grp.layers) > 1 else None)))
-    ilp = _groups(plan)
-    g = plan.op_graph
+    g = plan.graph
     notes = op_notes(plan)
     out = []
     for grp, items in picked:
-        for key, sop, full, stages, shown in items:
-            node = g.op(sop)
+        for op, stages, alone in items:
+            node = g.op(op)
             if primitive is not None and node.primitive != primitive:
                 continue
             if stage is not None and stage not in stages:
                 continue
-            where, at = (plan.graph, shown) if shown is not None else (g, sop)
-            lab = module_label(where, at)
+            lab = module_label(g, op)
             if module is not None and not under(lab.module, module):
                 continue
-            if isinstance(key, tuple):
-                strats = [plan.full_choice(full)]
-                # Pinned in its layer, or (a layer still sharing its group's solution) by the group's pin.
-                pinned = full in plan.layer_pins or (grp is not None and not grp.split and
-                                                     any(o in pins for o in m.siblings(sop)))
+            if alone:
+                strats = [plan.choice(op)]
             else:
-                strats = [plan.stages[k].intra.strategies.get(sop) if plan.stages[k].intra is not None else None
-                          for k in stages]
-                pinned = any(o in pins for o in m.siblings(sop))
+                shared = dict(shared_choices(plan, op))
+                strats = [shared.get(k) for k in stages]
             texts = [_spec_texts(s) for s in strats]
             alpa = texts[0][0] if len({t[0] for t in texts}) == 1 else \
                 " | ".join(f"S{k}: {t[0]}" for k, t in zip(stages, texts))
-            name = (grp.names[0] if isinstance(key, tuple) or len(grp.layers) == 1 else
-                    f"{span_text(grp.names)} ×{len(grp.layers)}") if grp is not None else None
-            if isinstance(key, tuple):
-                name = plan.graph.op(full).layer
-            out.append({"key": key, "op": sop, "full_op": full, "primitive": node.primitive, "layer": name,
+            if alone:
+                name = node.layer
+            elif grp is not None:
+                name = grp.names[0] if len(grp.layers) == 1 else f"{span_text(grp.names)} ×{len(grp.layers)}"
+            else:
+                name = None
+            out.append({"key": op, "op": op, "alone": alone, "primitive": node.primitive, "layer": name,
                         "role": node.role, "stage": stages[0], "stages": list(stages),
                         "stage_text": "+".join(f"S{k}" for k in stages),
                         "strategy": strats[0].name if strats[0] is not None else "", "alpa": alpa,
-                        "partition_spec": texts[0][1], "pinned": pinned,
-                        "group": ilp.get((stages[0], node.layer), ""), "note": notes.get(sop, ""),
+                        "partition_spec": texts[0][1], "pinned": plan.pin_of(op) is not None,
+                        "group": ilp_group(plan, op, stages[0]), "note": notes.get(op, ""),
                         "module": lab.module, "label": lab.label, "module_path": lab.path,
-                        "shapes": shapes_text(where.op(at)), "dtype": ",".join(where.op(at).out_dtypes)})
+                        "shapes": shapes_text(node), "dtype": ",".join(node.out_dtypes)})
             if limit is not None and len(out) >= limit:
                 return out
-    return out
-
-
-def _groups(plan) -> dict:
-    """(stage, layer) -> how the ILP solved that layer: "solved", "reused from layer_0", "+N merged"."""
-    out = {}
-    for k, st in enumerate(plan.stages):
-        if st.intra is None:
-            continue
-        for gs in st.intra.groups:
-            text = f"reused from {gs.reused_from}" if gs.reused_from else gs.status
-            if gs.merges:
-                text += f", {gs.merges} merged"
-            for name in gs.name.split("+"):
-                out[(k, None if name == "(no layer)" else name)] = f"{gs.name}: {text}"
     return out
 
 
@@ -190,7 +151,7 @@ COLUMNS = (("pin #op", 7), ("module", 0), ("layer", 10), ("stage", 5), ("spec", 
 
 def _cells(r: dict) -> list[str]:
     pin = "*" if r["pinned"] else " "
-    op = r.get("full_op") if isinstance(r.get("key"), tuple) else r["op"]
+    op = r["op"]
     note = f"  ({r['note']})" if r.get("note") else ""  # ZeRO-3/FSDP, sequence or context parallelism
     return [f"{pin}#{op}", r.get("label") or "—", r["layer"] if r["layer"] is not None else "—",
             r.get("stage_text", f"S{r['stage']}"), r["alpa"], r.get("shapes", ""), r["partition_spec"],
@@ -238,8 +199,8 @@ class ShardingTable(View):
     def __init__(self, session, max_rows: int = 400):
         super().__init__(session)
         self.max_rows = max_rows
-        plan, g = session.plan, session.op_graph
-        prims = sorted({n.primitive for n in g})
+        plan, g = session.plan, session.plan.op_graph
+        prims = sorted({n.primitive for n in g})  # (of the graph solved on: the same primitives, fewer operators)
         self._layer_options = [(ALL, ALL)] + scopes(session)
         self.layer_filter = w.Dropdown(options=self._layer_options, value=ALL, description="layer")
         self.stage_filter = w.Dropdown(options=[ALL] + [str(k) for k in range(len(plan.stages))], value=ALL,
@@ -266,8 +227,9 @@ class ShardingTable(View):
         self.count = w.HTML("")
         self.detail = w.HTML("")
         self.detail.add_class("autopar-op-detail")
-        self.scope = w.ToggleButtons(options=[("every layer sharing it", GROUP), ("this layer alone", LAYER)],
-                                     value=GROUP, description="apply to", style={"button_width": "auto"})
+        # what an override applies to (its scope): every layer sharing the solution, or one alone
+        self.scope = w.ToggleButtons(options=[("every layer sharing it", SHARED), ("this layer alone", LAYER)],
+                                     value=SHARED, description="apply to", style={"button_width": "auto"})
         self.scope.add_class("autopar-override-scope")
         self.scope.layout.display = "none"
         self.scope.observe(self._scope_changed, names="value")
@@ -282,8 +244,9 @@ class ShardingTable(View):
         self.unpin_button.on_click(lambda _: self.unpin())
         self._quiet = False
         self.rows: list[dict] = []
-        self.op: int | None = None  # the selected row's operator in the graph the plan was solved on
-        self.key: Any = None  # the selected row's key (see op_rows)
+        self.op: int | None = None  # the selected row's operator
+        self.key: Any = None  # the selected row's key (see op_rows: its operator)
+        self.alone = False  # the selected row is of one layer among several that share its solution
         self._alts: list = []
         self.refresh_rows()
         self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter],
@@ -353,32 +316,29 @@ class ShardingTable(View):
         self.count.value = html.escape(f"{len(self.rows)} operator(s){more}; * = pinned{none}")
 
     def row(self, key) -> dict | None:
-        """The table row of ``key`` (an operator id, or ``("layer", full_op)``; None when the filters hide it)."""
+        """The table row of ``key`` (an operator id; None when the filters hide it)."""
         return next((r for r in self.rows if r["key"] == key), None)
 
     # --- what the selected row is -------------------------------------------------------------------------------------
     def _target(self) -> tuple[str, int] | None:
-        """("group", stand-in) or ("layer", full-graph operator): what an override of the selected row changes."""
+        """(scope, operator): what an override of the selected row changes (a row of one layer among several sharing
+        its solution: as "apply to" says; any other row: its solution, "shared")."""
         if self.key is None:
             return None
-        if isinstance(self.key, tuple) and self.scope.value == LAYER:
-            return LAYER, self.key[1]
-        return GROUP, self.op
+        return (self.scope.value if self.alone else SHARED), self.key
 
     def _current(self):
         target = self._target()
-        plan = self.session.plan
         if target is None:
             return None
-        return plan.full_choice(target[1]) if target[0] == LAYER else plan.choice(target[1])
+        scope, op = target
+        plan = self.session.plan
+        return plan.choice(op) if scope == LAYER else shared_choices(plan, op)[0][1]
 
     # --- actions (plain methods) --------------------------------------------------------------------------------------
     def select(self, key) -> None:
         """A row was clicked: select its operator (every view follows)."""
-        if isinstance(key, tuple):
-            self.run("select", lambda: self.session.select(full_op=key[1]))
-        else:
-            self.run("select", lambda: self.session.select(op=key))
+        self.run("select", lambda: self.session.select(op=key))
 
     def choose(self, strategy: str) -> None:
         """An alternative was picked in the dropdown: override the selected row's operator (in every layer sharing
@@ -387,35 +347,26 @@ class ShardingTable(View):
         if target is None:
             self.message.value = "select an operator first"
             return
-        if strategy == self._current().name and (target[0] == GROUP or target[1] in self.session.plan.layer_pins):
+        scope, op = target
+        own = self.session.plan.pins.get(op)
+        if strategy == self._current().name and (scope == SHARED or (own is not None and own.scope == LAYER)):
             return
-        kind, op = target
-        if kind == LAYER:
-            self.run("set_layer_choice", lambda: self.session.set_layer_choice(op, strategy))
-        else:
-            self.run("set_choice", lambda: self.session.set_choice(op, strategy))
+        self.run("set_choice", lambda: self.session.set_choice(op, strategy, scope))
 
     def pin(self) -> None:
         target = self._target()
         if target is None:
             return
-        kind, op = target
+        scope, op = target
         name = self._current().name
-        if kind == LAYER:
-            self.run("pin", lambda: self.session.set_layer_choice(op, name))
-        else:
-            self.run("pin", lambda: self.session.pin(op, name))
+        self.run("pin", lambda: self.session.pin(op, name, scope))
 
     def unpin(self) -> None:
         target = self._target()
         if target is None:
             return
-        kind, op = target
-        if kind == LAYER:
-            self.run("unpin", lambda: self.session.unpin_layer(op))
-        else:
-            rep = self.session.op_map.representative(op)
-            self.run("unpin", lambda: self.session.unpin(rep if rep in self.session.plan.pins else op))
+        scope, op = target
+        self.run("unpin", lambda: self.session.unpin(op, scope))
 
     def _select_changed(self, change) -> None:
         if not self._quiet and change["new"] is not None:
@@ -430,25 +381,26 @@ class ShardingTable(View):
             self._show()
 
     # --- drawing -----------------------------------------------------------------------------------------------------
-    def show_op(self, op: int | None, key: Any = None) -> None:
-        """Fill the detail pane and the alternatives dropdown for the row ``key`` (default: ``op``'s group row;
-        prices every alternative)."""
-        self.op = op
-        self.key = (key if key is not None else op) if op is not None else None
+    def show_op(self, op: int | None) -> None:
+        """Fill the detail pane and the alternatives dropdown for operator ``op``'s row (prices every
+        alternative)."""
+        self.op = self.key = op
         self._quiet = True
         try:
             plan = self.session.plan
-            if isinstance(self.key, tuple):
-                layer = plan.graph.op(self.key[1]).layer
+            row = self.row(op) if op is not None else None
+            self.alone = op is not None and (row["alone"] if row is not None else shares_solution(plan, op))
+            if self.alone:
+                layer = plan.graph.op(op).layer
                 grp = group_of_layer(plan, layer)
                 self.scope.options = [("the other layers sharing its solution" if grp.split else
-                                       f"all {grp.shared} layers sharing its solution", GROUP),
+                                       f"all {grp.shared} layers sharing its solution", SHARED),
                                       (f"{layer} alone", LAYER)]
-                self.scope.value = LAYER if grp.split else GROUP
+                self.scope.value = LAYER if grp.split else SHARED
                 self.scope.layout.display = None
             else:
                 self.scope.layout.display = "none"
-                self.scope.value = GROUP
+                self.scope.value = SHARED
         finally:
             self._quiet = False
         self._show()
@@ -460,10 +412,10 @@ class ShardingTable(View):
                 self.detail.value = ""
                 self.alternatives.options = []
                 return
-            self.detail.value = detail_html(self.session, self.key, self.scope.value)
+            scope, op = self._target()
+            self.detail.value = detail_html(self.session, op, scope, self.alone)
             cur = self._current()
-            kind, op = self._target()
-            self._alts = (self.session.layer_alternatives(op) if kind == LAYER else self.session.alternatives(op))
+            self._alts = self.session.alternatives(op, scope)
             opts = [(f"{a.strategy}  ({delta_text(a.delta_s)})", a.strategy) for a in self._alts]
             if cur.name not in [a.strategy for a in self._alts]:
                 opts.insert(0, (f"{cur.name} (current)", cur.name))
@@ -476,32 +428,23 @@ class ShardingTable(View):
 
     def on_plan(self, event) -> None:
         self.refresh_rows()
-        sel = self.session.selection
-        key = self._key_of(sel)
-        if key is not None and self.row(key) is None:
-            self._reveal(sel, key)
-        self.show_op(sel.op, key)
+        op = self.session.selection.op
+        if op is not None and self.row(op) is None:
+            self._reveal(op)
+        self.show_op(op)
 
-    def _key_of(self, sel):
-        """The row key of a selection: one real layer's row when a real operator of a shared layer was picked."""
-        if sel.op is None:
-            return None
+    def _reveal(self, op: int) -> None:
+        """Set the filters so that operator ``op``'s row is listed: its layer alone when it shares its solution with
+        other layers (a group's rows are its first layer's operators), else its group or the operators outside
+        layers."""
         plan = self.session.plan
-        if sel.full_op is not None and plan.table is not None and not plan.table.op_map.is_identity:
-            m = plan.table.op_map
-            if len(m.sharing(m.full_layer_of(sel.full_op))) > 1 and plan.graph.op(sel.full_op).layer is not None:
-                return ("layer", sel.full_op)
-        return sel.op
-
-    def _reveal(self, sel, key) -> None:
-        """Set the filters so that the row of ``key`` is listed."""
-        node = self.session.op_graph.op(sel.op)
-        if isinstance(key, tuple):
-            layer = self.session.graph.op(key[1]).layer
-        elif node.layer is None:
+        node = plan.graph.op(op)
+        if node.layer is None:
             layer = OUTSIDE
+        elif shares_solution(plan, op):
+            layer = node.layer
         else:
-            layer = group_of_layer(self.session.plan, sel.layer).key if sel.layer is not None else None
+            layer = group_of_layer(plan, node.layer).key
         self.set_filters(layer=layer, primitive=node.primitive)
 
     def on_selection(self, event) -> None:
@@ -509,69 +452,50 @@ class ShardingTable(View):
         if sel.op is None and sel.layer is not None and self.layer_filter.value != sel.layer \
                 and sel.layer in [v for _, v in self._layer_options]:
             self.layer_filter.value = sel.layer  # a real layer (a group's member is offered alone too)
-        key = self._key_of(sel)
-        if key is not None and self.row(key) is None:
-            self._reveal(sel, key)
-        self.show_op(sel.op, key)
+        if sel.op is not None and self.row(sel.op) is None:
+            self._reveal(sel.op)
+        self.show_op(sel.op)
 
 
-def _shown(session, key) -> tuple:
-    """(graph, operator) whose module and shapes row ``key`` shows: the model's operator (a group's, in its first
-    layer), else the plan's own."""
-    if isinstance(key, tuple):
-        return session.plan.graph, key[1]
-    full = session.op_map.full_ops(key)
-    return (session.plan.graph, full[0]) if full else (session.op_graph, key)
-
-
-def detail_html(session, key, scope: str = GROUP) -> str:
-    """The detail pane of row ``key``: the operator, its strategy in words and its output spec on the mesh of the
-    stage that runs it (each stage, for a group spanning stages), whether it is pinned, the module it belongs to and
-    how that was found, its shapes, and which layers its solution stands for."""
+def detail_html(session, op, scope: str = SHARED, alone: bool = False) -> str:
+    """The detail pane of operator ``op``'s row (``alone``: the row of its layer alone, among layers sharing its
+    solution): the operator, its strategy in words and its output spec on the mesh of the stage that runs it (each
+    stage, for a group spanning stages), whether it is pinned, the module it belongs to and how that was found, its
+    shapes, and which layers its solution stands for."""
     plan = session.plan
-    if isinstance(key, tuple):
-        full = key[1]
-        node = plan.graph.op(full)
-        k = plan.full_stage_of(full)
-        cur = plan.full_choice(full)
-        grp = group_of_layer(plan, node.layer)
-        mine = full in plan.layer_pins
-        stages = [(k, cur)]
+    node = plan.graph.op(op)
+    grp = group_of_layer(plan, node.layer) if node.layer is not None else None
+    pin = plan.pin_of(op)
+    if alone and grp is not None:
+        stages = [(plan.stage_of(op), plan.choice(op))]
         where = (f"in {html.escape(node.layer)}, split from the layers sharing its solution: its own strategies"
                  if grp.split else f"in {html.escape(node.layer)}, one of {grp.shared} layers sharing one solution "
                  f"({html.escape(span_text(grp.names))})")
-        sop = session.solve_op(full)
-        pinned = "pinned in its layer" if mine else (
-            "pinned for its group" if any(o in plan.pins for o in session.op_map.siblings(sop)) else "not pinned")
-        what = "#" + str(full) + " " + node.primitive
+        pinned = "not pinned" if pin is None else "pinned in its layer" if pin.scope == LAYER else \
+            "pinned for its group"
+        what = f"#{op} {node.primitive}"
     else:
-        op = key
-        node = session.op_graph.op(op)
-        layers = session.op_map.full_layers_of(op) if node.layer is not None else []
-        grp = group_of_layer(plan, layers[0]) if layers else None
-        stages = [(k, plan.stages[k].intra.strategies[op]) for k in plan.stages_of(op)]
-        cur = stages[0][1]
-        pinned = "pinned" if any(o in plan.pins for o in session.op_map.siblings(op)) else "not pinned"
+        stages = shared_choices(plan, op)
+        pinned = "pinned" if pin is not None else "not pinned"
         where = ""
         if grp is not None and len(grp.layers) > 1:
             where = f"in each of {html.escape(grp.label)}"
         elif grp is not None:
             where = f"in {html.escape(grp.names[0])}"
         what = node.describe()
+    cur = stages[0][1]
     specs = "; ".join(f"output <code>{html.escape(_spec_texts(s)[1])}</code> on stage {k}'s "
                       f"{plan.stages[k].logical_mesh[0]}x{plan.stages[k].logical_mesh[1]} mesh" for k, s in stages)
     text = (f"<b>{html.escape(what)}</b> {where}<br>strategy <code>{html.escape(cur.name)}</code>: "
             f"{html.escape(strategy_text(cur.name))}; {specs}; {pinned}")
-    seen_graph, seen = _shown(session, key)
-    lab = module_label(seen_graph, seen)
+    lab = module_label(plan.graph, op)
     if lab.module:
         text += f"<br>module <b>{html.escape(lab.label)}</b>, from {html.escape(lab.explain())}"
-    text += f"<br>shapes <code>{html.escape(shapes_text(seen_graph.op(seen)))}</code>"
-    if isinstance(key, tuple):
+    text += f"<br>shapes <code>{html.escape(shapes_text(node))}</code>"
+    if alone:
         text += ("<br>an override applies to " + ("this layer alone" if scope == LAYER else
                                                   "every layer sharing its solution"))
-    sop = session.solve_op(key[1]) if isinstance(key, tuple) else key
-    group = _groups(plan).get((stages[0][0], session.op_graph.op(sop).layer), "")
-    if group and session.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
-        group = f"{group} (in the {len(session.op_graph.layers)}-layer copy the planner solved)"
+    group = ilp_group(plan, op, stages[0][0])
+    if group and plan.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
+        group = f"{group} (in the {len(plan.op_graph.layers)}-layer copy the planner solved)"
     return text + (f"<br>ILP group {html.escape(group)}" if group else "")
