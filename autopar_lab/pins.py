@@ -493,6 +493,11 @@ def _stage_pins_that_hold(stage_pins: Mapping[str, Any], plan: Plan) -> tuple[di
         try:
             if key == "boundaries":
                 stage_ranges(value, L)
+            elif key == "submeshes" and any(v is None for v in value):  # some left to the DP: each a shape
+                valid = {tuple(sh) for sh in cluster.submesh_shapes()}
+                bad = [v for v in value if v is not None and tuple(v) not in valid]
+                if bad:
+                    raise ValueError(f"{tuple(bad[0])} is not a submesh shape of this cluster")
             elif key == "submeshes":
                 check_submeshes(cluster, value)
             elif key == "logical_meshes":

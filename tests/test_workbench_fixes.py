@@ -2,6 +2,8 @@
 
 Each test names its item; the browser checks of the visual ones are in tests/test_browser.py."""
 
+import html
+
 import jax.numpy as jnp
 import pytest
 
@@ -92,3 +94,73 @@ def test_gpt_1_3b_utilisation_as_the_issue_met_it():
     peak = plan.cluster.device.peak("float16")
     assert u["peak"] == peak and u["mfu"] == pytest.approx(plan.graph.total_flops / (
         plan.cost.step_time_s * 16 * peak))
+
+
+# --- item 2: the stage editor fills what it accepts, says which stage and why, keeps pending edits ------------------
+
+@pytest.fixture(scope="module")
+def pinned_deep(deep):
+    """The deep plan on 2x2 logical meshes with one matmul of every layer pinned to a strategy that splits over both
+    mesh axes: a mesh with an axis of one device cannot run it."""
+    model, plan = deep
+    plan = plan.with_stages(logical_meshes=[(2, 2), (2, 2)])
+    g = plan.op_graph
+    op = next(o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_0"
+              and g.op(o).role == FORWARD)
+    name = next(a.strategy for a in plan.alternatives(op) if "S0" in a.spec and "S1" in a.spec)
+    plan = plan.with_choice(op, name)
+    (pinned, _), = plan.pins.items()  # recorded on the operator that stands for it in every copied layer
+    return model, plan, pinned, name
+
+
+def test_a_submesh_choice_fills_the_best_logical_mesh_that_holds_the_pins(pinned_deep):
+    """Item 2: choosing a submesh filled "as mesh" with 1xN, which the preview then refused ("no stage layout keeps
+    the stages asked for ... unpin or change one of them"): now the view that holds the pins, and a valid preview."""
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan, op, name = pinned_deep
+    lay = StageLayout(al.Session(plan, model=model))
+    lay.edit_stage(1, submesh=(1, 2))  # on the way to another submesh: "as mesh" became a view of 1x2
+    lay.edit_stage(1, submesh=(1, 4))
+    assert lay.draft[1]["logical_mesh"] == (2, 2), lay.draft  # not (1, 4): that view cannot run the pin
+    assert "not valid" not in lay.preview.value and lay.preview_plan.stages[1].logical_mesh == (2, 2)
+    lay.reset()
+    lay.edit_stage(1, submesh=(1, 4))  # unchanged submesh: its 2x2 kept
+    assert lay.draft[1]["logical_mesh"] == (2, 2) and "not valid" not in lay.preview.value
+
+
+def test_a_refused_draft_names_the_stage_and_the_pin(pinned_deep):
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan, op, name = pinned_deep
+    lay = StageLayout(al.Session(plan, model=model))
+    lay.add_stage()  # 3 stages on 2 hosts of 4: one has 2 devices or fewer, and every stage runs the pin
+    text = html.unescape(lay.preview.value)
+    assert "not valid: no layout of these 3 stages" in text and f"operator #{op} pinned to {name!r} runs only on" \
+        in text and "2x2" in text and "remove a stage, unpin the operator" in text, text
+    lay.reset()
+    lay.edit_stage(0, submesh=(1, 2))  # two devices: no view splits over both axes
+    text = html.unescape(lay.preview.value)
+    assert "not valid" in text and "S0 (layers 0-" in text and f"#{op}" in text and "pinned to" in text, text
+    assert "unpin the operator" in text and lay.apply_button.disabled
+    # A logical mesh typed in that cannot hold it: the stage, the mesh and the views that can.
+    lay.edit_stage(0, submesh=(1, 4), logical_mesh=(1, 4))
+    text = html.unescape(lay.preview.value)
+    assert "S0 (layers" in text and "a 1x4 mesh has no strategy" in text and "choose as mesh 2x2" in text, text
+
+
+def test_adding_a_stage_keeps_a_pending_submesh_edit(deep):
+    """Item 2: "+ stage" silently dropped a pending edit of S0 (every submesh went back to auto)."""
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan = deep
+    lay = StageLayout(al.Session(plan, model=model))
+    lay.edit_stage(0, logical_mesh=(4, 1))  # pending: S0's four devices as data parallelism
+    assert lay.preview_plan is not None
+    lay.add_stage()  # three stages: S0 as set, the planner places the other two on the second host
+    assert lay.preview_plan is not None, lay.preview.value
+    first = lay.preview_plan.stages[0]
+    assert (first.submesh, first.logical_mesh) == ((1, 4), (4, 1)) and len(lay.preview_plan.stages) == 3
+    assert [st.submesh for st in lay.preview_plan.stages[1:]] == [(1, 2), (1, 2)]
+    lay.apply()
+    assert lay.session.plan.stages[0].logical_mesh == (4, 1) and lay.session.plan.stage_pins["submeshes"][0] == (1, 4)

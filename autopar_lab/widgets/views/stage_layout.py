@@ -19,6 +19,8 @@ import html
 
 import ipywidgets as w
 
+from ...graph.modules import module_label
+from ...pins import PinIndex, stage_runs
 from ...rematmode import REMAT_CHOICES, is_full, is_selective, remat_label, remat_value
 from ...schedules import SCHEDULES
 from . import figures
@@ -52,23 +54,141 @@ def microbatch_choices(plan) -> list[int]:
 
 
 def draft_of(plan) -> list[dict]:
-    """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat}] (``first``: layer index)."""
+    """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat, edited}] (``first``: layer
+    index; ``edited``: the user set this stage's submesh or logical mesh, so adding or removing a stage keeps it)."""
     return [{"first": st.layers[0], "submesh": tuple(st.submesh), "logical_mesh": tuple(st.logical_mesh),
-             "remat": remat_value(st.remat)} for st in plan.stages]
+             "remat": remat_value(st.remat), "edited": False} for st in plan.stages]
+
+
+def _spec(draft: list[dict]) -> list[tuple]:
+    """What a draft asks of the plan (not which of it the user typed)."""
+    return [(d["first"], d["submesh"], d["logical_mesh"], d["remat"]) for d in draft]
+
+
+def _ranges(plan, draft: list[dict]) -> list[tuple[int, int]]:
+    ends = [d["first"] - 1 for d in draft[1:]] + [len(plan.layer_names) - 1]
+    return [(d["first"], e) for d, e in zip(draft, ends)]
+
+
+def _runs(plan, draft: list[dict]) -> list:
+    """The layer ranges each stage of ``draft`` runs (its chunks on an interleaved plan)."""
+    return stage_runs(_ranges(plan, draft), plan.virtual_stages if plan.schedule == "interleaved" else 1)
+
+
+def _mesh(shape) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _pins_missing(pins: PinIndex, runs, submesh, shape) -> list[tuple[int, str]]:
+    """The pins (operator of the solve graph, strategy) a stage running ``runs`` cannot hold on that mesh."""
+    out = [(op, name) for op, name in pins.in_ranges(runs).items() if pins.strategy(op, submesh, shape) is None]
+    for full, (k, sop) in pins.split.items():  # layers split from their group: their own pins
+        if any(a <= k <= b for a, b in runs) and (
+                sop is None or pins.strategy(sop, submesh, shape, pins.layer_pins[full]) is None):
+            out.append((full, pins.layer_pins[full]))
+    return out
+
+
+def best_view(plan, draft: list[dict], k: int, submesh) -> tuple[int, int]:
+    """The logical mesh to fill in when stage ``k`` of ``draft`` gets ``submesh``: among the submesh's views that
+    hold every operator pin of the layers the stage runs, the one the cost table prices fastest for those layers
+    (among the meshes it has solved already: choosing one must not start an ILP), else the first such view, else
+    (none holds them: the preview says why) the submesh's own shape."""
+    sub = tuple(submesh)
+    views = [tuple(v) for v in plan.cluster.logical_mesh_shapes(sub)]
+    pins = PinIndex(plan)
+    runs = _runs(plan, draft)[k]
+    holding = [v for v in views if not _pins_missing(pins, runs, sub, v)]
+    if not holding:
+        return sub
+    table = plan.table
+    if table is None:
+        return holding[0]
+    first, last = _ranges(plan, draft)[k]
+    remat = remat_value(draft[k]["remat"]) if draft[k]["remat"] is not None else False
+    priced = [(table.stage(first, last, sub, v, plan.microbatches, remat).time_s, i, v)
+              for i, v in enumerate(holding) if table.solved_mesh(sub, v) is not None]
+    return min(priced)[2] if priced else holding[0]
+
+
+def draft_problem(plan, draft: list[dict]) -> str | None:
+    """The first thing wrong with a stage of ``draft`` that no layout can get round, said with the stage and the
+    reason (a pinned operator its mesh cannot run, a logical mesh that is no view of its submesh), or None."""
+    names = plan.layer_names
+    pins = PinIndex(plan)
+    copy = plan.table is not None and not plan.table.op_map.is_identity
+    for k, (d, runs, (a, b)) in enumerate(zip(draft, _runs(plan, draft), _ranges(plan, draft))):
+        sub, shape = d["submesh"], d["logical_mesh"]
+        if sub is None:
+            continue
+        views = [tuple(v) for v in plan.cluster.logical_mesh_shapes(sub)]
+        where = f"S{k} (layers {a}-{b}, {names[a]}..{names[b]})"
+        if shape is not None and tuple(shape) not in views:
+            return (f"{where}: as mesh {_mesh(shape)} is not a view of its {_mesh(sub)} submesh; choose one of "
+                    f"{', '.join(map(_mesh, views))}.")
+        tried = [tuple(shape)] if shape is not None else views
+        missing = [_pins_missing(pins, runs, sub, v) for v in tried]
+        if all(missing):
+            op, name = missing[0][0]
+            g = plan.op_graph if op in pins.pins else plan.graph
+            node = g.op(op)
+            label = module_label(g, op).label or node.primitive
+            whose = f"{node.layer}" + (" and every layer sharing its solution" if copy and op in pins.pins else "")
+            mesh = f"a {_mesh(tried[0])} mesh" if shape is not None else f"no view of its {_mesh(sub)} submesh"
+            holding = [v for v in views if not _pins_missing(pins, runs, sub, v)]
+            fix = (f"choose as mesh {' or '.join(map(_mesh, holding))}" if holding else
+                   f"give S{k} a submesh one of whose views has that strategy")
+            has = "has no strategy" if shape is not None else "has a strategy"
+            return (f"{where} runs operator #{op} ({label}, {node.primitive} of {whose}) pinned to {name!r}, and "
+                    f"{mesh} {has} of that name; {fix}, or unpin the operator in the sharding table.")
+    return None
+
+
+def _no_layout(plan, draft: list[dict], kept: list) -> str:
+    """Why the stage DP found no layout for ``draft`` (its cuts fixed, ``kept``: the stages given a submesh)."""
+    S, n = len(draft), plan.cluster.num_devices
+    pins = PinIndex(plan)
+    cluster = plan.cluster
+    meshes = [(tuple(sub), tuple(v)) for sub in cluster.submesh_shapes() for v in cluster.logical_mesh_shapes(sub)]
+    narrow = []
+    for op, name in pins.in_ranges(_ranges(plan, draft)).items():
+        runs_on = sorted({v for sub, v in meshes if pins.strategy(op, sub, v) is not None})
+        if len(runs_on) < len({v for _, v in meshes}):
+            narrow.append(f"operator #{op} pinned to {name!r} runs only on {', '.join(map(_mesh, runs_on))} meshes")
+    why = ("; ".join(narrow[:2]) + (f" (and {len(narrow) - 2} more pins)" if len(narrow) > 2 else "")
+           + ", and every stage running it must be on one") if narrow else ""
+    given = ", ".join(f"S{k} on {_mesh(d['submesh'])}" for k, d in kept)
+    auto = [f"S{k}" for k, d in enumerate(draft) if d["submesh"] is None]
+    head = (f"no layout of these {S} stages tiles the cluster's {n} devices in order"
+            + (f" with {given} as you set {'it' if len(kept) == 1 else 'them'}" if kept else "")
+            + (f" and {', '.join(auto)} placed by the planner" if auto and kept else ""))
+    fix = ("remove a stage, unpin the operator in the sharding table" if narrow else "remove a stage")
+    if kept:
+        fix += ", or set a stage you set back to auto"
+    return f"{head}{': ' + why if why else ''}; {fix}."
 
 
 def plan_from_draft(plan, draft: list[dict]):
-    """The plan ``draft`` describes, priced from ``plan``'s cost table (a ValueError says what is wrong). A submesh
-    of ``None`` (auto) anywhere lets the stage DP choose every submesh and logical mesh for the draft's cuts."""
+    """The plan ``draft`` describes, priced from ``plan``'s cost table (a ValueError says what is wrong, naming the
+    stage). A submesh of ``None`` (auto) lets the stage DP choose that stage's submesh and logical mesh around the
+    stages given (all of them when none is given)."""
     if not draft or draft[0]["first"] != 0:
         raise ValueError("the first stage must start at the first layer")
+    problem = draft_problem(plan, draft)
+    if problem is not None:
+        raise ValueError(problem)
     boundaries = [d["first"] for d in draft[1:]]
-    auto = any(d["submesh"] is None for d in draft)
-    kw = {"boundaries": boundaries}
-    if not auto:
+    kw: dict = {"boundaries": boundaries}
+    kept = [(k, d) for k, d in enumerate(draft) if d["submesh"] is not None]
+    if kept:
         kw["submeshes"] = [d["submesh"] for d in draft]
-        kw["logical_meshes"] = [d["logical_mesh"] for d in draft]
-    new = plan.with_stages(**kw)
+        kw["logical_meshes"] = [d["logical_mesh"] if d["submesh"] is not None else None for d in draft]
+    try:
+        new = plan.with_stages(**kw)
+    except ValueError as e:
+        if "no stage layout keeps" not in str(e):
+            raise
+        raise ValueError(_no_layout(plan, draft, kept)) from None
     for k, d in enumerate(draft):
         if d["remat"] is not None and remat_value(d["remat"]) != new.stages[k].remat:
             new = new.with_remat(k, remat_value(d["remat"]))
@@ -160,18 +280,24 @@ class StageLayout(View):
             d["first"] = self._layer_index(first)
         if submesh is not None:
             d["submesh"] = None if submesh == AUTO else tuple(submesh)
-            views = self._views(d["submesh"])
-            if d["logical_mesh"] not in views:
-                d["logical_mesh"] = d["submesh"]
+            d["edited"] = d["submesh"] is not None
+            if d["submesh"] is None:
+                d["logical_mesh"] = None
+            elif d["logical_mesh"] not in self._views(d["submesh"]) or _pins_missing(
+                    PinIndex(self.session.plan), _runs(self.session.plan, self.draft)[k], d["submesh"],
+                    d["logical_mesh"]):
+                d["logical_mesh"] = best_view(self.session.plan, self.draft, k, d["submesh"])
         if logical_mesh is not None:
             d["logical_mesh"] = None if logical_mesh == AUTO else tuple(logical_mesh)
+            d["edited"] = d["edited"] or d["logical_mesh"] is not None
         if remat is not None:
             d["remat"] = remat_value(remat)
         self._draw_rows()
         self.update_preview()
 
     def add_stage(self) -> None:
-        """Split the draft's stage with the most layers at its middle; every submesh becomes "auto"."""
+        """Split the draft's stage with the most layers at its middle; every submesh the user has not set in the
+        draft becomes "auto" (the DP places the new stage around those the user set)."""
         L = len(self.session.plan.layer_names)
         ends = [d["first"] for d in self.draft[1:]] + [L]
         sizes = [e - d["first"] for d, e in zip(self.draft, ends)]
@@ -180,20 +306,23 @@ class StageLayout(View):
             self.message.value = "every stage has one layer: no stage can be split"
             return
         mid = self.draft[k]["first"] + sizes[k] // 2
-        self.draft.insert(k + 1, {"first": mid, "submesh": None, "logical_mesh": None, "remat": False})
-        for d in self.draft:
-            d["submesh"] = d["logical_mesh"] = None
-        self._draw_rows()
-        self.update_preview()
+        self.draft.insert(k + 1, {"first": mid, "submesh": None, "logical_mesh": None, "remat": False,
+                                  "edited": False})
+        self._free_unedited()
 
     def remove_stage(self) -> None:
-        """Merge the draft's last stage into the one before it; every submesh becomes "auto"."""
+        """Merge the draft's last stage into the one before it; every submesh the user has not set becomes
+        "auto"."""
         if len(self.draft) < 2:
             self.message.value = "the plan has one stage: there is none to merge"
             return
         self.draft.pop()
+        self._free_unedited()
+
+    def _free_unedited(self) -> None:
         for d in self.draft:
-            d["submesh"] = d["logical_mesh"] = None
+            if not d.get("edited"):
+                d["submesh"] = d["logical_mesh"] = None
         self._draw_rows()
         self.update_preview()
 
@@ -207,7 +336,7 @@ class StageLayout(View):
         """Price the draft (no plan change): the preview shows its step time and memory, or what is wrong."""
         plan = self.session.plan
         self._previewed = ([dict(d) for d in self.draft], plan)
-        if self.draft == draft_of(plan):
+        if _spec(self.draft) == _spec(draft_of(plan)):
             self.preview_plan, self.preview_error = plan, None
             self.preview.value = "<small>the draft is the current plan's stages</small>"
             self.apply_button.disabled = True
