@@ -164,3 +164,77 @@ def test_adding_a_stage_keeps_a_pending_submesh_edit(deep):
     assert [st.submesh for st in lay.preview_plan.stages[1:]] == [(1, 2), (1, 2)]
     lay.apply()
     assert lay.session.plan.stages[0].logical_mesh == (4, 1) and lay.session.plan.stage_pins["submeshes"][0] == (1, 4)
+
+
+# --- items 3 and 4: run settings offered as the schedule accepts them, previewed, applied on confirm ----------------
+
+@pytest.fixture(scope="module")
+def three_stages():
+    """Three stages on one host of four devices, a batch of 12 run as 4 microbatches."""
+    model = al.models.get("gpt-tiny", batch_size=12, num_layers=4, dtype="float32")
+    cluster = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
+    plan = al.megatron_plan(model, cluster, dp=1, tp=2, pp=2, microbatches=4)
+    return model, plan.with_stages(boundaries=[2, 4], submeshes=[(1, 1), (1, 1), (1, 2)])
+
+
+def test_interleaved_offers_the_microbatch_counts_it_can_run(three_stages):
+    """Item 3: interleaved with 3 stages asked for a multiple of 3 microbatches and pointed to
+    plan.with_microbatches; the dropdown offered every divisor. Choosing it now moves the count to the nearest
+    multiple of 3 that divides the batch, and the dropdown offers only those."""
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan = three_stages
+    lay = StageLayout(al.Session(plan, model=model))
+    assert list(lay.microbatches.options) == [1, 2, 3, 4, 6, 12]
+    lay.schedule.value = "interleaved"
+    assert list(lay.microbatches.options) == [3, 6, 12] and lay.microbatches.value == 3
+    text = lay.run_preview.value
+    assert "not valid" not in text and "3 microbatches, the nearest count to 4" in text
+    lay.microbatches.value = 6
+    assert lay.run_plan.microbatches == 6 and lay.run_plan.schedule == "interleaved"
+    lay.apply_run()
+    p = lay.session.plan
+    assert (p.schedule, p.microbatches) == ("interleaved", 6) and lay.session.last_action == "set_schedule"
+    assert p.cost.step_time_s == plan.with_microbatches(6).with_schedule("interleaved", 2).cost.step_time_s
+
+
+def test_interleaved_without_a_count_says_which_stage_counts_can(deep):
+    """A batch of 16 on 3 stages: no count is a multiple of 3, and the preview says what to change in the UI."""
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan = deep
+    three = plan.with_stages(boundaries=[8, 16])
+    lay = StageLayout(al.Session(three, model=model))
+    lay.schedule.value = "interleaved"
+    text = lay.run_preview.value
+    assert "not valid" in text and "divides the batch of 16: none does" in text and "2 or 4 or 8 stages" in text
+    assert "with_microbatches" not in text and lay.apply_run_button.disabled and lay.session.plan is three
+
+
+def test_schedule_buttons_preview_step_and_memory_before_they_apply(deep):
+    """Item 4: clicking GPipe applied at once (and made the plan need 492 GiB of 16). Now a preview says step time
+    and memory before -> after and "does not fit", and the plan changes only on apply."""
+    from autopar_lab.widgets.views.fmt import fmt_bytes, fmt_s
+    from autopar_lab.widgets.views.stage_layout import StageLayout
+
+    model, plan = deep
+    gpipe = plan.with_schedule("gpipe")
+    need, have = max(gpipe.cost.peak_mem_bytes), max(plan.cost.peak_mem_bytes)
+    assert need > have  # every microbatch's activations in flight
+    tight = al.megatron_plan(model, plan.cluster, dp=1, tp=4, pp=2, microbatches=4, mem_limit_bytes=(need + have) / 2)
+    s = al.Session(tight, model=model)
+    lay = StageLayout(s)
+    lay.schedule.value = "gpipe"
+    assert s.plan is tight  # nothing applied yet
+    text = html.unescape(lay.run_preview.value)
+    assert not lay.apply_run_button.disabled
+    assert "1f1b, 4 microbatches → <b>gpipe, 4 microbatches</b>" in text
+    assert f"step time {fmt_s(tight.cost.step_time_s)} → <b>{fmt_s(lay.run_plan.cost.step_time_s)}</b>" in text
+    assert f"peak memory {fmt_bytes(have)} → <b>{fmt_bytes(need)}</b>" in text and "does not fit" in text
+    lay.cancel_run_button.click()
+    assert lay.schedule.value == "1f1b" and lay.run_preview.value == "" and s.plan is tight
+    lay.schedule.value = "gpipe"
+    lay.apply_run_button.click()
+    assert s.plan.schedule == "gpipe" and s.last_action == "set_schedule" and not s.plan.cost.fits
+    s.undo()
+    assert s.plan is tight and lay.schedule.value == "1f1b"

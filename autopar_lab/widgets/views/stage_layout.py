@@ -1,7 +1,7 @@
 """Stage-to-submesh layout: the cluster as a hosts x devices grid with the stages as coloured blocks, and a stage
 editor: every stage's first layer (chosen by name), submesh, logical mesh and remat edited together, with a preview
-of the plan they make (step time, memory, or why it is not valid) before it is applied; plus the microbatch count and
-the schedule.
+of the plan they make (step time, memory, or why it is not valid) before it is applied; plus the run settings
+(microbatch count, schedule, chunks per stage), previewed the same way (:mod:`.run_settings`) and applied on confirm.
 
 Editing one stage at a time cannot work when stages must tile the cluster in order: a stage that grows pushes the
 next one across a host boundary. So edits go to a draft of all stages; each edit re-prices the draft
@@ -25,6 +25,7 @@ from ...rematmode import REMAT_CHOICES, is_full, is_selective, remat_label, rema
 from ...schedules import SCHEDULES
 from . import figures
 from ._base import USER_ERRORS, View, sync_figure
+from .run_settings import microbatch_choices, pending_plan, run_preview_html
 from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
 
 AUTO = "auto"
@@ -45,12 +46,6 @@ def stage_blocks(plan) -> list[dict]:
                     "label": f"S{k}: {where} on {st.submesh[0]}x{st.submesh[1]} "
                              f"as {st.logical_mesh[0]}x{st.logical_mesh[1]}{remat}{lean}"})
     return out
-
-
-def microbatch_choices(plan) -> list[int]:
-    """Every microbatch count the plan's batch allows (divisors of the batch size)."""
-    batch = plan.table.batch_size if plan.table is not None else plan.microbatches
-    return [d for d in range(1, batch + 1) if batch % d == 0]
 
 
 def draft_of(plan) -> list[dict]:
@@ -238,10 +233,22 @@ class StageLayout(View):
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
         self._quiet = False
-        self.microbatches.observe(lambda ch: None if self._quiet else self.set_microbatches(ch["new"]), names="value")
-        self.schedule.observe(lambda ch: None if self._quiet else self.set_schedule(ch["new"]), names="value")
+        # The run settings: each change prices the plan it makes (a preview); "apply" makes it current.
+        self.microbatches.observe(lambda ch: None if self._quiet else self.edit_run(microbatches=ch["new"]),
+                                  names="value")
+        self.schedule.observe(lambda ch: None if self._quiet else self.edit_run(schedule=ch["new"]), names="value")
         self.virtual_stages.observe(
-            lambda ch: None if self._quiet else self.set_schedule("interleaved", ch["new"]), names="value")
+            lambda ch: None if self._quiet else self.edit_run(virtual_stages=ch["new"]), names="value")
+        self.run_preview = w.HTML("")
+        self.run_preview.add_class("autopar-run-preview")
+        self.apply_run_button = B("apply run settings", "make the previewed microbatches and schedule current "
+                                                        "(undoable)")
+        self.apply_run_button.add_class("autopar-apply-run")
+        self.cancel_run_button = B("cancel", "the run settings back to the current plan's")
+        self.apply_run_button.on_click(lambda _: self.apply_run())
+        self.cancel_run_button.on_click(lambda _: self._sync_controls())
+        self.run_plan = None  # the plan the run settings make (None: not valid, see run_error)
+        self.run_error: str | None = None
         self.draft: list[dict] = []
         self.preview_plan = None
         self.preview_error: str | None = None
@@ -253,7 +260,9 @@ class StageLayout(View):
             w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
                    layout=w.Layout(flex_flow="row wrap")),
             self.preview,
+            w.HTML("<b>run</b> (choose, then apply):"),
             w.HBox([self.microbatches, self.schedule, self.virtual_stages], layout=w.Layout(flex_flow="row wrap")),
+            self.run_preview, w.HBox([self.apply_run_button, self.cancel_run_button]),
             w.HBox([self.unpin_button]),
             self.message], layout=w.Layout(min_width="0")))
 
@@ -380,13 +389,52 @@ class StageLayout(View):
             return self.session.move_cut(int(cut), self._layer_index(first_layer))
         self.run("move_cut", go)
 
+    def edit_run(self, microbatches=None, schedule=None, virtual_stages=None):
+        """Change the run settings shown (the microbatch count, the schedule, its chunks per stage) and preview the
+        plan they make; nothing applies until :meth:`apply_run`. Returns that plan (None when not valid)."""
+        plan = self.session.plan
+        mb = int(microbatches if microbatches is not None else self.microbatches.value or plan.microbatches)
+        name = schedule if schedule is not None else self.schedule.value
+        v = int(virtual_stages if virtual_stages is not None else self.virtual_stages.value)
+        try:
+            new, note = pending_plan(plan, mb, name, v if name == "interleaved" else None)
+        except USER_ERRORS as e:
+            self.run_plan, self.run_error = None, str(e)
+            self.run_preview.value = f"<span style='color:#B00020'>not valid: {html.escape(str(e))}</span>"
+        else:
+            self.run_plan, self.run_error = new, None
+            self.run_preview.value = run_preview_html(plan, new, note)
+            mb = new.microbatches
+        self._quiet = True
+        try:  # the controls show what the preview priced: counts the schedule can run, the count it runs
+            self.microbatches.options = microbatch_choices(plan, name) or [plan.microbatches]
+            if mb in self.microbatches.options:
+                self.microbatches.value = mb
+            self.schedule.value = name
+            self.virtual_stages.disabled = name != "interleaved"
+        finally:
+            self._quiet = False
+        self.apply_run_button.disabled = self.run_plan is None or self.run_plan is plan
+        self.cancel_run_button.disabled = self.run_plan is plan
+        return self.run_plan
+
+    def apply_run(self) -> None:
+        """Make the previewed run settings' plan current (one undoable step)."""
+        plan, new = self.session.plan, self.run_plan
+        if new is None or new is plan:
+            return
+        action = "set_schedule" if (new.schedule, new.virtual_stages) != (plan.schedule, plan.virtual_stages) \
+            else "set_microbatches"
+        self.run(action, lambda: self.session.adopt(new, action=action))
+
     def set_microbatches(self, n: int) -> None:
+        """Run ``n`` microbatches now (the dropdown previews first: :meth:`edit_run`)."""
         if n is not None and n != self.session.plan.microbatches:
             self.run("set_microbatches", lambda: self.session.set_microbatches(int(n)))
 
     def set_schedule(self, name: str, virtual_stages: int | None = None) -> None:
         """Run the plan with schedule ``name`` now; ``"interleaved"`` with ``virtual_stages`` chunks per stage (default:
-        the box's value)."""
+        the box's value). The schedule buttons preview first (:meth:`edit_run`)."""
         plan = self.session.plan
         if name == "interleaved" and virtual_stages is None:
             virtual_stages = int(self.virtual_stages.value)
@@ -469,7 +517,7 @@ class StageLayout(View):
         self._quiet = True
         try:
             self.stage = min(self.stage, len(plan.stages) - 1)
-            self.microbatches.options = microbatch_choices(plan)
+            self.microbatches.options = microbatch_choices(plan) or [plan.microbatches]
             self.microbatches.value = plan.microbatches
             self.schedule.value = plan.schedule
             self.virtual_stages.disabled = plan.schedule != "interleaved"
@@ -477,6 +525,9 @@ class StageLayout(View):
                 self.virtual_stages.value = plan.virtual_stages
         finally:
             self._quiet = False
+        self.run_plan, self.run_error = plan, None
+        self.run_preview.value = ""
+        self.apply_run_button.disabled = self.cancel_run_button.disabled = True
 
     def refresh(self) -> None:
         """Redraw for the current plan; the draft starts again from its stages."""
