@@ -238,3 +238,61 @@ def test_schedule_buttons_preview_step_and_memory_before_they_apply(deep):
     assert s.plan.schedule == "gpipe" and s.last_action == "set_schedule" and not s.plan.cost.fits
     s.undo()
     assert s.plan is tight and lay.schedule.value == "1f1b"
+
+
+# --- item 5: status lines that say what happened, once, and a header that does not lag ------------------------------
+
+@pytest.fixture
+def wb(graph, plan):
+    from autopar_lab.widgets.workbench import Workbench
+
+    return Workbench(graph, plan.cluster, plan=plan)
+
+
+def test_status_says_what_load_did_and_an_error_once(wb, tmp_path):
+    """Item 5: after loading a plan, or failing to, the status still read "saved to plan.json"; the load error was
+    shown twice (the controls' message and the workbench's status line under it)."""
+    c = wb.controls
+    good = str(tmp_path / "plan.json")
+    c.save(good)
+    assert c.status.value == f"saved to {good}"
+    c.load(str(tmp_path / "missing.json"))
+    assert "saved to" not in c.status.value and "cannot read" in c.message.value
+    shown = [v.value for v in (c.message, c.status, wb.status)]
+    assert sum("cannot read" in v for v in shown) == 1, shown
+    c.load(good)
+    assert c.status.value == f"loaded {good}" and wb.session.last_action == "load" and c.message.value == ""
+    wb.controls.undo()  # another plan: the line spoke of the one before
+    assert c.status.value == ""
+    # an error from a view far from the toolbar is still repeated at the top
+    wb.layout.move_cut(0, 0)
+    assert "move_cut" in wb.status.value
+
+
+def test_resolve_around_pins_reports_progress_and_a_done_line(wb, plan):
+    c, s = wb.controls, wb.session
+    g = s.op_graph
+    op = next(o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_0")
+    s.set_choice(op, s.alternatives(op)[-1].strategy)
+    seen = []
+    s.subscribe(lambda e: seen.append(e.detail["message"]) if e.name == "progress" and e.action == "resolve" else None)
+    c.resolve(background=False)
+    assert s.last_action == "resolve"
+    assert seen[0] == "resolve around pins started" and seen[-1] == "resolve around pins done"
+    assert any(m.startswith("stage DP") for m in seen) and any(m.startswith("intra-op ILP of stage") for m in seen)
+    assert c.progress.description == "done" and c.progress.value == 1.0
+    assert c.status.value.startswith("resolve around pins done in")
+
+
+def test_the_header_hears_of_a_new_plan_before_the_slower_views(wb, plan):
+    """Item 5: after "use plan megatron" the header kept the old plan for about 3 s: it subscribed last, so it
+    redrew only after the graph, table, stage layout and timeline had."""
+    order = []
+    for name, view in wb.views.items():
+        def spy(event, _name=name, _view=view, _orig=view.on_plan):
+            order.append(_name)
+            return _orig(event)
+        view.on_plan = spy
+    wb.session.adopt(plan.with_microbatches(4), action="adopt_megatron")
+    assert order[0] == "header" and {"graph", "sharding-table", "timeline"} <= set(order[1:]), order
+    assert "4 microbatches" in wb.header.plan_line.value
