@@ -296,3 +296,50 @@ def test_the_header_hears_of_a_new_plan_before_the_slower_views(wb, plan):
     wb.session.adopt(plan.with_microbatches(4), action="adopt_megatron")
     assert order[0] == "header" and {"graph", "sharding-table", "timeline"} <= set(order[1:]), order
     assert "4 microbatches" in wb.header.plan_line.value
+
+
+# --- item 6: Launch on Ray refuses a plan for more GPUs than the machine has before Ray starts; "stages on" ---------
+
+def test_launch_refuses_a_gpu_plan_before_starting_ray_and_offers_cpu_stages(monkeypatch):
+    """Item 6: Launch on Ray spent about 40 s starting Ray before refusing a plan for 16 GPUs ("run locally" refuses
+    it in 2 s), and its advice, device_kind='cpu', had no control in the panel."""
+    import time
+
+    from autopar_lab.runtime import launch as launch_mod
+    from autopar_lab.widgets.views.training import TrainingPanel
+
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2, dtype="float32")
+    plan = al.megatron_plan(model, al.Cluster.parse("p3.16xlarge:2"), dp=2, tp=4, pp=2, microbatches=2)
+    panel = TrainingPanel(al.Session(plan, model=model))
+
+    def no_ray(**_):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(launch_mod, "start_local_ray", no_ray)
+    monkeypatch.setattr(launch_mod, "local_gpu_count", lambda: 0, raising=False)  # this machine: no GPU
+    t0 = time.perf_counter()
+    assert panel.launch(3, background=False) is None
+    text = html.unescape(panel.message.value)
+    assert time.perf_counter() - t0 < 10
+    assert "the plan needs 16 GPUs (8 + 8 over 2 stage(s))" in text and "has 0" in text, text
+    assert "stages on: CPU devices" in text and "device_kind" not in text and not panel.busy
+    # The control: the stages on CPU devices go to the launch as device_kind="cpu".
+    seen = {}
+
+    def fake_launch(plan, model, steps, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    panel.stages_on.value = "cpu"
+    panel.launch(3, background=False)
+    assert seen["device_kind"] == "cpu" and "stop here" in panel.message.value
+
+
+def test_local_gpu_count_reads_cuda_visible_devices(monkeypatch):
+    from autopar_lab.runtime.train_entry import local_gpu_count
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,3")
+    assert local_gpu_count() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_gpu_count() == 0

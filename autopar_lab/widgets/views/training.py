@@ -1,6 +1,7 @@
 """Training panel: run the current plan on the local devices or launch it on Ray, with live progress.
 
-A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray), a
+A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray; "stages
+on": what Ray's stage actors run on, the plan's devices or this machine's CPU devices), a
 progress bar, a live loss curve with the earlier runs' curves beside it, throughput text, a cancel button, a table of
 every run with its measured step time and throughput against the plan's predicted ones, and a table of each stage's
 predicted and measured forward / backward time per microbatch with their ratio. The runs themselves live in the
@@ -198,6 +199,12 @@ class TrainingPanel(View):
                               layout=w.Layout(width="320px"))
         self.launch_button = B(description="launch on Ray", tooltip="train on a Ray cluster (stage actors)")
         self.launch_button.on_click(lambda _: self.launch())
+        # What Ray's stage actors run on (launch's device_kind): a plan for GPUs can be trained on CPU devices.
+        self.stages_on = w.Dropdown(options=[("as planned", None), ("CPU devices", "cpu"), ("GPUs", "gpu")],
+                                    value=None, description="stages on", layout=w.Layout(width="190px"),
+                                    style={"description_width": "initial"},
+                                    tooltip="what each stage's Ray actor runs on: the plan's devices, this "
+                                            "machine's CPU devices, or GPUs")
         self.cancel_button = B(description="cancel", disabled=True)
         self.cancel_button.add_class("autopar-cancel")
         self.cancel_button.on_click(lambda _: self.cancel())
@@ -223,8 +230,8 @@ class TrainingPanel(View):
         self._set_running(False)
         self.refresh_table()
         self._finish(w.VBox([
-            w.HBox([self.steps, self.run_button, self.address, self.launch_button, self.cancel_button],
-                   layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.steps, self.run_button, self.address, self.stages_on, self.launch_button,
+                    self.cancel_button], layout=w.Layout(flex_flow="row wrap")),
             self.note, w.HBox([self.progress, self.throughput], layout=w.Layout(flex_flow="row wrap")),
             self.loss_fig, self.runs_table, self.stage_table, self.message], layout=w.Layout(min_width="0")))
 
@@ -318,6 +325,8 @@ class TrainingPanel(View):
         n = self._steps(steps)
         addr = (self.address.value if address is None else address).strip() or None
         kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
+        if self.stages_on.value is not None:
+            kw.setdefault("device_kind", self.stages_on.value)
         self._cancel = threading.Event()
         cancel = self._cancel
         self.job = None
@@ -363,7 +372,9 @@ class TrainingPanel(View):
     def _fail(self, action: str, e: BaseException) -> None:
         self.last_error = f"{type(e).__name__}: {e}"
         self.progress.description = "failed"
-        self.message.value = f"<span style='color:#B00020'>{action}: {html.escape(str(e))}</span>"
+        # The API's advice in the panel's terms: the control that sets it.
+        text = str(e).replace("(device_kind='cpu')", "(stages on: CPU devices, beside 'launch on Ray')")
+        self.message.value = f"<span style='color:#B00020'>{action}: {html.escape(text)}</span>"
         if isinstance(e, USER_ERRORS + (RuntimeError,)):
             self.session.error(action, e)
 
