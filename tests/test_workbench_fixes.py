@@ -3,6 +3,7 @@
 Each test names its item; the browser checks of the visual ones are in tests/test_browser.py."""
 
 import html
+import json
 
 import jax.numpy as jnp
 import pytest
@@ -12,6 +13,7 @@ from autopar_lab.cluster import Device
 from autopar_lab.graph.capture import trace
 from autopar_lab.graph.opgraph import FORWARD
 from autopar_lab.widgets.views.cost_panel import CostPanel
+from autopar_lab.widgets.views.fmt import fmt_pct
 from autopar_lab.widgets.views.utilisation import ideal_step_s, utilisation
 
 
@@ -343,3 +345,54 @@ def test_local_gpu_count_reads_cuda_visible_devices(monkeypatch):
     assert local_gpu_count() == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert local_gpu_count() == 0
+
+
+# --- item 7: CPU plans explained; a measured step far from its prediction says what differed --------------------------
+
+@pytest.fixture(scope="module")
+def cpu_plan():
+    """gpt-tiny auto-planned on the cpu preset: stages of few devices, one microbatch."""
+    model = al.models.get("gpt-tiny")
+    return model, al.auto_plan(model, al.Cluster.preset("cpu"))
+
+
+def test_cost_panel_explains_a_many_stage_one_microbatch_cpu_plan(cpu_plan):
+    """Item 7: "6 stages, 1 microbatch" on the cpu preset, with no word on why."""
+    model, plan = cpu_plan
+    assert len(plan.stages) > 1 and plan.microbatches == 1 and plan.cluster.serial_host
+    text = html.unescape(CostPanel(al.Session(plan, model=model)).utilisation.value)
+    assert f"its {len(plan.stages)} stages run one task at a time" in text and "runs 1 microbatch" in text, text
+    c = plan.cluster
+    D, k = c.devices_per_host, c.device.efficiency.driver_share
+    for j, st in enumerate(plan.stages):
+        d = st.submesh[0] * st.submesh[1]
+        assert f"S{j} on {d}: {fmt_pct((d + k) / (D + k))}" in text  # the share, by hand
+    gpu = CostPanel(al.Session(al.megatron_plan(model, al.Cluster.parse("p3.16xlarge:1"), dp=2, tp=4, pp=1)))
+    assert "Virtual devices" not in gpu.utilisation.value
+
+
+def test_a_far_off_measured_step_says_what_differed(cpu_plan):
+    """Item 7: measured steps 6x the prediction locally and 20x on Ray, with no word in the panel on why."""
+    from autopar_lab.cluster import CPU_PROFILE_PATH
+    from autopar_lab.widgets.training import RunRecord
+    from autopar_lab.widgets.views.training import runs_table_html
+
+    model, plan = cpu_plan
+    p = plan.cost.step_time_s
+    profile = json.loads(CPU_PROFILE_PATH.read_text())
+    local = RunRecord(1, "local", plan, 4, 8, losses=[4.0, 3.9, 3.8, 3.7], step_times=[3.0, 6 * p, 6 * p, 6 * p],
+                      status="done")
+    ray = RunRecord(2, "ray", plan, 3, 8, losses=[4.0, 3.9, 3.8], step_times=[9.0, 20 * p, 20 * p], status="done")
+    close = RunRecord(3, "local", plan, 3, 8, losses=[4.0, 3.9, 3.8], step_times=[3.0, 1.2 * p, 1.2 * p],
+                      status="done")
+    # this machine's load at each step, as the controller records it
+    local.loads, ray.loads, close.loads = [3.5] * 4, [2.0, 2.5, 3.0], [1.0] * 3
+    text = html.unescape(runs_table_html([local, ray, close], "cpu"))
+    assert "run 1: measured 6.00× the prediction" in text and "run 2: measured 20.0× the prediction" in text
+    assert "run 3: measured" not in text  # within a factor of 2: nothing to explain
+    assert "load average was 3.50 during the run" in text and "2.00 to 3.00 during the run" in text
+    lo, hi = profile["load_average"]
+    assert f"against {lo:.2f} to {hi:.2f} when the plan's cpu profile was measured" in text
+    assert f"measured on {profile['measured_on']}" in text and "al.Cluster.from_profile" in text
+    assert "the first step (3 s) compiled, the measured median is of the 3 step(s) after it" in text
+    assert "on Ray each stage ran as a process of its own" in text.split("run 1:")[0]  # run 2's note, newest first

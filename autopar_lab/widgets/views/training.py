@@ -27,6 +27,7 @@ import ipywidgets as w
 
 from ._base import USER_ERRORS, View
 from .fmt import fmt_rate, fmt_ratio, fmt_s
+from .mismatch import mismatch_note
 
 _END = ("done", "cancelled", "error")
 
@@ -64,9 +65,7 @@ def hardware_note(runs, platform: str) -> str:
     >>> hardware_note([R()], "cpu")[:60]
     'run 1: its plan is priced for V100-SXM2-16GB devices and it '
     """
-    # Local runs only: a Ray job may run on a cluster of the plan's own devices.
-    other = [r for r in runs if r.kind == "local"
-             and not str(r.plan.cluster.device.name).lower().startswith(platform.lower())]
+    other = [r for r in runs if _other_hardware(r, platform)]
     if not other:
         return ""
     names = sorted({str(r.plan.cluster.device.name) for r in other})
@@ -77,10 +76,17 @@ def hardware_note(runs, platform: str) -> str:
             f"compare like with like")
 
 
+def _other_hardware(run, platform: str) -> bool:
+    # Local runs only: a Ray job may run on a cluster of the plan's own devices.
+    return run.kind == "local" and not str(run.plan.cluster.device.name).lower().startswith(platform.lower())
+
+
 def runs_table_html(runs, platform: str | None = None) -> str:
     """Every run (:class:`~autopar_lab.widgets.training.RunRecord`), newest first: where it ran, its losses, and its
     measured step time and throughput beside the plan's predicted ones (class ``autopar-runs``); with ``platform``
-    (the JAX platform the runs used), a note under it when a plan was priced for other hardware."""
+    (the JAX platform the runs used), a note under it when a plan was priced for other hardware; and for the newest
+    runs measured far from their prediction on the hardware priced, what differed (:func:`.mismatch.mismatch_note`).
+    """
     if not runs:
         return ""
     head = ("<tr><th>run</th><th>where</th><th>steps</th><th>loss first → last</th><th>step time measured</th>"
@@ -98,9 +104,12 @@ def runs_table_html(runs, platform: str | None = None) -> str:
                     f"<td>{fmt_rate(r.predicted_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
                     f"<td>{html.escape(r.status)}</td></tr>")
     note = hardware_note(runs, platform) if platform else ""
+    far = [t for t in (mismatch_note(r) for r in reversed(runs) if not (platform and _other_hardware(r, platform)))
+           if t][:3]
     return (f"<table class='autopar-cost-table autopar-runs'>{head}{''.join(body)}</table>"
             "<small>measured: the median step after the first (which compiles)"
-            + (f"<br>{html.escape(note)}" if note else "") + "</small>")
+            + (f"<br>{html.escape(note)}" if note else "")
+            + "".join(f"<br><span class='autopar-mismatch'>{html.escape(t)}</span>" for t in far) + "</small>")
 
 
 def local_platform() -> str:

@@ -35,7 +35,8 @@ from ...graph.opgraph import FORWARD, dtype_size
 from ...rematmode import is_full, is_selective
 from .fmt import fmt_flops, fmt_pct, fmt_s
 
-__all__ = ["compute_dtype", "ideal_step_s", "recomputed_flops", "utilisation", "utilisation_html", "utilisation_text"]
+__all__ = ["compute_dtype", "ideal_step_s", "recomputed_flops", "utilisation", "utilisation_html", "utilisation_text",
+           "virtual_text"]
 
 _IDEAL_CACHE: dict = {}
 
@@ -157,6 +158,35 @@ def utilisation_text(u: dict) -> str:
     return text + "."
 
 
+def virtual_text(plan) -> str:
+    """On virtual devices (the ``cpu`` preset: JAX's CPU devices, slices of one machine's cores), how the cost model
+    prices the plan's stages, which explains a plan of many stages and one microbatch (see
+    ``docs/ARCHITECTURE.md``, "Virtual devices"); "" on real accelerators."""
+    c = plan.cluster
+    if not c.device.virtual:
+        return ""
+    S, B, D = len(plan.stages), plan.microbatches, c.devices_per_host
+    text = (f"Virtual devices: this plan's {c.num_devices} devices are JAX CPU devices, slices of "
+            f"{'one machine' if c.hosts == 1 else 'each host machine'}'s cores")
+    if S > 1 and c.serial_host:
+        text += (f", so its {S} stages run one task at a time, one after another, not side by side: a pipeline "
+                 "overlaps nothing here and the step is the sum of every stage's work")
+        if B == 1:
+            text += (", which is why it runs 1 microbatch: more would only add each task's fixed cost without "
+                     "overlapping anything")
+    c_share = c.device.efficiency.driver_share
+    sizes = [st.submesh[0] * st.submesh[1] for st in plan.stages]
+    shares = ", ".join(f"S{k} on {d}: {fmt_pct(c.virtual_share(d))}" for k, d in enumerate(sizes))
+    text += (f". A program on d of a host's {D} devices is priced at (d + {c_share:.3g}) / ({D} + {c_share:.3g}) of "
+             f"its kernels' cost measured with all {D} busy (fewer devices, less contention for the cores): {shares}"
+             + ("; that is what splitting the layers into stages of few devices buys" if S > 1 else "")
+             + ". The training panel sets measured steps beside these predictions.")
+    return text
+
+
 def utilisation_html(plan) -> str:
-    """The cost panel's utilisation paragraph for ``plan`` (class ``autopar-utilisation``)."""
-    return f"<div class='autopar-utilisation'>{html.escape(utilisation_text(utilisation(plan)))}</div>"
+    """The cost panel's utilisation paragraph for ``plan`` (class ``autopar-utilisation``) and, on virtual devices,
+    how they are priced (class ``autopar-virtual``, :func:`virtual_text`)."""
+    out = f"<div class='autopar-utilisation'>{html.escape(utilisation_text(utilisation(plan)))}</div>"
+    note = virtual_text(plan)
+    return out + (f"<div class='autopar-virtual'><small>{html.escape(note)}</small></div>" if note else "")
