@@ -396,3 +396,25 @@ def test_a_far_off_measured_step_says_what_differed(cpu_plan):
     assert f"measured on {profile['measured_on']}" in text and "al.Cluster.from_profile" in text
     assert "the first step (3 s) compiled, the measured median is of the 3 step(s) after it" in text
     assert "on Ray each stage ran as a process of its own" in text.split("run 1:")[0]  # run 2's note, newest first
+
+
+# --- item 8: the graph and the charts ---------------------------------------------------------------------------------
+
+def test_overview_hover_and_detail_title_count_the_same_operators(deep):
+    """Item 8: the hover said 538 operators where the title said 466 (the hover counted the step's inputs and outputs
+    the detail folds into their readers). Both now count the operators drawn, and name the others apart."""
+    import re
+
+    from autopar_lab.widgets.views.graph import graph_data
+
+    model, plan = deep
+    s = al.Session(plan, model=model)
+    data = graph_data(s, expanded="layer_5", open_groups=[n["key"] for n in graph_data(s)["overview"]])
+    drawn = len(data["detail"]["nodes"])
+    node = next(n for n in data["overview"] if n["key"] == "L:layer_5")
+    said = [int(x) for x in re.findall(r"(\d+) operators", node["hover"])]
+    assert said == [drawn] and f"layer_5: {drawn} operators" in data["detail"]["title"], (node["hover"], drawn)
+    io = int(re.search(r"and (\d+) inputs and outputs of the step", node["hover"]).group(1))
+    assert f"{io} inputs and outputs of the step folded" in data["detail"]["title"] and io > 0
+    group = next(n for n in graph_data(s)["overview"] if n["count"] > 1)
+    assert f"each {drawn} operators" in group["hover"]
