@@ -313,6 +313,7 @@ def test_launch_refuses_a_gpu_plan_before_starting_ray_and_offers_cpu_stages(mon
     model = al.models.get("gpt-tiny", batch_size=8, num_layers=2, dtype="float32")
     plan = al.megatron_plan(model, al.Cluster.parse("p3.16xlarge:2"), dp=2, tp=4, pp=2, microbatches=2)
     panel = TrainingPanel(al.Session(plan, model=model))
+    assert panel.stages_on.label == "as planned"  # shown, not a blank box
 
     def no_ray(**_):
         raise AssertionError("Ray was started")

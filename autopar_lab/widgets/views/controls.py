@@ -184,7 +184,8 @@ class Controls(View):
                 job(report, cancel)
                 self.progress.value, self.progress.description = 1.0, "done"
                 # Not the last progress report ("intra-op 1x1 as 1x1"): what finished, and how long it took.
-                self._say(f"{name} done in {fmt_s(time.perf_counter() - t0)}")
+                # a comparison is kept (its table) when the plan changes; a solve's line is about the plan it made
+                self._say(f"{name} done in {fmt_s(time.perf_counter() - t0)}", of_plan=name != "compare")
                 self.message.value = ""
                 self.last_error = None
             except SolveCancelled:
@@ -264,10 +265,10 @@ class Controls(View):
         return self._start("resolve around pins",
                            lambda report, cancel: s.resolve(on_progress=report, cancel=cancel), expected, background)
 
-    def _say(self, text: str) -> None:
-        """Set the status line; it speaks of the current plan and goes when another plan becomes current."""
+    def _say(self, text: str, of_plan: bool = True) -> None:
+        """Set the status line; ``of_plan``: it speaks of the current plan and goes when another becomes current."""
         self.status.value = html.escape(text)
-        self._said_for = self.session.plan
+        self._said_for = self.session.plan if of_plan else None
 
     # --- quick actions ------------------------------------------------------------------------------------------------
 
@@ -361,8 +362,9 @@ class Controls(View):
     def _on_event(self, event) -> None:
         if event.name == "plan":
             self.message.value = ""  # an error about the plan before no longer applies to this one
-            if not self.busy and self._said_for is not self.session.plan:
+            if not self.busy and self._said_for is not None and self._said_for is not self.session.plan:
                 self.status.value = ""  # "saved to ..." spoke of the plan before
+                self._said_for = None
             self._sync()
             if self.session.comparison:
                 self.show_comparison(self.session.comparison)

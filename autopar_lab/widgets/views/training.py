@@ -30,6 +30,7 @@ from .fmt import fmt_rate, fmt_ratio, fmt_s
 from .mismatch import mismatch_note
 
 _END = ("done", "cancelled", "error")
+AS_PLANNED = "plan"  # "stages on": the devices the plan's cluster has (launch's default device_kind)
 
 
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -209,8 +210,9 @@ class TrainingPanel(View):
         self.launch_button = B(description="launch on Ray", tooltip="train on a Ray cluster (stage actors)")
         self.launch_button.on_click(lambda _: self.launch())
         # What Ray's stage actors run on (launch's device_kind): a plan for GPUs can be trained on CPU devices.
-        self.stages_on = w.Dropdown(options=[("as planned", None), ("CPU devices", "cpu"), ("GPUs", "gpu")],
-                                    value=None, description="stages on", layout=w.Layout(width="190px"),
+        # ("as planned" is not None: a Dropdown shows a None value as no choice at all)
+        self.stages_on = w.Dropdown(options=[("as planned", AS_PLANNED), ("CPU devices", "cpu"), ("GPUs", "gpu")],
+                                    value=AS_PLANNED, description="stages on", layout=w.Layout(width="190px"),
                                     style={"description_width": "initial"},
                                     tooltip="what each stage's Ray actor runs on: the plan's devices, this "
                                             "machine's CPU devices, or GPUs")
@@ -334,7 +336,7 @@ class TrainingPanel(View):
         n = self._steps(steps)
         addr = (self.address.value if address is None else address).strip() or None
         kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
-        if self.stages_on.value is not None:
+        if self.stages_on.value != AS_PLANNED:
             kw.setdefault("device_kind", self.stages_on.value)
         self._cancel = threading.Event()
         cancel = self._cancel
