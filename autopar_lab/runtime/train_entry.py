@@ -134,7 +134,8 @@ def _stage_devices(job: dict) -> list[int]:
 
 def local_gpu_count() -> int | None:
     """The GPUs an embedded Ray on this machine would find: as many as ``CUDA_VISIBLE_DEVICES`` lists when it is
-    set, else the ``GPU n:`` lines of ``nvidia-smi -L``, 0 without an ``nvidia-smi``; None when it fails (unknown)."""
+    set, else the ``GPU n:`` lines of ``nvidia-smi -L``, 0 without an ``nvidia-smi``; None when it fails or another
+    vendor's tools are there (unknown: Ray finds those GPUs its own way)."""
     import shutil
     import subprocess
 
@@ -143,7 +144,7 @@ def local_gpu_count() -> int | None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0
+        return None if shutil.which("rocm-smi") or shutil.which("amd-smi") else 0
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
