@@ -22,6 +22,7 @@ from ...planvalues import LAYER, SHARED
 from ...parallelism import op_notes
 from ._base import View
 from .fmt import fmt_s, strategy_text
+from .notation import GROUP_TIP, STRATEGY_TIP, notation_html
 
 ALL = "(all)"
 OUTSIDE = "outside layers"  # the layer filter's choice for operators outside every layer
@@ -192,7 +193,7 @@ class ShardingTable(View):
     solution is one set of rows ("layer_0..23 ×24"), and the layer filter also offers each real layer alone.
     An override of a group's row applies to every layer of the group, on every stage that runs one; on a real
     layer's row, "apply to" chooses between the whole group (the default) and that layer alone (it is split from
-    the group, :meth:`Session.set_layer_choice`). Rows are rebuilt after every plan change."""
+    the group: :meth:`Session.set_choice` with ``scope="layer"``). Rows are rebuilt after every plan change."""
 
     css = "autopar-sharding-table"
 
@@ -233,7 +234,8 @@ class ShardingTable(View):
         self.scope.add_class("autopar-override-scope")
         self.scope.layout.display = "none"
         self.scope.observe(self._scope_changed, names="value")
-        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"))
+        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"),
+                                       tooltip=STRATEGY_TIP)
         self.alternatives.add_class("autopar-strategy-choice")
         self.alternatives.observe(self._alternative_changed, names="value")
         self.pin_button = w.Button(description="pin", tooltip="keep this operator's strategy through re-solves",
@@ -248,11 +250,12 @@ class ShardingTable(View):
         self.key: Any = None  # the selected row's key (see op_rows: its operator)
         self.alone = False  # the selected row is of one layer among several that share its solution
         self._alts: list = []
+        self.notation = w.HTML(notation_html())  # how to read a strategy's name and an ILP group
         self.refresh_rows()
         self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter],
                                     layout=w.Layout(flex_flow="row wrap")), self.count, self.listing, self.detail,
                              self.scope, self.alternatives, w.HBox([self.pin_button, self.unpin_button]),
-                             self.message]))
+                             self.notation, self.message]))
 
     # --- data --------------------------------------------------------------------------------------------------------
     def filters(self) -> dict:
@@ -498,4 +501,5 @@ def detail_html(session, op, scope: str = SHARED, alone: bool = False) -> str:
     group = ilp_group(plan, op, stages[0][0])
     if group and plan.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
         group = f"{group} (in the {len(plan.op_graph.layers)}-layer copy the planner solved)"
-    return text + (f"<br>ILP group {html.escape(group)}" if group else "")
+    tip = html.escape(GROUP_TIP, quote=True)
+    return text + (f"<br><span title=\"{tip}\">ILP group</span> {html.escape(group)}" if group else "")
