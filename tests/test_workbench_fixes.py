@@ -106,12 +106,11 @@ def pinned_deep(deep):
     mesh axes: a mesh with an axis of one device cannot run it."""
     model, plan = deep
     plan = plan.with_stages(logical_meshes=[(2, 2), (2, 2)])
-    g = plan.op_graph
-    op = next(o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_0"
-              and g.op(o).role == FORWARD)
+    g = plan.graph
+    op = next(o for o in g.ops_in_layer("layer_0") if g.op(o).primitive == "dot_general" and g.op(o).role == FORWARD)
     name = next(a.strategy for a in plan.alternatives(op) if "S0" in a.spec and "S1" in a.spec)
-    plan = plan.with_choice(op, name)
-    (pinned, _), = plan.pins.items()  # recorded on the operator that stands for it in every copied layer
+    plan = plan.with_choice(op, name)  # in every layer sharing its solution
+    (pinned, _), = plan.pins.items()  # recorded on its operator in the first layer: this one
     return model, plan, pinned, name
 
 
@@ -273,7 +272,7 @@ def test_status_says_what_load_did_and_an_error_once(wb, tmp_path):
 
 def test_resolve_around_pins_reports_progress_and_a_done_line(wb, plan):
     c, s = wb.controls, wb.session
-    g = s.op_graph
+    g = s.graph
     op = next(o for o in g.ops if g.op(o).primitive == "dot_general" and g.op(o).layer == "layer_0")
     s.set_choice(op, s.alternatives(op)[-1].strategy)
     seen = []

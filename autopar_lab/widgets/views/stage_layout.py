@@ -112,7 +112,7 @@ def draft_problem(plan, draft: list[dict]) -> str | None:
     reason (a pinned operator its mesh cannot run, a logical mesh that is no view of its submesh), or None."""
     names = plan.layer_names
     pins = PinIndex(plan)
-    copy = plan.table is not None and not plan.table.op_map.is_identity
+    copy = plan.op_graph is not plan.graph  # planned on a shallower copy: its blocks share solutions
     for k, (d, runs, (a, b)) in enumerate(zip(draft, _runs(plan, draft), _ranges(plan, draft))):
         sub, shape = d["submesh"], d["logical_mesh"]
         if sub is None:
