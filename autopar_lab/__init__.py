@@ -28,6 +28,7 @@ _LAZY = {
     "data_parallel_plan": ("autopar_lab.planner", "data_parallel_plan"),
     "compare": ("autopar_lab.planner", "compare"),
     "Plan": ("autopar_lab.plan", "Plan"),
+    "Pin": ("autopar_lab.planvalues", "Pin"),
     "save_plan": ("autopar_lab.planfile", "save_plan"),
     "load_plan": ("autopar_lab.planfile", "load_plan"),
     "resolve": ("autopar_lab.pins", "resolve"),
