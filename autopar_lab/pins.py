@@ -30,7 +30,7 @@ from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
 from .schedules import interleave, schedule_of
 from .solve.ilp import DEFAULT_SOLVER
-from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
+from .solve.inter import NoFeasiblePlanError, StageConstraints, StageProblem, placement_fits, stage_dp
 from .solve.intra import IntraPlan, solve_intra
 
 if TYPE_CHECKING:
@@ -342,10 +342,11 @@ def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_ch
     table, cluster = table_of(plan), plan.cluster
     cands = constrained_candidates(table, cluster, constraints, pins, prune=prune,
                                    virtual_stages=int(schedule.get("virtual_stages", 1)))
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=len(table.layer_names)),
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=constraints,
+                                  **schedule)
     return planner.search_microbatches(
-        table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
-        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-        stage_comm=plan.stage_comm, constraints=constraints, **schedule)
+        table, problem, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)))
 
 
 def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, mem_limit_bytes: float,
@@ -378,10 +379,10 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)
-    return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
-                    cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
-                    intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link, stage_comm=plan.stage_comm,
-                    constraints=con, serial_host=cluster.serial_host, **sched)
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=S, microbatches=B),
+                                  cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]],
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=con, **sched)
+    return stage_dp(problem, candidates)
 
 
 # --------------------------------------------------------------------------------------------------------------

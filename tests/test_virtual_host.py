@@ -228,7 +228,7 @@ def test_serial_stage_dp_against_brute_force(seed):
     partition and submesh assignment does, and its plan's latency is the simulation of the plan on one host."""
     import random
 
-    from autopar_lab.solve.inter import StageCandidate, brute_force_stages, serial_latency, stage_dp
+    from autopar_lab.solve.inter import StageCandidate, StageProblem, brute_force_stages, serial_latency, stage_dp
 
     rng = random.Random(seed)
     table = {}
@@ -244,8 +244,8 @@ def test_serial_stage_dp_against_brute_force(seed):
     B = rng.choice([1, 2, 4])
     kw = dict(cut_bytes=[rng.uniform(0, 1e6) for _ in range(4)], intra_link=Cluster.preset("cpu").intra_host,
               inter_link=Cluster.preset("cpu").inter_host, serial_host=True)
-    dp = stage_dp(5, 1, 4, cands, B, **kw)
-    bf = brute_force_stages(5, 1, 4, cands, B, **kw)
+    dp = stage_dp(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
+    bf = brute_force_stages(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
     assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
     times = [c.fwd_s + c.bwd_s for c in dp.stages]
     # at least the stages' own work, at most that and every cut's round trip
@@ -254,5 +254,5 @@ def test_serial_stage_dp_against_brute_force(seed):
     tl = simulate([c.fwd_s for c in dp.stages], [c.bwd_s for c in dp.stages], B, "1f1b", hosts=[0] * len(dp.stages))
     assert tl.makespan == pytest.approx(B * sum(times), rel=1e-9)
     # separate devices would overlap the stages: Alpa's formula is never above the serial one
-    plain = stage_dp(5, 1, 4, cands, B, **dict(kw, serial_host=False))
+    plain = stage_dp(StageProblem(5, 1, 4, microbatches=B, **dict(kw, serial_host=False)), cands)
     assert plain.latency_s <= dp.latency_s * (1 + 1e-12)
