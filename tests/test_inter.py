@@ -222,7 +222,8 @@ def test_formula_against_simulator(schedule):
         t = [x * (1 + ratio) for x in f]
         c = [x * (1 + ratio) for x in sf]
         formula = pipeline_latency(t, c, B)
-        sim = simulate(f, [x * ratio for x in f], B, schedule, [x for x in sf], [x * ratio for x in sf]).makespan
+        sim = simulate(f, [x * ratio for x in f], B, schedule, send_fwd_s=[x for x in sf],
+                       send_bwd_s=[x * ratio for x in sf]).makespan
         if schedule == "gpipe":
             assert sim == pytest.approx(formula)  # exact when bwd is proportional to fwd everywhere
         elif not any(sf):

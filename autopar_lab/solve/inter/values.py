@@ -109,7 +109,7 @@ class InterResult:
 
     def timeline(self):
         """Simulate this plan event by event (see :mod:`autopar_lab.simulate`)."""
-        from autopar_lab.simulate import simulate
+        from autopar_lab.simulate import SimOptions, simulate
 
         # The timeline shows what would happen, so transfers are always priced here. As the DP's formula sees it:
         # interleaved stages as v equal chunks (each cut's transfer between consecutive chunks of the same round,
@@ -124,8 +124,8 @@ class InterResult:
             p = len(fwd)
             fwd, bwd, act, static = ([x[c % p] / v for c in range(p * v)] for x in (fwd, bwd, act, static))
             sf, sb = ([x[c % p] if c % p < p - 1 else 0.0 for c in range(p * v - 1)] for x in (sf, sb))
-        return simulate(fwd, bwd, self.microbatches, self.schedule, send_fwd_s=sf, send_bwd_s=sb, act_bytes=act,
-                        static_bytes=static, wgrad_s=wgrad, virtual_stages=v if v > 1 else None)
+        return simulate(fwd, bwd, self.microbatches, self.schedule, send_fwd_s=sf, send_bwd_s=sb, wgrad_s=wgrad,
+                        virtual_stages=v if v > 1 else None, options=SimOptions(act_bytes=act, static_bytes=static))
 
 
 class NoFeasiblePlanError(ValueError):
