@@ -31,7 +31,7 @@ from .rematmode import REMAT_CHOICES
 from .schedules import interleave, schedule_of
 from .solve.ilp import DEFAULT_SOLVER
 from .solve.inter import NoFeasiblePlanError, StageConstraints, StageProblem, placement_fits, stage_dp
-from .solve.intra import IntraPlan, solve_intra
+from .solve.intra import IntraOptions, IntraPlan, solve_intra
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -289,11 +289,12 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
         cache = pins.cache(spec.submesh, spec.logical_mesh)
         fixed: dict[int, Any] = dict(lean_pins(pins.g, cache)) if solution == LEAN else {}
         fixed.update(pins.with_siblings(mine))  # the user's pins win over the lean storage
-        kw: dict[str, Any] = dict(ops=base.ops, pins=fixed, solver=solver, rounds=1, cache=cache)
+        options = IntraOptions(solver=solver, rounds=1)
         try:
-            out.append(solve_intra(pins.g, base.mesh, **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options, cache=cache))
         except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
-            out.append(solve_intra(pins.g, base.mesh, axes="joint", **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options.with_axes("joint"),
+                                   cache=cache))
     return out
 
 

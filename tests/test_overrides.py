@@ -21,7 +21,7 @@ from autopar_lab.solve.inter import (
     stage_dp,
     submesh_shapes,
 )
-from autopar_lab.solve.intra import StrategyCache, solve_intra
+from autopar_lab.solve.intra import IntraOptions, StrategyCache, solve_intra
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage DP with pinned decisions, against brute force (plain data, fast)
@@ -287,7 +287,8 @@ def test_resolve_solves_the_ilp_around_an_operator_pin(two):
     assert r.cost.step_time_s <= q.cost.step_time_s
     # The pinned stage's strategies are as good as the ILP's with the pin, solved directly (ties may differ).
     st = r.stages[k]
-    direct = solve_intra(g, st.intra.mesh, pins={op: worst.strategy}, rounds=1, solver=two.table.solver)
+    direct = solve_intra(g, st.intra.mesh, pins={op: worst.strategy},
+                         options=IntraOptions(rounds=1, solver=two.table.solver))
     assert st.intra.total_s == pytest.approx(direct.total_s, rel=1e-9)
     assert direct.strategies[op].name == worst.strategy
     # A strategy that exists on no mesh of the cluster is refused by name.

@@ -245,11 +245,11 @@ def _check_devices(devices) -> int:
 
 
 def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> dict:
-    from ..solve.intra import solve_intra
+    from ..solve.intra import IntraOptions, solve_intra
 
     lm = cluster.logical_mesh((1, devices), shape)
     t0 = time.perf_counter()
-    plan = solve_intra(graph, lm, solver=solver)
+    plan = solve_intra(graph, lm, options=IntraOptions(solver=solver))
     solve_s = time.perf_counter() - t0
     records = predicted_collectives(graph, plan.strategies, lm)
     out_specs, output_specs = specs_from_strategies(graph, plan.strategies)

@@ -390,8 +390,8 @@ def walk(p: Problem, chooser, s, size) -> list[tuple[int, int, int, int]] | None
     return pieces
 
 
-def stage_dp_auto(problem: StageProblem, candidates: Callable[[int, int, tuple[int, int], int],
-                                                              Sequence[StageCandidate]],
+def stage_dp_auto(problem: StageProblem,
+                  candidates: Callable[[int, int, tuple[int, int], int], Sequence[StageCandidate]],
                   batch_size: int, *, choices: Iterable[int] | None = None,
                   cut_bytes: Sequence[float] | Callable[[int], Sequence[float]] | None = None,
                   options: DPOptions = DPOptions()) -> InterResult:

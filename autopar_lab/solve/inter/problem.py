@@ -1,7 +1,6 @@
 """The stage DP's problem as both solvers start from it: the inputs checked (:func:`build_problem`), the
-candidates as tables the vectorised DP reads (:func:`candidate_tables`,
-                                              :func:`structure`), the error when nothing fits, and
-a chosen plan turned into an :class:`~autopar_lab.solve.inter.InterResult`."""
+candidates as tables the vectorised DP reads (:func:`candidate_tables`, :func:`structure`), the error when nothing
+fits, and a chosen plan turned into an :class:`~autopar_lab.solve.inter.InterResult`."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from .formulas import (BY_STAGE_COUNT, DEFAULT_WGRAD_SHARE, SCHEDULES, STAGE_COM
 from .values import CandidateBlock, InterResult, NoFeasiblePlanError, StageCandidate, StageConstraints, StageProblem
 
 __all__ = ["Problem", "BlockCandidates", "positive_int", "build_problem", "CandidateTables", "candidate_tables",
-           "candidate_arrays",
-           "pinned_tables", "structure", "infeasible", "inter_result"]
+           "candidate_arrays", "pinned_tables", "structure", "infeasible", "inter_result"]
 
 
 class BlockCandidates(Mapping):
