@@ -382,7 +382,7 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
 
     A task here is what :class:`autopar_lab.runtime.local.Runner` does per stage and microbatch: move an activation
     from the previous stage's device block (``block`` devices) onto this stage's block (split along the batch, with
-    the runtime's own :func:`~autopar_lab.runtime.partition.move`), put a host microbatch there, and call a jitted
+    the runtime's own :func:`~autopar_lab.runtime.layouts.move`), put a host microbatch there, and call a jitted
     program (one add) on both, waiting for the result. Each activation size B is timed ``repeats`` times (median: a
     fixed cost is what most calls pay; the best would hide the scheduling every call meets on a shared machine) and
     t = alpha + beta * B is fitted (:func:`fit_alpha_beta`). ``alpha`` is the per-task overhead (the bytes are
@@ -393,14 +393,14 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from autopar_lab.runtime.partition import _mesh, move  # the runtime's own placement, so its cost is measured
+    from autopar_lab.runtime.layouts import device_mesh, move  # the runtime's own placement, so its cost is measured
 
     devs = jax.devices("cpu")
     n = len(devs) if num_devices is None else int(num_devices)
     if not 2 * block <= n <= len(devs):
         raise ValueError(f"a task overhead needs two blocks of {block} devices ({2 * block}..{len(devs)} devices), "
                          f"got num_devices={num_devices}; set JAX_NUM_CPU_DEVICES before jax is imported.")
-    src, dst = _mesh(devs[:block], (1, block)), _mesh(devs[block:2 * block], (1, block))
+    src, dst = device_mesh(devs[:block], (1, block)), device_mesh(devs[block:2 * block], (1, block))
     split = P(None, "y")  # the microbatch axis over the block, as a data-parallel stage holds it
     src_sh, dst_sh = NamedSharding(src, split), NamedSharding(dst, split)
     task_fn = jax.jit(lambda act, tokens: act + tokens[..., None].astype(act.dtype))

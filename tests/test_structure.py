@@ -24,8 +24,6 @@ UPWARD = {("autopar_lab.plan", "autopar_lab.overrides"), ("autopar_lab.plan", "a
 FOREIGN_PRIVATE = {
     ("autopar_lab.runtime.partition", "_sub_jaxpr"),   # issue 15: one jaxpr walker shared by capture/partition/validate
     ("autopar_lab.runtime.partition", "_FAMILIES"),    # issue 15 (partition.py is being rewritten)
-    ("autopar_lab.runtime.local", "_mesh"),            # issue 15 (partition.py's placement helper)
-    ("autopar_lab.calibrate", "_mesh"),                # issue 15 (partition.py's placement helper)
     ("autopar_lab.validate.replay", "_INLINE"),        # issue 15: the shared walker replaces this import
     ("autopar_lab.validate.replay", "_sub_jaxpr"),     # issue 15: the shared walker replaces this import
     ("autopar_lab.widgets.views.sharding_table", "_escape"),  # the workbench views (their own package's helper)

@@ -74,7 +74,7 @@ def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | No
     """
     from ..planfile import plan_to_dict
     from .actors import is_gpu_plan
-    from .partition import check_plan_matches
+    from .layouts import check_plan_matches
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive whole number, got {steps!r}.")
