@@ -384,8 +384,7 @@ def _renode(node: OpNode, ins: tuple, outs: tuple, params: dict, tensors) -> OpN
 
 
 def _graph_like(graph: OpGraph, nodes, tensors, fmt: Precision | None) -> OpGraph:
-    return OpGraph(nodes, tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
-                   trace_s=graph.trace_s, layer_rule=graph.layer_rule, layer_note=graph.layer_note, precision=fmt)
+    return graph.with_nodes(nodes, tensors=tensors, precision=fmt)
 
 
 #: Primitives that pick experts from a router's scores.

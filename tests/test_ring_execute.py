@@ -111,7 +111,7 @@ def test_a_ring_plan_trains_like_one_device(model, ring_plan, reference):
 def test_the_replay_runs_rings_only_where_marked(model, ring_plan):
     """The replay with the ring binds compiles collective-permutes (the ring's steps) and computes the single
     device's step; without them it has none (XLA's own algorithm for the same layouts gathers instead)."""
-    from autopar_lab.validate import specs_from_strategies, validate_model
+    from autopar_lab.validate import ReplayOptions, specs_from_strategies, validate_model
 
     st = ring_plan.stages[0]
     mesh = _auto_mesh(st.logical_mesh)
@@ -120,8 +120,8 @@ def test_the_replay_runs_rings_only_where_marked(model, ring_plan):
     assert set(binds) == _ring_ops(ring_plan)
 
     def validate(binds, run):
-        return validate_model(model, out_specs, mesh, None, output_specs=output_specs, graph=ring_plan.graph, run=run,
-                              binds=binds)
+        return validate_model(model, out_specs, mesh, None, graph=ring_plan.graph, run=run,
+                              replay=ReplayOptions(output_specs=output_specs, binds=binds))
 
     ring = validate(binds, True)
     assert ring["compiled"]["collective_permute"]["count"] >= len(binds)
