@@ -156,7 +156,7 @@ def test_a_two_stage_pipeline_with_rings_trains_like_one_device(model, ring_plan
     losses = runner.train(STEPS)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-7)
     # the stage workers Ray runs cut the step the same way (here behind Ray's call syntax, without Ray)
-    job = job_spec(plan, model, STEPS, compiler_options=FAST)
+    job = job_spec(plan, model, STEPS, options=al.RunOptions(compiler_options=FAST))
     workers = [StageWorker(job, k) for k in range(2)]
     assert all(w.staged.ring_ops(k) for k, w in enumerate(workers))
     routes = _Routes([w.info() for w in workers])
@@ -245,7 +245,7 @@ def test_the_two_stage_ring_pipeline_trains_on_ray(model, ring_plan, reference, 
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
     plan = ring_plan.with_stages(boundaries=[2], submeshes=[(1, 4), (1, 4)])
     try:
-        job = al.launch(plan, model, 2, compiler_options=FAST)
+        job = al.launch(plan, model, 2, options=al.RunOptions(compiler_options=FAST))
     except RuntimeError as e:  # an embedded head that cannot start (a loaded machine) says so; not a ring question
         pytest.skip(f"Ray could not start here: {e}")
     try:
