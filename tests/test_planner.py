@@ -274,8 +274,9 @@ def test_one_default_solver():
     from autopar_lab.widgets.session import Session
 
     for fn in (planner.auto_plan, planner.megatron_plan, planner.data_parallel_plan, planner.compare,
-               exhaustive.global_optimum, Session.__init__, planner.CostTable.__init__):
+               Session.__init__, planner.CostTable.__init__):
         assert inspect.signature(fn).parameters["solver"].default == DEFAULT_SOLVER == "highs", fn
+    assert exhaustive.OptimumSearch().solver == DEFAULT_SOLVER  # the global optimum's search options
 
 
 def test_the_microbatch_count_is_decided_by_the_simulated_step_among_the_dps_best():
