@@ -10,7 +10,7 @@ stall on every activation and gradient and the stages could not overlap.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import jax
 import numpy as np
@@ -62,14 +62,14 @@ def batch_of(model, args: Sequence) -> Any:
     return picked[0] if len(picked) == 1 else picked
 
 
-def stage_device_blocks(plan, devices=None) -> list[list]:
+def stage_device_blocks(plan, devices=None) -> list[list | None]:
     """The local jax devices of each stage: stage k gets the k-th contiguous block of ``devices`` (default
     ``jax.local_devices()``), as big as its submesh. ``devices`` may also be one list per stage (``None`` for a stage
     this process does not run), as a Ray actor that runs one stage passes it."""
     sizes = [st.submesh[0] * st.submesh[1] for st in plan.stages]
     if devices is not None and len(devices) == len(sizes) and all(d is None or isinstance(d, (list, tuple))
                                                                    for d in devices):
-        blocks = []
+        blocks: list[list | None] = []
         for k, (d, n) in enumerate(zip(devices, sizes)):
             if d is not None and len(d) != n:
                 raise ValueError(f"stage {k} runs on a {plan.stages[k].submesh} submesh of {n} devices, but {len(d)} "
@@ -82,7 +82,8 @@ def stage_device_blocks(plan, devices=None) -> list[list]:
         raise ValueError(f"the plan needs {need} devices ({' + '.join(map(str, sizes))} over {len(sizes)} stage(s)) "
                          f"but only {len(devs)} are available; plan for a smaller cluster, or get more devices (on "
                          f"CPU: JAX_NUM_CPU_DEVICES={need} before JAX starts).")
-    out, o = [], 0
+    out: list[list | None] = []
+    o = 0
     for n in sizes:
         out.append(devs[o:o + n])
         o += n
@@ -108,9 +109,9 @@ def plan_input_specs(plan, k: int) -> dict[str, ShardingSpec]:
         specs = input_specs(plan, k)
     except ValueError:
         return _specs_via_solve_graph(plan, k)
-    out = {}
+    out: dict[str, ShardingSpec] = {}
     for kind in (PARAM, OPT_STATE, BATCH):
-        out.update(specs.get(kind, {}))
+        out.update(cast(dict[str, ShardingSpec], specs.get(kind, {})))
     return out
 
 
@@ -144,7 +145,7 @@ def move(x, sharding: NamedSharding):
         if x.sharding == sharding:
             return x
         if VIA_HOST and x.sharding.device_set != sharding.device_set and all(
-                d.platform == "cpu" for d in sharding.device_set):
+                getattr(d, "platform", None) == "cpu" for d in sharding.device_set):
             return jax.device_put(np.asarray(x), sharding)
         return jax.device_put(x, sharding)
     return jax.device_put(np.asarray(x), sharding)

@@ -319,7 +319,7 @@ class TaskGraph:
         self.holders = holders
         self.held = [[t for t in self.state_tids if k in holders[t]] for k in range(S)]
         acc_stage = {t: k for (k, _), task in self.tasks.items() for t in task.acc_out}
-        self.updates: list[dict] = []
+        self.updates: list[StageUpdate] = []
         self.update_crosses_stages: list[str] = []
         for k in range(S):
             ops = slices[k]

@@ -215,7 +215,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
         if tl.makespan < best["T"]:
             best.update(T=tl.makespan, stages=list(stages), B=B)
 
-    def search(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
+    def descend(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
         # prefix: sum over placed stages and the cuts behind them of (fwd + bwd + send_fwd + send_bwd).
         if k == L:
             if offset == NM:
@@ -239,13 +239,13 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
                     stages.append(c)
                     if k > 0:
                         sends.append(cut)
-                    search(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
+                    descend(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
                     stages.pop()
                     if k > 0:
                         sends.pop()
 
     for B in choices:
-        search(0, 0, [], [], 0.0, 0.0, B)
+        descend(0, 0, [], [], 0.0, 0.0, B)
     t_search = time.perf_counter()
 
     solve_s = {"table": t_table - t_start, "auto": t_auto - t_table, "search": t_search - t_auto}
