@@ -675,3 +675,16 @@ def test_mesh_grid_and_rows(plan, wb):
     rows = op_rows(wb.session, primitive="dot_general", stage=1)
     assert rows and all(r["stage"] == 1 and r["primitive"] == "dot_general" for r in rows)
     assert all(r["partition_spec"].startswith("P(") for r in rows)
+
+
+def test_the_workbench_opens_on_a_tpu_slice_of_64_chips():
+    """A TPU slice is one host of many chips (tpu-v5p:64): the what-if slider offers that count (it offered 1..16
+    and the workbench failed to open with 'Invalid selection')."""
+    from autopar_lab.widgets.views.controls import device_counts
+
+    assert device_counts(8) == [1, 2, 4, 8, 16] and device_counts(64)[-1] == 64
+    spec = al.models.get("llama3-tiny", dtype="bfloat16", batch_size=64, seq_len=32, hidden_size=64, num_heads=4,
+                         num_kv_heads=2, ffn_hidden=128)
+    wb = Workbench(spec, al.Cluster.parse("tpu-v5p:64"))
+    assert wb.controls.devices.value == 64 and sum(
+        st.submesh[0] * st.submesh[1] for st in wb.session.plan.stages) <= 64

@@ -48,6 +48,12 @@ def comparison_rows(comparison: dict) -> list[dict]:
     return out
 
 
+def device_counts(per_host: int) -> list[int]:
+    """The devices-per-host choices of the what-if slider: powers of two up to the larger of 16 and ``per_host``."""
+    top = max(16, int(per_host))
+    return [1 << k for k in range(top.bit_length()) if 1 << k <= top]
+
+
 class Controls(View):
     """Buttons, the progress bar, file and code boxes, what-if sliders and the comparison table."""
 
@@ -89,7 +95,8 @@ class Controls(View):
         S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
         # Up to twice the hosts: a user planning 512 GPUs tries 1,024 (the max grows as the cluster does).
         self.hosts = w.IntSlider(value=c.hosts, min=1, max=hosts_max(c.hosts), description="hosts", **S)
-        self.devices = w.SelectionSlider(options=[1, 2, 4, 8, 16], value=c.devices_per_host,
+        # Powers of two up to the cluster's own (a TPU slice is one host of 64 ... 4,096 chips) and at least 16.
+        self.devices = w.SelectionSlider(options=device_counts(c.devices_per_host), value=c.devices_per_host,
                                          description="devices per host", **S)
         self.intra_bw = w.FloatLogSlider(value=c.intra_host.bandwidth / 1e9, base=10, min=-1, max=4,
                                          description="within a host (GB/s)", **S)
@@ -300,8 +307,9 @@ class Controls(View):
         try:
             self.hosts.max = max(self.hosts.max, hosts_max(c.hosts))
             self.hosts.value = c.hosts
-            if c.devices_per_host in self.devices.options:
-                self.devices.value = c.devices_per_host
+            if c.devices_per_host not in self.devices.options:
+                self.devices.options = device_counts(c.devices_per_host)
+            self.devices.value = c.devices_per_host
             self.intra_bw.value = c.intra_host.bandwidth / 1e9
             self.inter_bw.value = c.inter_host.bandwidth / 1e9
         finally:
