@@ -187,7 +187,7 @@ class TrainingPanel(View):
     """Run or launch training of the session's current plan and watch it (see the module docstring).
 
     ``compiler_options``: XLA options for local runs (``{"xla_backend_optimization_level": 0}`` compiles faster on
-    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``checkpoint_dir``, ``num_cpus``, ...).
+    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``options``: a RunOptions, ``num_cpus``, ...).
     """
 
     css = "autopar-training"
