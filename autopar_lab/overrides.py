@@ -47,7 +47,7 @@ from .planvalues import LAYER, SHARED, Pin, layer_scoped
 from .pricing import LazyIntraPlan, changed_layer_costs, price_stages
 from .pricing.price import StageSpec, table_of
 from .rematmode import remat_value
-from .schedules import check_schedule
+from .schedules import check_schedule, schedule_of
 from .sharding.experts import expert_matmuls
 from .sharding.strategies import Strategy
 from .solve.inter import NoFeasiblePlanError, StageConstraints
@@ -87,10 +87,10 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     # The plan's chunk count stays with its schedule, pinned or not (a schedule given takes its pinned or default one).
     keep_v = plan.virtual_stages if schedule is None and plan.virtual_stages > 1 else None
     stage_pins = plan.stage_pins if stage_pins is None else stage_pins
+    schedule, v = schedule_of(schedule or plan.schedule, keep_v, stage_pins)  # else a pinned count, else 2
     priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
-                          schedule=schedule or plan.schedule, virtual_stages=keep_v, solutions=solutions,
-                          mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=stage_pins,
-                          layer_pins=layer_scoped(pins))
+                          schedule=schedule, virtual_stages=v, solutions=solutions,
+                          mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins))
     return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 

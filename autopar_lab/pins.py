@@ -31,8 +31,8 @@ from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
 from .schedules import interleave, schedule_of
 from .solve.ilp import DEFAULT_SOLVER
-from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
-from .solve.intra import IntraPlan, solve_intra
+from .solve.inter import NoFeasiblePlanError, StageConstraints, StageProblem, placement_fits, stage_dp
+from .solve.intra import IntraOptions, IntraPlan, solve_intra
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -302,11 +302,12 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
         cache = pins.cache(spec.submesh, spec.logical_mesh)
         fixed: dict[int, Any] = dict(lean_pins(pins.g, cache)) if solution == LEAN else {}
         fixed.update(pins.with_siblings(mine))  # the user's pins win over the lean storage
-        kw: dict[str, Any] = dict(ops=base.ops, pins=fixed, solver=solver, rounds=1, cache=cache)
+        options = IntraOptions(solver=solver, rounds=1)
         try:
-            out.append(solve_intra(pins.g, base.mesh, **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options, cache=cache))
         except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
-            out.append(solve_intra(pins.g, base.mesh, axes="joint", **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options.with_axes("joint"),
+                                   cache=cache))
     return out
 
 
@@ -355,10 +356,11 @@ def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_ch
     table, cluster = table_of(plan), plan.cluster
     cands = constrained_candidates(table, cluster, constraints, pins, prune=prune,
                                    virtual_stages=int(schedule.get("virtual_stages", 1)))
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=len(table.layer_names)),
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=constraints,
+                                  **schedule)
     return stagesearch.search_microbatches(
-        table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
-        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-        stage_comm=plan.stage_comm, constraints=constraints, **schedule)
+        table, problem, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)))
 
 
 def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, mem_limit_bytes: float,
@@ -391,10 +393,10 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)
-    return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
-                    cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
-                    intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link, stage_comm=plan.stage_comm,
-                    constraints=con, serial_host=cluster.serial_host, **sched)
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=S, microbatches=B),
+                                  cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]],
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=con, **sched)
+    return stage_dp(problem, candidates)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -447,7 +449,7 @@ def resolve(plan: Plan, *, solver: str | None = None, on_progress: Hook | None =
     intras = intras_around_pins(pins, table, specs, solver or table.solver, on_progress, solutions=solutions,
                                 runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
-    kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem, stage_pins=sp,
+    kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem,
               layer_pins=pins.layer_pins, virtual_stages=v if v > 1 else None)
     # the pins as given, recorded where the rules say (a plan made by hand may hold a shared pin on any block)
     fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp,
@@ -486,7 +488,7 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
     intras = intras_around_pins(PinIndex(plan), table, specs, solver or table.solver, on_progress,
                                 solutions=solutions, runs=runs)
     return price_stages(table, specs, intras=intras, solutions=solutions, microbatches=plan.microbatches,
-                        schedule=plan.schedule, mem_limit_bytes=plan.cost.mem_limit_bytes, stage_pins=plan.stage_pins,
+                        schedule=plan.schedule, mem_limit_bytes=plan.cost.mem_limit_bytes,
                         layer_pins=layer_scoped(plan.pins),
                         virtual_stages=plan.virtual_stages if plan.virtual_stages > 1 else None).onto(plan)
 

@@ -19,6 +19,7 @@ from . import export, operators, overrides, parallelism
 from .planvalues import SHARED, CostReport, Pin, Stage, as_pins, layer_scoped
 from .precision import precision_of
 from .pricing.price import price_stages
+from .schedules import schedule_of
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -213,10 +214,10 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     >>> al.price_plan(table, [((0, 3), (1, 8), (2, 4), False)], microbatches=2).cost.step_time_s  # doctest: +SKIP
     """
     given = as_pins(pins or {})
-    priced = price_stages(table, stages, microbatches=microbatches, schedule=schedule,
+    schedule, v = schedule_of(schedule, virtual_stages, stage_pins)  # a pinned chunk count, when none is given
+    priced = price_stages(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=v,
                           mem_limit_bytes=mem_limit_bytes, intras=intras, layer_costs=layer_costs,
-                          stage_pins=stage_pins, virtual_stages=virtual_stages, layer_pins=layer_scoped(given),
-                          solutions=solutions)
+                          layer_pins=layer_scoped(given), solutions=solutions)
     return Plan(table.graph, table.cluster, method, tuple(table.layer_names), priced.stages, microbatches,
                 priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=given,
                 stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 
 from . import checks
@@ -147,19 +147,20 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
     # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
     table.solve_planned(mem, max(choices), workers=workers)
-    kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-                              stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
-    if schedule == "interleaved":
-        kw["virtual_stages"] = v
-    elif schedule == "zb-h1":
-        kw["wgrad_share"] = wgrad_share(table)
+    # (a one-host cluster of virtual devices runs the stages one task at a time: StageProblem.on prices that, as
+    # price_plan does)
+    problem = dataclasses.replace(
+        inter.StageProblem.on(cluster, num_layers=len(table.layer_names)), mem_limit_bytes=mem,
+        stage_comm=stage_comm, max_stages=max_stages).with_schedule(
+        schedule, virtual_stages=v if schedule == "interleaved" else None,
+        wgrad_share=wgrad_share(table) if schedule == "zb-h1" else None)
     grid = layer_grid(len(table.layer_names))
     try:
-        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
+        result = search_microbatches(table, problem, choices, grid=grid)
     except inter.NoFeasiblePlanError:  # lean solutions on every mesh when nothing fits without them
         if table.lean != "auto" or not table.solve_lean(workers=workers):
             raise
-        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
+        result = search_microbatches(table, problem, choices, grid=grid)
     result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem,
                             virtual_stages=v)
     stages = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in result.stages]

@@ -8,6 +8,7 @@ zero-bubble schedule's weight-gradient share the DP's formula takes. It makes no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -16,7 +17,6 @@ import numpy as np
 from .solve import inter
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
     from .pricing import CostTable
 
 __all__ = ["microbatch_choices", "layer_grid", "LAYER_GRID_MAX", "CoarseCandidates", "search_microbatches",
@@ -89,13 +89,13 @@ class CoarseCandidates:
                                     lambda k, a, e: b.make(k, int(starts[a]), int(ends[e])))
 
 
-def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[int], *,
-                        candidates: CandidateFactory | None = None, grid: Sequence[int] | None = None,
-                        **kw) -> inter.InterResult:
+def search_microbatches(table: CostTable, problem: inter.StageProblem, choices: Sequence[int], *,
+                        candidates: CandidateFactory | None = None,
+                        grid: Sequence[int] | None = None) -> inter.InterResult:
     """The stage DP for each microbatch count, the fastest plan kept: what ``inter.stage_dp_auto`` (the reference)
     does, with the same answer (ties to the smaller count) and the same ``diagnostics["by_microbatches"]``, in less
-    time. The one microbatch search: :func:`~autopar_lab.planner.auto_plan` and :func:`~autopar_lab.pins.resolve`
-    both use it.
+    time. The one microbatch search: :func:`~autopar_lab.planner.auto_plan` and
+    :func:`~autopar_lab.pins.resolve` both use it.
 
     Counts are tried from the largest down, and the search stops at the first count where nothing fits: a
     candidate's memory, ``static + min(s, B) * act / B``, never grows with ``B``, so a plan that fits with ``B``
@@ -106,12 +106,12 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
     ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
     count is run again with every candidate, for the error's smallest memory requirement.
-    ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes``, ``schedule``,
-    ``virtual_stages`` and ``wgrad_share`` among them: the DP prices every schedule with its own formula).
+    ``problem``: the stage problem (:class:`~autopar_lab.solve.inter.StageProblem`, e.g.
+    ``StageProblem.on(cluster, ...)``: the cluster, memory limit, links, schedule with its ``virtual_stages`` or
+    ``wgrad_share``, pins); its layer count, microbatch count and cut bytes are this search's (the table's layers,
+    or the grid's blocks; each count of ``choices``; the table's cut bytes over the count).
     """
     make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
-    # one host of virtual devices runs the stages one task at a time: the DP prices that, as price_plan does
-    kw.setdefault("serial_host", cluster.serial_host)
     L = len(table.layer_names)
     cuts = list(table.cut_bytes)
     if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
@@ -122,7 +122,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
             fine = lambda B, m: table.candidate_fn(B, m, grid=(starts, ends))  # noqa: E731
         cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
         make = lambda B, m: CoarseCandidates(fine(B, m), starts, ends)  # noqa: E731
-    mem = kw.get("mem_limit_bytes")
+    mem = problem.mem_limit_bytes
     by: dict[int, float | None] = {B: None for B in choices}
     solved: dict[int, inter.InterResult] = {}
     best: inter.InterResult | None = None
@@ -134,8 +134,9 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         # microbatches still wins, as in stage_dp_auto).
         bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
         try:
-            r = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, mem), B,
-                               cut_bytes=[c / B for c in cuts], upper_bound=bound, **kw)
+            r = inter.stage_dp(dataclasses.replace(problem, num_layers=L, microbatches=B,
+                                                   cut_bytes=[c / B for c in cuts]),
+                               make(B, mem), inter.DPOptions(upper_bound=bound))
         except inter.NoFeasiblePlanError:
             break
         if r is None:
@@ -148,8 +149,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     if best is None:
         B = max(choices)
         try:
-            best = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, None), B,
-                                  cut_bytes=[c / B for c in cuts], **kw)
+            best = inter.stage_dp(dataclasses.replace(problem, num_layers=L, microbatches=B,
+                                                      cut_bytes=[c / B for c in cuts]), make(B, None))
         except inter.NoFeasiblePlanError as e:
             raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
                                             e.min_mem_bytes) from e

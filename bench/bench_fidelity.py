@@ -161,7 +161,7 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     import autopar_lab as al
     from autopar_lab.plan import price_plan
     from autopar_lab.pricing import CostTable
-    from autopar_lab.solve.intra import solve_intra
+    from autopar_lab.solve.intra import IntraOptions, solve_intra
 
     _, a, h, l, t, p, gpus, B, pub = next(r for r in ROWS if r[0] == name)  # noqa: E741
     d = gpus // (t * p)
@@ -174,7 +174,7 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     submesh = (1, per) if per <= M else (per // M, M)
     mesh = cluster.logical_mesh(submesh, (d, t))
     pins = megatron_pins(table.solve_graph, mesh)
-    intra = solve_intra(table.solve_graph, mesh, pins=pins, solver="highs", rounds=1)
+    intra = solve_intra(table.solve_graph, mesh, pins=pins, options=IntraOptions(solver="highs", rounds=1))
     L = len(table.layer_names)  # the embedding, the l transformer layers, the head
     k = l // p
     bounds = [0] + [1 + k * j for j in range(1, p)] + [L]

@@ -8,7 +8,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.pricing.memory import PARTS, memory_breakdown
-from autopar_lab.solve.intra import solve_intra
+from autopar_lab.solve.intra import IntraOptions, solve_intra
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_fidelity as fidelity  # noqa: E402 - the benchmark is a script beside the package
@@ -20,7 +20,7 @@ def test_megatron_pins_give_megatron_lms_tensor_parallelism():
     table = al.CostTable.build(model, al.Cluster.preset("dgx-a100"))
     g = table.solve_graph
     mesh = table.cluster.logical_mesh((1, 8), (2, 4))
-    plan = solve_intra(g, mesh, pins=fidelity.megatron_pins(g, mesh), solver="highs", rounds=1)
+    plan = solve_intra(g, mesh, pins=fidelity.megatron_pins(g, mesh), options=IntraOptions(solver="highs", rounds=1))
 
     def spec(suffix):
         (s,) = [plan.strategies[o] for o in g.ops if g.op(o).primitive == "parameter" and

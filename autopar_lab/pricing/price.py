@@ -23,7 +23,7 @@ from ..planvalues import CostReport, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_layout, interleave, schedule_of
-from ..simulate import Timeline, simulate
+from ..simulate import SimOptions, Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
@@ -93,19 +93,18 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
 
 
 def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches: int, schedule: str,
-                      sends: Sequence[float], act_bytes: Sequence[float], static_bytes: Sequence[float],
-                      mem_limit_bytes: float, wgrad_s: Sequence[float] | None = None,
-                      virtual_stages: int = 1, hosts: Sequence[int] | None = None) -> Timeline:
+                      sends: Sequence[float], mem_limit_bytes: float, *, wgrad_s: Sequence[float] | None = None,
+                      virtual_stages: int = 1, options: SimOptions = SimOptions()) -> Timeline:
     """The pipeline's timeline: the schedule as is, or for 1F1B with transfers, a deeper warm-up when that is
-    faster and still fits in ``mem_limit_bytes``. ``wgrad_s``, ``virtual_stages`` and ``hosts``: as for
-    :func:`~autopar_lab.simulate.simulate` (ZB-H1, interleaved, stages sharing a virtual host's cores).
+    faster and still fits in ``mem_limit_bytes``. ``wgrad_s``, ``virtual_stages`` and ``options`` (each stage's
+    memory and host; its warm-up is chosen here): as for :func:`~autopar_lab.simulate.simulate` (ZB-H1,
+    interleaved, stages sharing a virtual host's cores).
 
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
     def run(warmup):
-        return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
-                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, wgrad_s=wgrad_s,
-                        virtual_stages=virtual_stages, hosts=hosts)
+        return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends, wgrad_s=wgrad_s,
+                        virtual_stages=virtual_stages, options=options.with_warmup(warmup))
 
     tl = run(None)
     if schedule == "1f1b" and any(sends):
@@ -135,9 +134,9 @@ class Priced(NamedTuple):
 
 
 def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, schedule: str = "1f1b",
-                 mem_limit_bytes: float | None = None, intras: Sequence[IntraPlan | None] | None = None,
+                 virtual_stages: int | None = None, mem_limit_bytes: float | None = None,
+                 intras: Sequence[IntraPlan | None] | None = None,
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
-                 stage_pins: Mapping[str, Any] | None = None, virtual_stages: int | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
@@ -153,13 +152,14 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     priced on its own (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
-    stage runs ``virtual_stages`` chunks (default: ``stage_pins["virtual_stages"]``, else 2), each chunk priced by
+    stage runs ``virtual_stages`` chunks (default 2; :func:`~autopar_lab.schedules.schedule_of` reads a plan's pinned
+    count), each chunk priced by
     the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks.
     ZB-H1: each stage's backward is priced as two tasks, B and W, split by
     :func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` (W pays its own per-task overhead).
     """
     specs = [stage_spec(st) for st in stages]
-    schedule, v = schedule_of(schedule, virtual_stages, stage_pins)
+    schedule, v = schedule_of(schedule, virtual_stages, None)
     check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
@@ -251,8 +251,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         # Virtual devices (JAX's CPU devices) share one machine's cores and driver: the stages on a host run one
         # task at a time (measured: a pipeline's step is the sum of its tasks, bench/RESULTS.md).
         hosts = [off // cluster.devices_per_host for off in stage_offsets(priced)]
-    tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, sim["act"], sim["static"], mem,
-                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v, hosts=hosts)
+    tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, mem,
+                           wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v,
+                           options=SimOptions(hosts=hosts).with_memory(sim["act"], sim["static"]))
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
     for k, (st, off, peak, (costs, intra, kept)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,
