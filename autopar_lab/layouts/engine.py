@@ -50,7 +50,9 @@ __all__ = ["Layout", "Solution", "check_experts", "layout_solution", "microbatch
 class Layout:
     """Everything a framework's layout decides about one training step (see the module docstring). ``method``: the
     plan's name; ``stages``: the pipeline's stage count; ``submesh``: each stage's devices; ``mesh``: each stage's
-    logical mesh and its axes' roles; ``notes``: what the plan should say about the layout (approximations)."""
+    logical mesh and its axes' roles; ``notes``: what the plan should say about the layout (approximations);
+    ``pin_roles``: False leaves every operator's sharding to the ILP (only the storage a ZeRO stage names is
+    pinned)."""
 
     method: str
     stages: int
@@ -63,6 +65,7 @@ class Layout:
     zero: int | None = None
     sequence_parallel: bool = False
     notes: tuple[str, ...] = ()
+    pin_roles: bool = True
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -88,18 +91,18 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles, *, storage=None,
-                    sequence_parallel: bool = False, solver: str = DEFAULT_SOLVER) -> Solution:
+                    sequence_parallel: bool = False, solver: str = DEFAULT_SOLVER, pin_roles: bool = True) -> Solution:
     """The sharding of ``submesh`` viewed as ``mesh`` under the layout's pins (``storage``: None, a ZeRO stage or
     :data:`~autopar_lab.layouts.shardpins.LEAN`): the pinned ILP's, or with nothing to pin the table's own (its
     fast solution, or for ``LEAN`` its memory-lean one)."""
-    key = (tuple(submesh), mesh.key(), storage, bool(sequence_parallel), solver)
+    key = (tuple(submesh), mesh.key(), storage, bool(sequence_parallel), solver, pin_roles)
     memo = _SOLVED.setdefault(table, {})
     if key in memo:
         return memo[key]
     lmesh = table.cluster.logical_mesh(submesh, mesh.shape)
     cache = table.strategy_cache(lmesh)
     pinned = layout_pins(table.solve_graph, find_roles(table.solve_graph), mesh, cache, storage=storage,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, roles_pinned=pin_roles)
     if not pinned.pins:
         which = TABLE_LEAN if storage == LEAN else "fast"
         if which == TABLE_LEAN:
@@ -189,7 +192,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
     bounds = stage_bounds(table, p)
     stages = [((bounds[k], bounds[k + 1] - 1), layout.submesh, layout.mesh.shape, layout.remat) for k in range(p)]
     sols = [layout_solution(table, layout.submesh, layout.mesh, storage=layout.zero,
-                            sequence_parallel=layout.sequence_parallel, solver=solver)] * p
+                            sequence_parallel=layout.sequence_parallel, solver=solver,
+                            pin_roles=layout.pin_roles)] * p
     spent = sols[0].solve_s
     notes = list(layout.notes)
     if sols[0].free:
@@ -213,7 +217,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
         limit = plan.cost.mem_limit_bytes
         over = [k for k, m in enumerate(plan.cost.peak_mem_bytes) if m > limit]
         lean = layout_solution(table, layout.submesh, layout.mesh, storage=LEAN,
-                               sequence_parallel=layout.sequence_parallel, solver=solver)
+                               sequence_parallel=layout.sequence_parallel, solver=solver,
+                               pin_roles=layout.pin_roles)
         spent += lean.solve_s
         if lean.intra is not sols[0].intra:
             mixed = [lean if k in over else s for k, s in enumerate(sols)]

@@ -115,8 +115,8 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
     or the stage count when pipelined, MaxText's ``num_pipeline_microbatches``); ``zero``: the ZeRO stage to price
     instead of the layout's own (3 with FSDP, 0 without). ``table``, ``precision``, ``solver``: as for
     :func:`~autopar_lab.planner.auto_plan`."""
-    remat = REMAT_POLICIES.get(remat, remat) if isinstance(remat, str) else remat
-    remat = remat_value(remat, "remat (MaxText's remat_policy: 'full', 'minimal' or 'none')")
+    policy = REMAT_POLICIES.get(remat, remat) if isinstance(remat, str) else remat
+    remat = remat_value(policy, "remat (MaxText's remat_policy: 'full', 'minimal' or 'none')")
     zero = check_zero(zero)
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)

@@ -31,7 +31,10 @@ if TYPE_CHECKING:
     from ..cluster import Cluster
     from ..pricing import CostTable
 
-__all__ = ["megatron_mesh", "megatron_plan"]
+__all__ = ["SHARDINGS", "megatron_mesh", "megatron_plan"]
+
+#: ``sharding=``: Megatron-LM's pinned, or the ILP's on Megatron-LM's layout.
+SHARDINGS = ("megatron", "ilp")
 
 
 def megatron_mesh(par: Parallelism) -> MeshRoles:
@@ -71,8 +74,11 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-                  micro_batch_size: int | None = None) -> Plan:
-    """Megatron-LM's layout (see the module docstring): ``dp x tp x pp x cp`` devices, the sharding pinned.
+                  micro_batch_size: int | None = None, sharding: str = "megatron") -> Plan:
+    """Megatron-LM's layout (see the module docstring): ``dp x tp x pp x cp`` devices, the sharding pinned
+    (``sharding="megatron"``), or each operator's sharding on that layout left to the intra-op ILP
+    (``sharding="ilp"``: the best the cost model finds on Megatron-LM's stages and meshes, what this planner priced
+    before issue 31).
 
     ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2: Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
@@ -83,6 +89,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     remat = remat_value(remat)
     zero = check_zero(zero)
     sequence_parallel = checks.flag(sequence_parallel, "sequence_parallel")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r:.40}")
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
@@ -104,11 +112,12 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
     extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
     extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
+    extra += ",ilp" if sharding == "ilp" else ""
     name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
     if schedule == "interleaved":
         name = f"{name[:-1]},v={virtual_stages})"
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, mb, remat, schedule,
-                    virtual_stages, zero, sequence_parallel, mesh.notes)
+                    virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron")
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                         solve_s={} if trace_s is None else {"trace": trace_s})

@@ -181,8 +181,8 @@ class _Finder:
             self.key.add(node.id)
             if node.id in self.experts or node.primitive != "dot_general":
                 continue  # (a convolution is no transformer's; it stays the ILP's)
-            found = [(j, *weight_source(graph, t)) for j, t in enumerate(node.inputs)]
-            found = [f for f in found if f[1] is not None]
+            found = [(j, p, dims) for j, t in enumerate(node.inputs) for p, dims in (weight_source(graph, t),)
+                     if p is not None]
             module = self.labels[node.id].module
             if len(found) == 1:
                 self.weight[node.id] = found[0]
@@ -222,9 +222,9 @@ class _Finder:
         found: set[int] = set()
         seen = {op}
         if down:
-            todo = deque(c for t in node.outputs for c in g.consumers.get(t, ()))
+            todo: deque[int | None] = deque(c for t in node.outputs for c in g.consumers.get(t, ()))
         else:
-            w = self.weight.get(op, (None,))[0]
+            w = self.weight[op][0] if op in self.weight else None
             todo = deque(g.tensor(t).producer for j, t in enumerate(node.inputs) if j != w)
         while todo and len(seen) < _WALK:
             v = todo.popleft()
@@ -249,9 +249,9 @@ class _Finder:
         down = {m: self.walk(m, True) for m in self.weight}
         embeddings = self.embeddings()
         vocab = {int(g.tensor(g.op(p).outputs[0]).shape[0]) for p, _d in embeddings.values()}
-        blocks = {g.op(m).layer for m in self.attention}
+        attn_layers = {g.op(m).layer for m in self.attention}
         for m in self.weight:  # the head, and the projections into attention
-            if self.is_head(m, vocab, blocks):
+            if self.is_head(m, vocab, attn_layers):
                 kinds[m] = "head"
             elif down[m] & self.attention:
                 kinds[m] = "duplicated" if any(x in self.weight for x in down[m]) else "column"
@@ -291,7 +291,7 @@ class _Finder:
         for op, (p, dims) in embeddings.items():
             roles[op] = MatmulRole(op, "embedding", 0, p, dims, 0, labels[op].label)
         params = self.param_roles(roles)
-        blocks = tuple(dict.fromkeys(g.op(r.op).layer for r in roles.values()
+        blocks = tuple(dict.fromkeys(str(g.op(r.op).layer) for r in roles.values()
                                      if r.kind in ("attention", "row") and g.op(r.op).layer is not None))
         return Roles(dict(sorted(roles.items())), params, blocks)
 
@@ -313,7 +313,7 @@ class _Finder:
     def from_batch(self, t: int) -> bool:
         """Whether tensor ``t`` is computed from a batch input alone (a few reshapes, casts, clamps away)."""
         g = self.g
-        todo, seen = [t], set()
+        todo, seen = [t], set[int]()
         while todo and len(seen) < 16:
             x = todo.pop()
             if x in seen:

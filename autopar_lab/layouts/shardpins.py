@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Collection, Sequence
 
 from ..graph.opgraph import BACKWARD, INPUT_PRIMITIVE, PARAM, OpGraph
@@ -86,8 +87,10 @@ class _Pinner:
     def no_tensor(self, spec: ShardingSpec) -> bool:
         return self.ta is None or self.ta not in spec.axes
 
-    def only(self, spec: ShardingSpec, dim: int, axes: tuple[int, ...]) -> bool:
+    def only(self, spec: ShardingSpec, dim: int | None, axes: tuple[int | None, ...]) -> bool:
         """``spec`` splits ``dim`` over exactly ``axes`` and uses none of them elsewhere."""
+        if dim is None:
+            return False
         return spec.dims[dim] == axes and all(a not in d for k, d in enumerate(spec.dims) if k != dim for a in axes)
 
     def reduced(self, s, kind: str) -> bool:
@@ -119,6 +122,7 @@ class _Pinner:
             self.free.append(r.label)
             return
         want = (ta,)
+        tests: list[Callable[[Any], bool]]
         if r.kind == "row":
             tests = [lambda s: self.only(s.in_specs[w], r.split, want) and self.batch_ok(s.in_specs[x])
                      and self.reduced(s, "all_reduce")]
@@ -146,27 +150,39 @@ class _Pinner:
             return ""
         return "kv" if all(short) else "q"
 
+    def whole_operand(self, s, j: int) -> bool:
+        return self.no_tensor(s.in_specs[j])
+
+    def same_shard(self, s, j: int, d: int) -> bool:
+        """Operand ``j`` split along its dimension ``d`` over the tensor axis, and nowhere else over it."""
+        return self.only(s.in_specs[j], d, (self.ta,))
+
+    def data_grad(self, s, j: int, d: int) -> bool:
+        """:meth:`same_shard`, its partial sums all-reduced (reduce-scattered onto the sequence with sequence
+        parallelism)."""
+        if not self.same_shard(s, j, d):
+            return False
+        return self.reduced(s, "reduce_scatter") and self.onto_sequence(s) if self.sp else self.reduced(s, "all_reduce")
+
     def backward_readers(self, r: MatmulRole) -> None:
         """The backward matmuls reading ``r``'s weight read the same shard."""
         pd = r.param_dim
-        for op in self.readers.get(r.param, ()):
+        for op in self.readers.get(r.param, ()) if r.param is not None else ():
             node = self.g.op(op)
             for j, t in enumerate(node.inputs):
                 p, dims = weight_source(self.g, t)
                 if p != r.param:
                     continue
                 if r.kind == "duplicated":
-                    self.pin(op, f"{r.label} (backward)", lambda s, j=j: self.no_tensor(s.in_specs[j]))
+                    self.pin(op, f"{r.label} (backward)", partial(self.whole_operand, j=j))
                 elif pd is not None and pd in dims:
                     d = dims.index(pd)
-                    tests = [lambda s, j=j, d=d: self.only(s.in_specs[j], d, (self.ta,))]
+                    tests: list[Callable[[Any], bool]] = [partial(self.same_shard, j=j, d=d)]
                     (lc, rc), _ = node.params["dimension_numbers"]
                     if d in (lc, rc)[j]:
                         # a column matmul's data gradient: partial sums over the tensor axis, all-reduced (Megatron-LM's
                         # f operator), or reduce-scattered onto the sequence with sequence parallelism
-                        tests.insert(0, lambda s, j=j, d=d: self.only(s.in_specs[j], d, (self.ta,)) and (
-                            self.reduced(s, "reduce_scatter") and self.onto_sequence(s) if self.sp
-                            else self.reduced(s, "all_reduce")))
+                        tests.insert(0, partial(self.data_grad, j=j, d=d))
                     self.pin(op, f"{r.label} (backward)", *tests)
                 break
 
@@ -288,11 +304,13 @@ def zero_spec_on_split_dim(spec: ShardingSpec, shape, mesh_shape, axes: tuple[in
 
 
 def layout_pins(graph: OpGraph, roles: Roles, axes: MeshRoles, cache, *, storage=None,
-                sequence_parallel: bool = False) -> Pinned:
+                sequence_parallel: bool = False, roles_pinned: bool = True) -> Pinned:
     """The pins of a layout on a mesh (``cache``: the mesh's :class:`~autopar_lab.solve.intra.StrategyCache`); see
-    the module docstring. ``storage``: None (left to the ILP), a ZeRO stage 0-3 or :data:`LEAN`."""
+    the module docstring. ``storage``: None (left to the ILP), a ZeRO stage 0-3 or :data:`LEAN`;
+    ``roles_pinned``: False pins the storage only (the operators' sharding is the ILP's)."""
     p = _Pinner(graph, roles, axes, cache, sequence_parallel)
-    p.run()
+    if roles_pinned:
+        p.run()
     if storage is not None:
         for op, spec in stored_specs(graph, roles, axes, storage, p.whole).items():
             strats = cache.strategies(graph.op(op))

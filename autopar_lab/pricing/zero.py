@@ -79,7 +79,7 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
     """Per layer of ``graph`` (in ``layer_names``; an operator without a layer counts in the last), the bytes per
     device ZeRO stage ``zero`` adds to each static part (``master``, ``grad``, ``copies``: negative, it saves them)
     over what ``intra``'s strategies hold (see the module docstring). ``cache``: the mesh's strategy cache."""
-    index = {name: k for k, name in enumerate(layer_names)}
+    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
     out: list[dict[str, float]] = [{k: 0.0 for k in STATIC_KINDS} for _ in layer_names]
     if zero == 0:
