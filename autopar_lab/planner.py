@@ -377,29 +377,10 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
     return result
 
 
-@renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
-def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int,
-                  microbatches: int | None = None, schedule: str = "1f1b", remat: bool | str = False,
-                  mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-                  virtual_stages: int | None = None, precision: str | Precision | None = None,
-                  zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-                  micro_batch_size: int | None = None, sharding: str = "megatron") -> Plan:
-    """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp`` devices viewed as
-    a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts of one
-    NVLink fabric), Megatron-LM's tensor parallelism pinned on the operators the graph's transformer blocks hold and
-    the intra-op ILP choosing the rest (:func:`autopar_lab.layouts.megatron.megatron_plan`, which documents the
-    keywords: ``zero`` (the distributed optimizer is ``zero=1``), ``sequence_parallel``, ``cp``, ``ep``,
-    ``micro_batch_size``, ``sharding``: ``"ilp"`` leaves the operators' sharding to the ILP, as before issue 31).
-    ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
-    or only its attention internals (``"selective"``: ``--recompute-activations``).
-    ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
-    per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
-    :mod:`autopar_lab.schedules`). ``table``, ``precision``: as for :func:`auto_plan`."""
-    return layouts.megatron_plan(model, cluster, dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                                 remat=remat, mem_limit_bytes=mem_limit_bytes, solver=solver, table=table,
-                                 virtual_stages=virtual_stages, precision=precision, zero=zero,
-                                 sequence_parallel=sequence_parallel, cp=cp, ep=ep, micro_batch_size=micro_batch_size,
-                                 sharding=sharding)
+#: Megatron-LM's layout, Megatron-LM's sharding pinned (:func:`autopar_lab.layouts.megatron.megatron_plan`, which
+#: documents its keywords), under the keyword names this module has always accepted.
+megatron_plan = renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes",
+                                 _table_cache="table")(layouts.megatron_plan)
 
 
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")

@@ -254,6 +254,18 @@ def test_fsdp_plan_prices_torchtitans_llama3_8b_on_8_h100s():
     assert memory_breakdown(nrf)[0]["params_bytes"] == pytest.approx(2 * psi, rel=1e-3)
 
 
+def test_fsdp_plan_with_tensor_and_pipeline_parallelism_is_torchtitans_4d_less_the_replicas():
+    model = al.models.get("llama3-tiny", num_heads=8, num_kv_heads=4, num_layers=4, batch_size=16, dtype="bfloat16")
+    plan = al.fsdp_plan(model, A100, tp=2, pp=2, local_batch_size=2, precision="bf16")
+    assert plan.method == "fsdp(dp_shard=2,tp=2,pp=2,sp)" and plan.stage_pins["zero"] == 3
+    assert [st.logical_mesh for st in plan.stages] == [(2, 2), (2, 2)] and plan.microbatches == 16 // (2 * 2)
+    assert [st.layers for st in plan.stages] == [(0, 2), (3, 5)]  # 2 blocks a stage, embedding and head at the ends
+    assert stored(plan, "['layers'][0]['mlp']['gate']") == "S0S1"  # FSDP over the shard group, TP's column split
+    assert parallelism.seqpar_regions(plan)[0]  # torchtitan's TP runs the norms sequence-parallel
+    with pytest.raises(ValueError, match="HSDP"):
+        al.fsdp_plan(model, A100, dp_replicate=2, tp=2)
+
+
 def test_maxtext_plan_prices_fsdp_with_tensor_parallelism_on_a_v5p_slice():
     model = al.models.get("gpt-tiny", batch_size=256, seq_len=512, hidden_size=256, num_heads=8, num_layers=2,
                           dtype="bfloat16")

@@ -75,10 +75,15 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
                   micro_batch_size: int | None = None, sharding: str = "megatron") -> Plan:
-    """Megatron-LM's layout (see the module docstring): ``dp x tp x pp x cp`` devices, the sharding pinned
-    (``sharding="megatron"``), or each operator's sharding on that layout left to the intra-op ILP
-    (``sharding="ilp"``: the best the cost model finds on Megatron-LM's stages and meshes, what this planner priced
-    before issue 31).
+    """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
+    viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
+    of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
+    the intra-op ILP choosing the rest (``sharding="megatron"``, see the module docstring), or each operator's
+    sharding on that layout left to the ILP (``sharding="ilp"``: the best the cost model finds on Megatron-LM's
+    stages and meshes, what this planner priced before issue 31).
+
+    ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
+    or only its attention internals (``"selective"``: ``--recompute-activations``).
 
     ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2: Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
