@@ -479,14 +479,26 @@ def _per_stage(values, S: int, what: str) -> list:
     return items
 
 
+def _submesh_shape(cluster, value, j: int) -> tuple[int, int]:
+    """Stage ``j``'s submesh ``value`` checked to be a submesh shape of ``cluster`` (where it sits is the DP's)."""
+    sh = pair(value, f"stage {j}'s submesh")
+    valid = [tuple(s) for s in cluster.submesh_shapes()]
+    if sh not in valid:
+        raise ValueError(f"stage {j}'s submesh {sh} is not a submesh shape of this cluster ({cluster.hosts} x "
+                         f"{cluster.devices_per_host} devices); use one of {valid}.")
+    return sh
+
+
 def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None, microbatches=None) -> Plan:
     """A new plan with the stages changed (see :meth:`autopar_lab.plan.Plan.with_stages`).
 
     What is given is checked (ranges cover the layers in order, submeshes tile the cluster in order, each logical
-    mesh is a view of its submesh) and pinned. What is not: with the same stage count, each stage keeps its
-    submesh, its logical mesh (if its submesh is unchanged) and its remat; otherwise the stage DP picks them from
-    the plan's cost table with everything given held fixed. A stage whose layers and mesh are unchanged keeps its
-    IntraPlan; a changed one takes the table's IntraPlan of its mesh with its operator pins applied.
+    mesh is a view of its submesh) and pinned; a ``None`` submesh or logical mesh is left to the DP (submeshes
+    given beside one are checked to be submesh shapes, the DP places them). What is not: with the same stage count,
+    each stage keeps its submesh, its logical mesh (if its submesh is unchanged) and its remat; otherwise the stage
+    DP picks them from the plan's cost table with everything given held fixed. A stage whose layers and mesh are
+    unchanged keeps its IntraPlan; a changed one takes the table's IntraPlan of its mesh with its operator pins
+    applied.
     """
     table, cluster = table_of(plan), plan.cluster
     L = len(table.layer_names)
@@ -501,8 +513,13 @@ def with_stages(plan: Plan, boundaries=None, submeshes=None, logical_meshes=None
                              f"got {microbatches!r}")
         planner.microbatch_choices(table.batch_size, microbatches)
         B = microbatches
+    subs: list[tuple[int, int] | None]
     if submeshes is not None:
-        subs: list[tuple[int, int] | None] = list(check_submeshes(cluster, _per_stage(submeshes, S, "submeshes")))
+        given = _per_stage(submeshes, S, "submeshes")
+        if any(x is None for x in given):  # the DP picks these, holding the others (they tile with its choice)
+            subs = [None if x is None else _submesh_shape(cluster, x, j) for j, x in enumerate(given)]
+        else:
+            subs = list(check_submeshes(cluster, given))
     else:
         subs = [st.submesh for st in old] if same else [None] * S
     shapes: list[tuple[int, int] | None]

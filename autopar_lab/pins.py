@@ -388,7 +388,7 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
 # Resolve
 
 
-def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
+def resolve(plan: Plan, *, solver: str | None = None, on_progress: Hook | None = None) -> Plan:
     """Re-solve every decision that is not pinned, around the pins.
 
     1. The stage DP runs again over the plan's cost table with the stage pins as constraints (pinned cuts,
@@ -401,7 +401,9 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
        fixed; the other stages take the table's solution for their mesh (the one the DP chose, recorded as
        ``Stage.solution``).
 
-    Raises ValueError naming the operator when a pinned strategy exists on no mesh of the cluster, and
+    ``on_progress(message, done, total)`` hears of each stage's ILP (the stage DP reports through the table's
+    ``on_progress``, as every DP over it does). Raises ValueError naming the operator when a pinned strategy exists
+    on no mesh of the cluster, and
     :class:`~autopar_lab.solve.inter.NoFeasiblePlanError` (with ``min_mem_bytes``, the smallest memory per device
     the pins need) when the pins do not fit in memory.
     """
@@ -434,7 +436,8 @@ def resolve(plan: Plan, *, solver: str | None = None) -> Plan:
     specs = [StageSpec(c.layers, c.submesh, c.logical_mesh, c.remat) for c in res.stages]
     solutions = [c.solution for c in res.stages]
     runs = stage_runs([s.layers for s in specs], v)
-    intras = intras_around_pins(pins, table, specs, solver or table.solver, solutions=solutions, runs=runs)
+    intras = intras_around_pins(pins, table, specs, solver or table.solver, on_progress, solutions=solutions,
+                                runs=runs)
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], stage_comm=plan.stage_comm,
               mem_limit_bytes=mem, method=plan.method, solve_s=solve_s, notes=plan.notes, pins=plan.pins,
@@ -493,6 +496,11 @@ def _stage_pins_that_hold(stage_pins: Mapping[str, Any], plan: Plan) -> tuple[di
         try:
             if key == "boundaries":
                 stage_ranges(value, L)
+            elif key == "submeshes" and any(v is None for v in value):  # some left to the DP: each a shape
+                valid = {tuple(sh) for sh in cluster.submesh_shapes()}
+                bad = [v for v in value if v is not None and tuple(v) not in valid]
+                if bad:
+                    raise ValueError(f"{tuple(bad[0])} is not a submesh shape of this cluster")
             elif key == "submeshes":
                 check_submeshes(cluster, value)
             elif key == "logical_meshes":

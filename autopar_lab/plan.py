@@ -326,8 +326,9 @@ class Plan:
     def with_stages(self, boundaries=None, submeshes=None, logical_meshes=None, microbatches=None) -> "Plan":
         """This plan with its stages changed: ``boundaries`` the first layer of each stage after the first (or a
         list of (first, last) ranges), ``submeshes`` one (hosts, devices) shape per stage, ``logical_meshes`` one
-        (n0, n1) per stage (None entries: free). What is not given is kept where still valid, else the best from
-        the plan's cost table; stages that do not change keep their strategies. What is given is pinned.
+        (n0, n1) per stage (None entries of either: free, the stage DP picks them around the others). What is not
+        given is kept where still valid, else the best from the plan's cost table; stages that do not change keep
+        their strategies. What is given is pinned.
 
         >>> plan.with_stages(boundaries=[6], submeshes=[(1, 4), (1, 4)])   # doctest: +SKIP
         """

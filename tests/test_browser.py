@@ -608,3 +608,98 @@ def test_views_name_modules_in_chromium(tmp_path):
         assert f"module: {MODULES_LABELS[0]}" in tip.inner_text() and "FLOP" in tip.inner_text()
         page.mouse.move(0, 0)
         _save(graph, "workbench-graph-modules.png", dirs)
+
+
+# A deep model (24 layers, planned on its shallow copy) small enough to plan in seconds: the graph and charts checks.
+CHARTS_CELL = ("import autopar_lab as al\n"
+               "m = al.models.get('gpt-tiny', num_layers=24, batch_size=16, hidden_size=64, seq_len=32,\n"
+               "                  vocab_size=128)\n"
+               "c = al.Cluster.preset('p3.16xlarge', hosts=2).with_(devices_per_host=4)\n"
+               "wb = al.Workbench(m, c, plan=al.megatron_plan(m, c, dp=1, tp=4, pp=2, microbatches=4))\nwb")
+
+# Nodes of the detail view whose box starts above the bottom of its caption while lying inside the pane.
+_UNDER_CAPTION = """(root) => {
+  const cap = root.querySelector('.apg-detail-title').getBoundingClientRect();
+  const pane = root.querySelector('.apg-detail').getBoundingClientRect();
+  return [...root.querySelectorAll('.apg-op rect')].map(r => r.getBoundingClientRect())
+    .filter(b => b.bottom > pane.top && b.top < pane.bottom && b.right > pane.left && b.left < pane.right)
+    .filter(b => b.top < cap.bottom - 0.5 && b.right > cap.left && b.left < cap.right).length; }"""
+
+# For the plotly figure under `scope` whose title includes `title`: whether its toolbar's box meets its title's.
+_TOOLBAR_ON_TITLE = """([scope, title]) => {
+  const plot = [...document.querySelectorAll(scope + ' .js-plotly-plot')]
+    .find(p => (p.querySelector('.gtitle') || {}).textContent?.includes(title));
+  if (!plot) return 'no figure titled ' + title;
+  const t = plot.querySelector('.gtitle').getBoundingClientRect();
+  const bar = plot.querySelector('.modebar');
+  if (!bar) return 'no toolbar';
+  const m = bar.getBoundingClientRect();
+  return m.left < t.right && t.left < m.right && m.top < t.bottom && t.top < m.bottom; }"""
+
+
+@pytest.mark.slow
+def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
+    """Issue 35 item 8 as a user reads it: the detail view's caption never covers the top row of operators, the
+    overview's hover counts the operators the caption counts, the hovers' strategy notation is explained in the
+    graph and the table, and plotly's toolbar (shown when the mouse is over a chart) leaves the stage and memory
+    charts' titles readable."""
+    import nbformat
+
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHARTS_CELL)], metadata=kernel),
+                   root / "charts.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1600, 2600)) as page:
+        open_and_run_all(page, url, token, "charts.ipynb", timeout_s=90)
+        for cls in VIEWS:
+            page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
+        wait_until_idle(page, timeout_s=300)
+        assert not cell_errors(page), cell_errors(page)
+        wait_for_plots(page, ".autopar-workbench")
+        page.wait_for_timeout(1500)
+        settle(page)
+
+        # --- the graph: a layer opened; its caption above the drawing, at the opening view and after "fit" --------
+        graph = page.locator(".autopar-graph").first
+        graph.locator('[data-key="G:layer_0"]').click()
+        settle(page)
+        graph.locator('[data-key="L:layer_5"]').click()
+        page.wait_for_function("() => Number(document.querySelector('.autopar-graph .apg-root').dataset.nodes) > 100",
+                               timeout=60_000)
+        page.wait_for_timeout(500)
+        root_el = graph.locator(".apg-root").first
+        assert root_el.evaluate(_UNDER_CAPTION) == 0
+        button(page, ".autopar-graph", "fit").click()
+        page.wait_for_timeout(500)
+        assert root_el.evaluate(_UNDER_CAPTION) == 0
+        caption = text_of(page, ".autopar-graph .apg-detail-title")
+        drawn = int(re.search(r"layer_5: (\d+) operators", caption).group(1))
+        assert drawn == int(root_el.get_attribute("data-nodes"))
+        # The overview's hover counts what the caption counts.
+        graph.locator('[data-key="L:layer_5"]').dispatch_event("mousemove", {"clientX": 200, "clientY": 120})
+        tip = graph.locator(".apg-tip").first.inner_text()
+        assert re.findall(r"(\d+) operators", tip) == [str(drawn)] and "inputs and outputs of the step" in tip, tip
+        page.mouse.move(0, 0)
+        # The strategy notation the operators' hovers use, in words under the graph.
+        legends = graph.locator(".apg-legends").first.inner_text()
+        assert "strategy (hover)" in legends and "S0 split over mesh axis 0" in legends and "R replicated" in legends
+
+        # --- the sharding table says how to read a strategy and an ILP group -------------------------------------
+        table = page.locator(".autopar-sharding-table").first
+        table.locator(".autopar-notation summary").click()
+        notation = table.locator(".autopar-notation").first.inner_text()
+        assert "S0 split over mesh axis 0" in notation and "reused from layer_0" in notation
+        assert "the 6-layer copy" in notation
+
+        # --- plotly's toolbar, shown while the mouse is over a chart, leaves its title clear ------------------------
+        for scope, title in ((".autopar-stage-layout", "stages on the cluster"),
+                             (".autopar-cost-panel", "peak memory per device")):
+            plot = page.locator(f"{scope} .js-plotly-plot").filter(
+                has=page.locator(".gtitle", has_text=title)).first
+            plot.scroll_into_view_if_needed()
+            plot.hover()
+            page.wait_for_timeout(400)
+            assert page.evaluate(_TOOLBAR_ON_TITLE, [scope, title]) is False, (scope, title)

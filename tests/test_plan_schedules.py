@@ -212,7 +212,8 @@ def test_timeline_view_shows_chunks_and_weight_gradients(plan):
     session = al.Session(plan)
     view = TimelineView(session)
     layout = StageLayout(session)
-    layout.schedule.value = "interleaved"  # the stage layout's toggle: the default 2 chunks per stage
+    layout.schedule.value = "interleaved"  # the stage layout's toggle: the default 2 chunks per stage, previewed
+    layout.apply_run()
     assert session.plan.schedule == "interleaved" and session.plan.virtual_stages == 2
     assert "chunks 0-1, 4-4 (3 layers)" in stage_blocks(session.plan)[0]["label"]
     view.refresh()
@@ -224,6 +225,7 @@ def test_timeline_view_shows_chunks_and_weight_gradients(plan):
     assert bars["fwd chunk 1/2"] == bars["fwd chunk 2/2"] == 2 * 4  # two stages x four microbatches per chunk
     assert "interleaved (2 chunks per stage)" in view.figure.layout.title.text and "told apart" in view.caption.value
     layout.schedule.value = "zb-h1"
+    layout.apply_run()
     tl = session.plan.cost.timeline
     view.refresh()
     bars = {t.name: len(t.x) for t in view.figure.data}

@@ -147,6 +147,7 @@ def test_session_launch_emits_training_events_and_chains_on_progress(model, plan
     s.subscribe(events.append)
     job = s.launch(3, ray_address="http://head:8265", on_progress=mine.append)
     assert s.job is job and fake_launch[0][3]["ray_address"] == "http://head:8265"
+    assert s.training.runs[-1].remote  # a cluster elsewhere: this machine's load says nothing of it
     _step(job, 1, 2.0)
     training = [e for e in events if e.name == "training"]
     assert len(training) == 1 and training[0].detail["event"].loss == 2.0 and training[0].action == "launch"
@@ -288,6 +289,7 @@ def test_runs_are_kept_overlaid_and_measured_against_predicted(model, plan, monk
     assert [(r.run, r.kind, r.status, len(r.losses)) for r in runs] == [(1, "local", "done", 3),
                                                                          (2, "local", "done", 4)]
     assert runs[0].plan is plan and runs[1].losses == [5.0, 4.0, 3.0, 2.0]
+    assert len(runs[1].loads) == 4 and all(x >= 0 for x in runs[1].loads)  # the machine's load at each step
     # Measured: the median step after the first (which compiles), beside the plan's prediction.
     m = runs[1].measured_step_s
     assert m == sorted(runs[1].step_times[1:])[1] and runs[1].measured_samples_per_s == pytest.approx(8 / m)
@@ -306,7 +308,8 @@ def test_runs_are_kept_overlaid_and_measured_against_predicted(model, plan, monk
     panel.run_local(2, background=False)
     table = panel.runs_table.value
     assert "run 3: its plan is priced for V100-SXM2-16GB devices" in table and "cpu devices" in table
-    assert "run 1" not in table.split("<br>")[-1]  # runs 1 and 2 were priced for the cpu preset
+    hardware = next(part for part in table.split("<br>") if "its plan is priced for" in part)
+    assert "run 1" not in hardware  # runs 1 and 2 were priced for the cpu preset
 
 
 @pytest.mark.slow

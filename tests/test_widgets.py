@@ -364,7 +364,9 @@ def test_graph_front_end_is_built():
 
 def test_stage_layout_controls(wb, plan):
     lay = wb.layout
-    lay.microbatches.value = 4  # dropdown
+    lay.microbatches.value = 4  # dropdown: a preview, applied on confirm
+    assert wb.plan.microbatches == 2 and "→ <b>1f1b, 4 microbatches</b>" in lay.run_preview.value
+    lay.apply_run_button.click()
     assert wb.plan.microbatches == 4
     rows, makespan, cut = timeline_data(wb.plan)
     sends = 2 * 4 if wb.plan.cost.stage_comm_s > 0 else 0  # one cut: an activation and a gradient per microbatch
@@ -375,6 +377,7 @@ def test_stage_layout_controls(wb, plan):
     lay.on_click_stage(1)
     assert wb.session.selection.stage == 1 and lay.stage == 1 and "<b>S1</b>" in lay._row_widgets[1]["label"].value
     lay.schedule.value = "gpipe"
+    lay.apply_run()
     assert wb.plan.schedule == "gpipe" and wb.timeline.figure.layout.title.text.startswith("gpipe")
     # The editor: stage 1's logical mesh and remat in the draft, previewed, applied in one step.
     row = lay._row_widgets[1]
@@ -405,12 +408,16 @@ def test_interleaved_schedule_with_its_chunks_from_the_stage_layout(wb):
     lay, plan = wb.layout, wb.plan
     assert lay.virtual_stages.disabled  # only the interleaved schedule has chunks
     lay.schedule.value = "interleaved"
-    assert wb.plan.schedule == "interleaved" and wb.plan.virtual_stages == 2 and not lay.virtual_stages.disabled
+    assert not lay.virtual_stages.disabled and wb.plan is plan  # previewed, not applied
+    lay.apply_run()
+    assert wb.plan.schedule == "interleaved" and wb.plan.virtual_stages == 2
     assert wb.plan.cost.step_time_s == plan.with_schedule("interleaved", 2).cost.step_time_s
-    # more chunks than a stage has layers: one clear error, the plan kept
+    # more chunks than a stage has layers: one clear reason in the preview, nothing to apply, the plan kept
     current = wb.plan
     lay.virtual_stages.value = 5
-    assert wb.plan is current and lay.message.value and lay.virtual_stages.value == 2
+    assert wb.plan is current and "not valid" in lay.run_preview.value and lay.apply_run_button.disabled
+    lay.apply_run()
+    assert wb.plan is current
     wb.controls.undo()
     assert wb.plan is plan and lay.virtual_stages.disabled
 
@@ -675,3 +682,16 @@ def test_mesh_grid_and_rows(plan, wb):
     rows = op_rows(wb.session, primitive="dot_general", stage=1)
     assert rows and all(r["stage"] == 1 and r["primitive"] == "dot_general" for r in rows)
     assert all(r["partition_spec"].startswith("P(") for r in rows)
+
+
+def test_the_workbench_opens_on_a_tpu_slice_of_64_chips():
+    """A TPU slice is one host of many chips (tpu-v5p:64): the what-if slider offers that count (it offered 1..16
+    and the workbench failed to open with 'Invalid selection')."""
+    from autopar_lab.widgets.views.controls import device_counts
+
+    assert device_counts(8) == [1, 2, 4, 8, 16] and device_counts(64)[-1] == 64
+    spec = al.models.get("llama3-tiny", dtype="bfloat16", batch_size=64, seq_len=32, hidden_size=64, num_heads=4,
+                         num_kv_heads=2, ffn_hidden=128)
+    wb = Workbench(spec, al.Cluster.parse("tpu-v5p:64"))
+    assert wb.controls.devices.value == 64 and sum(
+        st.submesh[0] * st.submesh[1] for st in wb.session.plan.stages) <= 64

@@ -43,7 +43,8 @@ from urllib.parse import urlparse
 
 from .. import checks
 from .progress import ProgressChannel, ProgressEvent, parse_event
-from .train_entry import RESULT_PREFIX, JobFailed, check_resources, job_spec, run_job
+from .train_entry import (RESULT_PREFIX, JobFailed, check_local_gpus, check_resources, job_spec, local_gpu_count,
+                          run_job)
 
 __all__ = ["launch", "Job", "RemoteJob", "start_local_ray", "shutdown_local_ray", "local_ray_head", "remote_submission",
            "JobFailed"]
@@ -457,7 +458,8 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     job starts.
 
     Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
-    cluster without enough devices for the plan, a checkpoint directory that is not writable, belongs to another
+    cluster without enough devices for the plan (for the embedded Ray, a plan on GPUs is checked against this
+    machine's GPUs before Ray starts), a checkpoint directory that is not writable, belongs to another
     run, or cannot be resumed. The embedded Ray failing to start raises RuntimeError.
     """
     checks.plan_object(plan, "al.launch")
@@ -481,6 +483,8 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
             spec["run_id"], _ = claim(spec["checkpoint_dir"], spec["run_id"], resume=spec["resume"],
                                       overwrite=spec["overwrite"])
         S = len(spec["plan"]["stages"])
+        if not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
+            check_local_gpus(spec, local_gpu_count())  # seconds, not the minute a Ray start takes, to refuse
         ray = start_local_ray(num_cpus=num_cpus if num_cpus is not None else max(S, 1))
         check_resources(ray, spec)
         job = Job(spec, channel)

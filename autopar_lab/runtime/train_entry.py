@@ -132,6 +132,39 @@ def _stage_devices(job: dict) -> list[int]:
     return [int(st["submesh"][0]) * int(st["submesh"][1]) for st in job["plan"]["stages"]]
 
 
+def local_gpu_count() -> int | None:
+    """The GPUs an embedded Ray on this machine would find: as many as ``CUDA_VISIBLE_DEVICES`` lists when it is
+    set, else the ``GPU n:`` lines of ``nvidia-smi -L``, 0 without an ``nvidia-smi``; None when it fails or another
+    vendor's tools are there (unknown: Ray finds those GPUs its own way)."""
+    import shutil
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None if shutil.which("rocm-smi") or shutil.which("amd-smi") else 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def check_local_gpus(job: dict, have: int | None) -> None:
+    """Raise ValueError, before an embedded Ray starts (it runs on this machine), when ``job`` runs its stages on
+    GPUs and needs more than the ``have`` this machine has (None: unknown, not refused here)."""
+    if job["device_kind"] != "gpu" or have is None:
+        return
+    sizes = _stage_devices(job)
+    if have < sum(sizes):
+        raise ValueError(f"the plan needs {sum(sizes)} GPUs ({' + '.join(map(str, sizes))} over {len(sizes)} "
+                         f"stage(s)) but this machine, where the embedded Ray runs, has {have}; connect to a cluster "
+                         "with enough GPUs (ray_address), plan for a smaller cluster, or run the stages on CPU "
+                         "devices (device_kind='cpu').")
+
+
 def check_resources(ray, job: dict) -> None:
     """Raise ValueError unless the connected Ray cluster can hold one actor per stage of ``job``."""
     have = ray.cluster_resources()

@@ -375,12 +375,27 @@ class Session:
             raise ValueError(f"stage must be 0..{n - 1} (this plan has {n} stage(s)), got {stage!r}")
         return stage
 
-    def resolve(self) -> Any:
+    def resolve(self, *, on_progress: Callable[[str, float | None], None] | None = None,
+                cancel: threading.Event | None = None) -> Any:
         """Re-solve every decision that is not pinned, around the operator and stage pins
-        (:func:`autopar_lab.resolve`: the stage DP over the plan's cost table, then the ILP of each stage with pins)."""
+        (:func:`autopar_lab.resolve`: the stage DP over the plan's cost table, then the ILP of each stage with pins).
+        ``on_progress`` / ``cancel``: as for :meth:`solve` (the stage DP reports once per microbatch count, then
+        each stage's ILP)."""
         from ..pins import resolve
 
-        return self._push(resolve(self.plan, solver=self.solver), "resolve")
+        hook = self._hooks(on_progress, cancel, "resolve")
+        hook("resolve around pins started")
+        table = self.plan.table
+        old = table.on_progress if table is not None else None
+        if table is not None:
+            table.on_progress = hook
+        try:
+            new = resolve(self.plan, solver=self.solver, on_progress=hook)
+        finally:
+            if table is not None:
+                table.on_progress = old
+        hook("resolve around pins done", 1, 1)
+        return self._push(new, "resolve")
 
     def adopt(self, plan: Plan, action: str = "adopt") -> Any:
         """Make ``plan`` (a baseline from :meth:`compare`, a loaded file) the current plan, undoably."""
@@ -615,9 +630,10 @@ class Session:
         """Tell every observer an :class:`Event` ``name`` happened (how the training controller reports)."""
         self._emit(name, action, before, after, **detail)
 
-    def error(self, action: str, exc: BaseException) -> None:
-        """Tell observers an action failed (views show the message; the plan is unchanged)."""
-        self._emit("error", action, message=str(exc), kind=type(exc).__name__)
+    def error(self, action: str, exc: BaseException, source: str | None = None) -> None:
+        """Tell observers an action failed (views show the message; the plan is unchanged). ``source``: the view
+        that already shows it (its CSS class), so that another place need not say it again."""
+        self._emit("error", action, message=str(exc), kind=type(exc).__name__, source=source)
 
     def __repr__(self) -> str:
         return f"Session({self.plan!r}, history {self._index + 1}/{len(self._history)}, {len(self.plan.pins)} pin(s))"

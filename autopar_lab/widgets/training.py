@@ -16,6 +16,7 @@ No widget library is imported here.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -41,6 +42,10 @@ class RunRecord:
     step_times: list = field(default_factory=list)
     status: str = "running"
     message: str = ""
+    #: This machine's 1-minute load average at each step (what the run shared the cores with; see os.getloadavg).
+    loads: list = field(default_factory=list)
+    #: A Ray job on a cluster elsewhere (``ray_address`` given): this machine's load and profile say nothing of it.
+    remote: bool = False
 
     @property
     def predicted_step_s(self) -> float:
@@ -124,6 +129,7 @@ class TrainingController:
             if ev.kind == "step":
                 rec.losses.append(None if ev.loss is None else float(ev.loss))
                 rec.step_times.append(ev.step_time_s)
+                rec.loads.append(os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             elif ev.kind == "restart":  # back to the checkpoint: later steps are done again
                 del rec.losses[ev.step:], rec.step_times[ev.step:]
             elif ev.kind in _END:
@@ -199,6 +205,7 @@ class TrainingController:
         plan = self.session.plan
         batch_size = plan.table.batch_size if plan.table is not None else getattr(model.config, "batch_size", None)
         rec = self._new_run("ray", plan, steps, batch_size)
+        rec.remote = bool(launch_kw.get("ray_address"))
         user_cb = launch_kw.pop("on_progress", None)
         emit = self._on_event("launch", rec)
         holder: dict = {}

@@ -85,7 +85,10 @@ class Workbench:
             session = Session(plan, model=model_or_graph)
         self.session = session
         t1 = time.perf_counter()
-        # The cost panel subscribes first, so it is up to date before the slower views redraw after a change.
+        # Observers hear of a change in the order they subscribed, each redrawing before the next hears of it: the
+        # header first (the plan, its step time: what a user reads first), then the cost panel, then the slower views
+        # (on a deep model the graph and table take seconds; the header used to wait for them all).
+        self.header = Header(session)
         self.cost = CostPanel(session)
         self.graph = GraphView(session, mode=graph_mode)
         self.table = ShardingTable(session)
@@ -93,7 +96,7 @@ class Workbench:
         self.timeline = TimelineView(session)
         self.controls = Controls(session)
         self.training = TrainingPanel(session)
-        self.header = Header(session, buttons=[self.controls.undo_button, self.controls.redo_button])
+        self.header.set_buttons([self.controls.undo_button, self.controls.redo_button])
         self.status = w.HTML("")
         self.status.add_class("autopar-status")
         session.subscribe(self._on_event)
@@ -135,7 +138,9 @@ class Workbench:
                 "training": self.training}
 
     def _on_event(self, event) -> None:
-        if event.name == "error":
+        if event.name == "error" and event.detail.get("source") == self.controls.css:
+            pass  # the controls show it right above this line: once is enough
+        elif event.name == "error":
             self.status.value = (f"<span style='color:#B00020'>{html.escape(event.action)}: "
                                  f"{html.escape(str(event.detail.get('message', '')))}</span>")
         elif event.name in ("plan", "selection"):

@@ -42,7 +42,7 @@ class View:
             out = fn()
         except USER_ERRORS as e:
             self.message.value = f"<span style='color:#B00020'>{action}: {_escape(str(e))}</span>"
-            self.session.error(action, e)
+            self.session.error(action, e, source=self.css)
             return None
         self.message.value = ""
         return out

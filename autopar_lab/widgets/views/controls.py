@@ -48,6 +48,12 @@ def comparison_rows(comparison: dict) -> list[dict]:
     return out
 
 
+def device_counts(per_host: int) -> list[int]:
+    """The devices-per-host choices of the what-if slider: powers of two up to the larger of 16 and ``per_host``."""
+    top = max(16, int(per_host))
+    return [1 << k for k in range(top.bit_length()) if 1 << k <= top]
+
+
 class Controls(View):
     """Buttons, the progress bar, file and code boxes, what-if sliders and the comparison table."""
 
@@ -89,7 +95,8 @@ class Controls(View):
         S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
         # Up to twice the hosts: a user planning 512 GPUs tries 1,024 (the max grows as the cluster does).
         self.hosts = w.IntSlider(value=c.hosts, min=1, max=hosts_max(c.hosts), description="hosts", **S)
-        self.devices = w.SelectionSlider(options=[1, 2, 4, 8, 16], value=c.devices_per_host,
+        # Powers of two up to the cluster's own (a TPU slice is one host of 64 ... 4,096 chips) and at least 16.
+        self.devices = w.SelectionSlider(options=device_counts(c.devices_per_host), value=c.devices_per_host,
                                          description="devices per host", **S)
         self.intra_bw = w.FloatLogSlider(value=c.intra_host.bandwidth / 1e9, base=10, min=-1, max=4,
                                          description="within a host (GB/s)", **S)
@@ -122,6 +129,7 @@ class Controls(View):
         self._ticks = 0
         self.last_error: str | None = None
         self._exported = None  # the plan whose code the code box shows
+        self._said_for = None  # the plan the status line speaks of ("saved to ...", "... done in ..."), or None
         self._set_running(False)
         sep = lambda: w.HTML("<span style='color:#bbb'>|</span>")  # noqa: E731
         self.toolbar = w.HBox([*self.solve_buttons.values(), self.cancel_button, self.resolve_button, sep(),
@@ -183,17 +191,19 @@ class Controls(View):
                 job(report, cancel)
                 self.progress.value, self.progress.description = 1.0, "done"
                 # Not the last progress report ("intra-op 1x1 as 1x1"): what finished, and how long it took.
-                self.status.value = f"{name} done in {fmt_s(time.perf_counter() - t0)}"
+                # a comparison is kept (its table) when the plan changes; a solve's line is about the plan it made
+                self._say(f"{name} done in {fmt_s(time.perf_counter() - t0)}", of_plan=name != "compare")
                 self.message.value = ""
                 self.last_error = None
             except SolveCancelled:
                 self.progress.description = "cancelled"
-                self.status.value = f"{name} cancelled; the plan is unchanged"
+                self._say(f"{name} cancelled; the plan is unchanged")
             except USER_ERRORS + (RuntimeError,) as e:  # an infeasible cluster, a solver failure: say so, keep the plan
                 self.progress.description = "failed"
                 self.last_error = str(e)
+                self.status.value = ""  # the message below says what failed
                 self.message.value = f"<span style='color:#B00020'>{name}: {html.escape(str(e))}</span>"
-                self.session.error(name, e)
+                self.session.error(name, e, source=self.css)
             finally:
                 self._set_running(False)
 
@@ -252,9 +262,22 @@ class Controls(View):
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def resolve(self, background: bool = True) -> threading.Thread | None:
+        """Re-solve around the pins (:meth:`Session.resolve`) as a job: progress, cancel, a done line."""
+        from ...planner import microbatch_choices
+
+        s = self.session
+        batch = s.plan.table.batch_size if s.plan.table is not None else 1
+        expected = 2 + len(microbatch_choices(batch, "auto")) + len(s.plan.stages)
+        return self._start("resolve around pins",
+                           lambda report, cancel: s.resolve(on_progress=report, cancel=cancel), expected, background)
+
+    def _say(self, text: str, of_plan: bool = True) -> None:
+        """Set the status line; ``of_plan``: it speaks of the current plan and goes when another becomes current."""
+        self.status.value = html.escape(text)
+        self._said_for = self.session.plan if of_plan else None
+
     # --- quick actions ------------------------------------------------------------------------------------------------
-    def resolve(self) -> None:
-        self.run("resolve", self.session.resolve)
 
     def undo(self) -> None:
         self.run("undo", self.session.undo)
@@ -265,11 +288,16 @@ class Controls(View):
     def save(self, path: str | None = None) -> None:
         p = path or self.path.value
         if self.run("save", lambda: self.session.save(p)) is not None:
-            self.status.value = f"saved to {html.escape(str(p))}"
+            self._say(f"saved to {p}")
+        else:
+            self.status.value = ""  # the message below says why it was not saved
 
     def load(self, path: str | None = None) -> None:
         p = path or self.path.value
-        self.run("load", lambda: self.session.load(p))
+        if self.run("load", lambda: self.session.load(p)) is not None:
+            self._say(f"loaded {p}")
+        else:
+            self.status.value = ""  # the message below says why it was not loaded
 
     def export(self) -> str:
         """The current plan as JAX code, shown below the toolbar (and made again whenever the plan changes)."""
@@ -300,8 +328,9 @@ class Controls(View):
         try:
             self.hosts.max = max(self.hosts.max, hosts_max(c.hosts))
             self.hosts.value = c.hosts
-            if c.devices_per_host in self.devices.options:
-                self.devices.value = c.devices_per_host
+            if c.devices_per_host not in self.devices.options:
+                self.devices.options = device_counts(c.devices_per_host)
+            self.devices.value = c.devices_per_host
             self.intra_bw.value = c.intra_host.bandwidth / 1e9
             self.inter_bw.value = c.inter_host.bandwidth / 1e9
         finally:
@@ -341,6 +370,9 @@ class Controls(View):
     def _on_event(self, event) -> None:
         if event.name == "plan":
             self.message.value = ""  # an error about the plan before no longer applies to this one
+            if not self.busy and self._said_for is not None and self._said_for is not self.session.plan:
+                self.status.value = ""  # "saved to ..." spoke of the plan before
+                self._said_for = None
             self._sync()
             if self.session.comparison:
                 self.show_comparison(self.session.comparison)

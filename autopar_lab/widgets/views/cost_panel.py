@@ -6,9 +6,9 @@ The stacked bar sums exactly to the step time: compute + collectives + reshardin
 (its idle time). Stage transfers overlap compute and are part of that idle time where they are exposed, so the table
 lists their total separately rather than adding it twice.
 
-Utilisation: the step's FLOPs over (step time x devices x peak FLOP/s). Its roofline bound is the same ratio at the
-ideal time, every operator split perfectly over all devices and run at max(FLOPs / peak, bytes / memory bandwidth),
-with no communication or bubble.
+Utilisation (:mod:`.utilisation`): MFU, the step's model FLOPs over (step time x devices x peak FLOP/s); HFU, the
+same counting what recomputation runs again; and the roofline bound, the MFU of an ideal step (every kernel split
+evenly over all devices at peak FLOP/s or bandwidth, no communication or bubble), never above the plan's step.
 
     >>> cost_terms(plan.cost)                       # doctest: +SKIP
     {'compute': 0.5, 'collectives': 0.1, 'resharding': 0.0, 'bubble': 0.05}
@@ -24,10 +24,8 @@ import ipywidgets as w
 from ...memory import memory_breakdown
 from . import figures
 from ._base import View, sync_figure
-from .fmt import fmt_bytes, fmt_delta_bytes, fmt_delta_s, fmt_flops, fmt_pct, fmt_rate, fmt_ratio, fmt_s
-
-_ROOF_CACHE: dict = {}
-
+from .fmt import fmt_bytes, fmt_delta_bytes, fmt_delta_s, fmt_pct, fmt_rate, fmt_ratio, fmt_s
+from .utilisation import utilisation, utilisation_html
 
 def cost_terms(cost) -> dict[str, float]:
     """The four terms that add up to the step time."""
@@ -35,34 +33,11 @@ def cost_terms(cost) -> dict[str, float]:
             "bubble": cost.bubble_s}
 
 
-def compute_dtype(graph) -> str:
-    """The dtype of the step's matmuls (what the device's peak is quoted for): the widest-FLOP dot_general's."""
-    best, dtype = -1.0, "float32"
-    for n in graph:
-        if n.primitive == "dot_general" and n.flops > best and n.out_dtypes:
-            best, dtype = n.flops, n.out_dtypes[0]
-    return dtype
-
-
 def roofline(plan) -> dict:
-    """``{"flops", "ideal_s", "utilisation", "bound"}`` for a plan (ideal time cached per graph and cluster)."""
-    g, c = plan.graph, plan.cluster
-    key = (id(g), c.device, c.num_devices)
-    hit = _ROOF_CACHE.get(key)
-    if hit is None or hit[0] is not g:
-        n = c.num_devices
-        peak = c.device.peak(compute_dtype(g))
-        bw = c.device.memory_bandwidth
-        ideal = sum(max(node.flops / peak, node.bytes_accessed / bw) for node in g) / n
-        if len(_ROOF_CACHE) > 16:
-            _ROOF_CACHE.clear()
-        hit = _ROOF_CACHE[key] = (g, float(g.total_flops), ideal, peak)
-    _, flops, ideal, peak = hit
-    n = c.num_devices
-    step = plan.cost.step_time_s
-    util = flops / (step * n * peak) if step > 0 else 0.0
-    bound = flops / (ideal * n * peak) if ideal > 0 else 0.0
-    return {"flops": flops, "ideal_s": ideal, "utilisation": util, "bound": bound}
+    """:func:`~.utilisation.utilisation` of ``plan`` (MFU, HFU, the roofline bound and its ideal step), with
+    ``utilisation`` (its MFU) as earlier callers read it."""
+    u = utilisation(plan)
+    return {**u, "utilisation": u["mfu"]}
 
 
 def step_time_text(before, after) -> str:
@@ -153,10 +128,7 @@ class CostPanel(View):
         after = plan.cost
         self.breakdown.value = breakdown_html(before, after)
         self.explain.value = f"<small>{html.escape(explain_text(after))}</small>"
-        r = roofline(plan)
-        self.utilisation.value = (f"utilisation {fmt_pct(r['utilisation'])} of peak; roofline bound "
-                                  f"{fmt_pct(r['bound'])} (ideal step {fmt_s(r['ideal_s'])} for "
-                                  f"{fmt_flops(r['flops'])} on {plan.cluster.num_devices} devices)")
+        self.utilisation.value = utilisation_html(plan)
         sync_figure(self.cost_fig, figures.cost_figure(cost_terms(before) if before is not None else None,
                                                        cost_terms(after)))
         now = memory_breakdown(plan)

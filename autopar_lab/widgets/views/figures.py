@@ -38,12 +38,18 @@ def colour(k: int) -> str:
     return PALETTE[int(k) % len(PALETTE)]
 
 
+#: Right margin: room for plotly's toolbar, stood upright at the figure's right edge (``modebar.orientation="v"``).
+#: Lying across the top (its default) it covered the titles of the narrow side figures whenever the mouse was over them.
+MODEBAR_PX = 34
+
+
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     # A plain white layout set by hand: a named template (e.g. "plotly_white") is deep-copied on every figure and
     # costs more than the figure itself.
-    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=13)), height=height,
-                      margin=dict(l=50, r=10, t=30, b=30), showlegend=True, template=_TEMPLATE,
-                      plot_bgcolor="white", paper_bgcolor="white")
+    lines = title.count("<br>") + 1
+    fig.update_layout(title=dict(text=title, x=0.01, font=dict(size=13)), height=height + 16 * (lines - 1),
+                      margin=dict(l=50, r=MODEBAR_PX, t=30 + 16 * (lines - 1), b=30), showlegend=True,
+                      template=_TEMPLATE, plot_bgcolor="white", paper_bgcolor="white", modebar=dict(orientation="v"))
     fig.update_xaxes(gridcolor="#EEEEEE", zerolinecolor="#DDDDDD")
     fig.update_yaxes(gridcolor="#EEEEEE", zerolinecolor="#DDDDDD")
     return fig
@@ -139,15 +145,16 @@ def memory_figure(after: Sequence[Mapping], before: Sequence[Mapping] | None = N
             fig.add_hline(y=lim, line_dash="dash", line_color="#D62728",
                           annotation_text=f"device limit {fmt_bytes(limit_bytes)}", annotation_position="top left")
         else:
-            note = f" (device limit {fmt_bytes(limit_bytes)}, off the scale)"
+            note = f"<br>(device limit {fmt_bytes(limit_bytes)}, off the scale)"  # a line of its own: it is long
     fig.update_yaxes(title_text=unit, rangemode="tozero")
     _layout(fig, title + note, height)
     # The legend goes below the two rows of axis labels (stage, before / now) and wraps into as many lines as it
     # needs (one per part at this width); the figure grows by the room they take instead of the legend turning into
     # a scroll box over the axis labels.
     lines = sum(1 for t in fig.data if t.showlegend is not False)
-    fig.update_layout(barmode="stack", width=width, height=height + 19 * lines,
-                      margin=dict(l=50, r=10, t=30, b=60 + 19 * lines),
+    top = fig.layout.margin.t
+    fig.update_layout(barmode="stack", width=width, height=fig.layout.height + 19 * lines,
+                      margin=dict(l=50, r=MODEBAR_PX, t=top, b=60 + 19 * lines),
                       legend=dict(orientation="h", yanchor="top", y=-0.3, x=0, font=dict(size=10)))
     return fig
 

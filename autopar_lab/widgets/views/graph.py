@@ -31,6 +31,7 @@ from ...graph.opcost import CONTRACTIONS
 from ...layergroups import group_of_layer, span_text
 from . import figures
 from ._base import View
+from .notation import STRATEGY_TIP
 from ...graph.opgraph import INPUT_PRIMITIVE, OUTPUT_PRIMITIVE
 from .fmt import fmt_bytes, fmt_flops, fmt_s, strategy_text
 
@@ -232,7 +233,8 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
     def layer_hover(name: str) -> str:
         st = plan.stages[stage[name]]
         fl, by = stats[name]
-        return (f"{_label(name)}: {len(ops[name])} operators, {fmt_flops(fl)}, {fmt_bytes(by)} read and written"
+        return (f"{_label(name)}: {operator_count_text(graph, ops[name])}, {fmt_flops(fl)}, {fmt_bytes(by)} read and "
+                "written"
                 f"{_sharing_text(session, name)}\n"
                 f"stage {stage[name]} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}\n"
                 "click: show its operators")
@@ -250,7 +252,8 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
                 "key": g["key"], "label": f"{first}..{last}", "count": len(members), "colour": layer_colour(first),
                 "selected": selected == g["key"] or selected in {f"L:{n}" for n in members},
                 "expanded": expanded in members,
-                "hover": (f"{first} .. {last}: {len(members)} layers with the same {len(ops[first])} operators"
+                "hover": (f"{first} .. {last}: {len(members)} layers with the same operators, each "
+                          f"{operator_count_text(graph, ops[first])}"
                           f"{_sharing_text(session, first)}\n"
                           f"stage {g['stage']} on a {st.submesh[0]}x{st.submesh[1]} submesh as {_mesh_text(st)}; "
                           f"{fmt_flops(fl)} in all\nclick: show them one by one")})
@@ -279,6 +282,8 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
     if mode == "sharding":
         legends.insert(0, {"title": "layers: their stage's logical mesh", "items": [
             {"colour": c, "label": m} for m, c in meshes.items()]})
+    if detail is not None:  # its hovers name each operator's strategy
+        legends.append({"title": "strategy (hover)", "items": [{"kind": "text", "label": STRATEGY_TIP}]})
     legends.append({"title": "edges", "items": [
         {"kind": "line", "colour": EDGE_COLOUR, "label": "same sharding at both ends"},
         {"kind": "line", "colour": RESHARD_COLOUR, "width": 3,
@@ -286,6 +291,15 @@ def graph_data(session, expanded: str | None = None, mode: str = "stage", open_g
     title = (f"{len(names)} layers in {len(overview)} node(s): repeated layers are grouped (×n); click a group to "
              "open it, a layer to see its operators")
     return {"title": title, "overview": overview, "detail": detail, "legends": legends, "summary": summary}
+
+
+def operator_count_text(graph, members) -> str:
+    """``"466 operators (and 72 inputs and outputs of the step)"``: the operators a layer's detail view draws, and
+    apart from them the step's inputs and outputs it folds into their readers and writers (its parameters and
+    optimizer state), so the overview's hover and the detail's title count the same thing."""
+    io = sum(1 for o in members if graph.op(o).primitive in (INPUT_PRIMITIVE, OUTPUT_PRIMITIVE))
+    text = f"{len(members) - io} operators"
+    return text + (f" (and {io} inputs and outputs of the step: parameters, optimizer state)" if io else "")
 
 
 def _folded(graph, members: list[int]) -> dict[int, list[str]]:

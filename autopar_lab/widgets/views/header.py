@@ -69,9 +69,13 @@ class Header(View):
                        self.step_time,
                        w.HBox([self.memory, self.pins], layout=w.Layout(flex_flow="row wrap"))],
                       layout=w.Layout(flex="1 1 auto", min_width="0"))
-        box = w.HBox([info, w.HBox(list(buttons), layout=w.Layout(flex="0 0 auto", align_items="center"))],
-                     layout=w.Layout(width="100%", align_items="center"))
+        self.buttons = w.HBox(list(buttons), layout=w.Layout(flex="0 0 auto", align_items="center"))
+        box = w.HBox([info, self.buttons], layout=w.Layout(width="100%", align_items="center"))
         self._finish(box)
+
+    def set_buttons(self, buttons) -> None:
+        """The widgets at the header's right end (the workbench's undo and redo, made after the header)."""
+        self.buttons.children = tuple(buttons)
 
     def refresh(self) -> None:
         s = self.session

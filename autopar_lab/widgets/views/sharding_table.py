@@ -20,6 +20,7 @@ from ...layergroups import group_of_layer, layer_groups, span_text
 from ...parallelism import op_notes
 from ._base import View
 from .fmt import fmt_s, strategy_text
+from .notation import GROUP_TIP, STRATEGY_TIP, notation_html
 
 ALL = "(all)"
 OUTSIDE = "outside layers"  # the layer filter's choice for operators outside every layer
@@ -271,7 +272,8 @@ class ShardingTable(View):
         self.scope.add_class("autopar-override-scope")
         self.scope.layout.display = "none"
         self.scope.observe(self._scope_changed, names="value")
-        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"))
+        self.alternatives = w.Dropdown(options=[], description="strategy", layout=w.Layout(width="auto"),
+                                       tooltip=STRATEGY_TIP)
         self.alternatives.add_class("autopar-strategy-choice")
         self.alternatives.observe(self._alternative_changed, names="value")
         self.pin_button = w.Button(description="pin", tooltip="keep this operator's strategy through re-solves",
@@ -285,11 +287,12 @@ class ShardingTable(View):
         self.op: int | None = None  # the selected row's operator in the graph the plan was solved on
         self.key: Any = None  # the selected row's key (see op_rows)
         self._alts: list = []
+        self.notation = w.HTML(notation_html())  # how to read a strategy's name and an ILP group
         self.refresh_rows()
         self._finish(w.VBox([w.HBox([self.layer_filter, self.stage_filter, self.primitive_filter, self.module_filter],
                                     layout=w.Layout(flex_flow="row wrap")), self.count, self.listing, self.detail,
                              self.scope, self.alternatives, w.HBox([self.pin_button, self.unpin_button]),
-                             self.message]))
+                             self.notation, self.message]))
 
     # --- data --------------------------------------------------------------------------------------------------------
     def filters(self) -> dict:
@@ -574,4 +577,5 @@ def detail_html(session, key, scope: str = GROUP) -> str:
     group = _groups(plan).get((stages[0][0], session.op_graph.op(sop).layer), "")
     if group and session.op_graph is not plan.graph:  # its name is a layer of the copy, not of the model
         group = f"{group} (in the {len(session.op_graph.layers)}-layer copy the planner solved)"
-    return text + (f"<br>ILP group {html.escape(group)}" if group else "")
+    tip = html.escape(GROUP_TIP, quote=True)
+    return text + (f"<br><span title=\"{tip}\">ILP group</span> {html.escape(group)}" if group else "")

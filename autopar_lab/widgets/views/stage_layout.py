@@ -1,7 +1,7 @@
 """Stage-to-submesh layout: the cluster as a hosts x devices grid with the stages as coloured blocks, and a stage
 editor: every stage's first layer (chosen by name), submesh, logical mesh and remat edited together, with a preview
-of the plan they make (step time, memory, or why it is not valid) before it is applied; plus the microbatch count and
-the schedule.
+of the plan they make (step time, memory, or why it is not valid) before it is applied; plus the run settings
+(microbatch count, schedule, chunks per stage), previewed the same way (:mod:`.run_settings`) and applied on confirm.
 
 Editing one stage at a time cannot work when stages must tile the cluster in order: a stage that grows pushes the
 next one across a host boundary. So edits go to a draft of all stages; each edit re-prices the draft
@@ -19,10 +19,13 @@ import html
 
 import ipywidgets as w
 
+from ...graph.modules import module_label
+from ...pins import PinIndex, stage_runs
 from ...rematmode import REMAT_CHOICES, is_full, is_selective, remat_label, remat_value
 from ...schedules import SCHEDULES
 from . import figures
 from ._base import USER_ERRORS, View, sync_figure
+from .run_settings import microbatch_choices, pending_plan, run_preview_html
 from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
 
 AUTO = "auto"
@@ -45,30 +48,142 @@ def stage_blocks(plan) -> list[dict]:
     return out
 
 
-def microbatch_choices(plan) -> list[int]:
-    """Every microbatch count the plan's batch allows (divisors of the batch size)."""
-    batch = plan.table.batch_size if plan.table is not None else plan.microbatches
-    return [d for d in range(1, batch + 1) if batch % d == 0]
-
-
 def draft_of(plan) -> list[dict]:
-    """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat}] (``first``: layer index)."""
+    """The editable form of a plan's stages: [{first, submesh, logical_mesh, remat, edited}] (``first``: layer
+    index; ``edited``: the user set this stage's submesh or logical mesh, so adding or removing a stage keeps it)."""
     return [{"first": st.layers[0], "submesh": tuple(st.submesh), "logical_mesh": tuple(st.logical_mesh),
-             "remat": remat_value(st.remat)} for st in plan.stages]
+             "remat": remat_value(st.remat), "edited": False} for st in plan.stages]
+
+
+def _spec(draft: list[dict]) -> list[tuple]:
+    """What a draft asks of the plan (not which of it the user typed)."""
+    return [(d["first"], d["submesh"], d["logical_mesh"], d["remat"]) for d in draft]
+
+
+def _ranges(plan, draft: list[dict]) -> list[tuple[int, int]]:
+    ends = [d["first"] - 1 for d in draft[1:]] + [len(plan.layer_names) - 1]
+    return [(d["first"], e) for d, e in zip(draft, ends)]
+
+
+def _runs(plan, draft: list[dict]) -> list:
+    """The layer ranges each stage of ``draft`` runs (its chunks on an interleaved plan)."""
+    return stage_runs(_ranges(plan, draft), plan.virtual_stages if plan.schedule == "interleaved" else 1)
+
+
+def _mesh(shape) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _pins_missing(pins: PinIndex, runs, submesh, shape) -> list[tuple[int, str]]:
+    """The pins (operator of the solve graph, strategy) a stage running ``runs`` cannot hold on that mesh."""
+    out = [(op, name) for op, name in pins.in_ranges(runs).items() if pins.strategy(op, submesh, shape) is None]
+    for full, (k, sop) in pins.split.items():  # layers split from their group: their own pins
+        if any(a <= k <= b for a, b in runs) and (
+                sop is None or pins.strategy(sop, submesh, shape, pins.layer_pins[full]) is None):
+            out.append((full, pins.layer_pins[full]))
+    return out
+
+
+def best_view(plan, draft: list[dict], k: int, submesh) -> tuple[int, int]:
+    """The logical mesh to fill in when stage ``k`` of ``draft`` gets ``submesh``: among the submesh's views that
+    hold every operator pin of the layers the stage runs, the one the cost table prices fastest for those layers
+    (among the meshes it has solved already: choosing one must not start an ILP), else the first such view, else
+    (none holds them: the preview says why) the submesh's own shape."""
+    sub = tuple(submesh)
+    views = [tuple(v) for v in plan.cluster.logical_mesh_shapes(sub)]
+    pins = PinIndex(plan)
+    runs = _runs(plan, draft)[k]
+    holding = [v for v in views if not _pins_missing(pins, runs, sub, v)]
+    if not holding:
+        return sub
+    table = plan.table
+    if table is None:
+        return holding[0]
+    first, last = _ranges(plan, draft)[k]
+    remat = remat_value(draft[k]["remat"]) if draft[k]["remat"] is not None else False
+    priced = [(table.stage(first, last, sub, v, plan.microbatches, remat).time_s, i, v)
+              for i, v in enumerate(holding) if table.solved_mesh(sub, v) is not None]
+    return min(priced)[2] if priced else holding[0]
+
+
+def draft_problem(plan, draft: list[dict]) -> str | None:
+    """The first thing wrong with a stage of ``draft`` that no layout can get round, said with the stage and the
+    reason (a pinned operator its mesh cannot run, a logical mesh that is no view of its submesh), or None."""
+    names = plan.layer_names
+    pins = PinIndex(plan)
+    copy = plan.table is not None and not plan.table.op_map.is_identity
+    for k, (d, runs, (a, b)) in enumerate(zip(draft, _runs(plan, draft), _ranges(plan, draft))):
+        sub, shape = d["submesh"], d["logical_mesh"]
+        if sub is None:
+            continue
+        views = [tuple(v) for v in plan.cluster.logical_mesh_shapes(sub)]
+        where = f"S{k} (layers {a}-{b}, {names[a]}..{names[b]})"
+        if shape is not None and tuple(shape) not in views:
+            return (f"{where}: as mesh {_mesh(shape)} is not a view of its {_mesh(sub)} submesh; choose one of "
+                    f"{', '.join(map(_mesh, views))}.")
+        tried = [tuple(shape)] if shape is not None else views
+        missing = [_pins_missing(pins, runs, sub, v) for v in tried]
+        if all(missing):
+            op, name = missing[0][0]
+            g = plan.op_graph if op in pins.pins else plan.graph
+            node = g.op(op)
+            label = module_label(g, op).label or node.primitive
+            whose = f"{node.layer}" + (" and every layer sharing its solution" if copy and op in pins.pins else "")
+            mesh = f"a {_mesh(tried[0])} mesh" if shape is not None else f"no view of its {_mesh(sub)} submesh"
+            holding = [v for v in views if not _pins_missing(pins, runs, sub, v)]
+            fix = (f"choose as mesh {' or '.join(map(_mesh, holding))}" if holding else
+                   f"give S{k} a submesh one of whose views has that strategy")
+            has = "has no strategy" if shape is not None else "has a strategy"
+            return (f"{where} runs operator #{op} ({label}, {node.primitive} of {whose}) pinned to {name!r}, and "
+                    f"{mesh} {has} of that name; {fix}, or unpin the operator in the sharding table.")
+    return None
+
+
+def _no_layout(plan, draft: list[dict], kept: list) -> str:
+    """Why the stage DP found no layout for ``draft`` (its cuts fixed, ``kept``: the stages given a submesh)."""
+    S, n = len(draft), plan.cluster.num_devices
+    pins = PinIndex(plan)
+    cluster = plan.cluster
+    meshes = [(tuple(sub), tuple(v)) for sub in cluster.submesh_shapes() for v in cluster.logical_mesh_shapes(sub)]
+    narrow = []
+    for op, name in pins.in_ranges(_ranges(plan, draft)).items():
+        runs_on = sorted({v for sub, v in meshes if pins.strategy(op, sub, v) is not None})
+        if len(runs_on) < len({v for _, v in meshes}):
+            narrow.append(f"operator #{op} pinned to {name!r} runs only on {', '.join(map(_mesh, runs_on))} meshes")
+    why = ("; ".join(narrow[:2]) + (f" (and {len(narrow) - 2} more pins)" if len(narrow) > 2 else "")
+           + ", and every stage running it must be on one") if narrow else ""
+    given = ", ".join(f"S{k} on {_mesh(d['submesh'])}" for k, d in kept)
+    auto = [f"S{k}" for k, d in enumerate(draft) if d["submesh"] is None]
+    head = (f"no layout of these {S} stages tiles the cluster's {n} devices in order"
+            + (f" with {given} as you set {'it' if len(kept) == 1 else 'them'}" if kept else "")
+            + (f" and {', '.join(auto)} placed by the planner" if auto and kept else ""))
+    fix = ("remove a stage, unpin the operator in the sharding table" if narrow else "remove a stage")
+    if kept:
+        fix += ", or set a stage you set back to auto"
+    return f"{head}{': ' + why if why else ''}; {fix}."
 
 
 def plan_from_draft(plan, draft: list[dict]):
-    """The plan ``draft`` describes, priced from ``plan``'s cost table (a ValueError says what is wrong). A submesh
-    of ``None`` (auto) anywhere lets the stage DP choose every submesh and logical mesh for the draft's cuts."""
+    """The plan ``draft`` describes, priced from ``plan``'s cost table (a ValueError says what is wrong, naming the
+    stage). A submesh of ``None`` (auto) lets the stage DP choose that stage's submesh and logical mesh around the
+    stages given (all of them when none is given)."""
     if not draft or draft[0]["first"] != 0:
         raise ValueError("the first stage must start at the first layer")
+    problem = draft_problem(plan, draft)
+    if problem is not None:
+        raise ValueError(problem)
     boundaries = [d["first"] for d in draft[1:]]
-    auto = any(d["submesh"] is None for d in draft)
-    kw = {"boundaries": boundaries}
-    if not auto:
+    kw: dict = {"boundaries": boundaries}
+    kept = [(k, d) for k, d in enumerate(draft) if d["submesh"] is not None]
+    if kept:
         kw["submeshes"] = [d["submesh"] for d in draft]
-        kw["logical_meshes"] = [d["logical_mesh"] for d in draft]
-    new = plan.with_stages(**kw)
+        kw["logical_meshes"] = [d["logical_mesh"] if d["submesh"] is not None else None for d in draft]
+    try:
+        new = plan.with_stages(**kw)
+    except ValueError as e:
+        if "no stage layout keeps" not in str(e):
+            raise
+        raise ValueError(_no_layout(plan, draft, kept)) from None
     for k, d in enumerate(draft):
         if d["remat"] is not None and remat_value(d["remat"]) != new.stages[k].remat:
             new = new.with_remat(k, remat_value(d["remat"]))
@@ -118,10 +233,22 @@ class StageLayout(View):
                               "let the next resolve change cuts, submeshes, microbatches, schedule, remat")
         self.unpin_button.on_click(lambda _: self.unpin_stages())
         self._quiet = False
-        self.microbatches.observe(lambda ch: None if self._quiet else self.set_microbatches(ch["new"]), names="value")
-        self.schedule.observe(lambda ch: None if self._quiet else self.set_schedule(ch["new"]), names="value")
+        # The run settings: each change prices the plan it makes (a preview); "apply" makes it current.
+        self.microbatches.observe(lambda ch: None if self._quiet else self.edit_run(microbatches=ch["new"]),
+                                  names="value")
+        self.schedule.observe(lambda ch: None if self._quiet else self.edit_run(schedule=ch["new"]), names="value")
         self.virtual_stages.observe(
-            lambda ch: None if self._quiet else self.set_schedule("interleaved", ch["new"]), names="value")
+            lambda ch: None if self._quiet else self.edit_run(virtual_stages=ch["new"]), names="value")
+        self.run_preview = w.HTML("")
+        self.run_preview.add_class("autopar-run-preview")
+        self.apply_run_button = B("apply run settings", "make the previewed microbatches and schedule current "
+                                                        "(undoable)")
+        self.apply_run_button.add_class("autopar-apply-run")
+        self.cancel_run_button = B("cancel", "the run settings back to the current plan's")
+        self.apply_run_button.on_click(lambda _: self.apply_run())
+        self.cancel_run_button.on_click(lambda _: self._sync_controls())
+        self.run_plan = None  # the plan the run settings make (None: not valid, see run_error)
+        self.run_error: str | None = None
         self.draft: list[dict] = []
         self.preview_plan = None
         self.preview_error: str | None = None
@@ -133,7 +260,9 @@ class StageLayout(View):
             w.HBox([self.add_button, self.remove_button, self.reset_button, self.apply_button],
                    layout=w.Layout(flex_flow="row wrap")),
             self.preview,
+            w.HTML("<b>run</b> (choose, then apply):"),
             w.HBox([self.microbatches, self.schedule, self.virtual_stages], layout=w.Layout(flex_flow="row wrap")),
+            self.run_preview, w.HBox([self.apply_run_button, self.cancel_run_button]),
             w.HBox([self.unpin_button]),
             self.message], layout=w.Layout(min_width="0")))
 
@@ -160,18 +289,24 @@ class StageLayout(View):
             d["first"] = self._layer_index(first)
         if submesh is not None:
             d["submesh"] = None if submesh == AUTO else tuple(submesh)
-            views = self._views(d["submesh"])
-            if d["logical_mesh"] not in views:
-                d["logical_mesh"] = d["submesh"]
+            d["edited"] = d["submesh"] is not None
+            if d["submesh"] is None:
+                d["logical_mesh"] = None
+            elif d["logical_mesh"] not in self._views(d["submesh"]) or _pins_missing(
+                    PinIndex(self.session.plan), _runs(self.session.plan, self.draft)[k], d["submesh"],
+                    d["logical_mesh"]):
+                d["logical_mesh"] = best_view(self.session.plan, self.draft, k, d["submesh"])
         if logical_mesh is not None:
             d["logical_mesh"] = None if logical_mesh == AUTO else tuple(logical_mesh)
+            d["edited"] = d["edited"] or d["logical_mesh"] is not None
         if remat is not None:
             d["remat"] = remat_value(remat)
         self._draw_rows()
         self.update_preview()
 
     def add_stage(self) -> None:
-        """Split the draft's stage with the most layers at its middle; every submesh becomes "auto"."""
+        """Split the draft's stage with the most layers at its middle; every submesh the user has not set in the
+        draft becomes "auto" (the DP places the new stage around those the user set)."""
         L = len(self.session.plan.layer_names)
         ends = [d["first"] for d in self.draft[1:]] + [L]
         sizes = [e - d["first"] for d, e in zip(self.draft, ends)]
@@ -180,20 +315,23 @@ class StageLayout(View):
             self.message.value = "every stage has one layer: no stage can be split"
             return
         mid = self.draft[k]["first"] + sizes[k] // 2
-        self.draft.insert(k + 1, {"first": mid, "submesh": None, "logical_mesh": None, "remat": False})
-        for d in self.draft:
-            d["submesh"] = d["logical_mesh"] = None
-        self._draw_rows()
-        self.update_preview()
+        self.draft.insert(k + 1, {"first": mid, "submesh": None, "logical_mesh": None, "remat": False,
+                                  "edited": False})
+        self._free_unedited()
 
     def remove_stage(self) -> None:
-        """Merge the draft's last stage into the one before it; every submesh becomes "auto"."""
+        """Merge the draft's last stage into the one before it; every submesh the user has not set becomes
+        "auto"."""
         if len(self.draft) < 2:
             self.message.value = "the plan has one stage: there is none to merge"
             return
         self.draft.pop()
+        self._free_unedited()
+
+    def _free_unedited(self) -> None:
         for d in self.draft:
-            d["submesh"] = d["logical_mesh"] = None
+            if not d.get("edited"):
+                d["submesh"] = d["logical_mesh"] = None
         self._draw_rows()
         self.update_preview()
 
@@ -207,7 +345,7 @@ class StageLayout(View):
         """Price the draft (no plan change): the preview shows its step time and memory, or what is wrong."""
         plan = self.session.plan
         self._previewed = ([dict(d) for d in self.draft], plan)
-        if self.draft == draft_of(plan):
+        if _spec(self.draft) == _spec(draft_of(plan)):
             self.preview_plan, self.preview_error = plan, None
             self.preview.value = "<small>the draft is the current plan's stages</small>"
             self.apply_button.disabled = True
@@ -251,13 +389,52 @@ class StageLayout(View):
             return self.session.move_cut(int(cut), self._layer_index(first_layer))
         self.run("move_cut", go)
 
+    def edit_run(self, microbatches=None, schedule=None, virtual_stages=None):
+        """Change the run settings shown (the microbatch count, the schedule, its chunks per stage) and preview the
+        plan they make; nothing applies until :meth:`apply_run`. Returns that plan (None when not valid)."""
+        plan = self.session.plan
+        mb = int(microbatches if microbatches is not None else self.microbatches.value or plan.microbatches)
+        name = schedule if schedule is not None else self.schedule.value
+        v = int(virtual_stages if virtual_stages is not None else self.virtual_stages.value)
+        try:
+            new, note = pending_plan(plan, mb, name, v if name == "interleaved" else None)
+        except USER_ERRORS as e:
+            self.run_plan, self.run_error = None, str(e)
+            self.run_preview.value = f"<span style='color:#B00020'>not valid: {html.escape(str(e))}</span>"
+        else:
+            self.run_plan, self.run_error = new, None
+            self.run_preview.value = run_preview_html(plan, new, note)
+            mb = new.microbatches
+        self._quiet = True
+        try:  # the controls show what the preview priced: counts the schedule can run, the count it runs
+            self.microbatches.options = microbatch_choices(plan, name) or [plan.microbatches]
+            if mb in self.microbatches.options:
+                self.microbatches.value = mb
+            self.schedule.value = name
+            self.virtual_stages.disabled = name != "interleaved"
+        finally:
+            self._quiet = False
+        self.apply_run_button.disabled = self.run_plan is None or self.run_plan is plan
+        self.cancel_run_button.disabled = self.run_plan is plan
+        return self.run_plan
+
+    def apply_run(self) -> None:
+        """Make the previewed run settings' plan current (one undoable step)."""
+        plan, new = self.session.plan, self.run_plan
+        if new is None or new is plan:
+            return
+        action = "set_schedule" if (new.schedule, new.virtual_stages) != (plan.schedule, plan.virtual_stages) \
+            else "set_microbatches"
+        self.run(action, lambda: self.session.adopt(new, action=action))
+
     def set_microbatches(self, n: int) -> None:
+        """Run ``n`` microbatches now (the dropdown previews first: :meth:`edit_run`)."""
         if n is not None and n != self.session.plan.microbatches:
             self.run("set_microbatches", lambda: self.session.set_microbatches(int(n)))
 
     def set_schedule(self, name: str, virtual_stages: int | None = None) -> None:
         """Run the plan with schedule ``name`` now; ``"interleaved"`` with ``virtual_stages`` chunks per stage (default:
-        the box's value)."""
+        the box's value). The schedule buttons preview first (:meth:`edit_run`)."""
         plan = self.session.plan
         if name == "interleaved" and virtual_stages is None:
             virtual_stages = int(self.virtual_stages.value)
@@ -340,7 +517,7 @@ class StageLayout(View):
         self._quiet = True
         try:
             self.stage = min(self.stage, len(plan.stages) - 1)
-            self.microbatches.options = microbatch_choices(plan)
+            self.microbatches.options = microbatch_choices(plan) or [plan.microbatches]
             self.microbatches.value = plan.microbatches
             self.schedule.value = plan.schedule
             self.virtual_stages.disabled = plan.schedule != "interleaved"
@@ -348,6 +525,9 @@ class StageLayout(View):
                 self.virtual_stages.value = plan.virtual_stages
         finally:
             self._quiet = False
+        self.run_plan, self.run_error = plan, None
+        self.run_preview.value = ""
+        self.apply_run_button.disabled = self.cancel_run_button.disabled = True
 
     def refresh(self) -> None:
         """Redraw for the current plan; the draft starts again from its stages."""

@@ -1,6 +1,7 @@
 """Training panel: run the current plan on the local devices or launch it on Ray, with live progress.
 
-A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray), a
+A steps box, "run locally" / "launch on Ray" buttons (a Ray address box: empty means an embedded local Ray; "stages
+on": what Ray's stage actors run on, the plan's devices or this machine's CPU devices), a
 progress bar, a live loss curve with the earlier runs' curves beside it, throughput text, a cancel button, a table of
 every run with its measured step time and throughput against the plan's predicted ones, and a table of each stage's
 predicted and measured forward / backward time per microbatch with their ratio. The runs themselves live in the
@@ -26,8 +27,10 @@ import ipywidgets as w
 
 from ._base import USER_ERRORS, View
 from .fmt import fmt_rate, fmt_ratio, fmt_s
+from .mismatch import mismatch_note
 
 _END = ("done", "cancelled", "error")
+AS_PLANNED = "plan"  # "stages on": the devices the plan's cluster has (launch's default device_kind)
 
 
 def _ratio(measured: float | None, predicted: float | None) -> float | None:
@@ -63,9 +66,7 @@ def hardware_note(runs, platform: str) -> str:
     >>> hardware_note([R()], "cpu")[:60]
     'run 1: its plan is priced for V100-SXM2-16GB devices and it '
     """
-    # Local runs only: a Ray job may run on a cluster of the plan's own devices.
-    other = [r for r in runs if r.kind == "local"
-             and not str(r.plan.cluster.device.name).lower().startswith(platform.lower())]
+    other = [r for r in runs if _other_hardware(r, platform)]
     if not other:
         return ""
     names = sorted({str(r.plan.cluster.device.name) for r in other})
@@ -76,10 +77,17 @@ def hardware_note(runs, platform: str) -> str:
             f"compare like with like")
 
 
+def _other_hardware(run, platform: str) -> bool:
+    # Local runs only: a Ray job may run on a cluster of the plan's own devices.
+    return run.kind == "local" and not str(run.plan.cluster.device.name).lower().startswith(platform.lower())
+
+
 def runs_table_html(runs, platform: str | None = None) -> str:
     """Every run (:class:`~autopar_lab.widgets.training.RunRecord`), newest first: where it ran, its losses, and its
     measured step time and throughput beside the plan's predicted ones (class ``autopar-runs``); with ``platform``
-    (the JAX platform the runs used), a note under it when a plan was priced for other hardware."""
+    (the JAX platform the runs used), a note under it when a plan was priced for other hardware; and for the newest
+    runs measured far from their prediction on the hardware priced, what differed (:func:`.mismatch.mismatch_note`).
+    """
     if not runs:
         return ""
     head = ("<tr><th>run</th><th>where</th><th>steps</th><th>loss first → last</th><th>step time measured</th>"
@@ -97,9 +105,12 @@ def runs_table_html(runs, platform: str | None = None) -> str:
                     f"<td>{fmt_rate(r.predicted_samples_per_s, 'samples').removesuffix(' samples/s')}</td>"
                     f"<td>{html.escape(r.status)}</td></tr>")
     note = hardware_note(runs, platform) if platform else ""
+    far = [t for t in (mismatch_note(r) for r in reversed(runs) if not (platform and _other_hardware(r, platform)))
+           if t][:3]
     return (f"<table class='autopar-cost-table autopar-runs'>{head}{''.join(body)}</table>"
             "<small>measured: the median step after the first (which compiles)"
-            + (f"<br>{html.escape(note)}" if note else "") + "</small>")
+            + (f"<br>{html.escape(note)}" if note else "")
+            + "".join(f"<br><span class='autopar-mismatch'>{html.escape(t)}</span>" for t in far) + "</small>")
 
 
 def local_platform() -> str:
@@ -198,6 +209,13 @@ class TrainingPanel(View):
                               layout=w.Layout(width="320px"))
         self.launch_button = B(description="launch on Ray", tooltip="train on a Ray cluster (stage actors)")
         self.launch_button.on_click(lambda _: self.launch())
+        # What Ray's stage actors run on (launch's device_kind): a plan for GPUs can be trained on CPU devices.
+        # ("as planned" is not None: a Dropdown shows a None value as no choice at all)
+        self.stages_on = w.Dropdown(options=[("as planned", AS_PLANNED), ("CPU devices", "cpu"), ("GPUs", "gpu")],
+                                    value=AS_PLANNED, description="stages on", layout=w.Layout(width="190px"),
+                                    style={"description_width": "initial"},
+                                    tooltip="what each stage's Ray actor runs on: the plan's devices, this "
+                                            "machine's CPU devices, or GPUs")
         self.cancel_button = B(description="cancel", disabled=True)
         self.cancel_button.add_class("autopar-cancel")
         self.cancel_button.on_click(lambda _: self.cancel())
@@ -223,8 +241,8 @@ class TrainingPanel(View):
         self._set_running(False)
         self.refresh_table()
         self._finish(w.VBox([
-            w.HBox([self.steps, self.run_button, self.address, self.launch_button, self.cancel_button],
-                   layout=w.Layout(flex_flow="row wrap")),
+            w.HBox([self.steps, self.run_button, self.address, self.stages_on, self.launch_button,
+                    self.cancel_button], layout=w.Layout(flex_flow="row wrap")),
             self.note, w.HBox([self.progress, self.throughput], layout=w.Layout(flex_flow="row wrap")),
             self.loss_fig, self.runs_table, self.stage_table, self.message], layout=w.Layout(min_width="0")))
 
@@ -318,6 +336,8 @@ class TrainingPanel(View):
         n = self._steps(steps)
         addr = (self.address.value if address is None else address).strip() or None
         kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
+        if self.stages_on.value != AS_PLANNED:
+            kw.setdefault("device_kind", self.stages_on.value)
         self._cancel = threading.Event()
         cancel = self._cancel
         self.job = None
@@ -363,7 +383,9 @@ class TrainingPanel(View):
     def _fail(self, action: str, e: BaseException) -> None:
         self.last_error = f"{type(e).__name__}: {e}"
         self.progress.description = "failed"
-        self.message.value = f"<span style='color:#B00020'>{action}: {html.escape(str(e))}</span>"
+        # The API's advice in the panel's terms: the control that sets it.
+        text = str(e).replace("(device_kind='cpu')", "(stages on: CPU devices, beside 'launch on Ray')")
+        self.message.value = f"<span style='color:#B00020'>{action}: {html.escape(text)}</span>"
         if isinstance(e, USER_ERRORS + (RuntimeError,)):
             self.session.error(action, e)
 

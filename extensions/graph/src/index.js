@@ -214,10 +214,12 @@ function render({ model, el }) {
       const box = div("apg-legend", legends);
       div("apg-legend-title", box, lg.title);
       for (const it of lg.items || []) {
-        const row = div("apg-legend-item", box);
-        const sw = div(it.kind === "line" ? "apg-swatch-line" : "apg-swatch", row);
-        sw.style[it.kind === "line" ? "borderTopColor" : "background"] = it.colour;
-        if (it.kind === "line" && it.width) sw.style.borderTopWidth = `${it.width}px`;
+        const row = div("apg-legend-item" + (it.kind === "text" ? " apg-legend-text" : ""), box);
+        if (it.kind !== "text") {  // a text item is words only: how to read what the hovers say
+          const sw = div(it.kind === "line" ? "apg-swatch-line" : "apg-swatch", row);
+          sw.style[it.kind === "line" ? "borderTopColor" : "background"] = it.colour;
+          if (it.kind === "line" && it.width) sw.style.borderTopWidth = `${it.width}px`;
+        }
         div("apg-legend-label", row, it.label);
       }
     }

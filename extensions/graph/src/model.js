@@ -131,12 +131,12 @@ export function fitTransform(w, h, vw, vh, maxK = 1.5) {
  * Where the view of a freshly expanded layer starts: the whole drawing when its names are legible that way; else at
  * a legible scale `k`, with the box `focus` (the layer's first operator: where its data comes in) at the top centre.
  */
-export function initialTransform(layout, vw, vh, focus, k = 0.9, top = 44) {
+export function initialTransform(layout, vw, vh, focus, k = 0.9, top = 12) {
   const fit = fitTransform(layout.width, layout.height, vw, vh);
   if (labelsVisible(fit.k)) return fit;
   const b = layout.nodes[focus] || Object.values(layout.nodes)[0];
   if (!b) return fit;
-  // `top` pixels down: below the pane's two-line caption.
+  // `top` pixels down from the top of the drawing (the pane's caption sits above it).
   return { k, x: vw / 2 - b.x * k, y: top - (b.y - NODE_H / 2) * k };
 }
 
