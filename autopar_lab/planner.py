@@ -387,14 +387,15 @@ megatron_plan = renamed_keywords(model_or_graph="model", mem_limit="mem_limit_by
 def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool | str = False,
                        mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
                        table: CostTable | None = None, precision: str | Precision | None = None,
-                       zero: int | None = None) -> Plan:
+                       zero: int | None = None, lean: bool = True) -> Plan:
     """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
 
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
     ``remat``: the forward is recomputed in the backward (gradient checkpointing; ``"selective"``: the attention
     internals only). ``zero``: the ZeRO stage of the optimizer (0-3, over the data-parallel devices); None: the
-    storage left to the ILP, and stored at its least when the step does not fit otherwise (explain() says so).
+    storage left to the ILP, and stored at its least when the step does not fit otherwise (explain() says so;
+    ``lean=False`` keeps the ILP's storage, to see what replicated state would need).
     ``table``, ``precision``: as for :func:`auto_plan`."""
     microbatches, remat = checks.whole(microbatches, "microbatches"), remat_value(remat)
     zero = layouts.check_zero(zero)
@@ -406,7 +407,7 @@ def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatch
     if zero is not None:
         name = f"{name[:-1]},zero={zero})" if name.endswith(")") else f"{name}(zero={zero})"
     layout = layouts.Layout(name, 1, submesh, layouts.MeshRoles((n, 1), batch=(0,), zero=(0,)), microbatches, remat,
-                            zero=zero)
+                            zero=zero, lean=checks.flag(lean, "lean"))
     return layouts.price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                                 solve_s={} if trace_s is None else {"trace": trace_s})
 

@@ -293,8 +293,10 @@ def test_a_stage_that_overflows_with_open_storage_is_stored_at_its_least_and_say
     text = lean.cost.explain()
     assert "to fit in memory" in text and "ZeRO-3 storage" in text
     assert f"stage 0: {fast.cost.peak_mem_bytes[0] / GIB:.3g} -> {lean.cost.peak_mem_bytes[0] / GIB:.3g} GiB" in text
-    # a stated ZeRO stage is the layout's: nothing else is tried
+    # a stated ZeRO stage is the layout's, and lean=False asks for the ILP's storage: nothing else is tried
     assert not al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=0, mem_limit_bytes=limit).cost.fits
+    kept = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, mem_limit_bytes=limit, lean=False)
+    assert kept.cost.peak_mem_bytes == fast.cost.peak_mem_bytes and kept.cost.fit_note.startswith("does not fit")
 
 
 def test_a_layout_nothing_fits_says_which_part_overflows_by_how_much():

@@ -52,7 +52,8 @@ class Layout:
     plan's name; ``stages``: the pipeline's stage count; ``submesh``: each stage's devices; ``mesh``: each stage's
     logical mesh and its axes' roles; ``notes``: what the plan should say about the layout (approximations);
     ``pin_roles``: False leaves every operator's sharding to the ILP (only the storage a ZeRO stage names is
-    pinned)."""
+    pinned); ``lean``: False keeps the storage as the ILP chose it where it overflows (what the layout would need)
+    instead of the memory-lean solution."""
 
     method: str
     stages: int
@@ -66,6 +67,7 @@ class Layout:
     sequence_parallel: bool = False
     notes: tuple[str, ...] = ()
     pin_roles: bool = True
+    lean: bool = True
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -213,7 +215,7 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
 
     plan = priced(sols)
     fit = ""
-    if not plan.cost.fits and layout.zero is None:
+    if not plan.cost.fits and layout.zero is None and layout.lean:
         limit = plan.cost.mem_limit_bytes
         over = [k for k, m in enumerate(plan.cost.peak_mem_bytes) if m > limit]
         lean = layout_solution(table, layout.submesh, layout.mesh, storage=LEAN,

@@ -74,7 +74,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-                  micro_batch_size: int | None = None, sharding: str = "megatron") -> Plan:
+                  micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
     of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
@@ -88,8 +88,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2: Megatron-LM's
     ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
     None: the storage of weights and optimizer state left to the planner, stored at its least in any stage that
-    overflows, which explain() then says). ``table``, ``precision``, ``solver``: as for
-    :func:`~autopar_lab.planner.auto_plan`."""
+    overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
+    would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -123,6 +123,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
         name = f"{name[:-1]},v={virtual_stages})"
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, mb, remat, schedule,
-                    virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron")
+                    virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
+                    lean=checks.flag(lean, "lean"))
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                         solve_s={} if trace_s is None else {"trace": trace_s})
