@@ -37,10 +37,12 @@ _LAZY = {
     "Precision": ("autopar_lab.precision", "Precision"),
     "price_plan": ("autopar_lab.pricing", "price_plan"),
     "solve_intra": ("autopar_lab.solve.intra", "solve_intra"),
+    "IntraOptions": ("autopar_lab.solve.intra", "IntraOptions"),
     "pipeline_boundary": ("autopar_lab.graph.markers", "pipeline_boundary"),
     "relayer": ("autopar_lab.graph.relayer", "relayer"),
     "execute": ("autopar_lab.runtime.local", "execute"),
     "launch": ("autopar_lab.runtime.launch", "launch"),
+    "RunOptions": ("autopar_lab.runtime.train_entry", "RunOptions"),
     "Session": ("autopar_lab.widgets.session", "Session"),
     "Workbench": ("autopar_lab.widgets.workbench", "Workbench"),
 }

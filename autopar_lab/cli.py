@@ -398,6 +398,7 @@ def cmd_train(args) -> dict:
     --checkpoint-dir is set, stops the embedded Ray this command started (nothing else) and exits 130 or 143 with one
     sentence; a second signal stops at once."""
     from .runtime.launch import launch, shutdown_local_ray
+    from .runtime.train_entry import RunOptions
     from .runtime.train_entry import check_seed
     from .planfile import load_plan
 
@@ -434,10 +435,11 @@ def cmd_train(args) -> dict:
     handlers = _install(on_signal)
     forced = False
     try:
-        job = launch(plan, model, args.steps, ray_address=args.ray_address, seed=args.seed,
-                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                     overwrite=args.overwrite, device_kind=args.device_kind,
-                     compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None,
+        options = RunOptions(seed=args.seed, device_kind=args.device_kind,
+                             compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None)
+        options = options.with_checkpoints(args.checkpoint_dir, every=args.checkpoint_every, resume=args.resume,
+                                           overwrite=args.overwrite)
+        job = launch(plan, model, args.steps, ray_address=args.ray_address, options=options,
                      on_progress=None if args.json else show)
         state["job"] = job
         result = job.wait()

@@ -30,8 +30,8 @@ from .pricing.table_pool import LEAN, lean_pins
 from .rematmode import REMAT_CHOICES
 from .schedules import interleave, schedule_of
 from .solve.ilp import DEFAULT_SOLVER
-from .solve.inter import NoFeasiblePlanError, StageConstraints, placement_fits, stage_dp
-from .solve.intra import IntraPlan, solve_intra
+from .solve.inter import NoFeasiblePlanError, StageConstraints, StageProblem, placement_fits, stage_dp
+from .solve.intra import IntraOptions, IntraPlan, solve_intra
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -289,11 +289,12 @@ def intras_around_pins(pins: PinIndex, table: CostTable, specs: Sequence[StageSp
         cache = pins.cache(spec.submesh, spec.logical_mesh)
         fixed: dict[int, Any] = dict(lean_pins(pins.g, cache)) if solution == LEAN else {}
         fixed.update(pins.with_siblings(mine))  # the user's pins win over the lean storage
-        kw: dict[str, Any] = dict(ops=base.ops, pins=fixed, solver=solver, rounds=1, cache=cache)
+        options = IntraOptions(solver=solver, rounds=1)
         try:
-            out.append(solve_intra(pins.g, base.mesh, **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options, cache=cache))
         except ValueError:  # a pin outside the axis-0 pass's choices: search both axes at once
-            out.append(solve_intra(pins.g, base.mesh, axes="joint", **kw))
+            out.append(solve_intra(pins.g, base.mesh, base.ops, pins=fixed, options=options.with_axes("joint"),
+                                   cache=cache))
     return out
 
 
@@ -342,10 +343,11 @@ def solve_stages(plan: Plan, constraints: StageConstraints | None, microbatch_ch
     table, cluster = table_of(plan), plan.cluster
     cands = constrained_candidates(table, cluster, constraints, pins, prune=prune,
                                    virtual_stages=int(schedule.get("virtual_stages", 1)))
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=len(table.layer_names)),
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=constraints,
+                                  **schedule)
     return planner.search_microbatches(
-        table, cluster, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)),
-        mem_limit_bytes=mem_limit_bytes, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-        stage_comm=plan.stage_comm, constraints=constraints, **schedule)
+        table, problem, list(microbatch_choices), candidates=lambda B, _mem: (lambda a, b, sub: cands(a, b, sub, B)))
 
 
 def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, mem_limit_bytes: float,
@@ -378,10 +380,10 @@ def solve_fixed_cuts(plan: Plan, ranges, constraints: StageConstraints, B: int, 
 
     con = StageConstraints(cuts=tuple(range(1, S)), submeshes=constraints.submeshes,
                            logical_meshes=constraints.logical_meshes, remat=constraints.remat)
-    return stage_dp(S, cluster.hosts, cluster.devices_per_host, candidates, B,
-                    cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]], mem_limit_bytes=mem_limit_bytes,
-                    intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link, stage_comm=plan.stage_comm,
-                    constraints=con, serial_host=cluster.serial_host, **sched)
+    problem = dataclasses.replace(StageProblem.on(cluster, num_layers=S, microbatches=B),
+                                  cut_bytes=[table.cut_bytes[r[0] - 1] / B for r in ranges[1:]],
+                                  mem_limit_bytes=mem_limit_bytes, stage_comm=plan.stage_comm, constraints=con, **sched)
+    return stage_dp(problem, candidates)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -101,9 +101,9 @@ class _Coarse:
                                     lambda k, a, e: b.make(k, int(starts[a]), int(ends[e])))
 
 
-def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[int], *,
-                        candidates: CandidateFactory | None = None, grid: Sequence[int] | None = None,
-                        **kw) -> inter.InterResult:
+def search_microbatches(table: CostTable, problem: inter.StageProblem, choices: Sequence[int], *,
+                        candidates: CandidateFactory | None = None,
+                        grid: Sequence[int] | None = None) -> inter.InterResult:
     """The stage DP for each microbatch count, the fastest plan kept: what ``inter.stage_dp_auto`` (the reference)
     does, with the same answer (ties to the smaller count) and the same ``diagnostics["by_microbatches"]``, in less
     time. The one microbatch search: :func:`auto_plan` and :func:`~autopar_lab.pins.resolve` both use it.
@@ -117,12 +117,12 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
     ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
     count is run again with every candidate, for the error's smallest memory requirement.
-    ``kw``: :func:`~autopar_lab.solve.inter.stage_dp`'s keywords (``mem_limit_bytes``, ``schedule``,
-    ``virtual_stages`` and ``wgrad_share`` among them: the DP prices every schedule with its own formula).
+    ``problem``: the stage problem (:class:`~autopar_lab.solve.inter.StageProblem`, e.g.
+    ``StageProblem.on(cluster, ...)``: the cluster, memory limit, links, schedule with its ``virtual_stages`` or
+    ``wgrad_share``, pins); its layer count, microbatch count and cut bytes are this search's (the table's layers,
+    or the grid's blocks; each count of ``choices``; the table's cut bytes over the count).
     """
     make: Callable[[int, float | None], Any] = candidates if candidates is not None else table.candidate_fn
-    # one host of virtual devices runs the stages one task at a time: the DP prices that, as price_plan does
-    kw.setdefault("serial_host", cluster.serial_host)
     L = len(table.layer_names)
     cuts = list(table.cut_bytes)
     if grid is not None and list(grid) != list(range(L)):  # cut only at the grid's blocks
@@ -133,7 +133,7 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
             fine = lambda B, m: table.candidate_fn(B, m, grid=(starts, ends))  # noqa: E731
         cuts = [table.cut_bytes[a - 1] for a in starts[1:]]
         make = lambda B, m: _Coarse(fine(B, m), starts, ends)  # noqa: E731
-    mem = kw.get("mem_limit_bytes")
+    mem = problem.mem_limit_bytes
     by: dict[int, float | None] = {B: None for B in choices}
     solved: dict[int, inter.InterResult] = {}
     best: inter.InterResult | None = None
@@ -145,8 +145,9 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
         # microbatches still wins, as in stage_dp_auto).
         bound = math.nextafter(best.latency_s, math.inf) if best is not None else math.inf
         try:
-            r = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, mem), B,
-                               cut_bytes=[c / B for c in cuts], upper_bound=bound, **kw)
+            r = inter.stage_dp(dataclasses.replace(problem, num_layers=L, microbatches=B,
+                                                   cut_bytes=[c / B for c in cuts]),
+                               make(B, mem), inter.DPOptions(upper_bound=bound))
         except inter.NoFeasiblePlanError:
             break
         if r is None:
@@ -159,8 +160,8 @@ def search_microbatches(table: CostTable, cluster: Cluster, choices: Sequence[in
     if best is None:
         B = max(choices)
         try:
-            best = inter.stage_dp(L, cluster.hosts, cluster.devices_per_host, make(B, None), B,
-                                  cut_bytes=[c / B for c in cuts], **kw)
+            best = inter.stage_dp(dataclasses.replace(problem, num_layers=L, microbatches=B,
+                                                      cut_bytes=[c / B for c in cuts]), make(B, None))
         except inter.NoFeasiblePlanError as e:
             raise inter.NoFeasiblePlanError(f"for every microbatch count in {list(choices)}: {e}",
                                             e.min_mem_bytes) from e
@@ -245,19 +246,20 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
     # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
     table.solve_planned(mem, max(choices), workers=workers)
-    kw: dict[str, Any] = dict(mem_limit_bytes=mem, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-                              stage_comm=stage_comm, schedule=schedule, max_stages=max_stages)
-    if schedule == "interleaved":
-        kw["virtual_stages"] = v
-    elif schedule == "zb-h1":
-        kw["wgrad_share"] = wgrad_share(table)
+    # (a one-host cluster of virtual devices runs the stages one task at a time: StageProblem.on prices that, as
+    # price_plan does)
+    problem = dataclasses.replace(
+        inter.StageProblem.on(cluster, num_layers=len(table.layer_names)), mem_limit_bytes=mem,
+        stage_comm=stage_comm, max_stages=max_stages).with_schedule(
+        schedule, virtual_stages=v if schedule == "interleaved" else None,
+        wgrad_share=wgrad_share(table) if schedule == "zb-h1" else None)
     grid = layer_grid(len(table.layer_names))
     try:
-        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
+        result = search_microbatches(table, problem, choices, grid=grid)
     except inter.NoFeasiblePlanError:  # lean solutions on every mesh when nothing fits without them
         if table.lean != "auto" or not table.solve_lean(workers=workers):
             raise
-        result = search_microbatches(table, cluster, choices, grid=grid, **kw)
+        result = search_microbatches(table, problem, choices, grid=grid)
     result = simulated_best(table, result, schedule=schedule, stage_comm=stage_comm, mem_limit_bytes=mem,
                             virtual_stages=v)
     stages = [(st.layers, st.submesh, st.logical_mesh, st.remat) for st in result.stages]

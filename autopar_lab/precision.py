@@ -7,7 +7,7 @@ hold), with their dtypes changed and a few keys in their ``params`` (:data:`~aut
 ``FP8_CASTS``, ``GRAD_BYTES``, ``FP8_COPY_BYTES``). Every formula downstream reads the format from the graph and from
 nothing else: strategy pricing (a matmul's dtype picks the device rate, :meth:`~autopar_lab.cluster.Device.peak`), the
 intra-op ILP's collectives (a gradient's all-reduce moves its dtype's bytes), the memory terms
-(:func:`~autopar_lab.solve.intra.memory_terms`) and kernel fusion. A retyped graph has its own fingerprint, so cost
+(:func:`~autopar_lab.solve.memterms.memory_terms`) and kernel fusion. A retyped graph has its own fingerprint, so cost
 tables, plan files and memo caches never mix formats. :func:`precision_of` says a graph's format.
 
 The formats (:data:`NAMES`), with Adam's memory per parameter as ZeRO counts it (Rajbhandari et al., SC20):
@@ -384,8 +384,7 @@ def _renode(node: OpNode, ins: tuple, outs: tuple, params: dict, tensors) -> OpN
 
 
 def _graph_like(graph: OpGraph, nodes, tensors, fmt: Precision | None) -> OpGraph:
-    return OpGraph(nodes, tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
-                   trace_s=graph.trace_s, layer_rule=graph.layer_rule, layer_note=graph.layer_note, precision=fmt)
+    return graph.with_nodes(nodes, tensors=tensors, precision=fmt)
 
 
 #: Primitives that pick experts from a router's scores.

@@ -29,14 +29,15 @@ Example (2 stages, 2 microbatches, fwd 1 s, bwd 2 s):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .schedules import SCHEDULES, check_layout, check_schedule
 
-__all__ = ["SCHEDULES", "COMPUTE_KINDS", "ScheduleStuck", "Task", "Timeline", "issue_order", "simulate",
-           "stage_order", "task_order"]
+__all__ = ["SCHEDULES", "COMPUTE_KINDS", "ScheduleStuck", "SimOptions", "Task", "Timeline", "issue_order",
+           "simulate", "stage_order", "task_order"]
 
 #: The kinds of compute task: forward, backward (for ZB-H1 its input-gradient part B), weight gradient (ZB-H1's W).
 COMPUTE_KINDS = ("fwd", "bwd", "wgrad")
@@ -242,33 +243,59 @@ def _check_vector(name: str, values, length: int) -> tuple[float, ...]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    """What a simulated pipeline holds and shares besides its task times (:func:`simulate`).
+
+    ``act_bytes[i]``: bytes stage ``i`` keeps per in-flight microbatch; ``static_bytes[i]``: bytes it always holds
+    (zeros by default: the timeline's memory is then 0). ``warmup[i]``: forwards stage ``i`` runs before its first
+    backward under 1F1B (default: the schedule's own). ``hosts[i]``: the compute resource stage ``i`` shares with
+    the stages of the same value (virtual devices: one machine's cores and driver run every stage on it, one task
+    at a time; default: each stage its own). Interleaved: ``act_bytes`` and ``static_bytes`` per virtual stage, like
+    the times. Immutable: change one with a ``with_*`` method or :func:`dataclasses.replace`.
+
+    >>> SimOptions().with_memory([1.0, 2.0], [0.0, 0.0]).act_bytes
+    (1.0, 2.0)
+    """
+
+    act_bytes: Sequence[float] | None = None
+    static_bytes: Sequence[float] | None = None
+    warmup: Sequence[int] | None = None
+    hosts: Sequence[int] | None = None
+
+    def with_memory(self, act_bytes: Sequence[float], static_bytes: Sequence[float]) -> SimOptions:
+        return dataclasses.replace(self, act_bytes=tuple(act_bytes), static_bytes=tuple(static_bytes))
+
+    def with_warmup(self, warmup: Sequence[int] | None) -> SimOptions:
+        return dataclasses.replace(self, warmup=None if warmup is None else tuple(warmup))
+
+    def with_hosts(self, hosts: Sequence[int] | None) -> SimOptions:
+        return dataclasses.replace(self, hosts=None if hosts is None else tuple(hosts))
+
+
 def simulate(
     fwd_s: Sequence[float],
     bwd_s: Sequence[float],
     microbatches: int,
     schedule: str = "1f1b",
+    *,
     send_fwd_s: Sequence[float] | None = None,
     send_bwd_s: Sequence[float] | None = None,
-    act_bytes: Sequence[float] | None = None,
-    static_bytes: Sequence[float] | None = None,
-    warmup: Sequence[int] | None = None,
     wgrad_s: Sequence[float] | None = None,
     virtual_stages: int | None = None,
-    hosts: Sequence[int] | None = None,
+    options: SimOptions = SimOptions(),
 ) -> Timeline:
     """Simulate one training step of a pipeline and return its :class:`Timeline`.
 
     ``fwd_s[i]``/``bwd_s[i]``: seconds per microbatch on stage ``i``. ``send_fwd_s[c]``/
     ``send_bwd_s[c]``: seconds to move one microbatch's activation / gradient over cut ``c``
-    (between stage ``c`` and ``c + 1``); zeros by default. ``act_bytes[i]``: bytes stage
-    ``i`` keeps per in-flight microbatch; ``static_bytes[i]``: bytes it always holds.
+    (between stage ``c`` and ``c + 1``); zeros by default. ``options`` (:class:`SimOptions`): the memory each
+    stage holds, 1F1B's warm-up depth, the stages sharing one host.
     ``wgrad_s[i]`` (ZB-H1 only, required there): seconds of the weight-gradient task W, ``bwd_s[i]`` then being the
     input-gradient part B alone. ``virtual_stages = v`` (interleaved only, default 2): every per-stage list is per
     virtual stage (``p * v`` entries, chunk ``c`` on stage ``c % p``) and every cut list per cut between
-    consecutive chunks (``p * v - 1``); the timeline's figures are per stage. ``hosts[i]``: the compute resource
-    stage ``i`` shares with the stages of the same value (virtual devices: one machine's cores and driver run
-    every stage on it, one task at a time; default: each stage its own). Stages sharing a resource still run their
-    own tasks in order; among them the task that can start first runs next.
+    consecutive chunks (``p * v - 1``); the timeline's figures are per stage. Stages sharing a host
+    (``options.hosts``) still run their own tasks in order; among them the task that can start first runs next.
 
     Transfer tasks are recorded only on cuts whose transfer time is positive.
 
@@ -278,6 +305,7 @@ def simulate(
     >>> simulate([1, 1], [1, 1], 4, "zb-h1", wgrad_s=[1, 1]).makespan   # 1F1B with bwd 2 s: 15 s
     13.0
     """
+    act_bytes, static_bytes, warmup, hosts = options.act_bytes, options.static_bytes, options.warmup, options.hosts
     schedule, v = check_schedule(schedule, virtual_stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}.")

@@ -30,7 +30,7 @@ import time
 
 import autopar_lab as al
 from autopar_lab.cluster import Cluster
-from autopar_lab.solve.intra import solve_intra
+from autopar_lab.solve.intra import IntraOptions, solve_intra
 
 VARIANTS = {
     "reuse": dict(reuse_layers=True, merge=False),
@@ -43,7 +43,7 @@ VARIANTS = {
 def run_variant(graph, mesh, variant: str, time_limit):
     t0 = time.perf_counter()
     try:
-        plan = solve_intra(graph, mesh, time_limit=time_limit, **VARIANTS[variant])
+        plan = solve_intra(graph, mesh, options=IntraOptions(time_limit=time_limit, **VARIANTS[variant]))
     except Exception as e:  # report, keep benchmarking the rest
         return {"variant": variant, "error": f"{type(e).__name__}: {e}", "wall_s": time.perf_counter() - t0}
     solved = [g for g in plan.groups if g.reused_from is None]

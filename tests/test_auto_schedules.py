@@ -13,7 +13,7 @@ import pytest
 import autopar_lab as al
 from autopar_lab.cluster import Cluster
 from autopar_lab.planner import AUTO_SCHEDULES, wgrad_share
-from autopar_lab.solve.exhaustive import global_optimum
+from autopar_lab.solve.exhaustive import OptimumSearch, global_optimum
 from test_exhaustive import naive
 
 SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)  # as test_exhaustive: 664 plans
@@ -34,7 +34,8 @@ def test_global_optimum_with_the_schedule_is_the_plain_enumeration(model, table,
     assert r["gap"] >= -1e-12 and r["auto_fits"]
     # the auto plan is the DP's pick for this schedule, within a few percent of the optimum over the whole space
     assert r["gap"] < 0.25
-    unseeded = global_optimum(model, SMALL, schedule=schedule, virtual_stages=v, table=table, seed=False)
+    unseeded = global_optimum(model, SMALL, schedule=schedule, virtual_stages=v, table=table,
+                              search=OptimumSearch(seed=False))
     assert unseeded["optimum_step_s"] == pytest.approx(want, rel=1e-12)
     assert unseeded["plans_priced"] < unseeded["plans_total"]  # the busiest-stage bound cuts the space
 

@@ -13,7 +13,9 @@ import pytest
 from test_inter import random_instance as inter_instance
 
 from autopar_lab.solve import dpbounds, inter
-from autopar_lab.solve.inter import CandidateBlock, NoFeasiblePlanError, stage_dp, submesh_shapes
+from autopar_lab.solve.inter import brute, dp, problem
+from autopar_lab.solve.inter import (CandidateBlock, DPOptions, NoFeasiblePlanError, StageProblem, stage_dp,
+                                     submesh_shapes)
 
 
 def random_instance(seed: int):
@@ -59,20 +61,22 @@ def outcome(fn):
 @pytest.mark.parametrize("seed", range(150))
 def test_array_candidates_and_pruning_give_the_plain_search_s_plan(seed):
     L, hosts, dph, fn, kw = random_instance(seed)
-    plain = outcome(lambda: stage_dp(L, hosts, dph, fn, prune=False, **kw))
-    assert outcome(lambda: stage_dp(L, hosts, dph, fn, **kw)) == plain
-    assert outcome(lambda: stage_dp(L, hosts, dph, Blocks(L, hosts, dph, fn), **kw)) == plain
+    plain = outcome(lambda: stage_dp(StageProblem(L, hosts, dph, **kw), fn, DPOptions(prune=False)))
+    assert outcome(lambda: stage_dp(StageProblem(L, hosts, dph, **kw), fn)) == plain
+    assert outcome(lambda: stage_dp(StageProblem(L, hosts, dph, **kw), Blocks(L, hosts, dph, fn))) == plain
     if plain is not None and plain[0] != "infeasible":
         for bound in (plain[0] * 1.5, math.nextafter(plain[0], math.inf), plain[0]):
-            want = outcome(lambda: stage_dp(L, hosts, dph, fn, prune=False, upper_bound=bound, **kw))
-            assert outcome(lambda: stage_dp(L, hosts, dph, fn, upper_bound=bound, **kw)) == want
+            want = outcome(lambda: stage_dp(StageProblem(L, hosts, dph, **kw), fn,
+                                            DPOptions(prune=False, upper_bound=bound)))
+            assert outcome(lambda: stage_dp(StageProblem(L, hosts, dph, **kw), fn,
+                                            DPOptions(upper_bound=bound))) == want
 
 
 def all_plans(p):
     """Every plan of a problem: (stage times, priced cuts, their steady-state terms) of the assignments that fit."""
-    for parts in inter._compositions(p.num_layers, p.max_stages):
+    for parts in brute.compositions(p.num_layers, p.max_stages):
         S = len(parts)
-        for shapes, offsets in inter._shape_sequences(p, S):
+        for shapes, offsets in brute.shape_sequences(p, S):
             per = []
             for j, ((k, i), shape) in enumerate(zip(parts, shapes)):
                 held = inter.held_microbatches(S - j, p.microbatches, p.schedule)
@@ -87,15 +91,13 @@ def all_plans(p):
 def test_the_bounds_hold_for_every_plan(seed):
     """t_max >= H / N and sum t + sum c >= the stage-count bound, for every plan that fits; the seed is a plan."""
     L, hosts, dph, fn, kw = random_instance(seed)
-    p = inter._build_problem(L, hosts, dph, fn, kw["microbatches"], kw["mem_limit_bytes"], kw.get("cut_bytes"),
-                             kw.get("intra_link"), kw.get("inter_link"), kw["stage_comm"], kw["max_stages"],
-                             kw["schedule"])
+    p = problem.build_problem(StageProblem(L, hosts, dph, **kw), fn)
     if not p.shapes:
         return
-    arrays = inter._candidate_arrays(p)
-    valid, size, cut, _neck = inter._structure(p)
+    arrays = problem.candidate_arrays(p)
+    valid, size, cut, _neck = problem.structure(p)
     NM = p.num_devices
-    E = dpbounds.device_seconds(inter._fastest_at(p, arrays, 1), size.astype(float))
+    E = dpbounds.device_seconds(dp.fastest_at(p, arrays, 1), size.astype(float))
     H, G = dpbounds.partition_bounds(E, p.max_stages)
     cut_min = float(cut[1:, 1:NM].min()) if L > 1 and NM > 1 else 0.0
     lb = dpbounds.stage_sum_bounds(G, NM, cut_min)
@@ -104,7 +106,7 @@ def test_the_bounds_hold_for_every_plan(seed):
         assert max(times) >= H / NM * (1 - 1e-12)
         assert sum(times) + sum(cuts) >= lb[len(times) - 1] * (1 - 1e-12)
         latencies.append(inter.pipeline_latency(times, cuts, p.microbatches, necks))
-    seed_T = inter._seed_latency(p, arrays)
+    seed_T = dp.seed_latency(p, arrays)
     if math.isfinite(seed_T):
         assert any(math.isclose(seed_T, T, rel_tol=1e-12) for T in latencies)
 
@@ -116,7 +118,7 @@ def test_partition_bounds_against_enumeration():
         E = E + np.tril(np.full((L, L), np.inf), -1)  # no range ends before it starts
         H, G = dpbounds.partition_bounds(E, L)
         sums, roots = [], {}
-        for parts in inter._compositions(L, L):
+        for parts in brute.compositions(L, L):
             sums.append(sum(E[a, b] for a, b in parts))
             r = sum(math.sqrt(E[a, b]) for a, b in parts)
             roots[len(parts)] = min(roots.get(len(parts), math.inf), r)

@@ -394,7 +394,7 @@ def test_global_norm_clipping_runs_locally_and_in_stage_workers(cluster):
         def __getattr__(self, name):
             return type("M", (), {"remote": staticmethod(getattr(self.w, name))})
 
-    job = job_spec(plan, spec, STEPS, compiler_options=FAST)
+    job = job_spec(plan, spec, STEPS, options=al.RunOptions(compiler_options=FAST))
     assert job["model_spec"] is spec and len(job["op_layers"]) == len(graph)
     workers = [StageWorker(job, k) for k in range(2)]
     routes = _Routes([w.info() for w in workers])

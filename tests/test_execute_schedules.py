@@ -110,7 +110,7 @@ def test_stage_workers_run_zero_bubble_and_checkpoint(model, plan, reference, tm
     from autopar_lab.runtime.train_entry import _Routes, _submit_step, job_spec, step_loss
 
     q = plan.with_schedule("zb-h1")
-    spec = job_spec(q, model, STEPS, compiler_options=FAST)
+    spec = job_spec(q, model, STEPS, options=al.RunOptions(compiler_options=FAST))
     assert spec["plan"]["schedule"] == "zb-h1"
     workers = [StageWorker(spec, k) for k in range(2)]
     routes = _Routes([w.info() for w in workers])
@@ -156,7 +156,8 @@ def test_interleaved_plan_on_ray_trains_like_one_device(model, plan, reference, 
     from autopar_lab.runtime.launch import launch
 
     q = plan.with_schedule("interleaved", 2)
-    job = launch(q, model, STEPS, compiler_options=FAST, checkpoint_dir=tmp_path, checkpoint_every=STEPS)
+    job = launch(q, model, STEPS, options=al.RunOptions(compiler_options=FAST, checkpoint_dir=tmp_path,
+                                                        checkpoint_every=STEPS))
     result = job.wait(timeout=900)
     assert result["status"] == "done", result["message"]
     _close(result["losses"], reference[0])

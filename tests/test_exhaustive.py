@@ -10,7 +10,7 @@ import autopar_lab as al
 from autopar_lab import cli
 from autopar_lab.pricing import price_plan
 from autopar_lab.cluster import Cluster
-from autopar_lab.solve.exhaustive import DEFAULT_LIMIT, count_plans, global_optimum
+from autopar_lab.solve.exhaustive import DEFAULT_LIMIT, OptimumSearch, count_plans, global_optimum
 from autopar_lab.solve.inter import placement_fits
 
 # Two hosts of two devices: every submesh shape (1x1, 1x2, 2x2) and both links appear, and the ILPs stay small.
@@ -78,8 +78,8 @@ def test_pruned_search_equals_plain_enumeration(model, base, fraction):
     mem = None if fraction is None else fraction * max(base["auto"].cost.peak_mem_bytes)
     limit = SMALL.device.memory_bytes if mem is None else mem
     want, n = naive(table, SMALL, [1, 2, 4, 8], limit)
-    plain = global_optimum(model, SMALL, mem_limit_bytes=mem, prune=False, table=table)
-    unseeded = global_optimum(model, SMALL, mem_limit_bytes=mem, seed=False, table=table)
+    plain = global_optimum(model, SMALL, mem_limit_bytes=mem, table=table, search=OptimumSearch(prune=False))
+    unseeded = global_optimum(model, SMALL, mem_limit_bytes=mem, table=table, search=OptimumSearch(seed=False))
     seeded = global_optimum(model, SMALL, mem_limit_bytes=mem, table=table)
     assert n == plain["plans_total"] == plain["plans_priced"]
     for r in (plain, unseeded, seeded):
@@ -91,7 +91,7 @@ def test_pruned_search_equals_plain_enumeration(model, base, fraction):
 
 def test_size_guard_refuses_big_instances(model, base):
     with pytest.raises(ValueError, match="too many plans to enumerate: 2,088"):
-        global_optimum(model, SMALL, limit=100, table=base["table"])
+        global_optimum(model, SMALL, table=base["table"], search=OptimumSearch(limit=100))
     big = al.models.get("gpt-tiny", batch_size=8, num_layers=6)  # 8 layers on 16 devices
     cluster = Cluster.preset("p3.16xlarge", hosts=2)
     assert count_plans(8, cluster, 4) > DEFAULT_LIMIT

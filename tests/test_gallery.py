@@ -366,7 +366,7 @@ try:
     refused = ""
 except ValueError as e:
     refused = str(e)
-result = launch(plan, spec, tg.STEPS, compiler_options=tg.FAST, wait=True).result
+result = launch(plan, spec, tg.STEPS, options=al.RunOptions(compiler_options=tg.FAST), wait=True).result
 print("RESULT " + json.dumps({{"local": local, "ray": result, "refused": refused}}))
 """
 

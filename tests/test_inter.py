@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from autopar_lab.simulate import simulate
 from autopar_lab.solve.inter import (
+    DPOptions,
     NoFeasiblePlanError,
     StageCandidate,
+    StageProblem,
     brute_force_stages,
     held_microbatches,
     pipeline_latency,
@@ -96,19 +98,19 @@ def assert_valid_plan(r, L, hosts, dph, kwargs):
 def test_dp_matches_brute_force(seed):
     (L, hosts, dph, cands), kwargs = random_instance(seed)
     try:
-        bf = brute_force_stages(L, hosts, dph, cands, **kwargs)
+        bf = brute_force_stages(StageProblem(L, hosts, dph, **kwargs), cands)
     except NoFeasiblePlanError as e:
         with pytest.raises(NoFeasiblePlanError) as got:
-            stage_dp(L, hosts, dph, cands, **kwargs)
+            stage_dp(StageProblem(L, hosts, dph, **kwargs), cands)
         assert got.value.min_mem_bytes == e.min_mem_bytes
         return
-    dp = stage_dp(L, hosts, dph, cands, **kwargs)
+    dp = stage_dp(StageProblem(L, hosts, dph, **kwargs), cands)
     assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
     assert_valid_plan(dp, L, hosts, dph, kwargs)
     assert_valid_plan(bf, L, hosts, dph, kwargs)
     # Alpa's early stop and no pruning at all find the same optimum.
-    full = stage_dp(L, hosts, dph, cands, t_max_search="all", **kwargs)
-    alpa = stage_dp(L, hosts, dph, cands, t_max_search="alpa", **kwargs)
+    full = stage_dp(StageProblem(L, hosts, dph, **kwargs), cands, DPOptions(t_max_search="all"))
+    alpa = stage_dp(StageProblem(L, hosts, dph, **kwargs), cands, DPOptions(t_max_search="alpa"))
     assert full.latency_s == pytest.approx(dp.latency_s, rel=1e-9)
     assert alpa.latency_s == pytest.approx(dp.latency_s, rel=1e-9)
     assert len(full.diagnostics["t_max_tried"]) >= len(alpa.diagnostics["t_max_tried"])
@@ -121,9 +123,9 @@ def test_early_stop_prunes_but_keeps_answer():
         size = sub[0] * sub[1]
         return [StageCandidate((a, b), sub, sub, False, n / size + 0.01 * a, n / size, 0, 0)]
 
-    full = stage_dp(6, 1, 4, cands, microbatches=16, t_max_search="all")
-    alpa = stage_dp(6, 1, 4, cands, microbatches=16, t_max_search="alpa")
-    bisect = stage_dp(6, 1, 4, cands, microbatches=16, t_max_search="bisect")
+    full = stage_dp(StageProblem(6, 1, 4, microbatches=16), cands, DPOptions(t_max_search="all"))
+    alpa = stage_dp(StageProblem(6, 1, 4, microbatches=16), cands, DPOptions(t_max_search="alpa"))
+    bisect = stage_dp(StageProblem(6, 1, 4, microbatches=16), cands, DPOptions(t_max_search="bisect"))
     assert alpa.latency_s == full.latency_s == bisect.latency_s
     n_all = len(full.diagnostics["t_max_tried"])
     assert n_all == full.diagnostics["t_max_values"]
@@ -144,27 +146,27 @@ def mem_cands(a, b, sub):
 def test_infeasible_memory_names_smallest_need():
     kw = dict(microbatches=4, schedule="1f1b")
     with pytest.raises(NoFeasiblePlanError) as e:
-        stage_dp(4, 1, 2, mem_cands, mem_limit_bytes=5, **kw)
+        stage_dp(StageProblem(4, 1, 2, mem_limit_bytes=5, **kw), mem_cands)
     need = e.value.min_mem_bytes
     assert isinstance(e.value, ValueError)
     assert f"{need:.6g}" in str(e.value)
     assert "more devices" in str(e.value) and "memory limit" in str(e.value)
     # The brute force agrees on the number, and the number is tight: at it a plan exists, below it none does.
     with pytest.raises(NoFeasiblePlanError) as e2:
-        brute_force_stages(4, 1, 2, mem_cands, mem_limit_bytes=5, **kw)
+        brute_force_stages(StageProblem(4, 1, 2, mem_limit_bytes=5, **kw), mem_cands)
     assert e2.value.min_mem_bytes == need
-    ok = stage_dp(4, 1, 2, mem_cands, mem_limit_bytes=need, **kw)
+    ok = stage_dp(StageProblem(4, 1, 2, mem_limit_bytes=need, **kw), mem_cands)
     assert max(ok.stage_mem_bytes) <= need
     with pytest.raises(NoFeasiblePlanError):
-        stage_dp(4, 1, 2, mem_cands, mem_limit_bytes=need * (1 - 1e-9), **kw)
+        stage_dp(StageProblem(4, 1, 2, mem_limit_bytes=need * (1 - 1e-9), **kw), mem_cands)
     # By hand: 2 stages of 2 layers on one device each: 20 static + held * 4 (remat); first stage holds 2.
     # One stage of 4 layers on 2 devices: 20 + 1 * 4 = 24. Four layers on (1,1)+(1,1) split 1/3: 30 + 1*6 = 36.
     assert need == 24
 
 
 def test_memory_limit_forces_remat():
-    free = stage_dp(4, 1, 2, mem_cands, microbatches=4)
-    tight = stage_dp(4, 1, 2, mem_cands, microbatches=4, mem_limit_bytes=27)
+    free = stage_dp(StageProblem(4, 1, 2, microbatches=4), mem_cands)
+    tight = stage_dp(StageProblem(4, 1, 2, microbatches=4, mem_limit_bytes=27), mem_cands)
     assert not any(s.remat for s in free.stages)
     assert any(s.remat for s in tight.stages)
     assert tight.latency_s > free.latency_s
@@ -179,8 +181,8 @@ def hand_cands(a, b, sub):
 def test_pricing_stage_comm_changes_the_cut():
     # Two hosts of one device: every cut is inter-host. A huge activation leaves layer 0.
     kw = dict(microbatches=4, cut_bytes=[48.0, 0.0], intra_link=INTRA, inter_link=Link(10.0, 0.05))
-    alpa = stage_dp(3, 2, 1, hand_cands, stage_comm="ignore", **kw)
-    ours = stage_dp(3, 2, 1, hand_cands, stage_comm="model", **kw)
+    alpa = stage_dp(StageProblem(3, 2, 1, stage_comm="ignore", **kw), hand_cands)
+    ours = stage_dp(StageProblem(3, 2, 1, stage_comm="model", **kw), hand_cands)
     # Alpa balances compute: {0} | {1, 2} with T = 4 + 3 * 2 = 10, blind to a 2 * 4.85 s transfer.
     assert alpa.boundaries == (0, 1) and alpa.latency_s == pytest.approx(10.0)
     assert alpa.cut_links == ("inter",)
@@ -200,7 +202,8 @@ def test_cut_links_follow_in_order_placement():
     def cands(a, b, sub):
         return [StageCandidate((a, b), sub, sub, False, 1.0, 1.0, 0, 0)] if (a == b and sub == (1, 1)) else []
 
-    r = stage_dp(4, 2, 2, cands, 3, cut_bytes=[10.0, 20.0, 30.0], intra_link=INTRA, inter_link=INTER)
+    r = stage_dp(StageProblem(4, 2, 2, microbatches=3, cut_bytes=[10.0, 20.0, 30.0], intra_link=INTRA,
+                              inter_link=INTER), cands)
     assert r.device_offsets == (0, 1, 2, 3)
     assert r.cut_links == ("intra", "inter", "intra")
     expect = (0.01 + 10 / 100, 0.1 + 20 / 10, 0.01 + 30 / 100)
@@ -219,7 +222,8 @@ def test_formula_against_simulator(schedule):
         t = [x * (1 + ratio) for x in f]
         c = [x * (1 + ratio) for x in sf]
         formula = pipeline_latency(t, c, B)
-        sim = simulate(f, [x * ratio for x in f], B, schedule, [x for x in sf], [x * ratio for x in sf]).makespan
+        sim = simulate(f, [x * ratio for x in f], B, schedule, send_fwd_s=[x for x in sf],
+                       send_bwd_s=[x * ratio for x in sf]).makespan
         if schedule == "gpipe":
             assert sim == pytest.approx(formula)  # exact when bwd is proportional to fwd everywhere
         elif not any(sf):
@@ -229,9 +233,8 @@ def test_formula_against_simulator(schedule):
 
 
 def test_result_timeline_matches_latency_for_gpipe():
-    r = stage_dp(
-        4, 1, 4, mem_cands, 6, schedule="gpipe", cut_bytes=[1.0, 2.0, 3.0], intra_link=INTRA, inter_link=INTER
-    )
+    r = stage_dp(StageProblem(4, 1, 4, microbatches=6, schedule="gpipe", cut_bytes=[1.0, 2.0, 3.0], intra_link=INTRA,
+                              inter_link=INTER), mem_cands)
     tl = r.timeline()
     assert tl.num_stages == len(r.stages)
     # Every stage's bwd is 2x its fwd and every cut's gradient equals its activation in size: not the same
@@ -246,14 +249,14 @@ def test_stage_dp_auto_picks_best_microbatches():
         work = n * 16.0 / B / size
         return [StageCandidate((a, b), sub, sub, False, work + 0.2, 2 * work + 0.2, 0, 0)]
 
-    r = stage_dp_auto(4, 1, 4, cands, batch_size=48)
+    r = stage_dp_auto(StageProblem(4, 1, 4), cands, batch_size=48)
     table = r.diagnostics["by_microbatches"]
     assert sorted(table) == [1, 2, 4, 8, 16]
     for B, lat in table.items():
-        one = stage_dp(4, 1, 4, lambda a, b, s, _B=B: cands(a, b, s, _B), B)
+        one = stage_dp(StageProblem(4, 1, 4, microbatches=B), lambda a, b, s, _B=B: cands(a, b, s, _B))
         assert lat == pytest.approx(one.latency_s)
     assert r.latency_s == min(table.values()) and table[r.microbatches] == r.latency_s
-    only = stage_dp_auto(4, 1, 4, cands, batch_size=48, choices=[3, 6])
+    only = stage_dp_auto(StageProblem(4, 1, 4), cands, batch_size=48, choices=[3, 6])
     assert sorted(only.diagnostics["by_microbatches"]) == [3, 6]
 
 
@@ -262,20 +265,21 @@ def test_stage_dp_auto_all_infeasible():
         return mem_cands(a, b, sub)
 
     with pytest.raises(NoFeasiblePlanError, match="every microbatch count"):
-        stage_dp_auto(4, 1, 2, cands, batch_size=4, mem_limit_bytes=5)
+        stage_dp_auto(StageProblem(4, 1, 2, mem_limit_bytes=5), cands, batch_size=4)
 
 
 def test_bad_inputs():
     flat = lambda a, b, s: [StageCandidate((a, b), s, s, False, 1.0, 1.0, 0, 0)]  # noqa: E731
     with pytest.raises(ValueError, match="cut_bytes"):
-        stage_dp(3, 1, 2, flat, 2, cut_bytes=[1.0], intra_link=INTRA, inter_link=INTER)
+        stage_dp(StageProblem(3, 1, 2, microbatches=2, cut_bytes=[1.0], intra_link=INTRA, inter_link=INTER), flat)
     with pytest.raises(ValueError, match="intra_link"):
-        stage_dp(3, 1, 2, flat, 2, cut_bytes=[1.0, 2.0])
+        stage_dp(StageProblem(3, 1, 2, microbatches=2, cut_bytes=[1.0, 2.0]), flat)
     with pytest.raises(ValueError, match="microbatches"):
-        stage_dp(3, 1, 2, flat, 0)
+        stage_dp(StageProblem(3, 1, 2, microbatches=0), flat)
     with pytest.raises(ValueError, match="stage_comm"):
-        stage_dp(3, 1, 2, flat, 2, stage_comm="nope")
+        stage_dp(StageProblem(3, 1, 2, microbatches=2, stage_comm="nope"), flat)
     with pytest.raises(ValueError, match="non-negative"):
-        stage_dp(2, 1, 1, lambda a, b, s: [StageCandidate((a, b), s, s, False, -1.0, 1.0, 0, 0)], 2)
+        stage_dp(StageProblem(2, 1, 1, microbatches=2),
+                 lambda a, b, s: [StageCandidate((a, b), s, s, False, -1.0, 1.0, 0, 0)])
     with pytest.raises(NoFeasiblePlanError, match="candidates"):
-        stage_dp(2, 1, 1, lambda a, b, s: [], 2)
+        stage_dp(StageProblem(2, 1, 1, microbatches=2), lambda a, b, s: [])

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from autopar_lab.simulate import simulate
 from autopar_lab.solve.inter import (
+    DPOptions,
     NoFeasiblePlanError,
     StageCandidate,
+    StageProblem,
     brute_force_stages,
     held_microbatches,
     pipeline_latency,
@@ -87,16 +89,16 @@ def _instance(seed, schedule):
 def test_dp_matches_brute_force(seed, schedule):
     L, hosts, dph, cands, kwargs = _instance(seed, schedule)
     try:
-        bf = brute_force_stages(L, hosts, dph, cands, **kwargs)
+        bf = brute_force_stages(StageProblem(L, hosts, dph, **kwargs), cands)
     except NoFeasiblePlanError as e:
         with pytest.raises(NoFeasiblePlanError) as got:
-            stage_dp(L, hosts, dph, cands, **kwargs)
+            stage_dp(StageProblem(L, hosts, dph, **kwargs), cands)
         if math.isfinite(e.min_mem_bytes):
             assert got.value.min_mem_bytes == e.min_mem_bytes
         return
-    dp = stage_dp(L, hosts, dph, cands, **kwargs)
+    dp = stage_dp(StageProblem(L, hosts, dph, **kwargs), cands)
     assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
-    full = stage_dp(L, hosts, dph, cands, t_max_search="all", **kwargs)
+    full = stage_dp(StageProblem(L, hosts, dph, **kwargs), cands, DPOptions(t_max_search="all"))
     assert full.latency_s == pytest.approx(dp.latency_s, rel=1e-9)
     for r in (dp, bf):
         S = len(r.stages)
@@ -122,12 +124,12 @@ def test_interleaving_shrinks_the_bubble_so_the_dp_pipelines_deeper():
         n = b - a + 1
         return [StageCandidate((a, b), sub, sub, False, n / 3, 2 * n / 3, 0, 0)] if sub == (1, 1) else []
 
-    one = stage_dp(4, 1, 4, cands, 4, schedule="1f1b")
-    two = stage_dp(8, 1, 4, cands, 4, schedule="interleaved", virtual_stages=2)
+    one = stage_dp(StageProblem(4, 1, 4, microbatches=4, schedule="1f1b"), cands)
+    two = stage_dp(StageProblem(8, 1, 4, microbatches=4, schedule="interleaved", virtual_stages=2), cands)
     assert len(one.stages) == 4 and one.latency_s == pytest.approx(4 * 1 + 3 * 1)
     assert len(two.stages) == 4 and two.latency_s == pytest.approx(4 * 2 + 3 * 2 / 2)
     assert two.timeline().makespan == pytest.approx(two.latency_s)  # what the simulator says of that plan
-    zb = stage_dp(4, 1, 4, cands, 4, schedule="zb-h1", wgrad_share=W)
+    zb = stage_dp(StageProblem(4, 1, 4, microbatches=4, schedule="zb-h1", wgrad_share=W), cands)
     assert zb.latency_s < one.latency_s and zb.timeline().makespan <= zb.latency_s + 1e-9
 
 
@@ -136,6 +138,7 @@ def test_interleaved_without_a_possible_layout_says_why():
         return [StageCandidate((a, b), sub, sub, False, 1.0, 1.0, 0, 0)]
 
     with pytest.raises(NoFeasiblePlanError, match="interleaved"):
-        stage_dp(3, 1, 2, cands, 2, schedule="interleaved", virtual_stages=2)  # 2 stages need 4 layers
+        stage_dp(StageProblem(3, 1, 2, microbatches=2, schedule="interleaved", virtual_stages=2),
+                 cands)  # 2 stages need 4 layers
     with pytest.raises(ValueError, match="wgrad_share"):
-        stage_dp(3, 1, 2, cands, 2, schedule="zb-h1", wgrad_share=1.5)
+        stage_dp(StageProblem(3, 1, 2, microbatches=2, schedule="zb-h1", wgrad_share=1.5), cands)

@@ -5,6 +5,7 @@ ranges) against the full min over every end layer and shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from types import SimpleNamespace as NS
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from autopar_lab.solve import inter
+from autopar_lab.solve.inter import dp, problem
 
 LINKS = dict(intra_link=NS(bandwidth=1e9, latency=1e-5), inter_link=NS(bandwidth=1e8, latency=1e-4))
 
@@ -27,10 +29,11 @@ def random_problem(rng: random.Random):
                                      rng.choice([0.0, 1.0]), rng.choice([0, 1e9, 3e9]),
                                      rng.choice([0, 3e8, 5e8, 7.7e8, 1e9])) for r in range(n)]
 
-    return inter._build_problem(L, N, M, cands, rng.choice([1, 2, 3, 4, 8, 16]),
-                                rng.choice([math.inf, 3.5e9, 4e9, 5.25e9, 6e9]),
-                                [rng.choice([0, 1e8]) for _ in range(L - 1)], stage_comm="model", max_stages=None,
-                                schedule=rng.choice(["1f1b", "gpipe"]), **LINKS)
+    B, mem = rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([math.inf, 3.5e9, 4e9, 5.25e9, 6e9])
+    cut_bytes = [rng.choice([0, 1e8]) for _ in range(L - 1)]
+    return problem.build_problem(inter.StageProblem(L, N, M, microbatches=B, mem_limit_bytes=mem, cut_bytes=cut_bytes,
+                                                    stage_comm="model", max_stages=None,
+                                                    schedule=rng.choice(["1f1b", "gpipe"]), **LINKS), cands)
 
 
 def reference_layered_dp(p, stage_cost, cut, valid, size, combine):
@@ -60,8 +63,8 @@ def reference_layered_dp(p, stage_cost, cut, valid, size, combine):
 @pytest.mark.parametrize("seed", range(60))
 def test_tables_equal_a_scan_of_every_candidate(seed):
     p = random_problem(random.Random(seed))
-    got = inter._tables(p)
-    want = inter._tables_pinned(p)  # without pins: the plain loop over every candidate and stage count
+    got = problem.candidate_tables(p)
+    want = problem.pinned_tables(p)  # without pins: the plain loop over every candidate and stage count
     np.testing.assert_array_equal(got.best_time, want.best_time)
     np.testing.assert_array_equal(got.min_req(), want.min_req())
     for k, i, sh, s in zip(*np.nonzero(np.isfinite(want.best_time))):
@@ -72,19 +75,19 @@ def test_tables_equal_a_scan_of_every_candidate(seed):
 def test_layered_dp_equals_the_full_minimum(seed):
     rng = random.Random(1000 + seed)
     p = random_problem(rng)
-    tables = inter._tables(p)
-    valid, size, cut, _neck = inter._structure(p)
+    tables = problem.candidate_tables(p)
+    valid, size, cut, _neck = problem.structure(p)
     t_max = rng.choice([math.inf, 1.0, 2.0])
     masked = np.where(tables.best_time <= t_max, tables.best_time, np.inf)
     for combine, cost in ((np.add, masked), (np.maximum, tables.min_req())):
-        got_F, got_arg = inter._layered_dp(p, cost, cut, valid, size, combine)
+        got_F, got_arg = dp.layered_dp(p, cost, cut, valid, size, combine)
         want_F, want_arg = reference_layered_dp(p, cost, cut, valid, size, combine)
         for s in range(1, p.max_stages + 1):
             np.testing.assert_array_equal(got_F[s], want_F[s])
             np.testing.assert_array_equal(got_arg[s], want_arg[s])
     # t_max given to the DP is the same as masking the table first
-    got_F, _ = inter._layered_dp(p, tables.best_time, cut, valid, size, np.add, t_max=t_max)
-    want_F, _ = inter._layered_dp(p, masked, cut, valid, size, np.add)
+    got_F, _ = dp.layered_dp(p, tables.best_time, cut, valid, size, np.add, t_max=t_max)
+    want_F, _ = dp.layered_dp(p, masked, cut, valid, size, np.add)
     for s in range(1, p.max_stages + 1):
         np.testing.assert_array_equal(got_F[s], want_F[s])
 
@@ -96,10 +99,10 @@ def test_the_dp_structure_equals_its_definition_offset_by_offset(seed):
     rng = random.Random(seed)
     p = random_problem(rng)
     if rng.random() < 0.5:
-        p = inter.dataclasses.replace(p, schedule="interleaved", virtual_stages=2)
+        p = dataclasses.replace(p, schedule="interleaved", virtual_stages=2)
     if rng.random() < 0.2:
-        p = inter.dataclasses.replace(p, stage_comm="ignore")
-    valid, size, cut, neck = inter._structure(p)
+        p = dataclasses.replace(p, stage_comm="ignore")
+    valid, size, cut, neck = problem.structure(p)
     L, NM = p.num_layers, p.num_devices
     assert list(size) == [n * m for n, m in p.shapes]
     for sh, shape in enumerate(p.shapes):

@@ -15,6 +15,7 @@ from autopar_lab.graph import trace
 from autopar_lab.solve import ilp
 from autopar_lab.solve.intra import (
     MEMORY_TIE_BREAK_S_PER_BYTE,
+    IntraOptions,
     build_problem,
     evaluate_intra,
     solve_intra,
@@ -100,7 +101,7 @@ def _adam_step(H=1024, B=64):
 def test_tight_memory_changes_the_choice_and_impossible_memory_says_what_it_needs():
     g = _adam_step()
     m = mesh((8, 1))
-    free = solve_intra(g, m, reuse_layers=False)
+    free = solve_intra(g, m, options=IntraOptions(reuse_layers=False))
     built = build_problem(g, m, mem_limit_bytes=1e30)  # the memory rows, to read the unconstrained plan's peak
     choice = [next(k for k, s in enumerate(built.strats[i]) if s.key == free.strategies[op].key)
               for i, op in enumerate(built.nodes)]
@@ -157,7 +158,7 @@ def test_layer_reuse_costs_nothing_on_the_zoo_transformers(name):
     g = model.trace()
     m = P3.logical_mesh((1, 4), (2, 2))
     reused = solve_intra(g, m)
-    whole = solve_intra(g, m, reuse_layers=False)
+    whole = solve_intra(g, m, options=IntraOptions(reuse_layers=False))
     assert any(gs.reused_from for gs in reused.groups)
     gap = reused.total_s / whole.total_s - 1
     assert gap <= 1e-6, f"layer reuse costs {gap:.2%} on {name}"
@@ -167,10 +168,11 @@ def test_merging_and_time_limits_work_with_layer_reuse():
     g = al.models.get("gpt-tiny", dtype="float32", num_layers=3).trace()
     m = P3.logical_mesh((1, 4), (1, 4))
     free = solve_intra(g, m)
-    merged = solve_intra(g, m, merge=True)  # folded edges between identical layers must not break merging
+    # folded edges between identical layers must not break merging
+    merged = solve_intra(g, m, options=IntraOptions(merge=True))
     assert merged.total_s >= free.total_s * (1 - 1e-9)
     assert sum(gs.merges for gs in merged.groups) > 0
-    limited = solve_intra(g, m, time_limit=30)  # the greedy start of a time-limited solve
+    limited = solve_intra(g, m, options=IntraOptions(time_limit=30))  # the greedy start of a time-limited solve
     assert limited.total_s == pytest.approx(free.total_s, rel=1e-6) or all(
         gs.status in ("optimal", "time_limit", "reused") for gs in limited.groups)
 
@@ -182,14 +184,14 @@ def test_first_pass_memo_is_shared_by_meshes_with_the_same_axis_0():
     memo = {}
     for sub, shape in [((1, 4), (2, 2)), ((1, 8), (2, 4))]:
         m = P3.logical_mesh(sub, shape)
-        with_memo = solve_intra(g, m, memo=memo, rounds=1, solver="highs")
-        plain = solve_intra(g, m, rounds=1, solver="highs")
+        with_memo = solve_intra(g, m, memo=memo, options=IntraOptions(rounds=1, solver="highs"))
+        plain = solve_intra(g, m, options=IntraOptions(rounds=1, solver="highs"))
         assert with_memo.total_s == pytest.approx(plain.total_s, rel=1e-12)
         assert {o: s.key for o, s in with_memo.strategies.items()} == {o: s.key for o, s in plain.strategies.items()}
     assert len(memo) == 1  # one first pass served both meshes
     # A different axis-0 link (across hosts) is a different first pass.
-    solve_intra(g, Cluster.preset("p3.16xlarge", hosts=2).logical_mesh((2, 8), (2, 8)), memo=memo, rounds=1,
-                solver="highs")
+    solve_intra(g, Cluster.preset("p3.16xlarge", hosts=2).logical_mesh((2, 8), (2, 8)), memo=memo,
+                options=IntraOptions(rounds=1, solver="highs"))
     assert len(memo) == 2
 
 

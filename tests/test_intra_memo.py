@@ -9,7 +9,7 @@ import pytest
 import autopar_lab as al
 from autopar_lab.sharding import reshard, spec, strategies
 from autopar_lab.sharding.strategies import strategies_for
-from autopar_lab.solve.intra import StrategyCache, build_problem, solve_intra
+from autopar_lab.solve.intra import IntraOptions, StrategyCache, build_problem, solve_intra
 
 
 def _clear_module_memos():
@@ -95,10 +95,10 @@ def test_collective_time_memo_equals_the_mesh_formula():
 def test_a_solve_is_the_same_with_warm_and_cold_caches(graph):
     meshes = _meshes()
     _clear_module_memos()
-    cold = solve_intra(graph, meshes[4], rounds=1, solver="highs")
+    cold = solve_intra(graph, meshes[4], options=IntraOptions(rounds=1, solver="highs"))
     for mesh in meshes:
-        solve_intra(graph, mesh, rounds=1, solver="highs")
-    warm = solve_intra(graph, meshes[4], rounds=1, solver="highs")
+        solve_intra(graph, mesh, options=IntraOptions(rounds=1, solver="highs"))
+    warm = solve_intra(graph, meshes[4], options=IntraOptions(rounds=1, solver="highs"))
     assert {op: s.key for op, s in warm.strategies.items()} == {op: s.key for op, s in cold.strategies.items()}
     assert (warm.compute_s, warm.comm_s, warm.reshard_s, warm.static_bytes, warm.act_bytes) == \
         (cold.compute_s, cold.comm_s, cold.reshard_s, cold.static_bytes, cold.act_bytes)

@@ -76,7 +76,7 @@ def test_bad_input_is_refused_before_anything_starts(setup, tmp_path):
     with pytest.raises(ValueError, match="steps must be a positive"):
         launch(plan, model, 0)
     with pytest.raises(ValueError, match="checkpoint_dir"):
-        launch(plan, model, 2, checkpoint_every=1)
+        launch(plan, model, 2, options=al.RunOptions(checkpoint_every=1))
     other = al.models.get("gpt-tiny", batch_size=8, num_layers=2, hidden_size=64)
     with pytest.raises(ValueError, match="made for another model"):
         launch(plan, other, 2)
@@ -95,7 +95,7 @@ def test_remote_submission_carries_the_plan_and_the_code(setup, tmp_path):
     from autopar_lab.runtime.train_entry import job_spec
 
     model, plan = setup
-    spec = job_spec(plan, model, 3, seed=1)
+    spec = job_spec(plan, model, 3, options=al.RunOptions(seed=1))
     entry, env = remote_submission(spec, tmp_path)
     assert entry == "python -m autopar_lab.runtime.train_entry job.json"
     assert env["working_dir"] == str(tmp_path)
@@ -138,7 +138,7 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
     from autopar_lab.runtime.train_entry import _Routes, _submit_step, job_spec, step_loss
 
     model, plan = setup
-    spec = job_spec(plan, model, 3, compiler_options=OPTS)
+    spec = job_spec(plan, model, 3, options=al.RunOptions(compiler_options=OPTS))
     workers = [StageWorker(spec, k) for k in range(2)]
     assert workers[1].info()["inputs"] and workers[0].info()["outputs"]
     routes = _Routes([w.info() for w in workers])
@@ -193,8 +193,8 @@ def uninterrupted(setup, local_ray, tmp_path_factory):
     model, plan = setup
     events = []
     ck = tmp_path_factory.mktemp("ck_a")
-    job = launch(plan, model, STEPS, compiler_options=OPTS, checkpoint_dir=ck, checkpoint_every=2,
-                 on_progress=events.append)
+    options = al.RunOptions(compiler_options=OPTS).with_checkpoints(ck, every=2)
+    job = launch(plan, model, STEPS, options=options, on_progress=events.append)
     result = job.wait(timeout=900)
     return job, result, events
 
@@ -244,7 +244,8 @@ def test_killed_stage_actor_resumes_from_checkpoint_with_the_same_losses(setup, 
             ray.kill(victim, no_restart=True)  # stage 1 dies between steps 3 and 4: its state after step 3 is lost
             killed.append(victim)
 
-    job = launch(plan, model, STEPS, compiler_options=OPTS, checkpoint_dir=tmp_path, checkpoint_every=2)
+    job = launch(plan, model, STEPS, options=al.RunOptions(compiler_options=OPTS, checkpoint_dir=tmp_path,
+                                                           checkpoint_every=2))
     holder["job"] = job
     job.subscribe(kill_after_step_3)
     result = job.wait(timeout=900)
@@ -266,7 +267,7 @@ def test_cancel_stops_the_job_cleanly(setup, local_ray):
         if ev.kind == "step" and ev.step == 1:
             holder["job"].cancel()
 
-    job = launch(plan, model, 50, compiler_options=OPTS)
+    job = launch(plan, model, 50, options=al.RunOptions(compiler_options=OPTS))
     holder["job"] = job
     job.subscribe(cancel_after_first)
     result = job.wait(timeout=900)
@@ -281,7 +282,7 @@ def test_cluster_without_enough_devices_is_refused(setup, local_ray):
 
     model, plan = setup
     with pytest.raises(ValueError, match="needs 8 GPUs .* has 0"):
-        launch(plan, model, 2, device_kind="gpu")
+        launch(plan, model, 2, options=al.RunOptions(device_kind="gpu"))
 
 
 @pytest.mark.slow  # starts Ray (once per file) and stage actors

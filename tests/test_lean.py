@@ -83,25 +83,26 @@ def outcome(run):
     return r.latency_s
 
 
-def dp_kw(table, B, mem):
+def dp_problem(table, B, mem):
     c = table.cluster
-    return dict(mem_limit_bytes=mem, cut_bytes=[x / B for x in table.cut_bytes], intra_link=c.intra_host,
-                inter_link=c.inter_host, stage_comm="model")
+    return inter.StageProblem(len(table.layer_names), c.hosts, c.devices_per_host, microbatches=B, mem_limit_bytes=mem,
+                              cut_bytes=[x / B for x in table.cut_bytes], intra_link=c.intra_host,
+                              inter_link=c.inter_host, stage_comm="model")
 
 
 @pytest.mark.parametrize("seed", range(24))
 def test_the_dp_with_both_solutions_finds_brute_force_s_best_plan(table, seed):
     rng = random.Random(seed)
-    L, c = len(table.layer_names), table.cluster
+    L = len(table.layer_names)
     B = rng.choice([1, 2, 4])
     fn = every_candidate(table, B)
     # Limits from below the leanest single stage to above the fattest: infeasible, lean-only and easy instances.
     mems = [cand.mem_bytes(1) for sub in table.submeshes() for cand in fn(0, L - 1, sub)]
     per_layer = [cand.mem_bytes(1) for sub in table.submeshes() for a in range(L) for cand in fn(a, a, sub)]
     mem = rng.uniform(min(per_layer), max(mems) * 1.2)
-    kw = dp_kw(table, B, mem)
-    want = outcome(lambda: inter.brute_force_stages(L, c.hosts, c.devices_per_host, fn, B, **kw))
-    got = outcome(lambda: inter.stage_dp(L, c.hosts, c.devices_per_host, table.candidate_fn(B, mem), B, **kw))
+    prob = dp_problem(table, B, mem)
+    want = outcome(lambda: inter.brute_force_stages(prob, fn))
+    got = outcome(lambda: inter.stage_dp(prob, table.candidate_fn(B, mem)))
     assert (got is None) == (want is None)
     if want is not None:
         assert got == pytest.approx(want, rel=1e-9)
@@ -110,11 +111,11 @@ def test_the_dp_with_both_solutions_finds_brute_force_s_best_plan(table, seed):
 def test_some_limit_is_met_only_with_the_lean_solutions(table):
     """Where the fast solutions cannot fit a limit the lean ones can, the DP finds the lean plan (and brute force
     over the fast solutions alone finds none)."""
-    L, c, B = len(table.layer_names), table.cluster, 4
+    B = 4
     fn, fast_fn = every_candidate(table, B), every_fast_candidate(table, B)
 
     def least(f):
-        return inter.brute_force_stages(L, c.hosts, c.devices_per_host, f, B, **dp_kw(table, B, 1.0)).latency_s
+        return inter.brute_force_stages(dp_problem(table, B, 1.0), f).latency_s
 
     with pytest.raises(inter.NoFeasiblePlanError) as fast_err:
         least(fast_fn)
@@ -123,24 +124,23 @@ def test_some_limit_is_met_only_with_the_lean_solutions(table):
     lo, hi = both_err.value.min_mem_bytes, fast_err.value.min_mem_bytes
     assert lo < hi
     mem = (lo + hi) / 2
-    kw = dp_kw(table, B, mem)
+    prob = dp_problem(table, B, mem)
     with pytest.raises(inter.NoFeasiblePlanError):
-        inter.brute_force_stages(L, c.hosts, c.devices_per_host, fast_fn, B, **kw)
-    r = inter.stage_dp(L, c.hosts, c.devices_per_host, table.candidate_fn(B, mem), B, **kw)
+        inter.brute_force_stages(prob, fast_fn)
+    r = inter.stage_dp(prob, table.candidate_fn(B, mem))
     assert any(s.solution == "lean" for s in r.stages)
     assert all(s.payload is table.mesh_costs(s.submesh, s.logical_mesh, s.solution)[1] for s in r.stages)
     assert r.latency_s == pytest.approx(
-        inter.brute_force_stages(L, c.hosts, c.devices_per_host, fn, B, **kw).latency_s, rel=1e-9)
+        inter.brute_force_stages(prob, fn).latency_s, rel=1e-9)
 
 
 def lean_only_limit(table, B):
     """A memory limit per device halfway between the least any plan needs and the least a plan of fast solutions
     alone needs (the stage DP's own answers): only a plan with a lean stage meets it."""
-    L, c = len(table.layer_names), table.cluster
     least = {}
     for name, fn in (("both", table.candidate_fn(B, None)), ("fast", every_fast_candidate(table, B))):
         with pytest.raises(inter.NoFeasiblePlanError) as err:
-            inter.stage_dp(L, c.hosts, c.devices_per_host, fn, B, **dp_kw(table, B, 1.0))
+            inter.stage_dp(dp_problem(table, B, 1.0), fn)
         least[name] = err.value.min_mem_bytes
     assert least["both"] < least["fast"]
     return (least["both"] + least["fast"]) / 2
@@ -207,11 +207,11 @@ def limit_between(model):
     t = CostTable.build(model, DEEP, lean="all")
     t.solve_meshes(workers=1)
     t.solve_lean(workers=1)
-    L, c, B = len(t.layer_names), t.cluster, 4
+    B = 4
     least = []
     for fn in (every_fast_candidate(t, B), t.candidate_fn(B, None)):
         with pytest.raises(inter.NoFeasiblePlanError) as e:
-            inter.stage_dp(L, c.hosts, c.devices_per_host, fn, B, **dp_kw(t, B, 1.0))
+            inter.stage_dp(dp_problem(t, B, 1.0), fn)
         least.append(e.value.min_mem_bytes)
     fast, both = least
     assert both < fast

@@ -16,11 +16,12 @@ from autopar_lab.solve.inter import (
     NoFeasiblePlanError,
     StageCandidate,
     StageConstraints,
+    StageProblem,
     brute_force_stages,
     stage_dp,
     submesh_shapes,
 )
-from autopar_lab.solve.intra import StrategyCache, solve_intra
+from autopar_lab.solve.intra import IntraOptions, StrategyCache, solve_intra
 
 # ---------------------------------------------------------------------------------------------------------------
 # The stage DP with pinned decisions, against brute force (plain data, fast)
@@ -72,7 +73,7 @@ def test_pinned_dp_matches_brute_force(seed):
 
     def run(solver):
         try:
-            return solver(L, hosts, dph, cands, constraints=con, **kw)
+            return solver(StageProblem(L, hosts, dph, constraints=con, **kw), cands)
         except NoFeasiblePlanError as e:
             return e
 
@@ -96,16 +97,16 @@ def _mem_cands(a, b, sub):
 
 def test_pinned_memory_infeasible_names_smallest_need():
     kw = dict(microbatches=4, schedule="1f1b", mem_limit_bytes=30)
-    free = stage_dp(4, 1, 2, _mem_cands, **kw)  # fits without pins
+    free = stage_dp(StageProblem(4, 1, 2, **kw), _mem_cands)  # fits without pins
     # Pin three layers onto the first device and forbid remat there: 30 static + 2 held x 12 act = 54.
     con = StageConstraints(cuts=(3,), remat=(False, None))
     with pytest.raises(NoFeasiblePlanError) as e:
-        stage_dp(4, 1, 2, _mem_cands, constraints=con, **kw)
+        stage_dp(StageProblem(4, 1, 2, constraints=con, **kw), _mem_cands)
     assert e.value.min_mem_bytes == 54 and "54" in str(e.value) and "pinned" in str(e.value)
     with pytest.raises(NoFeasiblePlanError) as e2:
-        brute_force_stages(4, 1, 2, _mem_cands, constraints=con, **kw)
+        brute_force_stages(StageProblem(4, 1, 2, constraints=con, **kw), _mem_cands)
     assert e2.value.min_mem_bytes == 54
-    ok = stage_dp(4, 1, 2, _mem_cands, constraints=con, **{**kw, "mem_limit_bytes": 54})
+    ok = stage_dp(StageProblem(4, 1, 2, constraints=con, **{**kw, "mem_limit_bytes": 54}), _mem_cands)
     assert ok.boundaries == (0, 3) and not ok.stages[0].remat and max(ok.stage_mem_bytes) == 54
     assert free.latency_s <= ok.latency_s
 
@@ -113,14 +114,16 @@ def test_pinned_memory_infeasible_names_smallest_need():
 def test_constraint_errors():
     flat = lambda a, b, sub: [StageCandidate((a, b), sub, sub, False, 1.0, 1.0, 0, 0)]  # noqa: E731
     with pytest.raises(ValueError, match=r"disagree on the number of stages \(cuts say 2, submeshes say 3\)"):
-        stage_dp(4, 1, 4, flat, 2, constraints=StageConstraints(cuts=(2,), submeshes=((1, 1),) * 3))
+        stage_dp(StageProblem(4, 1, 4, microbatches=2,
+                              constraints=StageConstraints(cuts=(2,), submeshes=((1, 1),) * 3)), flat)
     with pytest.raises(ValueError, match=r"increasing layer indices in 1..3"):
-        stage_dp(4, 1, 4, flat, 2, constraints=StageConstraints(cuts=(0, 2)))
+        stage_dp(StageProblem(4, 1, 4, microbatches=2, constraints=StageConstraints(cuts=(0, 2))), flat)
     with pytest.raises(ValueError, match="ask for 3 stages, but at most 2"):
-        stage_dp(4, 1, 2, flat, 2, constraints=StageConstraints(remat=(None,) * 3))
+        stage_dp(StageProblem(4, 1, 2, microbatches=2, constraints=StageConstraints(remat=(None,) * 3)), flat)
     # Pinned submeshes that cannot tile in order: (1, 1) then (1, 2) straddles the host boundary of 2.
     with pytest.raises(NoFeasiblePlanError, match="pinned stage decisions") as e:
-        stage_dp(4, 2, 2, flat, 2, constraints=StageConstraints(submeshes=((1, 1), (1, 2), (1, 1))))
+        stage_dp(StageProblem(4, 2, 2, microbatches=2,
+                              constraints=StageConstraints(submeshes=((1, 1), (1, 2), (1, 1)))), flat)
     assert math.isinf(e.value.min_mem_bytes)
 
 
@@ -162,10 +165,10 @@ def test_with_stages_pins_and_reprices(plan, two):
     # The free logical meshes and remat flags are the DP's best for the pinned cuts and submeshes (brute force).
     con = StageConstraints(cuts=(3,), submeshes=((1, 2), (1, 2)))
     c = plan.cluster
-    bf = brute_force_stages(5, c.hosts, c.devices_per_host, lambda a, b, s: _table_cands(plan)(a, b, s, 4), 4,
-                            constraints=con, mem_limit_bytes=plan.cost.mem_limit_bytes,
-                            cut_bytes=[x / 4 for x in plan.table.cut_bytes], intra_link=c.intra_host,
-                            inter_link=c.inter_host)
+    problem = StageProblem(5, c.hosts, c.devices_per_host, microbatches=4, constraints=con,
+                           mem_limit_bytes=plan.cost.mem_limit_bytes, cut_bytes=[x / 4 for x in plan.table.cut_bytes],
+                           intra_link=c.intra_host, inter_link=c.inter_host)
+    bf = brute_force_stages(problem, lambda a, b, s: _table_cands(plan)(a, b, s, 4))
     assert [(s.logical_mesh, s.remat) for s in bf.stages] == [(s.logical_mesh, s.remat) for s in two.stages]
     # Its stages are priced by the cost table as the planner prices them.
     st = two.stages[1]
@@ -256,10 +259,11 @@ def test_resolve_keeps_stage_pins(plan, two):
     assert [s.layers for s in r.stages] == [(0, 0), (1, 4)]
     c = plan.cluster
     for B in (r.microbatches,):
-        bf = brute_force_stages(5, c.hosts, c.devices_per_host, lambda a, b, s: _table_cands(plan, True)(a, b, s, B),
-                                B, constraints=StageConstraints(cuts=(1,)), mem_limit_bytes=plan.cost.mem_limit_bytes,
-                                cut_bytes=[x / B for x in plan.table.cut_bytes], intra_link=c.intra_host,
-                                inter_link=c.inter_host)
+        problem = StageProblem(5, c.hosts, c.devices_per_host, microbatches=B, constraints=StageConstraints(cuts=(1,)),
+                               mem_limit_bytes=plan.cost.mem_limit_bytes,
+                               cut_bytes=[x / B for x in plan.table.cut_bytes], intra_link=c.intra_host,
+                               inter_link=c.inter_host)
+        bf = brute_force_stages(problem, lambda a, b, s: _table_cands(plan, True)(a, b, s, B))
         assert [(s.submesh, s.logical_mesh, s.remat) for s in bf.stages] == \
             [(s.submesh, s.logical_mesh, s.remat) for s in r.stages]
 
@@ -283,7 +287,8 @@ def test_resolve_solves_the_ilp_around_an_operator_pin(two):
     assert r.cost.step_time_s <= q.cost.step_time_s
     # The pinned stage's strategies are as good as the ILP's with the pin, solved directly (ties may differ).
     st = r.stages[k]
-    direct = solve_intra(g, st.intra.mesh, pins={op: worst.strategy}, rounds=1, solver=two.table.solver)
+    direct = solve_intra(g, st.intra.mesh, pins={op: worst.strategy},
+                         options=IntraOptions(rounds=1, solver=two.table.solver))
     assert st.intra.total_s == pytest.approx(direct.total_s, rel=1e-9)
     assert direct.strategies[op].name == worst.strategy
     # A strategy that exists on no mesh of the cluster is refused by name.
@@ -316,9 +321,10 @@ def test_pinned_layout_over_memory_gives_smallest_need(plan, two):
     # The smallest memory the pinned layout needs (brute force over the table's candidates), and the free one's.
     def need(con):
         with pytest.raises(NoFeasiblePlanError) as e:
-            brute_force_stages(5, c.hosts, c.devices_per_host, lambda a, b, s: _table_cands(plan, True)(a, b, s, 1),
-                               1, constraints=con, mem_limit_bytes=1e-9, cut_bytes=list(plan.table.cut_bytes),
-                               intra_link=c.intra_host, inter_link=c.inter_host)
+            brute_force_stages(StageProblem(5, c.hosts, c.devices_per_host, microbatches=1, constraints=con,
+                                            mem_limit_bytes=1e-9, cut_bytes=list(plan.table.cut_bytes),
+                                            intra_link=c.intra_host, inter_link=c.inter_host),
+                               lambda a, b, s: _table_cands(plan, True)(a, b, s, 1))
         return e.value.min_mem_bytes
 
     pinned_need = need(StageConstraints(cuts=(3, 4), submeshes=((1, 1), (1, 1), (1, 2))))

@@ -15,7 +15,7 @@ from autopar_lab.graph.opgraph import BACKWARD
 from autopar_lab.pricing.price import stage_transfers
 from autopar_lab.pricing.wgrad import input_grad_ops, weight_grad_fraction
 from autopar_lab.schedules import interleave
-from autopar_lab.simulate import simulate
+from autopar_lab.simulate import SimOptions, simulate
 from autopar_lab.solve.inter import transfer_s
 
 
@@ -46,10 +46,11 @@ def test_interleaved_plan_is_priced_chunk_by_chunk(plan):
     # the transfers: one per cut between chunks, each over the link into the chunk's stage (one host: NVLink-like)
     sends = [transfer_s(table.cut_bytes[order[c].layers[0] - 1] / B, plan.cluster.intra_host)
              for c in range(1, p * v)]
+    # the cpu preset's devices are virtual: both stages share one host's cores
     want = simulate([c.fwd_s for c in order], [c.bwd_s for c in order], B, "interleaved", send_fwd_s=sends,
-                    send_bwd_s=sends, act_bytes=[c.act_bytes for c in order],
-                    static_bytes=[c.static_bytes for c in order], virtual_stages=v,
-                    hosts=[0] * p)  # the cpu preset's devices are virtual: both stages share one host's cores
+                    send_bwd_s=sends, virtual_stages=v,
+                    options=SimOptions(act_bytes=[c.act_bytes for c in order],
+                                       static_bytes=[c.static_bytes for c in order], hosts=[0] * p))
     assert q.cost.step_time_s == want.makespan
     assert q.cost.peak_mem_bytes == want.peak_mem_bytes
     assert q.cost.stage_comm_s == pytest.approx(2 * sum(sends))
@@ -92,10 +93,11 @@ def test_zb_h1_splits_each_backward_into_input_and_weight_gradients(plan, model)
         assert st.wgrad_s == pytest.approx((old.bwd_s - task) * frac + task, rel=1e-12)
         assert st.bwd_s == pytest.approx(old.bwd_s + task, rel=1e-12)  # W is one more task per microbatch
     sends = stage_transfers(table, plan.stages, 4)
+    # virtual devices: one host's cores run every stage
     want = simulate([st.fwd_s for st in q.stages], [st.bwd_s - st.wgrad_s for st in q.stages], 4, "zb-h1",
-                    send_fwd_s=sends, send_bwd_s=sends, act_bytes=[st.act_bytes for st in q.stages],
-                    static_bytes=[st.static_bytes for st in q.stages], wgrad_s=[st.wgrad_s for st in q.stages],
-                    hosts=[0] * len(q.stages))  # virtual devices: one host's cores run every stage
+                    send_fwd_s=sends, send_bwd_s=sends, wgrad_s=[st.wgrad_s for st in q.stages],
+                    options=SimOptions(act_bytes=[st.act_bytes for st in q.stages],
+                                       static_bytes=[st.static_bytes for st in q.stages], hosts=[0] * len(q.stages)))
     assert q.cost.step_time_s == pytest.approx(want.makespan, rel=1e-12)
     assert "zero-bubble" in q.cost.explain() and q.report()["stages"][0]["wgrad_s"] > 0
 

@@ -9,9 +9,15 @@ import pytest
 import autopar_lab as al
 from autopar_lab import planner
 from autopar_lab.cluster import Cluster
+from autopar_lab.solve.inter import StageProblem
 
 # Two hosts of two devices: every submesh shape (1x1, 1x2, 2x2) and both links appear, and the ILPs stay small.
 SMALL = Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=2)
+
+
+def small_problem(table, kw):
+    """The stage problem of ``table``'s layers on SMALL, with the stage DP's settings ``kw``."""
+    return StageProblem(len(table.layer_names), SMALL.hosts, SMALL.devices_per_host, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +111,10 @@ def test_vectorised_candidates_equal_the_scalar_ones(result):
 
 def _reference(table, cluster, choices, **kw):
     from autopar_lab.solve import inter
-    return inter.stage_dp_auto(len(table.layer_names), cluster.hosts, cluster.devices_per_host,
+    problem = inter.StageProblem(len(table.layer_names), cluster.hosts, cluster.devices_per_host, **kw)
+    return inter.stage_dp_auto(problem,
                                lambda a, b, sub, B: table.candidates(a, b, sub, B), table.batch_size,
-                               choices=choices, cut_bytes=lambda B: [c / B for c in table.cut_bytes], **kw)
+                               choices=choices, cut_bytes=lambda B: [c / B for c in table.cut_bytes])
 
 
 def test_microbatch_search_matches_stage_dp_auto(result):
@@ -134,10 +141,10 @@ def test_microbatch_search_matches_stage_dp_auto(result):
             want = _reference(table, SMALL, choices, **kw)
         except inter.NoFeasiblePlanError as e:
             with pytest.raises(inter.NoFeasiblePlanError) as got:
-                planner.search_microbatches(table, SMALL, choices, **kw)
+                planner.search_microbatches(table, small_problem(table, kw), choices)
             assert str(got.value) == str(e) and got.value.min_mem_bytes == e.min_mem_bytes
             continue
-        got = planner.search_microbatches(table, SMALL, choices, **kw)
+        got = planner.search_microbatches(table, small_problem(table, kw), choices)
         assert got.latency_s == want.latency_s and got.microbatches == want.microbatches
         assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in got.stages] == \
             [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in want.stages]
@@ -174,14 +181,18 @@ def test_stage_dp_upper_bound():
         f = n * (1.5 if size > 1 else 1.0) / size
         return [inter.StageCandidate((a, b), sub, sub, False, f, 2 * f, 4.0 * n / size, 1.0)]
 
-    free = inter.stage_dp(4, 1, 2, cands, 4)
-    same = inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s * 1.01)
+    free = inter.stage_dp(inter.StageProblem(4, 1, 2, microbatches=4), cands)
+    same = inter.stage_dp(inter.StageProblem(4, 1, 2, microbatches=4), cands,
+                          inter.DPOptions(upper_bound=free.latency_s * 1.01))
     assert same.latency_s == free.latency_s and same.stages == free.stages
-    assert inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s) is None  # must beat it strictly
+    assert inter.stage_dp(inter.StageProblem(4, 1, 2, microbatches=4), cands,
+                          inter.DPOptions(upper_bound=free.latency_s)) is None  # must beat it strictly
     with pytest.raises(inter.NoFeasiblePlanError):
-        inter.stage_dp(4, 1, 2, cands, 4, upper_bound=free.latency_s * 2, mem_limit_bytes=1.0)
+        inter.stage_dp(inter.StageProblem(4, 1, 2, microbatches=4, mem_limit_bytes=1.0), cands,
+                       inter.DPOptions(upper_bound=free.latency_s * 2))
     with pytest.raises(ValueError, match="upper_bound"):
-        inter.stage_dp(4, 1, 2, cands, 4, upper_bound=1.0, t_max_search="alpa")
+        inter.stage_dp(inter.StageProblem(4, 1, 2, microbatches=4), cands,
+                       inter.DPOptions(upper_bound=1.0, t_max_search="alpa"))
 
 
 def test_megatron_with_remat_recomputes_forward_and_holds_less(model):
@@ -263,8 +274,9 @@ def test_one_default_solver():
     from autopar_lab.widgets.session import Session
 
     for fn in (planner.auto_plan, planner.megatron_plan, planner.data_parallel_plan, planner.compare,
-               exhaustive.global_optimum, Session.__init__, planner.CostTable.__init__):
+               Session.__init__, planner.CostTable.__init__):
         assert inspect.signature(fn).parameters["solver"].default == DEFAULT_SOLVER == "highs", fn
+    assert exhaustive.OptimumSearch().solver == DEFAULT_SOLVER  # the global optimum's search options
 
 
 def test_the_microbatch_count_is_decided_by_the_simulated_step_among_the_dps_best():
@@ -275,7 +287,7 @@ def test_the_microbatch_count_is_decided_by_the_simulated_step_among_the_dps_bes
     mem = 1e8
     kw = dict(mem_limit_bytes=mem, intra_link=SMALL.intra_host, inter_link=SMALL.inter_host, stage_comm="model",
               schedule="1f1b", max_stages=None)
-    solved = {B: planner.search_microbatches(table, SMALL, [B], **kw) for B in (2, 4, 8)}
+    solved = {B: planner.search_microbatches(table, small_problem(table, kw), [B]) for B in (2, 4, 8)}
 
     def step(r):
         return al.price_plan(table, r.stages, microbatches=r.microbatches, mem_limit_bytes=mem).cost.step_time_s

@@ -79,7 +79,7 @@ def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(tok
             seen.append((ev.step, head is not None and head.alive() and _group_alive(head.ray_group)))
 
     def work():  # what the workbench's "launch on Ray" button does: launch from a worker thread that then ends
-        holder["job"] = al.launch(plan, model, 3, compiler_options=OPTS, on_progress=on_step)
+        holder["job"] = al.launch(plan, model, 3, on_progress=on_step, options=al.RunOptions(compiler_options=OPTS))
 
     t = threading.Thread(target=work)
     t.start()

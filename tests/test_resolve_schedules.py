@@ -12,7 +12,7 @@ import pytest
 import autopar_lab as al
 from autopar_lab import pins, planner
 from autopar_lab.rematmode import REMAT_CHOICES
-from autopar_lab.solve.inter import NoFeasiblePlanError, StageConstraints, brute_force_stages
+from autopar_lab.solve.inter import NoFeasiblePlanError, StageConstraints, StageProblem, brute_force_stages
 
 SCHEDULES = [("1f1b", None), ("gpipe", None), ("zb-h1", None), ("interleaved", 2), ("interleaved", 3)]
 
@@ -82,10 +82,11 @@ def brute_best(plan, table, schedule, v, pinned: dict[int, str]):
     best = None
     for B in planner.microbatch_choices(table.batch_size, "auto"):
         try:
-            r = brute_force_stages(L, cluster.hosts, cluster.devices_per_host, cands(B), B,
+            problem = StageProblem(L, cluster.hosts, cluster.devices_per_host, microbatches=B,
                                    mem_limit_bytes=plan.cost.mem_limit_bytes,
                                    cut_bytes=[c / B for c in table.cut_bytes], intra_link=cluster.intra_host,
                                    inter_link=cluster.inter_host, stage_comm=plan.stage_comm, **kw)
+            r = brute_force_stages(problem, cands(B))
         except NoFeasiblePlanError:
             continue
         if best is None or r.latency_s < best.latency_s * (1 - 1e-12):

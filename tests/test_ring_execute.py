@@ -111,7 +111,7 @@ def test_a_ring_plan_trains_like_one_device(model, ring_plan, reference):
 def test_the_replay_runs_rings_only_where_marked(model, ring_plan):
     """The replay with the ring binds compiles collective-permutes (the ring's steps) and computes the single
     device's step; without them it has none (XLA's own algorithm for the same layouts gathers instead)."""
-    from autopar_lab.validate import specs_from_strategies, validate_model
+    from autopar_lab.validate import ReplayOptions, specs_from_strategies, validate_model
 
     st = ring_plan.stages[0]
     mesh = _auto_mesh(st.logical_mesh)
@@ -120,8 +120,8 @@ def test_the_replay_runs_rings_only_where_marked(model, ring_plan):
     assert set(binds) == _ring_ops(ring_plan)
 
     def validate(binds, run):
-        return validate_model(model, out_specs, mesh, None, output_specs=output_specs, graph=ring_plan.graph, run=run,
-                              binds=binds)
+        return validate_model(model, out_specs, mesh, None, graph=ring_plan.graph, run=run,
+                              replay=ReplayOptions(output_specs=output_specs, binds=binds))
 
     ring = validate(binds, True)
     assert ring["compiled"]["collective_permute"]["count"] >= len(binds)
@@ -156,7 +156,7 @@ def test_a_two_stage_pipeline_with_rings_trains_like_one_device(model, ring_plan
     losses = runner.train(STEPS)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-7)
     # the stage workers Ray runs cut the step the same way (here behind Ray's call syntax, without Ray)
-    job = job_spec(plan, model, STEPS, compiler_options=FAST)
+    job = job_spec(plan, model, STEPS, options=al.RunOptions(compiler_options=FAST))
     workers = [StageWorker(job, k) for k in range(2)]
     assert all(w.staged.ring_ops(k) for k, w in enumerate(workers))
     routes = _Routes([w.info() for w in workers])
@@ -245,7 +245,7 @@ def test_the_two_stage_ring_pipeline_trains_on_ray(model, ring_plan, reference, 
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
     plan = ring_plan.with_stages(boundaries=[2], submeshes=[(1, 4), (1, 4)])
     try:
-        job = al.launch(plan, model, 2, compiler_options=FAST)
+        job = al.launch(plan, model, 2, options=al.RunOptions(compiler_options=FAST))
     except RuntimeError as e:  # an embedded head that cannot start (a loaded machine) says so; not a ring question
         pytest.skip(f"Ray could not start here: {e}")
     try:

@@ -147,7 +147,8 @@ def test_stage_workers_keep_only_the_state_and_compile_once(model, cluster):
     plan = al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=4)
     S, B, steps = 2, 4, 2
     before = jax.live_arrays()
-    workers = [StageWorker(job_spec(plan, model, steps, compiler_options=FAST), k) for k in range(S)]
+    workers = [StageWorker(job_spec(plan, model, steps, options=al.RunOptions(compiler_options=FAST)),
+                           k) for k in range(S)]
     infos = [w.info() for w in workers]
     sources = {(c, kind): [tuple(x) for x in src] for info in infos for c, kind, src in info["tasks"]}
     updates = {c: [tuple(x) for x in src] for info in infos for c, src in info["updates"]}

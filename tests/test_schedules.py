@@ -10,7 +10,7 @@ import random
 import pytest
 
 from autopar_lab.schedules import check_layout, check_schedule, interleave
-from autopar_lab.simulate import issue_order, simulate, stage_order, task_order
+from autopar_lab.simulate import SimOptions, issue_order, simulate, stage_order, task_order
 
 # --- the papers' formulas -------------------------------------------------------------------------------------------
 
@@ -35,8 +35,8 @@ def test_interleaved_memory_in_flight():
     for p, v in ((2, 2), (3, 2), (4, 3)):
         m = 4 * p
         act = [10.0 * (c + 1) for c in range(p * v)]  # chunk c holds 10(c + 1) bytes per microbatch
-        tl = simulate([1.0] * (p * v), [2.0] * (p * v), m, "interleaved", virtual_stages=v, act_bytes=act,
-                      static_bytes=[1.0] * (p * v))
+        tl = simulate([1.0] * (p * v), [2.0] * (p * v), m, "interleaved", virtual_stages=v,
+                      options=SimOptions(act_bytes=act, static_bytes=[1.0] * (p * v)))
         want = [min(2 * (p - 1 - i) + (v - 1) * p + 1, m * v) for i in range(p)]
         assert tl.peak_inflight == tuple(want)
         for i in range(p):  # never more than every chunk's activations of that many microbatches, plus static
@@ -52,8 +52,8 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p):
     # Qi et al. (ICLR 2024): 1F1B's bubble is (p-1)(F+B+W), ZB-H1's (p-1)(F+B-W); a third when F = B = W.
     for m in (p, 2 * p, 3 * p + 1):
         for F, B, W in ((1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 1.0), (1.0, 1.0, 0.2)):
-            zb = simulate([F] * p, [B] * p, m, "zb-h1", wgrad_s=[W] * p, act_bytes=[1.0] * p)
-            one = simulate([F] * p, [B + W] * p, m, "1f1b", act_bytes=[1.0] * p)
+            zb = simulate([F] * p, [B] * p, m, "zb-h1", wgrad_s=[W] * p, options=SimOptions(act_bytes=[1.0] * p))
+            one = simulate([F] * p, [B + W] * p, m, "1f1b", options=SimOptions(act_bytes=[1.0] * p))
             ideal = m * (F + B + W)
             assert zb.makespan - ideal == pytest.approx((p - 1) * (F + B - W), abs=1e-9)
             assert one.makespan - ideal == pytest.approx((p - 1) * (F + B + W), abs=1e-9)

@@ -17,7 +17,7 @@ from autopar_lab.graph.attention import attention_internals
 from autopar_lab.pricing.stage import SUM_FIELDS, stage_cost
 from autopar_lab.pricing.table import CostTable
 from autopar_lab.rematmode import REMAT_CHOICES, remat_value
-from autopar_lab.solve.exhaustive import global_optimum
+from autopar_lab.solve.exhaustive import OptimumSearch, global_optimum
 
 ONE = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=1)
 FAST = {"xla_backend_optimization_level": 0}
@@ -86,7 +86,8 @@ def test_brute_force_agrees_with_the_dp_and_uses_selective():
     free = al.auto_plan(table.graph, cluster, table=table)
     mem = 0.7 * max(free.cost.peak_mem_bytes)
     three = global_optimum(model, cluster, mem_limit_bytes=mem, table=table)
-    two = global_optimum(model, cluster, mem_limit_bytes=mem, table=table, remat=(False, True), seed=False)
+    two = global_optimum(model, cluster, mem_limit_bytes=mem, table=table, remat=(False, True),
+                         search=OptimumSearch(seed=False))
     assert three["gap"] >= 0 and three["optimum_step_s"] <= two["optimum_step_s"]
     assert three["plans_total"] > two["plans_total"]
     used = {remat_value(st.remat) for st in three["optimum"].stages} | {st.remat for st in three["auto"].stages}

@@ -14,7 +14,8 @@ from autopar_lab.cluster import Cluster
 from autopar_lab.parallelism import seqpar_regions
 from autopar_lab.pricing.layers import layer_costs
 from autopar_lab.sharding.seqpar import sequence_length, sequence_regions, without_sequence_parallel
-from autopar_lab.solve.intra import StrategyCache, evaluate_intra, memory_terms, solve_intra
+from autopar_lab.solve.intra import StrategyCache, evaluate_intra, solve_intra
+from autopar_lab.solve.memterms import memory_terms
 
 P3 = Cluster.preset("p3.16xlarge")
 T = 8  # the tensor-parallel size

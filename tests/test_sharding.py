@@ -25,7 +25,8 @@ from autopar_lab.sharding import (
     unregister_rule,
     unsupported_ops,
 )
-from autopar_lab.sharding.strategies import follow_strategies, reshape_groups
+from autopar_lab.sharding.rules import reshape_groups
+from autopar_lab.sharding.strategies import follow_strategies
 
 F32 = jnp.float32
 SDS = jax.ShapeDtypeStruct

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from autopar_lab.simulate import simulate, stage_order
+from autopar_lab.simulate import SimOptions, simulate, stage_order
 
 
 def spans(tl, stage, kind):
@@ -68,9 +68,9 @@ def test_uniform_closed_forms(schedule):
 
 
 def test_memory():
-    tl = simulate([1, 1, 1], [1, 1, 1], 4, "1f1b", act_bytes=[10, 20, 30], static_bytes=[1, 2, 3])
+    tl = simulate([1, 1, 1], [1, 1, 1], 4, "1f1b", options=SimOptions(act_bytes=[10, 20, 30], static_bytes=[1, 2, 3]))
     assert tl.peak_mem_bytes == (1 + 3 * 10, 2 + 2 * 20, 3 + 1 * 30)
-    gp = simulate([1, 1, 1], [1, 1, 1], 4, "gpipe", act_bytes=[10, 20, 30], static_bytes=[1, 2, 3])
+    gp = simulate([1, 1, 1], [1, 1, 1], 4, "gpipe", options=SimOptions(act_bytes=[10, 20, 30], static_bytes=[1, 2, 3]))
     assert gp.peak_mem_bytes == (41, 82, 123)
 
 
@@ -111,11 +111,11 @@ def test_bad_inputs():
 def test_deeper_warmup_hides_a_slow_link_round_trip():
     # 2 stages of 1 s fwd + 1 s bwd, transfers of 1 s each way: the standard warm-up (2 on stage 0) waits for each
     # gradient's round trip; warming up with 2 more microbatches (the cut counted as pipeline positions) does not.
-    args = dict(fwd_s=[1.0, 1.0], bwd_s=[1.0, 1.0], microbatches=8, send_fwd_s=[1.0], send_bwd_s=[1.0],
-                act_bytes=[1.0, 1.0])
-    standard = simulate(**args)
-    deep = simulate(**args, warmup=[4, 1])
+    args = dict(fwd_s=[1.0, 1.0], bwd_s=[1.0, 1.0], microbatches=8, send_fwd_s=[1.0], send_bwd_s=[1.0])
+    held = SimOptions(act_bytes=[1.0, 1.0])
+    standard = simulate(**args, options=held)
+    deep = simulate(**args, options=held.with_warmup([4, 1]))
     assert deep.makespan < standard.makespan
     assert deep.peak_mem_bytes[0] == 4 and standard.peak_mem_bytes[0] == 2
     with pytest.raises(ValueError, match="warmup"):
-        simulate(**args, warmup=[1])
+        simulate(**args, options=held.with_warmup([1]))

@@ -8,8 +8,14 @@ import pytest
 import autopar_lab as al
 from autopar_lab.pricing import CostTable, planning_submeshes
 from autopar_lab.pricing.table_pool import LEAN, default_workers
+from autopar_lab.solve.inter import StageProblem
 
 SMALL = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
+
+
+def small_problem(table, kw):
+    """The stage problem of ``table``'s layers on SMALL, with the stage DP's settings ``kw``."""
+    return StageProblem(len(table.layer_names), SMALL.hosts, SMALL.devices_per_host, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +167,8 @@ def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
         fine = table.candidate_fn(B, mem)
         return lambda a, b, sub: fine(a, b, sub) if a in starts and b in ends else []
 
-    coarse = planner.search_microbatches(table, SMALL, choices, grid=grid, **kw)
-    plain = planner.search_microbatches(table, SMALL, choices, candidates=restricted, **kw)
+    coarse = planner.search_microbatches(table, small_problem(table, kw), choices, grid=grid)
+    plain = planner.search_microbatches(table, small_problem(table, kw), choices, candidates=restricted)
     assert coarse.latency_s == pytest.approx(plain.latency_s, rel=1e-12)
     assert coarse.microbatches == plain.microbatches
     assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in coarse.stages] == \

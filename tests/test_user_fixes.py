@@ -363,13 +363,13 @@ def test_a_seed_jax_cannot_hold_is_refused_before_anything_starts(capsys, plan, 
     from autopar_lab.runtime.train_entry import job_spec
 
     top = 2**63 - 3  # 3 steps: the batches use keys seed .. seed + 2, the last of them JAX's largest
-    job_spec(plan, model, 3, seed=top)
+    job_spec(plan, model, 3, options=al.RunOptions(seed=top))
     jax.random.PRNGKey(top + 2)
     jax.random.PRNGKey(-(2**63))
-    job_spec(plan, model, 3, seed=-(2**63))
+    job_spec(plan, model, 3, options=al.RunOptions(seed=-(2**63)))
     for seed in (top + 1, 2**64 + 1, -(2**63) - 1):
         with pytest.raises(ValueError, match="seed must be a whole number between"):
-            job_spec(plan, model, 3, seed=seed)
+            job_spec(plan, model, 3, options=al.RunOptions(seed=seed))
     argv = ["train", "gpt-tiny", "--batch", "8", "--layers", "2", "--plan", str(plan_file), "--steps", "2"]
     one_sentence(capsys, [*argv, "--seed", str(2**64 + 1)], "--seed", "between")
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()

@@ -19,7 +19,7 @@ import pytest
 import autopar_lab as al
 from autopar_lab.cluster import Cluster, Device
 from autopar_lab.pricing import task_overhead_s
-from autopar_lab.simulate import COMPUTE_KINDS, simulate
+from autopar_lab.simulate import COMPUTE_KINDS, SimOptions, simulate
 
 
 def check_timeline(tl, hosts, fwd, bwd, sends=None):
@@ -51,7 +51,7 @@ def test_one_shared_host_runs_the_sum_of_its_tasks(schedule, stages, microbatche
     fwd = [1.0 + 0.5 * i for i in range(stages)]
     bwd = [2.0 + 0.25 * i for i in range(stages)]
     hosts = [0] * stages
-    tl = simulate(fwd, bwd, microbatches, schedule, hosts=hosts)
+    tl = simulate(fwd, bwd, microbatches, schedule, options=SimOptions(hosts=hosts))
     check_timeline(tl, hosts, fwd, bwd)
     # one resource that always has a ready task (the first forward is ready at 0; every task makes the next ready)
     assert tl.makespan == pytest.approx(microbatches * (sum(fwd) + sum(bwd)))
@@ -66,7 +66,7 @@ def test_two_hosts_against_brute_force():
     rule, the earliest-starting ready task first, is optimal here (brute force over list schedules)."""
     fwd, bwd, B = [1.0, 1.5, 0.5, 1.0], [2.0, 1.0, 1.5, 2.5], 2
     hosts = [0, 0, 1, 1]
-    tl = simulate(fwd, bwd, B, "1f1b", hosts=hosts)
+    tl = simulate(fwd, bwd, B, "1f1b", options=SimOptions(hosts=hosts))
     check_timeline(tl, hosts, fwd, bwd)
     from autopar_lab.simulate import task_order
 
@@ -103,10 +103,10 @@ def test_hosts_of_their_own_change_nothing():
     fwd, bwd = [1.0, 2.0, 1.5], [2.0, 3.0, 2.5]
     for schedule in ("gpipe", "1f1b"):
         a = simulate(fwd, bwd, 4, schedule)
-        b = simulate(fwd, bwd, 4, schedule, hosts=[7, 8, 9])
+        b = simulate(fwd, bwd, 4, schedule, options=SimOptions(hosts=[7, 8, 9]))
         assert a.tasks == b.tasks and a.makespan == b.makespan
     with pytest.raises(ValueError, match="one per stage"):
-        simulate(fwd, bwd, 4, "1f1b", hosts=[0, 0])
+        simulate(fwd, bwd, 4, "1f1b", options=SimOptions(hosts=[0, 0]))
 
 
 def test_the_cpu_preset_is_virtual_and_pays_per_device():
@@ -228,7 +228,7 @@ def test_serial_stage_dp_against_brute_force(seed):
     partition and submesh assignment does, and its plan's latency is the simulation of the plan on one host."""
     import random
 
-    from autopar_lab.solve.inter import StageCandidate, brute_force_stages, serial_latency, stage_dp
+    from autopar_lab.solve.inter import StageCandidate, StageProblem, brute_force_stages, serial_latency, stage_dp
 
     rng = random.Random(seed)
     table = {}
@@ -244,15 +244,16 @@ def test_serial_stage_dp_against_brute_force(seed):
     B = rng.choice([1, 2, 4])
     kw = dict(cut_bytes=[rng.uniform(0, 1e6) for _ in range(4)], intra_link=Cluster.preset("cpu").intra_host,
               inter_link=Cluster.preset("cpu").inter_host, serial_host=True)
-    dp = stage_dp(5, 1, 4, cands, B, **kw)
-    bf = brute_force_stages(5, 1, 4, cands, B, **kw)
+    dp = stage_dp(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
+    bf = brute_force_stages(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
     assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
     times = [c.fwd_s + c.bwd_s for c in dp.stages]
     # at least the stages' own work, at most that and every cut's round trip
     assert serial_latency(times, [], B) <= dp.latency_s <= serial_latency(times, [], B) + B * 2 * sum(
         kw["cut_bytes"]) / kw["intra_link"].bandwidth + B * 2 * 4 * kw["intra_link"].latency + 1e-12
-    tl = simulate([c.fwd_s for c in dp.stages], [c.bwd_s for c in dp.stages], B, "1f1b", hosts=[0] * len(dp.stages))
+    tl = simulate([c.fwd_s for c in dp.stages], [c.bwd_s for c in dp.stages], B, "1f1b",
+                  options=SimOptions(hosts=[0] * len(dp.stages)))
     assert tl.makespan == pytest.approx(B * sum(times), rel=1e-9)
     # separate devices would overlap the stages: Alpa's formula is never above the serial one
-    plain = stage_dp(5, 1, 4, cands, B, **dict(kw, serial_host=False))
+    plain = stage_dp(StageProblem(5, 1, 4, microbatches=B, **dict(kw, serial_host=False)), cands)
     assert plain.latency_s <= dp.latency_s * (1 + 1e-12)

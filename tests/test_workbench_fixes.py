@@ -326,7 +326,7 @@ def test_launch_refuses_a_gpu_plan_before_starting_ray_and_offers_cpu_stages(mon
     assert time.perf_counter() - t0 < 10
     assert "the plan needs 16 GPUs (8 + 8 over 2 stage(s))" in text and "has 0" in text, text
     assert "stages on: CPU devices" in text and "device_kind" not in text and not panel.busy
-    # The control: the stages on CPU devices go to the launch as device_kind="cpu".
+    # The control: the stages on CPU devices go to the launch as its options' device_kind="cpu".
     seen = {}
 
     def fake_launch(plan, model, steps, **kw):
@@ -336,7 +336,7 @@ def test_launch_refuses_a_gpu_plan_before_starting_ray_and_offers_cpu_stages(mon
     monkeypatch.setattr(launch_mod, "launch", fake_launch)
     panel.stages_on.value = "cpu"
     panel.launch(3, background=False)
-    assert seen["device_kind"] == "cpu" and "stop here" in panel.message.value
+    assert seen["options"].device_kind == "cpu" and "stop here" in panel.message.value
 
 
 def test_local_gpu_count_reads_cuda_visible_devices(monkeypatch):

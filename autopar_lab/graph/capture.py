@@ -28,7 +28,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.extend.core as jex_core
@@ -82,6 +82,13 @@ class UnknownPrimitiveWarning(UserWarning):
     """A primitive the cost model does not know: kept as an opaque operator."""
 
 
+class OpPlace(NamedTuple):
+    """Where an operator sits in the model: its name scope and, inside an unrolled scan, the iteration's layer."""
+
+    scope: str
+    scan_layer: str | None
+
+
 @dataclass
 class _Builder:
     """Mutable state while walking the jaxpr; frozen into an OpGraph at the end."""
@@ -105,9 +112,10 @@ class _Builder:
             self.const_values[tid] = value
         return tid
 
-    def add_op(self, primitive: str, inputs: Sequence[int], out_avals: Sequence[Any], params: dict, scope: str,
-               scan_layer: str | None, flops: float | None = None, opaque: bool = False,
-               out_kind: str = ACTIVATION, fn: Callable | None = None) -> list[int]:
+    def add_op(self, primitive: str, inputs: Sequence[int], out_avals: Sequence[Any], params: dict, where: OpPlace,
+               flops: float | None = None, opaque: bool = False, out_kind: str = ACTIVATION,
+               fn: Callable | None = None) -> list[int]:
+        scope, scan_layer = where
         op_id = len(self.nodes)
         if self.keep_program:
             self.fns.append(fn)
@@ -240,7 +248,8 @@ def _walk(b: _Builder, jaxpr, env: dict, scope: str, scan_layer: str | None) -> 
         fn = None
         if b.keep_program:
             fn = functools.partial(_bind_eqn, eqn.primitive, eqn.primitive.get_bind_params(eqn.params), eqn.ctx)
-        outs = b.add_op(name, inputs, out_avals, _plain_params(eqn.params), eqn_scope, scan_layer, flops, opaque,
+        outs = b.add_op(name, inputs, out_avals, _plain_params(eqn.params), OpPlace(eqn_scope, scan_layer), flops,
+                        opaque,
                         fn=fn)
         for v, t in zip(eqn.outvars, outs):
             env[v] = t
@@ -261,7 +270,7 @@ def _unroll_scan(b: _Builder, eqn, inputs: list[int], env: dict, scope: str, out
         for k, x in enumerate(xs):
             # A slice of a stacked parameter is still a parameter (of this iteration's layer).
             aval = body.jaxpr.invars[n_consts + n_carry + k].aval
-            (s,) = b.add_op("scan_slice", [x], [aval], {"axis": 0, "index": idx}, scope, layer,
+            (s,) = b.add_op("scan_slice", [x], [aval], {"axis": 0, "index": idx}, OpPlace(scope, layer),
                             out_kind=b.tensors[x].kind, fn=functools.partial(_scan_slice, idx))
             x_slices.append(s)
         inner_env = {cv: b.new_tensor(c, CONST, None, value=c) for cv, c in zip(body.jaxpr.constvars, body.consts)}
@@ -276,7 +285,7 @@ def _unroll_scan(b: _Builder, eqn, inputs: list[int], env: dict, scope: str, out
     for k in range(n_ys):
         ys = [ys_per_iter[i][k] for i in range(length)]
         out_aval = eqn.outvars[n_carry + k].aval
-        (stacked,) = b.add_op("scan_stack", ys, [out_aval], {"axis": 0}, scope, outer_layer,
+        (stacked,) = b.add_op("scan_stack", ys, [out_aval], {"axis": 0}, OpPlace(scope, outer_layer),
                               fn=functools.partial(_scan_stack, out_aval))
         results.append(stacked)
     for v, t in zip(eqn.outvars, results):
@@ -441,8 +450,8 @@ def _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, nam
         for path, _leaf in leaves:
             var = next(flat_invars)
             op_id = len(b.nodes)
-            (t,) = b.add_op(INPUT_PRIMITIVE, [], [var.aval], {"argnum": i, "path": jax.tree_util.keystr(path)}, "",
-                            None, out_kind=kind)
+            (t,) = b.add_op(INPUT_PRIMITIVE, [], [var.aval], {"argnum": i, "path": jax.tree_util.keystr(path)},
+                            OpPlace("", None), out_kind=kind)
             b.tensors[t] = TensorInfo(t, b.tensors[t].shape, b.tensors[t].dtype, kind, op_id,
                                       f"args[{i}]{jax.tree_util.keystr(path)}")
             env[var] = t
@@ -461,7 +470,7 @@ def _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, nam
         t = env[var] if var in env else b.new_tensor(var.aval, CONST, None, value=getattr(var, "val", None))
         b.add_op(OUTPUT_PRIMITIVE, [t], [],
                  {"index": k, "path": jax.tree_util.keystr(path), "alias_of": aliases.get(k)},
-                 "", None)
+                 OpPlace("", None))
         output_tensors.append(t)
 
     warn = []

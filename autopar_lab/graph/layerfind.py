@@ -365,5 +365,4 @@ def assign_layers(graph: OpGraph, layers: Sequence[str | None], rule: str = "giv
 
 def _with(graph: OpGraph, layers: Sequence[str | None], rule: str, note: str) -> OpGraph:
     nodes = [n if n.layer == lay else dataclasses.replace(n, layer=lay) for n, lay in zip(graph, layers)]
-    return OpGraph(nodes, graph.tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
-                   trace_s=graph.trace_s, layer_rule=rule, layer_note=note)
+    return graph.with_nodes(nodes, layers=(rule, note))

@@ -149,6 +149,9 @@ def op_signature(node: OpNode) -> tuple:
     return sig
 
 
+_KEEP: Any = object()  # with_nodes: "keep the graph's own"
+
+
 class OpGraph:
     """The operators of a training step in topological order, and the tensors that flow between them.
 
@@ -165,16 +168,13 @@ class OpGraph:
         warnings: tuple[str, ...] = (),
         name: str = "",
         trace_s: float = 0.0,
-        layer_rule: str = "",
-        layer_note: str = "",
-        precision: Any = None,
     ):
         self._nodes = tuple(nodes)
         # The number format the graph was retyped to (:func:`autopar_lab.precision.retype`); None: as traced.
-        self.precision = precision
+        self.precision: Any = None
         # How the layers were found (see autopar_lab.graph.layerfind): a rule's key, and a sentence for people.
-        self.layer_rule = layer_rule
-        self.layer_note = layer_note
+        self.layer_rule = ""
+        self.layer_note = ""
         self._tensors = dict(tensors)
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
@@ -184,6 +184,17 @@ class OpGraph:
         for i, node in enumerate(self._nodes):
             if node.id != i:
                 raise ValueError(f"operator ids must be 0..n-1 in order; found id {node.id} at position {i}")
+
+    def with_nodes(self, nodes: list[OpNode], *, tensors: Mapping[int, TensorInfo] | None = None,
+                   layers: tuple[str, str] | None = None, precision: Any = _KEEP) -> "OpGraph":
+        """The same step with other operator records (the same ids, inputs and outputs): relayered (``layers``: the
+        new rule's key and its sentence for people) or retyped (``tensors`` and ``precision``, the number format,
+        None for the traced one); what is not given is kept."""
+        out = OpGraph(nodes, self._tensors if tensors is None else tensors, self.inputs, self.outputs, self.warnings,
+                      name=self.name, trace_s=self.trace_s)
+        out.layer_rule, out.layer_note = (self.layer_rule, self.layer_note) if layers is None else layers
+        out.precision = self.precision if precision is _KEEP else precision
+        return out
 
     # --- access -------------------------------------------------------------------------------------------
     @property

@@ -118,8 +118,7 @@ def relayer(graph: OpGraph, *, boundaries: str = "auto", num_layers: int | None 
         new_layers = _cluster_layers(graph, num_layers, delta)
     new_nodes = [n if n.layer == lay else dataclasses.replace(n, layer=lay) for n, lay in zip(nodes, new_layers)]
     rule, note = (graph.layer_rule, graph.layer_note) if mode == "scopes" else (mode, _NOTES[mode])
-    return OpGraph(new_nodes, graph.tensors, graph.inputs, graph.outputs, graph.warnings, name=graph.name,
-                   trace_s=graph.trace_s, layer_rule=rule, layer_note=note)
+    return graph.with_nodes(new_nodes, layers=(rule, note))
 
 
 _NOTES = {"markers": "layers cut at the al.pipeline_boundary markers",

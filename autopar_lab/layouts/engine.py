@@ -31,7 +31,7 @@ from ..planning import planning_times
 from ..pricing import price_plan
 from ..pricing.table_pool import LEAN as TABLE_LEAN
 from ..solve.ilp import DEFAULT_SOLVER
-from ..solve.intra import solve_intra
+from ..solve.intra import IntraOptions, solve_intra
 from .config import MeshRoles
 from .fit import lean_note, overflow_note
 from .roles import find_roles
@@ -119,8 +119,8 @@ def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles,
         # the sequential solve's first pass (axis 0 alone, without pins) runs the optimizer's update whole over the
         # data-parallel axis, which would gather the sharded state back every step.
         axes = "joint" if storage in (1, 2, 3, LEAN) else "auto"
-        intra = solve_intra(table.solve_graph, lmesh, pins=pinned.pins, solver=solver, rounds=1, cache=cache,
-                            memo=_MEMO.setdefault(table, {}), axes=axes)
+        intra = solve_intra(table.solve_graph, lmesh, pins=pinned.pins, cache=cache, memo=_MEMO.setdefault(table, {}),
+                            options=IntraOptions(solver=solver, rounds=1, axes=axes))
         costs = table.layer_costs_of(intra)
         out = Solution(intra, tuple(costs), pinned.free, time.perf_counter() - t0)
     memo[key] = out

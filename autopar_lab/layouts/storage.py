@@ -23,7 +23,7 @@ from ..pricing import price_plan
 from ..pricing.zero import opt_states_of
 from ..sharding.fsdp import fsdp_spec
 from ..solve.ilp import DEFAULT_SOLVER
-from ..solve.intra import solve_intra
+from ..solve.intra import IntraOptions, solve_intra
 from .fit import lean_note, overflow_note
 from .shardpins import zero_spec_on_split_dim
 
@@ -77,8 +77,8 @@ def with_zero(plan: Plan, zero: int, *, solver: str = DEFAULT_SOLVER) -> Plan:
         pins = zero_storage(g, intra, axes, zero)
         key = (tuple(st.submesh), tuple(st.logical_mesh), axes, zero, tuple(sorted(pins.items())))
         if key not in memo:
-            memo[key] = solve_intra(g, intra.mesh, pins=pins, solver=solver, rounds=1, axes="joint",
-                                    cache=table.strategy_cache(intra.mesh))
+            memo[key] = solve_intra(g, intra.mesh, pins=pins, cache=table.strategy_cache(intra.mesh),
+                                    options=IntraOptions(solver=solver, rounds=1, axes="joint"))
         intras.append(memo[key])
     note = (f"ZeRO-{zero}: the stages' optimizer state{', gradients' if zero >= 2 else ''}"
             f"{' and parameters' if zero >= 3 else ''} stored split over their data-parallel devices; the stage DP "

@@ -13,7 +13,8 @@ from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
 from ..sharding.strategies import COLLECTIVE_KINDS, chain_read_s_per_byte
-from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms, weight_gradient_ops
+from ..solve.intra import StrategyCache, conversions, weight_gradient_ops
+from ..solve.memterms import STATIC_KINDS, held_copies, memory_terms
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -39,7 +40,7 @@ class LayerCost:
 
     Memory: ``static_bytes`` (held all step) = ``param_bytes`` + ``grad_bytes`` + ``master_bytes`` +
     ``opt_bytes`` + ``copies_bytes`` + ``fp8_bytes`` (an FP8 format's weight copies; 0 otherwise;
-    :data:`~autopar_lab.solve.intra.STATIC_KINDS`); ``act_bytes``: the forward
+    :data:`~autopar_lab.solve.memterms.STATIC_KINDS`); ``act_bytes``: the forward
     tensors the backward reads; ``ckpt_bytes``: the activations entering the layer (what it keeps when
     rematerialised); ``temp_bytes``: its largest tensor written and not kept (a transient buffer); ``layers``: 1 (so
     that running sums count layers).

@@ -20,7 +20,7 @@ from ..plan import CostReport, Plan, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_layout, interleave, schedule_of
-from ..simulate import Timeline, simulate
+from ..simulate import SimOptions, Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
@@ -101,9 +101,9 @@ def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatch
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
     def run(warmup):
-        return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
-                        act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, wgrad_s=wgrad_s,
-                        virtual_stages=virtual_stages, hosts=hosts)
+        return simulate(fwd_s, bwd_s, microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends, wgrad_s=wgrad_s,
+                        virtual_stages=virtual_stages,
+                        options=SimOptions(act_bytes=act_bytes, static_bytes=static_bytes, warmup=warmup, hosts=hosts))
 
     tl = run(None)
     if schedule == "1f1b" and any(sends):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Generator, Iterator, Sequence
 import numpy as np
 
 from ..graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM, OpGraph
-from ..solve.intra import IntraPlan, StrategyCache, evaluate_intra, solve_intra
+from ..solve.intra import IntraOptions, IntraPlan, StrategyCache, evaluate_intra, solve_intra
 from .layers import LayerCost, layer_costs
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) ->
     mesh = cluster.logical_mesh(submesh, shape)
     cache = StrategyCache(mesh)
     pins = lean_pins(graph, cache) if len(key) > 2 and key[2] == LEAN else {}
-    plan = solve_intra(graph, mesh, solver=solver, rounds=1, memo=memo, cache=cache, pins=pins)
+    plan = solve_intra(graph, mesh, pins=pins, options=IntraOptions(solver=solver, rounds=1), cache=cache, memo=memo)
     costs = layer_costs(graph, plan, list(graph.layers) or [""], cache=cache)
     choice = np.empty(len(graph.ops), dtype=np.int32)  # in graph.ops order: a few KB per mesh, kept for every mesh
     for n, op in enumerate(graph.ops):

@@ -2,7 +2,7 @@
 
 A parameter's input operator is its fp32 master weight in a mixed-precision step; the cost model counts the master,
 the half-precision copy the step computes with and its gradient in that operator's spec
-(:func:`~autopar_lab.solve.intra.memory_terms`), and Adam's moments in their own operators' specs. ZeRO splits them
+(:func:`~autopar_lab.solve.memterms.memory_terms`), and Adam's moments in their own operators' specs. ZeRO splits them
 differently, each stage over the data-parallel group:
 
 * stage 1 (Megatron-LM's distributed optimizer): the optimizer state *and the fp32 master weights* (the "12 bytes a
@@ -27,7 +27,8 @@ import weakref
 from typing import TYPE_CHECKING, Sequence
 
 from ..graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM, OpGraph
-from ..solve.intra import STATIC_KINDS, StrategyCache, conversions, held_copies, memory_terms
+from ..solve.intra import StrategyCache, conversions
+from ..solve.memterms import STATIC_KINDS, held_copies, memory_terms
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan

@@ -43,8 +43,8 @@ from urllib.parse import urlparse
 
 from .. import checks
 from .progress import ProgressChannel, ProgressEvent, parse_event
-from .train_entry import (RESULT_PREFIX, JobFailed, check_local_gpus, check_resources, job_spec, local_gpu_count,
-                          run_job)
+from .train_entry import (RESULT_PREFIX, JobFailed, RunOptions, check_local_gpus, check_resources, job_spec,
+                          local_gpu_count, run_job)
 
 __all__ = ["launch", "Job", "RemoteJob", "start_local_ray", "shutdown_local_ray", "local_ray_head", "remote_submission",
            "JobFailed"]
@@ -442,20 +442,17 @@ def _submit(spec: dict, address: str, channel: ProgressChannel) -> RemoteJob:
 
 # -------------------------------------------------------------------------------------------------------- launch
 
-def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int = 0,
-           checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0, resume: bool = False,
-           device_kind: str | None = None, num_cpus: int | None = None, max_restarts: int = 3,
-           compiler_options: dict | None = None, on_progress=None, wait: bool = False, overwrite: bool = False) -> Job:
+def launch(plan, model, steps: int, *, ray_address: str | None = None, options: RunOptions = RunOptions(),
+           num_cpus: int | None = None, on_progress=None, wait: bool = False) -> Job:
     """Train ``model`` with ``plan`` for ``steps`` steps on Ray; returns a :class:`Job` (or waits for it).
 
     ``ray_address``: None for an embedded local Ray (loopback only), or a cluster's dashboard address
-    (``http://HEAD:8265``) to submit through the Jobs API. ``checkpoint_dir`` / ``checkpoint_every``: per-stage
-    checkpoints every N steps (and at the end); a dead stage actor restarts from the last one; ``resume=True``
-    continues a run from its directory; a directory holding another run's checkpoints is refused unless
-    ``overwrite=True`` (then they are replaced). ``device_kind``: "cpu" (stages on CPU devices,
-    JAX_NUM_CPU_DEVICES per actor) or "gpu" (num_gpus per actor); default: what the plan's cluster has.
-    ``num_cpus``: CPUs of the embedded Ray (default: one per stage). ``on_progress(event)``: subscribed before the
-    job starts.
+    (``http://HEAD:8265``) to submit through the Jobs API. ``options`` (:class:`RunOptions`): the seed, per-stage
+    checkpoints every N steps (and at the end; a dead stage actor restarts from the last one; ``resume`` continues a
+    run from its directory; a directory holding another run's checkpoints is refused unless ``overwrite``), the
+    device kind ("cpu": stages on CPU devices, JAX_NUM_CPU_DEVICES per actor; "gpu": num_gpus per actor; default:
+    what the plan's cluster has), XLA options, restarts. ``num_cpus``: CPUs of the embedded Ray (default: one per
+    stage). ``on_progress(event)``: subscribed before the job starts.
 
     Bad input raises ValueError before anything starts: a plan made for another model, an unreachable address, a
     cluster without enough devices for the plan (for the embedded Ray, a plan on GPUs is checked against this
@@ -463,9 +460,7 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, seed: int
     run, or cannot be resumed. The embedded Ray failing to start raises RuntimeError.
     """
     checks.plan_object(plan, "al.launch")
-    spec = job_spec(plan, model, steps, seed=seed, checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir else None,
-                    checkpoint_every=checkpoint_every, resume=resume, device_kind=device_kind,
-                    compiler_options=compiler_options, max_restarts=max_restarts, overwrite=overwrite)
+    spec = job_spec(plan, model, steps, options=options)
     if ray_address and spec.get("model_spec") is not None:
         raise ValueError(f"model {model.name!r} is your own (its step function lives in this Python process), and a "
                          "job on a remote cluster rebuilds its model by zoo name; train it on the embedded Ray (leave "

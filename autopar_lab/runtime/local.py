@@ -42,7 +42,8 @@ import jax
 
 from .. import checks
 from ..simulate import ScheduleStuck, issue_order, task_order
-from .partition import StagedModel, _mesh, batch_of, check_plan_matches, move, split_stages, stage_device_blocks
+from .layouts import batch_of, check_plan_matches, device_mesh, move, stage_device_blocks
+from .partition import StagedModel, split_stages
 from .ring import ring_binds
 
 __all__ = ["Runner", "execute", "synthetic_batch"]
@@ -109,7 +110,7 @@ class Runner:
         if st.intra is None or (plan.table is not None and plan.table.solve_graph is not plan.graph):
             raise LookupError("the plan's strategies are not per operator of this graph")
         block = stage_device_blocks(plan, devices)[0]
-        mesh = _mesh(block, st.logical_mesh)
+        mesh = device_mesh(block, st.logical_mesh)
         out_specs, output_specs = specs_from_strategies(plan.graph, st.intra.strategies)
         output_specs = _stored_like_inputs(plan.graph, out_specs, output_specs)
         # ring-marked matmuls (context parallelism) run as rings of shard_map steps, not XLA's algorithm

@@ -30,11 +30,13 @@ import statistics
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .progress import EVENT_PREFIX, ProgressChannel, ProgressEvent, format_event
 
-__all__ = ["job_spec", "check_seed", "run_job", "check_resources", "main", "step_loss", "RESULT_PREFIX", "JobFailed"]
+__all__ = ["RunOptions", "job_spec", "check_seed", "run_job", "check_resources", "main", "step_loss", "RESULT_PREFIX",
+           "JobFailed"]
 
 RESULT_PREFIX = "AUTOPAR_RESULT "
 
@@ -57,24 +59,58 @@ def check_seed(seed, steps: int, name: str = "seed") -> None:
                          f"step i uses {name} + i), got {seed!r:.40}.")
 
 
-def job_spec(plan, model, steps: int, *, seed: int = 0, checkpoint_dir: str | None = None,
-             checkpoint_every: int = 0, resume: bool = False, device_kind: str | None = None,
-             compiler_options: dict | None = None, max_restarts: int = 3, env_vars: dict | None = None,
-             overwrite: bool = False) -> dict:
-    """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring).
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How a training run on Ray goes, besides the plan, the model and the step count (:func:`job_spec`,
+    :func:`autopar_lab.launch`).
 
+    ``seed``: the model's initial state takes it and step ``i``'s batch ``seed + i`` (:func:`check_seed`).
     ``checkpoint_dir``: every stage's state is saved there at the end of the run (and when it is cancelled), and
-    every ``checkpoint_every`` steps when that is positive.
+    every ``checkpoint_every`` steps when that is positive; ``resume=True`` continues the run in it, ``overwrite=True``
+    replaces another run's checkpoints there. ``device_kind``: "cpu" (the stages run on CPU devices) or "gpu";
+    default: what the plan's cluster has. ``compiler_options``: XLA options for every stage program.
+    ``max_restarts``: how many times a dead stage actor is restarted from the last checkpoint. Immutable: change one
+    with a ``with_*`` method or :func:`dataclasses.replace`.
 
-    Checks, before anything starts: ``steps``, ``seed`` (:func:`check_seed`) and checkpoint settings; that ``plan``
-    was made for ``model``; that a zoo model can be rebuilt from its name and config (the actors rebuild it so);
-    ``device_kind`` ("cpu": the stages run on CPU devices, "gpu": on GPUs; default: what the plan's cluster has). A
-    model of your own (``ModelSpec.from_step``) is carried as the object under ``"model_spec"``: the spec is then not
-    JSON, and trains on an embedded Ray only.
+    >>> RunOptions().with_checkpoints("/tmp/ck", every=2).checkpoint_every
+    2
     """
+
+    seed: int = 0
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    overwrite: bool = False
+    device_kind: str | None = None
+    compiler_options: dict | None = None
+    max_restarts: int = 3
+
+    def with_checkpoints(self, directory: str | os.PathLike | None, *, every: int = 0, resume: bool = False,
+                         overwrite: bool = False) -> RunOptions:
+        """These options checkpointing into ``directory`` (every ``every`` steps when positive, and at the end)."""
+        return dataclasses.replace(self, checkpoint_dir=directory, checkpoint_every=every, resume=resume,
+                                   overwrite=overwrite)
+
+    def with_seed(self, seed: int) -> RunOptions:
+        return dataclasses.replace(self, seed=seed)
+
+
+def job_spec(plan, model, steps: int, *, options: RunOptions = RunOptions(), env_vars: dict | None = None) -> dict:
+    """The JSON job spec of training ``model`` with ``plan`` for ``steps`` steps (see the module docstring), run as
+    ``options`` (:class:`RunOptions`) says.
+
+    Checks, before anything starts: ``steps``, the seed (:func:`check_seed`) and checkpoint settings; that ``plan``
+    was made for ``model``; that a zoo model can be rebuilt from its name and config (the actors rebuild it so); the
+    device kind. A model of your own (``ModelSpec.from_step``) is carried as the object under ``"model_spec"``: the
+    spec is then not JSON, and trains on an embedded Ray only.
+    """
+    seed, checkpoint_every = options.seed, options.checkpoint_every
+    resume, overwrite = options.resume, options.overwrite
+    device_kind, compiler_options, max_restarts = options.device_kind, options.compiler_options, options.max_restarts
+    checkpoint_dir = os.fspath(options.checkpoint_dir) if options.checkpoint_dir else None
     from ..planfile import plan_to_dict
     from .actors import is_gpu_plan
-    from .partition import check_plan_matches
+    from .layouts import check_plan_matches
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive whole number, got {steps!r}.")

@@ -17,6 +17,7 @@ from .strategies import (
     unregister_rule,
     unsupported_ops,
 )
+from . import rules  # noqa: F401 - registers the built-in rules (strategies_for reads the registry)
 
 __all__ = [
     "ShardingSpec",

@@ -2,7 +2,7 @@
 
 The ILP already holds this choice; nothing new is enumerated. An expert matmul of a GShard layer
 (``"egcm,emf->egcf"``) is a ``dot_general`` batched over the expert dimension ``e`` of a *parameter* (the stacked
-expert weights ``[E, H, F]``): :func:`~autopar_lab.sharding.strategies.dot_general_rule` may split that batch
+expert weights ``[E, H, F]``): :func:`~autopar_lab.sharding.rules.dot_general_rule` may split that batch
 dimension like any other, which stores each device's experts only (``E / n`` of them) and runs them on the tokens
 routed to it. The tokens arrive split over the batch (the group dimension ``g``), so the edge from the dispatch einsum
 (``"gsec,gsm->egcm"``) to the expert matmul moves the mesh axis from ``g`` to ``e``: an ``all_to_all``

@@ -1,7 +1,7 @@
 """ZeRO-3 / FSDP in the intra-operator space: parameters stored sharded, gathered for their readers.
 
 The ILP already holds this choice; nothing new is enumerated. A parameter's input operator may take any valid spec
-(:func:`~autopar_lab.sharding.strategies.source_rule`), so it can be *stored* split over the axis the batch is split
+(:func:`~autopar_lab.sharding.rules.source_rule`), so it can be *stored* split over the axis the batch is split
 on, ``S0R`` (``P('x', None)``), while the matmuls that read it ask for it whole along that axis (``RR``): each such
 edge is an ``all_gather`` resharding, priced with :meth:`~autopar_lab.cluster.LogicalMesh.all_gather`. Its weight
 gradient (a contraction over the batch) takes the ``reduce_scatter`` variant of its strategy, and the optimizer

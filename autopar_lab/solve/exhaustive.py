@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import planner
@@ -71,9 +72,22 @@ from .inter import NoFeasiblePlanError, StageCandidate, placement_fits, transfer
 if TYPE_CHECKING:
     from ..cluster import Cluster
 
-__all__ = ["global_optimum", "count_plans", "DEFAULT_LIMIT"]
+__all__ = ["global_optimum", "count_plans", "OptimumSearch", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 2_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimumSearch:
+    """How :func:`global_optimum` searches: ``solver``, the intra-op ILP backend of the table it builds (as for
+    :func:`autopar_lab.planner.auto_plan`); ``limit``, the most plans it enumerates (more is a ValueError);
+    ``prune=False`` prices every plan (for tests); ``seed=False`` starts the pruned search without the auto plan as
+    its incumbent (for tests of the bound). Immutable: change one with :func:`dataclasses.replace`."""
+
+    solver: str = DEFAULT_SOLVER
+    limit: int = DEFAULT_LIMIT
+    prune: bool = True
+    seed: bool = True
 
 
 def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int,
@@ -103,16 +117,15 @@ def count_plans(num_layers: int, cluster: Cluster, microbatch_choices: int,
 @renamed_keywords(model_or_graph="model", mem_limit="mem_limit_bytes", _table_cache="table")
 def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="auto", remat=REMAT_CHOICES,
                    schedule: str = "1f1b", stage_comm: str = "model", mem_limit_bytes: float | None = None,
-                   solver: str = DEFAULT_SOLVER, limit: int = DEFAULT_LIMIT, prune: bool = True, seed: bool = True,
-                   table: CostTable | None = None, virtual_stages: int | None = None) -> dict:
+                   table: CostTable | None = None, virtual_stages: int | None = None,
+                   search: OptimumSearch = OptimumSearch()) -> dict:
     """Enumerate every plan of a small instance, price each with the pipeline simulator, and compare with Alpa's.
 
-    ``model``/``cluster``/``microbatches``/``stage_comm``/``mem_limit_bytes``/``solver``/``table``: as for
+    ``model``/``cluster``/``microbatches``/``stage_comm``/``mem_limit_bytes``/``table``: as for
     :func:`autopar_lab.planner.auto_plan` (``stage_comm`` only changes the auto plan's objective; both plans are
     reported with transfers priced). ``remat``: the rematerialisation choices per stage (default none, full
-    and selective, as the auto plan's; :func:`~autopar_lab.rematmode.remat_value` values). ``limit``: refuse (a
-    ValueError) when the space holds more plans than this. ``prune=False`` prices every plan (for tests);
-    ``seed=False`` starts the pruned search without the auto plan as its incumbent (for tests of the bound).
+    and selective, as the auto plan's; :func:`~autopar_lab.rematmode.remat_value` values). ``search``
+    (:class:`OptimumSearch`): the ILP solver, the most plans to enumerate, and the pruning switches for tests.
     ``schedule`` (and ``virtual_stages`` for "interleaved"): the schedule both plans run (see the module docstring).
 
     Returns a dict: ``optimum`` and ``auto`` (Plans priced by ``price_plan``, so priced identically),
@@ -121,6 +134,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     ``solve_s`` ({"table", "auto", "search", "total"}) and ``table`` (the shared CostTable).
     """
     t_start = time.perf_counter()
+    solver, limit, prune, seed = search.solver, search.limit, search.prune, search.seed
     schedule, v = check_schedule(schedule, virtual_stages)
     own = schedule in ("interleaved", "zb-h1")  # priced by price_plan itself, with the busiest-stage bound only
     table, cluster, _ = planner.table_for(model, cluster, table, solver)
@@ -201,7 +215,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
         if tl.makespan < best["T"]:
             best.update(T=tl.makespan, stages=list(stages), B=B)
 
-    def search(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
+    def descend(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
         # prefix: sum over placed stages and the cuts behind them of (fwd + bwd + send_fwd + send_bwd).
         if k == L:
             if offset == NM:
@@ -225,13 +239,13 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
                     stages.append(c)
                     if k > 0:
                         sends.append(cut)
-                    search(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
+                    descend(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
                     stages.pop()
                     if k > 0:
                         sends.pop()
 
     for B in choices:
-        search(0, 0, [], [], 0.0, 0.0, B)
+        descend(0, 0, [], [], 0.0, 0.0, B)
     t_search = time.perf_counter()
 
     solve_s = {"table": t_table - t_start, "auto": t_auto - t_table, "search": t_search - t_auto}

@@ -29,13 +29,15 @@ Example:
 """
 
 from .hlo import COLLECTIVE_KINDS, collective_instructions, collectives_in_hlo, total_bytes
-from .replay import Replay, ReplayError, operand_specs_from_strategies, replay_with_shardings, specs_from_strategies
+from .replay import (Replay, ReplayError, ReplayOptions, operand_specs_from_strategies, replay_with_shardings,
+                     specs_from_strategies)
 from .report import SMALL_OVERRIDES, predicted_collectives, summarize_collectives, validate_model, validate_plan
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "Replay",
     "ReplayError",
+    "ReplayOptions",
     "collective_instructions",
     "collectives_in_hlo",
     "predicted_collectives",

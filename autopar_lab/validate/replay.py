@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -33,6 +34,20 @@ def _as_spec(s: Any) -> ShardingSpec | None:
     return ShardingSpec(tuple(s))
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    """What a replay applies besides each operator's output specs (see :func:`replay_with_shardings`): the mesh's
+    ``axis_names``, the specs of the values the step returns (``output_specs``), the specs a contraction's operands
+    are constrained to (``operand_specs``), operators run another way (``binds``) and the graph's ``max_unroll``.
+    Immutable: change one with :func:`dataclasses.replace`."""
+
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES
+    output_specs: Mapping[int, Any] | None = None
+    operand_specs: Mapping[int, Sequence[Any]] | None = None
+    binds: Mapping[int, Callable] | None = None
+    max_unroll: int | None = None
+
+
 class Replay:
     """The step function re-executed equation by equation with the plan's sharding constraints.
 
@@ -49,10 +64,9 @@ class Replay:
 
     def __init__(self, graph: OpGraph, step_fn: Callable, abstract_args: Sequence[Any],
                  out_specs: Mapping[int, Sequence[Any]], mesh: jax.sharding.Mesh,
-                 axis_names: Sequence[str] = DEFAULT_AXIS_NAMES,
-                 output_specs: Mapping[int, Any] | None = None, max_unroll: int | None = None,
-                 operand_specs: Mapping[int, Sequence[Any]] | None = None,
-                 binds: Mapping[int, Callable] | None = None):
+                 options: ReplayOptions = ReplayOptions()):
+        axis_names, output_specs, max_unroll = options.axis_names, options.output_specs, options.max_unroll
+        operand_specs, binds = options.operand_specs, options.binds
         self.graph = graph
         # Per operator (op id): a function run in place of its primitive (a ring-attention matmul's ring).
         self.binds = {int(k): v for k, v in (binds or {}).items()}
@@ -302,8 +316,9 @@ def replay_with_shardings(graph: OpGraph, step_fn: Callable, abstract_args: Sequ
     ``fn(*operands, **bind params)`` in place of the operator's primitive (the ring of a ring-attention matmul,
     :func:`autopar_lab.runtime.ring.ring_binds`).
     """
-    return Replay(graph, step_fn, abstract_args, out_specs, mesh, axis_names, output_specs, max_unroll,
-                  operand_specs, binds)
+    return Replay(graph, step_fn, abstract_args, out_specs, mesh,
+                  ReplayOptions(axis_names=tuple(axis_names), output_specs=output_specs, max_unroll=max_unroll,
+                                operand_specs=operand_specs, binds=binds))
 
 
 def operand_specs_from_strategies(graph: OpGraph, strategies: Mapping[int, Any]) -> dict:

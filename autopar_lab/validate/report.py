@@ -10,9 +10,8 @@ import numpy as np
 
 from ..deprecation import renamed_keywords
 from ..graph.opgraph import OUTPUT_PRIMITIVE, OpGraph
-from ..sharding.spec import DEFAULT_AXIS_NAMES
 from .hlo import COLLECTIVE_KINDS, collectives_in_hlo, total_bytes
-from .replay import operand_specs_from_strategies, replay_with_shardings, specs_from_strategies
+from .replay import Replay, ReplayOptions, operand_specs_from_strategies, specs_from_strategies
 
 if TYPE_CHECKING:
     from ..cluster import LogicalMesh
@@ -30,11 +29,9 @@ def _max_abs_err(a, b) -> float:
 
 
 def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax.sharding.Mesh,
-                   predicted: Mapping[str, Mapping[str, float]] | None = None, *,
-                   output_specs: Mapping[int, Any] | None = None, graph: OpGraph | None = None,
-                   axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, seed: int = 0, run: bool = True,
-                   donate_argnums: Sequence[int] = (), operand_specs: Mapping[int, Sequence[Any]] | None = None,
-                   binds: Mapping[int, Any] | None = None) -> dict:
+                   predicted: Mapping[str, Mapping[str, float]] | None = None, *, graph: OpGraph | None = None,
+                   seed: int = 0, run: bool = True, donate_argnums: Sequence[int] = (),
+                   replay: ReplayOptions = ReplayOptions()) -> dict:
     """Compile the planned step of ``model_spec`` on ``mesh``, count its collectives, run one step sharded and one
     on a single device, and compare.
 
@@ -44,12 +41,13 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
     the largest |sharded - single device| over the outputs' leaves (None with ``run=False``). ``graph`` defaults to
     ``model_spec.trace()``; the concrete arguments are ``model_spec.init(seed)``. ``donate_argnums`` are donated to
     the sharded step (the updated parameters and optimizer state then reuse their inputs' buffers, as in training).
-    ``binds``: operators run another way (a ring-attention matmul's ring, see the replay's ``binds``).
+    ``replay`` (:class:`~autopar_lab.validate.replay.ReplayOptions`): what the replay applies besides ``out_specs``
+    (the step outputs' specs, contractions' operand specs, operators run another way such as a ring-attention
+    matmul's ring, the mesh's axis names).
     """
     graph = model_spec.trace() if graph is None else graph
-    replay = replay_with_shardings(graph, model_spec.step_fn, model_spec.abstract_args, out_specs, mesh,
-                                   axis_names, output_specs=output_specs, operand_specs=operand_specs, binds=binds)
-    jitted = replay.jit(donate_argnums=tuple(donate_argnums)) if donate_argnums else replay.jit()
+    replayed = Replay(graph, model_spec.step_fn, model_spec.abstract_args, out_specs, mesh, replay)
+    jitted = replayed.jit(donate_argnums=tuple(donate_argnums)) if donate_argnums else replayed.jit()
     t0 = time.perf_counter()
     compiled_exe = jitted.lower(*model_spec.abstract_args).compile()
     compile_s = time.perf_counter() - t0
@@ -60,7 +58,7 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
     if run:
         args = model_spec.init(seed)
         single = jax.jit(model_spec.step_fn)(*args)
-        sharded_args = jax.device_put(tuple(args), replay.in_shardings)
+        sharded_args = jax.device_put(tuple(args), replayed.in_shardings)
         sharded = compiled_exe(*sharded_args)
         err = _max_abs_err(sharded, single)
     return {
@@ -70,7 +68,7 @@ def validate_model(model_spec, out_specs: Mapping[int, Sequence[Any]], mesh: jax
         "numerics_max_abs_err": err,
         "num_devices": int(mesh.devices.size),
         "compile_s": compile_s,
-        "num_ops": replay.ops_walked,
+        "num_ops": replayed.ops_walked,
     }
 
 
@@ -245,11 +243,11 @@ def _check_devices(devices) -> int:
 
 
 def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> dict:
-    from ..solve.intra import solve_intra
+    from ..solve.intra import IntraOptions, solve_intra
 
     lm = cluster.logical_mesh((1, devices), shape)
     t0 = time.perf_counter()
-    plan = solve_intra(graph, lm, solver=solver)
+    plan = solve_intra(graph, lm, options=IntraOptions(solver=solver))
     solve_s = time.perf_counter() - t0
     records = predicted_collectives(graph, plan.strategies, lm)
     out_specs, output_specs = specs_from_strategies(graph, plan.strategies)
@@ -263,10 +261,10 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
     from ..runtime.ring import ring_binds
 
     mesh = lm.to_jax_mesh(jax.devices()[:devices])
-    rep = validate_model(spec, out_specs, mesh, None,
-                         output_specs=output_specs, graph=graph, run=run, donate_argnums=donate,
-                         operand_specs=operand_specs_from_strategies(graph, plan.strategies),
-                         binds=ring_binds(graph, plan.strategies, mesh))  # ring attention runs as the plan's ring
+    replay = ReplayOptions(output_specs=output_specs, operand_specs=operand_specs_from_strategies(graph,
+                                                                                                 plan.strategies),
+                           binds=ring_binds(graph, plan.strategies, mesh))  # ring attention runs as the plan's ring
+    rep = validate_model(spec, out_specs, mesh, None, graph=graph, run=run, donate_argnums=donate, replay=replay)
     predicted = summarize_collectives(records)
     dedup = summarize_collectives(records, dedupe=True)
     compiled = rep["compiled"]

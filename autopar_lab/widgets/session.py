@@ -564,8 +564,9 @@ class Session:
         n = exhaustive.count_plans(len(table.layer_names), cluster, len(mbs))
         if optimum or (optimum is None and n <= optimum_limit):
             hook(f"searching all {n} plans for the global optimum")
-            res = exhaustive.global_optimum(plan.graph, cluster, solver=self.solver, table=table,
-                                            limit=max(optimum_limit, n) if optimum else optimum_limit)
+            search = exhaustive.OptimumSearch(solver=self.solver,
+                                              limit=max(optimum_limit, n) if optimum else optimum_limit)
+            res = exhaustive.global_optimum(plan.graph, cluster, table=table, search=search)
             out["optimum"] = res["optimum"]
         self.comparison = out
         self._emit("compare", "compare", comparison=out)

@@ -20,6 +20,8 @@ thread, as tests do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import html
 import threading
 
@@ -28,6 +30,7 @@ import ipywidgets as w
 from ._base import USER_ERRORS, View
 from .fmt import fmt_rate, fmt_ratio, fmt_s
 from .mismatch import mismatch_note
+from ...runtime.train_entry import RunOptions
 
 _END = ("done", "cancelled", "error")
 AS_PLANNED = "plan"  # "stages on": the devices the plan's cluster has (launch's default device_kind)
@@ -187,7 +190,7 @@ class TrainingPanel(View):
     """Run or launch training of the session's current plan and watch it (see the module docstring).
 
     ``compiler_options``: XLA options for local runs (``{"xla_backend_optimization_level": 0}`` compiles faster on
-    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``checkpoint_dir``, ``num_cpus``, ...).
+    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``options``: a RunOptions, ``num_cpus``, ...).
     """
 
     css = "autopar-training"
@@ -336,8 +339,9 @@ class TrainingPanel(View):
         n = self._steps(steps)
         addr = (self.address.value if address is None else address).strip() or None
         kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
-        if self.stages_on.value != AS_PLANNED:
-            kw.setdefault("device_kind", self.stages_on.value)
+        if self.stages_on.value != AS_PLANNED:  # the run's options (launch's RunOptions) say where stages run
+            base = kw.get("options") or RunOptions()
+            kw["options"] = dataclasses.replace(base, device_kind=base.device_kind or self.stages_on.value)
         self._cancel = threading.Event()
         cancel = self._cancel
         self.job = None
