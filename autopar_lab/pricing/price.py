@@ -25,6 +25,7 @@ from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
+from .zero import zero_layer_costs
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -134,8 +135,9 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     ``layer_costs``: each stage's full-graph layer costs of that IntraPlan when the caller already has them
     (absent: computed). ``mem_limit_bytes``: the
     memory per device the plan is checked against (default: the device's). ``solve_s``, ``notes``, ``pins`` and
-    ``stage_pins`` are stored on the plan as given. ``layer_pins`` (full-graph op -> strategy name): layers split
-    from the layers that share their solution, each priced on its own
+    ``stage_pins`` are stored on the plan as given (``stage_pins["zero"]``, a ZeRO stage: every stage's memory
+    priced as ZeRO splits it, :mod:`~autopar_lab.pricing.zero`). ``layer_pins`` (full-graph op -> strategy name):
+    layers split from the layers that share their solution, each priced on its own
     (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
@@ -171,6 +173,10 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
             sums = table.prefix_sums(spec.submesh, spec.logical_mesh, solution)
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
+            sums = prefix_sums(costs)
+        zero = (stage_pins or {}).get("zero")
+        if zero is not None:  # ZeRO's memory (pricing.zero), the times unchanged
+            costs = zero_layer_costs(table, intra, costs, zero)
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
