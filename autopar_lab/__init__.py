@@ -26,6 +26,8 @@ _LAZY = {
     "auto_plan": ("autopar_lab.planner", "auto_plan"),
     "megatron_plan": ("autopar_lab.planner", "megatron_plan"),
     "data_parallel_plan": ("autopar_lab.planner", "data_parallel_plan"),
+    "fsdp_plan": ("autopar_lab.layouts", "fsdp_plan"),
+    "maxtext_plan": ("autopar_lab.layouts", "maxtext_plan"),
     "compare": ("autopar_lab.planner", "compare"),
     "Plan": ("autopar_lab.plan", "Plan"),
     "Pin": ("autopar_lab.planvalues", "Pin"),

@@ -90,7 +90,8 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     schedule, v = schedule_of(schedule or plan.schedule, keep_v, stage_pins)  # else a pinned count, else 2
     priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
                           schedule=schedule, virtual_stages=v, solutions=solutions,
-                          mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins))
+                          mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins),
+                          zero=stage_pins.get("zero"))
     return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 

@@ -142,6 +142,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 raise ValueError("stage_pins['virtual_stages'] must be a whole number of 2 or more")
             out[key] = value
+        elif key == "zero":  # the ZeRO stage the memory is priced with (pricing.zero)
+            if isinstance(value, bool) or value not in (0, 1, 2, 3):
+                raise ValueError("stage_pins['zero'] must be a ZeRO stage 0, 1, 2 or 3")
+            out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 
-from . import checks
-from .graph.opgraph import OpGraph
+from . import checks, layouts
 from .plan import Plan, price_plan
-from .precision import Precision, as_precision
+from .planning import planning_times, table_for  # noqa: F401 - their old home (re-exported)
+from .precision import Precision
 from .pricing import (  # noqa: F401 - names this module has always offered (notebooks and user code import them)
     LAUNCH_OVERHEAD_S,
     CostTable,
@@ -56,46 +56,6 @@ if TYPE_CHECKING:
 ProgressFn = Callable[[str, int, int], None]
 
 
-def planning_times(table: CostTable, solve_s: Mapping[str, float]) -> dict[str, float]:
-    """A plan's ``solve_s``: the phases given, plus ``intra`` (the table's ILP seconds so far) and ``total``."""
-    out = dict(solve_s)
-    out["intra"] = table.solve_s
-    out["total"] = sum(v for k, v in out.items() if k != "total")
-    return out
-
-
-def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: str = DEFAULT_SOLVER,
-              on_progress: ProgressFn | None = None, space: str = "auto",
-              workers: int = 0, precision: str | Precision | None = None) -> tuple[CostTable, Cluster, float | None]:
-    """(the cost table to plan with, the cluster, seconds spent tracing or None when a table was given).
-
-    With ``table`` it is checked against ``cluster``, ``model`` (an OpGraph must be the table's graph, or the graph
-    it was retyped from) and ``precision`` (the table's number format, when given); without, one is built
-    (:meth:`CostTable.build`, with ``space``, ``workers``: processes that start on the ILPs while the full model
-    traces, and ``precision``: the number format, None for the model's own)."""
-    if table is None:
-        if model is None or cluster is None:
-            raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
-        built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space, workers=workers,
-                                precision=precision)
-        return built, cluster, built.trace_s
-    if not isinstance(table, CostTable):
-        raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
-    if cluster is None:
-        cluster = table.cluster
-    elif cluster != table.cluster:
-        raise ValueError(f"the cost table was built for another cluster ({table.cluster.name}: {table.cluster.hosts} "
-                         f"x {table.cluster.devices_per_host} devices); build one for this cluster with "
-                         "CostTable.build(model, cluster), or pass table.cluster.")
-    if precision is not None and not as_precision(precision).same_format(table.precision):
-        want = as_precision(precision).name
-        raise ValueError(f"the cost table prices precision {table.precision.name!r}, not {want!r}; build one with "
-                         f"CostTable.build(model, cluster, precision={want!r}), or leave precision out.")
-    if isinstance(model, OpGraph) and model is not table.graph and model.fingerprint != table.graph.fingerprint \
-            and model.fingerprint != table.graph.__dict__.get("source_fingerprint"):
-        raise ValueError("the cost table was built for another graph; build one for this model with "
-                         "CostTable.build(model, cluster)")
-    return table, cluster, None
 
 
 #: What ``schedule="auto"`` tries: (schedule, virtual stages), each planned by the stage DP with its own formula.
@@ -106,7 +66,8 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
               schedule: str = "1f1b", mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
               table: CostTable | None = None, space: str = "auto", workers: int | None = None,
-              virtual_stages: int | None = None, precision: str | Precision | None = None) -> Plan:
+              virtual_stages: int | None = None, precision: str | Precision | None = None,
+              zero: int | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -129,7 +90,14 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     ``precision``: the number format to plan in (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"fp8-block"`` or a
     :class:`~autopar_lab.precision.Precision`; see :mod:`autopar_lab.precision`); None (default): the model's own,
     as traced. The plan records it (``plan.precision``).
+
+    ``zero``: the ZeRO stage of the optimizer (0-3): each stage's weights and optimizer state are stored as it says
+    over the mesh axes the stage splits the batch on, the sharding re-solved around that storage and the memory
+    priced as ZeRO's (:func:`autopar_lab.layouts.storage.with_zero`; the stage DP chooses the stages first, without
+    ZeRO's savings). None (default): the storage is the ILP's, and each stage's memory-lean solution where its
+    state overflows (the stage DP chooses per stage; explain() says which stages and what it saved).
     """
+    zero = layouts.check_zero(zero)
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space,
                                         workers=default_workers() if workers is None else workers,
                                         precision=precision)
@@ -137,7 +105,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
         if virtual_stages is not None:
             raise ValueError("virtual_stages goes with schedule='interleaved'; schedule='auto' tries 2 and 4.")
         return _auto_schedule(table, cluster, trace_s or 0.0, microbatches=microbatches, stage_comm=stage_comm,
-                              mem_limit_bytes=mem_limit_bytes, max_stages=max_stages, workers=workers)
+                              mem_limit_bytes=mem_limit_bytes, max_stages=max_stages, workers=workers, zero=zero)
     schedule, v = check_schedule(schedule, virtual_stages)
     solve_s = {"trace": trace_s or 0.0}
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
@@ -171,10 +139,13 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
         stages = nudged_cuts(table, stages, microbatches=result.microbatches, schedule=schedule, virtual_stages=v,
                              stage_comm=stage_comm, mem_limit_bytes=mem, intras=intras)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
-    return price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
+    plan = price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
                       stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
                       solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras,
                       solutions=[st.solution for st in result.stages])
+    if zero is not None:
+        plan = layouts.with_zero(plan, zero, solver=solver)
+    return layouts.explain_fit(plan)
 
 
 #: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).
@@ -277,70 +248,37 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
     return result
 
 
-def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int, microbatches: int = 1,
-                  schedule: str = "1f1b", remat: bool | str = False, mem_limit_bytes: float | None = None,
-                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-                  virtual_stages: int | None = None, precision: str | Precision | None = None) -> Plan:
-    """Megatron-LM's layout: ``pp`` stages of equal layer counts, each on ``dp x tp`` devices viewed as a (dp, tp)
-    logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts of one NVLink fabric);
-    the operators' shardings on that mesh come from the intra-op ILP (so this baseline is Megatron's layout with the
-    best sharding our cost model finds for it).
-    ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
-    or only its attention internals (``"selective"``: ``--recompute-activations``).
-    ``schedule``: "1f1b", "gpipe", "interleaved" (Megatron-LM's interleaved schedule: ``virtual_stages`` model chunks
-    per stage, default 2, its ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1" (see
-    :mod:`autopar_lab.schedules`). ``table``, ``precision``: as for :func:`auto_plan`."""
-    dp, tp, pp = (checks.whole(v, k) for k, v in (("dp", dp), ("tp", tp), ("pp", pp)))
-    remat = remat_value(remat)
-    schedule, virtual_stages = check_schedule(schedule, virtual_stages)
-    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
-    solve_s = {} if trace_s is None else {"trace": trace_s}
-    n = cluster.num_devices
-    if dp * tp * pp != n:
-        raise ValueError(f"dp x tp x pp = {dp}x{tp}x{pp} = {dp * tp * pp}, but the cluster has {n} devices")
-    if tp > cluster.devices_per_domain:
-        raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_domain} devices of a scale-up domain (Megatron "
-                         "keeps tensor parallelism inside a host, or inside the hosts sharing one NVLink fabric); use "
-                         "a smaller tp")
-    L = len(table.layer_names)
-    if pp > L:
-        raise ValueError(f"pp={pp} stages but the model has only {L} layers")
-    per = dp * tp
-    M = cluster.devices_per_host
-    submesh = (1, per) if per <= M else (per // M, M)
-    if submesh not in [tuple(s) for s in cluster.submesh_shapes()]:
-        raise ValueError(f"a stage of {per} devices is not a submesh shape of this cluster")
-    bounds = [round(k * L / pp) for k in range(pp + 1)]
-    microbatch_choices(table.batch_size, microbatches)
-    stages = [((bounds[k], bounds[k + 1] - 1), submesh, (dp, tp), remat) for k in range(pp)]
-    tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
-    name = f"megatron(dp={dp},tp={tp},pp={pp}{tag})"
-    if schedule == "interleaved":
-        name = f"{name[:-1]},v={virtual_stages})"
-    return price_plan(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
-                      stage_comm="model", mem_limit_bytes=mem_limit_bytes, method=name,
-                      solve_s=planning_times(table, solve_s))
+#: Megatron-LM's layout, Megatron-LM's sharding pinned (:func:`autopar_lab.layouts.megatron.megatron_plan`, which
+#: documents its keywords).
+megatron_plan = layouts.megatron_plan
 
 
 def data_parallel_plan(model=None, cluster: Cluster | None = None, *, microbatches: int = 1, remat: bool | str = False,
                        mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER,
-                       table: CostTable | None = None, precision: str | Precision | None = None) -> Plan:
+                       table: CostTable | None = None, precision: str | Precision | None = None,
+                       zero: int | None = None, lean: bool = True) -> Plan:
     """One stage on the whole cluster viewed as a (N*M, 1) mesh, microbatches as gradient accumulation.
 
     The operators' shardings on that 1D mesh come from the intra-op ILP: for dense models that is data parallelism
     (the batch split over every device); for MoE the ILP also splits the experts (data + expert parallelism).
     ``remat``: the forward is recomputed in the backward (gradient checkpointing; ``"selective"``: the attention
-    internals only). ``table``, ``precision``: as for :func:`auto_plan`."""
+    internals only). ``zero``: the ZeRO stage of the optimizer (0-3, over the data-parallel devices); None: the
+    storage left to the ILP, and stored at its least when the step does not fit otherwise (explain() says so;
+    ``lean=False`` keeps the ILP's storage, to see what replicated state would need).
+    ``table``, ``precision``: as for :func:`auto_plan`."""
     microbatches, remat = checks.whole(microbatches, "microbatches"), remat_value(remat)
+    zero = layouts.check_zero(zero)
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
-    solve_s = {} if trace_s is None else {"trace": trace_s}
     n = cluster.num_devices
     submesh = (cluster.hosts, cluster.devices_per_host) if cluster.hosts > 1 else (1, cluster.devices_per_host)
-    stage = ((0, len(table.layer_names) - 1), submesh, (n, 1), remat)
     name = "data_parallel(remat)" if is_full(remat) else "data_parallel(selective)" if is_selective(remat) \
         else "data_parallel"
-    return price_plan(table, [stage], microbatches=microbatches, schedule="1f1b", stage_comm="model",
-                      mem_limit_bytes=mem_limit_bytes, method=name, solve_s=planning_times(table, solve_s))
+    if zero is not None:
+        name = f"{name[:-1]},zero={zero})" if name.endswith(")") else f"{name}(zero={zero})"
+    layout = layouts.Layout(name, 1, submesh, layouts.MeshRoles((n, 1), batch=(0,), zero=(0,)), microbatches, remat,
+                            zero=zero, lean=checks.flag(lean, "lean"))
+    return layouts.price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
+                                solve_s={} if trace_s is None else {"trace": trace_s})
 
 
 def megatron_grid(cluster: Cluster, num_layers: int) -> list[tuple[int, int, int]]:

@@ -221,6 +221,8 @@ def check_form(data: Mapping, where: str) -> None:
         raise bad(where, f"stage_pins['schedule'] must be one of {', '.join(map(repr, SCHEDULES))}")
     if "virtual_stages" in sp:
         _int(sp["virtual_stages"], "stage_pins['virtual_stages']", where, 2, MAX_VIRTUAL_STAGES)
+    if "zero" in sp:
+        _int(sp["zero"], "stage_pins['zero']", where, 0, 3)
 
 
 def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batch_size: int,

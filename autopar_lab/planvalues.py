@@ -158,6 +158,9 @@ class CostReport:
     # The number format the plan is priced in (autopar_lab.precision: "bf16 (bf16 compute, fp32 gradients, ...)"),
     # and whether it is priced only (a format the graph was retyped to: the runtime runs the model's own step).
     precision: str = field(default="", compare=False)
+    # What was stored sharded to make the plan fit (the memory-lean solution of a stage), or which part of which stage
+    # overflows by how much (autopar_lab.layouts.fit); "" when there is nothing to say.
+    fit_note: str = field(default="", compare=False)
 
     @property
     def fits(self) -> bool:
@@ -216,4 +219,5 @@ class CostReport:
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
             f"reduction behind the last backward, parameter gathers behind the forward)"
             + (f"; {self.schedule_choice}" if self.schedule_choice else "")
+            + (f"; {self.fit_note}" if self.fit_note else "")
         )

@@ -403,7 +403,7 @@ def router_gemms(g: OpGraph) -> frozenset[int]:
             continue
         frontier, seen = list(node.outputs), set(node.outputs)
         for _ in range(ROUTER_HOPS):
-            nxt = []
+            nxt: list = []
             for t in frontier:
                 for c in g.consumers.get(t, ()):
                     reader = g.op(c)

@@ -11,10 +11,11 @@ The published layout, as the paper ran it:
 * the ``dgx-a100`` cluster of the row's GPU count (8 per host);
 * ``p`` pipeline stages of ``l / p`` transformer layers each, the embedding with the first and the head with the
   last; each stage on ``d x t`` GPUs viewed as a (d, t) logical mesh (tensor parallelism inside a host);
-* Megatron-LM's tensor-parallel sharding pinned (:func:`megatron_pins`): qkv and the first MLP matmul split by
-  columns, the attention projection and the second MLP matmul by rows (one all-reduce each, forward and backward),
-  attention split by heads, the embedding split by vocabulary; parameters and Adam state sharded only by ``t``
-  (no ZeRO); the intra-op ILP decides everything else around the pins;
+* Megatron-LM's tensor-parallel sharding, pinned by the library (``al.megatron_plan``, issue 31:
+  :mod:`autopar_lab.layouts`): qkv and the first MLP matmul split by columns, the attention projection and the
+  second MLP matmul by rows (one all-reduce each, forward and backward), attention split by heads, the embedding and
+  the head split by vocabulary; parameters and Adam state sharded only by ``t`` (``zero=0``: no distributed
+  optimizer in 2021); the intra-op ILP decides everything else around the pins;
 * full activation recomputation (``remat``); one stage: 1F1B; the pipelined rows (39B, 145B, 530B): the interleaved
   1F1B schedule they ran, with ``v`` model chunks per stage (:func:`virtual_stages`: the paper does not give ``v``;
   the smallest divisor above 1 of the layers per stage is assumed: 2, 2 and 3); ``--no-interleave`` prices plain
@@ -37,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 
@@ -54,11 +54,6 @@ ROWS = [
 SEQ, VOCAB = 2048, 51200
 GIB = 2**30
 
-_COL = re.compile(r"\['(qkv|fc1)'\]\['w'\]$")
-_COL_BIAS = re.compile(r"\['(qkv|fc1)'\]\['b'\]$")
-_ROW = re.compile(r"\['(proj|fc2)'\]\['w'\]$")
-_VOCAB = re.compile(r"\['wte'\]$")
-
 
 def published_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741  (the paper's symbols)
     """F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)): the published count per step, recomputation included.
@@ -67,82 +62,6 @@ def published_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E
     15.47
     """
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
-
-
-def _param_spec(path: str, rank: int, t: int = 2) -> str:
-    """Megatron-LM's spec of a parameter (or its Adam state) on a (d, t) mesh: split by t only (whole for t = 1)."""
-    if t == 1:
-        return "R" * rank
-    if _COL.search(path):
-        return "RS1"
-    if _COL_BIAS.search(path):
-        return "S1"
-    if _ROW.search(path) or _VOCAB.search(path):
-        return "S1R"
-    return "R" * rank
-
-
-def _weight_path(graph, t: int, depth: int = 4) -> str:
-    """The pytree path of the parameter ``t`` is a (cast, transposed) copy of, or ''."""
-    from autopar_lab.graph.opgraph import INPUT_PRIMITIVE
-
-    p = graph.tensor(t).producer
-    if p is None or depth == 0:
-        return ""
-    node = graph.op(p)
-    if node.primitive == INPUT_PRIMITIVE:
-        return graph.tensor(t).path
-    if node.primitive in ("convert_element_type", "transpose", "reshape"):
-        return _weight_path(graph, node.inputs[0], depth - 1)
-    return ""
-
-
-def megatron_pins(graph, mesh) -> dict:
-    """Operator pins that make the intra-op plan of the zoo's GPT on a (d, t) mesh Megatron-LM's tensor parallelism:
-    parameters and their Adam state as :func:`_param_spec` says; each matmul reading a weight runs on that weight's
-    shard (the forward's row-parallel matmuls all-reduce their output over t, the column-parallel ones need
-    nothing); the attention matmuls split the batch over d and the heads over t. The ILP chooses the rest."""
-    from autopar_lab.graph.opgraph import BACKWARD, FORWARD, INPUT_PRIMITIVE
-    from autopar_lab.solve.intra import StrategyCache
-
-    cache = StrategyCache(mesh)
-    pins: dict = {}
-    for op in graph.ops:
-        node = graph.op(op)
-        if node.primitive == INPUT_PRIMITIVE:
-            info = graph.tensor(node.outputs[0])
-            if info.kind in ("param", "opt_state") and info.shape:
-                pins[op] = _param_spec(info.path, len(info.shape), mesh.shape[1])
-            continue
-        if node.primitive != "dot_general" or node.role not in (FORWARD, BACKWARD) or mesh.shape[1] == 1:
-            continue  # (without tensor parallelism only the parameters' specs are pinned: replicated, no ZeRO)
-        strats = cache.strategies(node)
-        paths = [_weight_path(graph, t) for t in node.inputs]
-        w = next((i for i, p in enumerate(paths) if p), None)
-
-        def pick(ok):
-            fits = [s for s in strats if ok(s)]
-            return min(fits, key=lambda s: s.cost) if fits else None
-
-        if w is None:
-            if node.role != FORWARD:
-                continue  # the attention backward follows its forward by itself
-            # attention: the batch over d, the heads over t, nothing reduced
-            s = pick(lambda s: not s.collectives and all(sp.dim_of(0) == 0 and sp.dim_of(1) not in (None, 0)
-                                                         for sp in s.in_specs))
-        else:
-            want = _param_spec(paths[w], 2)
-            if node.role == BACKWARD:  # the same weight shard, read transposed or not
-                s = pick(lambda s: str(s.in_specs[w]) in (want, "S1R" if want == "RS1" else "RS1" if want == "S1R"
-                                                           else want))
-            else:
-                row = bool(_ROW.search(paths[w]))
-                x = 1 - w
-                s = pick(lambda s: str(s.in_specs[w]) == want and s.in_specs[x].dim_of(0) == 0 and
-                         (any(c[0] == "all_reduce" for c in s.collectives) if row else not s.collectives))
-        if s is not None:
-            pins[op] = s
-    return pins
 
 
 def virtual_stages(layers_per_stage: int) -> int:
@@ -157,11 +76,11 @@ def virtual_stages(layers_per_stage: int) -> int:
 
 def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None, interleave: bool = True):
     """(plan, model, GPUs, published TFLOP/s, FLOPs per step) of one row in its published layout (pipelined rows
-    interleaved unless ``interleave`` is False)."""
+    interleaved unless ``interleave`` is False), priced through the public API: ``al.megatron_plan`` with the row's
+    degrees, Megatron-LM's sharding pinned by the library, the state stored whole over the data-parallel group
+    (``zero=0``: SC21 ran without the distributed optimizer), full recomputation, ``micro`` sequences a microbatch."""
     import autopar_lab as al
-    from autopar_lab.plan import price_plan
     from autopar_lab.pricing import CostTable
-    from autopar_lab.solve.intra import IntraOptions, solve_intra
 
     _, a, h, l, t, p, gpus, B, pub = next(r for r in ROWS if r[0] == name)  # noqa: E741
     d = gpus // (t * p)
@@ -169,19 +88,8 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
                           batch_size=B, dtype="float16")
     cluster = al.Cluster.preset("dgx-a100", hosts=gpus // 8).with_(flash_attention=flash)
     table = table or CostTable.build(model, cluster)
-    per = d * t
-    M = cluster.devices_per_host
-    submesh = (1, per) if per <= M else (per // M, M)
-    mesh = cluster.logical_mesh(submesh, (d, t))
-    pins = megatron_pins(table.solve_graph, mesh)
-    intra = solve_intra(table.solve_graph, mesh, pins=pins, options=IntraOptions(solver="highs", rounds=1))
-    L = len(table.layer_names)  # the embedding, the l transformer layers, the head
-    k = l // p
-    bounds = [0] + [1 + k * j for j in range(1, p)] + [L]
-    stages = [((bounds[j], bounds[j + 1] - 1), submesh, (d, t), True) for j in range(p)]
-    sched = dict(schedule="interleaved", virtual_stages=virtual_stages(k)) if p > 1 and interleave else {}
-    plan = price_plan(table, stages, microbatches=B // (d * micro), intras=[intra] * p, method=f"megatron-{name}",
-                      **sched)
+    sched = dict(schedule="interleaved", virtual_stages=virtual_stages(l // p)) if p > 1 and interleave else {}
+    plan = al.megatron_plan(table=table, dp=d, tp=t, pp=p, micro_batch_size=micro, remat=True, zero=0, **sched)
     return plan, model, gpus, pub, published_flops(B, SEQ, l, h, VOCAB)
 
 

@@ -312,7 +312,8 @@ def test_a_split_layer_in_a_later_chunk_of_an_interleaved_stage_is_priced_there(
     stage 0's forward dearer by its layer's change (its 1F1B range, 0-4, does not hold it)."""
     m = al.models.get("gpt-tiny", num_layers=8, batch_size=8, hidden_size=256, seq_len=64, vocab_size=128)
     c = al.Cluster.preset("p3.16xlarge", hosts=1)
-    q = al.megatron_plan(m, c, dp=2, tp=2, pp=2, microbatches=4).with_schedule("interleaved", virtual_stages=2)
+    q = al.megatron_plan(m, c, dp=2, tp=2, pp=2, microbatches=4, sharding="ilp").with_schedule(
+        "interleaved", virtual_stages=2)  # the ILP's sharding: stage 0 is the busier one
     full = _real_dot(q, "layer_5")
     k = list(q.layer_names).index("layer_5")
     assert q.stage_of(full) == 0 and any(a <= k <= b for a, b in q.stages[0].chunks)

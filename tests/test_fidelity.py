@@ -8,29 +8,27 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.pricing.memory import PARTS, memory_breakdown
-from autopar_lab.solve.intra import IntraOptions, solve_intra
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_fidelity as fidelity  # noqa: E402 - the benchmark is a script beside the package
 
 
-def test_megatron_pins_give_megatron_lms_tensor_parallelism():
+def test_the_published_layout_pins_megatron_lms_tensor_parallelism():
+    """The layout the bench prices (``al.megatron_plan(..., zero=0)``, the library's pins since issue 31)."""
     model = al.models.get("gpt-tiny", seq_len=64, hidden_size=256, num_heads=8, num_layers=2, batch_size=8,
                           vocab_size=512, dtype="float16")
-    table = al.CostTable.build(model, al.Cluster.preset("dgx-a100"))
-    g = table.solve_graph
-    mesh = table.cluster.logical_mesh((1, 8), (2, 4))
-    plan = solve_intra(g, mesh, pins=fidelity.megatron_pins(g, mesh), options=IntraOptions(solver="highs", rounds=1))
+    plan = al.megatron_plan(model, al.Cluster.preset("dgx-a100"), dp=2, tp=4, pp=1, zero=0)
+    g, strategies = plan.op_graph, plan.stages[0].intra.strategies
 
     def spec(suffix):
-        (s,) = [plan.strategies[o] for o in g.ops if g.op(o).primitive == "parameter" and
+        (s,) = [strategies[o] for o in g.ops if g.op(o).primitive == "parameter" and
                 g.tensor(g.op(o).outputs[0]).kind == "param" and g.tensor(g.op(o).outputs[0]).path.endswith(suffix)]
         return str(s.out_specs[0])
 
     # column split of qkv and the first MLP matmul, row split of the projection and the second; the norms whole
     assert [spec(f"['layers'][1]['{w}']['w']") for w in ("qkv", "fc1", "proj", "fc2")] == ["RS1", "RS1", "S1R", "S1R"]
     assert spec("['layers'][1]['ln1']['scale']") == "R" and spec("['wte']") == "S1R"
-    fwd = [(o, plan.strategies[o]) for o in g.ops_in_layer("layer_1")
+    fwd = [(o, strategies[o]) for o in g.ops_in_layer("layer_1")
            if g.op(o).primitive == "dot_general" and g.op(o).role == "forward"]
     # two row-parallel matmuls all-reduce over the tensor-parallel axis; the rest (column-parallel, attention over
     # heads) communicate nothing

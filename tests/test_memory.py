@@ -166,26 +166,11 @@ def test_a_gathered_parameter_copy_is_held_as_memory():
 
 def test_tensor_parallelism_splits_the_attention_scores_by_heads(gpt16):
     """Korthikanti's tensor-parallel attention term, 5 a s^2 b / t: each of t devices keeps the scores of its a / t
-    heads. Megatron-LM's sharding pinned (bench_fidelity.megatron_pins) on t = 2: the zoo's 6 a s^2 b of kept scores
-    (above) become 6 a s^2 b / 2 per device."""
-    import sys
-    from pathlib import Path
-
-    from autopar_lab.plan import price_plan
-    from autopar_lab.pricing import CostTable
-    from autopar_lab.solve.intra import solve_intra
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_fidelity
-
+    heads. Megatron-LM's sharding pinned (``al.megatron_plan``, the state stored whole: ``zero=0``) on t = 2: the zoo's
+    6 a s^2 b of kept scores (above) become 6 a s^2 b / 2 per device."""
     def layer_act(flash, t=2):
         cluster = al.Cluster.preset("dgx-a100").with_(devices_per_host=t, flash_attention=flash)
-        table = CostTable.build(gpt16, cluster)
-        mesh = cluster.logical_mesh((1, t), (1, t))
-        intra = solve_intra(table.solve_graph, mesh, pins=bench_fidelity.megatron_pins(table.solve_graph, mesh),
-                            solver="highs", rounds=1)
-        plan = price_plan(table, [((0, len(table.layer_names) - 1), (1, t), (1, t), False)], microbatches=1,
-                          intras=[intra])
+        plan = al.megatron_plan(gpt16, cluster, dp=1, tp=t, pp=1, microbatches=1, zero=0)
         return _layer(plan, "layer_1").act_bytes
 
     t = 2

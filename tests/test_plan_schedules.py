@@ -27,7 +27,7 @@ def model():
 @pytest.fixture(scope="module")
 def plan(model):
     cluster = al.Cluster.preset("cpu", hosts=1)
-    return al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=4)
+    return al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=4, sharding="ilp")  # the table's
 
 
 def test_interleaved_plan_is_priced_chunk_by_chunk(plan):

@@ -402,7 +402,9 @@ def test_a_deep_model_on_a_v5p_slice_and_an_nvl72_rack():
     table = CostTable.build(model, Cluster.parse("tpu-v5p:128"))
     cfg = model.config
     flops = 6 * 1.3e9 * cfg.batch_size * cfg.seq_len  # model FLOPs of a step, about: 6 N tokens
-    for spec, (dp, tp, pp) in (("tpu-v5p:128", (16, 8, 1)), ("gb200-nvl72:16", (8, 8, 1))):
+    # tp=4: since issue 31 megatron_plan pins Megatron-LM's tensor parallelism, and over 8 devices on a model of
+    # hidden 2,048 its all-reduces outlast its matmuls on GB200 (MFU 15%, 25% on v5p)
+    for spec, (dp, tp, pp) in (("tpu-v5p:128", (32, 4, 1)), ("gb200-nvl72:16", (16, 4, 1))):
         c = Cluster.parse(spec)
         plan = al.megatron_plan(model, c, dp=dp, tp=tp, pp=pp, microbatches=8, table=table.for_cluster(c))
         assert plan.cost.fits and len(plan.graph.ops_in_layer("layer_20")) > 0

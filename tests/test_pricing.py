@@ -28,7 +28,8 @@ def test_a_plan_priced_again_from_its_decisions_is_the_same_plan(auto):
     assert again.cost == auto.cost and again.stages == auto.stages
     assert [st.intra for st in again.stages] == [st.intra for st in auto.stages]
     # Megatron's and remat's stages too, by hand against the stage-cost formula.
-    m = al.megatron_plan(auto.graph, auto.cluster, dp=1, tp=2, pp=2, microbatches=2, remat=True, table=auto.table)
+    m = al.megatron_plan(auto.graph, auto.cluster, dp=1, tp=2, pp=2, microbatches=2, remat=True, table=auto.table,
+                         sharding="ilp")  # the sharding the table solved for those meshes
     t = auto.table
     for st in m.stages:
         costs, _ = t.mesh_costs(st.submesh, st.logical_mesh)

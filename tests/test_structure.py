@@ -300,10 +300,22 @@ WIDE_SIGNATURES = {
         "(table, microbatches, schedule, mem_limit_bytes, precision, on_progress), a modelling switch (stage_comm, "
         "virtual_stages) or a search setting (solver, space, workers, max_stages); grouping the last four in an "
         "options object would still leave 11 and break the calls that pass them"),
-    "autopar_lab.planner.megatron_plan": (
-        "public", "DESIGN.md's baseline: the layout (dp, tp, pp, microbatches, schedule, virtual_stages, remat) is "
-        "what a user writes, with auto_plan's table, mem_limit_bytes, precision and solver; only solver is a search "
-        "setting, so no grouping gets it to 10"),
+    "autopar_lab.layouts.megatron.megatron_plan": (
+        "public", "DESIGN.md's baseline (planner.megatron_plan is it under the old keyword names): the layout is "
+        "Megatron-LM's own flags (dp, tp, pp, cp, ep, microbatches or micro_batch_size, schedule, virtual_stages, "
+        "remat, zero, sequence_parallel), each what a user writes, with auto_plan's table, mem_limit_bytes, "
+        "precision and solver, and the sharding / lean switches; only solver is a search setting"),
+    "autopar_lab.layouts.fsdp.fsdp_plan": (
+        "public", "issue 31: torchtitan's own settings (dp_shard, dp_replicate, tp, pp, cp, reshard_after_forward, "
+        "local_batch_size, activation checkpointing, schedule) by keyword, with auto_plan's table, mem_limit_bytes, "
+        "precision and solver"),
+    "autopar_lab.layouts.maxtext.maxtext_plan": (
+        "public", "issue 31: MaxText's own ici_*/dcn_* parallelism keys and per_device_batch_size, remat_policy, by "
+        "keyword as its config names them, with auto_plan's table, mem_limit_bytes, precision and solver"),
+    "autopar_lab.pricing.price.price_stages": (
+        "public", "pricing's documented core (al.pricing.price_stages): table and stages, then keyword-only what each "
+        "is priced from (intras, layer_costs, solutions), the schedule (schedule, virtual_stages, microbatches) and "
+        "the storage decisions a plan records (layer_pins, zero), each a field price_plan passes through"),
     "autopar_lab.plan.price_plan": (
         "public", "al.price_plan: the decisions (table, stages) and keyword-only ones as price_stages takes them, with "
         "what the plan records as given (method, stage_comm, solve_s, notes, pins, stage_pins); the notebooks call it "

@@ -29,13 +29,13 @@ def graph():
 @pytest.fixture(scope="module")
 def plan(graph):
     cluster = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
-    return al.megatron_plan(graph, cluster, dp=1, tp=2, pp=2, microbatches=2)
+    return al.megatron_plan(graph, cluster, dp=1, tp=2, pp=2, microbatches=2, sharding="ilp")  # the ILP's choices
 
 
 @pytest.fixture(scope="module")
 def small_plan(graph):
     c2 = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=2)
-    return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1)
+    return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1, sharding="ilp")  # the ILP's own choices
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def build_config(family, name: str, **fields) -> ModelSpec:
     config the family's defaults with ``fields`` replaced (checked as :func:`get` checks them): a model that is not
     in the zoo by name, e.g. one read from a config.json (:func:`from_config`)."""
     module = _FAMILIES.get(family) if isinstance(family, str) else family
-    if module not in _FAMILIES.values():
+    if module is None or module not in _FAMILIES.values():
         raise ValueError(f"unknown model family {family!r}; valid families are: {', '.join(_FAMILIES)}.")
     base = type(next(iter(module.PRESETS.values())))()  # the family's config class at its defaults
     return _built(module, str(name), _configured(base, **fields))

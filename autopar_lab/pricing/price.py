@@ -28,6 +28,7 @@ from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
+from .zero import zero_layer_costs
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -137,7 +138,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  virtual_stages: int | None = None, mem_limit_bytes: float | None = None,
                  intras: Sequence[IntraPlan | None] | None = None,
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
-                 layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None) -> Priced:
+                 layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
+                 zero: int | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -150,6 +152,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     ``mem_limit_bytes``: the memory per device the plan is checked against (default: the device's).
     ``layer_pins`` (full-graph op -> strategy name): layers split from the layers that share their solution, each
     priced on its own (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
+    ``zero``: a ZeRO stage (0-3; a plan's ``stage_pins["zero"]``): every stage's memory priced as ZeRO splits it
+    (:mod:`~autopar_lab.pricing.zero`), the times unchanged; None: the storage each IntraPlan chose.
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
     stage runs ``virtual_stages`` chunks (default 2; :func:`~autopar_lab.schedules.schedule_of` reads a plan's pinned
@@ -181,6 +185,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             sums = table.prefix_sums(spec.submesh, spec.logical_mesh, solution)
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
+            sums = prefix_sums(costs)
+        if zero is not None:  # ZeRO's memory (pricing.zero), the times unchanged
+            costs = zero_layer_costs(table, intra, costs, zero)
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:

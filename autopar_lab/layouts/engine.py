@@ -1,0 +1,240 @@
+"""From a framework's layout to a priced plan: the one path Megatron-LM's, torchtitan's and MaxText's layouts take.
+
+A :class:`Layout` holds everything a framework decides: the pipeline's stages (equal runs of transformer blocks, the
+embedding with the first and the head with the last, :func:`stage_bounds`), each stage's submesh and logical mesh with
+the roles of its axes (:class:`~autopar_lab.layouts.config.MeshRoles`), the microbatches, schedule, recomputation,
+ZeRO stage and sequence parallelism. :func:`price_layout` solves each stage mesh's intra-op ILP around the layout's
+pins (:func:`~autopar_lab.layouts.shardpins.layout_pins`; a layout with nothing to pin takes the cost table's own
+solution) and hands the decisions to :func:`~autopar_lab.pricing.price.price_plan`.
+
+Memory (issue 31): a layout that names its ZeRO stage is priced with it (``stage_pins["zero"]``,
+:mod:`autopar_lab.pricing.zero`). One that leaves the storage open (``zero=None``) gets the ILP's fastest storage;
+every stage that then overflows is priced with its state stored at its least instead (the memory-lean solution: every
+parameter and optimizer state split over the data-parallel group on top of its tensor split, decided per stage), and
+the plan's explain() says what was sharded and what it saved. A plan that still does not fit says which part of which
+stage overflows by how much (:func:`~autopar_lab.layouts.fit.overflow_note`).
+
+Pinned solutions are kept per cost table, mesh and pins (a grid of Megatron configurations solves each once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from .. import checks
+from ..plan import Plan
+from ..planning import planning_times
+from ..plan import price_plan
+from ..pricing.table_pool import LEAN as TABLE_LEAN
+from ..solve.ilp import DEFAULT_SOLVER
+from ..solve.intra import IntraOptions, solve_intra
+from .config import MeshRoles
+from .fit import lean_note, overflow_note
+from .roles import find_roles
+from .shardpins import LEAN, layout_pins
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+    from ..pricing import CostTable, LayerCost
+    from ..solve.intra import IntraPlan
+
+__all__ = ["Layout", "Solution", "check_experts", "layout_solution", "microbatches_for", "price_layout",
+           "stage_bounds", "stage_submesh"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything a framework's layout decides about one training step (see the module docstring). ``method``: the
+    plan's name; ``stages``: the pipeline's stage count; ``submesh``: each stage's devices; ``mesh``: each stage's
+    logical mesh and its axes' roles; ``notes``: what the plan should say about the layout (approximations);
+    ``pin_roles``: False leaves every operator's sharding to the ILP (only the storage a ZeRO stage names is
+    pinned); ``lean``: False keeps the storage as the ILP chose it where it overflows (what the layout would need)
+    instead of the memory-lean solution."""
+
+    method: str
+    stages: int
+    submesh: tuple[int, int]
+    mesh: MeshRoles
+    microbatches: int
+    remat: bool | str = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int | None = None
+    sequence_parallel: bool = False
+    notes: tuple[str, ...] = ()
+    pin_roles: bool = True
+    lean: bool = True
+
+    def with_(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A stage mesh's sharding under a layout: its IntraPlan on the table's solve graph, the full graph's layer costs,
+    the roles left to the ILP (``free``), the seconds its ILP took, and ``table_solution`` (``"fast"`` or ``"lean"``)
+    when it is the cost table's own (nothing pinned), else None."""
+
+    intra: IntraPlan
+    costs: tuple[LayerCost, ...]
+    free: tuple[str, ...] = ()
+    solve_s: float = 0.0
+    table_solution: str | None = None
+
+
+# table -> {(submesh, mesh key, storage, sequence parallel, solver): Solution}
+_SOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# table -> the sequential solve's first passes (shared by the meshes whose axis 0 is the same)
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles, *, storage=None,
+                    sequence_parallel: bool = False, solver: str = DEFAULT_SOLVER, pin_roles: bool = True) -> Solution:
+    """The sharding of ``submesh`` viewed as ``mesh`` under the layout's pins (``storage``: None, a ZeRO stage or
+    :data:`~autopar_lab.layouts.shardpins.LEAN`): the pinned ILP's, or with nothing to pin the table's own (its
+    fast solution, or for ``LEAN`` its memory-lean one)."""
+    key = (tuple(submesh), mesh.key(), storage, bool(sequence_parallel), solver, pin_roles)
+    memo = _SOLVED.setdefault(table, {})
+    if key in memo:
+        return memo[key]
+    lmesh = table.cluster.logical_mesh(submesh, mesh.shape)
+    cache = table.strategy_cache(lmesh)
+    pinned = layout_pins(table.solve_graph, find_roles(table.solve_graph), mesh, cache, storage=storage,
+                         sequence_parallel=sequence_parallel, roles_pinned=pin_roles)
+    if not pinned.pins:
+        which = TABLE_LEAN if storage == LEAN else "fast"
+        if which == TABLE_LEAN:
+            table.solve_lean([(tuple(submesh), tuple(mesh.shape))], workers=1)
+            if TABLE_LEAN not in table.solutions(submesh, mesh.shape):  # the fast solution is already the least
+                which = "fast"
+        costs, intra = table.mesh_costs(submesh, mesh.shape, which)
+        out = Solution(intra, tuple(costs), pinned.free, 0.0, which)
+    else:
+        t0 = time.perf_counter()
+        # State sharded over the data-parallel axis is updated where it lies only if the ILP sees both axes at once:
+        # the sequential solve's first pass (axis 0 alone, without pins) runs the optimizer's update whole over the
+        # data-parallel axis, which would gather the sharded state back every step.
+        axes = "joint" if storage in (1, 2, 3, LEAN) else "auto"
+        intra = solve_intra(table.solve_graph, lmesh, pins=pinned.pins, cache=cache, memo=_MEMO.setdefault(table, {}),
+                            options=IntraOptions(solver=solver, rounds=1, axes=axes))
+        costs = table.layer_costs_of(intra)
+        out = Solution(intra, tuple(costs), pinned.free, time.perf_counter() - t0)
+    memo[key] = out
+    return out
+
+
+def stage_submesh(cluster: Cluster, devices: int) -> tuple[int, int]:
+    """The submesh of a stage of ``devices`` devices: part of a host, or whole hosts (a ValueError otherwise)."""
+    M = cluster.devices_per_host
+    sub = (1, devices) if devices <= M else (devices // M, M)
+    if sub not in [tuple(s) for s in cluster.submesh_shapes()] or sub[0] * sub[1] != devices:
+        raise ValueError(f"a stage of {devices} devices is not a submesh shape of this cluster (part of a host of "
+                         f"{M} in powers of two, or whole hosts); change the degrees")
+    return sub
+
+
+def microbatches_for(batch: int, dp: int, microbatches: int | None, micro_batch_size: int | None) -> int:
+    """The microbatch count: ``microbatches`` (default 1), or the global ``batch`` over ``dp x micro_batch_size``
+    (Megatron-LM's ``--micro-batch-size``); both given, they must agree.
+
+    >>> microbatches_for(512, 32, None, 1), microbatches_for(512, 32, 8, None)
+    (16, 8)
+    """
+    if micro_batch_size is None:
+        return 1 if microbatches is None else checks.whole(microbatches, "microbatches")
+    mbs = checks.whole(micro_batch_size, "micro_batch_size")
+    if batch % (dp * mbs):
+        raise ValueError(f"the global batch of {batch} does not split into dp={dp} replicas of microbatches of "
+                         f"{mbs}; pick a micro_batch_size dividing {batch // dp if batch % dp == 0 else batch}")
+    n = batch // (dp * mbs)
+    if microbatches is not None and checks.whole(microbatches, "microbatches") != n:
+        raise ValueError(f"microbatches={microbatches} disagrees with micro_batch_size={mbs} (the global batch "
+                         f"{batch} / (dp {dp} x {mbs}) = {n} microbatches); pass one of the two")
+    return n
+
+
+def check_experts(table: CostTable, ep: int) -> None:
+    """A ValueError unless ``ep`` (the expert-parallel degree) divides every MoE layer's expert count."""
+    if ep == 1:
+        return
+    g = table.solve_graph
+    counts = sorted({int(g.op(r.op).in_shapes[r.weight][r.split]) for r in find_roles(g).of_kind("expert")
+                     if r.weight is not None and r.split is not None})
+    if not counts:
+        raise ValueError(f"ep={ep} splits experts, but this model has no MoE layer; pass ep=1")
+    bad = [n for n in counts if n % ep]
+    if bad:
+        raise ValueError(f"ep={ep} does not divide the model's {bad[0]} experts; pass a divisor of {bad[0]}")
+
+
+def stage_bounds(table: CostTable, stages: int) -> list[int]:
+    """The first layer of each of ``stages`` stages and the layer count: Megatron-LM's split, ``l / p`` transformer
+    blocks a stage, the layers before the first block (the embedding) with the first stage and those after the last
+    (the head) with the last; where the blocks are not found or do not divide, equal runs of all the layers."""
+    L = len(table.layer_names)
+    names = list(table.solve_graph.layers)
+    blocks = set(find_roles(table.solve_graph).blocks)
+    inside = [k for k in range(L) if names and names[table.layer_map[k]] in blocks]
+    if inside and inside == list(range(inside[0], inside[-1] + 1)) and len(inside) % stages == 0 \
+            and len(inside) >= stages:
+        per = len(inside) // stages
+        return [0] + [inside[0] + per * j for j in range(1, stages)] + [L]
+    return [round(k * L / stages) for k in range(stages + 1)]
+
+
+def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | None = None,
+                 solver: str = DEFAULT_SOLVER, solve_s: Mapping[str, float] | None = None) -> Plan:
+    """``layout`` priced by ``table`` (see the module docstring); ``solve_s``: the phases so far (tracing)."""
+    t0 = time.perf_counter()
+    p = layout.stages
+    bounds = stage_bounds(table, p)
+    stages = [((bounds[k], bounds[k + 1] - 1), layout.submesh, layout.mesh.shape, layout.remat) for k in range(p)]
+    sols = [layout_solution(table, layout.submesh, layout.mesh, storage=layout.zero,
+                            sequence_parallel=layout.sequence_parallel, solver=solver,
+                            pin_roles=layout.pin_roles)] * p
+    spent = sols[0].solve_s
+    notes = list(layout.notes)
+    if sols[0].free:
+        notes.append("left to the ILP (no strategy on this mesh is the layout's): " + ", ".join(sols[0].free[:8])
+                     + (", ..." if len(sols[0].free) > 8 else ""))
+    stage_pins = {"zero": layout.zero} if layout.zero is not None else {}
+
+    def priced(sol_list) -> Plan:
+        times = dict(solve_s or {})
+        times["layout"] = spent + time.perf_counter() - t0
+        return price_plan(table, stages, microbatches=layout.microbatches, schedule=layout.schedule,
+                          virtual_stages=layout.virtual_stages if layout.schedule == "interleaved" else None,
+                          stage_comm="model", mem_limit_bytes=mem_limit_bytes, method=layout.method,
+                          intras=[s.intra for s in sol_list], layer_costs=[list(s.costs) for s in sol_list],
+                          solutions=[s.table_solution or ("lean" if s is not sols[0] else "fast") for s in sol_list],
+                          stage_pins=stage_pins, notes=tuple(notes), solve_s=planning_times(table, times))
+
+    plan = priced(sols)
+    fit = ""
+    if not plan.cost.fits and layout.zero is None and layout.lean:
+        limit = plan.cost.mem_limit_bytes
+        over = [k for k, m in enumerate(plan.cost.peak_mem_bytes) if m > limit]
+        lean = layout_solution(table, layout.submesh, layout.mesh, storage=LEAN,
+                               sequence_parallel=layout.sequence_parallel, solver=solver,
+                               pin_roles=layout.pin_roles)
+        spent += lean.solve_s
+        if lean.intra is not sols[0].intra:
+            mixed = [lean if k in over else s for k, s in enumerate(sols)]
+            leaner = priced(mixed)
+            axes = layout.mesh.useful(layout.mesh.zero)
+            group = " x ".join(str(layout.mesh.shape[a]) for a in axes) or "1"
+            fit = lean_note(over, [plan.cost.peak_mem_bytes[k] for k in over],
+                            [leaner.cost.peak_mem_bytes[k] for k in over],
+                            f"the parameters and optimizer state of {len(over)} of {p} stage(s) are stored at their "
+                            f"least, split over the {group} data-parallel devices as well as the tensor split "
+                            "(ZeRO-3 storage, the memory-lean solution)")
+            plan = leaner
+    if not plan.cost.fits:
+        fit = "; ".join(x for x in (fit, overflow_note(plan)) if x)
+    if fit:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, fit), cost=dataclasses.replace(plan.cost, fit_note=fit))
+    return plan

@@ -1,0 +1,100 @@
+"""torchtitan's layout (Liang et al., "TorchTitan", ICLR 2025; pytorch/torchtitan's ``parallelize_llama``), priced.
+
+FSDP2 over the data-parallel shard group x tensor parallelism x pipeline parallelism x context parallelism:
+
+* FSDP (``fully_shard``): every parameter, its gradient and optimizer state split over the ``dp_shard`` devices
+  (ZeRO-3), each parameter all-gathered for its layer's forward and freed after it, gathered again for the backward
+  (``reshard_after_forward=True``); or, as Llama 3's pre-training ran it, kept gathered from the forward to the
+  backward (``reshard_after_forward=False``, ZeRO-2-like: the gradients and optimizer state stay split, priced as
+  ZeRO stage 2); HSDP's replicate groups (``dp_replicate``) keep whole copies of the shards;
+* tensor parallelism as Megatron-LM's (``ColwiseParallel`` for Q, K, V, w1, w3 and the output head,
+  ``RowwiseParallel`` for wo, w2 and the vocabulary-split embedding), with ``SequenceParallel`` norms between them
+  (torchtitan's default with TP: ``sequence_parallel`` on);
+* context parallelism (ring attention) and pipeline stages of equal transformer blocks as in
+  :mod:`~autopar_lab.layouts.megatron` (the 2-D mesh mapping of :mod:`~autopar_lab.layouts.config`);
+* activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps matmul outputs:
+  priced as the attention internals recomputed) or ``full``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import checks
+from ..plan import Plan
+from ..planning import microbatch_choices, table_for
+from ..precision import Precision
+from ..rematmode import remat_label, remat_value
+from ..schedules import check_schedule
+from ..solve.ilp import DEFAULT_SOLVER
+from .config import MeshRoles, Parallelism, check_zero
+from .engine import Layout, microbatches_for, price_layout, stage_submesh
+from .megatron import megatron_mesh
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+    from ..pricing import CostTable
+
+__all__ = ["fsdp_plan"]
+
+
+def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1,
+              pp: int = 1, cp: int = 1, reshard_after_forward: bool = True, zero: int | None = None,
+              microbatches: int | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
+              virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
+              mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
+              precision: str | Precision | None = None) -> Plan:
+    """torchtitan's layout (see the module docstring). ``dp_shard``: the FSDP group (-1: every device the other
+    degrees leave, torchtitan's default); ``zero``: the ZeRO stage to price instead of FSDP's (3, or 2 with
+    ``reshard_after_forward=False``); ``microbatches`` or ``local_batch_size`` (sequences per data-parallel rank per
+    microbatch; the global batch is ``dp_replicate x dp_shard x local_batch_size x microbatches``); ``schedule``,
+    ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
+    "1f1b", "interleaved", "zb-h1"); ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
+    ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
+    remat = remat_value(remat)
+    reshard_after_forward = checks.flag(reshard_after_forward, "reshard_after_forward")
+    zero = check_zero(zero)
+    if zero is None:
+        zero = 3 if reshard_after_forward else 2
+    schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
+    n = cluster.num_devices
+    for k, v in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp)):
+        checks.whole(v, k)
+    rest = dp_replicate * tp * pp * cp
+    if dp_shard == -1:
+        if n % rest:
+            raise ValueError(f"dp_replicate x tp x pp x cp = {rest} does not divide the cluster's {n} devices; "
+                             "change the degrees")
+        dp_shard = n // rest
+    dp_shard = checks.whole(dp_shard, "dp_shard (or -1 for the devices the other degrees leave)")
+    if dp_shard * rest != n:
+        raise ValueError(f"dp_replicate x dp_shard x tp x pp x cp = {dp_shard * rest}, but the cluster has {n} "
+                         "devices; pass dp_shard=-1 to take the rest")
+    if tp > cluster.devices_per_domain:
+        raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_domain} devices of a scale-up domain; use a "
+                         "smaller tp")
+    if dp_replicate > 1 and (tp > 1 or cp > 1):
+        raise ValueError("HSDP (dp_replicate > 1) with tensor or context parallelism needs a third mesh axis the "
+                         "2-D logical mesh does not have; use dp_replicate=1, or tp=1 and cp=1")
+    if pp > len(table.layer_names):
+        raise ValueError(f"pp={pp} stages but the model has only {len(table.layer_names)} layers")
+    sp = tp > 1 if sequence_parallel is None else checks.flag(sequence_parallel, "sequence_parallel")
+    if sp and tp == 1:
+        raise ValueError("sequence_parallel splits the norms between tensor-parallel matmuls; it needs tp > 1")
+    dp = dp_replicate * dp_shard
+    mb = microbatches_for(table.batch_size, dp, microbatches, local_batch_size)
+    microbatch_choices(table.batch_size, mb)
+    if dp_replicate > 1:
+        mesh = MeshRoles((dp_replicate, dp_shard), batch=(0, 1), zero=(1,), experts=())
+    else:
+        mesh = megatron_mesh(Parallelism(dp=dp_shard, tp=tp, pp=pp, cp=cp))
+    degrees = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp), ("pp", pp), ("cp", cp)]
+    name = "fsdp(" + ",".join(f"{k}={v}" for k, v in degrees if v > 1 or k == "dp_shard")
+    name += ("" if zero == 3 else ",no-reshard" if zero == 2 and not reshard_after_forward else f",zero={zero}")
+    name += ("" if remat is False else f",{remat_label(remat)}") + (",sp" if sp else "")
+    name += f",v={virtual_stages})" if schedule == "interleaved" else ")"
+    layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, mb, remat, schedule, virtual_stages, zero,
+                    sp, mesh.notes)
+    return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
+                        solve_s={} if trace_s is None else {"trace": trace_s})

@@ -1,0 +1,129 @@
+"""Megatron-LM's layout (Shoeybi et al. 2019; Narayanan et al., SC21; Korthikanti et al., MLSys 2023), priced.
+
+``pp`` stages of equal runs of transformer blocks (the embedding with the first, the head with the last), each on
+``dp x tp x cp`` devices with the tensor-parallel group inside a scale-up domain, and Megatron-LM's sharding pinned on
+every transformer the graph holds (:mod:`~autopar_lab.layouts.roles`, :mod:`~autopar_lab.layouts.shardpins`):
+column- then row-parallel matmuls (one all-reduce per pair, forward and backward), attention by heads (GQA's KV heads
+no finer than their count: with more tensor-parallel ranks than KV heads, K and V stay whole, as Megatron-LM
+replicates them), the embedding and the head split by vocabulary; sequence parallelism (``sequence_parallel``),
+context parallelism (``cp``) and expert parallelism (``ep``) as :mod:`~autopar_lab.layouts.config` maps them onto the
+2-D mesh; the distributed optimizer (``zero=1``, or any ZeRO stage); the interleaved schedule with virtual stages;
+recomputation (``remat``: ``True`` Megatron-LM's full ``--recompute-granularity full``, ``"selective"`` its
+``selective``); the microbatch size (``micro_batch_size``, Megatron-LM's ``--micro-batch-size``: the global batch is
+``dp x micro_batch_size x microbatches``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import checks
+from ..plan import Plan
+from ..planning import microbatch_choices, table_for
+from ..precision import Precision
+from ..rematmode import is_full, is_selective, remat_value
+from ..schedules import check_schedule
+from ..solve.ilp import DEFAULT_SOLVER
+from .config import MeshRoles, Parallelism, check_zero
+from .engine import Layout, check_experts, microbatches_for, price_layout, stage_submesh
+
+if TYPE_CHECKING:
+    from ..cluster import Cluster
+    from ..pricing import CostTable
+
+__all__ = ["SHARDINGS", "megatron_mesh", "megatron_plan"]
+
+#: ``sharding=``: Megatron-LM's pinned, or the ILP's on Megatron-LM's layout.
+SHARDINGS = ("megatron", "ilp")
+
+
+def megatron_mesh(par: Parallelism) -> MeshRoles:
+    """The logical mesh of a Megatron-LM stage and its axes' roles (see :mod:`~autopar_lab.layouts.config`).
+
+    >>> megatron_mesh(Parallelism(dp=32, tp=4)).shape, megatron_mesh(Parallelism(dp=4, cp=2)).context
+    ((32, 4), 1)
+    """
+    notes: tuple[str, ...] = ()
+    if par.cp == 1:
+        roles = MeshRoles((par.dp, par.tp), batch=(0,), tensor=1, zero=(0,))
+    elif par.tp == 1:
+        roles = MeshRoles((par.dp, par.cp), batch=(0,), context=1, zero=(0, 1))
+    else:
+        notes = (f"context parallelism cp={par.cp} folded into the data-parallel axis ({par.dp} x {par.cp} = "
+                 f"{par.dp * par.cp}, beside tp={par.tp} on the 2-D mesh): the same tokens per device and the same "
+                 "gradient and ZeRO group as Megatron-LM's, attention priced without the ring's key/value exchange",)
+        roles = MeshRoles((par.dp * par.cp, par.tp), batch=(0,), tensor=1, zero=(0,), notes=notes)
+    n0, n1 = roles.shape
+    if par.ep == 1:
+        experts: tuple[int, ...] = ()
+    elif par.ep == n0:
+        experts = (0,)
+    elif par.ep == n1 and roles.tensor != 1:
+        experts = (1,)
+    elif par.ep == n0 * n1:
+        experts = (0, 1)
+    else:
+        raise ValueError(f"ep={par.ep} does not fit the 2-D mesh ({n0}, {n1}) of this layout: pass ep=1, "
+                         f"ep={n0} (the data-parallel group{' x cp' if par.cp > 1 and par.tp > 1 else ''}) or "
+                         f"ep={n0 * n1} (the whole stage)")
+    return roles.with_(experts=experts)
+
+
+def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int,
+                  microbatches: int | None = None, schedule: str = "1f1b", remat: bool | str = False,
+                  mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
+                  virtual_stages: int | None = None, precision: str | Precision | None = None,
+                  zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
+                  micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True) -> Plan:
+    """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
+    viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
+    of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
+    the intra-op ILP choosing the rest (``sharding="megatron"``, see the module docstring), or each operator's
+    sharding on that layout left to the ILP (``sharding="ilp"``: the best the cost model finds on Megatron-LM's
+    stages and meshes, what this planner priced before issue 31).
+
+    ``remat``: every stage recomputes its forward in the backward (True: Megatron-LM's ``--checkpoint-activations``)
+    or only its attention internals (``"selective"``: ``--recompute-activations``).
+
+    ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2: Megatron-LM's
+    ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
+    None: the storage of weights and optimizer state left to the planner, stored at its least in any stage that
+    overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
+    would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
+    par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+    remat = remat_value(remat)
+    zero = check_zero(zero)
+    sequence_parallel = checks.flag(sequence_parallel, "sequence_parallel")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r:.40}")
+    schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
+                         "group; it needs tp of 2 or more")
+    table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
+    n = cluster.num_devices
+    if par.devices != n:
+        raise ValueError(f"dp x tp x pp{' x cp' if cp > 1 else ''} = {par.devices}, but the cluster has {n} devices")
+    if tp > cluster.devices_per_domain:
+        raise ValueError(f"tp={tp} exceeds the {cluster.devices_per_domain} devices of a scale-up domain (Megatron "
+                         "keeps tensor parallelism inside a host, or inside the hosts sharing one NVLink fabric); use "
+                         "a smaller tp")
+    L = len(table.layer_names)
+    if pp > L:
+        raise ValueError(f"pp={pp} stages but the model has only {L} layers")
+    check_experts(table, ep)
+    mb = microbatches_for(table.batch_size, dp, microbatches, micro_batch_size)
+    microbatch_choices(table.batch_size, mb)
+    tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
+    extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
+    extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
+    extra += ",ilp" if sharding == "ilp" else ""
+    name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
+    if schedule == "interleaved":
+        name = f"{name[:-1]},v={virtual_stages})"
+    mesh = megatron_mesh(par)
+    layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, mb, remat, schedule,
+                    virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
+                    lean=checks.flag(lean, "lean"))
+    return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
+                        solve_s={} if trace_s is None else {"trace": trace_s})
