@@ -50,9 +50,9 @@ js:
 test: $(VENV)/.installed-test browser js
 	$(BIN)/python -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
-# The tests not marked slow (each under ~10 s): the quick check while working.
+# The tests not marked slow (each under ~10 s), with no notebook and no browser: the quick check while working.
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -ra -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -m "not slow and not notebook and not browser" $(XDIST) $(PYTEST_ARGS)
 
 # ruff (pyproject.toml [tool.ruff]) on the package, tests and benchmarks; mypy ([tool.mypy]) on the engine.
 lint: $(VENV)/.installed-lint

@@ -16,18 +16,30 @@ SERIAL_FILES = frozenset({
     "test_ray_lifecycle", "test_readme", "test_training_panel",
 })
 
+# `make test-fast` leaves these out (`-m "not slow and not notebook and not browser"`): a notebook or a browser test
+# starts a kernel or Chromium, seconds before its first assertion, whatever it checks.
+NOTEBOOK_FILES = frozenset({"test_notebooks"})
+BROWSER_FILES = frozenset({"test_browser", "test_browser_ray"})
+
 
 def pytest_configure(config):
     # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
+    config.addinivalue_line("markers", "notebook: runs a notebook end to end")
+    config.addinivalue_line("markers", "browser: drives a real browser")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Puts every test in its file's xdist group (see SERIAL_FILES); without xdist the marks do nothing."""
+    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing), and marks
+    the notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
     for item in items:
         stem = item.path.stem
         item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if stem in SERIAL_FILES else stem))
+        if stem in NOTEBOOK_FILES:
+            item.add_marker(pytest.mark.notebook)
+        if stem in BROWSER_FILES:
+            item.add_marker(pytest.mark.browser)
 
 
 @pytest.fixture(scope="module")
