@@ -49,6 +49,8 @@ def check_op(plan: Plan, op) -> int:
     op = checks.op_id(op)
     g = plan.graph
     try:
+        if op < 0:  # a list would take -1 as the last operator
+            raise KeyError(op)
         g.op(op)
     except (KeyError, IndexError):
         raise ValueError(f"operator {op} is not in this plan's graph (ids run 0..{len(g.ops) - 1}; they are "

@@ -162,7 +162,7 @@ class Plan:
 
     def diff(self, other: "Plan") -> dict:
         """What changed from this plan to ``other``: operators' strategies, stages, microbatches, and step time."""
-        return overrides.diff(self, other)
+        return overrides.diff(self, plan_object(other, "Plan.diff"))
 
     def to_jax_code(self, stage: int = 0) -> str:
         """Python source that builds one stage's mesh (default the first), the PartitionSpecs / NamedShardings of

@@ -183,6 +183,11 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
     if not hasattr(graph, "fingerprint") and callable(getattr(graph, "trace", None)):  # a ModelSpec
         model = graph if model is None else model
         graph = graph.trace()
+    if not hasattr(graph, "fingerprint"):
+        raise ValueError(f"load_plan needs the model the plan was made for (a ModelSpec or its traced graph), got "
+                         f"{type(graph).__name__}: load_plan(path, model).")
+    if cluster is not None and not isinstance(cluster, Cluster):
+        cluster = Cluster.parse(cluster)  # 'cpu:2', a preset's name or a cluster file
     data = planschema.read_plan_file(path)
     planschema.check_form(data, where)
     try:

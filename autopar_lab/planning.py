@@ -8,16 +8,15 @@ both build on these; ``planner`` re-exports them under their old names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
+from .cluster import Cluster
 from .graph.opgraph import OpGraph
 from .precision import Precision, as_precision
 from .pricing import CostTable
 from .solve.ilp import DEFAULT_SOLVER
 from .stagesearch import microbatch_choices
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
 
 __all__ = ["microbatch_choices", "planning_times", "table_for"]
 
@@ -41,6 +40,8 @@ def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: s
     it was retyped from) and ``precision`` (the table's number format, when given); without, one is built
     (:meth:`CostTable.build`, with ``space``, ``workers``: processes that start on the ILPs while the full model
     traces, and ``precision``: the number format, None for the model's own)."""
+    if cluster is not None and not isinstance(cluster, Cluster):
+        cluster = Cluster.parse(cluster)  # 'dgx-h100:8', a preset's name or a cluster file, as the CLI takes it
     if table is None:
         if model is None or cluster is None:
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")

@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping
 
 from .safeio import read_json_file
+from .rematmode import REMAT_CHOICES
 from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
 VERSION = 4  # the plan-file version save_plan writes: pins by operator of the model's own graph, with their scope
@@ -287,6 +288,19 @@ def check_fits(data: Mapping, where: str, *, ops, num_layers: int, cluster, batc
     for k, sub in enumerate(pins.get("submeshes", ())):
         if sub is not None and (not isinstance(sub, list) or tuple(sub) not in shapes):
             raise bad(where, f"stage_pins['submeshes'][{k}] is not a submesh shape of this cluster")
+    for k, mesh in enumerate(pins.get("logical_meshes", ())):
+        sub = (pins.get("submeshes") or [None] * S)[k] or data["stages"][k]["submesh"]
+        whole = isinstance(mesh, list) and len(mesh) == 2 and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh)
+        if mesh is not None and (not whole or mesh[0] * mesh[1] != sub[0] * sub[1]):
+            raise bad(where, f"stage_pins['logical_meshes'][{k}] must be two whole numbers whose product is the "
+                             f"stage's {sub[0] * sub[1]} devices")
+    for k, remat in enumerate(pins.get("remat", ())):
+        if remat is not None and not (isinstance(remat, bool) or remat in REMAT_CHOICES[2:]):  # 1 == True: no
+            raise bad(where, f"stage_pins['remat'][{k}] must be one of {', '.join(map(repr, REMAT_CHOICES))}")
+    if "virtual_stages" in pins and pins.get("schedule", data.get("schedule")) != "interleaved":
+        raise bad(where, "stage_pins['virtual_stages'] goes with the interleaved schedule only; remove it or pin "
+                         "stage_pins['schedule'] = 'interleaved'")
     if "microbatches" in pins:
         mb = pins["microbatches"]
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1 or batch_size % mb:

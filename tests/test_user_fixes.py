@@ -6,7 +6,9 @@
 - 11: resume reads a step's files as the plan reader reads plan files (regular files only, bounded), and a complete
   but wrong step (stage files swapped, an array of another shape) falls back to the last intact step;
 - 12: a method name cannot put a PEP 263 coding cookie into the export; ``--seed`` out of JAX's range, a 5000-digit
-  number and ``save_plan`` to a directory each get one sentence.
+  number, ``save_plan`` to a directory, a config field of the wrong type, float64 without x64, ``load_plan`` without
+  a model, operator -1, ``diff(None)``, stage pins that do not fit their plan and a cluster file of another version
+  each get one sentence; a cluster may be given as the CLI spells it ("cpu:2").
 
 The driver's tests run :func:`autopar_lab.runtime.train_entry.run_job` itself on an in-process stand-in for Ray with
 light stage workers (the stage actors' contract, kept by :class:`_Worker`): the checkpoint cadence, resume and its
@@ -386,3 +388,55 @@ def test_a_5000_digit_number_is_too_large_in_one_short_sentence(capsys, tmp_path
     for argv in cases:
         line = one_sentence(capsys, argv, "too large")
         assert "set_int_max_str_digits" not in line and len(line) < 300, line
+
+
+# ---------------------------------------------------------------------------------- 12: the rest of the poor answers
+
+def test_a_field_of_the_wrong_type_or_float64_is_one_sentence():
+    with pytest.raises(ValueError, match="batch_size must be a whole number") as e:
+        al.models.get("gpt-tiny", batch_size="8")
+    assert "'8'" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="num_layers must be a whole number"):
+        al.models.get("llama3-tiny", num_layers=2.5)
+    with pytest.raises(ValueError, match="x64"):  # JAX would train it in float32 without a word
+        al.models.get("gpt-tiny", dtype="float64")
+
+
+def test_a_cluster_may_be_given_as_the_cli_spells_it(model, plan, plan_file):
+    by_name = al.megatron_plan(model, "cpu", dp=2, tp=2, pp=2, microbatches=2)
+    assert by_name.cost.step_time_s == plan.cost.step_time_s and by_name.cluster == plan.cluster
+    loaded = al.load_plan(plan_file, model, "cpu")
+    assert loaded.cost.step_time_s == plan.cost.step_time_s
+    with pytest.raises(ValueError, match="another cluster"):
+        al.load_plan(plan_file, model, "cpu:2")
+
+
+def test_load_plan_without_a_model_operator_minus_one_and_diff_of_nothing_are_one_sentence(plan, plan_file):
+    with pytest.raises(ValueError, match=r"load_plan\(path, model\)"):
+        al.load_plan(plan_file, None)
+    with pytest.raises(ValueError, match="operator -1 is not in this plan's graph"):
+        plan.with_choice(-1, "R")
+    with pytest.raises(ValueError, match="Plan.diff takes a Plan"):
+        plan.diff(None)
+
+
+@pytest.mark.parametrize("pins, says", [
+    ({"logical_meshes": [[7, 7], None]}, "logical_meshes'][0] must be two whole numbers"),
+    ({"remat": [1, False]}, "stage_pins['remat'][0] must be one of"),
+    ({"virtual_stages": 1024}, "goes with the interleaved schedule only"),
+])
+def test_stage_pins_that_do_not_fit_the_plan_they_sit_in_are_refused(model, plan, plan_file, pins, says):
+    import json
+
+    data = json.loads(plan_file.read_text())
+    data["stage_pins"] = {**data.get("stage_pins", {}), **pins}
+    plan_file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        al.load_plan(plan_file, model)
+
+
+def test_a_cluster_file_of_another_version_is_refused(tmp_path):
+    data = al.Cluster.preset("dgx-h100", hosts=2).to_dict()
+    assert al.Cluster.from_json(data) == al.Cluster.preset("dgx-h100", hosts=2)
+    with pytest.raises(ValueError, match="has version 2, but this autopar-lab reads version 1"):
+        al.Cluster.from_json({**data, "version": 2})

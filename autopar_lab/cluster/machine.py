@@ -33,6 +33,10 @@ MAX_HOSTS = 1024
 MAX_DEVICES_PER_HOST = 4096
 
 
+#: The form of cluster file :meth:`Cluster.to_dict` writes and :meth:`Cluster.from_json` reads.
+CLUSTER_FILE_VERSION = 1
+
+
 @dataclass(frozen=True)
 class Cluster:
     """N hosts x M devices, one device type, a scale-up link inside a domain and a scale-out link between domains.
@@ -230,7 +234,7 @@ class Cluster:
     def to_dict(self) -> dict:
         """The JSON form (see :meth:`from_json`)."""
         return {
-            "version": 1,
+            "version": CLUSTER_FILE_VERSION,
             "name": self.name,
             "hosts": self.hosts,
             "devices_per_host": self.devices_per_host,
@@ -291,6 +295,10 @@ class Cluster:
         if not isinstance(data, Mapping):
             raise ValueError(f"{where} must hold a JSON object, got {type(data).__name__}; use the form shown in "
                              "Cluster.from_json.")
+        if "version" in data and (isinstance(data["version"], bool) or data["version"] != CLUSTER_FILE_VERSION):
+            raise ValueError(f"{where} has version {data['version']!r:.20}, but this autopar-lab reads version "
+                             f"{CLUSTER_FILE_VERSION}; write the file in that form (see Cluster.from_json) or leave "
+                             "version out.")
         if data.get("kind") == CPU_PROFILE_KIND:  # a calibration of this machine: the cpu preset with its figures
             return cls(**profile_fields(data, 1, where))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from . import deepseek, gpt, llama, mlp, moe, wresnet
@@ -49,7 +50,11 @@ def _configured(cfg, batch_size=None, num_layers=None, dtype=None, **overrides):
         if not jnp.issubdtype(kind, jnp.floating):  # gradients of integer parameters do not exist
             raise ValueError(f"dtype {kind.name!r} cannot be trained (gradients need floating point); use "
                              "'float32', 'float16' or 'bfloat16'.")
+        if kind.itemsize > 4 and not jax.config.jax_enable_x64:  # JAX would quietly compute it in float32
+            raise ValueError(f"dtype {kind.name!r} needs JAX's x64 mode (jax.config.update('jax_enable_x64', "
+                             "True)); without it JAX computes in float32: use 'float32', 'float16' or 'bfloat16'.")
         overrides["dtype"] = kind.name
+    _check_types(cfg, overrides)
     _check_bounds(overrides)
     return replace_config(cfg, **overrides)
 
@@ -81,6 +86,16 @@ MAX_BATCH = 1 << 20
 MAX_DIM = 1 << 24  # any other size (hidden, sequence, vocabulary, experts ...)
 #: Sizes for which 0 means "none": no routed or shared experts, no dense first layers, no query compression.
 MAY_BE_ZERO = frozenset(["num_experts", "num_shared_experts", "first_dense_layers", "q_lora_rank"])
+
+
+def _check_types(cfg, overrides: dict) -> None:
+    """A whole-number field given something else (``batch_size="8"``, ``num_layers=2.5``) is refused here, in one
+    sentence, rather than deep in tracing."""
+    for key, value in overrides.items():
+        current = getattr(cfg, key, None)
+        if isinstance(current, int) and not isinstance(current, bool) and (
+                isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{key} must be a whole number, got {value!r:.40}; pass e.g. {key}={current}.")
 
 
 def _check_bounds(overrides: dict) -> None:
