@@ -173,7 +173,7 @@ def test_task_overhead_only_keeps_the_profile_and_the_preset_reads_it(tmp_path, 
         {k: v for k, v in before["device"].items() if k != "task_overhead_s"}
     monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     c = cl.Cluster.preset("cpu")
-    assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.virtual
+    assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.shares_cores
     # it survives the cluster's JSON form (plan files compare it)
     assert cl.Cluster.from_json(c.to_dict()) == c
     # a profile written before the figure existed means no per-task overhead
@@ -228,7 +228,7 @@ def test_planner_charges_the_task_overhead_once_per_task():
     table = CostTable(graph, base)
     B = 4
     for virtual in (False, True):
-        with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, virtual=virtual))
+        with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, shares_cores=virtual))
         for submesh, shape, devices in (((1, 2), (1, 2), 2), ((1, 8), (1, 8), 8)):
             factor = devices if virtual else 1
             table.cluster = base
