@@ -46,11 +46,13 @@ EMPIRICAL: Mapping[str, str] = {
                     "(calibrate.measure_buffer_overhead, every device holding each array): per device's shard",
     "task_array_s": "a pipeline's tasks ran 3-5 ms a step slower than priced until each forward and backward task "
                     "was charged its parameter arrays (bench/JOURNAL.md, the bench_execute entries, 2026-12-04)",
-    "task_devices": "a task on a 2-device block took 0.575 ms, twice one device's (calibrate.measure_task_overhead; "
-                    "the profile stores task_overhead_s per device)",
+    "task_devices": "a pp4 task (2 devices) measured 0.8-1.2 ms, a pp2 task (4 devices) 2.5-3.0 ms: about 0.3 ms a "
+                    "device; the calibrated 0.575 ms on a 2-device block is stored per device "
+                    "(calibrate.measure_task_overhead; bench/JOURNAL.md 'Virtual devices')",
     "ONE_PROGRAM_SHARE": "a one-microbatch step on every device runs as one program, not three tasks (the runtime's "
                          "spmd mode; bench/RESULTS.md, the cpu execute section)",
-    "runs_serially": "a pipeline's step on 8 CPU devices is the sum of its tasks, not their max "
+    "runs_serially": "a pipeline's step on 8 CPU devices is the sum of its tasks, not their max: without it auto on "
+                     "a 24-layer gpt-tiny chose 8 stages at 284.5 ms predicted against 92.2 ms for data parallelism "
                      "(bench/RESULTS.md, the cpu execute section; bench/JOURNAL.md 'Virtual devices')",
     "host_of_stages": "as runs_serially: one driver and the same cores run every stage of a host",
     "chain_read_s_per_byte": "Efficiency.chain_reads (59 reads per later layer on the profile of 2026-12-04): 12- "
