@@ -33,14 +33,14 @@ def _small_tpu() -> Cluster:
     return Cluster.parse("tpu-v5p:8")
 
 
-def _price(cluster: Cluster) -> dict:
-    """A pipelined Megatron plan and a data-parallel one of gpt-tiny, solved in this process (workers=1, so a
-    patched module is the one the ILPs run with), as everything their pricing decides."""
-    model = al.models.get("gpt-tiny", batch_size=8)
+def _price(cluster: Cluster, layers: int) -> dict:
+    """A pipelined Megatron plan and a data-parallel one of gpt-tiny with ``layers`` layers, solved in this process
+    (workers=1, so a patched module is the one the ILPs run with), as everything their pricing decides."""
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=layers)
     table = CostTable.build(model, cluster, workers=1)
     pp = al.megatron_plan(model, cluster, table=table, dp=1, tp=cluster.num_devices // 2, pp=2, microbatches=2)
     dp = al.data_parallel_plan(model, cluster, table=table, microbatches=2)
-    out = {}
+    out: dict = {"on_a_copy": table.solve_graph is not table.graph}
     for name, plan in (("pp", pp), ("dp", dp)):
         out[name] = {"cost": plan.cost.to_dict(), "explain": plan.cost.explain(), "cpu": plan.cost.cpu,
                      "stages": [(s.layers, s.submesh, s.fwd_s, s.bwd_s, s.static_bytes, s.act_bytes,
@@ -48,17 +48,20 @@ def _price(cluster: Cluster) -> dict:
     return out
 
 
-@pytest.mark.parametrize("make", [_small_gpu, _small_tpu], ids=["dgx-h100", "tpu-v5p"])
-def test_gpu_and_tpu_pricing_never_reaches_the_cpu_module(make, monkeypatch):
+@pytest.mark.parametrize("make,layers", [
+    pytest.param(_small_gpu, 2, id="dgx-h100"), pytest.param(_small_tpu, 2, id="tpu-v5p"),
+    pytest.param(_small_gpu, 24, id="dgx-h100-24-layers-on-a-copy", marks=pytest.mark.slow)])  # ~25 s
+def test_gpu_and_tpu_pricing_never_reaches_the_cpu_module(make, layers, monkeypatch):
     cluster = make()
     assert not backends.on_cpu(cluster)
     for where in ("autopar_lab.pricing.table", "autopar_lab.planner"):
         monkeypatch.setattr(f"{where}.default_workers", lambda: 1)  # the ILPs in this process, which is patched
-    want = _price(cluster)
+    want = _price(cluster, layers)
     for name in cpu.__all__:
         monkeypatch.delattr(cpu, name)  # any use now raises AttributeError
-    got = _price(cluster)
+    got = _price(cluster, layers)
     assert got == want
+    assert got.pop("on_a_copy") == (layers >= 24)  # a deep model is planned on its shallow copy
     for plan in got.values():
         assert plan["cpu"] is None
         assert "task_s" not in plan["cost"] and "chain_s" not in plan["cost"]
