@@ -259,6 +259,8 @@ def _schedule(args) -> tuple[str, int | None]:
 
 
 def _print_plan(out: dict) -> None:
+    from .backends import cost_note
+
     sched = out["schedule"] + (f" with {out['virtual_stages']} chunks per stage" if "virtual_stages" in out else "")
     print(f"\n{out['model']} on {out['cluster']} ({out['method']}): step {out['step_time_s']:.4g} s, "
           f"{out['samples_per_s']:.4g} samples/s, {out['microbatches']} microbatches, {sched}")
@@ -269,8 +271,7 @@ def _print_plan(out: dict) -> None:
           f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
           f"{out.get('hidden_comm_s', 0.0):.4g} s of communication hidden behind compute; "
           f"{out.get('kernels', 0):,} kernels a step on the busiest stage"
-          + (f", {out['task_s']:.4g} s of it its programs' fixed cost" if out.get("task_s") else "")
-          + (f", {out['chain_s']:.4g} s of it re-reading the gradient chain" if out.get("chain_s") else "") + ")")
+          + cost_note(out) + ")")
     memory = out.get("memory") or [None] * len(out["stages"])
     for k, (st, mem) in enumerate(zip(out["stages"], memory)):
         names = st.get("layer_names", ["", ""])

@@ -115,7 +115,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     # Every mesh the DP prices, side by side where cores allow, and memory-lean solutions (ZeRO-3 / FSDP storage)
     # beside the fast ones where the fast one cannot hold a layer (CostTable.lean_meshes), in one pool of workers.
     table.solve_planned(mem, max(choices), workers=workers)
-    # (a one-host cluster of virtual devices runs the stages one task at a time: StageProblem.on prices that, as
+    # (a one-host cluster of CPU devices runs the stages one task at a time: StageProblem.on prices that, as
     # price_plan does)
     problem = dataclasses.replace(
         inter.StageProblem.on(cluster, num_layers=len(table.layer_names)), mem_limit_bytes=mem,

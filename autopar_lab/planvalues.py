@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 if TYPE_CHECKING:
+    from .backends.cpu import CpuCost
     from .pricing.layers import LayerCost
     from .simulate import Timeline
     from .solve.intra import IntraPlan
@@ -144,17 +145,9 @@ class CostReport:
     collective_latency_s: float = 0.0
     # Why this schedule (auto_plan(schedule="auto"): the schedules tried and their steps), or "".
     schedule_choice: str = field(default="", compare=False)
-    # Virtual devices (JAX's CPU devices): the stages on a host share its cores and run one task at a time, so the
-    # busiest stage also waits while the others run (Device.virtual).
-    shared_host: bool = False
-    # The fixed cost of the busiest stage's programs a step, part of its compute: each task's launch (the device's
-    # task_overhead_s) and, on virtual devices, the state arrays each task takes (pricing.stage.stage_cost). 0 where
-    # none is charged (the GPU presets).
-    task_s: float = 0.0
-    # The busiest stage's re-reads of the gradient chain a step, part of its compute: where the compiler sums the
-    # chain again inside each layer's backward kernels (Efficiency.chain_reads; XLA on CPU), a backward program of n
-    # layers reads ~n^2/2 links (pricing.stage.chain_pairs). 0 where none is charged (the GPU presets).
-    chain_s: float = 0.0
+    # The CPU's own terms (backends.cpu.CpuCost: stages sharing a host, the programs' fixed cost, the gradient
+    # chain's re-reads); None on a GPU or TPU, whose reports and explain() never show them.
+    cpu: CpuCost | None = None
     # The number format the plan is priced in (autopar_lab.precision: "bf16 (bf16 compute, fp32 gradients, ...)"),
     # and whether it is priced only (a format the graph was retyped to: the runtime runs the model's own step).
     precision: str = field(default="", compare=False)
@@ -184,8 +177,7 @@ class CostReport:
             "flash_attention": self.flash_attention,
             "collectives": self.collectives,
             "collective_latency_s": self.collective_latency_s,
-            "task_s": self.task_s,
-            "chain_s": self.chain_s,
+            **(self.cpu.to_dict() if self.cpu is not None else {}),
         }
 
     def explain(self) -> str:
@@ -199,13 +191,8 @@ class CostReport:
                    f"{tl.virtual_stages}, transfers grow by as much")
         elif tl is not None and tl.schedule == "zb-h1":
             how = "; zero-bubble schedule (ZB-H1): weight gradients deferred into the drain"
-        shared = ", and the other stages running on its host (virtual devices share its cores)" if self.shared_host \
-            else ""
-        tasks = (f"; of which {self.task_s:.4g} s the fixed cost of its programs: launches and the arrays they take"
-                 if self.task_s > 0 else "")
-        tasks += (f"; of which {self.chain_s:.4g} s re-reading the gradient chain (the compiler sums the residual "
-                  f"stream's gradient again in each layer's backward kernels: quadratic in a program's layers)"
-                  if self.chain_s > 0 else "")
+        shared = self.cpu.bubble_note() if self.cpu is not None else ""
+        tasks = self.cpu.compute_note() if self.cpu is not None else ""
         fmt = f"number format {self.precision}; " if self.precision else ""
         return fmt + (
             f"step time {self.step_time_s:.4g} s = compute {self.compute_s:.4g} s (the busiest stage, "

@@ -250,7 +250,7 @@ class SimOptions:
     ``act_bytes[i]``: bytes stage ``i`` keeps per in-flight microbatch; ``static_bytes[i]``: bytes it always holds
     (zeros by default: the timeline's memory is then 0). ``warmup[i]``: forwards stage ``i`` runs before its first
     backward under 1F1B (default: the schedule's own). ``hosts[i]``: the compute resource stage ``i`` shares with
-    the stages of the same value (virtual devices: one machine's cores and driver run every stage on it, one task
+    the stages of the same value (the CPU's devices: one machine's cores and driver run every stage on it, one task
     at a time; default: each stage its own). Interleaved: ``act_bytes`` and ``static_bytes`` per virtual stage, like
     the times. Immutable: change one with a ``with_*`` method or :func:`dataclasses.replace`.
 

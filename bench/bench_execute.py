@@ -19,12 +19,12 @@ measured (computed here: Pearson correlation of the ranks, ties averaged), and w
 of the fastest measured plan.
 
 What the prediction knows about this machine (all measured by ``python -m autopar_lab.calibrate``): per-device
-FLOP/s and memory bandwidth with all 8 devices busy at once (8 virtual devices share the machine's cores), brought
+FLOP/s and memory bandwidth with all 8 devices busy at once (8 CPU devices share the machine's cores), brought
 to a small model's kernel sizes with the cost of one kernel by a fit on gpt-tiny's own step, and what a program on
-fewer of the devices pays of that (``Cluster.virtual_share``), the
+fewer of the devices pays of that (``autopar_lab.backends.cpu.kernel_share``), the
 collective link, and the fixed cost of one pipeline task per device of it (``device.task_overhead_s``: launching a
 stage program and moving its inputs), which the planner charges per stage forward and backward of each microbatch
-and per stage update. The devices are virtual (``device.virtual``): one driver and the same two cores run every
+and per stage update. The devices share the cores (``device.shares_cores``): one driver and the same two cores run every
 stage, so the pipeline's tasks run one after another (the step is their sum) and a one-stage, one-microbatch plan
 is one program a step.
 

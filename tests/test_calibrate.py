@@ -166,14 +166,14 @@ def test_task_overhead_only_keeps_the_profile_and_the_preset_reads_it(tmp_path, 
     task = after["measurements"]["task_overhead"]
     # stored per device of the task: the measured task ran on a block of task["block"] devices
     assert after["device"]["task_overhead_s"] == pytest.approx(task["task_overhead_s"] / task["block"])
-    assert after["device"]["task_overhead_s"] >= 0 and after["device"]["virtual"] is True
+    assert after["device"]["task_overhead_s"] >= 0 and after["device"]["shares_cores"] is True
     for key in ("intra_host", "inter_host", "total_memory_bytes"):
         assert after[key] == before[key]
     assert {k: v for k, v in after["device"].items() if k != "task_overhead_s"} == \
         {k: v for k, v in before["device"].items() if k != "task_overhead_s"}
     monkeypatch.setattr(cl.cpuprofile, "CPU_PROFILE_PATH", out)  # where the cpu preset reads it
     c = cl.Cluster.preset("cpu")
-    assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.virtual
+    assert c.device.task_overhead_s == after["device"]["task_overhead_s"] and c.device.shares_cores
     # it survives the cluster's JSON form (plan files compare it)
     assert cl.Cluster.from_json(c.to_dict()) == c
     # a profile written before the figure existed means no per-task overhead
@@ -203,7 +203,7 @@ def test_shipped_profile_has_the_task_overhead_fit():
     task = prof["measurements"]["task_overhead"]
     # per device of a task: the fitted task ran on a block of devices
     assert prof["device"]["task_overhead_s"] == pytest.approx(task["task_overhead_s"] / task["block"])
-    assert task["task_overhead_s"] > 0 and prof["device"]["virtual"] is True
+    assert task["task_overhead_s"] > 0 and prof["device"]["shares_cores"] is True
     for p in task["points"]:
         assert p["fit_seconds"] == pytest.approx(task["fit_alpha_s"] + task["beta_s_per_byte"] * p["bytes"])
     # the fixed cost is the smallest task's time (the fit's intercept swings with noise; measure_task_overhead)
@@ -228,7 +228,7 @@ def test_planner_charges_the_task_overhead_once_per_task():
     table = CostTable(graph, base)
     B = 4
     for virtual in (False, True):
-        with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, virtual=virtual))
+        with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, shares_cores=virtual))
         for submesh, shape, devices in (((1, 2), (1, 2), 2), ((1, 8), (1, 8), 8)):
             factor = devices if virtual else 1
             table.cluster = base

@@ -4,8 +4,8 @@ Measured on this machine (bench/RESULTS.md, 2026-12-04): gpt-tiny's step cost ~2
 4 with no communication, and only in the backward. XLA on CPU fuses the residual stream's gradient (a sum with one
 term per later layer) into every kernel of each layer's backward that reads it instead of writing it once: at 24
 layers 140 of the backward's fusions read 33 MB of operands (1.1 MB at 4 layers). The cost model charges it as
-``Efficiency.chain_reads`` reads of each later layer's link per layer (:attr:`LayerCost.chain_s`), so a backward
-program over layers a..b pays ``sum over k of (b - k) x chain_s[k]`` (:func:`autopar_lab.pricing.stage.chain_pairs`),
+``Efficiency.chain_reads`` reads of each later layer's link per layer (:attr:`LayerCost.reread_s`), so a backward
+program over layers a..b pays ``sum over k of (b - k) x reread_s[k]`` (:func:`autopar_lab.backends.cpu.chain_pairs`),
 quadratic in the layers one program runs; the cpu profile measures ``chain_reads``
 (:func:`autopar_lab.calibrate.measure_chain_reads`); the GPU presets charge none.
 """
@@ -24,8 +24,8 @@ import autopar_lab as al
 from autopar_lab import calibrate
 from autopar_lab.cluster import CPU_PROFILE_PATH, Cluster, Efficiency
 from autopar_lab.graph.fusion import is_chain_link
-from autopar_lab.pricing.layers import chain_pair_bytes
-from autopar_lab.pricing.stage import chain_pairs, prefix_sums, stage_cost
+from autopar_lab.backends.cpu import chain_pair_bytes, chain_pairs, chain_read_s_per_byte, kernel_share
+from autopar_lab.pricing.stage import prefix_sums, stage_cost
 
 
 def _devices() -> int:
@@ -58,8 +58,8 @@ def test_one_link_per_layer_and_the_pair_bytes_by_hand():
 
 
 def test_layer_cost_and_stage_formula():
-    """Each layer's chain_s is chain_reads x its link's bytes per device / achievable bandwidth; a stage's backward
-    pays sum (b - k) chain_s[k] / B per microbatch more than without it, and splitting the layers in two stages
+    """Each layer's reread_s is chain_reads x its link's bytes per device / achievable bandwidth; a stage's backward
+    pays sum (b - k) reread_s[k] / B per microbatch more than without it, and splitting the layers in two stages
     pays less than one program over all (quadratic)."""
     model = al.models.get("gpt-tiny", batch_size=16, num_layers=4, hidden_size=32)
     cpu = Cluster.preset("cpu")
@@ -72,25 +72,25 @@ def test_layer_cost_and_stage_formula():
     names = list(dp.layer_names)
     cfg = model.config
     per_device = cfg.batch_size * cfg.seq_len * cfg.hidden_size * 4 / 8  # the batch split 8 ways
-    unit = reads * per_device / c.device.achievable_bandwidth * c.virtual_share(8)
+    unit = reads * per_device / c.device.achievable_bandwidth * kernel_share(c, 8)
     for name, lc in zip(names, costs):
-        assert lc.chain_s == pytest.approx(0.0 if name == "embed" else unit, rel=1e-12)
+        assert lc.reread_s == pytest.approx(0.0 if name == "embed" else unit, rel=1e-12)
     # the cost report's term is the formula over the stage's layers (one microbatch)
     L = len(names)
-    assert dp.cost.chain_s == pytest.approx(sum((L - 1 - k) * lc.chain_s for k, lc in enumerate(costs)))
-    assert dp.cost.chain_s == pytest.approx(10 * unit)
+    assert dp.cost.cpu.chain_s == pytest.approx(sum((L - 1 - k) * lc.reread_s for k, lc in enumerate(costs)))
+    assert dp.cost.cpu.chain_s == pytest.approx(10 * unit)
     base = al.data_parallel_plan(model, plain)
-    assert base.cost.chain_s == 0.0
+    assert base.cost.cpu.chain_s == 0.0
     assert dp.stages[0].bwd_s - base.stages[0].bwd_s == pytest.approx(10 * unit, rel=1e-9)
     assert "re-reading the gradient chain" in dp.cost.explain()
     assert "gradient chain" not in base.cost.explain()
-    # stage_cost: the caller's chain_pairs_s is paid by each microbatch's backward
+    # stage_cost: the caller's rereads_s is paid by each microbatch's backward
     sums = prefix_sums(costs)
     for a, b, B in ((0, L - 1, 1), (1, 3, 2), (2, 2, 4), (0, 4, 2)):
         totals = {f: v[b + 1] - v[a] for f, v in sums.items()}
-        want = sum((b - k) * costs[k].chain_s for k in range(a, b + 1))
+        want = sum((b - k) * costs[k].reread_s for k in range(a, b + 1))
         assert chain_pairs(sums, a, b) == pytest.approx(want, abs=1e-15)
-        _, with_chain, _, _ = stage_cost({**totals, "chain_pairs_s": want}, 0.0, B, 8, False, 0.0)
+        _, with_chain, _, _ = stage_cost({**totals, "rereads_s": want}, 0.0, B, 8, False, 0.0)
         _, without, _, _ = stage_cost(totals, 0.0, B, 8, False, 0.0)
         assert with_chain - without == pytest.approx(want / B)
     # vectorised (the stage DP's blocks) as scalar
@@ -108,7 +108,7 @@ def test_gpu_presets_charge_no_chain():
     for preset in ("p3.16xlarge", "dgx-a100", "dgx-h100"):
         assert Cluster.preset(preset).device.efficiency.chain_reads == 0.0
     plan = al.data_parallel_plan(al.models.get("gpt-tiny"), Cluster.preset("dgx-a100"))
-    assert plan.cost.chain_s == 0.0 and all(lc.chain_s == 0.0 for lc in plan.stages[0].layer_costs)
+    assert plan.cost.cpu is None and all(lc.reread_s == 0.0 for lc in plan.stages[0].layer_costs)
     with pytest.raises(ValueError, match="chain_reads"):
         Efficiency(chain_reads=-1.0)
     with pytest.raises(ValueError, match="chain_reads"):
@@ -124,17 +124,17 @@ def test_deep_model_pays_the_chain_quadratically():
     dp = al.data_parallel_plan(model, c)
     costs = dp.stages[0].layer_costs
     assert len(costs) == 26  # embed, 24 blocks, head
-    link = costs[1].chain_s
-    assert link > 0 and all(lc.chain_s == pytest.approx(link) for lc in costs[1:])
-    assert dp.cost.chain_s == pytest.approx(300 * link)
-    assert dp.cost.to_dict()["chain_s"] == dp.cost.chain_s
+    link = costs[1].reread_s
+    assert link > 0 and all(lc.reread_s == pytest.approx(link) for lc in costs[1:])
+    assert dp.cost.cpu.chain_s == pytest.approx(300 * link)
+    assert dp.cost.to_dict()["chain_s"] == dp.cost.cpu.chain_s
     pp = al.megatron_plan(model, c, dp=2, tp=1, pp=4, microbatches=4, table=dp.table)
     st = pp.stages[pp.cost.busiest_stage]
     a, b = st.layers
     own = st.layer_costs
-    per_step = sum((b - k) * own[k].chain_s for k in range(a, b + 1))
-    assert pp.cost.chain_s == pytest.approx(per_step)
-    assert pp.cost.chain_s < dp.cost.chain_s / 4
+    per_step = sum((b - k) * own[k].reread_s for k in range(a, b + 1))
+    assert pp.cost.cpu.chain_s == pytest.approx(per_step)
+    assert pp.cost.cpu.chain_s < dp.cost.cpu.chain_s / 4
     auto = al.auto_plan(model, c, table=dp.table)
     assert auto.cost.step_time_s <= dp.cost.step_time_s
     assert "gradient chain" in dp.cost.explain()
@@ -197,17 +197,16 @@ def test_update_chain_reads_keeps_the_rest_and_says_what_to_run(tmp_path):
 
 
 def test_the_ilp_prices_one_reread_of_each_link_at_its_sharding():
-    """The intra-op ILP sees the chain (solve.intra.CHAIN_READERS_IN_ILP later layers re-read each link): a link's
+    """The intra-op ILP sees the chain (one later layer re-reads each link: backends.cpu.read_again_s): a link's
     strategy costs chain_read_s_per_byte x its bytes per device more than with chain_reads = 0, so a replicated link
     costs the mesh's size times a sharded one's; every other operator's costs are unchanged; a GPU preset adds none."""
-    from autopar_lab.sharding.strategies import chain_read_s_per_byte
-    from autopar_lab.solve.intra import CHAIN_READERS_IN_ILP, StrategyCache, build_problem
+    from autopar_lab.solve.intra import StrategyCache, build_problem
 
     g = al.models.get("gpt-tiny", batch_size=16, num_layers=4, hidden_size=32).trace()
     cpu = Cluster.preset("cpu")
     c, plain = _with_reads(cpu, 40.0), _with_reads(cpu, 0.0)
     mesh, mesh0 = c.logical_mesh((1, 4), (4, 1)), plain.logical_mesh((1, 4), (4, 1))
-    assert chain_read_s_per_byte(mesh) == pytest.approx(40.0 / c.device.achievable_bandwidth * c.virtual_share(4))
+    assert chain_read_s_per_byte(mesh) == pytest.approx(40.0 / c.device.achievable_bandwidth * kernel_share(c, 4))
     with_chain = build_problem(g, mesh, cache=StrategyCache(mesh))
     without = build_problem(g, mesh0, cache=StrategyCache(mesh0))
     assert with_chain.nodes == without.nodes
@@ -220,7 +219,7 @@ def test_the_ilp_prices_one_reread_of_each_link_at_its_sharding():
             continue
         links += 1
         t = g.tensor(node.outputs[0])
-        want = [CHAIN_READERS_IN_ILP * chain_read_s_per_byte(mesh) * s.out_specs[0].bytes_per_device(
+        want = [chain_read_s_per_byte(mesh) * s.out_specs[0].bytes_per_device(
             t.shape, t.dtype, (4, 1)) for s in with_chain.strats[k]]
         assert np.allclose(added, want, rtol=1e-12)
         whole = [a for a, s in zip(added, with_chain.strats[k]) if not s.out_specs[0].axes]
@@ -244,8 +243,8 @@ def test_deep_pipeline_keeps_the_chain_sharded():
                  if is_chain_link(g, g.op(op))]
         assert links and all(spec.bytes_per_device(t.shape, t.dtype, (4, 1)) * 4 == t.nbytes for t, spec in links)
     blind = al.megatron_plan(model, _with_reads(cpu, 0.0), dp=4, tp=1, pp=2, microbatches=2)
-    assert pp2.cost.chain_s > 0 and blind.cost.chain_s == 0.0
+    assert pp2.cost.cpu.chain_s > 0 and blind.cost.cpu.chain_s == 0.0
     dp = al.data_parallel_plan(model, cpu, table=pp2.table)
     # per microbatch, a 12-layer stage on 4 devices re-reads 66 quarter-links: under dp's 276 eighth-links of one
     # program over all 26 layers
-    assert pp2.cost.chain_s < dp.cost.chain_s
+    assert pp2.cost.cpu.chain_s < dp.cost.cpu.chain_s

@@ -46,7 +46,7 @@ def test_interleaved_plan_is_priced_chunk_by_chunk(plan):
     # the transfers: one per cut between chunks, each over the link into the chunk's stage (one host: NVLink-like)
     sends = [transfer_s(table.cut_bytes[order[c].layers[0] - 1] / B, plan.cluster.intra_host)
              for c in range(1, p * v)]
-    # the cpu preset's devices are virtual: both stages share one host's cores
+    # the cpu preset's devices share one machine's cores: both stages share one host
     want = simulate([c.fwd_s for c in order], [c.bwd_s for c in order], B, "interleaved", send_fwd_s=sends,
                     send_bwd_s=sends, virtual_stages=v,
                     options=SimOptions(act_bytes=[c.act_bytes for c in order],
@@ -93,7 +93,7 @@ def test_zb_h1_splits_each_backward_into_input_and_weight_gradients(plan, model)
         assert st.wgrad_s == pytest.approx((old.bwd_s - task) * frac + task, rel=1e-12)
         assert st.bwd_s == pytest.approx(old.bwd_s + task, rel=1e-12)  # W is one more task per microbatch
     sends = stage_transfers(table, plan.stages, 4)
-    # virtual devices: one host's cores run every stage
+    # CPU devices: one host's cores run every stage
     want = simulate([st.fwd_s for st in q.stages], [st.bwd_s - st.wgrad_s for st in q.stages], 4, "zb-h1",
                     send_fwd_s=sends, send_bwd_s=sends, wgrad_s=[st.wgrad_s for st in q.stages],
                     options=SimOptions(act_bytes=[st.act_bytes for st in q.stages],

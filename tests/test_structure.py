@@ -370,3 +370,62 @@ def test_a_wide_function_is_caught(tmp_path):
             "def fine(a, b, c, d, e, f, g, h, i, j, *rest, **more):\n    pass\n")
     (tmp_path / "a.py").write_text(text)
     assert sorted(_wide({"autopar_lab.a": tmp_path / "a.py"})) == ["autopar_lab.a.C.m", "autopar_lab.a.f"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backend quirks: what one machine's compiler and runtime do, fitted there, lives in backends/ alone
+
+#: Names of the CPU's fitted quirks (backends/cpu.py): its hooks' internals, figures and terms.
+QUIRK_NAMES = re.compile(r"chain_read|CHAIN_READERS|chain_pair|chain_rank|\bchain_s\b|serial_host|virtual_share|"
+                         r"driver_share|shares_cores|ONE_PROGRAM_SHARE")
+
+#: Where they may be named: the backend module and its hooks; the calibration that measures them; the device's
+#: description in cluster/, whose fields carry the fitted figures (Efficiency.driver_share, Device.shares_cores).
+QUIRK_HOMES = ("autopar_lab.backends", "autopar_lab.calibrate", "autopar_lab.cluster")
+
+
+def _quirk_mentions(modules: dict[str, Path]) -> list[str]:
+    return [f"{m}:{k}: {line.strip()}" for m, path in modules.items()
+            if not any(m == h or m.startswith(h + ".") for h in QUIRK_HOMES)
+            for k, line in enumerate(path.read_text().splitlines(), 1) if QUIRK_NAMES.search(line)]
+
+
+def test_only_the_backend_module_names_the_cpu_quirks():
+    """The general cost model (sharding, solve, pricing), the plans, the CLI and the views call backends' hooks and
+    never name a CPU quirk, in code or in prose."""
+    assert _quirk_mentions(MODULES) == []
+    homes = {m for m in MODULES if any(m == h or m.startswith(h + ".") for h in QUIRK_HOMES)}
+    assert {"autopar_lab.backends", "autopar_lab.backends.cpu"} <= homes
+
+
+def test_a_quirk_name_outside_its_home_is_caught(tmp_path):
+    files = {"pricing_x": "x = cluster.device.efficiency.driver_share\n", "solve_y": "def f(serial_host=False): ...\n",
+             "backends": "CHAIN_READERS = 1\n", "clean": "virtual_stages = 2  # the chain of links\n"}
+    modules = {}
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        modules[f"autopar_lab.{name}"] = tmp_path / f"{name}.py"
+    assert [m.split(":")[0] for m in _quirk_mentions(modules)] == ["autopar_lab.pricing_x", "autopar_lab.solve_y"]
+
+
+def _virtual_devices(tree: ast.AST) -> list[str]:
+    """Where code says "virtual" of devices: an attribute or keyword named ``virtual`` (the old ``Device.virtual``),
+    or a name of virtual devices or hosts (``virtual_share``, ``virtual_host`` ...)."""
+    out = []
+    for node in ast.walk(tree):
+        names = [node.attr] if isinstance(node, ast.Attribute) and node.attr == "virtual" else \
+            [node.arg] if isinstance(node, ast.keyword) and node.arg == "virtual" else \
+            [n for n in ([node.id] if isinstance(node, ast.Name) else [node.attr] if isinstance(node, ast.Attribute)
+                         else [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [])
+             if re.search(r"virtual_(share|dev|host|cpu|core)", n)]
+        out += [f"{n} (line {node.lineno})" for n in names]
+    return out
+
+
+def test_virtual_means_only_interleaved_virtual_stages():
+    """No code of the package says "virtual" of devices: the CPU's devices that share a machine's cores are
+    ``shares_cores``; "virtual" is left to interleaved virtual stages."""
+    bad = {m: found for m, path in MODULES.items() if (found := _virtual_devices(_tree(path)))}
+    assert bad == {}
+    caught = _virtual_devices(ast.parse("d.virtual\nDevice(virtual=True)\nc.virtual_share(2)\nvirtual_stages = 2\n"))
+    assert caught == ["virtual (line 1)", "virtual (line 2)", "virtual_share (line 3)"]

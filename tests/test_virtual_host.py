@@ -109,28 +109,32 @@ def test_hosts_of_their_own_change_nothing():
         simulate(fwd, bwd, 4, "1f1b", options=SimOptions(hosts=[0, 0]))
 
 
-def test_the_cpu_preset_is_virtual_and_pays_per_device():
+def test_the_cpu_preset_shares_cores_and_pays_per_device():
     cpu = Cluster.preset("cpu")
-    assert cpu.device.virtual and cpu.device.task_overhead_s > 0
+    assert cpu.device.shares_cores and cpu.device.task_overhead_s > 0
     assert task_overhead_s(cpu, (1, 4)) == pytest.approx(2 * task_overhead_s(cpu, (1, 2)))
     gpu = Cluster.preset("dgx-a100")
-    assert not gpu.device.virtual and task_overhead_s(gpu, (1, 8)) == 0.0
+    assert not gpu.device.shares_cores and task_overhead_s(gpu, (1, 8)) == 0.0
     # a real accelerator with a task overhead pays it once a task, whatever its devices
     gpu_plan = al.megatron_plan(_model(4), gpu.with_(devices_per_host=2), dp=1, tp=1, pp=2, microbatches=2)
-    assert not gpu_plan.cost.shared_host and "virtual devices" not in gpu_plan.cost.explain()
+    assert gpu_plan.cost.cpu is None and "share the cores" not in gpu_plan.cost.explain()
     flat = gpu.with_(device=dataclasses.replace(gpu.device, task_overhead_s=1e-3))
     assert task_overhead_s(flat, (1, 2)) == task_overhead_s(flat, (1, 8)) == 1e-3
 
 
-def test_virtual_round_trips_and_is_checked():
+def test_shares_cores_round_trips_and_is_checked():
     dev = Cluster.preset("cpu").device
-    assert dev.to_dict()["virtual"] is True
-    assert "virtual" not in Cluster.preset("dgx-a100").device.to_dict()
+    assert dev.to_dict()["shares_cores"] is True and "virtual" not in dev.to_dict()
+    assert "shares_cores" not in Cluster.preset("dgx-a100").device.to_dict()
     c = Cluster.from_json(json.dumps(Cluster.preset("cpu").to_dict()))
-    assert c.device.virtual and c.device == Cluster.preset("cpu").device
-    assert hash(dataclasses.replace(dev, virtual=False)) != hash(dev)
-    with pytest.raises(ValueError, match="virtual must be true or false"):
-        Device("x", {"float32": 1e12}, 1e9, 1e11, virtual="yes")
+    assert c.device.shares_cores and c.device == Cluster.preset("cpu").device
+    assert hash(dataclasses.replace(dev, shares_cores=False)) != hash(dev)
+    with pytest.raises(ValueError, match="shares_cores must be true or false"):
+        Device("x", {"float32": 1e12}, 1e9, 1e11, shares_cores="yes")
+    # a cluster file or plan file written before the rename says "virtual": read as shares_cores
+    old = Cluster.preset("cpu").to_dict()
+    old["device"]["virtual"] = old["device"].pop("shares_cores")
+    assert Cluster.from_json(json.dumps(old)) == Cluster.preset("cpu")
 
 
 def _model(layers):
@@ -149,7 +153,7 @@ def test_a_pipeline_on_one_cpu_host_costs_the_sum_of_its_tasks(layers, pp, dp):
     # what the host waits for besides its tasks: at most the stage transfers (a microbatch's round trip each)
     assert tasks - 1e-12 <= plan.cost.step_time_s <= tasks + B * plan.cost.stage_comm_s + 1e-12
     assert plan.cost.stage_comm_s < 0.01 * tasks
-    assert plan.cost.shared_host and "virtual devices share its cores" in plan.cost.explain()
+    assert plan.cost.cpu.shared_host and "its devices share the cores" in plan.cost.explain()
     for st in plan.stages:
         d = st.submesh[0] * st.submesh[1]
         assert plan.table.task_overhead_s(st.submesh) == pytest.approx(d * cluster.device.task_overhead_s)
@@ -243,7 +247,7 @@ def test_serial_stage_dp_against_brute_force(seed):
 
     B = rng.choice([1, 2, 4])
     kw = dict(cut_bytes=[rng.uniform(0, 1e6) for _ in range(4)], intra_link=Cluster.preset("cpu").intra_host,
-              inter_link=Cluster.preset("cpu").inter_host, serial_host=True)
+              inter_link=Cluster.preset("cpu").inter_host, serial_stages=True)
     dp = stage_dp(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
     bf = brute_force_stages(StageProblem(5, 1, 4, microbatches=B, **kw), cands)
     assert dp.latency_s == pytest.approx(bf.latency_s, rel=1e-9)
@@ -255,5 +259,5 @@ def test_serial_stage_dp_against_brute_force(seed):
                   options=SimOptions(hosts=[0] * len(dp.stages)))
     assert tl.makespan == pytest.approx(B * sum(times), rel=1e-9)
     # separate devices would overlap the stages: Alpa's formula is never above the serial one
-    plain = stage_dp(StageProblem(5, 1, 4, microbatches=B, **dict(kw, serial_host=False)), cands)
+    plain = stage_dp(StageProblem(5, 1, 4, microbatches=B, **dict(kw, serial_stages=False)), cands)
     assert plain.latency_s <= dp.latency_s * (1 + 1e-12)

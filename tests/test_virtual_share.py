@@ -1,12 +1,12 @@
-"""Virtual devices pay for the devices that run at once (issue 14, the cpu preset's kernels).
+"""CPU devices pay for the devices that run at once (issue 14, the cpu preset's kernels).
 
 Measured on this machine (bench/RESULTS.md, 2026-12-04): gpt-tiny's step on each of 2 of the 8 JAX CPU devices costs
 about a third of the same step on all 8 (the devices share two cores and one driver), and a step's kernels cost
 10-12 us each with all 8 busy, where a chain of scalar kernels had measured 1.1 us. So the calibration fits the
 kernel cost on a small model's own step, the rates at its sizes and the share of fewer devices
 (:func:`autopar_lab.calibrate.measure_kernel_overhead`), and the cost model charges a program on d of a host's D
-virtual devices ``(d + driver_share) / (D + driver_share)`` of its kernels' calibrated cost
-(:meth:`autopar_lab.cluster.Cluster.virtual_share`).
+CPU devices ``(d + driver_share) / (D + driver_share)`` of its kernels' calibrated cost
+(:func:`autopar_lab.backends.cpu.kernel_share`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import sys
 import pytest
 
 import autopar_lab as al
-from autopar_lab import calibrate
+from autopar_lab import backends, calibrate
+from autopar_lab.backends.cpu import kernel_share
 from autopar_lab.cluster import CPU_PROFILE_PATH, Cluster, Efficiency
 from autopar_lab.graph.fusion import attach_kernel_roles
 from autopar_lab.sharding.strategies import price, replicated_strategy
@@ -33,7 +34,8 @@ def _devices() -> int:
 
 def virtual_cluster(share: float, devices: int = 8, launch: float = 1e-5) -> Cluster:
     c = Cluster.preset("p3.16xlarge")
-    dev = dataclasses.replace(c.device, virtual=True, efficiency=Efficiency(driver_share=share, kernel_launch_s=launch))
+    dev = dataclasses.replace(c.device, shares_cores=True,
+                              efficiency=Efficiency(driver_share=share, kernel_launch_s=launch))
     return c.with_(device=dev)
 
 
@@ -42,12 +44,14 @@ def test_virtual_share_is_the_formula(share):
     c = virtual_cluster(share)
     D = c.devices_per_host
     for d in range(1, D + 1):
-        assert c.virtual_share(d) == pytest.approx((d + share) / (D + share))
-    assert c.virtual_share(D) == 1.0 and c.virtual_share(4 * D) == 1.0  # never above all of them busy
-    assert c.virtual_share(0) == c.virtual_share(1)
+        assert kernel_share(c, d) == pytest.approx((d + share) / (D + share))
+        if d in (1, 2, 4, 8):  # the hook, on a mesh of d devices
+            assert backends.kernel_share(c.logical_mesh((1, d), (1, d))) == kernel_share(c, d)
+    assert kernel_share(c, D) == 1.0 and kernel_share(c, 4 * D) == 1.0  # never above all of them busy
+    assert kernel_share(c, 0) == kernel_share(c, 1)
     # real accelerators run their own kernels: no share
     real = Cluster.preset("p3.16xlarge")
-    assert [real.virtual_share(d) for d in (1, 2, 8)] == [1.0, 1.0, 1.0]
+    assert [backends.kernel_share(real.logical_mesh((1, d), (1, d))) for d in (1, 2, 8)] == [1.0, 1.0, 1.0]
 
 
 def test_driver_share_must_be_a_number_of_devices():
@@ -73,7 +77,7 @@ def test_an_operator_on_fewer_virtual_devices_costs_its_share():
             b = price(op, replicated_strategy(op), eight).compute_s
             if b > 0:
                 seen += 1
-                assert a == pytest.approx(b * c.virtual_share(2) / c.virtual_share(8), rel=1e-9)
+                assert a == pytest.approx(b * kernel_share(c, 2) / kernel_share(c, 8), rel=1e-9)
         assert seen > 50
     real = Cluster.preset("p3.16xlarge")
     op = next(o for o in graph if o.primitive == "dot_general")
@@ -91,7 +95,7 @@ def test_a_stage_on_fewer_virtual_devices_pays_fewer_launches():
     lf2 = sum(lc.launch_fwd_s for lc in p2.stages[0].layer_costs)
     hf2 = sum(lc.heavy_fwd for lc in p2.stages[0].layer_costs)
     # per forward kernel of the stage: the calibrated launch times its share
-    assert lf2 / hf2 == pytest.approx(1e-5 * sub.virtual_share(2))
+    assert lf2 / hf2 == pytest.approx(1e-5 * kernel_share(sub, 2))
     lf8 = sum(lc.launch_fwd_s for lc in p8.stages[0].layer_costs)
     hf8 = sum(lc.heavy_fwd for lc in p8.stages[0].layer_costs)
     assert lf8 / hf8 == pytest.approx(1e-5)
@@ -148,7 +152,7 @@ def test_from_profile_reads_another_profile(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(prof))
     c = Cluster.from_profile(path, hosts=2)
-    assert c.name == "cpu" and c.hosts == 2 and c.device.virtual
+    assert c.name == "cpu" and c.hosts == 2 and c.device.shares_cores
     assert c.device.memory_bandwidth == 1.25e9 and c.device.efficiency.driver_share == 2.5
     # a profile is also a cluster file (one host): --cluster PATH
     assert Cluster.from_json(path).device.efficiency.driver_share == 2.5
@@ -220,10 +224,10 @@ def test_each_task_takes_its_parameter_arrays():
 
 
 def test_the_programs_fixed_cost_is_reported_everywhere(tmp_path):
-    """CostReport.task_s: the busiest stage's task overheads and the arrays its tasks take, by the stage formula;
+    """CostReport.cpu.task_s: the busiest stage's task overheads and the arrays its tasks take, by the stage formula;
     shown by explain(), plan --json and the text CLI, and the cost panel; 0 on a GPU preset."""
     from autopar_lab.pricing import task_overhead_s
-    from autopar_lab.pricing.stage import ONE_PROGRAM_SHARE
+    from autopar_lab.backends.cpu import ONE_PROGRAM_SHARE
     from autopar_lab.widgets.views.cost_panel import breakdown_html, explain_text
 
     model = al.models.get("gpt-tiny", batch_size=16, num_layers=4, hidden_size=32)
@@ -231,18 +235,19 @@ def test_the_programs_fixed_cost_is_reported_everywhere(tmp_path):
     dp = al.data_parallel_plan(model, c)
     pp = al.megatron_plan(model, c, dp=4, tp=1, pp=2, microbatches=2, table=dp.table)
     # one program: its three tasks are one; it takes its arrays once, in the update (no task arrays)
-    assert dp.cost.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) * ONE_PROGRAM_SHARE)
+    assert dp.cost.cpu.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) * ONE_PROGRAM_SHARE)
     st = pp.stages[pp.cost.busiest_stage]
     args = sum(lc.task_arrays_s for lc in st.layer_costs[st.layers[0]:st.layers[1] + 1])
     assert args > 0
     B = pp.microbatches
-    assert pp.cost.task_s == pytest.approx((2 * B + 1) * task_overhead_s(c, st.submesh) + 4 * B * args)
-    assert pp.cost.task_s < pp.cost.compute_s + pp.cost.bubble_s + 1e-12
+    assert pp.cost.cpu.task_s == pytest.approx((2 * B + 1) * task_overhead_s(c, st.submesh) + 4 * B * args)
+    assert pp.cost.cpu.task_s < pp.cost.compute_s + pp.cost.bubble_s + 1e-12
     assert "fixed cost of its programs" in pp.cost.explain()
     assert "fixed cost of its programs" in explain_text(pp.cost)
     assert "programs' fixed cost" in breakdown_html(dp.cost, pp.cost)
     gpu = al.data_parallel_plan(al.models.get("gpt-tiny"), Cluster.preset("p3.16xlarge"))
-    assert gpu.cost.task_s == 0.0 and "fixed cost of its programs" not in gpu.cost.explain()
+    assert gpu.cost.cpu is None and "fixed cost of its programs" not in gpu.cost.explain()
+    assert "fixed cost" not in breakdown_html(None, gpu.cost) and "task_s" not in gpu.cost.to_dict()
     env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "PATH": "/usr/bin:/bin"}
     args_cli = [sys.executable, "-m", "autopar_lab", "plan", "gpt-tiny", "--cluster", "cpu", "--method", "megatron",
                 "--dp", "4", "--tp", "1", "--pp", "2", "--microbatches", "2"]
@@ -265,7 +270,7 @@ def test_a_deep_model_planned_on_a_copy_is_not_one_program():
     assert not deep.table.one_program(0, len(deep.layer_names) - 1, (1, 8), 1)
     args = sum(lc.task_arrays_s for lc in deep.stages[0].layer_costs)
     assert args > 0
-    assert deep.cost.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) + 4 * args)
+    assert deep.cost.cpu.task_s == pytest.approx(3 * task_overhead_s(c, (1, 8)) + 4 * args)
     shallow = al.data_parallel_plan(al.models.get("gpt-tiny", batch_size=16, num_layers=4), c)
     assert shallow.table.one_program(0, len(shallow.layer_names) - 1, (1, 8), 1)
     if _devices() >= 8:

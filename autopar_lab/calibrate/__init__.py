@@ -10,7 +10,7 @@ What is measured, and why each figure is the one the cost model wants:
   device multiplying at the same time (one batched matmul sharded over the N devices, a k x k product each). The
   preset's ``peak_flops`` starts from the concurrent figure: the machine's aggregate throughput with all N devices
   busy, divided by N (best size), and is then brought to a small model's kernel sizes (the step fit below). N
-  virtual CPU devices share the machine's C cores, so this is the honest model of "N devices on C cores": every
+  JAX CPU devices share the machine's C cores, so this is the honest model of "N devices on C cores": every
   device runs concurrently at 1/N of the machine, and a stage on d devices gets d/N of it (one device alone runs
   much faster: ``matmul_flops_single_device``, kept for comparison).
 * memory bandwidth from a large elementwise add (bytes read + written), alone and concurrent (same reason).

@@ -100,7 +100,7 @@ def measure_collectives_between_compute(num_devices: int | None = None,
     """Time an all-reduce and an all-gather as a step meets them: each after a small compute on every device.
 
     Back-to-back collectives (:func:`measure_collectives`) run on devices that have nothing else to do. In a plan's
-    step each collective follows a layer's compute, and with N virtual devices sharing C < N cores a collective is
+    step each collective follows a layer's compute, and with N CPU devices sharing C < N cores a collective is
     also a barrier: it waits for the last device thread to finish its share, which back-to-back collectives never
     see. So each program here is a chain of ``links`` links; a link is a layer-like compute on every device (an MLP
     of ``compute`` = (rows, hidden): ``tanh(a @ w1) @ w2`` with w1 hidden x 4 hidden, the shape of a gpt-tiny layer's

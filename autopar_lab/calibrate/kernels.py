@@ -20,7 +20,7 @@ def step_point(model: str, layers: int, batch: int, devices: int, peak_flops: fl
     CPU devices at once, each its own copy (``shard_map`` over replicated inputs: no communication). Returns
     {"layers", "batch", "devices", "kernels" (:func:`autopar_lab.graph.fusion.kernel_view`'s), "roofline_s" (every
     operator priced on one device at the rates given), "chain_s" (the gradient chain's re-read bytes per read,
-    :func:`autopar_lab.pricing.layers.chain_pair_bytes`, at ``memory_bandwidth``), "call_s" (an empty program's
+    :func:`autopar_lab.backends.cpu.chain_pair_bytes`, at ``memory_bandwidth``), "call_s" (an empty program's
     call on the same devices), "seconds" (median of ``repeats``)}."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -28,7 +28,7 @@ def step_point(model: str, layers: int, batch: int, devices: int, peak_flops: fl
     from autopar_lab import models
     from autopar_lab.cluster import Cluster, Device, Link
     from autopar_lab.graph.fusion import attach_kernel_roles, kernel_view
-    from autopar_lab.pricing.layers import chain_pair_bytes
+    from autopar_lab.backends.cpu import chain_pair_bytes
     from autopar_lab.sharding.strategies import price, replicated_strategy
 
     devs = jax.devices("cpu")
@@ -72,7 +72,7 @@ def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 
     :func:`autopar_lab.graph.fusion.kernel_view`) and the times, less the call of an empty program on the same
     devices, are fitted, least squares on all points, as ``kernel_launch_s * kernels + work_scale * roofline_s``.
     The first point runs again on a quarter of the devices (the rest idle, as a pipeline stage's task finds them):
-    what it pays of the fit gives ``driver_share`` (:meth:`autopar_lab.cluster.Cluster.virtual_share`). The batch-2
+    what it pays of the fit gives ``driver_share`` (:func:`autopar_lab.backends.cpu.kernel_share`). The batch-2
     points (a data-parallel shard of
     gpt-tiny: launch-bound kernels of a few KB) and the batch-16 one (the whole batch: a replicated plan's kernels)
     pin the two terms. ``work_scale`` divides the profile's rates (see :func:`measure_cpu`).

@@ -133,7 +133,7 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
             # One stage task's launch and input moves, per device of the task (0 when there are too few devices
             # to measure it): JAX's CPU devices share the machine's cores, so a task's fixed cost grows with them.
             "task_overhead_s": per_device_task_overhead(task) if task else 0.0,
-            "virtual": True,
+            "shares_cores": True,
             # Measured, so the datasheet fractions stay 1; one kernel's fixed cost, every device busy.
             "efficiency": {"kernel_launch_s": kern["kernel_launch_s"], "buffer_s": buf["buffer_s"],
                            "driver_share": kern["driver_share"], "chain_reads": chain["chain_reads"]},

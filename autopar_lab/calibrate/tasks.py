@@ -71,7 +71,7 @@ def measure_task_overhead(num_devices: int | None = None, byte_sizes=(1 << 10, 1
 
 def per_device_task_overhead(task: Mapping[str, Any]) -> float:
     """The profile's ``task_overhead_s`` from a :func:`measure_task_overhead` result: its fitted task on a block
-    of devices, per device (virtual devices: :func:`autopar_lab.pricing.stage.task_overhead_s` charges a task
+    of devices, per device (CPU devices: :func:`autopar_lab.backends.cpu.task_devices` charges a task
     this times its stage's devices).
 
     >>> per_device_task_overhead({"task_overhead_s": 6e-4, "block": 2})

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .values import Device, Efficiency, Link, is_power_of_two
+from .values import Device, Efficiency, Link, is_power_of_two, shares_cores_of
 
 __all__ = ["CPU_PROFILE_PATH", "CPU_PROFILE_KIND", "cpu_fields", "profile_fields"]
 
@@ -63,7 +63,7 @@ def profile_fields(profile: Any, hosts: int, where: str) -> dict:
         memory_bytes=total / n,
         memory_bandwidth=dev["memory_bandwidth"],
         task_overhead_s=dev.get("task_overhead_s", 0.0),  # profiles written before it was measured: none
-        virtual=bool(dev.get("virtual", False)),  # JAX's CPU devices share the machine's cores
+        shares_cores=bool(shares_cores_of(dev)),  # JAX's CPU devices share the machine's cores
         # Measured per-kernel overhead and the like (profiles written before they were measured: the defaults).
         efficiency=Efficiency.from_dict(dev.get("efficiency")),
     )

@@ -22,7 +22,8 @@ from .cpuprofile import CPU_PROFILE_KIND, cpu_fields, profile_fields
 from .mesh import LogicalMesh
 from .presets import GPU_PRESETS, PRESETS, SPEC_HELP, TPU_PRESETS, count_word, preset_fields
 from .torus import Torus
-from .values import Device, Efficiency, Link, check_link, check_positive, is_power_of_two, is_whole, send_recv
+from .values import (Device, Efficiency, Link, check_link, check_positive, is_power_of_two, is_whole, send_recv,
+                     shares_cores_of)
 
 __all__ = ["Cluster", "MAX_HOSTS", "MAX_DEVICES_PER_HOST"]
 
@@ -103,34 +104,8 @@ class Cluster:
     # -- basic facts ------------------------------------------------------------------------------------
 
     @property
-    def serial_host(self) -> bool:
-        """Whether a plan's stages all share one host's cores and driver (virtual devices, one host: the local
-        ``cpu`` preset), so they run one task at a time: the stage DP prices a pipeline as the sum of its tasks."""
-        return self.device.virtual and self.hosts == 1
-
-    @property
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
-
-    def virtual_share(self, devices: int) -> float:
-        """What a program on ``devices`` of one host pays of its kernels' calibrated cost: 1 on real accelerators
-        (each runs its own kernels); on virtual devices, which share the machine's cores and were calibrated with
-        all of a host's D devices busy, ``(d + driver_share) / (D + driver_share)`` (see :class:`Efficiency`).
-
-        >>> c = Cluster.preset("dgx-a100")
-        >>> c.virtual_share(2)
-        1.0
-        >>> v = c.with_(device=dataclasses.replace(c.device, virtual=True,
-        ...             efficiency=Efficiency(driver_share=2.0)))
-        >>> v.virtual_share(2), v.virtual_share(8)
-        (0.4, 1.0)
-        """
-        if not self.device.virtual:
-            return 1.0
-        total = self.devices_per_host
-        d = min(max(int(devices), 1), total)
-        c = self.device.efficiency.driver_share
-        return (d + c) / (total + c)
 
     def host_of(self, device: int) -> int:
         """The host index of a (host-major) device index."""
@@ -314,7 +289,7 @@ class Cluster:
             memory_bytes=get(dev, "memory_bytes", "device.memory_bytes"),
             memory_bandwidth=get(dev, "memory_bandwidth", "device.memory_bandwidth"),
             task_overhead_s=dev.get("task_overhead_s", 0.0) if isinstance(dev, Mapping) else 0.0,
-            virtual=dev.get("virtual", False) if isinstance(dev, Mapping) else False,
+            shares_cores=shares_cores_of(dev) if isinstance(dev, Mapping) else False,
             vector_flops=dev.get("vector_flops") if isinstance(dev, Mapping) else None,
             efficiency=Efficiency.from_dict(dev.get("efficiency") if isinstance(dev, Mapping) else None),
         )

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["Efficiency", "Device", "Link", "send_recv", "is_whole", "is_power_of_two", "check_positive",
-           "check_link", "dtype_name"]
+__all__ = ["Efficiency", "Device", "Link", "shares_cores_of", "send_recv", "is_whole", "is_power_of_two",
+           "check_positive", "check_link", "dtype_name"]
 
 # ----------------------------------------------------------------------------------------------------------
 # Small checks shared by the constructors and the JSON loader (one sentence, saying what to change).
@@ -98,19 +98,12 @@ class Efficiency:
     - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
       step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
       ``cpu`` preset, where it is tens of microseconds, with every array on all the host's devices: a mesh of fewer
-      virtual devices pays its share; 0 on the GPU presets, whose executables keep their buffers);
-    - ``driver_share``: on virtual devices (:attr:`Device.virtual`), the part of a kernel's cost that does not
-      shrink with the devices running it, in devices: a program on ``d`` of a host's ``D`` devices pays
-      ``(d + driver_share) / (D + driver_share)`` of its kernels' calibrated cost (measured with all ``D`` busy), as
-      the devices share the machine's cores and one driver dispatches them all (:meth:`Cluster.virtual_share`).
-    - ``chain_reads``: where the compiler fuses a gradient-accumulation chain into every kernel that reads it (XLA
-      on CPU: the residual stream's gradient, a sum with one term per later layer, is not written once but summed
-      again inside each consumer kernel of each layer's backward), the times each backward kernel of a layer reads
-      one later layer's term, in units of the chain's link tensor (:attr:`LayerCost.chain_s
-      <autopar_lab.pricing.layers.LayerCost>`): a backward program of n layers reads ~n^2/2 link tensors x
-      ``chain_reads``. Measured on the ``cpu`` preset (:func:`autopar_lab.calibrate.measure_chain_reads`), where a
-      24-layer backward ran 2x its kernels' time; 0 elsewhere (XLA on GPU caps a fusion's operands, and the
-      presets' figures are fitted without it).
+      devices pays its share there; 0 on the GPU presets, whose executables keep their buffers);
+    - ``driver_share`` and ``chain_reads``: empirical figures of the CPU (read only where the device shares a
+      machine's cores, :attr:`Device.shares_cores`; fitted by :mod:`autopar_lab.calibrate`, priced by
+      :mod:`autopar_lab.backends.cpu`, which says what each one is and the measurement behind it): the part of a
+      kernel's cost, in devices, that does not shrink with the devices running it; the times each backward kernel of
+      a layer reads one later layer's term of the gradient chain again. 0 on every other preset.
 
     The defaults are the datasheet itself (every rate at 100%) with the launch figure the planner always used, so a
     device described only by its datasheet (a JSON cluster file) prices as before. The presets say what they assume
@@ -219,11 +212,12 @@ class Device:
     leave it 0 (a few microseconds of launch, below the per-operator launch overhead the planner already charges);
     the ``cpu`` preset reads the figure :mod:`autopar_lab.calibrate` measured for the local runtime.
 
-    ``virtual``: the host's devices are slices of one machine's cores, as JAX's CPU devices are
-    (``JAX_NUM_CPU_DEVICES``): one driver thread and the same cores run every device's work, so the tasks of
-    different stages on a host run one after another, not at once, and ``task_overhead_s`` is paid per device of
-    the task (each device's part of a program is launched and synchronised on the shared cores). False for real
-    accelerators (see :func:`autopar_lab.pricing.stage.task_overhead_s` and :func:`autopar_lab.simulate.simulate`).
+    ``shares_cores``: the host's devices are slices of one machine's cores, as JAX's CPU devices are
+    (``JAX_NUM_CPU_DEVICES``): the device is the CPU, and the cost model adds what
+    :mod:`autopar_lab.backends.cpu` measured of it (one driver thread and the same cores run every device's work:
+    the tasks of different stages on a host run one after another, ``task_overhead_s`` is paid per device of the
+    task). False for real accelerators. A saved profile's older key ``virtual`` is read as this
+    (:func:`shares_cores_of`).
 
     >>> d = Device("toy", {"float32": 1e12, "bfloat16": 4e12}, memory_bytes=2**30, memory_bandwidth=1e11)
     >>> d.peak("bfloat16"), d.peak(np.float32), d.peak("int8"), d.task_overhead_s   # unknown dtype -> float32's
@@ -235,7 +229,7 @@ class Device:
     memory_bytes: float
     memory_bandwidth: float  # bytes/s
     task_overhead_s: float = 0.0  # seconds per pipeline task (stage forward or backward of one microbatch)
-    virtual: bool = False  # devices that share one machine's cores (JAX CPU devices): see the docstring
+    shares_cores: bool = False  # devices that share one machine's cores (JAX CPU devices): see the docstring
     # FLOP/s of elementwise work outside the matrix units (CUDA cores), per dtype; None: ``peak_flops``.
     vector_flops: Mapping[str, float] | None = None
     efficiency: Efficiency = Efficiency()
@@ -266,9 +260,9 @@ class Device:
             raise ValueError(f"device {self.name!r} task_overhead_s must be a finite number of seconds >= 0, got "
                              f"{self.task_overhead_s!r}; give 0 for no per-task overhead.")
         object.__setattr__(self, "task_overhead_s", overhead)
-        if not isinstance(self.virtual, (bool, np.bool_)):
-            raise ValueError(f"device {self.name!r} virtual must be true or false, got {self.virtual!r}.")
-        object.__setattr__(self, "virtual", bool(self.virtual))
+        if not isinstance(self.shares_cores, (bool, np.bool_)):
+            raise ValueError(f"device {self.name!r} shares_cores must be true or false, got {self.shares_cores!r}.")
+        object.__setattr__(self, "shares_cores", bool(self.shares_cores))
         if self.vector_flops is not None:
             if not isinstance(self.vector_flops, Mapping):
                 raise ValueError(f"device {self.name!r} vector_flops must be a mapping of dtype name to FLOP/s or "
@@ -284,7 +278,7 @@ class Device:
     def __hash__(self) -> int:
         vec = tuple(sorted(self.vector_flops.items())) if self.vector_flops is not None else None
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.memory_bandwidth,
-                     self.task_overhead_s, vec, self.efficiency, self.virtual))
+                     self.task_overhead_s, vec, self.efficiency, self.shares_cores))
 
     def peak(self, dtype: Any = "float32") -> float:
         """Peak FLOP/s for ``dtype`` (a name, numpy/jax dtype or scalar type); float32's figure if unknown."""
@@ -326,10 +320,16 @@ class Device:
             "memory_bandwidth": self.memory_bandwidth,
             # Only when set: the GPU presets' dicts (and plan files saved before the field existed) stay as they were.
             **({"task_overhead_s": self.task_overhead_s} if self.task_overhead_s else {}),
-            **({"virtual": True} if self.virtual else {}),
+            **({"shares_cores": True} if self.shares_cores else {}),
             **({"vector_flops": dict(self.vector_flops)} if self.vector_flops is not None else {}),
             **({"efficiency": self.efficiency.to_dict()} if self.efficiency != Efficiency() else {}),
         }
+
+
+def shares_cores_of(dev: Mapping[str, Any]) -> bool:
+    """A saved device's ``shares_cores`` (:class:`Device`), read from its JSON object: the one place that also
+    reads the key profiles and plan files wrote before it was renamed, ``virtual``."""
+    return dev.get("shares_cores", dev.get("virtual", False))
 
 
 @dataclass(frozen=True)

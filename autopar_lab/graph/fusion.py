@@ -620,7 +620,8 @@ CHAIN_PRIMITIVE = "add_any"
 def is_chain_link(graph: OpGraph, node: OpNode) -> bool:
     """Whether ``node`` is a link of a gradient chain: a backward cotangent sum (:data:`CHAIN_PRIMITIVE`) that an
     operator of another layer reads (a residual stream's gradient passing to the layer before). XLA on CPU fuses the
-    chain into every kernel that reads it (``Efficiency.chain_reads``), so each later layer's backward reads it again.
+    chain into every kernel that reads it, so each later layer's backward reads it again
+    (:mod:`autopar_lab.backends.cpu` prices that).
 
     >>> import jax, jax.numpy as jnp
     >>> from autopar_lab.graph.capture import trace

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..graph.attention import attention_internals
-from ..graph.fusion import attach_kernel_roles, is_chain_link, kernel_view
+from ..backends import buffer_share, kernel_share, read_again_s, task_array_s
+from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
-from ..sharding.strategies import COLLECTIVE_KINDS, chain_read_s_per_byte
+from ..sharding.strategies import COLLECTIVE_KINDS
 from ..solve.intra import StrategyCache, conversions, weight_gradient_ops
 from ..solve.memterms import STATIC_KINDS, held_copies, memory_terms
 
@@ -56,11 +57,10 @@ class LayerCost:
     term of each, by the link class its axis crosses). ``fwd_s``/``bwd_s`` count it once a step, as they count the
     bandwidth; a microbatch pays it in full (:func:`~autopar_lab.pricing.stage.stage_cost`).
 
-    Gradient chain (``Efficiency.chain_reads`` > 0): ``chain_s``, ``chain_reads`` times the time to read the layer's
-    link of the cotangent chain that carries the gradient to the layers before it (a backward ``add_any`` whose sum
-    an earlier layer reads: a residual stream's gradient), per step. A compiler that fuses the chain into its
-    readers re-reads every later layer's link in each layer's backward kernels: a backward program over layers
-    a..b pays ``sum over k of (b - k) x chain_s[k]`` (:func:`~autopar_lab.pricing.stage.chain_pairs`).
+    Backend terms (:mod:`autopar_lab.backends`; 0 on a GPU or TPU): ``task_arrays_s``, what each forward and
+    backward task pays to take the layer's state arrays; ``reread_s``, what one later layer of the same backward
+    program pays a step to read the layer's output again (a backward program over layers a..b pays
+    ``sum over k of (b - k) x reread_s[k]``: :func:`~autopar_lab.backends.program_rereads_s`).
     """
 
     fwd_s: float
@@ -95,16 +95,7 @@ class LayerCost:
     collectives_fwd: int = 0
     collectives_bwd: int = 0
     task_arrays_s: float = 0.0
-    chain_s: float = 0.0
-
-
-def chain_pair_bytes(graph: OpGraph, layer_names: Sequence[str]) -> float:
-    """Bytes (whole batch, unsharded) a one-program backward over all of ``layer_names`` re-reads of the gradient
-    chain per read (:attr:`LayerCost.chain_s`): ``sum over k of (L - 1 - k) x`` the links of layer k."""
-    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
-    last = len(layer_names) - 1
-    return float(sum((last - index.get(n.layer, last)) * graph.tensor(n.outputs[0]).nbytes
-                     for n in graph if is_chain_link(graph, n)))
+    reread_s: float = 0.0
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -126,24 +117,16 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
-             latb=0.0, cf=0, cb=0, arrays=0.0, chain=0.0,
+             latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
     mshape = tuple(plan.mesh.shape)
     device = plan.mesh.cluster.device
     fused = device.efficiency.flash_attention
-    launch = device.efficiency.kernel_launch_s
-    if device.virtual:  # calibrated with all of the host's devices busy (Cluster.virtual_share)
-        launch *= plan.mesh.cluster.virtual_share(plan.mesh.num_devices)
-    per_buffer = device.efficiency.buffer_s
-    if device.virtual:
-        # Measured with each array on every device of the host (calibrate.measure_buffer_overhead): on virtual
-        # devices the cost is per shard (each device's buffer is made on the shared cores; measured 6.8, 10.6 and
-        # 18.2 us an array on 2, 4 and 8 devices), so a mesh of d of the host's D devices pays d / D of it.
-        per_buffer *= min(plan.mesh.num_devices / plan.mesh.cluster.devices_per_host, 1.0)
-    # Seconds per byte of a gradient-chain link re-read (0 unless the device's compiler duplicates the chain).
-    chain_unit = chain_read_s_per_byte(plan.mesh)
+    # The backends' shares of the calibrated launch and array costs (1 but on the CPU).
+    launch = device.efficiency.kernel_launch_s * kernel_share(plan.mesh)
+    per_buffer = device.efficiency.buffer_s * buffer_share(plan.mesh)
     view = kernel_view(graph, fused)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
@@ -175,8 +158,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         if per_buffer and node.primitive == INPUT_PRIMITIVE and \
                 graph.tensor(node.outputs[0]).kind in (PARAM, OPT_STATE):
             a["bwd"] += per_buffer  # the update program takes and returns this state array once per step
-            if device.virtual and graph.tensor(node.outputs[0]).kind == PARAM:
-                a["arrays"] += per_buffer  # and each forward and backward task takes it (stage_cost)
+            a["arrays"] += task_array_s(plan.mesh.cluster, per_buffer, graph.tensor(node.outputs[0]).kind)
         role = view.roles.get(op)
         if role is not None and role.root:
             if node.role == UPDATE:
@@ -197,9 +179,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             else:
                 a["hb"] += casts
                 a["lb"] += casts * launch
-        if chain_unit and is_chain_link(graph, node):
-            link = graph.tensor(node.outputs[0])
-            a["chain"] += chain_unit * s.out_specs[0].bytes_per_device(link.shape, link.dtype, mshape)
+        again = read_again_s(plan.mesh, graph, node, (s,))
+        if again is not None:
+            a["reread"] += again[0]
         internal = op in internals
         if internal:
             a["attn_fwd"] += s.cost
@@ -254,7 +236,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              fp8_bytes=a["fp8"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
-                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"], chain_s=a["chain"]))
+                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"]))
     return out
 
 
@@ -281,5 +263,5 @@ def batch_size(graph: OpGraph) -> int:
     return max(sizes) if sizes else 1
 
 
-__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "chain_pair_bytes", "collective_latency_s",
+__all__ = ["HEAVY_PRIMITIVES", "LayerCost", "collective_latency_s",
            "layer_costs", "cut_bytes", "batch_size"]

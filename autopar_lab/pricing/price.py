@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
+from ..backends import cpu_cost, host_of_stages, program_rereads_s
 from ..planvalues import CostReport, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, is_selective, remat_value
@@ -26,7 +27,7 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import chain_pairs, hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
+from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 from .zero import zero_layer_costs
 
@@ -99,7 +100,7 @@ def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatch
     """The pipeline's timeline: the schedule as is, or for 1F1B with transfers, a deeper warm-up when that is
     faster and still fits in ``mem_limit_bytes``. ``wgrad_s``, ``virtual_stages`` and ``options`` (each stage's
     memory and host; its warm-up is chosen here): as for :func:`~autopar_lab.simulate.simulate` (ZB-H1,
-    interleaved, stages sharing a virtual host's cores).
+    interleaved, stages sharing a CPU host's cores).
 
     The deeper warm-up counts each cut as pipeline positions (as the DP's latency formula does: a transfer is a
     stage of its own), so a slow link's round trip is hidden by more microbatches in flight."""
@@ -214,16 +215,16 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             colls += (span["collectives_fwd"] * twice + span["collectives_bwd"]) * microbatches
             latency += (span["latency_fwd_s"] * twice + span["latency_bwd_s"]) * microbatches
         # The fixed cost of the stage's programs a step (its chunks' when interleaved), by stage_cost's formula: a
-        # forward and a backward task per microbatch and the update once, each taking its arrays (virtual devices).
-        tasks_s = chain_s = 0.0
+        # forward and a backward task per microbatch and the update once, each taking its arrays (the CPU).
+        tasks_s = rereads_s = 0.0
         for first, last in ranges[j]:
-            # Every microbatch's backward re-reads the gradient chain (stage_cost's chain_pairs_s, per step).
-            chain_s += chain_pairs(sums, first, last)
+            # Every microbatch's backward reads its layers' outputs again (stage_cost's rereads_s, per step).
+            rereads_s += program_rereads_s(cluster, sums, first, last)
             task, arrays = table.task_charge(first, last, spec.submesh, microbatches)
             args = sums["task_arrays_s"][last + 1] - sums["task_arrays_s"][first]
             per_mb = 3 if schedule == "zb-h1" else 2  # ZB-H1's weight gradient is a task of its own
             tasks_s += (per_mb * microbatches + 1) * task + 4 * microbatches * args * arrays
-        hidden.append((hid_sync, hid_gather, int(round(launches)), int(round(colls)), latency, tasks_s, chain_s))
+        hidden.append((hid_sync, hid_gather, int(round(launches)), int(round(colls)), latency, tasks_s, rereads_s))
         per_stage.append((tuple(costs), intra, kept))
         stage_sums.append(sums)
 
@@ -253,11 +254,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         sim = dict(fwd=[t[0] for t in totals], bwd=[t[1] - w for t, w in zip(totals, wgrad)],
                    act=[t[3] for t in totals], static=[t[2] for t in totals])
         sends = stage_transfers(table, priced, microbatches)
-    hosts = None
-    if cluster.device.virtual:
-        # Virtual devices (JAX's CPU devices) share one machine's cores and driver: the stages on a host run one
-        # task at a time (measured: a pipeline's step is the sum of its tasks, bench/RESULTS.md).
-        hosts = [off // cluster.devices_per_host for off in stage_offsets(priced)]
+    # Stages that share a compute resource run one task at a time (backends: a CPU host's stages; None elsewhere).
+    hosts = host_of_stages(cluster, stage_offsets(priced))
     tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, mem,
                            wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v,
                            options=SimOptions(hosts=hosts).with_memory(sim["act"], sim["static"]))
@@ -275,7 +273,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
     # Communication hidden behind compute is not in the busy time: only what shows is split.
-    hid_sync, hid_gather, kernels, colls, latency, tasks_s, chain_s = hidden[busiest]
+    hid_sync, hid_gather, kernels, colls, latency, tasks_s, rereads_s = hidden[busiest]
     # The stage's comm_s counts each per-microbatch collective's latency once a step; its busy time pays it every
     # microbatch (and once more per recomputed forward): what is left of the step's latency shows as collectives.
     once = sum(c.latency_fwd_s + c.latency_bwd_s for c in (c for a, z in chunks[busiest]
@@ -302,9 +300,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         collectives=colls,
         collective_latency_s=float(latency),
         flash_attention=cluster.device.efficiency.flash_attention,
-        shared_host=hosts is not None and len(priced) > 1,
-        task_s=float(tasks_s),
-        chain_s=float(chain_s),
+        cpu=cpu_cost(cluster, shared_host=hosts is not None and len(priced) > 1, task_s=float(tasks_s),
+                     rereads_s=float(rereads_s)),
         precision=precision_note(table.solve_graph),
     )
     return Priced(tuple(plan_stages), cost, schedule, v)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from ..backends import task_devices
 from ..rematmode import is_full, is_selective
 from ..solve.inter import StageCandidate
 
@@ -37,43 +38,23 @@ if TYPE_CHECKING:
 #: ``efficiency.kernel_launch_s`` is what prices a launch now).
 LAUNCH_OVERHEAD_S = 5e-6
 
-#: What each of a stage's three tasks a step (forward, backward, update, with one microbatch) is charged of the task
-#: overhead when the stage is the whole step run as one program (:meth:`CostTable.one_program`): one task in all.
-ONE_PROGRAM_SHARE = 1.0 / 3.0
-
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "latency_fwd_s", "latency_bwd_s",
-              "collectives_fwd", "collectives_bwd", "task_arrays_s", "chain_s")
+              "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     """Running sums of each :data:`SUM_FIELDS` field over a list of LayerCosts: ``sums[f][b + 1] - sums[f][a]`` is
-    the total over layers ``a..b``; also of ``k x chain_s`` of layer k (``chain_rank_s``, for :func:`chain_pairs`)."""
-    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "chain_rank_s")}
+    the total over layers ``a..b``; also of ``k x reread_s`` of layer k (``reread_rank_s``, for
+    :func:`~autopar_lab.backends.program_rereads_s`)."""
+    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "reread_rank_s")}
     for k, c in enumerate(costs):
         for f in SUM_FIELDS:
             sums[f].append(sums[f][-1] + getattr(c, f))
-        sums["chain_rank_s"].append(sums["chain_rank_s"][-1] + k * c.chain_s)
+        sums["reread_rank_s"].append(sums["reread_rank_s"][-1] + k * c.reread_s)
     return sums
-
-
-def chain_pairs(sums: Mapping[str, Any], start: Any, end: Any) -> Any:
-    """Seconds a step of a backward program over layers ``start..end`` spends re-reading the gradient chain:
-    ``sum over k of (end - k) x chain_s[k]`` (each layer's backward kernels read the link of every later layer of
-    the same program again; see :class:`~autopar_lab.pricing.layers.LayerCost`), from the running sums of
-    ``chain_s`` and ``chain_rank_s`` (:func:`prefix_sums`, lists or numpy arrays). ``start``/``end``: ints, or
-    broadcastable integer arrays (the stage DP's blocks).
-
-    >>> s = prefix_sums([type("C", (), {f: 1.0 if f == "chain_s" else 0.0 for f in SUM_FIELDS})()] * 3)
-    >>> chain_pairs(s, 0, 2), chain_pairs(s, 1, 2), chain_pairs(s, 2, 2)   # 2+1+0, 1+0, 0
-    (3.0, 1.0, 0.0)
-    """
-    c, r = sums["chain_s"], sums["chain_rank_s"]
-    if isinstance(start, np.ndarray) or isinstance(end, np.ndarray):
-        c, r = np.asarray(c, dtype=float), np.asarray(r, dtype=float)
-    return end * (c[end + 1] - c[start]) - (r[end + 1] - r[start])
 
 
 def _minimum(a: Any, b: Any) -> Any:
@@ -109,9 +90,10 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
 
-    ``chain_pairs_s`` (:func:`chain_pairs`, set by the caller, who has the running sums): the backward's
-    re-reads of the gradient chain a step, paid by every microbatch's backward. ``task_arrays_s`` (virtual
-    devices): what one task pays to take the stage's parameter arrays; the forward task
+    ``rereads_s`` (:func:`~autopar_lab.backends.program_rereads_s`, set by the caller, who has the running sums):
+    what the backward program pays a step to read its layers' outputs again, paid by every microbatch's backward.
+    ``task_arrays_s`` (the CPU, :mod:`autopar_lab.backends`): what one task pays to take the stage's parameter
+    arrays; the forward task
     takes them once, the backward three times (the parameters, and the running gradient sums in and out). ``arrays``
     is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1.
 
@@ -141,7 +123,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     lat_fwd = totals.get("latency_fwd_s", 0.0) * again
     fwd = (totals["fwd_s"] - hidden_gather) / B + totals["launch_fwd_s"] + lat_fwd
     bwd = (totals["bwd_s"] - hidden_sync) / B + totals["launch_bwd_s"] + totals.get("latency_bwd_s", 0.0) * again
-    bwd = bwd + totals.get("chain_pairs_s", 0.0) / B
+    bwd = bwd + totals.get("rereads_s", 0.0) / B
     n = totals["layers"]
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
@@ -188,23 +170,17 @@ def recomputed_kernels(span: Mapping[str, float], cluster: Cluster) -> float:
 
 def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:
     """Seconds charged per stage task (the forward, or the backward, of one microbatch): the device's
-    ``task_overhead_s``, times the stage's devices on one host when the devices are virtual (JAX's CPU devices:
-    every device's part of a program is launched and synchronised on the machine's shared cores, so a task on 4
-    devices costs twice one on 2; measured on this machine, bench/RESULTS.md). Tasks of different stages on a
-    virtual host run one after another (the pipeline simulation's host resource), so nothing else scales it.
-    0 on the GPU presets.
+    ``task_overhead_s`` times the backend's count for a task on ``submesh`` (:func:`~autopar_lab.backends.task_devices`:
+    once, but on the CPU once per device of the task). 0 on the GPU presets.
 
+    >>> import dataclasses
     >>> from autopar_lab.cluster import Cluster
     >>> c = Cluster.preset("p3.16xlarge")
-    >>> cpu = c.with_(device=c.device.__class__("cpu", {"float32": 1e10}, 2**30, 1e9, task_overhead_s=1e-4,
-    ...                                         virtual=True))
-    >>> round(task_overhead_s(cpu, (1, 4)) * 1e3, 6), round(task_overhead_s(cpu, (1, 2)) * 1e3, 6)
-    (0.4, 0.2)
+    >>> flat = c.with_(device=dataclasses.replace(c.device, task_overhead_s=1e-4))
+    >>> task_overhead_s(flat, (1, 4)), task_overhead_s(flat, (1, 2))   # a GPU's: once a task, whatever its devices
+    (0.0001, 0.0001)
     """
-    dev = cluster.device
-    if not dev.virtual:
-        return dev.task_overhead_s
-    return dev.task_overhead_s * min(int(submesh[1]), cluster.devices_per_host)
+    return cluster.device.task_overhead_s * task_devices(cluster, submesh)
 
 
 def pareto(cands: Sequence[StageCandidate]) -> list[StageCandidate]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from ..backends import one_program_share, program_rereads_s
 from ..graph.capture import deferred_trace
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
@@ -38,7 +39,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .deepmap import DEEPER, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import ONE_PROGRAM_SHARE, chain_pairs, pareto, prefix_sums, stage_cost, task_overhead_s
+from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
 
@@ -573,22 +574,24 @@ class CostTable:
 
     def one_program(self, start: int, end: int, submesh, microbatches: int) -> bool:
         """Whether a stage of layers start..end on ``submesh`` is a whole step run as one program: every layer on
-        every device with one microbatch, on virtual devices (the runtime's "spmd" mode replays the step). Its
-        forward, backward and update, three tasks in the stage formula, are then one task
-        (:data:`ONE_PROGRAM_SHARE` of the per-task charge each). Not for a model planned on a shallower copy: its
-        strategies are not per operator of the model's own graph, so the runtime runs the step as a one-stage
-        pipeline (a forward, a backward and an update program; measured at 24 layers)."""
-        return (self.cluster.device.virtual and int(microbatches) == 1 and start == 0
+        every device with one microbatch, where the backend's runtime replays such a step as one program
+        (:func:`~autopar_lab.backends.one_program_share`: the CPU's "spmd" mode). Its forward, backward and update,
+        three tasks in the stage formula, are then one task (that share of the per-task charge each). Not for a model
+        planned on a shallower copy: its strategies are not per operator of the model's own graph, so the runtime
+        runs the step as a one-stage pipeline (a forward, a backward and an update program; measured at 24
+        layers)."""
+        return (one_program_share(self.cluster) is not None and int(microbatches) == 1 and start == 0
                 and self.solve_graph is self.graph
                 and end == len(self.layer_names) - 1 and int(submesh[0]) * int(submesh[1]) == self.cluster.num_devices)
 
     def task_charge(self, start: int, end: int, submesh, microbatches: int) -> tuple[float, float]:
         """``(task_s, arrays)`` for :func:`~autopar_lab.pricing.stage.stage_cost` of layers start..end on
         ``submesh``: the per-task overhead, and 1 where its tasks take their arrays; a one-program stage
-        (:meth:`one_program`) pays :data:`ONE_PROGRAM_SHARE` of the overhead per task and no task arrays."""
+        (:meth:`one_program`) pays the backend's share of the overhead per task and no task arrays."""
         task = self.task_overhead_s(submesh)
-        if self.one_program(start, end, submesh, microbatches):
-            return task * ONE_PROGRAM_SHARE, 0.0
+        share = one_program_share(self.cluster)
+        if share is not None and self.one_program(start, end, submesh, microbatches):
+            return task * share, 0.0
         return task, 1.0
 
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
@@ -597,7 +600,7 @@ class CostTable:
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
         totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
-        totals["chain_pairs_s"] = chain_pairs(sums, start, end)
+        totals["rereads_s"] = program_rereads_s(self.cluster, sums, start, end)
         task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            task, arrays)
@@ -737,7 +740,7 @@ class StageBlock:
         arrays: Any = 1.0
         if table.one_program(0, L - 1, submesh, B) and rows[0] == 0 and cols[-1] == L - 1:
             task = np.full((len(rows), len(cols)), task)
-            task[0, -1] *= ONE_PROGRAM_SHARE  # the whole step on the whole cluster: one program (one_program)
+            task[0, -1] *= one_program_share(table.cluster)  # the whole step on the whole cluster: one program
             arrays = np.ones((len(rows), len(cols)))
             arrays[0, -1] = 0.0  # ... which takes its arrays once, in the update (layer costs' buffer_s)
         dims = (len(self.options), len(rows), len(cols))
@@ -747,7 +750,7 @@ class StageBlock:
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
                 sums = table.prefix_arrays(submesh, shape, sol)
                 totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
-                totals["chain_pairs_s"] = chain_pairs(sums, rows[:, None], cols[None, :])
+                totals["rereads_s"] = program_rereads_s(table.cluster, sums, rows[:, None], cols[None, :])
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
             for out, v in zip(keys, costs):
                 np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)

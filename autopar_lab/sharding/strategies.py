@@ -48,6 +48,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from ..backends import kernel_share
 from ..graph import opcost
 from ..graph.fusion import kernel_role
 from ..graph.opgraph import FP8_CASTS, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, OpGraph, OpNode, op_signature
@@ -356,8 +357,7 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
     flops = op.flops / n_work
     bw = device.achievable_bandwidth
-    # virtual devices (the cpu preset) were calibrated with all of a host's devices busy; fewer share the cores less
-    share = mesh.cluster.virtual_share(mesh.num_devices) if getattr(device, "virtual", False) else 1.0
+    share = kernel_share(mesh)  # 1 but on the CPU, calibrated with all of a host's devices busy (backends)
     if role is not None and role.kind in ("free", "dead"):
         return 0.0  # folded into the kernels that read it (a layout change, a scalar), or removed
     if role is None:
@@ -392,7 +392,7 @@ def cast_time(op: OpNode, mesh, ins: Sequence[float]) -> float:
     bytes ``ins[i]`` the operator reads of input ``i`` (as its strategy shards it) at the achievable bandwidth. Their
     launches are counted with the other kernels' (:mod:`autopar_lab.pricing.layers`)."""
     device = mesh.cluster.device
-    share = mesh.cluster.virtual_share(mesh.num_devices) if getattr(device, "virtual", False) else 1.0
+    share = kernel_share(mesh)
     moved = sum(f * b for f, b in zip(op.params[FP8_CASTS], ins))
     return moved / device.achievable_bandwidth * share
 
@@ -456,26 +456,8 @@ def unsupported_ops(graph: OpGraph) -> list[str]:
     return out
 
 
-def chain_read_s_per_byte(mesh) -> float:
-    """Seconds one device of ``mesh`` spends per byte of its shard of a gradient-chain link
-    (:func:`~autopar_lab.graph.fusion.is_chain_link`) each time one later layer's backward reads it again: the
-    device's ``Efficiency.chain_reads`` reads at its achievable bandwidth, at the mesh's share of a virtual host's
-    cores. 0 where the compiler writes the chain once (the GPU presets).
-
-    >>> from autopar_lab.cluster import Cluster
-    >>> chain_read_s_per_byte(Cluster.preset("dgx-a100").logical_mesh((1, 8)))
-    0.0
-    """
-    device = mesh.cluster.device
-    unit = device.efficiency.chain_reads / device.achievable_bandwidth
-    if unit and device.virtual:
-        unit *= mesh.cluster.virtual_share(mesh.num_devices)
-    return unit
-
-
 __all__ = [
     "COLLECTIVE_KINDS",
-    "chain_read_s_per_byte",
     "Rule",
     "Strategy",
     "ZERO_COST",

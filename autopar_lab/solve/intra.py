@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..backends import read_again_s
 from ..graph.opgraph import (
     BACKWARD,
     FORWARD,
@@ -46,11 +47,11 @@ from ..graph.opgraph import (
     OpGraph,
     OpNode,
 )
-from ..graph.fusion import attach_kernel_roles, is_chain_link
+from ..graph.fusion import attach_kernel_roles
 from ..graph.opcost import CONTRACTIONS, REDUCTIONS, SCATTERS, WINDOWED
 from ..sharding.fsdp import is_param_input
 from ..sharding.spec import ShardingSpec
-from ..sharding.strategies import Strategy, chain_read_s_per_byte
+from ..sharding.strategies import Strategy
 from . import ilp
 from .intracache import StrategyCache, graph_memo, layer_signature, shared_lists
 from .memterms import gathered_param_terms, held_copies, liveness, memory_totals
@@ -59,12 +60,6 @@ if TYPE_CHECKING:
     from ..cluster import LogicalMesh
 
 MEMORY_TIE_BREAK_S_PER_BYTE = 1e-15
-
-#: Later layers the ILP assumes re-read each gradient-chain link (where the device's compiler re-reads the chain,
-#: ``Efficiency.chain_reads``): the stage DP decides afterwards how many layers share a program, so the ILP prices the
-#: least a link is re-read when it is read at all (by the next layer), enough that it does not replicate the chain to
-#: save a resharding elsewhere (pricing.stage.chain_pairs charges the stage's real count).
-CHAIN_READERS_IN_ILP = 1
 
 # Elementwise-like operators that Alpa merges into the operator they follow (see ilp.merge_followers).
 _MERGEABLE = frozenset(
@@ -321,15 +316,12 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
         if op in inside and graph.op(op).primitive == INPUT_PRIMITIVE and \
                 graph.tensor(graph.op(op).outputs[0]).kind in (PARAM, OPT_STATE):
             node_costs[k] = node_costs[k] + MEMORY_TIE_BREAK_S_PER_BYTE * np.array([s.mem_bytes for s in strats[k]])
-    chain_unit = CHAIN_READERS_IN_ILP * chain_read_s_per_byte(mesh)
-    if chain_unit:
-        mshape = tuple(mesh.shape)
-        for k, op in enumerate(nodes):
-            node = graph.op(op)
-            if op in inside and is_chain_link(graph, node):
-                link = graph.tensor(node.outputs[0])
-                node_costs[k] = node_costs[k] + chain_unit * np.array(
-                    [s.out_specs[0].bytes_per_device(link.shape, link.dtype, mshape) for s in strats[k]])
+    # An output a later layer of the same program reads again (backends: 0 but on the CPU) costs one reading here:
+    # the stage DP decides afterwards how many layers share a program and charges the rest.
+    for k, op in enumerate(nodes):
+        again = read_again_s(mesh, graph, graph.op(op), strats[k]) if op in inside else None
+        if again is not None:
+            node_costs[k] = node_costs[k] + np.array(again)
     edges, mats = [], []
     # Edges to and from identical layers, folded onto this layer's own operators (each pattern once: a middle layer
     # both receives and sends the same boundary).
@@ -409,7 +401,7 @@ class _OneAxisView:
         self._mesh = mesh
         self.cluster = mesh.cluster
         self.shape = (mesh.shape[0], 1)
-        self.num_devices = mesh.num_devices  # the program still runs on all of them (Cluster.virtual_share)
+        self.num_devices = mesh.num_devices  # the program still runs on all of them (backends.kernel_share)
 
     def axis_size(self, axis) -> int:
         return self.shape[0] if axis in (0, (0, 1)) else 1

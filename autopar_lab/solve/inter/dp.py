@@ -137,7 +137,7 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
     Each schedule is priced with its own formula (:func:`schedule_latency`) and memory (:func:`held_microbatches`).
     Interleaved and zb-h1 depend on the total stage count p, so the DP is solved for each p on its own
     (interleaved: p >= 2 dividing the microbatch count, stages of at least ``virtual_stages`` layers), each bounded
-    by the best so far. On a serial host (``problem.serial_host``) the step is :func:`serial_latency` (no max term:
+    by the best so far. With serial stages (``problem.serial_stages``) the step is :func:`serial_latency` (no max term:
     one DP, no t_max search).
 
     Pins (``problem.constraints``, :class:`StageConstraints`: cuts, submeshes, logical meshes or remat flags) fix

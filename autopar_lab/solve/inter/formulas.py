@@ -133,7 +133,7 @@ def schedule_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
 
 
 def serial_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatches: int) -> float:
-    """The step time when every stage runs on one host's shared cores (virtual devices, one driver): each stage's
+    """The step time when every stage runs on one host's shared cores (the CPU's devices, one driver): each stage's
     forward and backward of every microbatch, and each transfer, one after another, ``B (sum t + sum c)``; the
     simulator's makespan on one host (checked in the tests), whatever the schedule.
 

@@ -67,7 +67,7 @@ class Problem:
     virtual_stages: int = 1  # chunks per stage (interleaved)
     wgrad_share: float = DEFAULT_WGRAD_SHARE  # W's share of a stage's time (zb-h1)
     total_stages: int | None = None  # the stage count this problem is solved for (the schedules of BY_STAGE_COUNT)
-    serial: bool = False  # the stages share one host's cores (virtual devices): they run one task at a time
+    serial: bool = False  # the stages share one compute resource (StageProblem.serial_stages): one task at a time
 
     @property
     def fixed_stages(self) -> int | None:
@@ -82,7 +82,7 @@ class Problem:
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
-        """``(a, kappa, K)`` of the schedule's formula (:func:`coefficients`); on a serial host every stage's
+        """``(a, kappa, K)`` of the schedule's formula (:func:`coefficients`); with serial stages every stage's
         microbatches run one after another whatever the schedule: ``B (sum t + sum c)`` (:func:`serial_latency`)."""
         if self.serial:
             return float(self.microbatches), 1.0, 0.0
@@ -138,7 +138,7 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     if not isinstance(problem, StageProblem):
         raise ValueError(f"the stage problem must be a StageProblem, got {type(problem).__name__}.")
     (num_layers, hosts, devices_per_host, microbatches, mem_limit_bytes, cut_bytes, intra_link, inter_link,
-     stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share, serial_host) = (
+     stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share, serial_stages) = (
         getattr(problem, f.name) for f in dataclasses.fields(StageProblem))
     L = positive_int(num_layers, "num_layers")
     N = positive_int(hosts, "hosts")
@@ -219,7 +219,7 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     # Shapes without any candidate can never be placed: the DP's tables leave them out (at thousands of devices most
     # submesh shapes have none), which keeps the order of the others and so every tie-break.
     return Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w,
-                   serial=bool(serial_host))
+                   serial=bool(serial_stages))
 
 
 def _check_block(b: CandidateBlock, shape: tuple[int, int], L: int) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ...backends import runs_serially
+
 __all__ = ["StageCandidate", "CandidateBlock", "InterResult", "NoFeasiblePlanError", "StageConstraints",
            "StageProblem", "DPOptions", "T_MAX_SEARCH"]
 
@@ -223,8 +225,9 @@ class StageProblem:
     many stages. ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` chunks per stage, default 2) or
     "zb-h1" (``wgrad_share``: W's share of a stage's time, default
     :data:`~autopar_lab.solve.inter.DEFAULT_WGRAD_SHARE`). ``constraints``: the pins a solve keeps.
-    ``serial_host``: the stages share one host's cores (virtual devices, JAX's CPU devices): they run one task at a
-    time, so every schedule's step is :func:`~autopar_lab.solve.inter.serial_latency`.
+    ``serial_stages``: the stages share one compute resource (the CPU's stages of one host:
+    :func:`autopar_lab.backends.runs_serially`): they run one task at a time, so every schedule's step is
+    :func:`~autopar_lab.solve.inter.serial_latency`.
 
     The size comes first, the rest by keyword; the fields are checked when the problem is solved (one ValueError
     naming the field). Immutable: change one with a ``with_*`` method or :func:`dataclasses.replace`.
@@ -249,16 +252,16 @@ class StageProblem:
     constraints: StageConstraints | None = None
     virtual_stages: int | None = None
     wgrad_share: float | None = None
-    serial_host: bool = False
+    serial_stages: bool = False
 
     @classmethod
     def on(cls, cluster: Any, *, num_layers: int, microbatches: int = 1) -> StageProblem:
         """The problem on a :class:`~autopar_lab.cluster.Cluster` as the planner poses it: its hosts and devices,
         its scale-up link for cuts inside a host and ``cluster.host_boundary_link`` for cuts between hosts, and
-        ``serial_host`` where its stages share one host's cores (``cluster.serial_host``)."""
+        ``serial_stages`` where its stages share one compute resource (:func:`autopar_lab.backends.runs_serially`)."""
         return cls(num_layers=num_layers, hosts=cluster.hosts, devices_per_host=cluster.devices_per_host,
                    microbatches=microbatches, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
-                   serial_host=cluster.serial_host)
+                   serial_stages=runs_serially(cluster))
 
     def with_microbatches(self, microbatches: int, cut_bytes: Sequence[float] | None = None) -> StageProblem:
         """This problem with ``microbatches`` per step (and, when given, the cut bytes of one such microbatch)."""

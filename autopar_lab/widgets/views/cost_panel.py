@@ -48,14 +48,19 @@ def step_time_text(before, after) -> str:
     return text + f" · {fmt_rate(after.samples_per_s)}"
 
 
+def cpu_terms(cost) -> list[tuple[str, str, float]]:
+    """The CPU's parts of ``cost``'s compute term (``CostReport.cpu``: a row label, a clause, seconds); none on a GPU
+    or TPU."""
+    cpu = getattr(cost, "cpu", None)
+    return cpu.terms() if cpu is not None else []
+
+
 def explain_text(cost) -> str:
     """:meth:`CostReport.explain` in the views' number format: the step time as the sum of its terms."""
     attention = "flash attention" if getattr(cost, "flash_attention", False) else "attention through memory"
     return (f"step time {fmt_s(cost.step_time_s)} = compute {fmt_s(cost.compute_s)} (the busiest stage, "
             f"S{cost.busiest_stage}, runs {getattr(cost, 'kernels', 0):,} fused kernels a step, {attention}"
-            + (f"; {fmt_s(cost.task_s)} of it the fixed cost of its programs" if getattr(cost, "task_s", 0.0) else "")
-            + (f"; {fmt_s(cost.chain_s)} of it re-reading the gradient chain (summed again in each layer's backward "
-               "kernels)" if getattr(cost, "chain_s", 0.0) else "")
+            + "".join(f"; {fmt_s(v)} of it {clause}" for _label, clause, v in cpu_terms(cost) if v)
             + ") + "
             f"collectives {fmt_s(cost.comm_s)} (including the latency of {getattr(cost, 'collectives', 0):,} "
             f"collectives a step, {fmt_s(getattr(cost, 'collective_latency_s', 0.0))}: each microbatch pays its "
@@ -69,20 +74,21 @@ def explain_text(cost) -> str:
 def breakdown_html(before, after) -> str:
     """The terms before -> after as an HTML table; a term's relative change is given only when the term is at least
     1% of the step time (see :mod:`.fmt`)."""
-    rows = [("compute", "compute_s"), ("of which the programs' fixed cost (launches, arrays taken)", "task_s"),
-            ("of which re-reading the gradient chain", "chain_s"),
-            ("collectives", "comm_s"),
-            ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
-            ("bubble", "bubble_s"),
-            ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
-            ("communication hidden behind compute (not in the step)", "hidden_comm_s"), ("step time", "step_time_s")]
+    terms = [("compute", "compute_s"), ("collectives", "comm_s"),
+             ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
+             ("bubble", "bubble_s"),
+             ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
+             ("communication hidden behind compute (not in the step)", "hidden_comm_s"), ("step time", "step_time_s")]
+    rows = [(label, f, getattr(after, f), getattr(before, f) if before is not None else None) for label, f in terms]
+    # The CPU's parts of the compute term, under it, where the plan is priced on the CPU (backends.cpu).
+    was = {label: v for label, _clause, v in cpu_terms(before)} if before is not None else {}
+    rows[1:1] = [(label, "", v, was.get(label, 0.0) if before is not None else None)
+                 for label, _clause, v in cpu_terms(after)]
     ref = before.step_time_s if before is not None else None
     head = "<tr><th style='text-align:left'>term</th>" + ("<th>before</th>" if before is not None else "") + \
            "<th>now</th>" + ("<th>change</th>" if before is not None else "") + "</tr>"
     body = []
-    for label, f in rows:
-        a = getattr(after, f)
-        b = getattr(before, f) if before is not None else None
+    for label, f, a, b in rows:
         cells = (f"<td>{fmt_s(b)}</td>" if before is not None else "") + f"<td>{fmt_s(a)}</td>" + \
                 (f"<td>{fmt_delta_s(b, a, ref)}</td>" if before is not None else "")
         style = " style='font-weight:bold'" if f == "step_time_s" else ""

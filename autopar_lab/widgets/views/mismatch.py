@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+from ...backends import on_cpu
 from ...cluster import CPU_PROFILE_PATH
 from .fmt import fmt_ratio, fmt_s
 
@@ -28,7 +29,7 @@ def profile_facts(plan) -> dict | None:
     """``{"measured_on", "load_average" (start, end), "cpu_count"}`` of the shipped cpu profile when ``plan`` was
     priced with it (a ``cpu`` cluster with its figures), else None (a GPU preset, or another profile)."""
     device = plan.cluster.device
-    if plan.cluster.name != "cpu" or not device.virtual:
+    if plan.cluster.name != "cpu" or not on_cpu(plan.cluster):
         return None
     try:
         profile = json.loads(CPU_PROFILE_PATH.read_text())

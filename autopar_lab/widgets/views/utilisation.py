@@ -12,7 +12,7 @@
   ``max(matmul FLOPs / peak + other FLOPs / vector rate, its memory traffic / peak bandwidth)`` (Williams et al.,
   "Roofline", CACM 2009), with no communication, bubble, recomputation or launch cost. The cost model prices every
   kernel at achievable rates (never above peak) on at least its share of the work, so the plan's step is never
-  shorter; where it is (the virtual devices of the ``cpu`` preset, whose kernels cost less on fewer devices) the
+  shorter; where it is (the CPU devices of the ``cpu`` preset, whose kernels cost less on fewer devices) the
   ideal step is taken as the plan's, and the text says so.
 
 The peak is the device's figure for the dtype of the step's largest matmul (what a mixed-precision step runs its
@@ -28,6 +28,7 @@ from __future__ import annotations
 import html
 import math
 
+from ...backends import plan_note
 from ...graph import opcost
 from ...graph.attention import attention_internals
 from ...graph.fusion import kernel_role, kernel_view
@@ -36,7 +37,7 @@ from ...rematmode import is_full, is_selective
 from .fmt import fmt_flops, fmt_pct, fmt_s
 
 __all__ = ["compute_dtype", "ideal_step_s", "recomputed_flops", "utilisation", "utilisation_html", "utilisation_text",
-           "virtual_text"]
+           "cpu_text"]
 
 _IDEAL_CACHE: dict = {}
 
@@ -153,40 +154,22 @@ def utilisation_text(u: dict) -> str:
              f"step of {fmt_s(u['ideal_s'])}, every kernel split evenly over all {n} devices at peak FLOP/s or peak "
              "memory bandwidth (whichever binds), with no communication, bubble or recomputation")
     if u["at_roofline"]:
-        text += (" (the cost model prices this plan faster than that ideal, as it does on virtual devices whose "
+        text += (" (the cost model prices this plan faster than that ideal, as it does on the CPU, whose devices' "
                  "kernels cost less on fewer devices: the ideal is taken as the plan's step)")
     return text + "."
 
 
-def virtual_text(plan) -> str:
-    """On virtual devices (the ``cpu`` preset: JAX's CPU devices, slices of one machine's cores), how the cost model
-    prices the plan's stages, which explains a plan of many stages and one microbatch (see
-    ``docs/ARCHITECTURE.md``, "Virtual devices"); "" on real accelerators."""
-    c = plan.cluster
-    if not c.device.virtual:
-        return ""
-    S, B, D = len(plan.stages), plan.microbatches, c.devices_per_host
-    text = (f"Virtual devices: this plan's {c.num_devices} devices are JAX CPU devices, slices of "
-            f"{'one machine' if c.hosts == 1 else 'each host machine'}'s cores")
-    if S > 1 and c.serial_host:
-        text += (f", so its {S} stages run one task at a time, one after another, not side by side: a pipeline "
-                 "overlaps nothing here and the step is the sum of every stage's work")
-        if B == 1:
-            text += (", which is why it runs 1 microbatch: more would only add each task's fixed cost without "
-                     "overlapping anything")
-    c_share = c.device.efficiency.driver_share
+def cpu_text(plan) -> str:
+    """On the CPU (the ``cpu`` preset: JAX's CPU devices, slices of one machine's cores), how the cost model prices
+    the plan's stages, which explains a plan of many stages and one microbatch
+    (:func:`autopar_lab.backends.plan_note`); "" on a GPU or TPU."""
     sizes = [st.submesh[0] * st.submesh[1] for st in plan.stages]
-    shares = ", ".join(f"S{k} on {d}: {fmt_pct(c.virtual_share(d))}" for k, d in enumerate(sizes))
-    text += (f". A program on d of a host's {D} devices is priced at (d + {c_share:.3g}) / ({D} + {c_share:.3g}) of "
-             f"its kernels' cost measured with all {D} busy (fewer devices, less contention for the cores): {shares}"
-             + ("; that is what splitting the layers into stages of few devices buys" if S > 1 else "")
-             + ". The training panel sets measured steps beside these predictions.")
-    return text
+    return plan_note(plan.cluster, sizes, plan.microbatches, fmt_pct)
 
 
 def utilisation_html(plan) -> str:
-    """The cost panel's utilisation paragraph for ``plan`` (class ``autopar-utilisation``) and, on virtual devices,
-    how they are priced (class ``autopar-virtual``, :func:`virtual_text`)."""
+    """The cost panel's utilisation paragraph for ``plan`` (class ``autopar-utilisation``) and, on the CPU, how its
+    devices are priced (class ``autopar-cpu``, :func:`cpu_text`)."""
     out = f"<div class='autopar-utilisation'>{html.escape(utilisation_text(utilisation(plan)))}</div>"
-    note = virtual_text(plan)
-    return out + (f"<div class='autopar-virtual'><small>{html.escape(note)}</small></div>" if note else "")
+    note = cpu_text(plan)
+    return out + (f"<div class='autopar-cpu'><small>{html.escape(note)}</small></div>" if note else "")
