@@ -127,7 +127,8 @@ def model_for(model, shape: Mapping[str, Any], *, zoo: str | None, family: str |
         return models.get(zoo, **{k: v for k, v in shape.items() if v is not None})
     if family is not None:
         return models.build_config(family, name, **{k: v for k, v in shape.items() if v is not None})
-    raise ValueError(f"this {fw} configuration does not say which model it trains; pass model= (a zoo model, "
+    raise ValueError(f"this {fw} configuration does not say which model it trains; pass it (model=, or the command "
+                     "line's model argument: a zoo model, "
                      "e.g. al.models.get('llama3-8b'), or al.models.from_config('config.json'))")
 
 

@@ -110,8 +110,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
     if model is None and table is not None:
         model = table.graph
     if model is None and zoo is None:
-        raise ValueError(f"the MaxText model_name {name!r:.40} is not in the zoo ({', '.join(MODELS)} are); pass "
-                         "model=")
+        raise ValueError(f"the MaxText model_name {name!r:.40} is not in the zoo ({', '.join(MODELS)} are); pass the "
+                         "model it trains (model=, or the command line's model argument)")
     shape = {"batch_size": batch, "seq_len": None if seq is None else integer(seq, "max_target_length")}
     if zoo is not None and model is None and shape["seq_len"] is None:
         shape["seq_len"] = 2048  # base.yml's max_target_length
@@ -174,8 +174,6 @@ def _axes_from(lay: FrameworkLayout, cluster) -> dict[str, int]:
                          "(al.maxtext_plan); export a one-stage plan")
     if lay.ep > 1:
         raise ValueError(f"expert parallelism ep={lay.ep} of another layout is not written as {fw} axes")
-    if lay.sequence_parallel:
-        raise ValueError(f"Megatron-LM's sequence-parallel norms have no {fw} switch the planner prices")
     zero = 3 if lay.zero is None else lay.zero
     if zero in (1, 2):
         raise ValueError(f"ZeRO-{zero} (the optimizer state{' and gradients' if zero == 2 else ''} split, the "
@@ -197,6 +195,9 @@ def render(lay: FrameworkLayout, model=None, cluster=None) -> str:
         axes = dict(lay.maxtext_axes)
     else:
         axes = _axes_from(lay, cluster)
+        if lay.sequence_parallel:
+            notes.append("not expressible, written as MaxText's nearest: the plan's sequence-parallel norms (split "
+                         "over the tensor group) are whole on MaxText's tensor axis; import this file to price that")
         if lay.zero is None:
             notes.append("the plan left the weights' storage to the planner; written as FSDP (ZeRO-3)")
     if lay.precision not in ("bf16", "fp32", "fp8"):

@@ -159,7 +159,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
         model = table.graph
     if model is None and zoo is None:
         raise ValueError(f"the torchtitan model {name!r} flavor {flavor!r} is not in the zoo (llama3 "
-                         f"{', '.join(FLAVORS)} are); pass model=")
+                         f"{', '.join(FLAVORS)} are); pass the model it trains (model=, or the command line's "
+                         "model argument)")
     if zoo is not None and model is None and shape["seq_len"] is None:
         shape["seq_len"] = 2048  # torchtitan's default seq_len
     model = model_for(model, shape, zoo=zoo, family=None, name=fw, framework=fw)
