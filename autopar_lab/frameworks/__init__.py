@@ -6,7 +6,9 @@
 - :mod:`~autopar_lab.frameworks.maxtext_yaml`: MaxText's YAML (``configs/base.yml``'s keys);
 - :mod:`~autopar_lab.frameworks.planlayout`: a plan's decisions in the terms every framework shares, or the one no
   framework switch expresses;
-- :mod:`~autopar_lab.frameworks.common`: reading, the model a configuration names, the fields not modelled.
+- :mod:`~autopar_lab.frameworks.common`: reading, the model a configuration names, the fields not modelled;
+- :mod:`~autopar_lab.frameworks.grid`: each framework's grid of layouts and its best plan
+  (``al.auto_plan(..., expressible_in=...)``).
 
 Each reader prices the configuration through the library's layout of that framework (``al.megatron_plan``,
 ``al.fsdp_plan``, ``al.maxtext_plan``), so an imported plan is the plan those functions give for the same settings.
@@ -18,9 +20,11 @@ from types import ModuleType
 
 from . import maxtext_yaml, megatron_args, torchtitan_toml
 from .common import FRAMEWORK_NAMES, read_source, with_import_notes
+from .grid import best_in_grid
 from .planlayout import FrameworkLayout, layout_of
 
-__all__ = ["FRAMEWORKS", "FrameworkLayout", "detect_framework", "export_config", "import_config", "layout_of"]
+__all__ = ["FRAMEWORKS", "FRAMEWORK_NAMES", "FrameworkLayout", "best_in_grid", "detect_framework", "export_config",
+           "import_config", "layout_of"]
 
 #: The frameworks by the name the API takes.
 FRAMEWORKS: dict[str, ModuleType] = {"megatron": megatron_args, "torchtitan": torchtitan_toml,
