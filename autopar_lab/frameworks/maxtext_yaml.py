@@ -32,9 +32,10 @@ MODELLED = ("per_device_batch_size", "gradient_accumulation_steps", "num_pipelin
             "num_layers_per_pipeline_stage", "num_pipeline_repeats", "remat_policy", "max_target_length",
             "model_name", "dtype", "quantization")
 #: base.yml's remat policies: the planner's recomputation for each (None: not modelled).
-REMAT = {"full": True, "minimal": "selective", "none": False, "save_dot_with_context_except_mlp": "selective",
-         "save_dot_except_mlpwi": "selective", "save_dot_except_mlp": "selective", "save_qkv_proj": "selective",
-         "save_out_proj": "selective", "qkv_proj_offloaded": None, "custom": None, "minimal_offloaded": None}
+REMAT: dict[str, bool | str | None] = {
+    "full": True, "minimal": "selective", "none": False, "save_dot_with_context_except_mlp": "selective",
+    "save_dot_except_mlpwi": "selective", "save_dot_except_mlp": "selective", "save_qkv_proj": "selective",
+    "save_out_proj": "selective", "qkv_proj_offloaded": None, "custom": None, "minimal_offloaded": None}
 #: MaxText model names in the zoo.
 MODELS = {"llama3-8b": "llama3-8b", "llama3-70b": "llama3-70b", "llama3-405b": "llama3-405b",
           "llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
@@ -90,7 +91,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
     if cluster is None:
         raise ValueError("a MaxText configuration does not say which slices run it; pass cluster= (e.g. "
                          "al.Cluster.parse('tpu-v5p:128'))")
-    degrees = {}
+    degrees: dict[str, Any] = {}
     for where, axes in (("ici", MODELLED_ICI), ("dcn", MODELLED_DCN)):
         for a in axes:
             default = -1 if (where, a) in (("ici", "fsdp"), ("dcn", "data")) else 1
@@ -99,7 +100,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
     pdbs = integer(imp.get("per_device_batch_size", 12), "per_device_batch_size")
     batch = pdbs * cluster.num_devices
     policy = str(imp.get("remat_policy", "full"))
-    if policy not in REMAT or REMAT[policy] is None:
+    remat = REMAT.get(policy)
+    if remat is None:
         raise ValueError(f"remat_policy {policy!r:.40} is not modelled (offloading is not priced); use one of "
                          f"{', '.join(k for k, v in REMAT.items() if v is not None)}")
     if policy not in ("full", "minimal", "none"):
@@ -140,7 +142,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
         kw["microbatches"] = integer(imp.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps")
     prec = _precision(imp)
     plan = maxtext_plan(model if table is None else None, cluster if table is None else None,
-                        per_device_batch_size=pdbs, remat=REMAT[policy], precision=prec, **degrees, **kw, **planner)
+                        per_device_batch_size=pdbs, remat=remat, precision=prec, **degrees, **kw, **planner)
     return plan, imp
 
 
@@ -206,7 +208,7 @@ def render(lay: FrameworkLayout, model=None, cluster=None) -> str:
     if lay.batch % chips:
         raise ValueError(f"the batch of {lay.batch} is not a whole number of sequences per chip ({chips} chips)")
     out: dict[str, Any] = {}
-    name = {v: k for k, v in MODELS.items() if k.startswith("llama3-")}.get(getattr(model, "name", None))
+    name = {v: k for k, v in MODELS.items() if k.startswith("llama3-")}.get(str(getattr(model, "name", "")))
     if name:
         out["model_name"] = name
     else:

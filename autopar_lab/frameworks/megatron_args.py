@@ -259,7 +259,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
                          "--num-layers-per-virtual-pipeline-stage)")
     if lay.precision not in ("fp32", "fp16", "bf16", "fp8"):
         raise ValueError(f"the {lay.precision} number format has no {fw} switch here (--bf16, --fp16, --fp8-format)")
-    args = [("--tensor-model-parallel-size", lay.tp), ("--pipeline-model-parallel-size", lay.pp)]
+    args: list[tuple[str, int | str]] = [("--tensor-model-parallel-size", lay.tp),
+                                         ("--pipeline-model-parallel-size", lay.pp)]
     if lay.schedule == "interleaved":
         if lay.blocks % (lay.pp * lay.virtual_stages):
             raise ValueError(f"{lay.virtual_stages} model chunks per stage do not split {lay.blocks} layers over "

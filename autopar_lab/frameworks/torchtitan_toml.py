@@ -143,7 +143,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
                             "(pipeline_parallel_first/last_stage_less_layers); priced with the blocks split evenly, "
                             "the embedding on the first stage and the head on the last")
     mode = imp.get("activation_checkpoint.mode", "selective")
-    remat = {"none": False, "selective": "selective", "full": True}.get(mode)
+    modes: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
+    remat = modes.get(mode)
     if remat is None:
         raise ValueError(f"[activation_checkpoint] mode must be none, selective or full, got {mode!r:.20}")
     option = str(imp.get("activation_checkpoint.selective_ac_option", "2"))
@@ -270,7 +271,7 @@ def render(lay: FrameworkLayout, model=None) -> str:
     if mode == "selective":
         ac["selective_ac_option"] = "op"
     mdl: dict[str, Any] = {"name": "llama3"}
-    flavor = {v: k for k, v in FLAVORS.items()}.get(getattr(model, "name", None))
+    flavor = {v: k for k, v in FLAVORS.items()}.get(str(getattr(model, "name", "")))
     if flavor:
         mdl["flavor"] = flavor
     else:
