@@ -323,12 +323,22 @@ steps: 20
     ("per_device_batch_sise: 4\nici_tensor_parallelism: 2\n", None, "did you mean 'per_device_batch_size'"),
     ("remat_policy: custom\nper_device_batch_size: 4\n", None, "not modelled"),
     ("hello: world\n", None, "cannot tell which framework"),
+    ("run.toml", None, "no configuration file 'run.toml'"),
 ])
 def test_bad_configurations_are_one_sentence(tiny, text, framework, words):
     model, table = tiny
     with pytest.raises(ValueError) as e:
         al.import_config(text, model, framework=framework, table=table)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_configuration_file_is_read_by_its_path(tiny, tmp_path):
+    model, table = tiny
+    path = tmp_path / "run.yaml"
+    path.write_text(maxtext_text(2, 1, 1, "data", "full", 2, 2, 1))
+    for source in (path, str(path)):
+        plan = al.import_config(source, model, table=table)
+        assert plan.method == "maxtext(ici_fsdp=4,ici_tensor=2,dcn_data=2,remat=full)" and plan.microbatches == 2
 
 
 def test_a_configuration_contradicting_the_model_is_refused(tiny):

@@ -56,6 +56,9 @@ def read_source(source) -> str:
     if one_line and source.strip() and os.path.exists(source.strip()):
         return read_text_file(source.strip(), "configuration file", MAX_CONFIG_BYTES,
                               "give the path of a configuration file")
+    name = source.strip()
+    if one_line and " " not in name and name.lower().endswith((".toml", ".yaml", ".yml", ".sh", ".txt", ".args")):
+        raise ValueError(f"no configuration file {name!r}; give the path of an existing file, or the text itself")
     if not source.strip():
         raise ValueError("the configuration is empty; give a Megatron-LM argument list, a torchtitan TOML or a "
                          "MaxText YAML (its text or its path)")

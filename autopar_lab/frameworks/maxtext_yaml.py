@@ -141,7 +141,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
     else:
         kw["microbatches"] = integer(imp.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps")
     prec = _precision(imp)
-    plan = maxtext_plan(model if table is None else None, cluster if table is None else None,
+    plan = maxtext_plan(model if table is None else None, cluster,
                         per_device_batch_size=pdbs, remat=remat, precision=prec, **degrees, **kw, **planner)
     return plan, imp
 

@@ -226,7 +226,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
                             f"{getattr(model.config, 'vocab_size', '?')} tokens")
     if imp.get("--fp8-format") == "hybrid":
         imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
-    plan = megatron_plan(model if table is None else None, cluster if table is None else None, dp=dp, tp=tp, pp=pp,
+    plan = megatron_plan(model if table is None else None, cluster, dp=dp, tp=tp, pp=pp,
                          cp=cp, ep=ep, micro_batch_size=mbs, remat=_remat(imp),
                          zero=1 if imp.get("--use-distributed-optimizer") else 0,
                          sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec, **kw, **planner)

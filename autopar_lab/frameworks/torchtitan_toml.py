@@ -182,7 +182,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
                 raise ValueError(f"pipeline_parallel_layers_per_stage {lps} does not split the {layers} layers over "
                                  f"{pp} ranks evenly")
             kw["virtual_stages"] = layers // (pp * lps)
-    plan = fsdp_plan(model if table is None else None, cluster if table is None else None, dp_shard=shard,
+    plan = fsdp_plan(model if table is None else None, cluster, dp_shard=shard,
                      dp_replicate=rep, tp=tp, pp=pp, cp=cp, reshard_after_forward=reshard != "never",
                      microbatches=microbatches, remat=remat, precision=prec, **kw, **planner)
     return plan, imp
