@@ -460,3 +460,28 @@ def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monke
         assert main(["plan", "llama3-tiny", "--cluster", "dgx-h100:2", "--from-config", "run.sh", *extra]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1
+
+
+# --- the workbench's controls ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_workbench_imports_a_torchtitan_toml_and_exports_maxtext_yaml(tiny):
+    from autopar_lab.widgets.session import Session
+    from autopar_lab.widgets.views.controls import Controls
+
+    model, table = tiny
+    start = al.megatron_plan(table=table, dp=16, tp=1, pp=1, micro_batch_size=1, precision="bf16")
+    session = Session(start, model=model)
+    controls = Controls(session)
+    controls.config_box.value = torchtitan_text(1, 2, 1, 1, "default", "full", 2, "1F1B", 1, seq=16)
+    controls.import_config()
+    assert session.plan.method == "fsdp(dp_shard=8,tp=2,full,sp)" and session.can_undo
+    controls.framework.value = "maxtext"
+    text = controls.export_config()
+    assert controls.config_box.value == text and "ici_tensor_parallelism: 2" in text
+    assert controls.config_panel.layout.display is None  # the box is shown with the text in it
+    controls.config_box.value = "--tensor-model-paralel-size 2 --micro-batch-size 1"
+    controls.import_config()
+    assert "did you mean" in controls.message.value and session.plan.method.startswith("fsdp(")  # nothing changed
+    session.undo()
+    assert session.plan is start
