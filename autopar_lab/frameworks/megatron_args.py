@@ -224,6 +224,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
     if family is not None and imp.get("--vocab-size") is None:
         imp = imp.with_note(f"no --vocab-size (Megatron-LM reads it from the tokenizer): the {family} family's "
                             f"{getattr(model.config, 'vocab_size', '?')} tokens")
+    if prec == "fp32":
+        imp = imp.with_note("no --bf16, --fp16 or --fp8-format: priced in fp32, as Megatron-LM trains without them")
     if imp.get("--fp8-format") == "hybrid":
         imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
     plan = megatron_plan(model if table is None else None, cluster, dp=dp, tp=tp, pp=pp,
