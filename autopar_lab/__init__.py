@@ -29,6 +29,8 @@ _LAZY = {
     "fsdp_plan": ("autopar_lab.layouts", "fsdp_plan"),
     "maxtext_plan": ("autopar_lab.layouts", "maxtext_plan"),
     "compare": ("autopar_lab.planner", "compare"),
+    "import_config": ("autopar_lab.frameworks", "import_config"),
+    "export_config": ("autopar_lab.frameworks", "export_config"),
     "Plan": ("autopar_lab.plan", "Plan"),
     "Pin": ("autopar_lab.planvalues", "Pin"),
     "save_plan": ("autopar_lab.planfile", "save_plan"),

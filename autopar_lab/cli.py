@@ -17,6 +17,10 @@ from .rematmode import remat_label, remat_value
 from .schedules import SCHEDULES
 
 
+#: What ``plan --export`` writes.
+FRAMEWORK_CHOICES = ("megatron", "torchtitan", "maxtext")
+
+
 class UsageError(Exception):
     """Bad input from the command line: printed as one sentence, exit status 2."""
 
@@ -177,9 +181,14 @@ def _remat_text(value) -> str:
 
 
 def cmd_plan(args) -> dict:
-    """Plan a model on a cluster: Alpa's auto plan, or a Megatron-style or data-parallel baseline."""
+    """Plan a model on a cluster: Alpa's auto plan, a Megatron-style or data-parallel baseline, or a framework's
+    configuration (``--from-config``); ``--export`` adds the plan as a framework's configuration."""
     from . import planner
 
+    if args.from_config:
+        return _plan_from_config(args)
+    if args.model is None:
+        raise UsageError("give the model to plan (a zoo name or a config.json), or --from-config FILE")
     if args.remat and args.selective_remat:
         raise UsageError("--remat (full recomputation) and --selective-remat exclude each other; give one")
     remat = remat_value("selective" if args.selective_remat else args.remat)
@@ -227,6 +236,7 @@ def cmd_plan(args) -> dict:
 
     out["expert_parallel"] = expert_degree(plan)  # 1: replicated experts (or no MoE layer)
     out["parallelism"] = summary(plan)  # one line per newer dimension the plan uses (EP, FSDP, sequence parallel)
+    _export(args, plan, model, out)
     if args.out:
         from .planfile import save_plan
 
@@ -236,6 +246,54 @@ def cmd_plan(args) -> dict:
             raise UsageError(f"cannot write --out {args.out!r} ({e.strerror or e})") from None
         out["plan_file"] = os.path.abspath(args.out)
     return out
+
+
+def _plan_from_config(args) -> dict:
+    """``plan --from-config FILE``: the framework configuration priced (the model from the positional argument, or
+    from the configuration when it names one)."""
+    from .frameworks import import_config
+
+    clash = [flag for flag, given in (("--method", args.method != "auto"), ("--dp", args.dp is not None),
+                                      ("--tp", args.tp is not None), ("--pp", args.pp is not None),
+                                      ("--remat", args.remat), ("--selective-remat", args.selective_remat),
+                                      ("--microbatches", args.microbatches is not None),
+                                      ("--schedule", args.schedule is not None),
+                                      ("--virtual-stages", args.virtual_stages is not None),
+                                      ("--precision", args.precision is not None)) if given]
+    if clash:
+        raise UsageError(f"{clash[0]} conflicts with --from-config (the configuration sets the layout, batch and "
+                         "number format); drop it")
+    if not os.path.exists(args.from_config):
+        raise UsageError(f"--from-config {args.from_config!r}: no such file")
+    if args.out:
+        check_writable_file(args.out, "--out")
+    model = _model(args) if args.model is not None else None
+    plan = import_config(args.from_config, model, _cluster(args))
+    out = plan.report(getattr(model, "name", None))
+    out["cluster"] = args.cluster
+    from .pricing.memory import memory_breakdown
+
+    out["memory"] = memory_breakdown(plan)
+    _export(args, plan, model, out)
+    if args.out:
+        from .planfile import save_plan
+
+        save_plan(plan, args.out)
+        out["plan_file"] = os.path.abspath(args.out)
+    return out
+
+
+def _export(args, plan, model, out: dict) -> None:
+    """``--export FRAMEWORK``: the plan as that framework's configuration, in ``out["config_text"]``."""
+    if not getattr(args, "export", None):
+        return
+    from .frameworks import export_config
+
+    try:
+        out["config_text"] = export_config(plan, args.export, model=model)
+    except ValueError as e:
+        raise UsageError(f"--export {args.export}: {str(e).rstrip('.')}") from None
+    out["config_framework"] = args.export
 
 
 def _schedule(args) -> tuple[str, int | None]:
@@ -297,6 +355,8 @@ def _print_plan(out: dict) -> None:
     for note in out.get("notes", []):
         print(f"  note: {note}")
     print(f"  planning took {out['solve_s'].get('total', 0):.1f} s")
+    if out.get("config_text"):
+        print(f"\n# the plan as a {out['config_framework']} configuration:\n{out['config_text']}", end="")
 
 
 def cmd_compare(args) -> dict:
@@ -513,9 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def model_args(sp):
-        sp.add_argument("model", help="a zoo model name (e.g. llama3-70b, deepseek-v3, gpt-1.3b, mlp) or a Hugging "
-                                      "Face config.json (its path, or its folder's)")
+    def model_args(sp, optional: bool = False):
+        sp.add_argument("model", nargs="?" if optional else None,
+                        help="a zoo model name (e.g. llama3-70b, deepseek-v3, gpt-1.3b, mlp) or a Hugging Face "
+                             "config.json (its path, or its folder's)"
+                             + ("; with --from-config, optional when the configuration names the model" if optional
+                                else ""))
         for flag, field, what in MODEL_FLAGS:
             sp.add_argument(flag, dest=field, type=int, help=f"override {what}")
         sp.add_argument("--dtype", help="override the dtype (float32, float16, bfloat16)")
@@ -530,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(sub.add_parser("graph", help="capture a model's training step as an operator graph"))
 
     sp = sub.add_parser("plan", help="plan a model on a cluster")
-    model_args(sp)
+    model_args(sp, optional=True)
     sp.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     sp.add_argument("--method", choices=["auto", "megatron", "data"], default="auto")
     sp.add_argument("--dp", type=int)
@@ -550,6 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--virtual-stages", dest="virtual_stages", type=int,
                     help="with --schedule interleaved: model chunks per stage (default 2)")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
+    sp.add_argument("--from-config", dest="from_config", metavar="FILE",
+                    help="price a framework's configuration: Megatron-LM arguments, a torchtitan TOML or a MaxText "
+                         "YAML (the framework read from its content)")
+    sp.add_argument("--export", choices=list(FRAMEWORK_CHOICES), metavar="FRAMEWORK",
+                    help="also write the plan as a framework's configuration: megatron, torchtitan or maxtext")
     precision_arg(sp)
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")

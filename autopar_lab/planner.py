@@ -67,7 +67,7 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
               max_stages: int | None = None, on_progress: ProgressFn | None = None,
               table: CostTable | None = None, space: str = "auto", workers: int | None = None,
               virtual_stages: int | None = None, precision: str | Precision | None = None,
-              zero: int | None = None) -> Plan:
+              zero: int | None = None, expressible_in: str | None = None) -> Plan:
     """Alpa's plan: the stage DP over every layer range x submesh x logical mesh, each priced by the intra-op ILP.
 
     ``model``: a zoo ``ModelSpec`` (planned on a shallower copy, see the module docstring) or an ``OpGraph``.
@@ -96,11 +96,21 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     priced as ZeRO's (:func:`autopar_lab.layouts.storage.with_zero`; the stage DP chooses the stages first, without
     ZeRO's savings). None (default): the storage is the ILP's, and each stage's memory-lean solution where its
     state overflows (the stage DP chooses per stage; explain() says which stages and what it saved).
+
+    ``expressible_in``: "megatron", "torchtitan" or "maxtext": the best plan that framework can run instead (the
+    fastest that fits of its grid of layouts, :mod:`autopar_lab.frameworks.grid`, each priced by its layout
+    function), its notes stating the unconstrained auto plan's step (planned here too, with the other keywords) and
+    the gap: what the framework's limits cost. ``al.export_config(plan, expressible_in)`` writes it.
     """
     zero = layouts.check_zero(zero)
     table, cluster, trace_s = table_for(model, cluster, table, solver, on_progress, space,
                                         workers=default_workers() if workers is None else workers,
                                         precision=precision)
+    if expressible_in is not None:
+        return _expressible(table, expressible_in, mem_limit_bytes=mem_limit_bytes, solver=solver,
+                            free=dict(microbatches=microbatches, stage_comm=stage_comm, schedule=schedule,
+                                      max_stages=max_stages, workers=workers, virtual_stages=virtual_stages,
+                                      zero=zero))
     if schedule == "auto":
         if virtual_stages is not None:
             raise ValueError("virtual_stages goes with schedule='interleaved'; schedule='auto' tries 2 and 4.")
@@ -146,6 +156,30 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     if zero is not None:
         plan = layouts.with_zero(plan, zero, solver=solver)
     return layouts.explain_fit(plan)
+
+
+def _expressible(table: CostTable, framework: str, *, mem_limit_bytes, solver: str, free: dict) -> Plan:
+    """``auto_plan(expressible_in=framework)``: the framework grid's best plan, with the unconstrained plan's step and
+    the gap in its notes."""
+    from .frameworks import FRAMEWORK_NAMES, best_in_grid
+
+    key = str(framework).strip().lower()
+    if key not in FRAMEWORK_NAMES:
+        raise ValueError(f"expressible_in must be one of {', '.join(FRAMEWORK_NAMES)}, got {framework!r:.40}")
+    name = FRAMEWORK_NAMES[key]
+    best, priced, fitting = best_in_grid(key, table, mem_limit_bytes=mem_limit_bytes, solver=solver)
+    if best is None:
+        raise ValueError(f"none of the {priced} layouts of {name}'s grid fits in memory on this cluster; add devices "
+                         "or plan it without expressible_in")
+    free_plan = auto_plan(table.graph, table.cluster, table=table, mem_limit_bytes=mem_limit_bytes, solver=solver,
+                          **free)
+    ours, theirs = best.cost.step_time_s, free_plan.cost.step_time_s
+    gap = (f"{ours / theirs - 1:+.1%} ({ours:.4g} s against {theirs:.4g} s)" if theirs > 0 else "n/a")
+    note = (f"the best plan {name} can run: the fastest of the {fitting} layouts of its grid that fit ({priced} "
+            f"priced, autopar_lab.frameworks.grid); the unconstrained auto plan ({free_plan.method}, "
+            f"{len(free_plan.stages)} stage(s){'' if free_plan.cost.fits else ', does not fit'}): what {name}'s "
+            f"limits cost: {gap}")
+    return dataclasses.replace(best, notes=(*best.notes, note))
 
 
 #: Rounds of :func:`nudged_cuts` at most (each moves one cut by one layer).

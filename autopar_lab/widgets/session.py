@@ -519,6 +519,30 @@ class Session:
     def export_code(self) -> str:
         return self.plan.to_jax_code()
 
+    def import_config(self, source, framework: str | None = None) -> Any:
+        """Price a Megatron-LM, torchtitan or MaxText configuration (its text or its path) on this model and cluster
+        (:func:`~autopar_lab.frameworks.import_config`) and make it the current plan, undoably."""
+        from ..frameworks import import_config
+        from ..graph.opgraph import OpGraph
+
+        model = None if isinstance(self.model, OpGraph) else self.model
+        table = self.plan.table
+        try:
+            plan = import_config(source, model, self.cluster, framework=framework, table=table)
+        except ValueError as e:
+            # a configuration in another number format than the current plan's: priced on a table of its own
+            if table is None or model is None or not str(e).startswith("the cost table prices precision"):
+                raise
+            plan = import_config(source, model, self.cluster, framework=framework)
+        return self._push(plan, "import_config")
+
+    def export_config(self, framework: str) -> str:
+        """The current plan as ``framework``'s configuration (:func:`~autopar_lab.frameworks.export_config`)."""
+        from ..frameworks import export_config
+        from ..graph.opgraph import OpGraph
+
+        return export_config(self.plan, framework, model=None if isinstance(self.model, OpGraph) else self.model)
+
     # --- training (delegates to self.training, a TrainingController) -------------------------------------------------
     @property
     def measured(self) -> list[dict] | None:

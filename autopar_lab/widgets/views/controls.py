@@ -91,6 +91,26 @@ class Controls(View):
         self.export_button.on_click(lambda _: self.export())
         self.code = w.Textarea(value="", layout=w.Layout(width="auto", height="160px", display="none"))  # stretches
         self.code.add_class("autopar-code")
+        # Frameworks in and out: a configuration pasted (or the file in the path box) imported; the plan exported.
+        self.config_toggle = w.ToggleButton(value=False, description="framework config…",
+                                            tooltip="import a Megatron-LM, torchtitan or MaxText configuration, or "
+                                                    "export the plan as one", layout=w.Layout(width="auto"))
+        self.config_box = w.Textarea(value="", placeholder="paste a Megatron-LM argument list, a torchtitan TOML or a "
+                                     "MaxText YAML (or leave this empty and give its path in the file box)",
+                                     layout=w.Layout(width="auto", height="160px"))
+        self.config_box.add_class("autopar-config")
+        self.import_button = B("import configuration", "price the configuration in the box (or the file in the path "
+                                                       "box) on this model and cluster")
+        self.import_button.on_click(lambda _: self.import_config())
+        self.framework = w.Dropdown(options=[("Megatron-LM", "megatron"), ("torchtitan", "torchtitan"),
+                                             ("MaxText", "maxtext")], value="megatron", layout=w.Layout(width="130px"))
+        self.export_as_button = B("export as", "write the current plan as the picked framework's configuration")
+        self.export_as_button.on_click(lambda _: self.export_config())
+        self.config_panel = w.VBox([
+            w.HTML("<b>framework configuration</b>: what it costs, and the plan in terms your framework runs"),
+            self.config_box, w.HBox([self.import_button, self.export_as_button, self.framework])],
+            layout=w.Layout(display="none"))
+        self.config_toggle.observe(lambda ch: self.show_config(ch["new"]), names="value")
         # What-if sliders: moving one re-plans with a full solve on the changed cluster (when "re-plan" is ticked).
         S = dict(continuous_update=False, style={"description_width": "initial"}, layout=w.Layout(width="300px"))
         # Up to twice the hosts: a user planning 512 GPUs tries 1,024 (the max grows as the cluster does).
@@ -134,10 +154,12 @@ class Controls(View):
         sep = lambda: w.HTML("<span style='color:#bbb'>|</span>")  # noqa: E731
         self.toolbar = w.HBox([*self.solve_buttons.values(), self.cancel_button, self.resolve_button, sep(),
                                self.path, self.save_button, self.load_button, self.export_button, sep(),
-                               self.compare_button, self.whatif_toggle, self.progress, self.status],
+                               self.compare_button, self.whatif_toggle, self.config_toggle, self.progress,
+                               self.status],
                               layout=w.Layout(flex_flow="row wrap", align_items="center", width="100%"))
         self.toolbar.add_class("autopar-toolbar")
-        self._finish(w.VBox([self.toolbar, self.whatif_panel, self.compare_panel, self.code, self.message],
+        self._finish(w.VBox([self.toolbar, self.whatif_panel, self.config_panel, self.compare_panel, self.code,
+                             self.message],
                             layout=w.Layout(width="100%", min_width="0")))
 
     def show_what_if(self, on: bool = True) -> None:
@@ -306,6 +328,28 @@ class Controls(View):
         self.code.layout.display = None if code else "none"
         self._exported = self.session.plan if code else None
         return code
+
+    def show_config(self, on: bool = True) -> None:
+        """Show (or hide) the framework-configuration box below the toolbar."""
+        self.config_panel.layout.display = None if on else "none"
+
+    def import_config(self, text: str | None = None) -> None:
+        """Price the configuration ``text`` (default: the box's, or the file in the path box when the box is empty)
+        and make it the current plan."""
+        source = text if text is not None else (self.config_box.value.strip() or self.path.value)
+        if self.run("import configuration", lambda: self.session.import_config(source)) is not None:
+            self._say(f"imported: {self.session.plan.method}")
+
+    def export_config(self, framework: str | None = None) -> str:
+        """The current plan as ``framework``'s configuration (default: the dropdown's), shown in the box."""
+        fw = framework or self.framework.value
+        text = self.run(f"export as {fw}", lambda: self.session.export_config(fw)) or ""
+        if text:
+            self.config_box.value = text
+            self.show_config(True)
+            self.config_toggle.value = True
+            self._say(f"exported as {fw}")
+        return text
 
     def adopt(self, name: str | None) -> None:
         comp = self.session.comparison or {}

@@ -1,0 +1,313 @@
+"""Megatron-LM's command line in and out: a training script's arguments (``pretrain_gpt.py --tensor-model-parallel-size
+8 ...``, a shell line or a file, backslash continuations and ``#`` comments allowed) read into a priced
+:func:`~autopar_lab.layouts.megatron_plan`, and a plan written back as those arguments.
+
+The flags and their meaning are Megatron-LM's ``megatron/training/arguments.py`` (``tests/data/framework_keys.json``
+records the commit they were checked against):
+
+* parallelism: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
+  ``--expert-model-parallel-size`` (the data-parallel size is what the cluster's devices leave, as Megatron-LM
+  computes it), ``--num-layers-per-virtual-pipeline-stage`` (the interleaved schedule), ``--sequence-parallel``,
+  ``--use-distributed-optimizer`` (ZeRO-1; without it the optimizer state is whole on every rank: ZeRO-0);
+* recomputation: ``--recompute-granularity full|selective``, ``--recompute-activations`` (selective),
+  ``--checkpoint-activations`` (full, the older name);
+* batch: ``--micro-batch-size``, ``--global-batch-size`` (default ``micro-batch-size x data-parallel size``);
+* number format: ``--bf16``, ``--fp16``, ``--fp8-format e4m3|hybrid`` (fp32 without any);
+* the model's shape: ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``, ``--num-attention-heads``,
+  ``--group-query-attention`` with ``--num-query-groups``, ``--kv-channels``, ``--seq-length``,
+  ``--max-position-embeddings``, ``--vocab-size``, ``--swiglu``, ``--normalization``, ``--position-embedding-type``,
+  ``--untie-embeddings-and-output-weights``, ``--num-experts``, ``--moe-router-topk``: a Llama-style model (zoo
+  family ``llama``) when any of SwiGLU, RMSNorm, RoPE, grouped-query attention or untied embeddings is set, else GPT
+  (zoo family ``gpt``: LayerNorm, GELU, learned positions, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_for
+from .planlayout import FrameworkLayout
+
+__all__ = ["FLAGS", "looks_like", "parse", "plan_from", "render"]
+
+#: Flags taking a value: flag -> what it is (int or str).
+VALUED = {
+    "--tensor-model-parallel-size": int, "--pipeline-model-parallel-size": int, "--context-parallel-size": int,
+    "--expert-model-parallel-size": int, "--num-layers-per-virtual-pipeline-stage": int,
+    "--recompute-granularity": str, "--micro-batch-size": int, "--global-batch-size": int, "--fp8-format": str,
+    "--num-layers": int, "--hidden-size": int, "--ffn-hidden-size": int, "--num-attention-heads": int,
+    "--num-query-groups": int, "--kv-channels": int, "--seq-length": int, "--max-position-embeddings": int,
+    "--vocab-size": int, "--normalization": str, "--position-embedding-type": str, "--num-experts": int,
+    "--moe-router-topk": int, "--recompute-method": str, "--recompute-num-layers": int,
+}
+#: Switches (no value).
+SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--checkpoint-activations",
+            "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights")
+#: Every flag read.
+FLAGS = (*VALUED, *SWITCHES)
+#: Flags that mark a Llama-style model.
+LLAMA_MARKS = ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights")
+
+
+def looks_like(text: str) -> bool:
+    """Whether ``text`` reads as Megatron-LM arguments (one of its parallelism or model flags)."""
+    return any(f in text for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                   "--micro-batch-size", "--global-batch-size", "--num-layers", "--hidden-size"))
+
+
+def _tokens(text: str) -> list[str]:
+    lines = [ln.split("#", 1)[0] if ln.lstrip().startswith("#") or " #" in ln else ln for ln in text.splitlines()]
+    try:
+        tokens = shlex.split(" ".join(ln.rstrip().rstrip("\\") for ln in lines))
+    except ValueError as e:
+        raise ValueError(f"the Megatron-LM arguments do not split as a shell line ({e}); check the quotes") from None
+    scripts = [k for k, t in enumerate(tokens) if t.endswith(".py")]
+    start = scripts[-1] + 1 if scripts else next((k for k, t in enumerate(tokens) if t.startswith("--")), len(tokens))
+    return tokens[start:]
+
+
+def parse(text: str) -> Imported:
+    """The arguments of ``text`` (see the module docstring); a flag this reader does not model is listed as ignored,
+    one that reads like a modelled flag misspelt is a ValueError."""
+    tokens = _tokens(text)
+    values: dict[str, Any] = {}
+    ignored: list[str] = []
+    k = 0
+    while k < len(tokens):
+        tok = tokens[k]
+        k += 1
+        if not tok.startswith("--"):
+            raise ValueError(f"Megatron-LM argument {tok!r} is not a flag (flags start with --); quote a value that "
+                             "has spaces")
+        flag, eq, given = tok.partition("=")
+        if flag in SWITCHES:
+            if eq:
+                raise ValueError(f"{flag} is a switch and takes no value (got {given!r:.20})")
+            values[flag] = True
+        elif flag in VALUED:
+            if not eq:
+                if k >= len(tokens) or tokens[k].startswith("--"):
+                    raise ValueError(f"{flag} needs a value")
+                given, k = tokens[k], k + 1
+            if flag in values:
+                raise ValueError(f"{flag} is given twice ({values[flag]} and {given}); keep one")
+            values[flag] = integer(given, flag) if VALUED[flag] is int else given
+        else:
+            close_to(flag, FLAGS, "Megatron-LM flag")
+            ignored.append(flag)
+            if not eq and k < len(tokens) and not tokens[k].startswith("--"):
+                k += 1  # its value
+                while k < len(tokens) and not tokens[k].startswith("--"):
+                    k += 1  # a list (--data-path 0.5 a 0.5 b)
+    imported = Imported("megatron", values, tuple(dict.fromkeys(ignored)))
+    _check(imported)
+    return imported
+
+
+def _check(imp: Imported) -> None:
+    gran = imp.get("--recompute-granularity")
+    if gran is not None and gran not in ("full", "selective"):
+        raise ValueError(f"--recompute-granularity must be full or selective, got {gran!r:.20}")
+    if imp.get("--recompute-activations") and gran == "full":
+        raise ValueError("--recompute-activations (selective recomputation) contradicts --recompute-granularity full; "
+                         "keep one")
+    if imp.get("--bf16") and imp.get("--fp16"):
+        raise ValueError("--bf16 and --fp16 exclude each other; keep one")
+    fp8 = imp.get("--fp8-format")
+    if fp8 is not None and fp8 not in ("e4m3", "hybrid"):
+        raise ValueError(f"--fp8-format must be e4m3 or hybrid, got {fp8!r:.20}")
+    norm = imp.get("--normalization")
+    if norm is not None and norm not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {norm!r:.20}")
+    pos = imp.get("--position-embedding-type")
+    if pos is not None and pos not in ("learned_absolute", "rope"):
+        raise ValueError(f"--position-embedding-type must be learned_absolute or rope, got {pos!r:.20}")
+    seq, most = imp.get("--seq-length"), imp.get("--max-position-embeddings")
+    if seq is not None and most is not None and most < seq:
+        raise ValueError(f"--max-position-embeddings {most} is shorter than --seq-length {seq}; raise it")
+    if imp.get("--num-query-groups") is not None and not imp.get("--group-query-attention"):
+        raise ValueError("--num-query-groups takes effect only with --group-query-attention; add it")
+
+
+def _remat(imp: Imported):
+    """The recomputation the flags ask for: True (full), "selective" or False."""
+    gran = imp.get("--recompute-granularity")
+    if gran == "full" or (imp.get("--checkpoint-activations") and gran is None):
+        return True
+    return "selective" if gran == "selective" or imp.get("--recompute-activations") else False
+
+
+def _precision(imp: Imported) -> str:
+    if imp.get("--fp8-format"):
+        return "fp8"
+    return "bf16" if imp.get("--bf16") else "fp16" if imp.get("--fp16") else "fp32"
+
+
+def _shape(imp: Imported, batch: int | None) -> tuple[str | None, dict]:
+    """(the zoo family the shape flags describe or None without them, the model's config fields)."""
+    if imp.get("--num-layers") is None:
+        return None, {"batch_size": batch, "seq_len": imp.get("--seq-length")}
+    llama = any(imp.get(f) for f in LLAMA_MARKS) or imp.get("--normalization") == "RMSNorm" \
+        or imp.get("--position-embedding-type") == "rope"
+    for need in ("--hidden-size", "--num-attention-heads", "--seq-length"):
+        if imp.get(need) is None:
+            raise ValueError(f"the Megatron-LM arguments give --num-layers but not {need}; give the model's whole "
+                             "shape (or leave the shape flags out and pass model=)")
+    hidden, heads = imp.get("--hidden-size"), imp.get("--num-attention-heads")
+    fields = {"num_layers": imp.get("--num-layers"), "hidden_size": hidden, "num_heads": heads,
+              "seq_len": imp.get("--seq-length"), "vocab_size": imp.get("--vocab-size"), "batch_size": batch,
+              "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(_precision(imp), "float32")}
+    ffn = imp.get("--ffn-hidden-size")
+    if not llama:
+        if ffn is not None and ffn % hidden:
+            raise ValueError(f"--ffn-hidden-size {ffn} is not a multiple of --hidden-size {hidden}, which the GPT "
+                             "family needs; add --swiglu for a Llama-style model")
+        if imp.get("--num-experts"):
+            raise ValueError("--num-experts needs a Llama-style model here (add --swiglu); the GPT family has no "
+                             "experts")
+        fields["mlp_factor"] = 4 if ffn is None else ffn // hidden
+        return "gpt", fields
+    kv = imp.get("--num-query-groups", 1) if imp.get("--group-query-attention") else heads
+    channels = imp.get("--kv-channels")
+    fields.update(num_kv_heads=kv, ffn_hidden=4 * hidden if ffn is None else ffn,
+                  head_dim=None if channels is None or channels * heads == hidden else channels,
+                  tie_embeddings=not imp.get("--untie-embeddings-and-output-weights"))
+    if imp.get("--num-experts"):
+        fields.update(num_experts=imp.get("--num-experts"), top_k=imp.get("--moe-router-topk", 2))
+    return "llama", fields
+
+
+def plan_from(imp: Imported, model, cluster, **planner):
+    """The priced :func:`~autopar_lab.layouts.megatron_plan` of ``imp`` on ``cluster`` (``planner``: ``table``,
+    ``solver``, ``mem_limit_bytes``)."""
+    from ..layouts import megatron_plan
+
+    table = planner.get("table")
+    cluster = cluster if cluster is not None else getattr(table, "cluster", None)
+    if cluster is None:
+        raise ValueError("Megatron-LM's arguments do not say how many GPUs run them; pass cluster= (e.g. "
+                         "al.Cluster.parse('dgx-h100:8'))")
+    tp, pp = imp.get("--tensor-model-parallel-size", 1), imp.get("--pipeline-model-parallel-size", 1)
+    cp, ep = imp.get("--context-parallel-size", 1), imp.get("--expert-model-parallel-size", 1)
+    n = cluster.num_devices
+    if n % (tp * pp * cp):
+        raise ValueError(f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp}) do not divide the "
+                         f"cluster's {n} GPUs; change them or the cluster")
+    dp = n // (tp * pp * cp)
+    mbs = imp.get("--micro-batch-size", 1)
+    batch = imp.get("--global-batch-size", mbs * dp)
+    family, fields = _shape(imp, batch)
+    if model is None and table is not None:
+        model = table.graph
+    model = model_for(model, fields if family else {"batch_size": batch, "seq_len": fields["seq_len"]},
+                      zoo=None, family=family, name=f"megatron-{family}", framework="megatron")
+    have = table.batch_size if table is not None else None
+    if have is not None and have != batch:
+        raise ValueError(f"--global-batch-size {batch} is not the cost table's batch of {have}; build the table for "
+                         "the configuration's batch")
+    kw: dict[str, Any] = {}
+    per_stage = imp.get("--num-layers-per-virtual-pipeline-stage")
+    if per_stage is not None:
+        layers = imp.get("--num-layers") or _model_layers(model, table)
+        if layers % (pp * per_stage):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the {layers} layers "
+                             f"of {pp} pipeline stages evenly; pick a divisor of {layers // pp}")
+        v = layers // (pp * per_stage)
+        if v > 1:
+            kw.update(schedule="interleaved", virtual_stages=v)
+    prec = _precision(imp)
+    method, count = imp.get("--recompute-method"), imp.get("--recompute-num-layers")
+    if _remat(imp) is True and (method, count) not in ((None, None), ("uniform", 1)):
+        imp = imp.with_note(f"--recompute-method {method} --recompute-num-layers {count} priced as every layer "
+                            "recomputed in full (the planner recomputes whole stages)")
+    if family is not None and imp.get("--vocab-size") is None:
+        imp = imp.with_note(f"no --vocab-size (Megatron-LM reads it from the tokenizer): the {family} family's "
+                            f"{getattr(model.config, 'vocab_size', '?')} tokens")
+    if prec == "fp32":
+        imp = imp.with_note("no --bf16, --fp16 or --fp8-format: priced in fp32, as Megatron-LM trains without them")
+    if imp.get("--fp8-format") == "hybrid":
+        imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
+    plan = megatron_plan(model if table is None else None, cluster, dp=dp, tp=tp, pp=pp,
+                         cp=cp, ep=ep, micro_batch_size=mbs, remat=_remat(imp),
+                         zero=1 if imp.get("--use-distributed-optimizer") else 0,
+                         sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec, **kw, **planner)
+    return plan, imp
+
+
+def _model_layers(model, table) -> int:
+    from .common import block_count, model_config_value
+
+    layers = model_config_value(model, "num_layers")
+    if layers is not None:
+        return layers
+    if table is not None:
+        return block_count(table)
+    raise ValueError("--num-layers-per-virtual-pipeline-stage needs the layer count: add --num-layers")
+
+
+def render(lay: FrameworkLayout, model=None) -> str:
+    """``lay`` as Megatron-LM arguments (the model's shape flags too when ``model`` is a zoo GPT or Llama model); a
+    ValueError naming the decision Megatron-LM's arguments do not express."""
+    fw = FRAMEWORK_NAMES["megatron"]
+    if lay.dp_replicate > 1:
+        raise ValueError(f"HSDP's replicate groups (dp_replicate={lay.dp_replicate}) have no {fw} switch")
+    if lay.zero not in (None, 0, 1):
+        raise ValueError(f"ZeRO-{lay.zero} storage ({'parameters, ' if lay.zero == 3 else ''}gradients and optimizer "
+                         f"state split over the data-parallel group) has no switch in {fw}'s arguments (its "
+                         "distributed optimizer is ZeRO-1): export a plan with zero=0 or 1")
+    if lay.schedule not in ("1f1b", "interleaved"):
+        raise ValueError(f"the {lay.schedule} schedule is not one {fw} runs (1F1B, or interleaved 1F1B with "
+                         "--num-layers-per-virtual-pipeline-stage)")
+    if lay.precision not in ("fp32", "fp16", "bf16", "fp8"):
+        raise ValueError(f"the {lay.precision} number format has no {fw} switch here (--bf16, --fp16, --fp8-format)")
+    args: list[tuple[str, int | str]] = [("--tensor-model-parallel-size", lay.tp),
+                                         ("--pipeline-model-parallel-size", lay.pp)]
+    if lay.schedule == "interleaved":
+        if lay.blocks % (lay.pp * lay.virtual_stages):
+            raise ValueError(f"{lay.virtual_stages} model chunks per stage do not split {lay.blocks} layers over "
+                             f"{lay.pp} stages evenly, which {fw}'s --num-layers-per-virtual-pipeline-stage needs")
+        args.append(("--num-layers-per-virtual-pipeline-stage", lay.blocks // (lay.pp * lay.virtual_stages)))
+    args += [(k, v) for k, v in (("--context-parallel-size", lay.cp), ("--expert-model-parallel-size", lay.ep))
+             if v > 1]
+    switches = []
+    if lay.sequence_parallel:
+        switches.append("--sequence-parallel")
+    if lay.zero == 1:
+        switches.append("--use-distributed-optimizer")
+    if lay.remat is True:
+        args.append(("--recompute-granularity", "full"))
+        args.append(("--recompute-method", "uniform"))  # full recomputation needs a method; every layer: uniform 1
+        args.append(("--recompute-num-layers", 1))
+    elif lay.remat == "selective":
+        args.append(("--recompute-granularity", "selective"))
+    args += [("--micro-batch-size", lay.sample_per_microbatch), ("--global-batch-size", lay.batch)]
+    switches += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16"]}.get(lay.precision, [])
+    if lay.precision == "fp8":
+        args.append(("--fp8-format", "e4m3"))
+    lines = [f"# {fw} arguments written by autopar-lab (the data-parallel size is what the GPUs leave: {lay.dp})"]
+    lines += [f"# {n}" for n in lay.notes]
+    lines += [f"{k} {v} \\" for k, v in args] + [f"{s} \\" for s in switches]
+    lines += [f"{line} \\" for line in _shape_lines(model)]
+    lines[-1] = lines[-1].rstrip(" \\")
+    return "\n".join(lines) + "\n"
+
+
+def _shape_lines(model) -> list[str]:
+    """The model's shape flags, for a zoo GPT or Llama model (none for another model)."""
+    family, c = getattr(model, "family", None), getattr(model, "config", None)
+    if family not in ("gpt", "llama") or c is None:
+        return []
+    out = [f"--num-layers {c.num_layers}", f"--hidden-size {c.hidden_size}", f"--num-attention-heads {c.num_heads}",
+           f"--seq-length {c.seq_len}", f"--max-position-embeddings {c.seq_len}", f"--vocab-size {c.vocab_size}"]
+    if family == "gpt":
+        return out + [f"--ffn-hidden-size {c.mlp_factor * c.hidden_size}"]
+    out += [f"--ffn-hidden-size {c.ffn_hidden}", "--swiglu", "--normalization RMSNorm",
+            "--position-embedding-type rope", "--group-query-attention", f"--num-query-groups {c.num_kv_heads}"]
+    if c.head_dim is not None and c.head_dim * c.num_heads != c.hidden_size:
+        out.append(f"--kv-channels {c.head_dim}")
+    if not c.tie_embeddings:
+        out.append("--untie-embeddings-and-output-weights")
+    if c.num_experts:
+        out += [f"--num-experts {c.num_experts}", f"--moe-router-topk {c.top_k}"]
+    return out

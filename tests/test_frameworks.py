@@ -1,0 +1,487 @@
+"""Frameworks in and out (issue 33): ``al.import_config`` reads a Megatron-LM argument list, a torchtitan TOML or a
+MaxText YAML and prices it through the library's layouts; ``al.export_config`` writes a plan back as one.
+
+What must hold: export then import gives the same layout and the same predicted step (property-based over random
+layouts each framework expresses); importing a published reference configuration, written as the framework's own
+file, gives the prediction of pricing that row through ``megatron_plan`` / ``fsdp_plan`` / ``maxtext_plan``; the
+fields not modelled are listed, a misspelt or contradictory one is one sentence; a decision no framework switch
+expresses is named; the keys are the frameworks' own (``tests/data/framework_keys.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar_lab as al
+from autopar_lab.frameworks import maxtext_yaml, megatron_args, torchtitan_toml
+from autopar_lab.pricing import CostTable
+from autopar_lab.rematmode import remat_label
+
+KEYS = json.loads((Path(__file__).parent / "data" / "framework_keys.json").read_text())
+TWO_H100 = al.Cluster.parse("dgx-h100:2")  # 16 GPUs: 2 hosts of 8
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, table): a 4-layer Llama (the tiny shape) in bf16 on 2 x 8 H100s, global batch 64."""
+    model = al.models.get("llama3-tiny", num_layers=4, batch_size=BATCH, dtype="bfloat16")
+    return model, CostTable.build(model, TWO_H100, precision="bf16")
+
+
+def layout(plan) -> tuple:
+    """Everything a plan decides that a framework writes: its layout's name, each stage's layers, submesh, mesh and
+    recomputation, the microbatches, schedule, chunks and stage pins (its ZeRO stage)."""
+    return (plan.method, [(tuple(s.layers), tuple(s.submesh), tuple(s.logical_mesh), remat_label(s.remat))
+                          for s in plan.stages],
+            plan.microbatches, plan.schedule, plan.virtual_stages, dict(plan.stage_pins))
+
+
+def round_trip(plan, framework, model, table):
+    text = al.export_config(plan, framework, model=model)
+    again = al.import_config(text, model, framework=framework, table=table)
+    assert layout(again) == layout(plan), text
+    assert again.cost.step_time_s == plan.cost.step_time_s
+    assert again.cost.peak_mem_bytes == plan.cost.peak_mem_bytes
+    return text, again
+
+
+# --- Megatron-LM ----------------------------------------------------------------------------------------------------
+
+def megatron_text(tp, pp, cp, sp, dist_opt, remat, mbs, per_chunk, extra=()):
+    args = ["pretrain_gpt.py", f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
+            f"--micro-batch-size {mbs}", f"--global-batch-size {BATCH}", "--bf16", *extra]
+    args += [f"--context-parallel-size {cp}"] if cp > 1 else []
+    args += ["--sequence-parallel"] if sp else []
+    args += ["--use-distributed-optimizer"] if dist_opt else []
+    args += [remat] if remat else []
+    args += [f"--num-layers-per-virtual-pipeline-stage {per_chunk}"] if per_chunk else []
+    return " \\\n  ".join(args) + "\n"
+
+
+MEGATRON = st.builds(
+    lambda tp, pp, cp, sp, dist_opt, remat, mbs, per_chunk: (tp, pp, cp, sp and tp > 1, dist_opt, remat, mbs,
+                                                             per_chunk if pp > 1 else None),
+    st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.booleans(), st.booleans(),
+    st.sampled_from([None, "--recompute-activations", "--recompute-granularity full",
+                     "--recompute-granularity selective"]),
+    st.sampled_from([1, 2, 4]), st.sampled_from([None, 1, 2]))
+
+
+def test_megatron_arguments_round_trip_interleaved_selective_sequence_parallel_zero1(tiny):
+    model, table = tiny
+    text = megatron_text(2, 2, 1, True, True, "--recompute-activations", 1, 1,
+                         extra=["--use-flash-attn", "--lr 3e-4", "--data-path 0.5 /data/a 0.5 /data/b"])
+    plan = al.import_config(text, model, table=table)
+    # the arguments are Megatron-LM's layout, as al.megatron_plan prices it: dp is what the 16 GPUs leave
+    direct = al.megatron_plan(table=table, dp=4, tp=2, pp=2, micro_batch_size=1, remat="selective", zero=1,
+                              sequence_parallel=True, schedule="interleaved", virtual_stages=2, precision="bf16")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert plan.microbatches == BATCH // (4 * 1) and plan.virtual_stages == 4 // (2 * 1)
+    assert plan.notes[-1] == "ignored (not modelled by the planner): --use-flash-attn, --lr, --data-path"
+    out, _ = round_trip(plan, "megatron", model, table)
+    assert "--num-layers-per-virtual-pipeline-stage 1" in out and "--use-distributed-optimizer" in out
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(MEGATRON)
+def test_megatron_round_trip_over_random_layouts(tiny, case):
+    model, table = tiny
+    plan = al.import_config(megatron_text(*case), model, table=table)
+    round_trip(plan, "megatron", model, table)
+
+
+@pytest.mark.slow
+def test_megatron_shape_flags_build_the_model_a_deep_gpt_planned_on_its_copy():
+    """24 layers from the shape flags: the zoo's GPT at that shape (planned on its 4-layer copy), priced as
+    al.megatron_plan prices it; the flags written back are the same shape."""
+    args = ("--num-layers 24 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 64 "
+            "--vocab-size 128 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 2 "
+            "--global-batch-size 16 --recompute-granularity full --fp16")
+    model = al.models.get("gpt-tiny", num_layers=24, hidden_size=64, num_heads=4, seq_len=32, vocab_size=128,
+                          batch_size=16, dtype="float16")
+    family, fields = megatron_args._shape(megatron_args.parse(args), 16)  # noqa: SLF001 - the model the flags build
+    assert family == "gpt" and {k: getattr(model.config, k) for k in fields} == fields
+    table = CostTable.build(model, al.Cluster.parse("dgx-a100:1"), precision="fp16")
+    plan = al.import_config(args, table=table)
+    direct = al.megatron_plan(table=table, dp=2, tp=2, pp=2, micro_batch_size=2, remat=True, zero=0,
+                              precision="fp16")
+    assert len(plan.graph.layers) == 24 + 2 and plan.op_graph is not plan.graph   # solved on a shallow copy
+    assert [tuple(s.layers) for s in plan.stages] == [(0, 12), (13, 25)]          # 12 blocks a stage, ends attached
+    assert plan.cost.step_time_s == direct.cost.step_time_s
+    text = al.export_config(plan, "megatron", model=model)
+    for flag in ("--num-layers 24", "--hidden-size 64", "--num-attention-heads 4", "--ffn-hidden-size 256",
+                 "--recompute-granularity full", "--fp16", "--micro-batch-size 2", "--global-batch-size 16"):
+        assert flag in text, flag
+
+
+def test_megatron_llama_shape_flags_build_a_llama():
+    args = megatron_text(1, 1, 1, False, False, None, 4, None) + (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--ffn-hidden-size 64 --seq-length 16 --max-position-embeddings 16 --vocab-size 64 --swiglu "
+        "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights")
+    imported = megatron_args.parse(args)
+    family, fields = megatron_args._shape(imported, BATCH)  # noqa: SLF001 - the shape read, without pricing
+    want = al.models.config_of("llama3-tiny", batch_size=BATCH, dtype="bfloat16")
+    assert family == "llama"
+    for key, value in fields.items():
+        if value is not None:
+            assert getattr(want, key) == value, key
+
+
+# --- torchtitan -----------------------------------------------------------------------------------------------------
+
+def torchtitan_text(rep, tp, pp, cp, reshard, mode, local, schedule, pp_mbs, flavor=None, seq=None):
+    lines = ["[model]", 'name = "llama3"'] + ([f'flavor = "{flavor}"'] if flavor else [])
+    lines += ["", "[training]", f"local_batch_size = {local}", f"global_batch_size = {BATCH}",
+              'mixed_precision_param = "bfloat16"'] + ([f"seq_len = {seq}"] if seq else [])
+    lines += ["", "[parallelism]", f"data_parallel_replicate_degree = {rep}", "data_parallel_shard_degree = -1",
+              f"tensor_parallel_degree = {tp}", f"pipeline_parallel_degree = {pp}",
+              f"context_parallel_degree = {cp}", f'fsdp_reshard_after_forward = "{reshard}"']
+    if pp > 1:
+        lines += [f'pipeline_parallel_schedule = "{schedule}"', f"pipeline_parallel_microbatch_size = {pp_mbs}"]
+    lines += ["", "[activation_checkpoint]", f'mode = "{mode}"', 'selective_ac_option = "op"',
+              "", "[metrics]", "log_freq = 1"]
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def torchtitan_case(draw):
+    tp, pp, cp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    rep = draw(st.sampled_from([1, 2])) if tp == cp == 1 else 1
+    dp = 16 // (tp * pp * cp)
+    pp_mbs = draw(st.sampled_from([1, 2]))
+    local = draw(st.sampled_from([k for k in (1, 2, 4) if BATCH % (k * dp) == 0 and k % pp_mbs == 0] or [pp_mbs]))
+    return (rep, tp, pp, cp, draw(st.sampled_from(["default", "always", "never"])),
+            draw(st.sampled_from(["none", "selective", "full"])), local,
+            draw(st.sampled_from(list(torchtitan_toml.SCHEDULES))), pp_mbs)
+
+
+def test_torchtitan_round_trip_pipelined_fsdp_with_tensor_parallelism(tiny):
+    model, table = tiny
+    plan = al.import_config(torchtitan_text(1, 2, 2, 1, "never", "selective", 4, "Interleaved1F1B", 2), model,
+                            table=table)
+    # FSDP over the 4 ranks the other degrees leave, kept gathered after the forward (ZeRO-2), 2 chunks a rank by
+    # default; local batch 4 in pipeline microbatches of 2, accumulated 64 / (4 x 4) = 4 times: 8 microbatches
+    direct = al.fsdp_plan(table=table, dp_shard=4, tp=2, pp=2, reshard_after_forward=False, microbatches=8,
+                          remat="selective", schedule="interleaved", virtual_stages=2, precision="bf16")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert "ignored (not modelled by the planner): metrics.log_freq" in plan.notes
+    text, _ = round_trip(plan, "torchtitan", model, table)
+    assert 'fsdp_reshard_after_forward = "never"' in text and "pipeline_parallel_layers_per_stage = 1" in text
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(torchtitan_case())
+def test_torchtitan_round_trip_over_random_layouts(tiny, case):
+    model, table = tiny
+    plan = al.import_config(torchtitan_text(*case), model, table=table)
+    round_trip(plan, "torchtitan", model, table)
+
+
+# --- MaxText --------------------------------------------------------------------------------------------------------
+
+def maxtext_text(tensor, sequence, ici_data, across, remat, accumulate, pipe_micro, per_stage, model_name=None):
+    lines = [f"model_name: {model_name}"] if model_name else []
+    lines += ["per_device_batch_size: 4.0", f"ici_tensor_parallelism: {tensor}",
+              f"ici_sequence_parallelism: {sequence}", f"ici_data_parallelism: {ici_data}",
+              "ici_fsdp_parallelism: -1", f"dcn_{across}_parallelism: 2", f"remat_policy: '{remat}'",
+              "enable_checkpointing: false", "learning_rate: 3.e-5"]
+    if across != "data":
+        lines.append("dcn_data_parallelism: 1")
+    if across == "pipeline":
+        lines += [f"num_pipeline_microbatches: {pipe_micro}", f"num_layers_per_pipeline_stage: {per_stage}"]
+    else:
+        lines.append(f"gradient_accumulation_steps: {accumulate}")
+    return "\n".join(lines) + "\n"
+
+
+MAXTEXT = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+                    st.sampled_from(["data", "fsdp", "pipeline"]),
+                    st.sampled_from(["full", "minimal", "none", "save_qkv_proj"]), st.sampled_from([1, 2, 4]),
+                    st.sampled_from([2, 4]), st.sampled_from([1, 2])).filter(lambda c: c[0] * c[1] * c[2] <= 8)
+
+
+def test_maxtext_round_trip_circular_pipeline_with_tensor_axis(tiny):
+    model, table = tiny
+    plan = al.import_config(maxtext_text(2, 1, 1, "pipeline", "minimal", 1, 4, 1), model, table=table)
+    # 2 slices as 2 stages; 4 layers, 1 a stage per repeat -> 2 repeats (circular: priced as interleaved)
+    direct = al.maxtext_plan(table=table, ici_tensor=2, dcn_data=1, dcn_pipeline=2, per_device_batch_size=4,
+                             microbatches=4, remat="minimal", schedule="interleaved", virtual_stages=2,
+                             precision="bf16")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert "ignored (not modelled by the planner): enable_checkpointing, learning_rate" in plan.notes
+    text, _ = round_trip(plan, "maxtext", model, table)
+    assert "num_layers_per_pipeline_stage: 1" in text and "dcn_pipeline_parallelism: 2" in text
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(MAXTEXT)
+def test_maxtext_round_trip_over_random_layouts(tiny, case):
+    model, table = tiny
+    plan = al.import_config(maxtext_text(*case), model, table=table)
+    round_trip(plan, "maxtext", model, table)
+
+
+# --- the published reference configurations (shared/reference/published-measurements.md) --------------------------
+
+@pytest.mark.slow
+def test_megatron_h100_row_imports_as_megatron_plan_prices_it():
+    """Megatron-LM README, H100 weak scaling, the 1.7B row: GPT, 16 heads, hidden 2,048, 24 layers, TP 1, PP 1, 48
+    GPUs, global batch 192 of 4,096 tokens, vocabulary 131,072, bf16, the gradient reduce-scatter and parameter
+    all-gather overlapped (the distributed optimizer). The microbatch size is not published: 1 assumed."""
+    args = """torchrun --nproc_per_node 8 pretrain_gpt.py \\
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \\
+        --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 4096 --max-position-embeddings 4096 --vocab-size 131072 \\
+        --micro-batch-size 1 --global-batch-size 192 --bf16 \\
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --use-flash-attn
+    """
+    cluster = al.Cluster.parse("dgx-h100:6")
+    plan = al.import_config(args, cluster=cluster)
+    model = al.models.get("gpt-tiny", seq_len=4096, hidden_size=2048, num_layers=24, num_heads=16,
+                          vocab_size=131072, batch_size=192, dtype="bfloat16")
+    row = al.megatron_plan(model, cluster, dp=48, tp=1, pp=1, micro_batch_size=1, zero=1, precision="bf16")
+    assert layout(plan) == layout(row)
+    assert plan.cost.step_time_s == row.cost.step_time_s
+    assert plan.notes[-1] == ("ignored (not modelled by the planner): --overlap-grad-reduce, --overlap-param-gather, "
+                              "--use-flash-attn")
+
+
+@pytest.mark.slow
+def test_torchtitan_llama3_8b_row_imports_as_fsdp_plan_prices_it():
+    """torchtitan's Llama 3.1 8B benchmark on 8 H100s: FSDP over all GPUs, selective (op) activation checkpointing,
+    local batch 2, sequence 8,192, bf16 (priced on dgx-h100's 80 GB parts; the row's are 96 GB)."""
+    toml = """[model]
+name = "llama3"
+flavor = "8B"
+
+[training]
+local_batch_size = 2
+seq_len = 8192
+mixed_precision_param = "bfloat16"
+compile = false
+
+[parallelism]
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+"""
+    cluster = al.Cluster.parse("dgx-h100:1")
+    plan = al.import_config(toml, cluster=cluster)
+    row = al.fsdp_plan(al.models.get("llama3-8b", seq_len=8192, batch_size=16), cluster, local_batch_size=2,
+                       remat="selective", precision="bf16")
+    assert layout(plan) == layout(row)
+    assert plan.cost.step_time_s == row.cost.step_time_s
+
+
+@pytest.mark.slow
+def test_maxtext_v5p_row_imports_as_maxtext_plan_prices_it():
+    """MaxText's v5p table, the 32B row's layout (FSDP over the slice, tensor 4, per-device batch 6, remat minimal,
+    sequence 2,048) on one v5p-128 slice (64 chips), on the zoo's Llama 3 8B (the row's 32B shape is not in the
+    zoo)."""
+    yml = """model_name: llama3-8b
+max_target_length: 2048
+per_device_batch_size: 6
+ici_fsdp_parallelism: -1
+ici_tensor_parallelism: 4
+remat_policy: minimal
+steps: 20
+"""
+    cluster = al.Cluster.parse("tpu-v5p:64")
+    plan = al.import_config(yml, cluster=cluster)
+    row = al.maxtext_plan(al.models.get("llama3-8b", seq_len=2048, batch_size=384), cluster, ici_tensor=4,
+                          per_device_batch_size=6, remat="minimal", precision="bf16")
+    assert layout(plan) == layout(row)
+    assert plan.cost.step_time_s == row.cost.step_time_s
+
+
+# --- bad input: one sentence ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, framework, words", [
+    ("--tensor-model-paralel-size 2 --micro-batch-size 1", None, "did you mean '--tensor-model-parallel-size'"),
+    ("--recompute-activations --recompute-granularity full --micro-batch-size 1", None, "contradicts"),
+    ("--bf16 --fp16 --micro-batch-size 1", "megatron", "exclude each other"),
+    ("--micro-batch-size 1 --micro-batch-size 2", "megatron", "given twice"),
+    ("[parallelism]\ntensor_paralel_degree = 2\n", None, "is not a torchtitan key"),
+    ("[training]\nlocal_batch_size = 1\n[activation_checkpoint]\nmode = \"some\"\n", None, "mode must be"),
+    ("ici_tensor_transpose_parallelism: 2\nper_device_batch_size: 4\n", None, "not modelled"),
+    ("ici_tensr_parallelism: 2\n", "maxtext", "not a MaxText parallelism axis"),
+    ("per_device_batch_sise: 4\nici_tensor_parallelism: 2\n", None, "did you mean 'per_device_batch_size'"),
+    ("remat_policy: custom\nper_device_batch_size: 4\n", None, "not modelled"),
+    ("hello: world\n", None, "cannot tell which framework"),
+    ("run.toml", None, "no configuration file 'run.toml'"),
+])
+def test_bad_configurations_are_one_sentence(tiny, text, framework, words):
+    model, table = tiny
+    with pytest.raises(ValueError) as e:
+        al.import_config(text, model, framework=framework, table=table)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_configuration_file_is_read_by_its_path(tiny, tmp_path):
+    model, table = tiny
+    path = tmp_path / "run.yaml"
+    path.write_text(maxtext_text(2, 1, 1, "data", "full", 2, 2, 1))
+    for source in (path, str(path)):
+        plan = al.import_config(source, model, table=table)
+        assert plan.method == "maxtext(ici_fsdp=4,ici_tensor=2,dcn_data=2,remat=full)" and plan.microbatches == 2
+
+
+def test_a_configuration_contradicting_the_model_is_refused(tiny):
+    model, table = tiny
+    with pytest.raises(ValueError, match="batch size 32, but the model"):
+        al.import_config(megatron_text(1, 1, 1, False, False, None, 1, None).replace("--global-batch-size 64",
+                                                                                    "--global-batch-size 32"), model,
+                         cluster=TWO_H100)
+    with pytest.raises(ValueError, match="does not say which model"):
+        al.import_config("--micro-batch-size 1 --tensor-model-parallel-size 2", cluster=TWO_H100)
+    with pytest.raises(ValueError, match="pass cluster="):
+        al.import_config("--micro-batch-size 1 --tensor-model-parallel-size 2", model)
+
+
+# --- what no framework switch expresses -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_export_names_the_decision_a_framework_cannot_express(tiny):
+    model, table = tiny
+    uneven = al.price_plan(table, [((0, 1), (1, 8), (8, 1), False), ((2, 5), (1, 8), (8, 1), False)], microbatches=4)
+    with pytest.raises(ValueError, match="uneven stages are not expressible"):
+        al.export_config(uneven, "megatron")
+    meshes = al.price_plan(table, [((0, 2), (1, 8), (8, 1), False), ((3, 5), (1, 8), (4, 2), False)], microbatches=4)
+    with pytest.raises(ValueError, match="runs every stage on the same mesh"):
+        al.export_config(meshes, "torchtitan")
+    zero1 = al.megatron_plan(table=table, dp=8, tp=2, pp=1, zero=1, sequence_parallel=True, precision="bf16")
+    with pytest.raises(ValueError, match="ZeRO-1 .* has no torchtitan switch"):
+        al.export_config(zero1, "torchtitan")
+    with pytest.raises(ValueError, match="ZeRO-1 .* has no MaxText switch"):
+        al.export_config(zero1, "maxtext")
+    gpipe = al.megatron_plan(table=table, dp=4, tp=2, pp=2, microbatches=4, schedule="gpipe", precision="bf16")
+    with pytest.raises(ValueError, match="gpipe schedule is not one Megatron-LM runs"):
+        al.export_config(gpipe, "megatron")
+    op = next(o for o in zero1.graph.ops if zero1.graph.op(o).primitive == "dot_general")
+    other = next(a.strategy for a in zero1.alternatives(op) if a.strategy != zero1.choice(op).name)
+    with pytest.raises(ValueError, match="pins operator .* has no switch for one operator's sharding"):
+        al.export_config(zero1.with_choice(op, other), "megatron")
+
+
+def test_an_auto_plan_of_equal_stages_exports_its_mesh_as_the_layout(tiny):
+    model, table = tiny
+    plan = al.price_plan(table, [((0, 5), (2, 8), (8, 2), "selective")], microbatches=4)
+    text = al.export_config(plan, "megatron", model=model)
+    assert "--tensor-model-parallel-size 2" in text and "--micro-batch-size 2" in text
+    assert "not the planner's choice" in text        # the ILP's per-operator sharding is not carried
+    again = al.import_config(text, model, table=table)
+    assert [tuple(s.logical_mesh) for s in again.stages] == [(8, 2)] and again.microbatches == 4
+
+
+# --- the best plan a framework can run -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_auto_plan_expressible_in_megatron_is_the_grid_best_and_states_the_gap():
+    model = al.models.get("llama3-tiny", num_layers=4, batch_size=32, dtype="bfloat16")
+    table = CostTable.build(model, al.Cluster.parse("dgx-h100:1"), precision="bf16")
+    plan = al.auto_plan(table=table, expressible_in="megatron")
+    assert plan.method.startswith("megatron(") and plan.cost.fits
+    al.export_config(plan, "megatron", model=model)  # a plan Megatron-LM runs
+    for kw in (dict(dp=8, tp=1, pp=1, micro_batch_size=4, zero=1), dict(dp=4, tp=2, pp=1, sequence_parallel=True),
+               dict(dp=2, tp=2, pp=2, schedule="interleaved", virtual_stages=2, micro_batch_size=2),
+               dict(dp=1, tp=8, pp=1, remat="selective", zero=0)):
+        other = al.megatron_plan(table=table, precision="bf16", **kw)
+        assert not other.cost.fits or plan.cost.step_time_s <= other.cost.step_time_s, kw
+    free = al.auto_plan(table=table)
+    gap = plan.cost.step_time_s / free.cost.step_time_s - 1
+    assert f"what Megatron-LM's limits cost: {gap:+.1%}" in plan.notes[-1]
+    with pytest.raises(ValueError, match="expressible_in must be one of megatron, torchtitan, maxtext"):
+        al.auto_plan(table=table, expressible_in="deepspeed")
+
+
+# --- the keys are the frameworks' own --------------------------------------------------------------------------------
+
+def test_the_keys_read_are_recorded_with_the_source_they_were_checked_against():
+    for fw in ("megatron", "torchtitan", "maxtext"):
+        assert len(KEYS[fw]["commit"]) == 40 and KEYS[fw]["path"] and "/" in KEYS[fw]["repository"]
+    assert sorted(megatron_args.FLAGS) == KEYS["megatron"]["keys"]
+    assert {s: list(v) for s, v in torchtitan_toml.KEYS.items()} == KEYS["torchtitan"]["keys"]
+    for section, keys in torchtitan_toml.MODELLED.items():
+        assert set(keys) <= set(KEYS["torchtitan"]["keys"][section])
+    modelled = [f"ici_{a}_parallelism" for a in maxtext_yaml.MODELLED_ICI] + \
+               [f"dcn_{a}_parallelism" for a in maxtext_yaml.MODELLED_DCN]
+    assert set(modelled) | set(maxtext_yaml.MODELLED) <= set(KEYS["maxtext"]["keys"])
+
+
+# --- as the user runs it ---------------------------------------------------------------------------------------------
+
+def _cli(*args, cwd):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "autopar_lab", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=900)
+
+
+@pytest.mark.slow
+def test_cli_imports_a_torchtitan_toml_and_exports_maxtext_yaml_from_another_directory(tmp_path):
+    (tmp_path / "run.toml").write_text(torchtitan_text(1, 2, 1, 1, "default", "full", 2, "1F1B", 1, seq=16))
+    model = ["llama3-tiny", "--layers", "4", "--batch", str(BATCH), "--dtype", "bfloat16"]
+    out = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml", "--export", "maxtext",
+               "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["method"] == "fsdp(dp_shard=8,tp=2,full,sp)" and got["microbatches"] == BATCH // (8 * 2)
+    assert "ici_tensor_parallelism: 2" in got["config_text"] and "remat_policy: 'full'" in got["config_text"]
+    (tmp_path / "run.yaml").write_text(got["config_text"])
+    back = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.yaml", "--json", cwd=tmp_path)
+    assert back.returncode == 0, back.stderr[-2000:]
+    assert json.loads(back.stdout)["method"].startswith("maxtext(ici_fsdp=4,ici_tensor=2,dcn_fsdp=2")
+
+
+def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monkeypatch):
+    from autopar_lab.cli import main
+
+    (tmp_path / "run.sh").write_text("pretrain_gpt.py --tensor-model-paralel-size 2 --micro-batch-size 1\n")
+    out = _cli("plan", "llama3-tiny", "--cluster", "dgx-h100:2", "--from-config", "run.sh", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "did you mean '--tensor-model-parallel-size'" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    for extra, words in ((["--tp", "2"], "--tp conflicts with --from-config"),
+                         (["--export", "megatron", "--precision", "bf16"], "--precision conflicts with --from-config")):
+        assert main(["plan", "llama3-tiny", "--cluster", "dgx-h100:2", "--from-config", "run.sh", *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+
+
+# --- the workbench's controls ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_workbench_imports_a_torchtitan_toml_and_exports_maxtext_yaml(tiny):
+    from autopar_lab.widgets.session import Session
+    from autopar_lab.widgets.views.controls import Controls
+
+    model, table = tiny
+    start = al.megatron_plan(table=table, dp=16, tp=1, pp=1, micro_batch_size=1, precision="bf16")
+    session = Session(start, model=model)
+    controls = Controls(session)
+    controls.config_box.value = torchtitan_text(1, 2, 1, 1, "default", "full", 2, "1F1B", 1, seq=16)
+    controls.import_config()
+    assert session.plan.method == "fsdp(dp_shard=8,tp=2,full,sp)" and session.can_undo
+    controls.framework.value = "maxtext"
+    text = controls.export_config()
+    assert controls.config_box.value == text and "ici_tensor_parallelism: 2" in text
+    assert controls.config_panel.layout.display is None  # the box is shown with the text in it
+    controls.config_box.value = "--tensor-model-paralel-size 2 --micro-batch-size 1"
+    controls.import_config()
+    assert "did you mean" in controls.message.value and session.plan.method.startswith("fsdp(")  # nothing changed
+    session.undo()
+    assert session.plan is start
