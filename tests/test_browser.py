@@ -703,3 +703,61 @@ def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
             plot.hover()
             page.wait_for_timeout(400)
             assert page.evaluate(_TOOLBAR_ON_TITLE, [scope, title]) is False, (scope, title)
+
+
+FRAMEWORK_TOML = """[model]
+name = "llama3"
+
+[training]
+local_batch_size = 4
+global_batch_size = 64
+mixed_precision_param = "bfloat16"
+seq_len = 16
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 2
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+fsdp_reshard_after_forward = "default"
+
+[activation_checkpoint]
+mode = "full"
+"""
+
+
+@pytest.mark.slow
+def test_framework_config_in_and_out_in_chromium(tmp_path):
+    """Issue 33 as a user meets it: the workbench imports a torchtitan TOML pasted into its configuration box (the
+    header then names torchtitan's layout) and exports the plan as MaxText YAML into the same box."""
+    import nbformat
+
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    cell = ("import autopar_lab as al\n"
+            "m = al.models.get('llama3-tiny', num_layers=4, batch_size=64, dtype='bfloat16')\n"
+            "wb = al.Workbench(m, plan=al.megatron_plan(m, al.Cluster.parse('dgx-h100:2'), dp=16, tp=1, pp=1))\nwb")
+    kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)], metadata=kernel),
+                   root / "frameworks.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 2400)) as page:
+        open_and_run_all(page, url, token, "frameworks.ipynb", timeout_s=90)
+        page.wait_for_selector(".autopar-workbench", state="visible", timeout=300_000)
+        wait_until_idle(page, timeout_s=300)
+        assert not cell_errors(page), cell_errors(page)
+        settle(page)
+        page.locator(".autopar-workbench").first.get_by_role("button", name="framework config…").first.click()
+        box = page.locator(".autopar-config textarea").first
+        box.wait_for(state="visible", timeout=30_000)
+        box.fill(FRAMEWORK_TOML)
+        button(page, ".autopar-workbench", "import configuration").click()
+        header = wait_for_text(page, ".autopar-header", "fsdp(dp_shard=8,tp=2", timeout_s=300)
+        assert "full" in header
+        page.locator(".autopar-config").locator("xpath=..").locator("select").last.select_option(label="MaxText")
+        button(page, ".autopar-workbench", "export as").click()
+        page.wait_for_function("el => el.value.includes('ici_tensor_parallelism: 2')", arg=box.element_handle(),
+                               timeout=120_000)
+        assert "remat_policy: 'full'" in box.input_value()  # torchtitan's full checkpointing, as MaxText says it
