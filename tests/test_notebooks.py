@@ -77,3 +77,22 @@ def test_capstone_checks_a_prediction_at_each_design_step():
     for call in ("al.megatron_plan(table=table", "al.fsdp_plan(table=table", "al.auto_plan(table=table",
                  "memory_breakdown(", "published_mfu"):
         assert call in source, call
+
+
+def _stems_in(text: str) -> list[str]:
+    return re.findall(r"`(\d\d_\w+)`", text)
+
+
+def test_reading_order_is_in_the_readme_and_at_the_top_of_every_notebook():
+    """Issue 34 item 6: one reading order (fundamentals ... capstone), in the README and repeated in each notebook's
+    first cell with the notebook's own place marked."""
+    readme = (NOTEBOOKS[0].parent.parent / "README.md").read_text()
+    course = readme.split("## The course", 1)[1].split("\n## ", 1)[0]
+    order = _stems_in(course)
+    assert sorted(order) == sorted(p.stem for p in NOTEBOOKS)          # every notebook, once
+    assert order[0] == "02_concepts" and order[-1] == "10_capstone_llama3_70b"
+    for path in NOTEBOOKS:
+        first = nbformat.read(path, as_version=4).cells[0].source
+        line = next(ln for ln in first.splitlines() if ln.startswith("*Reading order, step "))
+        assert _stems_in(line) == order, path.stem
+        assert f"**`{path.stem}`**" in line
