@@ -53,7 +53,8 @@ def test_there_is_a_tour():
 
 def test_every_teaching_notebook_is_there():
     expected = {"01_tour", "02_concepts", "03_alpa_walkthrough", "04_overrides", "05_bring_your_own_model",
-                "06_open_questions", "07_rooflines_mfu", "08_modern_schedules_and_hardware", "09_memory_anatomy"}
+                "06_open_questions", "07_rooflines_mfu", "08_modern_schedules_and_hardware", "09_memory_anatomy",
+                "10_capstone_llama3_70b"}
     assert expected <= {p.stem for p in NOTEBOOKS}
 
 
@@ -62,3 +63,36 @@ def test_notebook_is_stored_clean(path):
     """Notebooks are stored without outputs (the tests execute them): small diffs, no stale figures."""
     nb = nbformat.read(path, as_version=4)
     assert not [c for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count"))]
+
+
+def test_capstone_checks_a_prediction_at_each_design_step():
+    """Issue 34 item 3: every step of the Llama 3 70B design (parameters, ZeRO-1 bytes, fits, microbatches, bubble,
+    step time) asks a prediction and checks it against the library; the planner and the published figures are
+    asserted, not just printed."""
+    nb = nbformat.read(NOTEBOOKS[0].parent / "10_capstone_llama3_70b.ipynb", as_version=4)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    asks = re.findall(r"^(ask_\w+) = Exercise\(", source, re.M)
+    assert len(asks) >= 6
+    assert all(f"{ask}.check(" in source for ask in asks)
+    for call in ("al.megatron_plan(table=table", "al.fsdp_plan(table=table", "al.auto_plan(table=table",
+                 "memory_breakdown(", "published_mfu"):
+        assert call in source, call
+
+
+def _stems_in(text: str) -> list[str]:
+    return re.findall(r"`(\d\d_\w+)`", text)
+
+
+def test_reading_order_is_in_the_readme_and_at_the_top_of_every_notebook():
+    """Issue 34 item 6: one reading order (fundamentals ... capstone), in the README and repeated in each notebook's
+    first cell with the notebook's own place marked."""
+    readme = (NOTEBOOKS[0].parent.parent / "README.md").read_text()
+    course = readme.split("## The course", 1)[1].split("\n## ", 1)[0]
+    order = _stems_in(course)
+    assert sorted(order) == sorted(p.stem for p in NOTEBOOKS)          # every notebook, once
+    assert order[0] == "02_concepts" and order[-1] == "10_capstone_llama3_70b"
+    for path in NOTEBOOKS:
+        first = nbformat.read(path, as_version=4).cells[0].source
+        line = next(ln for ln in first.splitlines() if ln.startswith("*Reading order, step "))
+        assert _stems_in(line) == order, path.stem
+        assert f"**`{path.stem}`**" in line
