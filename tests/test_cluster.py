@@ -40,9 +40,8 @@ def test_all_reduce_1gb_over_nvlink_axis_on_p3_is_alpa_formula():
     assert c.intra_host == P3_NVLINK
     mesh = c.logical_mesh((1, 8), (1, 8))
     assert mesh.axis_link(1) == P3_NVLINK
-    # Alpa's formula, 2 (n-1)/n B at the bus bandwidth, with NCCL's latency inside a host: ring and tree (a chain
-    # there) both take n-1 = 7 steps each way
-    assert mesh.all_reduce(1e9, 1) == 2 * 7 * 3e-6 + 2 * (7 / 8) * 1e9 / 130e9
+    # Alpa's formula, 2 (n-1)/n B at the bus bandwidth, with a tree's latency: log2(8) levels up and down
+    assert mesh.all_reduce(1e9, 1) == 2 * 3 * 3e-6 + 2 * (7 / 8) * 1e9 / 130e9
 
 
 A100_NVSWITCH = 0.78 * 300e9
@@ -55,9 +54,9 @@ A100_NVSWITCH = 0.78 * 300e9
 def test_each_collective_formula_on_an_8_device_axis(method, factor):
     mesh = Cluster.preset("dgx-a100").logical_mesh((1, 8))
     got = getattr(mesh, method)(3e8, 1)
-    # rings of 7 steps of 2 us (all-gather, reduce-scatter; twice for the all-reduce, whose tree is a 7-step chain
-    # inside a host); an all-to-all: 7 messages, one per peer
-    latency = {"all_reduce": 14 * 2e-6}.get(method, 7 * 2e-6)
+    # rings of 7 steps of 2 us (all-gather, reduce-scatter); a tree of log2(8) = 3 levels up and down (all-reduce);
+    # an all-to-all: 7 messages, one per peer (NCCL's grouped send/recv)
+    latency = {"all_reduce": 6 * 2e-6}.get(method, 7 * 2e-6)
     assert got == pytest.approx(latency + factor * 3e8 / A100_NVSWITCH, rel=1e-12)
     # both axes flattened: the same 8 devices in one group
     assert getattr(mesh, method)(3e8, (0, 1)) == got
@@ -68,9 +67,9 @@ def test_collectives_across_hosts_wait_for_the_network_and_one_all_reduce_beats_
     mesh = c.logical_mesh((4, 8), (1, 32))  # one group over 4 hosts x 8 devices
     bw, a_in, a_out = mesh.axis_link(1).bandwidth, 2e-6, 7e-6
     assert mesh.axis_hosts(1) == 4 and bw == c.inter_host.bandwidth
-    # NCCL's tree: a chain of 7 steps in a host and log2(4) levels across, up and down (against the ring's 2 x (28
-    # steps on NVLink + 3 on InfiniBand)); a ring crosses hosts 3 times, its other 28 steps stay on NVLink
-    assert mesh.all_reduce(1e3, 1) == 2 * (7 * a_in + 2 * a_out) + 2 * (31 / 32) * 1e3 / bw
+    # the tree: log2(8) levels in a host and log2(4) across, up and down (against the ring's 2 x (28 steps on NVLink
+    # + 3 on InfiniBand)); a ring crosses hosts 3 times, its other 28 steps stay on NVLink (NCCL's tuning model)
+    assert mesh.all_reduce(1e3, 1) == 2 * (3 * a_in + 2 * a_out) + 2 * (31 / 32) * 1e3 / bw
     assert mesh.all_gather(1e9, 1) == 28 * a_in + 3 * a_out + (31 / 32) * 1e9 / bw
     # an all-to-all: one message per peer, 7 in the host and 24 beyond it
     assert mesh.all_to_all(1e3, 1) == 7 * a_in + 24 * a_out + (31 / 1024) * 1e3 / bw

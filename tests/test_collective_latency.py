@@ -6,9 +6,9 @@ bytes (beta) are split. The layer costs count the collectives a microbatch issue
 pays that latency B times a step; the cost report, ``explain()`` and ``plan --json`` show it.
 
 The expected figures come from NCCL's algorithms written out here (not read from the cluster's methods), with the
-latencies NCCL's tuning model counts (``src/graph/tuning.cc``): an all-reduce takes the faster of a ring's 2 (n-1)
-steps, 2 (hosts - 1) of them between hosts, and the tree's chain of n/hosts - 1 steps in a host and log2(hosts)
-levels between, up and down; an all-gather a ring's n-1 steps, hosts - 1 of them between hosts.
+ring latencies NCCL's tuning model counts (``src/graph/tuning.cc``): an all-reduce takes the faster of a ring's 2 (n-1)
+steps, 2 (hosts - 1) of them between hosts, and a hierarchical tree's log2 levels in a host and between hosts, up and
+down; an all-gather a ring's n-1 steps, hosts - 1 of them between hosts.
 """
 
 import json
@@ -32,7 +32,7 @@ def all_reduce_alpha(n: int, hosts: int, a_in: float, a_out: float) -> float:
     """Latency of one all-reduce over n devices in ``hosts`` hosts."""
     per_host = n // hosts
     ring = (n - hosts) * a_in + (hosts - 1) * a_out
-    tree = (per_host - 1) * a_in + math.ceil(math.log2(hosts)) * a_out
+    tree = math.ceil(math.log2(per_host)) * a_in + math.ceil(math.log2(hosts)) * a_out
     return 2 * min(ring, tree)
 
 
@@ -96,7 +96,7 @@ def test_tensor_parallel_latency_is_count_times_alpha_per_microbatch():
 
 def test_latency_of_the_inter_host_link_class():
     # Tensor parallelism across two hosts of two devices (a layout Megatron avoids, priced here on purpose): the ring
-    # crosses hosts once a pass and the tree climbs one step in a host and one level between hosts. A fast but
+    # crosses hosts once a pass and the tree climbs one level in a host and one between hosts. A fast but
     # high-latency inter-host link keeps the tensor-parallel sharding the cheaper choice.
     cluster = al.Cluster.preset("p3.16xlarge", hosts=2).with_(
         devices_per_host=2, inter_host=Link(bandwidth=100e9, latency=40e-6))

@@ -42,8 +42,9 @@ def test_the_dry_run_prints_every_row_beside_the_presets_prediction(capsys):
         2 * B * S * S * H * D / (989.4e12 * dev.efficiency.attention), rel=1e-12)
     ar = next(r for r in out["rows"] if r["shape"].startswith("all_reduce"))
     nbytes = sizes.collective_bytes // 4 // (n * n) * (n * n) * 4
-    # NCCL inside a host: 2 (n-1) latency steps, 2 (n-1)/n B at the link's bandwidth
-    assert ar["predicted_s"] == pytest.approx(2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth,
+    # inside a host: a tree's log2(n) levels up and down, 2 (n-1)/n B at the link's bandwidth
+    levels = (n - 1).bit_length()
+    assert ar["predicted_s"] == pytest.approx(2 * levels * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth,
                                               rel=1e-12)
     assert all(r["measured_over_predicted"] == pytest.approx(r["measured_s"] / r["predicted_s"]) for r in out["rows"])
 

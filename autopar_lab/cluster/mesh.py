@@ -3,8 +3,8 @@
 Two kinds of fabric: switched links (NVLink / NVSwitch inside a scale-up domain, InfiniBand or Ethernet between
 domains), priced by Alpa's alpha-beta formulas with the latency of NCCL's ring and tree algorithms as NCCL's own
 tuning model counts it (``src/graph/tuning.cc``, ``ncclTopoTuneModel``: a ring of n ranks over k nodes takes n-1
-steps, k-1 of them between nodes; a tree is a chain through each node's ranks and a binary tree between nodes; an
-all-to-all is grouped send/recv, one message per peer); and a TPU slice's ICI torus,
+steps, k-1 of them between nodes; an all-to-all is grouped send/recv, one message per peer; the tree's levels as
+:meth:`LogicalMesh._tree_latency` says); and a TPU slice's ICI torus,
 priced by :class:`~autopar_lab.cluster.torus.TorusAxis` for an axis that stays inside one slice. An axis that
 leaves its domain (its host, or the hosts that share one NVLink fabric; a TPU slice) uses the scale-out link, shared
 by the groups that cross from each host at once.
@@ -12,7 +12,7 @@ by the groups that cross from each host at once.
 >>> from autopar_lab.cluster import Cluster
 >>> c = Cluster.preset("p3.16xlarge")
 >>> m = c.logical_mesh((1, 8), (1, 8))
->>> m.all_reduce(1e9, 1) == 2 * 7 * c.intra_host.latency + 2 * (7 / 8) * 1e9 / c.intra_host.bandwidth  # in a host
+>>> m.all_reduce(1e9, 1) == 2 * 3 * c.intra_host.latency + 2 * (7 / 8) * 1e9 / c.intra_host.bandwidth  # a tree
 True
 >>> m.all_gather(1e9, 1) == 7 * c.intra_host.latency + (7 / 8) * 1e9 / c.intra_host.bandwidth  # a ring
 True
@@ -186,18 +186,12 @@ class LogicalMesh:
         return n // k, k, self.cluster.intra_host.latency, self.cluster.inter_host.latency
 
     def _tree_latency(self, axis: Axis) -> float:
-        """One pass (up or down) of NCCL's tree: a chain through the g devices a group has in each domain, then a
-        binary tree's log2 k levels between the domains (NCCL's tuning model: ``(nRanks/nNodes - 1) x intraLat +
-        log2(nNodes) x interLat`` each way; inside a host NCCL's "tree" is a chain, not a tree)."""
+        """One pass (up or down) of a hierarchical tree: log2 levels inside a domain over NVLink-class links, then
+        log2 levels between domains. (NCCL's own tree is a chain inside a node, n/nodes - 1 steps; the presets'
+        intra-host latency was fitted to NCCL's small-message all-reduce time counted as log2 levels, 10-15 us over
+        2 x 3 levels on 8 GPUs, so the step count and that figure change together or not at all.)"""
         g, k, a_in, a_out = self._steps(axis)
-        return self._chain_steps(g) * a_in + math.ceil(math.log2(k)) * a_out
-
-    def _chain_steps(self, g: int) -> int:
-        """Latency steps of the tree's part inside one domain of g devices: NCCL's chain, g-1; on virtual devices
-        (JAX's CPU devices) log2 g levels, since XLA's in-process collectives are no NCCL chain: the ``cpu``
-        profile's measured all-reduces fit 2 log2(n) steps (rms residual 21%) better than 2 (n-1) (30%), and
-        :func:`autopar_lab.calibrate.fits.latency_steps` fits its latency per step so."""
-        return math.ceil(math.log2(g)) if self.cluster.device.virtual else g - 1
+        return math.ceil(math.log2(g)) * a_in + math.ceil(math.log2(k)) * a_out
 
     def _ring_latency(self, axis: Axis) -> float:
         """The n-1 steps of one pass round a ring of n = g x k devices: k-1 of them cross between domains (the
@@ -242,9 +236,9 @@ class LogicalMesh:
 
     def all_reduce(self, nbytes: float, axis: Axis) -> float:
         """2 (n-1)/n B at the bus bandwidth, with the latency of NCCL's faster algorithm: a ring's two passes
-        (:meth:`_ring_latency` each) or the tree's pass up and down (:meth:`_tree_latency`: a chain in each domain,
-        log2 levels between domains). Inside one domain both are 2 (n-1) steps; across domains the tree's log2 levels
-        beat the ring's k-1 scale-out steps. On a TPU slice, :meth:`TorusAxis.all_reduce`."""
+        (:meth:`_ring_latency` each) or a hierarchical tree's pass up and down (:meth:`_tree_latency`). Small buffers
+        take the tree, so one all-reduce beats a reduce-scatter and an all-gather. On a TPU slice,
+        :meth:`TorusAxis.all_reduce`."""
         n = self.axis_size(axis)
         if n == 1:
             return 0.0
@@ -266,7 +260,7 @@ class LogicalMesh:
         if torus is not None:
             return torus.all_to_all(nbytes)
         g, _k, a_in, a_out = self._steps(axis)
-        return self._chain_steps(g) * a_in + (n - g) * a_out + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
+        return (g - 1) * a_in + (n - g) * a_out + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
 
     def to_jax_mesh(self, devices: Sequence[Any] | None = None):
         """A ``jax.sharding.Mesh`` with axes ("x", "y") over real jax devices.
