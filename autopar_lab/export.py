@@ -11,9 +11,10 @@
 - ``activation_specs`` and ``constrain(x, key)``: the sharding constraints of the stage's forward matmuls (the
   activations users put ``jax.lax.with_sharding_constraint`` on), keyed by layer, scope and shape, e.g.
   ``"layer_0/attn dot_general#2 -> (8, 16, 96)"``; ``constrain(x, key)`` applies one inside the user's step;
-- ``remat`` (the stage's recomputation: ``"none"``, ``"selective"`` or ``"full"``) and ``checkpointed(fn)``: ``fn``
-  under ``jax.checkpoint`` as the plan recomputes it (full: everything; selective: a policy that saves every value
-  the backward reads but the attention internals, the batched matmuls and what reads the scores).
+- ``remat`` (the stage's recomputation: ``"none"``, ``"selective"``, ``"dots"`` or ``"full"``) and
+  ``checkpointed(fn)``: ``fn`` under ``jax.checkpoint`` as the plan recomputes it (full: everything; selective: a
+  policy that saves every value the backward reads but the attention internals, the batched matmuls and what reads
+  the scores; dots: JAX's ``dots_saveable`` policy).
 
 Its header comment names the plan's number format (:mod:`autopar_lab.precision`); the code sets shardings only.
 
@@ -251,6 +252,8 @@ def _remat_lines(plan, stage: int) -> list[str]:
         "        return jax.checkpoint(fn)",
         "    if remat == 'selective':",
         "        return jax.checkpoint(fn, policy=_selective_policy)",
+        "    if remat == 'dots':  # keep the matmuls' outputs, recompute the rest",
+        "        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)",
         "    return fn",
         "",
     ]

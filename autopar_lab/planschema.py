@@ -198,7 +198,7 @@ def check_form(data: Mapping, where: str) -> None:
         _int(layers[1], f"stage {k}'s last layer", where, 0, 1 << 20)
         _pair(st["submesh"], f"stage {k}'s submesh", where)
         _pair(st["logical_mesh"], f"stage {k}'s logical_mesh", where)
-        if not isinstance(st["remat"], bool) and st["remat"] not in ("none", "selective", "full"):
+        if not isinstance(st["remat"], bool) and st["remat"] not in ("none", "selective", "dots", "full"):
             raise bad(where, f"stage {k}'s remat must be true or false (full or none) or \"selective\", "
                              f"got {st['remat']!r:.40}")
         if not isinstance(st["devices"], list):

@@ -7,6 +7,11 @@ everything but the attention internals -- the scores, the softmax and what lies 
 and recompute those). ``True``/``False`` keep meaning full/none, as they always did, so plans, plan files and code
 written before selective recomputation read the same; the strings ``"none"`` and ``"full"`` are accepted too.
 
+``"dots"`` (not among the planner's choices: a framework's policy that a layout names) keeps every matmul's output
+in the transformer blocks and recomputes the rest (norms, activations, rotary embeddings): MaxText's ``minimal``
+(JAX's ``checkpoint_dots``) and torchtitan's op-level selective checkpointing. With flash attention, which stores no
+scores, Megatron-LM's selective recomputation saves next to nothing; this policy saves the elementwise tensors.
+
 Never test a remat value for truth (``"selective"`` is truthy): use :func:`is_full` / :func:`is_selective`.
 
 >>> remat_value("full"), remat_value(False), remat_value("selective")
@@ -28,7 +33,10 @@ REMAT_CHOICES: tuple[Remat, ...] = (False, True, "selective")
 #: The names of the choices, as the plan shows them.
 REMAT_NAMES = ("none", "selective", "full")
 
-_BY_NAME: dict[str, Remat] = {"none": False, "full": True, "selective": "selective"}
+#: Keep the matmuls' outputs, recompute the rest (see the module docstring): a layout's policy, not a planner choice.
+DOTS = "dots"
+
+_BY_NAME: dict[str, Remat] = {"none": False, "full": True, "selective": "selective", DOTS: DOTS}
 
 
 def remat_value(value: Any, what: str = "remat") -> Remat:
@@ -40,8 +48,8 @@ def remat_value(value: Any, what: str = "remat") -> Remat:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _BY_NAME:
         return _BY_NAME[value.strip().lower()]
-    raise ValueError(f"{what} must be True or False, got {value!r:.60}; or one of 'none', 'selective', 'full' (True "
-                     "is full recomputation, False none).")
+    raise ValueError(f"{what} must be True or False, got {value!r:.60}; or one of 'none', 'selective', 'dots', 'full' "
+                     "(True is full recomputation, False none).")
 
 
 def is_full(value: Any) -> bool:
@@ -54,15 +62,20 @@ def is_selective(value: Any) -> bool:
     return isinstance(value, str) and value == "selective"
 
 
+def is_dots(value: Any) -> bool:
+    """Whether ``value`` keeps only the matmuls' outputs (``"dots"``)."""
+    return isinstance(value, str) and value == DOTS
+
+
 def remat_label(value: Any) -> str:
-    """"none", "selective" or "full" for a remat value."""
-    return "selective" if is_selective(value) else "full" if is_full(value) else "none"
+    """"none", "selective", "dots" or "full" for a remat value."""
+    return "selective" if is_selective(value) else DOTS if is_dots(value) else "full" if is_full(value) else "none"
 
 
 def recomputes(value: Any) -> bool:
-    """Whether the stage recomputes anything in its backward (selective or full)."""
-    return is_full(value) or is_selective(value)
+    """Whether the stage recomputes anything in its backward (selective, dots or full)."""
+    return is_full(value) or is_selective(value) or is_dots(value)
 
 
-__all__ = ["Remat", "REMAT_CHOICES", "REMAT_NAMES", "remat_value", "is_full", "is_selective", "remat_label",
-           "recomputes"]
+__all__ = ["DOTS", "Remat", "REMAT_CHOICES", "REMAT_NAMES", "remat_value", "is_full", "is_selective", "is_dots",
+           "remat_label", "recomputes"]

@@ -31,6 +31,33 @@ TFLOP/s per GPU counts the published formula's FLOPs, recomputation included: F 
 + V / (16 l h)); predicted TFLOP/s = F / (predicted step time x GPUs).
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_fidelity.py [--rows 1.7B,7.5B] [--flash] [--no-interleave] [--json]
+
+**Runs of 2022-2026** (issue 31 item 3, ``--today``): every row of the reference's section of that name, priced through
+the public API in its published layout, format and recomputation (:data:`TODAY`; what each row assumes where its
+source is silent is in its ``assumed`` field and in bench/RESULTS.md):
+
+* Megatron-LM on H100 (Megatron-Core r0.8.0's weak-scaling table): the zoo's GPT at the row's shape, sequence 4,096,
+  vocabulary 131,072, ``al.megatron_plan(dp=48, tp, pp, micro_batch_size=1, zero=1, sequence_parallel=tp > 1,
+  precision="bf16")`` on ``dgx-h100``, the pipelined rows interleaved;
+* Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
+  sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
+* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective")`` on ``dgx-h100`` with the
+  run's H100 (96 GB HBM2e at 2.4 TB/s);
+* KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
+  ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
+  recomputation, two microbatches of 4 sequences;
+* DeepSeek-V3 on 256 H100 (``--deepseek``: the slowest row to price): ``deepseek-v3``, ``megatron_plan(dp=64, pp=4,
+  ep=64, zero=3)``;
+* MaxText on TPU v5p: MaxText's ``global_parameter_scale`` 32 and 128 models (``configs/base.yml`` scaled as its
+  ``pyconfig.get_individual_scales`` does) as Llama-shaped models, ``al.maxtext_plan(ici_fsdp=-1, ici_tensor,
+  per_device_batch_size, remat="minimal")`` on one slice.
+
+Throughput is compared as step times: a row published as tokens/s gives its step as tokens / rate; one published as
+TFLOP/s per device as F / (rate x devices) with F the publishers' count (:func:`model_flops`: 6 x tokens x the
+matmul weights, plus 12 x tokens x layers x sequence x attention width; no recomputation, attention counted whole as
+Megatron-LM's and MaxText's counters do), so predicted / published = published step / predicted step.
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/bench_fidelity.py --today [--rows kf-none-1,kf-fsdp-2] [--deepseek] [--json]
 """
 
 from __future__ import annotations
@@ -40,6 +67,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -119,6 +147,226 @@ def summary(rows: list[dict]) -> dict:
             "worst_row": rows[err.index(max(err))]["row"], "all_fit": all(r["fits"] for r in rows)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Runs of 2022-2026
+
+
+def model_flops(tokens: float, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int,
+                vocab: int, seq: int, gated: bool = True) -> float:
+    """FLOPs of one step as the publishers count them: 6 x tokens x (every layer's matmul weights + the head) +
+    12 x tokens x layers x seq x heads x head_dim (attention's two matmuls, forward and backward, the whole square);
+    no recomputation, the embedding lookup free. For GPT (ungated MLP of 4h) it is Megatron-LM's
+    72 B s l h^2 (1 + s / (6 h) + V / (12 l h)).
+
+    >>> B, s, l, h, V = 192, 4096, 24, 2048, 131072
+    >>> f = model_flops(B * s, l, h, 4 * h, 16, 16, 128, V, s, gated=False)
+    >>> abs(f / (72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))) - 1) < 1e-12
+    True
+    """
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = (3 if gated else 2) * hidden * ffn
+    return 6.0 * tokens * (layers * (attn + mlp) + hidden * vocab) + 12.0 * tokens * layers * seq * heads * head_dim
+
+
+@dataclass(frozen=True)
+class Today:
+    """One published run of 2022-2026: how to build its model, cluster and plan, and what was published.
+
+    ``unit``: "tflops" (per device, the publishers' count :func:`model_flops`), "tokens_per_device" or "step_s";
+    ``mem_gib``: the published peak memory per device (GiB) where there is one; ``group``: rows measured side by side
+    (their order is checked, Spearman); ``assumed``: what the source leaves out and the row assumes."""
+
+    name: str
+    source: str
+    planner: str  # "megatron", "fsdp" or "maxtext"
+    model: str
+    model_kw: dict
+    preset: str
+    count: int
+    plan_kw: dict
+    devices: int
+    published: float
+    unit: str
+    cluster_kw: dict = field(default_factory=dict)
+    mem_gib: float | None = None
+    group: str | None = None
+    assumed: str = ""
+
+    @property
+    def tokens(self) -> int:
+        kw = self.model_kw
+        return kw["batch_size"] * kw["seq_len"]
+
+    def flops(self) -> float:
+        """The publishers' FLOPs of one step (:func:`model_flops`) from the row's model configuration."""
+        import autopar_lab as al
+
+        c = al.models.get(self.model, **self.model_kw).config
+        gpt = self.model.startswith("gpt")
+        hd = (getattr(c, "head_dim", None) or c.hidden_size // c.num_heads)
+        return model_flops(self.tokens, c.num_layers, c.hidden_size, 4 * c.hidden_size if gpt else c.ffn_hidden,
+                           c.num_heads, c.num_heads if gpt else c.num_kv_heads, hd, c.vocab_size, c.seq_len,
+                           gated=not gpt)
+
+    def published_step_s(self) -> float:
+        if self.unit == "step_s":
+            return self.published
+        if self.unit == "tokens_per_device":
+            return self.tokens / (self.published * self.devices)
+        return self.flops() / (self.published * 1e12 * self.devices)
+
+
+def _mlm(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Today:
+    sched = dict(schedule="interleaved", virtual_stages=2) if pp > 1 else {}
+    return Today(f"mlm-h100-{name}", "Megatron-LM README weak scaling (Megatron-Core r0.8.0)", "megatron", "gpt-tiny",
+                 dict(seq_len=4096, hidden_size=hidden, num_layers=layers, num_heads=heads, vocab_size=131072,
+                      batch_size=batch, dtype="bfloat16"), "dgx-h100", gpus // 8,
+                 dict(dp=48, tp=tp, pp=pp, micro_batch_size=1, zero=1, sequence_parallel=tp > 1, precision="bf16",
+                      **sched), gpus, tflops, "tflops",
+                 assumed="micro-batch 1, no recomputation, flash attention, the distributed optimizer (zero=1)"
+                         + (", interleaved with 2 virtual stages" if pp > 1 else ""))
+
+
+def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
+    dp, tp = (n, 1) if layout in ("none", "fsdp") else (1, n)
+    return Today(f"kf-{layout}-{n}", "KempnerForge benchmarks/mfu_scaling (H200)", "fsdp", "llama3-8b",
+                 dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
+                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True), n, tokens_all / n, "tokens_per_device",
+                 cluster_kw=dict(devices_per_host=n), mem_gib=mem_gb * 1e9 / GIB, group="kempnerforge",
+                 assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
+                         "tokens a microbatch, 2 microbatches")
+
+
+def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
+    return Today(f"torchtitan-8b-{gpus}", "torchtitan llama3_h100_202412", "fsdp", "llama3-8b",
+                 dict(seq_len=8192, batch_size=2 * gpus), "dgx-h100", gpus // 8,
+                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16"), gpus, tokens,
+                 "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
+                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing priced as selective "
+                                          "recomputation; eager PyTorch and the 500 W cap not modelled")
+
+
+#: name -> row: the reference's "Runs of 2022-2026", in its order.
+TODAY = {r.name: r for r in [
+    _mlm("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _mlm("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _mlm("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _mlm("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    Today("llama3-405b", "Llama 3 paper, Table 4, first row", "megatron", "llama3-405b",
+          dict(seq_len=8192, batch_size=2048), "dgx-h100", 1024,
+          dict(dp=64, tp=8, pp=16, micro_batch_size=1, zero=2, sequence_parallel=True, precision="bf16",
+               schedule="interleaved", virtual_stages=2), 8192, 430.0, "tflops",
+          assumed="micro-batch 1, 2 virtual stages, sequence parallelism with TP, ZeRO-2 for FSDP without "
+                  "resharding"),
+    _tt(8, 5762, 82.4),
+    _tt(128, 5605, 67.0),
+    _kf("none", 1, 10471, 80.7),
+    _kf("fsdp", 2, 18728, 62.4),
+    _kf("tp", 2, 13163, 57.8),
+    _kf("fsdp", 4, 38983, 61.1),
+    _kf("tp", 4, 25135, 39.4),
+    Today("deepseek-v3", "NeMo Automodel performance summary", "megatron", "deepseek-v3",
+          dict(seq_len=4096, batch_size=512), "dgx-h100", 32,
+          dict(dp=64, tp=1, pp=4, ep=64, zero=3, micro_batch_size=1, precision="bf16"), 256, 8.18, "step_s",
+          assumed="1F1B (the run's 8 virtual stages do not divide the model's layers evenly here), FSDP as ZeRO-3"),
+    Today("maxtext-32b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
+          dict(seq_len=2048, hidden_size=8192, num_layers=32, num_heads=64, num_kv_heads=64, head_dim=128,
+               ffn_hidden=28672, vocab_size=32000, batch_size=6 * 128), "tpu-v5p", 128,
+          dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=6, remat="minimal", precision="bf16"), 128, 328.0,
+          "tflops", assumed="global_parameter_scale 32: emb 8,192, 64 heads of 128, MLP 28,672, 32 layers, vocabulary "
+                            "32,000; remat 'minimal' priced as selective recomputation"),
+    Today("maxtext-128b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
+          dict(seq_len=2048, hidden_size=8192, num_layers=64, num_heads=128, num_kv_heads=128, head_dim=128,
+               ffn_hidden=57344, vocab_size=32000, batch_size=256), "tpu-v5p", 256,
+          dict(ici_fsdp=-1, ici_tensor=8, per_device_batch_size=1, remat="minimal", precision="bf16"), 256, 315.0,
+          "tflops", assumed="global_parameter_scale 128: emb 8,192, 128 heads of 128, MLP 57,344, 64 layers, "
+                            "vocabulary 32,000; remat 'minimal' priced as selective recomputation"),
+]}
+
+
+def today_plan(r: Today):
+    """The row's plan, through the public API (``al.megatron_plan`` / ``al.fsdp_plan`` / ``al.maxtext_plan``)."""
+    import autopar_lab as al
+
+    model = al.models.get(r.model, **r.model_kw)
+    cluster = al.Cluster.preset(r.preset, r.count)
+    if r.cluster_kw:
+        cluster = cluster.with_(**r.cluster_kw)
+    planner = {"megatron": al.megatron_plan, "fsdp": al.fsdp_plan, "maxtext": al.maxtext_plan}[r.planner]
+    return planner(model, cluster, **r.plan_kw)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two lists without ties.
+
+    >>> spearman([1, 2, 3, 4], [10, 20, 40, 30])
+    0.8
+    """
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda k: x[k])
+        out = [0] * len(x)
+        for rank, k in enumerate(order):
+            out[k] = rank
+        return out
+
+    ra, rb, n = ranks(a), ranks(b), len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def today_row(r: Today) -> dict:
+    from autopar_lab.pricing.memory import PARTS, memory_breakdown
+
+    t0 = time.perf_counter()
+    plan = today_plan(r)
+    step, pub = plan.cost.step_time_s, r.published_step_s()
+    mem = memory_breakdown(plan)
+    peak = max(mem, key=lambda m: m["total_bytes"])
+    return {"row": r.name, "devices": r.devices, "plan": plan.method, "published": r.published, "unit": r.unit,
+            "published_step_s": pub, "step_s": step, "ratio": pub / step,
+            "tokens_per_device_s": r.tokens / step / r.devices,
+            "published_tokens_per_device_s": r.tokens / pub / r.devices,
+            "peak_mem_gib": peak["total_bytes"] / GIB, "published_mem_gib": r.mem_gib,
+            "mem_ratio": peak["total_bytes"] / GIB / r.mem_gib if r.mem_gib else None, "fits": plan.cost.fits,
+            "limit_gib": plan.cost.mem_limit_bytes / GIB, "peak_parts_gib": {p: peak[p] / GIB for p in PARTS},
+            "group": r.group, "compute_s": plan.cost.compute_s, "comm_s": plan.cost.comm_s,
+            "reshard_s": plan.cost.reshard_s, "bubble_s": plan.cost.bubble_s, "assumed": r.assumed,
+            "seconds": time.perf_counter() - t0}
+
+
+def today_summary(rows: list[dict]) -> dict:
+    err = [abs(r["ratio"] - 1) for r in rows]
+    mem = [abs(r["mem_ratio"] - 1) for r in rows if r["mem_ratio"] is not None]
+    out = {"median_abs_err": statistics.median(err), "worst_abs_err": max(err),
+           "worst_row": rows[err.index(max(err))]["row"], "all_fit": all(r["fits"] for r in rows),
+           "worst_mem_err": max(mem) if mem else None}
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["group"]:
+            groups.setdefault(r["group"], []).append(r)
+    out["spearman"] = {g: spearman([x["tokens_per_device_s"] for x in rs],
+                                   [x["published_tokens_per_device_s"] for x in rs])
+                       for g, rs in groups.items() if len(rs) > 2}
+    return out
+
+
+def print_today(rows: list[dict], summ: dict) -> None:
+    print("| row | devices | plan | published | pred / pub (throughput) | step s (published) | peak GiB "
+          "(published) | pred / pub (memory) | fits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        unit = {"tflops": "TFLOP/s a device", "tokens_per_device": "tokens/s a device", "step_s": "s a step"}[r["unit"]]
+        pm = "-" if r["published_mem_gib"] is None else f"{r['published_mem_gib']:.1f}"
+        mr = "-" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
+        print(f"| {r['row']} | {r['devices']} | {r['plan']} | {r['published']:g} {unit} | {r['ratio']:.3f} | "
+              f"{r['step_s']:.2f} ({r['published_step_s']:.2f}) | {r['peak_mem_gib']:.1f} ({pm}) | {mr} | "
+              f"{'yes' if r['fits'] else 'NO'} |")
+    wm = summ["worst_mem_err"]
+    print(f"median |pred/pub - 1| = {summ['median_abs_err']:.1%}, worst {summ['worst_abs_err']:.1%} "
+          f"({summ['worst_row']}); every layout fits: {summ['all_fit']}; worst memory error "
+          f"{'-' if wm is None else f'{wm:.1%}'}; Spearman "
+          + ", ".join(f"{g} {v:.2f}" for g, v in summ["spearman"].items()))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS), help="comma-separated row names")
@@ -127,7 +375,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-interleave", action="store_true",
                     help="price the pipelined rows with plain 1F1B (the nearest plan without interleaving)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--today", action="store_true", help="the reference's runs of 2022-2026 instead (--rows picks "
+                    "among them)")
+    ap.add_argument("--deepseek", action="store_true", help="with --today: DeepSeek-V3 on 256 H100 too (slow)")
     args = ap.parse_args(argv)
+    if args.today:
+        given = args.rows != ap.get_default("rows")
+        names = [n.strip() for n in args.rows.split(",") if n.strip()] if given else \
+            [n for n in TODAY if n != "deepseek-v3" or args.deepseek]
+        rows = []
+        for n in names:
+            rows.append(today_row(TODAY[n]))
+            if not args.json:
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "peak_parts_gib"}), flush=True)
+        out = {"rows": rows, **today_summary(rows)}
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print_today(rows, out)
+        return out
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     inter = not args.no_interleave
     rows = [row(n, micro=args.micro, interleave=inter) for n in names]

@@ -54,9 +54,9 @@ A100_NVSWITCH = 0.78 * 300e9
 def test_each_collective_formula_on_an_8_device_axis(method, factor):
     mesh = Cluster.preset("dgx-a100").logical_mesh((1, 8))
     got = getattr(mesh, method)(3e8, 1)
-    # rings of 7 steps of 2 us (all-gather, reduce-scatter); trees of log2(8) = 3 levels (all-to-all, and up and
-    # down for the all-reduce)
-    latency = {"all_reduce": 6 * 2e-6, "all_to_all": 3 * 2e-6}.get(method, 7 * 2e-6)
+    # rings of 7 steps of 2 us (all-gather, reduce-scatter); a tree of log2(8) = 3 levels up and down (all-reduce);
+    # an all-to-all: 7 messages, one per peer (NCCL's grouped send/recv)
+    latency = {"all_reduce": 6 * 2e-6}.get(method, 7 * 2e-6)
     assert got == pytest.approx(latency + factor * 3e8 / A100_NVSWITCH, rel=1e-12)
     # both axes flattened: the same 8 devices in one group
     assert getattr(mesh, method)(3e8, (0, 1)) == got
@@ -67,9 +67,12 @@ def test_collectives_across_hosts_wait_for_the_network_and_one_all_reduce_beats_
     mesh = c.logical_mesh((4, 8), (1, 32))  # one group over 4 hosts x 8 devices
     bw, a_in, a_out = mesh.axis_link(1).bandwidth, 2e-6, 7e-6
     assert mesh.axis_hosts(1) == 4 and bw == c.inter_host.bandwidth
-    # the tree: log2(8) levels in a host and log2(4) across, up and down; a ring step waits for InfiniBand
+    # the tree: log2(8) levels in a host and log2(4) across, up and down (against the ring's 2 x (28 steps on NVLink
+    # + 3 on InfiniBand)); a ring crosses hosts 3 times, its other 28 steps stay on NVLink (NCCL's tuning model)
     assert mesh.all_reduce(1e3, 1) == 2 * (3 * a_in + 2 * a_out) + 2 * (31 / 32) * 1e3 / bw
-    assert mesh.all_gather(1e9, 1) == 31 * a_out + (31 / 32) * 1e9 / bw
+    assert mesh.all_gather(1e9, 1) == 28 * a_in + 3 * a_out + (31 / 32) * 1e9 / bw
+    # an all-to-all: one message per peer, 7 in the host and 24 beyond it
+    assert mesh.all_to_all(1e3, 1) == 7 * a_in + 24 * a_out + (31 / 1024) * 1e3 / bw
     for nbytes in (1e3, 1e6, 1e9):
         assert mesh.all_reduce(nbytes, 1) < mesh.reduce_scatter(nbytes, 1) + mesh.all_gather(nbytes, 1)
     # a pair of devices: one ring step, or one tree level each way, cost the same

@@ -63,3 +63,39 @@ def test_the_published_layout_is_priced_as_published():
 
 def test_interleaving_factor_divides_the_layers_per_stage():
     assert [fidelity.virtual_stages(n) for n in (24, 10, 3, 7)] == [2, 2, 3, 7]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs of 2022-2026 (issue 31 item 3)
+
+
+def test_todays_rows_are_laid_out_on_their_published_device_counts():
+    for r in fidelity.TODAY.values():
+        kw = r.plan_kw
+        if r.planner == "maxtext":
+            assert kw["per_device_batch_size"] * r.devices == r.model_kw["batch_size"], r.name
+            continue
+        degrees = [kw.get(k, 1) for k in ("dp", "tp", "pp", "cp")] if r.planner == "megatron" else \
+            [kw.get(k, 1) for k in ("tp", "pp", "cp")] + [kw["dp_shard"] if kw.get("dp_shard", -1) > 0 else
+                                                          r.devices // (kw.get("tp", 1) * kw.get("pp", 1))]
+        assert (degrees[0] * degrees[1] * degrees[2] * degrees[3]) == r.devices, r.name
+
+
+@pytest.mark.parametrize("name, step_s", [("kf-none-1", 3.13), ("kf-fsdp-2", 3.50), ("kf-tp-2", 2.49),
+                                          ("kf-fsdp-4", 3.36), ("kf-tp-4", 1.30)])
+def test_kempnerforge_batches_give_the_published_step_times(name, step_s):
+    """Two microbatches of 4 sequences of 4,096 a replica: the tokens/s published, turned into a step, is the step
+    time the same table publishes (the batch the rows assume is the one that ran)."""
+    assert fidelity.TODAY[name].published_step_s() == pytest.approx(step_s, rel=0.01)
+
+
+def test_deepseek_and_tflops_rows_convert_as_published():
+    ds = fidelity.TODAY["deepseek-v3"]
+    # 8.18 s a step and 1,002 tokens/s per GPU are the same run: 512 x 4,096 tokens on 256 GPUs
+    assert ds.tokens / (ds.published_step_s() * ds.devices) == pytest.approx(1002, rel=0.001)
+    mlm = fidelity.TODAY["mlm-h100-1.7B"]
+    B, s, l, h, V = 192, 4096, 24, 2048, 131072  # noqa: E741
+    F = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))  # Megatron-LM's count, no recomputation
+    assert mlm.published_step_s() == pytest.approx(F / (408.8e12 * 48), rel=1e-9)
+    # MFU 41% of 989 TFLOP/s: the count and the published MFU agree
+    assert F / mlm.published_step_s() / 48 / 989.4e12 == pytest.approx(0.41, abs=0.005)

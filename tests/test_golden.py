@@ -5,6 +5,18 @@ Every float is compared with ``==`` (JSON keeps a float's repr, so the round tri
 pricing layer must not move a single bit. A change that is meant to change the numbers (a new cost formula)
 regenerates the file on purpose, with ``AUTOPAR_REGEN_GOLDEN=1 pytest tests/test_golden.py``, and says why in its
 commit.
+
+Regenerated 2026-12-06 for NCCL's collective latencies (``cluster/mesh.py``: a ring of n devices over k hosts pays
+the inter-host latency on k-1 of its n-1 steps, not on every step; an all-to-all is one message per peer). Only the
+``overrides`` of gpt-tiny, moe-tiny and wresnet-tiny moved: their auto
+plans run one stage on SMALL's (1, 4) mesh over 2 hosts x 2 devices, where an all-gather or reduce-scatter's
+latency fell from 3 x 50 us (every step charged the network's) to 2 x 3 + 50 = 56 us, so each alternative with one
+such collective is 94 us cheaper (188 us with two) while the all-reduce alternative keeps its tree's 2 x (3 + 50) us;
+the cheapest alternative is now ``RRS1 = RRR x RS1`` (``S1R = S1R x RR`` for wresnet-tiny), which ``with_choice`` and
+``resolve`` then record. No auto, Megatron or data-parallel plan moved: their collectives run on axes of 2 devices
+(one step either way), but gpt-tiny-cpu's first data-parallel plan: a resharding all-to-all on the ``cpu`` preset's
+4-device host pays 3 latency steps (one message per peer) where a tree's log2 4 = 2 did, so its ILP reshards
+otherwise (26 collectives a step for 22; the step 16.036 -> 16.072 ms).
 """
 
 import hashlib

@@ -68,9 +68,9 @@ def test_the_token_all_to_alls_are_priced_by_the_formula(small, small_intra):
     B = c.capacity_factor * c.batch_size * c.seq_len * c.hidden_size * 4
     assert B == moe.capacity(c) * c.num_experts * (c.batch_size * c.seq_len // moe.group_size(c)) * c.hidden_size * 4
     assert layer.all_to_alls == (("all_to_all", 0, B),) * 4
-    # each device keeps 1/n of its 1/n and sends the rest: (n - 1) / n^2 B over the axis' link, a tree's latency
+    # each device keeps 1/n of its 1/n and sends the rest: (n - 1) / n^2 B over the axis' link, one message per peer
     n, link = 8, mesh.axis_link(0)
-    one = 3 * CPU8.intra_host.latency + (n - 1) / n**2 * B / link.bandwidth
+    one = (n - 1) * CPU8.intra_host.latency + (n - 1) / n**2 * B / link.bandwidth
     assert layer.all_to_all_s == pytest.approx(4 * one, rel=1e-12)
     # ... and the same seconds are in the plan's resharding total (every all-to-all of the ILP's solution)
     assert intra.collectives["all_to_all"]["bytes"] >= 4 * B

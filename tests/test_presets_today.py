@@ -316,9 +316,9 @@ def test_all_to_all_inside_an_nvl72_domain_against_one_across_domains():
     nvlink = 0.78 * 900 * GB
     beyond = 0.94 * 4 * 400 * GBIT / 4  # a tray's NICs shared by the 4 groups leaving it at once: 400 Gb/s a GPU
     assert inside.axis_link(1) == Link(nvlink, 2e-6) and across.axis_link(0) == Link(beyond, 7e-6)
-    # (n-1)/n^2 B at the link, after a tree's latency: 3 levels on NVLink, or 3 levels between racks
-    assert inside.all_to_all(B, 1) == pytest.approx(3 * 2e-6 + (7 / 64) * B / nvlink, rel=1e-12)
-    assert across.all_to_all(B, 0) == pytest.approx(3 * 7e-6 + (7 / 64) * B / beyond, rel=1e-12)
+    # (n-1)/n^2 B at the link, after one message per peer (NCCL's grouped send/recv): 7 on NVLink, or 7 between racks
+    assert inside.all_to_all(B, 1) == pytest.approx(7 * 2e-6 + (7 / 64) * B / nvlink, rel=1e-12)
+    assert across.all_to_all(B, 0) == pytest.approx(7 * 7e-6 + (7 / 64) * B / beyond, rel=1e-12)
     bw_inside = inside.all_to_all(B, 1) - inside.all_to_all(0.0, 1)
     bw_across = across.all_to_all(B, 0) - across.all_to_all(0.0, 0)
     assert bw_across / bw_inside == pytest.approx(nvlink / beyond, rel=1e-9)

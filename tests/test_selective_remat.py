@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import autopar_lab as al
-from autopar_lab.graph.attention import attention_internals
+from autopar_lab.graph.attention import attention_internals, dots_recomputed
 from autopar_lab.pricing.stage import SUM_FIELDS, stage_cost
 from autopar_lab.pricing.table import CostTable
 from autopar_lab.rematmode import REMAT_CHOICES, remat_value
@@ -166,18 +166,20 @@ def test_export_checkpoints_with_the_selective_policy(plan):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
-def test_selective_stage_trains_like_one_device(model, reference):
-    """gpt-tiny as a 2-stage pipeline on 8 CPU devices, stage 0 selective: the same losses as one device, and the
-    stage's backward recomputes exactly attention internals (its forward keeps the rest)."""
+@pytest.mark.parametrize("mode", ["selective", "dots"])
+def test_selective_stage_trains_like_one_device(model, reference, mode):
+    """gpt-tiny as a 2-stage pipeline on 8 CPU devices, stage 0 selective (or "dots"): the same losses as one device,
+    and the stage's backward recomputes only attention internals (the blocks' operators but their matmuls); its
+    forward keeps the rest."""
     from autopar_lab.runtime.partition import split_stages
 
     cpu = al.Cluster.preset("cpu", hosts=1)
     base = al.megatron_plan(model, cpu, dp=2, tp=2, pp=2, microbatches=2)
-    plan = base.with_remat(0, "selective")
+    plan = base.with_remat(0, mode)
     sm = split_stages(model, plan, compiler_options=FAST)
     sm0 = split_stages(model, base, compiler_options=FAST)
     again = set(sm.task_ops(0, "fwd")) & set(sm.task_ops(0, "bwd"))
-    internals = attention_internals(plan.graph)
+    internals = attention_internals(plan.graph) if mode == "selective" else dots_recomputed(plan.graph)
     assert again and again <= internals
     assert not set(sm.task_ops(1, "fwd")) & set(sm.task_ops(1, "bwd"))  # stage 1 keeps everything
     mb = sm.split_batch(model.init(0)[2])[0]
@@ -230,3 +232,33 @@ def test_resolve_keeps_a_selective_pin(plan):
     q = plan.with_remat(0, "selective")
     r = al.resolve(q)
     assert r.stages[0].remat == "selective" and r.stage_pins["remat"][0] == "selective"
+
+
+# --- "dots": keep the matmuls' outputs, recompute the rest (MaxText's minimal, torchtitan's op-level SAC) ----------
+
+
+def test_dots_keeps_every_matmul_output_of_a_block_and_nothing_else():
+    """With flash attention a Llama block under "dots" keeps, a token: q (4 heads of 16), k and v (2 KV heads), the
+    attention's output, the output projection, the gate and up projections (FFN 128) and the down projection, in
+    bf16; it drops the rest (norms, SwiGLU's activation, rotary embeddings) and recomputes their forward."""
+    h100 = al.Cluster.preset("dgx-h100").with_(devices_per_host=1)
+    model = al.models.get("llama3-tiny", seq_len=64, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden=128,
+                          num_layers=2, batch_size=2, vocab_size=64, dtype="bfloat16")
+    costs, _ = CostTable.build(model, h100).mesh_costs((1, 1), (1, 1))
+    block = costs[1]
+    tokens, hd = 2 * 64, 16
+    kept = tokens * 2 * (4 * hd + 2 * hd + 2 * hd + 4 * hd + 64 + 128 + 128 + 64)
+    assert block.act_bytes - block.dots_act_bytes == kept
+    assert block.attn_act_bytes == 0  # flash attention keeps no scores: Megatron's selective saves nothing here
+    assert costs[0].dots_act_bytes == 0 and block.dots_fwd_s > 0  # the embedding is no block
+    totals = {f: getattr(block, f) for f in SUM_FIELDS}
+    none, dots = stage_cost(totals, 0.0, 1, 1, False, 0.0), stage_cost(totals, 0.0, 1, 1, "dots", 0.0)
+    assert dots[3] == kept and dots[1] == pytest.approx(none[1] + block.dots_fwd_s + block.dots_launch_s, rel=1e-12)
+
+
+def test_torchtitans_and_maxtexts_selective_policies_are_priced_as_dots():
+    model = al.models.get("llama3-tiny", num_layers=2, batch_size=8, dtype="bfloat16")
+    h100 = al.Cluster.preset("dgx-h100")
+    plan = al.fsdp_plan(model, h100, local_batch_size=1, remat="selective", precision="bf16")
+    assert [st.remat for st in plan.stages] == ["dots"] and plan.method.endswith(",dots)")
+    assert remat_value("dots") == "dots" and plan.to_jax_code(0).count("dots_saveable") == 1

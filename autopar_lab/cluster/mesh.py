@@ -1,7 +1,10 @@
 """Logical meshes: a 2D view of a submesh, the link each axis' collectives use and what they cost.
 
 Two kinds of fabric: switched links (NVLink / NVSwitch inside a scale-up domain, InfiniBand or Ethernet between
-domains), priced by Alpa's alpha-beta formulas with NCCL's ring and tree algorithms; and a TPU slice's ICI torus,
+domains), priced by Alpa's alpha-beta formulas with the latency of NCCL's ring and tree algorithms as NCCL's own
+tuning model counts it (``src/graph/tuning.cc``, ``ncclTopoTuneModel``: a ring of n ranks over k nodes takes n-1
+steps, k-1 of them between nodes; an all-to-all is grouped send/recv, one message per peer; the tree's levels as
+:meth:`LogicalMesh._tree_latency` says); and a TPU slice's ICI torus,
 priced by :class:`~autopar_lab.cluster.torus.TorusAxis` for an axis that stays inside one slice. An axis that
 leaves its domain (its host, or the hosts that share one NVLink fabric; a TPU slice) uses the scale-out link, shared
 by the groups that cross from each host at once.
@@ -183,13 +186,23 @@ class LogicalMesh:
         return n // k, k, self.cluster.intra_host.latency, self.cluster.inter_host.latency
 
     def _tree_latency(self, axis: Axis) -> float:
-        """One pass of a hierarchical tree: log2 levels inside a domain over NVLink-class links, then log2 levels
-        between domains (NCCL's all-reduce trees)."""
+        """One pass (up or down) of a hierarchical tree: log2 levels inside a domain over NVLink-class links, then
+        log2 levels between domains. (NCCL's own tree is a chain inside a node, n/nodes - 1 steps; the presets'
+        intra-host latency was fitted to NCCL's small-message all-reduce time counted as log2 levels, 10-15 us over
+        2 x 3 levels on 8 GPUs, so the step count and that figure change together or not at all.)"""
         g, k, a_in, a_out = self._steps(axis)
         return math.ceil(math.log2(g)) * a_in + math.ceil(math.log2(k)) * a_out
 
+    def _ring_latency(self, axis: Axis) -> float:
+        """The n-1 steps of one pass round a ring of n = g x k devices: k-1 of them cross between domains (the
+        scale-out latency), the other n-k stay inside one (NCCL's tuning model: ``(nsteps - nInterSteps) x intraLat
+        + nInterSteps x interLat``, nInterSteps = nNodes - 1 for an all-gather)."""
+        g, k, a_in, a_out = self._steps(axis)
+        return (g * k - k) * a_in + (k - 1) * a_out
+
     def _ring_step_latency(self, axis: Axis) -> float:
-        """A ring step waits for its slowest hop: the scale-out one when the ring leaves a domain."""
+        """One ring step taken alone (ring attention's send/recv): it waits for its slowest hop, the scale-out one
+        when the ring leaves a domain."""
         g, k, a_in, a_out = self._steps(axis)
         return a_out if k > 1 else a_in
 
@@ -215,36 +228,39 @@ class LogicalMesh:
         torus = self.torus_axis(axis)
         if torus is not None:
             return torus.all_gather(nbytes)
-        return (n - 1) * self._ring_step_latency(axis) + self._bandwidth_s(nbytes, axis, (n - 1) / n)
+        return self._ring_latency(axis) + self._bandwidth_s(nbytes, axis, (n - 1) / n)
 
     def reduce_scatter(self, nbytes: float, axis: Axis) -> float:
         """B = bytes of the full (unscattered) buffer: as :meth:`all_gather` (a ring)."""
         return self.all_gather(nbytes, axis)
 
     def all_reduce(self, nbytes: float, axis: Axis) -> float:
-        """2 (n-1)/n B at the bus bandwidth, with the latency of NCCL's faster algorithm: a ring's 2 (n-1) steps or a
-        (hierarchical, double binary) tree's log2 levels up and down. Small buffers take the tree, so one all-reduce
-        beats a reduce-scatter and an all-gather. On a TPU slice, :meth:`TorusAxis.all_reduce`."""
+        """2 (n-1)/n B at the bus bandwidth, with the latency of NCCL's faster algorithm: a ring's two passes
+        (:meth:`_ring_latency` each) or a hierarchical tree's pass up and down (:meth:`_tree_latency`). Small buffers
+        take the tree, so one all-reduce beats a reduce-scatter and an all-gather. On a TPU slice,
+        :meth:`TorusAxis.all_reduce`."""
         n = self.axis_size(axis)
         if n == 1:
             return 0.0
         torus = self.torus_axis(axis)
         if torus is not None:
             return torus.all_reduce(nbytes)
-        latency = 2 * min((n - 1) * self._ring_step_latency(axis), self._tree_latency(axis))
+        latency = 2 * min(self._ring_latency(axis), self._tree_latency(axis))
         return latency + self._bandwidth_s(nbytes, axis, 2 * (n - 1) / n)
 
     def all_to_all(self, nbytes: float, axis: Axis) -> float:
         """(n-1)/n^2 B at the bus bandwidth (each device keeps 1/n and sends n-1 pieces of B/n^2 straight to their
-        owners through the switch), in n-1 pairwise exchanges that run at once: a tree's latency. On a TPU slice,
-        :meth:`TorusAxis.all_to_all` (pieces travel several hops)."""
+        owners through the switch). NCCL has no all-to-all algorithm: it is n-1 grouped sends and receives, one
+        message per peer, each paying its link's latency: g-1 inside the domain, n-g to peers beyond it. On a TPU
+        slice, :meth:`TorusAxis.all_to_all` (pieces travel several hops)."""
         n = self.axis_size(axis)
         if n == 1:
             return 0.0
         torus = self.torus_axis(axis)
         if torus is not None:
             return torus.all_to_all(nbytes)
-        return self._tree_latency(axis) + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
+        g, _k, a_in, a_out = self._steps(axis)
+        return (g - 1) * a_in + (n - g) * a_out + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
 
     def to_jax_mesh(self, devices: Sequence[Any] | None = None):
         """A ``jax.sharding.Mesh`` with axes ("x", "y") over real jax devices.

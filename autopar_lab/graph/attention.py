@@ -21,7 +21,7 @@ from __future__ import annotations
 from .fusion import kernel_view
 from .opgraph import FORWARD, OpGraph
 
-__all__ = ["attention_internals"]
+__all__ = ["attention_internals", "dots_recomputed"]
 
 
 def attention_internals(graph: OpGraph) -> frozenset[int]:
@@ -36,3 +36,25 @@ def attention_internals(graph: OpGraph) -> frozenset[int]:
                 ops.update(o for o in k.ops if o != k.root)  # the root is scores x V: its output is kept
         memo["_attention_internals"] = frozenset(ops)
     return memo["_attention_internals"]
+
+
+def dots_recomputed(graph: OpGraph) -> frozenset[int]:
+    """The forward operators a "keep the matmuls' outputs" policy recomputes: every forward operator of the layers
+    that hold an attention (the transformer blocks) but their matmuls, whose outputs the backward keeps (and so
+    flash attention's output, the scores x V matmul's). MaxText's ``remat_policy: minimal`` (JAX's
+    ``checkpoint_dots``) and torchtitan's op-level selective checkpointing (which keeps every other matmul's output
+    and SDPA's: priced as keeping all of them) recompute these: norms, activations, rotary embeddings, casts.
+
+    >>> import autopar_lab as al
+    >>> g = al.models.get("gpt-tiny").trace()
+    >>> ops = dots_recomputed(g)
+    >>> sorted({g.op(o).layer for o in ops}), any(g.op(o).primitive == "dot_general" for o in ops)
+    (['layer_0', 'layer_1'], False)
+    """
+    memo = graph.__dict__
+    if "_dots_recomputed" not in memo:
+        blocks = {graph.op(o).layer for o in attention_internals(graph)}
+        memo["_dots_recomputed"] = frozenset(
+            o for o in graph.ops if graph.op(o).role == FORWARD and graph.op(o).layer in blocks
+            and graph.op(o).primitive not in ("dot_general", "parameter"))
+    return memo["_dots_recomputed"]

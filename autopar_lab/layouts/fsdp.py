@@ -12,8 +12,10 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
   (torchtitan's default with TP: ``sequence_parallel`` on);
 * context parallelism (ring attention) and pipeline stages of equal transformer blocks as in
   :mod:`~autopar_lab.layouts.megatron` (the 2-D mesh mapping of :mod:`~autopar_lab.layouts.config`);
-* activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps matmul outputs:
-  priced as the attention internals recomputed) or ``full``.
+* activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps the outputs of
+  every other matmul and of SDPA and recomputes the rest: priced as ``"dots"``, every matmul's output kept, see
+  :mod:`autopar_lab.rematmode`; Megatron-LM's selective recomputation, which recomputes only the attention core,
+  would save nothing with flash attention) or ``full``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .. import checks
 from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
-from ..rematmode import remat_label, remat_value
+from ..rematmode import DOTS, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
@@ -52,6 +54,8 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     "1f1b", "interleaved", "zb-h1"); ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
     ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
     remat = remat_value(remat)
+    if is_selective(remat):
+        remat = DOTS  # torchtitan's selective is op-level SAC (module docstring)
     reshard_after_forward = checks.flag(reshard_after_forward, "reshard_after_forward")
     zero = check_zero(zero)
     if zero is None:

@@ -13,8 +13,8 @@ the 2-D logical mesh of :mod:`~autopar_lab.layouts.config`: with tensor parallel
 expert, tensor)`` (sequence folded into the data-parallel axis as Megatron-LM's ``cp`` is; data and FSDP sharing an
 axis, the state is split over data too: said in the plan's notes); without, ``(data, fsdp)`` (the state split over
 FSDP only) or ``(data x fsdp, sequence)`` (ring attention over sequence). ``remat``: MaxText's ``remat_policy``
-``"full"``, ``"minimal"`` (keeps the matmuls' outputs: priced as selective recomputation) or ``"none"``, or any
-``remat=`` value of the other planners.
+``"full"``, ``"minimal"`` (JAX's ``checkpoint_dots``: keeps the matmuls' outputs, recomputes the rest: ``"dots"``,
+see :mod:`autopar_lab.rematmode`) or ``"none"``, or any ``remat=`` value of the other planners.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .. import checks
 from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
-from ..rematmode import remat_label, remat_value
+from ..rematmode import DOTS, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, check_zero
@@ -41,7 +41,7 @@ __all__ = ["AXES", "maxtext_mesh", "maxtext_plan", "resolve_axes"]
 #: MaxText's parallelism axes, in the order its mesh lists them (pipeline first: each stage is a sub-mesh).
 AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 #: MaxText's ``remat_policy`` names and the recomputation they are priced as.
-REMAT_POLICIES = {"full": True, "minimal": "selective", "none": False}
+REMAT_POLICIES = {"full": True, "minimal": DOTS, "none": False}
 
 
 def resolve_axes(given: dict[str, int], total: int, where: str) -> dict[str, int]:

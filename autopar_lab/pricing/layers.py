@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..graph.attention import attention_internals
 from ..backends import buffer_share, kernel_share, read_again_s, task_array_s
+from ..graph.attention import attention_internals, dots_recomputed
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
@@ -49,7 +49,10 @@ class LayerCost:
     Selective recomputation (:mod:`autopar_lab.graph.attention`): ``attn_act_bytes``, the part of ``act_bytes`` that
     the attention internals hold (scores, softmax: s^2 per head; 0 when a flash-attention kernel keeps none),
     ``attn_fwd_s`` the forward time of the operators that make them, ``attn_launch_s`` their kernels' launches per
-    microbatch.
+    microbatch. Keeping only the matmuls' outputs (remat ``"dots"``, :func:`~autopar_lab.graph.attention.
+    dots_recomputed`): ``dots_act_bytes``, ``dots_fwd_s``, ``dots_launch_s``, the same for every other forward
+    operator of a transformer block, net of the matmul outputs that only a recomputed operator reads (q before its
+    rotary embedding), which the policy keeps for the recomputation.
 
     Collective latency: ``collectives_fwd``/``collectives_bwd``, the collectives a microbatch issues in each pass
     (tensor-parallel all-reduces, activation resharding: every collective but the once-a-step ones, the weight-gradient
@@ -90,6 +93,9 @@ class LayerCost:
     attn_act_bytes: float = 0.0
     attn_fwd_s: float = 0.0
     attn_launch_s: float = 0.0
+    dots_act_bytes: float = 0.0
+    dots_fwd_s: float = 0.0
+    dots_launch_s: float = 0.0
     latency_fwd_s: float = 0.0
     latency_bwd_s: float = 0.0
     collectives_fwd: int = 0
@@ -117,7 +123,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
-             latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0,
+             latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -131,6 +137,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
     internals = attention_internals(graph)
+    elementwise = dots_recomputed(graph)
 
     def slot(op):
         return acc[index.get(graph.op(op).layer, last)]
@@ -182,15 +189,27 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         again = read_again_s(plan.mesh, graph, node, (s,))
         if again is not None:
             a["reread"] += again[0]
-        internal = op in internals
-        if internal:
-            a["attn_fwd"] += s.cost
-            if role is not None and role.root:
-                a["attn_lf"] += launch
+        internal, recomputed = op in internals, op in elementwise
+        for key, inside_set in (("attn", internal), ("dots", recomputed)):
+            if inside_set:
+                a[f"{key}_fwd"] += s.cost
+                if role is not None and role.root:
+                    a[f"{key}_lf"] += launch
         for kind, nbytes in memory_terms(graph, node, s, mshape, fused):
             a[kind] += nbytes
             if internal and kind == "act":
                 a["attn_act"] += nbytes
+            if recomputed and kind == "act":
+                a["dots_act"] += nbytes
+        if fwd and elementwise and node.primitive == "dot_general" and not internal:
+            # A matmul output only a recomputed operator reads (q before its rotary embedding, a projection before
+            # the residual add): the policy keeps it for the recomputation, so it saves that much less. (Not the
+            # scores: a flash-attention kernel never writes them.)
+            for t, kept in zip(node.outputs, s.out_specs):
+                if t not in view.saved and any(c in elementwise for c in graph.consumers.get(t, ())):
+                    info = graph.tensor(t)
+                    a["dots_act"] -= kept.bytes_per_device(info.shape, info.dtype, mshape)
+
         if role is not None and role.kind != "dead":
             written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in view.saved
                        for b in (spec.bytes_per_device(graph.tensor(t).shape, graph.tensor(t).dtype, mshape),)]
@@ -235,6 +254,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              master_bytes=a["master"], opt_bytes=a["opt"], copies_bytes=a["copies"],
                              fp8_bytes=a["fp8"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
+                             dots_act_bytes=a["dots_act"], dots_fwd_s=a["dots_fwd"], dots_launch_s=a["dots_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"]))
     return out

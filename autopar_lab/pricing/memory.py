@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..rematmode import is_full, is_selective, recomputes, remat_label
+from ..rematmode import is_dots, is_full, is_selective, recomputes, remat_label
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -63,7 +63,9 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     act = sum(c.act_bytes for c in part) / microbatches
     out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n
     internals = sum(c.attn_act_bytes for c in part) / microbatches
-    out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else 0.0
+    elementwise = sum(c.dots_act_bytes for c in part) / microbatches
+    out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else \
+        elementwise / n if is_dots(remat) else 0.0
     out["plain_act_per_microbatch_bytes"] = act
     out["remat_act_per_microbatch_bytes"] = sum(c.ckpt_bytes for c in part) / microbatches
     return out

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 from ..backends import cpu_cost, host_of_stages, program_rereads_s
 from ..planvalues import CostReport, Stage
 from ..precision import precision_note
-from ..rematmode import is_full, is_selective, remat_value
+from ..rematmode import is_full, recomputes, remat_value
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, simulate
 from ..solve.inter import transfer_s
@@ -207,8 +207,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             span = {f: run[last + 1] - run[first] for f, run in sums.items()}
             sync, gather = hidden_comm_s(span, microbatches)
             hid_sync, hid_gather = hid_sync + sync, hid_gather + gather
-            again = span["heavy_fwd"] if is_full(spec.remat) else recomputed_kernels(span, cluster) \
-                if is_selective(spec.remat) else 0.0
+            again = span["heavy_fwd"] if is_full(spec.remat) else recomputed_kernels(span, cluster, spec.remat) \
+                if recomputes(spec.remat) else 0.0
             launches += (span["heavy_fwd"] + again + span["heavy_bwd"]) * microbatches
             # Collectives issued every microbatch (a full recomputation issues the forward's again).
             twice = 2 if is_full(spec.remat) else 1

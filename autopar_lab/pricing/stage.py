@@ -14,7 +14,8 @@ keeps each layer's input per microbatch in flight, recomputes one layer's forwar
 layer's activations are its working set), and runs its forward pass twice. With selective recomputation
 (Korthikanti et al. 2022) it keeps every activation but the attention internals (``attn_act_bytes``: the scores and
 the softmax, s^2 per head), recomputes those one layer at a time in the backward and runs their forward again
-(``attn_fwd_s``).
+(``attn_fwd_s``). Keeping only the matmuls' outputs (``"dots"``: MaxText's ``minimal``, torchtitan's op-level
+selective checkpointing) is priced the same way over every other forward operator of the blocks (``dots_*``).
 
 :func:`stage_cost` is the one place this is written: the cost table calls it with floats for one stage
 (:meth:`~autopar_lab.pricing.table.CostTable.stage`) and with numpy arrays for every layer range of a submesh at
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from ..backends import task_devices
-from ..rematmode import is_full, is_selective
+from ..rematmode import is_dots, is_full, is_selective
 from ..solve.inter import StageCandidate
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ LAUNCH_OVERHEAD_S = 5e-6
 #: The layer-cost fields a stage adds up over its layers (running sums of them make any range O(1)).
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
-              "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "latency_fwd_s", "latency_bwd_s",
+              "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "dots_act_bytes", "dots_fwd_s",
+              "dots_launch_s", "latency_fwd_s", "latency_bwd_s",
               "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s")
 
 
@@ -99,7 +101,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
 
     Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
     working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations
-    (selective: one layer's attention internals). ``remat``: False (none), True (full) or "selective".
+    (selective: one layer's attention internals; "dots": one layer's tensors other than the matmuls' outputs).
+    ``remat``: False (none), True (full), "selective" or "dots".
 
     >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
     ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
@@ -111,6 +114,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=0.0)
     >>> stage_cost(t, 0.0, 2, 1, "selective", 0.0)   # drops the internals (4 of 6), recomputes their forward (1 s)
     (2.00001, 3.75002, 11.0, 1.0)
+    >>> t.update(dots_act_bytes=5.0, dots_fwd_s=0.5, dots_launch_s=1e-5)
+    >>> stage_cost(t, 0.0, 2, 1, "dots", 0.0)   # keeps the matmuls' outputs (1 of 6), recomputes the rest (0.5 s)
+    (2.00001, 3.50003, 11.25, 0.5)
     >>> t.update(latency_fwd_s=0.5, latency_bwd_s=1.0)   # 0.5 s of forward latency once a step: 0.5 s a microbatch
     >>> stage_cost(t, 0.0, 2, 1, False, 0.0)
     (2.25001, 3.75002, 10.0, 3.0)
@@ -128,13 +134,14 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
     act = totals["act_bytes"] / B
-    if is_selective(remat):
-        # The attention internals are dropped; in the backward one layer's are recomputed at a time (its scores are
-        # the working set), for their forward time again.
-        internals = totals["attn_act_bytes"] / B
+    if is_selective(remat) or is_dots(remat):
+        # The attention internals (selective) or everything but the matmuls' outputs (dots) are dropped; in the
+        # backward one layer's are recomputed at a time (the working set), for their forward time again.
+        key = "attn" if is_selective(remat) else "dots"
+        internals = totals[f"{key}_act_bytes"] / B
         static = static + internals / layers
         act = act - internals
-        bwd = bwd + totals["attn_fwd_s"] / B + totals["attn_launch_s"]
+        bwd = bwd + totals[f"{key}_fwd_s"] / B + totals[f"{key}_launch_s"]
     elif is_full(remat):
         # Each layer's input is kept; in the backward one layer's forward runs again at a time (gathered parameters
         # are kept, so it gathers nothing again), its activations the working set.
@@ -154,18 +161,20 @@ def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: i
     the running sums ``sums`` of its mesh's layer costs), or 0."""
     if is_full(stage.remat):
         return stage.fwd_s - task_s
-    if is_selective(stage.remat):
+    if is_selective(stage.remat) or is_dots(stage.remat):
         a, b = stage.layers
-        return ((sums["attn_fwd_s"][b + 1] - sums["attn_fwd_s"][a]) / microbatches
-                + sums["attn_launch_s"][b + 1] - sums["attn_launch_s"][a])
+        key = "attn" if is_selective(stage.remat) else "dots"
+        return ((sums[f"{key}_fwd_s"][b + 1] - sums[f"{key}_fwd_s"][a]) / microbatches
+                + sums[f"{key}_launch_s"][b + 1] - sums[f"{key}_launch_s"][a])
     return 0.0
 
 
-def recomputed_kernels(span: Mapping[str, float], cluster: Cluster) -> float:
-    """Kernels a selective stage launches again per microbatch (its attention internals'), from the span's summed
-    ``attn_launch_s``."""
+def recomputed_kernels(span: Mapping[str, float], cluster: Cluster, remat: Any = "selective") -> float:
+    """Kernels a selective (or "dots") stage launches again per microbatch (its attention internals', or its
+    tensors' but the matmuls'), from the span's summed ``attn_launch_s`` (``dots_launch_s``)."""
     launch = cluster.device.efficiency.kernel_launch_s
-    return span["attn_launch_s"] / launch if launch > 0 else 0.0
+    key = "dots_launch_s" if is_dots(remat) else "attn_launch_s"
+    return span[key] / launch if launch > 0 else 0.0
 
 
 def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:

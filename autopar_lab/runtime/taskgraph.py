@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from ..graph.attention import attention_internals
+from ..graph.attention import attention_internals, dots_recomputed
 from ..graph.opgraph import BACKWARD, BATCH, CONST, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, UPDATE
 from ..pricing.wgrad import input_grad_ops, upstream
-from ..rematmode import is_selective, recomputes, remat_value
+from ..rematmode import is_dots, is_selective, recomputes, remat_value
 
 __all__ = ["Task", "StageUpdate", "TaskGraph", "task_graph", "virtual_plan", "is_inexact"]
 
@@ -173,13 +173,17 @@ class TaskGraph:
         tasks = {(k, kd): Task([i for i in range(len(g)) if kind[i] == kd and stage[i] == k])
                  for k in range(S) for kd in self.kinds}
         self.remat = [remat_value(st.remat) for st in self.plan.stages]
-        # selective: only the attention internals are recomputed (the plan's graph numbers operators as this one)
+        # selective: only the attention internals are recomputed (the plan's graph numbers operators as this one);
+        # dots: every forward operator of the blocks but the matmuls
         internals = attention_internals(self.plan.graph) if any(map(is_selective, self.remat)) else frozenset()
+        elementwise = dots_recomputed(self.plan.graph) if any(map(is_dots, self.remat)) else frozenset()
         for k in range(S):
             if recomputes(self.remat[k]):  # the backward recomputes what it reads of its stage's forward
                 fwd_ops = set(tasks[(k, "fwd")].ops)
                 if is_selective(self.remat[k]):
                     fwd_ops &= internals  # the rest it reads from the forward's stash, as without remat
+                elif is_dots(self.remat[k]):
+                    fwd_ops &= elementwise
                 need, todo = set(), [t for i in tasks[(k, "bwd")].ops for t in g.op(i).inputs]
                 while todo:
                     p = producer.get(todo.pop())
