@@ -257,7 +257,7 @@ class StageWorker:
                         continue
                     summed = sm.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
                     received[n] = received[n] + v if summed and n in received else v
-            self.states[c], outs = sm.update(c, self.states[c], acc, received)
+            self.states[c], outs = sm.update(c, self.states[c], acc, received, donate=True)
             outputs.update(outs)
         jax.block_until_ready(self.states)
         self._acc = {}
