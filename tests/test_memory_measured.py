@@ -113,7 +113,8 @@ def test_a_stage_holds_only_its_own_state(tiny):
     start = sum(live_bytes().values())
     batch = synthetic_batch(model, 3)
     gc.collect()
-    assert sum(live_bytes().values()) - start == sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(batch))
+    made = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(batch))
+    assert sum(live_bytes().values()) - start == made
 
 
 @pytest.mark.slow
