@@ -71,6 +71,10 @@ def test_one_stage_plan_measured_within_20_percent(tiny):
     assert len(st["devices"]) == 8 and st["measured_bytes"] > 0
     assert abs(st["measured_bytes"] / st["predicted_bytes"] - 1) <= 0.20, st
     assert mem["process_rss_peak_bytes"] >= mem["process_rss_start_bytes"] > 0
+    # another array on the devices (another runner's, a batch the caller keeps) is not this plan's memory
+    other = jax.device_put(jnp.ones((1 << 20,), jnp.float32), jax.devices()[0])
+    again = runner.measure_memory()["stages"][0]
+    assert again["per_device_bytes"] == st["per_device_bytes"] and other.size
 
 
 def test_forward_keeps_what_the_plan_prices(tiny):

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any, Sequence
@@ -44,7 +45,7 @@ from ..plan import plan_object
 from ..simulate import ScheduleStuck, issue_order, task_order
 from .initpart import init_batch
 from .layouts import check_plan_matches, device_mesh, move, stage_device_blocks
-from .memprobe import DeviceMemoryProbe, PeakRSS
+from .memprobe import DeviceMemoryProbe, PeakRSS, live_bytes
 from .partition import StagedModel, split_stages
 from .ring import ring_binds
 
@@ -274,7 +275,9 @@ class Runner:
     def measure_memory(self, batch=None) -> dict:
         """One step (on ``batch``; default the next synthetic batch) with each device's memory measured
         (:mod:`autopar_lab.runtime.memprobe`: live buffers on the device before each program plus what the program
-        adds, from XLA's compiled memory analysis), beside the plan's prediction. A runner that has not stepped yet
+        adds, from XLA's compiled memory analysis), beside the plan's prediction. Arrays on the devices that are not
+        this runner's (another runner's, the caller's) are left out: what a device holds before the step beyond this
+        runner's state is subtracted. A runner that has not stepped yet
         runs one step first (it compiles; its programs would otherwise be compiled twice).
 
         Returns ``{"stages": [{stage, devices, predicted_bytes, measured_bytes (the most of its devices),
@@ -284,6 +287,14 @@ class Runner:
             batch = synthetic_batch(self.model, len(self.losses))
         if not self.losses:
             self.step(batch)
+        # Arrays that are not this runner's (another runner's state, the caller's batches) sit on the same devices:
+        # what a device holds between steps beyond this runner's state is subtracted from its peak.
+        gc.collect()
+        own: dict = {}
+        for x in jax.tree_util.tree_leaves(self._spmd_state if self.mode == "spmd" else self._state):
+            for sh in x.addressable_shards:
+                own[sh.device] = own.get(sh.device, 0) + int(sh.data.nbytes)
+        others = {d: n - own.get(d, 0) for d, n in live_bytes().items()}
         probe = DeviceMemoryProbe()
         self._probe = probe
         if self.mode == "pipeline":
@@ -304,7 +315,7 @@ class Runner:
         stages = []
         for k, st in enumerate(self.plan.stages):
             mine = list(dict.fromkeys(devices[k]))  # an interleaved stage's chunks share its devices
-            per = {str(d): probe.peak.get(d, 0) for d in mine}
+            per = {str(d): probe.peak.get(d, 0) - others.get(d, 0) for d in mine}
             stages.append({"stage": k, "devices": list(per), "predicted_bytes": float(st.peak_mem_bytes),
                            "measured_bytes": max(per.values()), "per_device_bytes": per})
         return {"stages": stages, "process_rss_start_bytes": rss.start, "process_rss_peak_bytes": rss.peak,
