@@ -70,9 +70,16 @@ class DeviceMemoryProbe:
     def __init__(self):
         self.peak: dict[Any, int] = {}
         self.programs = 0
+        # (program, argument shapes and layouts) -> what it adds: lowering traces the program again (seconds for a
+        # large stage), and a pipeline runs each task program once per microbatch on the same shapes
+        self._extra: dict[tuple, int] = {}
 
     def __call__(self, devices: Iterable, fn, args) -> None:
-        extra = program_extra_bytes(fn, args) or 0
+        key = (id(fn), tuple((getattr(a, "shape", None), str(getattr(a, "dtype", "")), getattr(a, "sharding", None))
+                             for a in args))
+        if key not in self._extra:
+            self._extra[key] = program_extra_bytes(fn, args) or 0
+        extra = self._extra[key]
         live = live_bytes()
         self.programs += 1
         for d in devices:
