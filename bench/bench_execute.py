@@ -14,6 +14,13 @@ another plan ran re-warms its programs: 2-4 ms more on the pipelined plans). ``-
 plan per turn with the batch made just before the step (the way this benchmark ran until 2026-12-04: making a batch
 runs ``model.init``, whose work overlapped the timed step; see bench/RESULTS.md).
 
+Memory (issue 31 item 4): after the timed steps, each plan runs one more step with its memory measured
+(:meth:`autopar_lab.Runner.measure_memory`): per device, the live buffers on it before each program the runtime
+launches plus what that program adds (its outputs less donated inputs, and its temporaries, from XLA's compiled
+memory analysis); XLA keeps no memory statistics for CPU devices, and the 8 devices share one process, so its
+resident memory is printed beside them, not per device. The row shows each plan's stage furthest from its predicted
+peak (``Stage.peak_mem_bytes``).
+
 Printed: one row per plan (predicted, measured, measured/predicted), the Spearman rank correlation of predicted and
 measured (computed here: Pearson correlation of the ranks, ties averaged), and whether the auto plan is within 10%
 of the fastest measured plan.
@@ -143,7 +150,23 @@ def measure_all(candidates, model, steps: int, block: int = 4, round_robin: bool
                     if n:
                         timed.append(runner.step_times[-1])
     gc.unfreeze()
-    return [_summary(runner, first, timed) for runner, first, timed in runners]
+    out = [_summary(runner, first, timed) for runner, first, timed in runners]
+    for rep, (runner, _, _) in zip(out, runners):  # one more step each, its memory measured (after the timing)
+        rep["memory"] = runner.measure_memory(_batch(model, steps + 1))
+    return out
+
+
+def _memory_columns(mem: dict) -> dict:
+    """Per stage, the predicted and measured peak bytes per device (the measured one: the most any of the stage's
+    devices held, live buffers plus the running program's outputs and temporaries, runtime.memprobe), and the stage
+    whose ratio is furthest from 1; with the process's resident memory before and at the peak of the step."""
+    pred = [st["predicted_bytes"] for st in mem["stages"]]
+    meas = [st["measured_bytes"] for st in mem["stages"]]
+    ratios = [m / p if p else float("inf") for m, p in zip(meas, pred)]
+    worst = max(range(len(ratios)), key=lambda k: abs(ratios[k] - 1))
+    return {"predicted_peak_bytes": pred, "measured_peak_bytes": meas, "memory_ratios": ratios,
+            "memory_worst_stage": worst, "memory_ratio": ratios[worst],
+            "rss_start_bytes": mem["process_rss_start_bytes"], "rss_peak_bytes": mem["process_rss_peak_bytes"]}
 
 
 def _profile_load(path):
@@ -214,7 +237,7 @@ def main(argv=None) -> dict:
                      # compiled programs launched per step: one in spmd mode; else a forward and a backward per
                      # stage and microbatch, and one update per stage
                      "programs": 1 if rep["mode"] == "spmd" else len(plan.stages) * (2 * plan.microbatches + 1),
-                     "final_loss": rep["losses"][-1]})
+                     "final_loss": rep["losses"][-1], **_memory_columns(rep["memory"])})
     pred = [r["predicted_s"] for r in rows]
     meas = [r["measured_s"] for r in rows]
     rho = spearman(pred, meas)
@@ -233,6 +256,9 @@ def main(argv=None) -> dict:
     # Every plan trains the same model from the same start on the same batches: their losses must agree.
     finals = [r["final_loss"] for r in rows]
     out["final_loss_spread"] = (max(finals) - min(finals)) / abs(statistics.fmean(finals))
+    ratios = [x for r in rows for x in r["memory_ratios"]]
+    out["memory_ratio_range"] = (min(ratios), max(ratios))
+    out["memory_within_20pct"] = all(abs(x - 1) <= 0.20 for x in ratios)
     if args.json:
         print(json.dumps(out, indent=1))
         return out
@@ -244,15 +270,23 @@ def main(argv=None) -> dict:
           f"{out['timing']}; "
           f"load average {out['load_average'][0]:.1f} -> {out['load_average'][1]:.1f}")
     print(f"{'plan':<24} {'stages':>6} {'meshes':<22} {'mb':>3} {'mode':<8} {'programs':>8} {'pred ms':>9} "
-          f"{'meas ms':>9} {'IQR ms':>13} {'meas/pred':>9} {'(meas-pred)/program ms':>22} {'build+1st s':>13}")
+          f"{'meas ms':>9} {'IQR ms':>13} {'meas/pred':>9} {'(meas-pred)/program ms':>22} {'build+1st s':>13} "
+          f"{'mem pred MiB':>12} {'mem meas MiB':>12} {'mem meas/pred':>13}")
     for r in rows:
         meshes = ",".join(f"{a}x{b}" for a, b in r["meshes"])
         print(f"{r['plan']:<24} {r['stages']:>6} {meshes:<22} {r['microbatches']:>3} {r['mode']:<8} "
               f"{r['programs']:>8} {r['predicted_s'] * 1e3:>9.3f} {r['measured_s'] * 1e3:>9.3f} "
               f"{r['measured_iqr_s'][0] * 1e3:>6.1f}-{r['measured_iqr_s'][1] * 1e3:<6.1f} {r['ratio']:>9.2f} "
-              f"{(r['measured_s'] - r['predicted_s']) / r['programs'] * 1e3:>22.2f} {r['first_step_s']:>13.1f}")
+              f"{(r['measured_s'] - r['predicted_s']) / r['programs'] * 1e3:>22.2f} {r['first_step_s']:>13.1f} "
+              f"{r['predicted_peak_bytes'][r['memory_worst_stage']] / 2**20:>12.3f} "
+              f"{r['measured_peak_bytes'][r['memory_worst_stage']] / 2**20:>12.3f} {r['memory_ratio']:>13.2f}")
     print(f"final losses agree across plans to {out['final_loss_spread']:.1e} (relative spread)")
     print(f"Spearman rank correlation (predicted vs measured): {rho:.3f}")
+    ratios = [x for r in rows for x in r["memory_ratios"]]
+    print(f"memory per device, measured / predicted over every stage of every plan: {min(ratios):.2f} - "
+          f"{max(ratios):.2f} (mem columns: the stage furthest from 1; measured = live buffers on the device plus the "
+          f"running program's outputs and temporaries, XLA's figures); process resident memory at the peak "
+          f"{max(r['rss_peak_bytes'] for r in rows) / 2**30:.2f} GiB")
     print(f"fastest measured: {out['fastest']}; auto / fastest = {out['auto_over_fastest']:.3f} "
           f"({'within' if out['auto_within_10pct'] else 'NOT within'} 10%)")
     return out

@@ -193,6 +193,8 @@ def make_spec(name: str, family: str, config: Any, init_params: Callable, make_b
     compiled = {}
 
     def init_fn(seed: int = 0):
+        if isinstance(seed, jax.core.Tracer):  # traced inside another program (runtime.initpart): no jit of its own
+            return init_all(seed)
         # One jitted program (eager init would compile a kernel per parameter shape). On CPU, XLA's backend
         # optimisation is switched off for it: random init then compiles ~4x faster and still runs in milliseconds.
         if "init" not in compiled:

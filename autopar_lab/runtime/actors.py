@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
 import time
 from typing import Any
@@ -147,6 +148,16 @@ class StageWorker:
                 "tasks": [[c, kind, [list(x) for x in sm.sources(c, kind)]] for c in self.chunks for kind in sm.kinds],
                 "updates": [[c, [list(x) for x in sm.update_sources(c)]] for c in self.chunks]}
 
+    def memory(self) -> dict:
+        """What this actor holds: ``state_bytes`` (its stage's step inputs, as sharded, summed over its devices),
+        ``live_bytes`` (every live array of the process, each buffer once: between steps, its state and nothing of
+        the rest of the model), ``peak_rss_bytes`` (the process's peak resident memory so far)."""
+        from .memprobe import live_bytes
+
+        state = sum(int(s.data.nbytes) for x in self.state.values() for s in x.addressable_shards)
+        return {"stage": self.stage, "state_bytes": state, "live_bytes": sum(live_bytes().values()),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
     # --- state ----------------------------------------------------------------------------------------------------
     def _tree(self):
         if self.chunks == [self.stage]:
@@ -236,7 +247,8 @@ class StageWorker:
         chunk's update reads from other stages, such as a gradient another stage finished, or all of them for
         clipping by global norm). Returns its measured times for the step: ``fwd_s``/``bwd_s`` (per microbatch;
         a ZB-H1 backward is B and W, ``wgrad_s`` the W part), ``update_s`` and ``busy_s`` (everything this stage
-        computed), and ``loss`` when this stage holds the step's loss."""
+        computed), ``peak_rss_bytes`` (this actor process's peak resident memory so far), and ``loss`` when this
+        stage holds the step's loss."""
         import jax
         import numpy as np
 
@@ -257,7 +269,7 @@ class StageWorker:
                         continue
                     summed = sm.is_accumulated(n) and np.issubdtype(np.asarray(v).dtype, np.inexact)
                     received[n] = received[n] + v if summed and n in received else v
-            self.states[c], outs = sm.update(c, self.states[c], acc, received)
+            self.states[c], outs = sm.update(c, self.states[c], acc, received, donate=True)
             outputs.update(outs)
         jax.block_until_ready(self.states)
         self._acc = {}
@@ -267,6 +279,8 @@ class StageWorker:
         fwd, bwd, wgt = (self._times.get(kind, []) for kind in ("fwd", "bwd", "wgrad"))
         out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / B, "bwd_s": (sum(bwd) + sum(wgt)) / B,
                "update_s": upd, "busy_s": sum(fwd) + sum(bwd) + sum(wgt) + upd}
+        # the actor process's peak resident memory so far (Linux reports KiB): the job reports it per stage
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if wgt:
             out["wgrad_s"] = sum(wgt) / B
         if sm.loss_output in outputs:

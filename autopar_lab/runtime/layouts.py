@@ -179,6 +179,11 @@ def batch_axis_spec(spec: ShardingSpec | None, rank: int) -> ShardingSpec | None
     return ShardingSpec((spec.dims[0],) + ((),) * (rank - 1))
 
 
+# operators whose operands are pinned as their strategy reads them (each runs on the shards it was priced on: a
+# contraction's reshards are the plan's, not XLA's; a scatter updates its operand's shard, not a whole copy)
+_OPERANDS_PINNED = ("dot_general", "conv_general_dilated", "scatter-add", "scatter")
+
+
 class StageLayouts:
     """Each stage's mesh and the layout of every value on it, for the tasks ``tasks``
     (:class:`~autopar_lab.runtime.taskgraph.TaskGraph`) on the device blocks ``blocks`` (one per stage; None for a
@@ -301,9 +306,15 @@ class StageLayouts:
                 if s is None:
                     continue
                 node = g.op(i)
+                if node.primitive == "broadcast_in_dim":
+                    # a broadcast is never written on its own (graph.fusion: recomputed inside every kernel that
+                    # reads it, as XLA does), so it takes its readers' layout: pinned to its own (often replicated)
+                    # strategy, the zeros a gather's backward scatters into were made whole on every device, the
+                    # full [batch, seq, vocab] logits in float32 where the plan priced a vocabulary shard
+                    continue
                 outs = tuple(named(sp, shape) for sp, shape in zip(s.out_specs, node.out_shapes))
                 operands = None
-                if node.primitive in ("dot_general", "conv_general_dilated") and s.in_specs:
+                if node.primitive in _OPERANDS_PINNED and s.in_specs:
                     operands = tuple(named(sp, g.tensor(t).shape) for sp, t in zip(s.in_specs, node.inputs))
                 if any(outs) or (operands and any(operands)):
                     out[i] = (outs, operands)

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any, Sequence
@@ -42,7 +43,9 @@ import jax
 
 from ..plan import plan_object
 from ..simulate import ScheduleStuck, issue_order, task_order
-from .layouts import batch_of, check_plan_matches, device_mesh, move, stage_device_blocks
+from .initpart import init_batch
+from .layouts import check_plan_matches, device_mesh, move, stage_device_blocks
+from .memprobe import DeviceMemoryProbe, PeakRSS, live_bytes
 from .partition import StagedModel, split_stages
 from .ring import ring_binds
 
@@ -50,8 +53,9 @@ __all__ = ["Runner", "execute", "synthetic_batch"]
 
 
 def synthetic_batch(model, seed: int):
-    """The model's own synthetic batch for ``seed`` (the batch of ``model.init(seed)``)."""
-    return batch_of(model, model.init(seed))
+    """The model's own synthetic batch for ``seed`` (the batch of ``model.init(seed)``, made without the parameters
+    and optimizer state: :func:`~autopar_lab.runtime.initpart.init_batch`)."""
+    return init_batch(model, seed)
 
 
 def _block(tree):
@@ -80,6 +84,7 @@ class Runner:
         #: the operators run as ring attention (the plan's ring-marked matmuls usable on their mesh)
         self.ring_ops: tuple[int, ...] = ()
         self._compiler_options = dict(compiler_options) if compiler_options else None
+        self._probe: DeviceMemoryProbe | None = None  # set while measure_memory runs its step
         self.mode = "pipeline"
         if mode == "spmd" or (mode == "auto" and single):
             if not single:
@@ -133,6 +138,8 @@ class Runner:
         parts = (batch,) if len(batch_argnums) == 1 else tuple(batch)
         for i, b in zip(batch_argnums, parts):
             args[i] = jax.tree_util.tree_map(move, b, self._replay.in_shardings[i])
+        if self._probe is not None:
+            self._probe(self.mesh.devices.flat, self._spmd_step, args)
         t0 = time.perf_counter()
         outs = jax.tree_util.tree_leaves(self._spmd_step(*args))
         new_leaf, loss_index = self._spmd_io
@@ -213,7 +220,7 @@ class Runner:
         acc = [{key: val for kind in sm.kinds for key, val in acc.get((k, kind), {}).items()} for k in range(S)]
         for k in range(S):  # every stage's update reads the state as it was before any update
             received = {name: acc[src].get(name, self._state[src].get(name)) for name, src in sm.update_inputs(k)}
-            st, outs = sm.update(k, self._state[k], acc[k], received)
+            st, outs = sm.update(k, self._state[k], acc[k], received, donate=True)
             new_state.append(st)
             outputs.update(outs)
         self._state = new_state
@@ -264,6 +271,55 @@ class Runner:
         """Each stage's step inputs (flat dicts keyed by path, ``"args[0]['wte']"``; per chunk for an interleaved plan,
         chunk ``c`` on plan stage ``c % p``); one full pytree in spmd mode."""
         return [self.params] if self.mode == "spmd" else list(self._state)
+
+    def measure_memory(self, batch=None) -> dict:
+        """One step (on ``batch``; default the next synthetic batch) with each device's memory measured
+        (:mod:`autopar_lab.runtime.memprobe`: live buffers on the device before each program plus what the program
+        adds, from XLA's compiled memory analysis), beside the plan's prediction. Arrays on the devices that are not
+        this runner's (another runner's, the caller's) are left out: what a device holds before the step beyond this
+        runner's state is subtracted. A runner that has not stepped yet
+        runs one step first (it compiles; its programs would otherwise be compiled twice).
+
+        Returns ``{"stages": [{stage, devices, predicted_bytes, measured_bytes (the most of its devices),
+        per_device_bytes}], "process_rss_start_bytes", "process_rss_peak_bytes", "loss"}``: the process's resident
+        memory before and at its peak during the step (all devices of this process together)."""
+        if batch is None:
+            batch = synthetic_batch(self.model, len(self.losses))
+        if not self.losses:
+            self.step(batch)
+        # Arrays that are not this runner's (another runner's state, the caller's batches) sit on the same devices:
+        # what a device holds between steps beyond this runner's state is subtracted from its peak.
+        gc.collect()
+        own: dict = {}
+        for x in jax.tree_util.tree_leaves(self._spmd_state if self.mode == "spmd" else self._state):
+            for sh in x.addressable_shards:
+                own[sh.device] = own.get(sh.device, 0) + int(sh.data.nbytes)
+        others = {d: n - own.get(d, 0) for d, n in live_bytes().items()}
+        probe = DeviceMemoryProbe()
+        self._probe = probe
+        if self.mode == "pipeline":
+            self.staged.probe = probe
+        try:
+            with PeakRSS() as rss:
+                loss = self.step(batch)
+        finally:
+            self._probe = None
+            if self.mode == "pipeline":
+                self.staged.probe = None
+        if self.mode == "pipeline":
+            blocks = [list(self.staged.mesh(c).devices.flat) for c in range(self.staged.num_stages)]
+            devices = [[d for c, b in enumerate(blocks) if self.staged.device_stage[c] == k for d in b]
+                       for k in range(len(self.plan.stages))]
+        else:
+            devices = [list(self.mesh.devices.flat)]
+        stages = []
+        for k, st in enumerate(self.plan.stages):
+            mine = list(dict.fromkeys(devices[k]))  # an interleaved stage's chunks share its devices
+            per = {str(d): probe.peak.get(d, 0) - others.get(d, 0) for d in mine}
+            stages.append({"stage": k, "devices": list(per), "predicted_bytes": float(st.peak_mem_bytes),
+                           "measured_bytes": max(per.values()), "per_device_bytes": per})
+        return {"stages": stages, "process_rss_start_bytes": rss.start, "process_rss_peak_bytes": rss.peak,
+                "loss": loss}
 
     def measured_step_s(self) -> float | None:
         """Median wall time of the steps after the first (which compiles); None before two steps."""

@@ -79,6 +79,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ..graph.capture import capture_program
+from .initpart import init_leaves
 from .layouts import StageLayouts, check_plan_matches, move, stage_device_blocks
 from .taskgraph import TaskGraph, is_inexact
 
@@ -109,7 +110,9 @@ class StagedModel:
         self.schedule = plan.schedule
         self.microbatches = M = int(plan.microbatches)
         self._compiled: dict = {}
-        self._init_cache: dict = {}
+        #: called as ``probe(devices, program, args)`` before each stage program runs, when set (None: nothing);
+        #: :class:`~autopar_lab.runtime.memprobe.DeviceMemoryProbe` measures each device's peak memory with it
+        self.probe = None
         self._split_inputs(model, M)
         prog = capture_program(model.step_fn, *self._mb_args, batch_argnums=model.batch_argnums,
                                param_argnums=model.param_argnums, opt_state_argnums=self._opt_argnums)
@@ -235,24 +238,15 @@ class StagedModel:
         return self.layouts.op_shardings(k)
 
     # --- init, batches, merge -----------------------------------------------------------------------------------
-    def _full_init(self, seed):
-        if seed not in self._init_cache:
-            self._init_cache = {seed: self.model.init(seed)}
-        return self._init_cache[seed]
-
-    def _leaf_values(self, args) -> dict[int, Any]:
-        """Tensor id -> value of every non-batch leaf of a step's arguments."""
-        out, it = {}, iter(self._g.inputs)
-        for i, a in enumerate(args):
-            for x in jax.tree_util.tree_leaves(a):
-                out[next(it)] = x
-        return {t: v for t, v in out.items() if t not in set(self.tasks.batch_tids)}
-
     def init_state(self, k: int, seed: int = 0) -> dict:
-        """The step inputs stage k holds, ``{path: array}``: its slice of ``model.init(seed)`` (same numbers), placed
-        on its mesh by the plan's shardings."""
-        values = self._leaf_values(self._full_init(seed))
-        return self.place_state(k, {self.tasks.names[t]: values[t] for t in self.tasks.held[self.tasks.check_stage(k)]})
+        """The step inputs stage k holds, ``{path: array}``: its slice of ``model.init(seed)`` (same numbers), made
+        alone and placed on its mesh by the plan's shardings (:func:`~autopar_lab.runtime.initpart.init_leaves`: the
+        stage never holds the rest of the model, not even while it starts)."""
+        held = self.tasks.held[self.tasks.check_stage(k)]
+        position = {t: i for i, t in enumerate(self._g.inputs)}
+        values = init_leaves(self.model, seed, [position[t] for t in held],
+                             [self.layouts.sharding_of(k, t) for t in held])
+        return {self.tasks.names[t]: x for t, x in zip(held, values)}
 
     def place_state(self, k: int, state: dict) -> dict:
         """``state`` (``{path: array}``) put on stage k's mesh with the plan's shardings."""
@@ -403,6 +397,8 @@ class StagedModel:
             vals += [acc[self.tasks.names[t]] for t in acc_out]
         else:
             vals += list(self._acc_zeros(k, kind))
+        if self.probe is not None:
+            self.probe(self.mesh(k).devices.flat, fn, vals)
         e, s, a = fn(*vals)
         return TaskResult({self.tasks.names[t]: v for t, v in zip(exports, e)}, dict(zip(stash_out, s)),
                           {self.tasks.names[t]: v for t, v in zip(acc_out, a)})
@@ -421,8 +417,8 @@ class StagedModel:
             self._compiled[key] = jax.jit(add, compiler_options=self.compiler_options)
         return self._compiled[key](acc, part)
 
-    def _update_fn(self, k):
-        key = ("update", k)
+    def _update_fn(self, k, donate: bool = False):
+        key = ("update", k, donate)
         if key in self._compiled:
             return self._compiled[key]
         info = self.tasks.updates[k]
@@ -453,17 +449,26 @@ class StagedModel:
                               for v, sh in zip((val(new_of[t]) if t in new_of else val(t) for t in held), state_sh))
             return new_state, tuple(val(g.op(o).inputs[0]) for o in results)
 
-        fn = jax.jit(run, compiler_options=self.compiler_options)
+        # The old state is donated where the runners ask: the new one is written over it, as an optimizer updates
+        # in place (kept, a stage held its parameters and optimizer state twice while updating: its peak, 1.2x the
+        # plan's, on gpt-350m's first stage). A value another stage's update reads is not (it reads the state as it
+        # was before the step).
+        shared = {self.tasks.var_of[name] for j in range(self.num_stages) for name, _ in self.update_inputs(j)}
+        given = tuple(n for n, t in enumerate(ins) if t in info.state and t not in shared) if donate else ()
+        fn = jax.jit(run, compiler_options=self.compiler_options, donate_argnums=given)
         self._compiled[key] = (fn, ins, results)
         return self._compiled[key]
 
-    def update(self, k: int, state: dict, acc: dict, received: dict | None = None) -> tuple[dict, dict]:
+    def update(self, k: int, state: dict, acc: dict, received: dict | None = None, *,
+               donate: bool = False) -> tuple[dict, dict]:
         """Stage k's part of the update, once per step: ``(new_state, outputs)``. ``acc``: this stage's accumulated
         values (:meth:`accumulate` over the microbatches); ``received``: what :meth:`update_inputs` names, from the
         other stages. ``outputs``: the step's outputs this stage holds that are not new values of its inputs, by
-        output index (the loss is output :attr:`loss_output`)."""
+        output index (the loss is output :attr:`loss_output`). ``donate=True`` (the runners'): ``state``'s arrays are
+        donated (the new state is written into their buffers, and they are deleted), except those another stage's
+        update reads."""
         info = self.tasks.updates[self.tasks.check_stage(k)]
-        fn, ins, results = self._update_fn(k)
+        fn, ins, results = self._update_fn(k, bool(donate))
         received = received or {}
         vals = []
         for t in ins:
@@ -476,6 +481,8 @@ class StagedModel:
                 if name not in received:
                     raise ValueError(f"stage {k}'s update needs {name!r} from another stage.")
                 vals.append(self.receive(k, name, received[name]))
+        if self.probe is not None:
+            self.probe(self.mesh(k).devices.flat, fn, vals)
         new_state, outs = fn(*vals)
         names = [self.tasks.names[t] for t in self.tasks.held[k]]
         index = {o: n for n, o in enumerate(self.tasks.outputs)}

@@ -152,7 +152,8 @@ def job_spec(plan, model, steps: int, *, options: RunOptions = RunOptions(), env
         "resume": bool(resume), "overwrite": bool(overwrite), "run_id": uuid.uuid4().hex[:12], "device_kind": kind,
         "compiler_options": dict(compiler_options or {}), "max_restarts": int(max_restarts), "env_vars": env_vars,
         "batch_size": int(_batch_size(model)),
-        "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s} for st in plan.stages],
+        "predicted": [{"fwd_s": st.fwd_s, "bwd_s": st.bwd_s, "peak_mem_bytes": st.peak_mem_bytes}
+                      for st in plan.stages],
         "predicted_step_s": plan.cost.step_time_s,
     }
 
@@ -313,7 +314,12 @@ def _summary_rows(job: dict, per_step: list[list[dict]]) -> list[dict]:
                      "measured_fwd_s": med["fwd_s"], "measured_bwd_s": med["bwd_s"],
                      "measured_update_s": med["update_s"], "measured_busy_s": med["busy_s"],
                      "fwd_ratio": (med["fwd_s"] / pred["fwd_s"]) if med["fwd_s"] and pred["fwd_s"] else None,
-                     "bwd_ratio": (med["bwd_s"] / pred["bwd_s"]) if med["bwd_s"] and pred["bwd_s"] else None})
+                     "bwd_ratio": (med["bwd_s"] / pred["bwd_s"]) if med["bwd_s"] and pred["bwd_s"] else None,
+                     # the stage actor's peak resident memory (its whole process: JAX, compiled programs, buffers),
+                     # beside the plan's peak per device (the actor runs the stage's devices)
+                     "predicted_peak_mem_bytes": pred.get("peak_mem_bytes"),
+                     "peak_rss_bytes": max((s[k].get("peak_rss_bytes", 0) for s in per_step if len(s) > k),
+                                           default=None)})
     return rows
 
 
