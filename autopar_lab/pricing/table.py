@@ -70,16 +70,21 @@ def mesh_signature(mesh: LogicalMesh) -> tuple:
     return (mesh.cluster.device, tuple(axes))
 
 
-def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple[int, int]]:
+def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int], space: str = "full") -> list[tuple[int, int]]:
     """The submesh's logical mesh shapes, keeping the first of each group with the same :func:`mesh_signature`
-    (their layer costs are the same, so the stage DP needs only one and the intra-op pass solves only one).
+    (their layer costs are the same, so the stage DP needs only one and the intra-op pass solves only one). In the
+    "scale" space (:func:`scale_space`: ``space`` names it, or is "auto" on a cluster that large) a view with both
+    axes split keeps axis 1 inside one scale-up domain.
 
     >>> from autopar_lab.cluster import Cluster
     >>> distinct_mesh_shapes(Cluster.preset("p3.16xlarge"), (1, 8))
     [(1, 8), (2, 4), (4, 2)]
     """
     out, seen = [], set()
-    for shape in cluster.logical_mesh_shapes(submesh):
+    shapes = cluster.logical_mesh_shapes(submesh)
+    if scale_space(cluster, space):
+        shapes = [(a, b) for a, b in shapes if a == 1 or b == 1 or b <= cluster.devices_per_domain]
+    for shape in shapes:
         sig = mesh_signature(cluster.logical_mesh(submesh, shape))
         if sig not in seen:
             seen.add(sig)
@@ -90,10 +95,33 @@ def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple
 #: How :meth:`CostTable.build` gets a deep zoo model's graph: "auto" (derived from shallow copies where they
 #: follow the pattern, :mod:`~autopar_lab.pricing.deepmap`, the full graph traced when first read), "full" (traced).
 TRACE_MODES = ("auto", "full")
-#: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "auto" (full up
-#: to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above).
-SPACES = ("auto", "full", "divisors")
+#: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "scale" (see
+#: :func:`scale_space`), "auto" (full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above, scale from
+#: ``SCALE_SPACE_MIN_HOSTS`` hosts on where the host count is a power of two).
+SPACES = ("auto", "full", "divisors", "scale")
 FULL_SPACE_MAX_HOSTS = 4
+#: From this many hosts on, a power-of-two cluster is planned in the "scale" space by default (issue 36: Llama 3
+#: 405B on 2,048 DGX H100 hosts, DeepSeek-V3 on 256 H800 hosts); below, no plan changes (the golden plans, the
+#: 1T on 384 and 530B on 315 hosts of bench/RESULTS.md are unaffected).
+SCALE_SPACE_MIN_HOSTS = 256
+
+
+def scale_space(cluster: Cluster, space: str) -> bool:
+    """Whether ``space`` plans ``cluster`` in the "scale" space: named, or "auto" on a power-of-two cluster of at
+    least ``SCALE_SPACE_MIN_HOSTS`` hosts.
+
+    The scale space is the divisors space cut twice, an approximation whose gap ``bench/RESULTS.md`` records
+    ("Planning at 16,384 GPUs"): submeshes of a power-of-two host count only (they tile a power-of-two cluster, and
+    every Megatron-LM layout of such a cluster is one); and a logical mesh with both axes split keeps its fast axis
+    (axis 1, the tensor axis of a Megatron layout) inside one scale-up domain, as Megatron-LM and Llama 3 keep
+    tensor parallelism inside the NVLink domain. The one-axis view of every submesh, which may span hosts, stays.
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> [scale_space(Cluster.preset("dgx-h100", hosts=n), "auto") for n in (128, 256, 384)]
+    [False, True, False]
+    """
+    n = cluster.hosts
+    return space == "scale" or (space == "auto" and n >= SCALE_SPACE_MIN_HOSTS and n & (n - 1) == 0)
 #: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
 POOL_MIN_MESHES = 16
 #: A mesh's solutions the stage DP may choose from: the fastest (the time-only ILP) and the memory-lean one
@@ -114,7 +142,8 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     their best layer costs 5 to 50 times the device-seconds of the others); at 64 hosts they are 52 of 67 shapes
     and 326 of 412 logical meshes, and leaving them out gives the same plan; GPT-39B on 8 p3 hosts (Alpa's case)
     too, with 22 of 40 meshes (``bench/RESULTS.md``). An approximation all the same: ``"full"`` searches Alpa's
-    whole space. ``"auto"``: full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above.
+    whole space. ``"scale"``: see :func:`scale_space`. ``"auto"``: full up to ``FULL_SPACE_MAX_HOSTS`` hosts,
+    divisors above, scale on a power-of-two cluster of ``SCALE_SPACE_MIN_HOSTS`` hosts or more.
 
     >>> from autopar_lab.cluster import Cluster
     >>> c = Cluster.preset("dgx-a100", hosts=24)
@@ -126,6 +155,8 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     shapes = [(int(n), int(m)) for n, m in cluster.submesh_shapes()]
     if space == "full" or (space == "auto" and cluster.hosts <= FULL_SPACE_MAX_HOSTS):
         return shapes
+    if scale_space(cluster, space):  # power-of-two host counts (and the whole cluster)
+        return [(n, m) for n, m in shapes if n & (n - 1) == 0 or n == cluster.hosts]
     M, N = cluster.devices_per_host, cluster.hosts
     return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
 
@@ -302,7 +333,7 @@ class CostTable:
     def _start_pool(small: OpGraph, cluster: Cluster, solver: str, space: str, workers: int) -> MeshPool | None:
         """Worker processes solving every planned mesh of the copy ``small`` (None below ``POOL_MIN_MESHES``)."""
         keys = [(sub, shape) for sub in planning_submeshes(cluster, batch_size(small), space)
-                for shape in distinct_mesh_shapes(cluster, sub)]
+                for shape in distinct_mesh_shapes(cluster, sub, space)]
         if len(keys) < POOL_MIN_MESHES:
             return None
         keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
@@ -513,8 +544,10 @@ class CostTable:
         new._choices = {k: self._choices[k] for k in keep}
         new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
         new._arrays = {k: v for k, v in self._arrays.items() if k in new._mesh}
-        # Which views of a submesh are distinct depends on the links: kept only when they are the same.
-        new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same else {}
+        # Which views of a submesh are distinct depends on the links, and which are searched on the host count
+        # (scale_space): kept only when both are the same.
+        same_views = same and scale_space(cluster, self.space) == scale_space(self.cluster, self.space)
+        new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same_views else {}
         # First passes are keyed by axis 0's collective profile, not by the device: kept with the same device.
         new._memo = dict(self._memo) if cluster.device == self.cluster.device else {}
         return new
@@ -625,7 +658,7 @@ class CostTable:
         """The submesh's distinct logical mesh shapes (:func:`distinct_mesh_shapes`), cached."""
         sub = tuple(submesh)
         if sub not in self._shapes:
-            self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub)
+            self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub, self.space)
         return self._shapes[sub]
 
     def candidates(self, start: int, end: int, submesh, microbatches: int, remat=REMAT_CHOICES):
