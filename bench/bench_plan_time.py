@@ -20,7 +20,8 @@ process and of any worker (getrusage); "load" the machine's 1-minute load averag
 
 - Today's largest runs (issue 36), each followed by a line with the plan found and one with the published layout
   priced on the same table (``al.megatron_plan``): ``llama3-405b@2048`` (sequence 8,192, batch 2,048 sequences,
-  bf16, on 2,048 DGX H100 hosts; published TP 8 x PP 16 x DP 128, 16 microbatches, interleaved, ZeRO-2-like:
+  bf16, on 2,048 DGX H100 hosts; published TP 8 (sequence-parallel) x PP 16 x DP 128, 16 microbatches,
+  interleaved, ZeRO-2-like:
   the Llama 3 paper's Table 4 at 16,384 GPUs) and ``deepseek-v3@256`` (sequence 4,096, batch 15,360, on 256 H800
   hosts; published PP 16 x EP 64 x DP 128, microbatch 1, its DualPipe priced as ZB-H1). Both plan in the "scale"
   space by default (``pricing.table.scale_space``); ``llama3-405b@64`` and the like plan the same models on
@@ -68,7 +69,8 @@ MEGATRON = {  # name: (devices, layers, hidden, heads, batch)
 
 TODAY = {  # name: (preset, model keywords, published megatron_plan keywords at its published host count)
     "llama3-405b": ("dgx-h100", dict(seq_len=8192, batch_size=2048),
-                    (2048, dict(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", zero=2))),
+                    (2048, dict(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", zero=2,
+                                sequence_parallel=True))),
     "deepseek-v3": ("h800", dict(seq_len=4096, batch_size=15360),
                     (256, dict(dp=128, tp=1, pp=16, ep=64, microbatches=120, schedule="zb-h1"))),
 }

@@ -77,3 +77,19 @@ def test_a_model_planned_on_256_hosts_plans_in_the_scale_space_end_to_end():
     for st in plan.stages:
         assert (tuple(st.submesh), tuple(st.logical_mesh)) in keys
     assert sum(st.submesh[0] * st.submesh[1] for st in plan.stages) <= c.num_devices
+
+
+@pytest.mark.parametrize("spec", ["dgx-h100:16", "gb200-nvl72:36", "p3.16xlarge:6", "tpu-v5p:128"])
+def test_hosts_and_domains_an_axis_spans_equal_counting_each_group(spec):
+    """axis_hosts / axis_domains (counted on sorted rows, for all groups at once) against a set per group."""
+    import numpy as np
+
+    c = al.Cluster.parse(spec)
+    for sub in c.submesh_shapes()[-4:]:
+        for shape in c.logical_mesh_shapes(sub):
+            m = c.logical_mesh(sub, shape)
+            d = np.asarray(m.devices)
+            for axis, groups in ((0, d.T), (1, d), ((0, 1), d.reshape(1, -1))):
+                for unit, got in ((c.devices_per_host, m.axis_hosts(axis)), (c.devices_per_domain,
+                                                                              m.axis_domains(axis))):
+                    assert got == max(len(set((row // unit).tolist())) for row in groups), (sub, shape, axis)

@@ -431,7 +431,8 @@ class CostTable:
         """The planned meshes whose lean solution can matter to the stage DP under ``mem_limit_bytes`` (per
         device), by :attr:`lean`: "all": every one; "off": none; "auto": those on which the fast solution cannot
         hold some single layer as a stage (with ``microbatches``, the most the DP tries, and rematerialised: its
-        least memory), so that every layer range including it is out of reach there. A stage always holds a layer,
+        least memory), so that every layer range including it is out of reach there; in the "scale" space
+        (:func:`scale_space`) every one. A stage always holds a layer,
         and planning a model that fits replicated (GPT-39B on A100s) solves no lean ILP at all; where the fast
         solution holds every layer but not the ranges a pipeline needs, the planner asks again for every mesh when
         the DP finds no plan (:meth:`solve_lean`)."""
@@ -442,6 +443,11 @@ class CostTable:
         alone (solved on first use), so a table can decide as each mesh's fast ILP arrives."""
         if self.lean != "auto":
             return self.lean == "all"
+        if scale_space(self.cluster, self.space):
+            # At this size every layer alone fits somewhere fast, but the ranges a pipeline needs do not: Llama 3
+            # 405B on 2,048 DGX H100 hosts solved no lean ILP by the rule below, and the one plan that fitted was a
+            # single stage on 16,384 devices, 1,000 times slower than a pipeline (issue 36). Every mesh, then.
+            return True
         sub, shape = key[0], key[1]
         L = len(self.layer_names)
         entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
