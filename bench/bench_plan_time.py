@@ -23,7 +23,8 @@ process and of any worker (getrusage); "load" the machine's 1-minute load averag
   bf16, on 2,048 DGX H100 hosts; published TP 8 (sequence-parallel) x PP 16 x DP 128, 16 microbatches,
   interleaved, ZeRO-2-like:
   the Llama 3 paper's Table 4 at 16,384 GPUs) and ``deepseek-v3@256`` (sequence 4,096, batch 15,360, on 256 H800
-  hosts; published PP 16 x EP 64 x DP 128, microbatch 1, its DualPipe priced as ZB-H1). Both plan in the "scale"
+  hosts; published PP 16 x EP 64 x DP 128, microbatch 1, its DualPipe priced as ZB-H1; EP priced as 128, over the
+  stage's whole data-parallel group: a Megatron layout's (128, 1) mesh has no axis of 64). Both plan in the "scale"
   space by default (``pricing.table.scale_space``); ``llama3-405b@64`` and the like plan the same models on
   fewer hosts (the published layout then left out).
 
@@ -72,7 +73,7 @@ TODAY = {  # name: (preset, model keywords, published megatron_plan keywords at 
                     (2048, dict(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", zero=2,
                                 sequence_parallel=True))),
     "deepseek-v3": ("h800", dict(seq_len=4096, batch_size=15360),
-                    (256, dict(dp=128, tp=1, pp=16, ep=64, microbatches=120, schedule="zb-h1"))),
+                    (256, dict(dp=128, tp=1, pp=16, ep=128, microbatches=120, schedule="zb-h1"))),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.pricing import distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
-from autopar_lab.pricing.table import SCALE_SPACE_MIN_HOSTS
+from autopar_lab.pricing.space import SCALE_SPACE_MIN_HOSTS
 
 
 def meshes(cluster, batch, space):

@@ -25,12 +25,9 @@ from .table import (
     CostTable,
     StageBlock,
     as_graph,
-    distinct_mesh_shapes,
-    mesh_signature,
-    planning_submeshes,
-    scale_space,
     solve_graph_for,
 )
+from .space import distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
 
 __all__ = [
     "CostTable", "HEAVY_PRIMITIVES", "LAUNCH_OVERHEAD_S", "LayerCost", "LazyIntraPlan", "OpMap", "PARTS",
