@@ -15,15 +15,15 @@ def meshes(cluster, batch, space):
             for shape in distinct_mesh_shapes(cluster, sub, space)]
 
 
-def test_llama3_on_2048_dgx_h100_hosts_plans_on_51_meshes_counted_by_hand():
-    """2,048 hosts of 8: submeshes (1, 1), (1, 2), (1, 4), (1, 8) and (2^k, 8) for k = 1..11. Views: (1, 2) one;
-    (1, 4) two ((1, 4), (2, 2)); (1, 8) three ((1, 8), (2, 4), (4, 2)); each (n, 8) four: the one-axis view and
-    axis 1 of 2, 4 or 8 devices (inside the host); 1 + 1 + 2 + 3 + 11 x 4 = 51 (106 in the divisors space)."""
+def test_llama3_on_2048_dgx_h100_hosts_plans_on_47_meshes_counted_by_hand():
+    """2,048 hosts of 8: submeshes of whole hosts, (1, 8) and (2^k, 8) for k = 1..11. Views: (1, 8) three ((1, 8),
+    (2, 4), (4, 2)); each (n, 8) four: the one-axis view and axis 1 of 2, 4 or 8 devices (inside the host);
+    3 + 11 x 4 = 47 (106 in the divisors space)."""
     c = al.Cluster.parse("dgx-h100:2048")
     assert scale_space(c, "auto")
     subs = planning_submeshes(c, 2048, "auto")
-    assert subs == [(1, 1), (1, 2), (1, 4), (1, 8)] + [(2 ** k, 8) for k in range(1, 12)]
-    assert len(meshes(c, 2048, "auto")) == 51
+    assert subs == [(1, 8)] + [(2 ** k, 8) for k in range(1, 12)]
+    assert len(meshes(c, 2048, "auto")) == 47
     assert len(meshes(c, 2048, "divisors")) == 106
     for sub, (a, b) in meshes(c, 2048, "auto"):
         assert a == 1 or b == 1 or b <= c.devices_per_domain
@@ -31,11 +31,11 @@ def test_llama3_on_2048_dgx_h100_hosts_plans_on_51_meshes_counted_by_hand():
 
 def test_deepseek_on_256_h800_hosts_keeps_power_of_two_submeshes_only():
     """15,360 sequences split over 3, 5, 6, 10 ... hosts too (the divisors space keeps 30 submeshes); the scale
-    space keeps 1, 2, 4 ... 256 hosts: 12, and 1 + 1 + 2 + 3 + 8 x 4 = 39 meshes."""
+    space keeps 1, 2, 4 ... 256 hosts: 9, and 3 + 8 x 4 = 35 meshes."""
     c = al.Cluster.parse("h800:256")
     assert len(planning_submeshes(c, 15360, "divisors")) == 30
-    assert planning_submeshes(c, 15360, "auto") == [(1, 1), (1, 2), (1, 4), (1, 8)] + [(2 ** k, 8) for k in range(1, 9)]
-    assert len(meshes(c, 15360, "auto")) == 39
+    assert planning_submeshes(c, 15360, "auto") == [(1, 8)] + [(2 ** k, 8) for k in range(1, 9)]
+    assert len(meshes(c, 15360, "auto")) == 35
 
 
 @pytest.mark.parametrize("spec", ["dgx-a100:128", "dgx-a100:384", "dgx-a100:315", "p3.16xlarge:8"])

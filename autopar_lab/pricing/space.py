@@ -27,11 +27,13 @@ def scale_space(cluster: Cluster, space: str) -> bool:
     """Whether ``space`` plans ``cluster`` in the "scale" space: named, or "auto" on a power-of-two cluster of at
     least ``SCALE_SPACE_MIN_HOSTS`` hosts.
 
-    The scale space is the divisors space cut twice, an approximation whose gap ``bench/RESULTS.md`` records
-    ("Planning at 16,384 GPUs"): submeshes of a power-of-two host count only (they tile a power-of-two cluster, and
-    every Megatron-LM layout of such a cluster is one); and a logical mesh with both axes split keeps its fast axis
-    (axis 1, the tensor axis of a Megatron layout) inside one scale-up domain, as Megatron-LM and Llama 3 keep
-    tensor parallelism inside the NVLink domain. The one-axis view of every submesh, which may span hosts, stays.
+    The scale space is the divisors space cut three times, an approximation whose gap ``bench/RESULTS.md`` records
+    ("Planning at 16,384 GPUs"): submeshes of whole hosts only (a stage of 1, 2 or 4 GPUs among thousands makes
+    the stage DP count free devices one by one, 8 times the columns of counting hosts); of a power-of-two host
+    count only (they tile a power-of-two cluster, and every Megatron-LM layout of such a cluster is one); and a
+    logical mesh with both axes split keeps its fast axis (axis 1, the tensor axis of a Megatron layout) inside one
+    scale-up domain, as Megatron-LM and Llama 3 keep tensor parallelism inside the NVLink domain. The one-axis view
+    of every submesh, which may span hosts, stays.
 
     >>> from autopar_lab.cluster import Cluster
     >>> [scale_space(Cluster.preset("dgx-h100", hosts=n), "auto") for n in (128, 256, 384)]
@@ -105,7 +107,7 @@ def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -
     shapes = [(int(n), int(m)) for n, m in cluster.submesh_shapes()]
     if space == "full" or (space == "auto" and cluster.hosts <= FULL_SPACE_MAX_HOSTS):
         return shapes
-    if scale_space(cluster, space):  # power-of-two host counts (and the whole cluster)
-        return [(n, m) for n, m in shapes if n & (n - 1) == 0 or n == cluster.hosts]
     M, N = cluster.devices_per_host, cluster.hosts
+    if scale_space(cluster, space):  # whole hosts, power-of-two host counts (and the whole cluster)
+        return [(n, m) for n, m in shapes if m == M and (n & (n - 1) == 0 or n == N)]
     return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
