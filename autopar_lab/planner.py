@@ -77,8 +77,9 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
     them). ``mem_limit_bytes``: bytes per device (default: the device's memory). ``on_progress(message, done,
     total)``: called as each mesh's ILP finishes. ``table``: a :class:`CostTable` built for this model and cluster
     (its ILPs are reused; ``model`` and ``cluster`` may then be left out). ``space``: the submesh shapes searched
-    when the table is built here (:func:`~autopar_lab.pricing.table.planning_submeshes`: ``"full"``, Alpa's every
-    shape; ``"divisors"``; ``"auto"``, full up to 4 hosts); a given table keeps its own. ``workers``: processes
+    when the table is built here (:func:`~autopar_lab.pricing.space.planning_submeshes`: ``"full"``, Alpa's every
+    shape; ``"divisors"``; ``"scale"``; ``"auto"``, full up to 4 hosts, scale on a power-of-two cluster of 256 hosts
+    or more); a given table keeps its own. ``workers``: processes
     for the intra-op ILPs (:meth:`CostTable.solve_meshes`; default: the cores available, at most 4). A model of
     more than ``LAYER_GRID_MAX`` layers is cut on a grid of blocks (:func:`layer_grid`).
 

@@ -18,8 +18,18 @@ when nothing fits without them); "cpu s" is
 this process's CPU time and "workers cpu s" the ILP worker processes'; "peak GiB" the largest resident set of this
 process and of any worker (getrusage); "load" the machine's 1-minute load average before and after the row.
 
-    .venv/bin/python bench/bench_plan_time.py 48:64 39b@512 1t@3072 [--workers N] [--space full|divisors|auto]
-        [--trace auto|full]
+- Today's largest runs (issue 36), each followed by a line with the plan found and one with the published layout
+  priced on the same table (``al.megatron_plan``): ``llama3-405b@2048`` (sequence 8,192, batch 2,048 sequences,
+  bf16, on 2,048 DGX H100 hosts; published TP 8 (sequence-parallel) x PP 16 x DP 128, 16 microbatches,
+  interleaved, ZeRO-2-like:
+  the Llama 3 paper's Table 4 at 16,384 GPUs) and ``deepseek-v3@256`` (sequence 4,096, batch 15,360, on 256 H800
+  hosts; published PP 16 x EP 64 x DP 128, microbatch 1, its DualPipe priced as ZB-H1; EP priced as 128, over the
+  stage's whole data-parallel group: a Megatron layout's (128, 1) mesh has no axis of 64). Both plan in the "scale"
+  space by default (``pricing.table.scale_space``); ``llama3-405b@64`` and the like plan the same models on
+  fewer hosts (the published layout then left out).
+
+    .venv/bin/python bench/bench_plan_time.py 48:64 39b@512 1t@3072 llama3-405b@2048 [--workers N]
+        [--space full|divisors|scale|auto] [--trace auto|full]
 """
 
 from __future__ import annotations
@@ -58,8 +68,21 @@ MEGATRON = {  # name: (devices, layers, hidden, heads, batch)
 }
 
 
+TODAY = {  # name: (preset, model keywords, published megatron_plan keywords at its published host count)
+    "llama3-405b": ("dgx-h100", dict(seq_len=8192, batch_size=2048),
+                    (2048, dict(dp=128, tp=8, pp=16, microbatches=16, schedule="interleaved", zero=2,
+                                sequence_parallel=True))),
+    "deepseek-v3": ("h800", dict(seq_len=4096, batch_size=15360),
+                    (256, dict(dp=128, tp=1, pp=16, ep=128, microbatches=120, schedule="zb-h1"))),
+}
+
+
 def config(item: str):
     """(label, model, cluster, solver) of one row."""
+    name = item.split("@")[0]
+    if name in TODAY:
+        preset, kw, _ = TODAY[name]
+        return name, al.models.get(name, **kw), al.Cluster.parse(f"{preset}:{item.split('@')[1]}"), "highs"
     if "@" in item:
         name, devices = item.split("@")
         _, layers, hidden, heads, batch = MEGATRON[name]
@@ -114,6 +137,30 @@ def main(argv: list[str]) -> None:
               f"{plan.cost.step_time_s:>10.4g}{time.process_time() - c0:>8.1f}"
               f"{(k1.ru_utime + k1.ru_stime) - (k0.ru_utime + k0.ru_stime):>9.1f}{peak:>9.2f}"
               f"{f'{load0:.1f}->{os.getloadavg()[0]:.1f}':>12}", flush=True)
+        name = item.split("@")[0]
+        if name in TODAY:
+            print(f"    auto: {describe(plan)}", flush=True)
+            hosts, kw = TODAY[name][2]
+            if cluster.hosts == hosts:
+                t1 = time.perf_counter()
+                try:
+                    pub = al.megatron_plan(table=table, **kw)
+                    print(f"    published {kw}: {describe(pub)} ({time.perf_counter() - t1:.1f} s)", flush=True)
+                except ValueError as e:
+                    print(f"    published {kw}: not priced: {e}", flush=True)
+
+
+def describe(plan) -> str:
+    """The plan's stages (meshes and how many), microbatches, schedule, predicted step and largest stage memory."""
+    meshes: dict[str, int] = {}
+    for st in plan.stages:
+        key = f"{st.submesh[0] * st.submesh[1]} GPUs as {tuple(st.logical_mesh)}{', remat' if st.remat else ''}"
+        meshes[key] = meshes.get(key, 0) + 1
+    sched = plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+    mem = max(plan.cost.peak_mem_bytes) / 2 ** 30
+    return (f"{len(plan.stages)} stages ({'; '.join(f'{n} x {k}' for k, n in meshes.items())}), "
+            f"{plan.microbatches} mb, {sched}, step {plan.cost.step_time_s:.4g} s, peak {mem:.1f} GiB of "
+            f"{plan.cost.mem_limit_bytes / 2 ** 30:.0f}{'' if plan.cost.fits else ' (does not fit)'}")
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def test_api_values_are_checked_where_they_enter(model, cluster, plan):
         al.models.get("gpt-tiny", dtype="int8")
     with pytest.raises(ValueError, match="num_layers must be between 1 and 1,024"):
         al.models.get("gpt-tiny", num_layers=100_000)
-    with pytest.raises(ValueError, match="hosts is 1000000000, more than the 1024"):
+    with pytest.raises(ValueError, match="hosts is 1000000000, more than the 4096"):
         al.Cluster.preset("dgx-a100", hosts=1_000_000_000)
     big = dict(cluster.to_dict(), devices_per_host=1099511627776)
     with pytest.raises(ValueError, match="devices_per_host is 1099511627776, more than"):
@@ -228,7 +228,7 @@ def test_cli_refuses_sizes_that_would_hang_or_overflow(capsys, tmp_path):
     one_sentence(capsys, ["graph", "gpt-tiny", "--layers", "100000"], "num_layers", "1,024")
     one_sentence(capsys, ["graph", "gpt-tiny", "--batch", "99999999999999999999"], "batch_size")
     one_sentence(capsys, ["graph", "gpt-tiny", "--dtype", "int8"], "int8", "float32")
-    one_sentence(capsys, ["plan", "gpt-tiny", "--cluster", "dgx-a100:1000000000"], "hosts", "1024")
+    one_sentence(capsys, ["plan", "gpt-tiny", "--cluster", "dgx-a100:1000000000"], "hosts", "4096")
     one_sentence(capsys, ["validate", "mlp", "--devices", "1024"], "--devices", "64")
     cfile = tmp_path / "c.json"
     cfile.write_text('{"hosts": 1, "devices_per_host": 8, "device": {"peak_flops": {"float32": 1e400}}}')

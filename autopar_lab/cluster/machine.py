@@ -29,8 +29,9 @@ __all__ = ["Cluster", "MAX_HOSTS", "MAX_DEVICES_PER_HOST"]
 
 #: Bounds on a cluster's size, checked where a Cluster is made: past them the planner's tables (a submesh shape per
 #: host count, a mesh view per divisor) would take longer than anyone waits. Alpa's largest runs used 8 hosts x 8;
-#: a host of 4,096 devices is the largest TPU v5p slice the presets model (16x16x16).
-MAX_HOSTS = 1024
+#: a host of 4,096 devices is the largest TPU v5p slice the presets model (16x16x16); 2,048 hosts of 8 GPUs are the
+#: 16,384 H100s Llama 3 405B trained on (issue 36), planned with the space pruned above that size.
+MAX_HOSTS = 4096
 MAX_DEVICES_PER_HOST = 4096
 
 

@@ -25,16 +25,14 @@ from .table import (
     CostTable,
     StageBlock,
     as_graph,
-    distinct_mesh_shapes,
-    mesh_signature,
-    planning_submeshes,
     solve_graph_for,
 )
+from .space import distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
 
 __all__ = [
     "CostTable", "HEAVY_PRIMITIVES", "LAUNCH_OVERHEAD_S", "LayerCost", "LazyIntraPlan", "OpMap", "PARTS",
     "StageBlock", "StageSpec", "as_graph", "batch_size", "changed_layer_costs", "cut_bytes", "distinct_mesh_shapes",
-    "hidden_comm_s", "layer_costs", "memory_breakdown", "mesh_signature", "pareto", "planning_submeshes",
+    "hidden_comm_s", "layer_costs", "memory_breakdown", "mesh_signature", "pareto", "planning_submeshes", "scale_space",
     "prefix_sums", "price_stages", "Priced",
     "simulate_pipeline", "solve_graph_for", "stage_cost", "stage_transfers", "table_of", "task_overhead_s",
 ]

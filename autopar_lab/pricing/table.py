@@ -41,6 +41,7 @@ from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
+from .space import SPACES, distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
 
 if TYPE_CHECKING:
@@ -51,49 +52,9 @@ ProgressFn = Callable[[str, int, int], None]
 FollowFn = Callable[[tuple], list]
 
 
-def mesh_signature(mesh: LogicalMesh) -> tuple:
-    """What the intra-op pass sees of a logical mesh: each axis' collective profile (size, hosts spanned, link;
-    :meth:`~autopar_lab.cluster.LogicalMesh.axis_profile`), the cluster's device.
-
-    A mesh with one split axis is the same problem whichever axis it is: (1, 8) and (8, 1) on one host run the same
-    collectives over the same devices, and the ILP finds the same plan with the axis renamed. With both axes split
-    the order matters (the sequential solve decides axis 0 first), so it is kept.
-
-    >>> from autopar_lab.cluster import Cluster
-    >>> c = Cluster.preset("p3.16xlarge")
-    >>> mesh_signature(c.logical_mesh((1, 8), (1, 8))) == mesh_signature(c.logical_mesh((1, 8), (8, 1)))
-    True
-    >>> mesh_signature(c.logical_mesh((1, 8), (2, 4))) == mesh_signature(c.logical_mesh((1, 8), (4, 2)))
-    False
-    """
-    axes = [mesh.axis_profile(a) for a in (0, 1) if mesh.axis_size(a) > 1]
-    return (mesh.cluster.device, tuple(axes))
-
-
-def distinct_mesh_shapes(cluster: Cluster, submesh: Sequence[int]) -> list[tuple[int, int]]:
-    """The submesh's logical mesh shapes, keeping the first of each group with the same :func:`mesh_signature`
-    (their layer costs are the same, so the stage DP needs only one and the intra-op pass solves only one).
-
-    >>> from autopar_lab.cluster import Cluster
-    >>> distinct_mesh_shapes(Cluster.preset("p3.16xlarge"), (1, 8))
-    [(1, 8), (2, 4), (4, 2)]
-    """
-    out, seen = [], set()
-    for shape in cluster.logical_mesh_shapes(submesh):
-        sig = mesh_signature(cluster.logical_mesh(submesh, shape))
-        if sig not in seen:
-            seen.add(sig)
-            out.append((int(shape[0]), int(shape[1])))
-    return out
-
-
 #: How :meth:`CostTable.build` gets a deep zoo model's graph: "auto" (derived from shallow copies where they
 #: follow the pattern, :mod:`~autopar_lab.pricing.deepmap`, the full graph traced when first read), "full" (traced).
 TRACE_MODES = ("auto", "full")
-#: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "auto" (full up
-#: to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above).
-SPACES = ("auto", "full", "divisors")
-FULL_SPACE_MAX_HOSTS = 4
 #: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
 POOL_MIN_MESHES = 16
 #: A mesh's solutions the stage DP may choose from: the fastest (the time-only ILP) and the memory-lean one
@@ -102,32 +63,6 @@ SOLUTIONS = ("fast", LEAN)
 #: When a table solves lean solutions (:attr:`CostTable.lean`): "auto" (where the fast solution cannot hold one of
 #: the model's layers, and everywhere when the DP finds no plan without them), "all" (every planned mesh), "off".
 LEAN_MODES = ("auto", "all", "off")
-
-
-def planning_submeshes(cluster: Cluster, batch_size: int, space: str = "auto") -> list[tuple[int, int]]:
-    """The submesh shapes the stage DP searches, in Alpa's order.
-
-    ``"full"``: every shape of :meth:`Cluster.submesh_shapes` ((1, 1) ... (1, M), (2, M) ... (N, M)). ``"divisors"``:
-    every (1, m), and the (n, M) whose device count divides the batch (data parallelism splits the batch evenly) or
-    whose host count divides the cluster's (a pipeline of equal stages tiles it, Megatron's layouts). The others
-    cannot split the batch over all their devices, and the cost model prices them accordingly (GPT-39B on 512 A100s:
-    their best layer costs 5 to 50 times the device-seconds of the others); at 64 hosts they are 52 of 67 shapes
-    and 326 of 412 logical meshes, and leaving them out gives the same plan; GPT-39B on 8 p3 hosts (Alpa's case)
-    too, with 22 of 40 meshes (``bench/RESULTS.md``). An approximation all the same: ``"full"`` searches Alpa's
-    whole space. ``"auto"``: full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above.
-
-    >>> from autopar_lab.cluster import Cluster
-    >>> c = Cluster.preset("dgx-a100", hosts=24)
-    >>> [n for n, m in planning_submeshes(c, 96, "divisors") if m == 8]
-    [1, 2, 3, 4, 6, 8, 12, 24]
-    """
-    if space not in SPACES:
-        raise ValueError(f"space must be one of {SPACES}, got {space!r}")
-    shapes = [(int(n), int(m)) for n, m in cluster.submesh_shapes()]
-    if space == "full" or (space == "auto" and cluster.hosts <= FULL_SPACE_MAX_HOSTS):
-        return shapes
-    M, N = cluster.devices_per_host, cluster.hosts
-    return [(n, m) for n, m in shapes if n == 1 or batch_size % (n * M) == 0 or N % n == 0]
 
 
 def planned_on_copies(model) -> bool:
@@ -302,7 +237,7 @@ class CostTable:
     def _start_pool(small: OpGraph, cluster: Cluster, solver: str, space: str, workers: int) -> MeshPool | None:
         """Worker processes solving every planned mesh of the copy ``small`` (None below ``POOL_MIN_MESHES``)."""
         keys = [(sub, shape) for sub in planning_submeshes(cluster, batch_size(small), space)
-                for shape in distinct_mesh_shapes(cluster, sub)]
+                for shape in distinct_mesh_shapes(cluster, sub, space)]
         if len(keys) < POOL_MIN_MESHES:
             return None
         keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
@@ -400,7 +335,8 @@ class CostTable:
         """The planned meshes whose lean solution can matter to the stage DP under ``mem_limit_bytes`` (per
         device), by :attr:`lean`: "all": every one; "off": none; "auto": those on which the fast solution cannot
         hold some single layer as a stage (with ``microbatches``, the most the DP tries, and rematerialised: its
-        least memory), so that every layer range including it is out of reach there. A stage always holds a layer,
+        least memory), so that every layer range including it is out of reach there; in the "scale" space
+        (:func:`scale_space`) every one. A stage always holds a layer,
         and planning a model that fits replicated (GPT-39B on A100s) solves no lean ILP at all; where the fast
         solution holds every layer but not the ranges a pipeline needs, the planner asks again for every mesh when
         the DP finds no plan (:meth:`solve_lean`)."""
@@ -411,6 +347,11 @@ class CostTable:
         alone (solved on first use), so a table can decide as each mesh's fast ILP arrives."""
         if self.lean != "auto":
             return self.lean == "all"
+        if scale_space(self.cluster, self.space):
+            # At this size every layer alone fits somewhere fast, but the ranges a pipeline needs do not: Llama 3
+            # 405B on 2,048 DGX H100 hosts solved no lean ILP by the rule below, and the one plan that fitted was a
+            # single stage on 16,384 devices, 1,000 times slower than a pipeline (issue 36). Every mesh, then.
+            return True
         sub, shape = key[0], key[1]
         L = len(self.layer_names)
         entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
@@ -513,8 +454,10 @@ class CostTable:
         new._choices = {k: self._choices[k] for k in keep}
         new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
         new._arrays = {k: v for k, v in self._arrays.items() if k in new._mesh}
-        # Which views of a submesh are distinct depends on the links: kept only when they are the same.
-        new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same else {}
+        # Which views of a submesh are distinct depends on the links, and which are searched on the host count
+        # (scale_space): kept only when both are the same.
+        same_views = same and scale_space(cluster, self.space) == scale_space(self.cluster, self.space)
+        new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same_views else {}
         # First passes are keyed by axis 0's collective profile, not by the device: kept with the same device.
         new._memo = dict(self._memo) if cluster.device == self.cluster.device else {}
         return new
@@ -625,7 +568,7 @@ class CostTable:
         """The submesh's distinct logical mesh shapes (:func:`distinct_mesh_shapes`), cached."""
         sub = tuple(submesh)
         if sub not in self._shapes:
-            self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub)
+            self._shapes[sub] = distinct_mesh_shapes(self.cluster, sub, self.space)
         return self._shapes[sub]
 
     def candidates(self, start: int, end: int, submesh, microbatches: int, remat=REMAT_CHOICES):
