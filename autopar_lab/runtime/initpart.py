@@ -26,7 +26,8 @@ __all__ = ["init_leaves", "init_batch"]
 # model -> {(leaf indices, shardings): jitted program}; weak, so a spec that goes away takes its programs with it
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _UNTRACEABLE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
-                jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError, TypeError)
+                jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError, TypeError,
+                ValueError)  # flax.nnx and keras refuse a traced seed with a ValueError: their init runs whole
 
 
 def _program(model, index: tuple[int, ...], shardings: tuple | None):
