@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import autopar_lab as al
+from autopar_lab.graph.fusion import kernel_view
 from autopar_lab.graph.attention import attention_internals, dots_recomputed
 from autopar_lab.pricing.stage import SUM_FIELDS, stage_cost
 from autopar_lab.pricing.table import CostTable
@@ -178,10 +179,15 @@ def test_selective_stage_trains_like_one_device(model, reference, mode):
     plan = base.with_remat(0, mode)
     sm = split_stages(model, plan, compiler_options=FAST)
     sm0 = split_stages(model, base, compiler_options=FAST)
+    # Every backward also redoes the work a fused step recomputes inside its kernels (elementwise, broadcasts:
+    # kernel_view's inline and free operators), as the runtime does for any stage since the stash holds only what a
+    # kernel writes; beyond that, stage 0 recomputes its mode's operators and stage 1 nothing.
+    roles = kernel_view(plan.graph).roles
+    cheap = {i for i, r in roles.items() if r.kind in ("inline", "free")}
     again = set(sm.task_ops(0, "fwd")) & set(sm.task_ops(0, "bwd"))
     internals = attention_internals(plan.graph) if mode == "selective" else dots_recomputed(plan.graph)
-    assert again and again <= internals
-    assert not set(sm.task_ops(1, "fwd")) & set(sm.task_ops(1, "bwd"))  # stage 1 keeps everything
+    assert again - cheap and again <= internals | cheap
+    assert set(sm.task_ops(1, "fwd")) & set(sm.task_ops(1, "bwd")) <= cheap  # stage 1 keeps what kernels write
     mb = sm.split_batch(model.init(0)[2])[0]
     kept = sm.run_task(0, "fwd", sm.init_state(0, 0), {}, mb).stash
     kept0 = sm0.run_task(0, "fwd", sm0.init_state(0, 0), {}, mb).stash
