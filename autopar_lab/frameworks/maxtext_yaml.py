@@ -6,7 +6,7 @@ against). Modelled: ``ici_{data,fsdp,sequence,expert,tensor,pipeline}_parallelis
 ``dcn_{data,fsdp,pipeline}_parallelism`` (the other ``*_parallelism`` axes must be 1), ``per_device_batch_size``,
 ``gradient_accumulation_steps``, ``num_pipeline_microbatches``, ``num_layers_per_pipeline_stage`` and
 ``num_pipeline_repeats`` (repeats > 1: a circular schedule, priced as interleaved), ``remat_policy`` (``full``,
-``minimal`` and the policies that save some matmul outputs as selective recomputation, ``none``),
+``minimal`` and the policies that save some matmul outputs as "dots" (every matmul output kept), ``none``),
 ``max_target_length``, ``model_name`` (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``llama3.1-*``: the zoo's
 Llama 3), ``dtype`` and ``quantization`` (``fp8``). Every other key is listed as ignored.
 """
@@ -33,9 +33,9 @@ MODELLED = ("per_device_batch_size", "gradient_accumulation_steps", "num_pipelin
             "model_name", "dtype", "quantization")
 #: base.yml's remat policies: the planner's recomputation for each (None: not modelled).
 REMAT: dict[str, bool | str | None] = {
-    "full": True, "minimal": "selective", "none": False, "save_dot_with_context_except_mlp": "selective",
-    "save_dot_except_mlpwi": "selective", "save_dot_except_mlp": "selective", "save_qkv_proj": "selective",
-    "save_out_proj": "selective", "qkv_proj_offloaded": None, "custom": None, "minimal_offloaded": None}
+    "full": True, "minimal": "dots", "none": False, "save_dot_with_context_except_mlp": "dots",
+    "save_dot_except_mlpwi": "dots", "save_dot_except_mlp": "dots", "save_qkv_proj": "dots",
+    "save_out_proj": "dots", "qkv_proj_offloaded": None, "custom": None, "minimal_offloaded": None}
 #: MaxText model names in the zoo.
 MODELS = {"llama3-8b": "llama3-8b", "llama3-70b": "llama3-70b", "llama3-405b": "llama3-405b",
           "llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
@@ -105,7 +105,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
         raise ValueError(f"remat_policy {policy!r:.40} is not modelled (offloading is not priced); use one of "
                          f"{', '.join(k for k, v in REMAT.items() if v is not None)}")
     if policy not in ("full", "minimal", "none"):
-        imp = imp.with_note(f"remat_policy {policy} (some matmul outputs saved) priced as selective recomputation")
+        imp = imp.with_note(f"remat_policy {policy} (some matmul outputs saved) priced as 'dots' (every matmul output "
+                            "saved, the rest recomputed)")
     seq = imp.get("max_target_length")
     name = imp.get("model_name", "default")
     zoo = MODELS.get(str(name))
@@ -229,7 +230,7 @@ def render(lay: FrameworkLayout, model=None, cluster=None) -> str:
             raise ValueError(f"the {lay.schedule} schedule has no {fw} switch")
     else:
         out["gradient_accumulation_steps"] = lay.microbatches
-    out["remat_policy"] = {True: "full", "selective": "minimal"}.get(lay.remat, "none")
+    out["remat_policy"] = {True: "full", "selective": "minimal", "dots": "minimal"}.get(lay.remat, "none")
     out["dtype"] = "float32" if lay.precision == "fp32" else "bfloat16"
     if lay.precision == "fp8":
         out["quantization"] = "fp8"
