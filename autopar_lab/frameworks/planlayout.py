@@ -132,7 +132,8 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
                                **{**base, "pp": num["pp"], "remat": remat})
     if kind == "fsdp":
         zero = num.get("zero", 2 if "no-reshard" in flags else 3)
-        remat = True if "full" in flags else "selective" if "selective" in flags else False
+        remat = True if "full" in flags else "selective" if "selective" in flags else "dots" if "dots" in flags \
+            else False  # fsdp_plan names torchtitan's op-level SAC "dots" (rematmode.DOTS)
         rep = num.get("dp_replicate", 1)
         return FrameworkLayout("fsdp", dp=rep * num["dp_shard"], dp_replicate=rep, tp=num.get("tp", 1),
                                cp=num.get("cp", 1), zero=zero, sequence_parallel="sp" in flags,

@@ -266,7 +266,7 @@ def render(lay: FrameworkLayout, model=None) -> str:
     seq = getattr(getattr(model, "config", None), "seq_len", None)
     if seq is not None:
         training["seq_len"] = seq
-    mode = {True: "full", "selective": "selective"}.get(lay.remat, "none")
+    mode = {True: "full", "selective": "selective", "dots": "selective"}.get(lay.remat, "none")  # op SAC: dots
     ac: dict[str, Any] = {"mode": mode}
     if mode == "selective":
         ac["selective_ac_option"] = "op"
