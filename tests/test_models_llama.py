@@ -321,5 +321,6 @@ def test_dispatch_and_combine_shard_like_the_batch_and_experts_take_all_to_alls(
     B = c.capacity_factor * c.top_k * c.batch_size * c.seq_len * c.hidden_size * 4
     assert layer.all_to_alls == (("all_to_all", 0, B),) * 4
     n = 8
-    one = 3 * cpu8.intra_host.latency + (n - 1) / n**2 * B / mesh.axis_link(0).bandwidth
+    # NCCL-style all-to-all: one message per peer, n - 1 latencies inside the host
+    one = (n - 1) * cpu8.intra_host.latency + (n - 1) / n**2 * B / mesh.axis_link(0).bandwidth
     assert layer.all_to_all_s == pytest.approx(4 * one, rel=1e-12)
