@@ -191,6 +191,7 @@ def test_a_24_layer_model_two_stages_with_rings_trains_like_one_device(cpu, monk
     ring threshold is lowered so that a short sequence (a CPU-sized test) has ring strategies to pin; the rings'
     numerics do not depend on it."""
     import autopar_lab.sharding.ring as sharding_ring
+    from autopar_lab.operators import user_op
 
     monkeypatch.setattr(sharding_ring, "RING_MIN_SEQ", 64)
     deep = al.models.get("gpt-tiny", num_layers=24, seq_len=64, batch_size=4, num_heads=2, hidden_size=32,
@@ -206,8 +207,8 @@ def test_a_24_layer_model_two_stages_with_rings_trains_like_one_device(cpu, monk
         if node.primitive != "dot_general" or node.layer is None or not node.layer.startswith("layer_"):
             continue
         rings = [s for s in cache.strategies(node) if is_ring(s)]
-        if rings:
-            plan = plan.with_choice(op, min(rings, key=lambda s: s.cost).name)
+        if rings:  # pinned by plan.graph's id of the operator (the shallow copy's op stands in for its layers)
+            plan = plan.with_choice(user_op(plan, op), min(rings, key=lambda s: s.cost).name)
     runner = al.execute(plan, deep, compiler_options=FAST)
     ran = {k: set(runner.staged.ring_ops(k)) for k in (0, 1)}
     full = plan.graph
