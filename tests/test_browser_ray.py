@@ -24,7 +24,7 @@ CELLS = [
     "model = al.models.get('gpt-tiny', batch_size=8, num_layers=2)\n"
     "plan = al.megatron_plan(model, al.Cluster.preset('cpu'), dp=2, tp=2, pp=2, microbatches=2)\n"
     "wb = al.Workbench(model, plan.cluster, plan=plan)\n"
-    "wb.training.launch_kw.update(compiler_options={'xla_backend_optimization_level': 0})\n"
+    "wb.training.launch_kw.update(options=al.RunOptions(compiler_options={'xla_backend_optimization_level': 0}))\n"
     "wb.training.steps.value = 500\n"
     "wb.training.widget",
 ]
@@ -56,8 +56,9 @@ def test_launch_on_ray_from_the_workbench_keeps_the_kernel_alive(tmp_path, monke
         panel.get_by_role("button", name="launch on Ray").click()
         # Steps arrive: the panel's progress line reads "step N/500 · loss ..." (Ray's start and the stage actors'
         # compiles take minutes on a loaded machine).
+        # A failed launch (bad arguments, Ray not starting) says so at once: stop waiting then.
         page.wait_for_function(
-            "(el) => /step [1-9][0-9]*\\/500/.test(el.innerText)", arg=panel.element_handle(), timeout=600_000,
+            "(el) => /step [1-9][0-9]*\\/500|failed/.test(el.innerText)", arg=panel.element_handle(), timeout=600_000,
             polling=500)
         assert "failed" not in panel.inner_text()
         panel.get_by_role("button", name="cancel").click()

@@ -143,4 +143,7 @@ def test_gpt350m_shape_trains_on_8_devices_within_a_memory_bound():
     mem = runner.measure_memory()
     ratios = [s["measured_bytes"] / s["predicted_bytes"] for s in mem["stages"]]
     assert ratios[0] <= 1.5 and ratios[1] <= 3.5, ratios
-    assert mem["process_rss_peak_bytes"] < 6 * 2**30
+    # The step's own growth of the process (a test worker holds earlier tests' caches too, so not its total): at most
+    # a few GiB for every device's peak together.
+    grown = mem["process_rss_peak_bytes"] - mem["process_rss_start_bytes"]
+    assert 0 <= grown < 4 * 2**30, grown

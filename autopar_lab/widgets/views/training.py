@@ -189,8 +189,9 @@ def _past_traces(runs, current: int | None) -> list:
 class TrainingPanel(View):
     """Run or launch training of the session's current plan and watch it (see the module docstring).
 
-    ``compiler_options``: XLA options for local runs (``{"xla_backend_optimization_level": 0}`` compiles faster on
-    CPU). ``launch_kw``: extra arguments for :func:`autopar_lab.launch` (``options``: a RunOptions, ``num_cpus``, ...).
+    ``compiler_options``: XLA options for local runs and for Ray runs whose ``options`` name none
+    (``{"xla_backend_optimization_level": 0}`` compiles faster on CPU). ``launch_kw``: extra arguments for
+    :func:`autopar_lab.launch` (``options``: a RunOptions, ``num_cpus``, ...).
     """
 
     css = "autopar-training"
@@ -339,9 +340,12 @@ class TrainingPanel(View):
         n = self._steps(steps)
         addr = (self.address.value if address is None else address).strip() or None
         kw = {**self.launch_kw, **launch_kw, "ray_address": addr}
+        base = kw.get("options") or RunOptions()
         if self.stages_on.value != AS_PLANNED:  # the run's options (launch's RunOptions) say where stages run
-            base = kw.get("options") or RunOptions()
-            kw["options"] = dataclasses.replace(base, device_kind=base.device_kind or self.stages_on.value)
+            base = dataclasses.replace(base, device_kind=base.device_kind or self.stages_on.value)
+        if self.compiler_options and base.compiler_options is None:  # the panel's XLA options hold for Ray runs too
+            base = dataclasses.replace(base, compiler_options=dict(self.compiler_options))
+        kw["options"] = base
         self._cancel = threading.Event()
         cancel = self._cancel
         self.job = None
