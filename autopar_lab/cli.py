@@ -199,6 +199,9 @@ def cmd_plan(args) -> dict:
     if given and args.method != "megatron":
         raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
                          f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
+    if args.expressible_in and args.method != "auto":
+        raise UsageError(f"--expressible-in applies to --method auto (the best plan {args.expressible_in} can run); "
+                         f"the {args.method} method's layout is fixed: drop one")
     schedule, virtual = _schedule(args)
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
@@ -210,7 +213,7 @@ def cmd_plan(args) -> dict:
         # The stage DP prices each schedule with its own formula; "auto" plans each and keeps the fastest.
         plan = planner.auto_plan(model, cluster, microbatches=mb, stage_comm=args.stage_comm,
                                  schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else None,
-                                 on_progress=_progress(args), precision=fmt)
+                                 on_progress=_progress(args), precision=fmt, expressible_in=args.expressible_in)
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
@@ -259,7 +262,8 @@ def _plan_from_config(args) -> dict:
                                       ("--microbatches", args.microbatches is not None),
                                       ("--schedule", args.schedule is not None),
                                       ("--virtual-stages", args.virtual_stages is not None),
-                                      ("--precision", args.precision is not None)) if given]
+                                      ("--precision", args.precision is not None),
+                                      ("--expressible-in", args.expressible_in is not None)) if given]
     if clash:
         raise UsageError(f"{clash[0]} conflicts with --from-config (the configuration sets the layout, batch and "
                          "number format); drop it")
@@ -618,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "YAML (the framework read from its content)")
     sp.add_argument("--export", choices=list(FRAMEWORK_CHOICES), metavar="FRAMEWORK",
                     help="also write the plan as a framework's configuration: megatron, torchtitan or maxtext")
+    sp.add_argument("--expressible-in", dest="expressible_in", choices=list(FRAMEWORK_CHOICES), metavar="FRAMEWORK",
+                    help="with --method auto: the best plan that framework (megatron, torchtitan or maxtext) can "
+                         "run, the gap to the unconstrained plan in its notes")
     precision_arg(sp)
 
     sp = sub.add_parser("compare", help="auto vs the best Megatron-style plan vs data parallelism")

@@ -184,6 +184,7 @@ class Plan:
             "precision": self.precision.name,
             "precision_text": self.cost.precision,
             **self.cost.to_dict(),
+            "fits": self.cost.fits,
             "stages": [s.to_dict(self.layer_names) for s in self.stages],
             "solve_s": dict(self.solve_s),
             "notes": list(self.notes),

@@ -233,6 +233,53 @@ def test_maxtext_round_trip_over_random_layouts(tiny, case):
     round_trip(plan, "maxtext", model, table)
 
 
+# --- expert parallelism, through all three ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe():
+    """(model, table): a 2-layer Qwen3-MoE (the tiny shape, its experts over 8) in bf16 on 2 x 8 H100s, batch 64."""
+    model = al.models.get("qwen3-moe-tiny", num_layers=2, batch_size=BATCH, dtype="bfloat16")
+    return model, CostTable.build(model, TWO_H100, precision="bf16")
+
+
+def test_expert_parallelism_round_trips_through_megatron_torchtitan_and_maxtext(moe):
+    model, table = moe
+    experts = model.config.num_experts
+    # Megatron-LM: tp 2 x dp 8, the experts over the data-parallel group (--expert-model-parallel-size 8)
+    text = megatron_text(2, 1, 1, True, True, None, 1, None, extra=[f"--expert-model-parallel-size {experts}"])
+    plan = al.import_config(text, model, framework="megatron", table=table)
+    direct = al.megatron_plan(table=table, dp=8, tp=2, pp=1, ep=experts, micro_batch_size=1, zero=1,
+                              sequence_parallel=True, precision="bf16")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    out, _ = round_trip(plan, "megatron", model, table)
+    assert f"--expert-model-parallel-size {experts}" in out
+    # torchtitan: FSDP over 8 with tp 2, expert_parallel_degree borrowing the 8 FSDP ranks
+    text = torchtitan_text(1, 2, 1, 1, "default", "none", 4, "1F1B", 1).replace(
+        "context_parallel_degree = 1", f"context_parallel_degree = 1\nexpert_parallel_degree = {experts}")
+    plan = al.import_config(text, model, framework="torchtitan", table=table)
+    direct = al.fsdp_plan(table=table, dp_shard=8, tp=2, ep=experts, microbatches=2, precision="bf16")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert plan.method.endswith(f",ep={experts},sp)")
+    out, _ = round_trip(plan, "torchtitan", model, table)
+    assert f"expert_parallel_degree = {experts}" in out
+    # experts split or not change the price: expert parallelism is priced, not dropped on the way
+    assert al.fsdp_plan(table=table, dp_shard=8, tp=2, microbatches=2, precision="bf16").cost.step_time_s \
+        != plan.cost.step_time_s
+    # MaxText: the experts over an ici expert axis beside FSDP, exported and read back
+    yaml = maxtext_text(2, 1, 1, "data", "full", 1, 2, 1).replace("ici_data_parallelism: 1",
+                                                                   "ici_data_parallelism: 1\nici_expert_parallelism: 2")
+    plan = al.import_config(yaml, model, framework="maxtext", table=table)
+    out, _ = round_trip(plan, "maxtext", model, table)
+    assert "ici_expert_parallelism: 2" in out
+
+
+@pytest.mark.parametrize("bad, words", [(3, "does not divide the model's"), (4, "ep=4 does not fit")])
+def test_fsdp_plan_expert_degree_that_does_not_fit_is_one_sentence(moe, bad, words):
+    _, table = moe
+    with pytest.raises(ValueError, match=words):
+        al.fsdp_plan(table=table, dp_shard=8, tp=2, ep=bad, microbatches=2, precision="bf16")
+
+
 # --- the published reference configurations (shared/reference/published-measurements.md) --------------------------
 
 @pytest.mark.slow
@@ -447,6 +494,25 @@ def test_cli_imports_a_torchtitan_toml_and_exports_maxtext_yaml_from_another_dir
     assert json.loads(back.stdout)["method"].startswith("maxtext(ici_fsdp=4,ici_tensor=2,dcn_fsdp=2")
 
 
+@pytest.mark.slow
+def test_cli_plans_the_best_layout_torchtitan_can_run_and_exports_it_from_another_directory(tmp_path):
+    model = ["llama3-tiny", "--layers", "4", "--batch", "32", "--dtype", "bfloat16"]
+    out = _cli("plan", *model, "--cluster", "dgx-h100:1", "--expressible-in", "torchtitan", "--export",
+               "torchtitan", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["method"].startswith("fsdp(") and got["fits"]
+    assert any("what torchtitan's limits cost: " in n for n in got["notes"])
+    text = got["config_text"]
+    assert "[parallelism]" in text and "data_parallel_shard_degree" in text
+    # the model's own bfloat16 step (no --precision) is written as torchtitan's bf16 mixed precision, and says so
+    assert 'mixed_precision_param = "bfloat16"' in text and "bfloat16 step written as the framework's bf16" in text
+    (tmp_path / "best.toml").write_text(text)
+    back = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "best.toml", "--json", cwd=tmp_path)
+    assert back.returncode == 0, back.stderr[-2000:]
+    assert json.loads(back.stdout)["method"] == got["method"]
+
+
 def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monkeypatch):
     from autopar_lab.cli import main
 
@@ -456,10 +522,15 @@ def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monke
     assert "did you mean '--tensor-model-parallel-size'" in out.stderr
     monkeypatch.chdir(tmp_path)
     for extra, words in ((["--tp", "2"], "--tp conflicts with --from-config"),
-                         (["--export", "megatron", "--precision", "bf16"], "--precision conflicts with --from-config")):
+                         (["--export", "megatron", "--precision", "bf16"], "--precision conflicts with --from-config"),
+                         (["--expressible-in", "maxtext"], "--expressible-in conflicts with --from-config")):
         assert main(["plan", "llama3-tiny", "--cluster", "dgx-h100:2", "--from-config", "run.sh", *extra]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1
+    assert main(["plan", "llama3-tiny", "--cluster", "dgx-h100:1", "--method", "data", "--expressible-in",
+                 "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "--expressible-in applies to --method auto" in err and err.count("\n") == 1
 
 
 # --- the workbench's controls ---------------------------------------------------------------------------------------

@@ -108,9 +108,27 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
     _check_expressible(plan, fw)
     first = plan.stages[0]
     n0, n1 = first.logical_mesh
+    precision, written = _format_name(plan.precision)
     base = dict(pp=len(plan.stages), remat=remat_value(first.remat), schedule=plan.schedule,
                 virtual_stages=plan.virtual_stages, microbatches=plan.microbatches, batch=plan.table.batch_size,
-                blocks=block_count(plan.table), precision=plan.precision.name)
+                blocks=block_count(plan.table), precision=precision)
+    layout = _layout(plan, fw, base, n0, n1)
+    return layout if written is None else layout.with_(notes=(*layout.notes, written))
+
+
+def _format_name(fmt) -> tuple[str, str | None]:
+    """The format a framework's switch names for ``fmt``, and a note when the plan's is a model's own traced one (a
+    bfloat16 step whose gradients JAX keeps in bfloat16: the frameworks' bf16 mixed precision, fp32 gradients)."""
+    from ..precision import TRACED
+
+    if fmt.name != TRACED:
+        return fmt.name, None
+    name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(fmt.compute, fmt.name)
+    return name, f"the model's own {fmt.compute} step written as the framework's {name} mixed precision"
+
+
+def _layout(plan, fw: str, base: dict, n0: int, n1: int) -> FrameworkLayout:
+    """The plan's degrees: from its layout function's name, else from its mesh (module docstring)."""
     m = _NAME.match(plan.method)
     if m is None:
         zero = plan.stage_pins.get("zero")
@@ -136,7 +154,7 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
             else False  # fsdp_plan names torchtitan's op-level SAC "dots" (rematmode.DOTS)
         rep = num.get("dp_replicate", 1)
         return FrameworkLayout("fsdp", dp=rep * num["dp_shard"], dp_replicate=rep, tp=num.get("tp", 1),
-                               cp=num.get("cp", 1), zero=zero, sequence_parallel="sp" in flags,
+                               cp=num.get("cp", 1), ep=num.get("ep", 1), zero=zero, sequence_parallel="sp" in flags,
                                **{**base, "remat": remat})
     axes = {k: v for k, v in num.items() if k.startswith(("ici_", "dcn_"))}
 

@@ -102,9 +102,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
     rep, tp, pp, cp = (_degree(imp, k) for k in ("data_parallel_replicate_degree", "tensor_parallel_degree",
                                                  "pipeline_parallel_degree", "context_parallel_degree"))
     shard = _degree(imp, "data_parallel_shard_degree", -1, allow_minus_one=True)
-    if _degree(imp, "expert_parallel_degree") > 1:
-        raise ValueError("[parallelism] expert_parallel_degree > 1 is not modelled by the torchtitan layout "
-                         "(al.fsdp_plan has no expert parallelism); use the Megatron-LM layout for MoE models")
+    ep = _degree(imp, "expert_parallel_degree")
     for key in ("pipeline_parallel_split_points", "module_fqns_per_model_part"):
         if imp.get(f"parallelism.{key}"):
             raise ValueError(f"[parallelism] {key} places the stage cuts by hand; the planner splits the blocks "
@@ -183,7 +181,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
                                  f"{pp} ranks evenly")
             kw["virtual_stages"] = layers // (pp * lps)
     plan = fsdp_plan(model if table is None else None, cluster, dp_shard=shard,
-                     dp_replicate=rep, tp=tp, pp=pp, cp=cp, reshard_after_forward=reshard != "never",
+                     dp_replicate=rep, tp=tp, pp=pp, cp=cp, ep=ep, reshard_after_forward=reshard != "never",
                      microbatches=microbatches, remat=remat, precision=prec, **kw, **planner)
     return plan, imp
 
@@ -231,8 +229,6 @@ def render(lay: FrameworkLayout, model=None) -> str:
     if zero == 1:
         raise ValueError(f"ZeRO-1 (the optimizer state alone split, Megatron-LM's distributed optimizer) has no {fw} "
                          "switch (FSDP splits gradients too: ZeRO-2 or 3; DDP splits nothing)")
-    if lay.ep > 1:
-        raise ValueError(f"expert parallelism ep={lay.ep} is not in the torchtitan layout the planner prices")
     if lay.tp > 1 and not lay.sequence_parallel:
         raise ValueError(f"tensor parallelism without sequence parallelism has no {fw} switch ({fw} always splits "
                          "the norms over the tensor group)")
@@ -251,6 +247,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
                            "fsdp_reshard_after_forward": "never" if zero == 2 else "always",
                            "tensor_parallel_degree": lay.tp, "pipeline_parallel_degree": lay.pp,
                            "context_parallel_degree": lay.cp}
+    if lay.ep > 1:
+        par["expert_parallel_degree"] = lay.ep
     local = per_mb
     if lay.pp > 1:
         par["pipeline_parallel_schedule"] = schedule

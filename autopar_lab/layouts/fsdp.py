@@ -12,6 +12,9 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
   (torchtitan's default with TP: ``sequence_parallel`` on);
 * context parallelism (ring attention) and pipeline stages of equal transformer blocks as in
   :mod:`~autopar_lab.layouts.megatron` (the 2-D mesh mapping of :mod:`~autopar_lab.layouts.config`);
+* expert parallelism ``ep`` (torchtitan's ``expert_parallel_degree``, which borrows its devices from the FSDP group):
+  the routed experts split over the ``dp_shard`` axis (``ep == dp_shard``, or ``dp_shard x cp`` with tensor
+  parallelism) or over the whole stage, the tokens exchanged by all-to-all;
 * activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps the outputs of
   every other matmul and of SDPA and recomputes the rest: priced as ``"dots"``, every matmul's output kept, see
   :mod:`autopar_lab.rematmode`; Megatron-LM's selective recomputation, which recomputes only the attention core,
@@ -30,7 +33,7 @@ from ..rematmode import DOTS, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, microbatches_for, price_layout, stage_submesh
+from .engine import Layout, check_experts, microbatches_for, price_layout, stage_submesh
 from .megatron import megatron_mesh
 
 if TYPE_CHECKING:
@@ -41,7 +44,7 @@ __all__ = ["fsdp_plan"]
 
 
 def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1,
-              pp: int = 1, cp: int = 1, reshard_after_forward: bool = True, zero: int | None = None,
+              pp: int = 1, cp: int = 1, ep: int = 1, reshard_after_forward: bool = True, zero: int | None = None,
               microbatches: int | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
               virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
               mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
@@ -51,7 +54,8 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     ``reshard_after_forward=False``); ``microbatches`` or ``local_batch_size`` (sequences per data-parallel rank per
     microbatch; the global batch is ``dp_replicate x dp_shard x local_batch_size x microbatches``); ``schedule``,
     ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
-    "1f1b", "interleaved", "zb-h1"); ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
+    "1f1b", "interleaved", "zb-h1"); ``ep``: the expert-parallel degree (module docstring);
+    ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
     ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
     remat = remat_value(remat)
     if is_selective(remat):
@@ -63,7 +67,7 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     n = cluster.num_devices
-    for k, v in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp)):
+    for k, v in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         checks.whole(v, k)
     rest = dp_replicate * tp * pp * cp
     if dp_shard == -1:
@@ -89,11 +93,14 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     dp = dp_replicate * dp_shard
     mb = microbatches_for(table.batch_size, dp, microbatches, local_batch_size)
     microbatch_choices(table.batch_size, mb)
+    check_experts(table, ep)
     if dp_replicate > 1:
-        mesh = MeshRoles((dp_replicate, dp_shard), batch=(0, 1), zero=(1,), experts=())
+        mesh = MeshRoles((dp_replicate, dp_shard), batch=(0, 1), zero=(1,), experts=_hsdp_experts(ep, dp_replicate,
+                                                                                                   dp_shard))
     else:
-        mesh = megatron_mesh(Parallelism(dp=dp_shard, tp=tp, pp=pp, cp=cp))
-    degrees = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp), ("pp", pp), ("cp", cp)]
+        mesh = megatron_mesh(Parallelism(dp=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep))
+    degrees = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp), ("pp", pp), ("cp", cp),
+               ("ep", ep)]
     name = "fsdp(" + ",".join(f"{k}={v}" for k, v in degrees if v > 1 or k == "dp_shard")
     name += ("" if zero == 3 else ",no-reshard" if zero == 2 and not reshard_after_forward else f",zero={zero}")
     name += ("" if remat is False else f",{remat_label(remat)}") + (",sp" if sp else "")
@@ -102,3 +109,16 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
                     sp, mesh.notes)
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                         solve_s={} if trace_s is None else {"trace": trace_s})
+
+
+def _hsdp_experts(ep: int, replicate: int, shard: int) -> tuple[int, ...]:
+    """The axes of HSDP's (replicate, shard) mesh the experts split over: torchtitan takes the expert-parallel group
+    from the shard group, or from both."""
+    if ep == 1:
+        return ()
+    if ep == shard:
+        return (1,)
+    if ep == replicate * shard:
+        return (0, 1)
+    raise ValueError(f"ep={ep} does not fit HSDP's ({replicate}, {shard}) mesh: pass ep=1, ep={shard} (the shard "
+                     f"group) or ep={replicate * shard} (the whole stage)")
