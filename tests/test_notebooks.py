@@ -96,3 +96,34 @@ def test_reading_order_is_in_the_readme_and_at_the_top_of_every_notebook():
         line = next(ln for ln in first.splitlines() if ln.startswith("*Reading order, step "))
         assert _stems_in(line) == order, path.stem
         assert f"**`{path.stem}`**" in line
+
+
+def _code(stem: str) -> str:
+    nb = nbformat.read(NOTEBOOKS[0].parent / f"{stem}.ipynb", as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def _text(stem: str) -> str:
+    nb = nbformat.read(NOTEBOOKS[0].parent / f"{stem}.ipynb", as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_modern_notebook_prices_zero_and_the_global_batch():
+    """Issue 34 item 4: 08's grid prices ZeRO-1 and FSDP data parallelism with the library's planners, the global
+    batch's two-step exercise is checked, and the planner is asked whether tensor parallelism pays on 16 and 64
+    GPUs; the old reason ('pays when a layer does not fit') is no longer the one given."""
+    source, text = _code("08_modern_schedules_and_hardware"), _text("08_modern_schedules_and_hardware")
+    for call in ("al.megatron_plan(table=table, dp=16, tp=1, pp=1, zero=1", "al.fsdp_plan(table=table",
+                 "al.fsdp_plan(table=table8, tp=8)", "ask_batch.check(", "memory_breakdown(plan)"):
+        assert call in source, call
+    assert "global batch" in text and "tensor parallelism pays when a layer does not fit" not in text.lower()
+
+
+def test_running_examples_are_todays_hardware():
+    """Issue 34 item 5: 02 runs on DGX H100s and 07 prices its MFU section there in bf16, with the H200 and B200
+    presets beside; 03 keeps Alpa's V100 testbed and says why."""
+    assert 'Cluster.preset("dgx-h100", hosts=2)' in _code("02_concepts")
+    assert "p3.16xlarge" not in _code("02_concepts")
+    seven = _code("07_rooflines_mfu")
+    assert all(f'"dgx-{gpu}"' in seven for gpu in ("h100", "h200", "b200")) and 'peak("bfloat16")' in seven
+    assert "On Alpa's testbed, on purpose" in _text("03_alpa_walkthrough")
