@@ -17,7 +17,7 @@ from .problem import (Problem, build_problem, by_hosts, candidate_arrays, infeas
                       candidate_tables)
 from .values import DPOptions, InterResult, NoFeasiblePlanError, StageCandidate, StageProblem, T_MAX_SEARCH
 
-__all__ = ["stage_dp", "stage_dp_auto", "layered_dp", "sweep_dp", "min_memory", "solve_one", "stage_counts",
+__all__ = ["stage_dp", "stage_dp_auto", "latency_lower_bound", "layered_dp", "sweep_dp", "min_memory", "solve_one", "stage_counts",
            "stage_count_bounds", "fastest_at", "seed_latency", "walk"]
 
 
@@ -160,6 +160,9 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
     p = build_problem(problem, candidates)
     if options.host_columns:
         p = by_hosts(p)
+    if (options.skip_unbeatable and math.isfinite(upper_bound) and p.constraints is None and p.shapes
+            and latency_lower_bound(p) >= upper_bound):
+        return None  # no plan of this problem can beat the bound (whether any fits is not asked)
     if p.schedule not in BY_STAGE_COUNT:
         return solve_one(p, t_max_search, upper_bound, prune, t0)
     best: InterResult | None = None
@@ -209,6 +212,29 @@ def stage_count_bounds(p: Problem) -> tuple[list[int], dict[int, float]]:
     for S in counts:
         lower[S] = a * (G[S - 1] ** 2 / NM + K * H / NM) * (1 - _MARGIN) if math.isfinite(G[S - 1]) else math.inf
     return counts, lower
+
+
+def latency_lower_bound(p: Problem) -> float:
+    """A lower bound on the latency (seconds) of every plan of ``p`` (no pins), whatever its stage count:
+    ``a (min_S G_S^2 / N + K H / N)`` with the device-second bounds of :mod:`dpbounds`. It holds because a plan's
+    latency is ``a (sum t + sum kappa c + K max(t, kappa c))`` with c >= 0, its stage times sum to at least
+    ``G_S^2 / N`` for its S stages and the largest is at least ``H / N`` (see :mod:`dpbounds`; every device used
+    once), where E is each range's fewest device-seconds over the candidates any plan can use: for 1F1B and GPipe
+    those that fit memory holding ``held(1)`` microbatches (a stage holds at least that many: held grows with the
+    stages after it), for the schedules whose memory needs the stage count every candidate. Cheap (no DP): the
+    microbatch search skips a count with it (:class:`DPOptions` ``skip_unbeatable``)."""
+    arrays = candidate_arrays(p)
+    if p.schedule in BY_STAGE_COUNT:
+        fastest = np.stack([np.where(has, t, np.inf).min(axis=0, initial=np.inf) for t, _, _, has in arrays], axis=-1)
+    else:
+        fastest = fastest_at(p, arrays, 1)
+    size = np.array([n * m for n, m in p.shapes], dtype=float)
+    H, G = dpbounds.partition_bounds(dpbounds.device_seconds(fastest, size), p.max_stages)
+    if not math.isfinite(H):
+        return math.inf  # some layer has no candidate that fits: no plan
+    a, _, K = p.coefficients
+    NM = p.num_devices
+    return a * (float(np.min(G)) ** 2 / NM + K * H / NM) * (1 - _MARGIN)
 
 
 def stage_counts(p: Problem) -> list[int]:

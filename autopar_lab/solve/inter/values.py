@@ -306,6 +306,10 @@ class DPOptions:
     once no larger stage count can go below the minimum found (lower bounds of :mod:`autopar_lab.solve.dpbounds`).
     Exact: the same latency and the same plan as ``prune=False`` (kept for tests and measurements).
 
+    ``skip_unbeatable`` (with a finite ``upper_bound``, no pins): return None at once, solving nothing, when a lower
+    bound on every plan's latency (:func:`~autopar_lab.solve.inter.dp.latency_lower_bound`) cannot beat the bound;
+    None then does not say that plans fit (the microbatch search, which only needs "nothing here beats the best").
+
     ``host_columns``: where every submesh with a candidate is whole hosts (the "scale" planning space), count the
     free devices in hosts (one DP column per host, ``devices_per_host`` times fewer): no stage can start inside a
     host then, so the columns left out are never reached. Exact (same plan; ``False`` keeps one column per device,
@@ -318,6 +322,7 @@ class DPOptions:
     t_max_search: str = "bisect"
     upper_bound: float = math.inf
     prune: bool = True
+    skip_unbeatable: bool = False
     host_columns: bool = True
 
     def with_upper_bound(self, upper_bound: float) -> DPOptions:
