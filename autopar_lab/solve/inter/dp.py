@@ -13,12 +13,12 @@ import numpy as np
 
 from .. import dpbounds
 from .formulas import BY_STAGE_COUNT, placement_fits
-from .problem import (Problem, build_problem, by_hosts, candidate_arrays, infeasible, inter_result, positive_int, structure,
-                      candidate_tables)
+from .problem import (Problem, build_problem, by_hosts, candidate_arrays, infeasible, inter_result, positive_int,
+                      structure, candidate_tables)
 from .values import DPOptions, InterResult, NoFeasiblePlanError, StageCandidate, StageProblem, T_MAX_SEARCH
 
-__all__ = ["stage_dp", "stage_dp_auto", "latency_lower_bound", "layered_dp", "sweep_dp", "min_memory", "solve_one", "stage_counts",
-           "stage_count_bounds", "fastest_at", "seed_latency", "walk"]
+__all__ = ["stage_dp", "stage_dp_auto", "latency_lower_bound", "layered_dp", "sweep_dp", "min_memory", "solve_one",
+           "stage_counts", "stage_count_bounds", "fastest_at", "seed_latency", "walk"]
 
 
 def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf, stop_at=None):

@@ -17,8 +17,8 @@ from .formulas import (BY_STAGE_COUNT, DEFAULT_WGRAD_SHARE, SCHEDULES, STAGE_COM
                        transfer_s)
 from .values import CandidateBlock, InterResult, NoFeasiblePlanError, StageCandidate, StageConstraints, StageProblem
 
-__all__ = ["Problem", "BlockCandidates", "positive_int", "build_problem", "by_hosts", "CandidateTables", "candidate_tables",
-           "candidate_arrays", "pinned_tables", "structure", "infeasible", "inter_result"]
+__all__ = ["Problem", "BlockCandidates", "positive_int", "build_problem", "by_hosts", "CandidateTables",
+           "candidate_tables", "candidate_arrays", "pinned_tables", "structure", "infeasible", "inter_result"]
 
 
 class BlockCandidates(Mapping):
