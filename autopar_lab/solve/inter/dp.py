@@ -162,7 +162,15 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
         p = by_hosts(p)
     if (options.skip_unbeatable and math.isfinite(upper_bound) and p.constraints is None and p.shapes
             and latency_lower_bound(p) >= upper_bound):
-        return None  # no plan of this problem can beat the bound (whether any fits is not asked)
+        # No plan of this problem can beat the bound. Whether any fits, as the full search would say it (None:
+        # some does; else the same error), from one memory DP instead of the t_max search; the schedules of
+        # BY_STAGE_COUNT answer None, as their stage-count bounds do.
+        if p.schedule not in BY_STAGE_COUNT:
+            valid, size, _, _ = structure(p)
+            need = min_memory(p, candidate_tables(p).min_req(), valid, size)
+            if not need <= p.mem_limit:
+                raise infeasible(need, p.mem_limit, False)
+        return None
     if p.schedule not in BY_STAGE_COUNT:
         return solve_one(p, t_max_search, upper_bound, prune, t0)
     best: InterResult | None = None
