@@ -163,9 +163,9 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
     if (options.skip_unbeatable and math.isfinite(upper_bound) and p.constraints is None and p.shapes
             and latency_lower_bound(p) >= upper_bound):
         # No plan of this problem can beat the bound. Whether any fits, as the full search would say it (None:
-        # some does; else the same error), from one memory DP instead of the t_max search; the schedules of
-        # BY_STAGE_COUNT answer None, as their stage-count bounds do.
-        if p.schedule not in BY_STAGE_COUNT:
+        # some does; else the same error): a uniform pipeline that fits says so at once, else one memory DP
+        # instead of the t_max search; the schedules of BY_STAGE_COUNT answer None, as their stage-count bounds do.
+        if p.schedule not in BY_STAGE_COUNT and not math.isfinite(seed_latency(p, candidate_arrays(p))):
             valid, size, _, _ = structure(p)
             need = min_memory(p, candidate_tables(p).min_req(), valid, size)
             if not need <= p.mem_limit:
