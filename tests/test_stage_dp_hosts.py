@@ -11,8 +11,8 @@ import pytest
 from test_dp_pruning import outcome
 from test_inter import INTER, INTRA
 
-from autopar_lab.solve.inter import (DPOptions, StageCandidate, StageProblem, brute_force_stages, problem, stage_dp,
-                                     submesh_shapes)
+from autopar_lab.solve.inter import (DPOptions, NoFeasiblePlanError, StageCandidate, StageConstraints, StageProblem,
+                                     brute_force_stages, problem, stage_dp, submesh_shapes)
 
 
 def whole_host_instance(seed: int):
@@ -83,3 +83,17 @@ def test_host_columns_place_stages_at_device_offsets():
     r = stage_dp(StageProblem(2, 2, 4, microbatches=2, cut_bytes=[40.0], intra_link=INTRA, inter_link=INTER), fn)
     assert r.device_offsets == (0, 4) and r.cut_links == ("inter",)
     assert r.latency_s == pytest.approx(2 + 2 + 2 * 4.1 + 4.1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pinned_stages_over_hosts_give_the_device_columns_plan(seed):
+    """Pins (the cuts, or each stage's submesh) go through the DP's pinned tables: counted in hosts too."""
+    L, hosts, dph, fn, kw = whole_host_instance(seed)
+    try:
+        free = stage_dp(StageProblem(L, hosts, dph, **kw), fn, DPOptions(host_columns=False))
+    except NoFeasiblePlanError:
+        return
+    pins = (StageConstraints(cuts=free.boundaries[1:]) if seed % 2 else
+            StageConstraints(submeshes=tuple(s.submesh for s in free.stages)))
+    sp = StageProblem(L, hosts, dph, **{**kw, "constraints": pins})
+    assert outcome(lambda: stage_dp(sp, fn)) == outcome(lambda: stage_dp(sp, fn, DPOptions(host_columns=False)))
