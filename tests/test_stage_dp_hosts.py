@@ -4,6 +4,7 @@ restricted to the same submeshes, and the brute force's optimum."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -11,6 +12,7 @@ import pytest
 from test_dp_pruning import outcome
 from test_inter import INTER, INTRA
 
+import autopar_lab as al
 from autopar_lab.solve.inter import (DPOptions, NoFeasiblePlanError, StageCandidate, StageConstraints, StageProblem,
                                      brute_force_stages, problem, stage_dp, submesh_shapes)
 
@@ -97,3 +99,23 @@ def test_pinned_stages_over_hosts_give_the_device_columns_plan(seed):
             StageConstraints(submeshes=tuple(s.submesh for s in free.stages)))
     sp = StageProblem(L, hosts, dph, **{**kw, "constraints": pins})
     assert outcome(lambda: stage_dp(sp, fn)) == outcome(lambda: stage_dp(sp, fn, DPOptions(host_columns=False)))
+
+
+@pytest.mark.slow
+def test_a_deep_model_in_the_scale_space_plans_the_same_over_hosts_and_devices():
+    """gpt-tiny with 24 layers (planned on its shallow copy) on 16 DGX A100 hosts in the "scale" space: the cost
+    table's stage candidates, one microbatch count, the DP over hosts and over devices give the same plan."""
+    c = al.Cluster.parse("dgx-a100:16")
+    model = al.models.get("gpt-tiny", num_layers=24, batch_size=256)
+    table = al.CostTable.build(model, c, space="scale", workers=1)
+    mem = float(c.device.memory_bytes)
+    table.solve_planned(mem, 16)
+    L = len(table.layer_names)
+    assert L >= 24
+    sp = dataclasses.replace(StageProblem.on(c, num_layers=L), mem_limit_bytes=mem, microbatches=16,
+                             cut_bytes=[x / 16 for x in table.cut_bytes])
+    cands = table.candidate_fn(16, mem)
+    assert problem.by_hosts(problem.build_problem(sp, cands)).unit == 8
+    got = outcome(lambda: stage_dp(sp, cands))
+    assert got == outcome(lambda: stage_dp(sp, cands, DPOptions(host_columns=False)))
+    assert got is not None and got[0] != "infeasible"
