@@ -11,6 +11,7 @@ from nothing (the planner, plan files, the global optimum) sits above this modul
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -203,7 +204,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                solve_s: Mapping[str, float] | None = None, notes: Sequence[str] = (),
                pins: Mapping[int, Pin | str] | None = None, stage_pins: Mapping[str, Any] | None = None,
-               virtual_stages: int | None = None, solutions: Sequence[str] | None = None) -> Plan:
+               virtual_stages: int | None = None, solutions: Sequence[str] | None = None,
+               skip_above: float = math.inf) -> Plan:
     """The :class:`Plan` of these decisions, priced by ``table``
     (:func:`~autopar_lab.pricing.price.price_stages`, whose keywords these are, says how), with ``method``,
     ``stage_comm`` (what the stage DP was told about stage transfers), ``solve_s``, ``notes``, ``pins`` (operator
@@ -219,7 +221,7 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
     priced = price_stages(table, stages, microbatches=microbatches, schedule=schedule, virtual_stages=v,
                           mem_limit_bytes=mem_limit_bytes, intras=intras, layer_costs=layer_costs,
                           layer_pins=layer_scoped(given), solutions=solutions,
-                          zero=(stage_pins or {}).get("zero"))
+                          zero=(stage_pins or {}).get("zero"), skip_above=skip_above)
     return Plan(table.graph, table.cluster, method, tuple(table.layer_names), priced.stages, microbatches,
                 priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=given,
                 stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages)

@@ -36,6 +36,7 @@ from .pricing import (  # noqa: F401 - names this module has always offered (not
     mesh_signature,
     pareto,
 )
+from .pricing.price import StepAbove
 from .pricing.table_pool import default_workers
 from .rematmode import REMAT_CHOICES, is_full, is_selective, remat_value
 from .solve import inter
@@ -150,10 +151,15 @@ def auto_plan(model=None, cluster: Cluster | None = None, *, microbatches="auto"
         stages = nudged_cuts(table, stages, microbatches=result.microbatches, schedule=schedule, virtual_stages=v,
                              stage_comm=stage_comm, mem_limit_bytes=mem, intras=intras)
     solve_s["inter"] = time.perf_counter() - t0 - (table.solve_s - intra_before)
-    plan = price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
-                      stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
-                      solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras,
-                      solutions=[st.solution for st in result.stages])
+    priced = result.diagnostics.get("priced")  # simulated_best's pricing of these very stages, when it made one
+    if priced is not None and [tuple(x) for x in stages] == [(st.layers, st.submesh, st.logical_mesh, st.remat)
+                                                             for st in result.stages]:
+        plan = dataclasses.replace(priced, solve_s=planning_times(table, solve_s))
+    else:
+        plan = price_plan(table, stages, microbatches=result.microbatches, schedule=schedule,
+                          stage_comm=stage_comm, mem_limit_bytes=mem, method="auto",
+                          solve_s=planning_times(table, solve_s), virtual_stages=v, intras=intras,
+                          solutions=[st.solution for st in result.stages])
     if zero is not None:
         plan = layouts.with_zero(plan, zero, solver=solver)
     return layouts.explain_fit(plan)
@@ -263,23 +269,39 @@ def simulated_best(table: CostTable, result: inter.InterResult, *, schedule: str
     their latency could not beat the best are not priced, so this can only improve on the DP's pick. For ZB-H1
     the DP's formula is an upper bound (see :func:`~autopar_lab.solve.inter.schedule_latency`), and for
     interleaving each chunk pays its own overheads: the simulation decides there too.
+
+    They are simulated in the DP's order, and one whose step's lower bound (:func:`~autopar_lab.simulate.
+    makespan_floor`) is above the fastest simulated plan that fits is not (it cannot be picked): the same pick. The
+    pick's priced plan is left in its ``diagnostics["priced"]`` (None when it was not simulated).
     """
     solved = result.diagnostics.get("solved") or {}
     ranked = sorted(solved.values(), key=lambda r: (r.latency_s, r.microbatches))[:SIMULATED_COUNTS]
     if len(ranked) < 2:
         return result
-
-    def simulated(r: inter.InterResult) -> tuple[bool, float]:
-        cost = price_plan(table, r.stages, microbatches=r.microbatches, schedule=schedule, stage_comm=stage_comm,
-                          mem_limit_bytes=mem_limit_bytes, method="auto", virtual_stages=virtual_stages).cost
-        return (not cost.fits, cost.step_time_s)
-
-    scores = {r.microbatches: simulated(r) for r in ranked}
-    pick = min(ranked, key=lambda r: scores[r.microbatches])
+    scores: dict[int, tuple[bool, float]] = {}
+    plans: dict[int, Plan] = {}
+    beat = math.inf  # the fastest simulated step of a plan that fits so far
+    for r in ranked:
+        # A plan whose step's lower bound is above one that fits cannot be picked (its score is worse): it is not
+        # simulated (at 16,384 GPUs a simulation of 32 stages x 512 microbatches is seconds). The margin keeps a
+        # bound summed in another order than the simulation's on the safe side.
+        try:
+            plan = price_plan(table, r.stages, microbatches=r.microbatches, schedule=schedule, stage_comm=stage_comm,
+                              mem_limit_bytes=mem_limit_bytes, method="auto", virtual_stages=virtual_stages,
+                              skip_above=beat * (1 + 1e-9))
+        except StepAbove:
+            continue
+        plans[r.microbatches] = plan
+        scores[r.microbatches] = (not plan.cost.fits, plan.cost.step_time_s)
+        if plan.cost.fits:
+            beat = min(beat, plan.cost.step_time_s)
+    pick = min((r for r in ranked if r.microbatches in scores), key=lambda r: scores[r.microbatches])
     if scores[pick.microbatches] < scores.get(result.microbatches, (True, math.inf)):
         pick.diagnostics["by_microbatches"] = result.diagnostics["by_microbatches"]
         pick.diagnostics["solved"] = solved
-        return pick
+        result = pick
+    # The chosen plan priced as auto_plan prices it (the same stages, solutions and keywords): kept, not priced again.
+    result.diagnostics["priced"] = plans.get(result.microbatches)
     return result
 
 

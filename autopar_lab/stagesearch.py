@@ -103,9 +103,11 @@ def search_microbatches(table: CostTable, problem: inter.StageProblem, choices: 
     candidates come from ``candidates(B, mem_limit_bytes)`` (default: :meth:`CostTable.candidate_fn`, vectorised,
     unusable ones dropped; with ``None`` for the limit every candidate; with ``grid`` (first layers of blocks, see
     :func:`layer_grid`) stages start only at those layers). The best latency found so far is handed to
-    each DP as an upper bound, so its t_max search skips what cannot beat it; a count that cannot is recorded as
-    ``inf`` in ``by_microbatches`` (stage_dp_auto records its exact latency). When nothing fits at all, the largest
-    count is run again with every candidate, for the error's smallest memory requirement.
+    each DP as an upper bound, so its t_max search skips what cannot beat it, and a count whose latency lower
+    bound (:func:`~autopar_lab.solve.inter.dp.latency_lower_bound`) cannot is not searched at all (one memory DP
+    says whether it fits); a count that cannot is recorded as ``inf`` in ``by_microbatches`` (stage_dp_auto records
+    its exact latency). When nothing fits at all, the largest count is run again with every candidate, for the
+    error's smallest memory requirement.
     ``problem``: the stage problem (:class:`~autopar_lab.solve.inter.StageProblem`, e.g.
     ``StageProblem.on(cluster, ...)``: the cluster, memory limit, links, schedule with its ``virtual_stages`` or
     ``wgrad_share``, pins); its layer count, microbatch count and cut bytes are this search's (the table's layers,
@@ -136,7 +138,7 @@ def search_microbatches(table: CostTable, problem: inter.StageProblem, choices: 
         try:
             r = inter.stage_dp(dataclasses.replace(problem, num_layers=L, microbatches=B,
                                                    cut_bytes=[c / B for c in cuts]),
-                               make(B, mem), inter.DPOptions(upper_bound=bound))
+                               make(B, mem), inter.DPOptions(upper_bound=bound, skip_unbeatable=True))
         except inter.NoFeasiblePlanError:
             break
         if r is None:

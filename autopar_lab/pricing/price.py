@@ -24,7 +24,7 @@ from ..planvalues import CostReport, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, recomputes, remat_value
 from ..schedules import check_layout, interleave, schedule_of
-from ..simulate import SimOptions, Timeline, simulate
+from ..simulate import SimOptions, Timeline, makespan_floor, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
@@ -119,6 +119,15 @@ def simulate_pipeline(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatch
     return tl
 
 
+class StepAbove(Exception):
+    """:func:`price_stages` with ``skip_above``: the step's lower bound (``floor``, seconds) is above the step to beat,
+    so the plan was not simulated."""
+
+    def __init__(self, floor: float):
+        super().__init__(f"the step is at least {floor:.6g} s")
+        self.floor = floor
+
+
 class Priced(NamedTuple):
     """What pricing a plan's decisions gives: its stages (times, memory, each one's IntraPlan and layer costs), the
     cost report, and the schedule and model chunks per stage it was priced with."""
@@ -140,7 +149,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  intras: Sequence[IntraPlan | None] | None = None,
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
-                 zero: int | None = None) -> Priced:
+                 zero: int | None = None, skip_above: float = math.inf) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -155,6 +164,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     priced on its own (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
     ``zero``: a ZeRO stage (0-3; a plan's ``stage_pins["zero"]``): every stage's memory priced as ZeRO splits it
     (:mod:`~autopar_lab.pricing.zero`), the times unchanged; None: the storage each IntraPlan chose.
+    ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
+    :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
+    raised (the planner's ranking of several plans by simulation).
 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
     stage runs ``virtual_stages`` chunks (default 2; :func:`~autopar_lab.schedules.schedule_of` reads a plan's pinned
@@ -254,6 +266,11 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         sim = dict(fwd=[t[0] for t in totals], bwd=[t[1] - w for t, w in zip(totals, wgrad)],
                    act=[t[3] for t in totals], static=[t[2] for t in totals])
         sends = stage_transfers(table, priced, microbatches)
+    if skip_above < math.inf:
+        floor = makespan_floor(sim["fwd"], sim["bwd"], microbatches, schedule, send_fwd_s=sends, send_bwd_s=sends,
+                               wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v if v > 1 else None)
+        if floor > skip_above:
+            raise StepAbove(floor)
     # Stages that share a compute resource run one task at a time (backends: a CPU host's stages; None elsewhere).
     hosts = host_of_stages(cluster, stage_offsets(priced))
     tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, mem,

@@ -13,12 +13,12 @@ import numpy as np
 
 from .. import dpbounds
 from .formulas import BY_STAGE_COUNT, placement_fits
-from .problem import (Problem, build_problem, candidate_arrays, infeasible, inter_result, positive_int, structure,
-                      candidate_tables)
+from .problem import (Problem, build_problem, by_hosts, candidate_arrays, infeasible, inter_result, positive_int,
+                      structure, candidate_tables)
 from .values import DPOptions, InterResult, NoFeasiblePlanError, StageCandidate, StageProblem, T_MAX_SEARCH
 
-__all__ = ["stage_dp", "stage_dp_auto", "layered_dp", "sweep_dp", "min_memory", "solve_one", "stage_counts",
-           "stage_count_bounds", "fastest_at", "seed_latency", "walk"]
+__all__ = ["stage_dp", "stage_dp_auto", "latency_lower_bound", "layered_dp", "sweep_dp", "min_memory", "solve_one",
+           "stage_counts", "stage_count_bounds", "fastest_at", "seed_latency", "walk"]
 
 
 def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf, stop_at=None):
@@ -35,7 +35,7 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
     (with np.add): a lower bound on F[s'][0, N*M] for every s' > s; the tables stop growing at the first s
     where the smallest F[.][0, N*M] so far is at most it (no more stages can give a smaller one).
     """
-    L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    L, NM, SH = p.num_layers, p.columns, len(p.shapes)
     S = p.max_stages
     lowest = math.inf
     F_prev = np.full((L + 1, NM + 1), np.inf)
@@ -95,17 +95,17 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
 
 def min_memory(p: Problem, min_req, valid, size) -> float:
     """Smallest over full assignments of the largest per-stage memory requirement."""
-    zero_cut = np.zeros((p.num_layers, p.num_devices + 1))
+    zero_cut = np.zeros((p.num_layers, p.columns + 1))
     Fs, _ = layered_dp(p, min_req, zero_cut, valid, size, np.maximum)
     if p.fixed_stages is not None:
-        return float(Fs[p.fixed_stages][0, p.num_devices])
-    return float(min(F[0, p.num_devices] for F in Fs[1:]))
+        return float(Fs[p.fixed_stages][0, p.columns])
+    return float(min(F[0, p.columns] for F in Fs[1:]))
 
 def sweep_dp(p, stage_cost, cut, valid, size):
     """The same recurrence without the stage count, for when it does not matter (memory
     does not depend on it and max_stages does not bind): F[k, d] over k descending,
     vectorised over (end layer i, shape, d). About max_stages times cheaper."""
-    L, NM, SH = p.num_layers, p.num_devices, len(p.shapes)
+    L, NM, SH = p.num_layers, p.columns, len(p.shapes)
     d_idx = np.arange(NM + 1)
     F = np.full((L + 1, NM + 1), np.inf)
     F[L, 0] = 0.0
@@ -158,6 +158,19 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
     if math.isfinite(upper_bound) and t_max_search == "alpa":
         raise ValueError('upper_bound needs t_max_search="bisect" or "all" (they solve the largest t_max first).')
     p = build_problem(problem, candidates)
+    if options.host_columns:
+        p = by_hosts(p)
+    if (options.skip_unbeatable and math.isfinite(upper_bound) and p.constraints is None and p.shapes
+            and latency_lower_bound(p) >= upper_bound):
+        # No plan of this problem can beat the bound. Whether any fits, as the full search would say it (None:
+        # some does; else the same error): a uniform pipeline that fits says so at once, else one memory DP
+        # instead of the t_max search; the schedules of BY_STAGE_COUNT answer None, as their stage-count bounds do.
+        if p.schedule not in BY_STAGE_COUNT and not math.isfinite(seed_latency(p, candidate_arrays(p))):
+            valid, size, _, _ = structure(p)
+            need = min_memory(p, candidate_tables(p).min_req(), valid, size)
+            if not need <= p.mem_limit:
+                raise infeasible(need, p.mem_limit, False)
+        return None
     if p.schedule not in BY_STAGE_COUNT:
         return solve_one(p, t_max_search, upper_bound, prune, t0)
     best: InterResult | None = None
@@ -209,6 +222,29 @@ def stage_count_bounds(p: Problem) -> tuple[list[int], dict[int, float]]:
     return counts, lower
 
 
+def latency_lower_bound(p: Problem) -> float:
+    """A lower bound on the latency (seconds) of every plan of ``p`` (no pins), whatever its stage count:
+    ``a (min_S G_S^2 / N + K H / N)`` with the device-second bounds of :mod:`dpbounds`. It holds because a plan's
+    latency is ``a (sum t + sum kappa c + K max(t, kappa c))`` with c >= 0, its stage times sum to at least
+    ``G_S^2 / N`` for its S stages and the largest is at least ``H / N`` (see :mod:`dpbounds`; every device used
+    once), where E is each range's fewest device-seconds over the candidates any plan can use: for 1F1B and GPipe
+    those that fit memory holding ``held(1)`` microbatches (a stage holds at least that many: held grows with the
+    stages after it), for the schedules whose memory needs the stage count every candidate. Cheap (no DP): the
+    microbatch search skips a count with it (:class:`DPOptions` ``skip_unbeatable``)."""
+    arrays = candidate_arrays(p)
+    if p.schedule in BY_STAGE_COUNT:
+        fastest = np.stack([np.where(has, t, np.inf).min(axis=0, initial=np.inf) for t, _, _, has in arrays], axis=-1)
+    else:
+        fastest = fastest_at(p, arrays, 1)
+    size = np.array([n * m for n, m in p.shapes], dtype=float)
+    H, G = dpbounds.partition_bounds(dpbounds.device_seconds(fastest, size), p.max_stages)
+    if not math.isfinite(H):
+        return math.inf  # some layer has no candidate that fits: no plan
+    a, _, K = p.coefficients
+    NM = p.num_devices
+    return a * (float(np.min(G)) ** 2 / NM + K * H / NM) * (1 - _MARGIN)
+
+
 def stage_counts(p: Problem) -> list[int]:
     """The total stage counts a problem of a :data:`BY_STAGE_COUNT` schedule is solved for."""
     if p.fixed_stages is not None:
@@ -223,7 +259,7 @@ def stage_counts(p: Problem) -> list[int]:
 def solve_one(p: Problem, t_max_search: str, upper_bound: float, prune: bool, t0: float) -> InterResult | None:
     """:func:`stage_dp` on a built problem (for a schedule of :data:`BY_STAGE_COUNT`, one stage count)."""
     valid, size, cut_full, neck_full = structure(p)
-    L, NM = p.num_layers, p.num_devices
+    L, NM = p.num_layers, p.columns  # devices counted in columns of p.unit devices (size too)
     # Bounds (the "bisect" search only; "all" and "alpa" stay the plain references): a seed plan's latency, a
     # lower bound on t_max and on sum t + sum c by stage count (see dpbounds). They only skip what cannot beat the
     # best latency known, or what cannot change a DP's minimum.
@@ -250,7 +286,7 @@ def solve_one(p: Problem, t_max_search: str, upper_bound: float, prune: bool, t0
 
     # Without a memory effect of the stage count and without a binding max_stages, the
     # stage count can be dropped from the state.
-    collapsed = p.fixed_stages is None and p.max_stages == min(L, NM) and all(
+    collapsed = p.fixed_stages is None and p.max_stages == min(L, p.num_devices) and all(
         np.array_equal(best_time[..., 0], best_time[..., s]) for s in range(1, p.max_stages)
     )
     # The layered DP may stop adding stages once none with more can go below the minimum found: exact.
@@ -376,14 +412,15 @@ def seed_latency(p: Problem, arrays) -> float:
 
 
 def walk(p: Problem, chooser, s, size) -> list[tuple[int, int, int, int]] | None:
-    """Follow the argmin tables from (s, 0, N*M) to the end: [(start, end, shape index, offset)]."""
+    """Follow the argmin tables from (s, 0, N*M) to the end: [(start, end, shape index, offset)] (the offset in
+    devices; the tables' columns and ``size`` count ``p.unit`` devices each)."""
     if chooser is None:
         return None
-    NM, SH = p.num_devices, len(p.shapes)
+    NM, SH = p.columns, len(p.shapes)
     pieces, k, d = [], 0, NM
     while k < p.num_layers:
         i, sh = divmod(chooser(s, k, d), SH)
-        pieces.append((k, i, sh, NM - d))
+        pieces.append((k, i, sh, (NM - d) * p.unit))
         k, d = i + 1, d - int(size[sh])
         s = None if s is None else s - 1
     assert d == 0 and (s is None or s == 0), "DP reconstruction must use every device and stage"

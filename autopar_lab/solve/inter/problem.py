@@ -17,8 +17,8 @@ from .formulas import (BY_STAGE_COUNT, DEFAULT_WGRAD_SHARE, SCHEDULES, STAGE_COM
                        transfer_s)
 from .values import CandidateBlock, InterResult, NoFeasiblePlanError, StageCandidate, StageConstraints, StageProblem
 
-__all__ = ["Problem", "BlockCandidates", "positive_int", "build_problem", "CandidateTables", "candidate_tables",
-           "candidate_arrays", "pinned_tables", "structure", "infeasible", "inter_result"]
+__all__ = ["Problem", "BlockCandidates", "positive_int", "build_problem", "by_hosts", "CandidateTables",
+           "candidate_tables", "candidate_arrays", "pinned_tables", "structure", "infeasible", "inter_result"]
 
 
 class BlockCandidates(Mapping):
@@ -68,6 +68,7 @@ class Problem:
     wgrad_share: float = DEFAULT_WGRAD_SHARE  # W's share of a stage's time (zb-h1)
     total_stages: int | None = None  # the stage count this problem is solved for (the schedules of BY_STAGE_COUNT)
     serial: bool = False  # the stages share one compute resource (StageProblem.serial_stages): one task at a time
+    unit: int = 1  # devices per column of the DP's tables (devices_per_host: counted in hosts, see by_hosts)
 
     @property
     def fixed_stages(self) -> int | None:
@@ -107,6 +108,11 @@ class Problem:
     @property
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
+
+    @property
+    def columns(self) -> int:
+        """The free-device count's last column in the DP's tables: devices, or hosts when ``unit`` is a host."""
+        return self.num_devices // self.unit
 
     def cut_terms(self, k: int, offset: int) -> tuple[float, float]:
         return self.cut_cost[(k, cut_link(offset, self.devices_per_host))]
@@ -220,6 +226,20 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     # submesh shapes have none), which keeps the order of the others and so every tie-break.
     return Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w,
                    serial=bool(serial_stages))
+
+
+def by_hosts(p: Problem) -> Problem:
+    """``p`` with the DP's device axis counted in whole hosts (``unit = devices_per_host``) when every shape with a
+    candidate is whole hosts (m = devices_per_host, as in the "scale" planning space); else ``p`` itself.
+
+    Exact: in-order placement then starts every stage on a host boundary (a (1, M) stage fills one host, an (n, M)
+    one starts on one by :func:`placement_fits`), so the DP over devices reaches only the columns that are multiples
+    of M; every cut is then an inter-host one and the recurrence over those columns is the recurrence over hosts,
+    term by term (the same sums in the same order, the same tie-breaks), with M times fewer columns."""
+    M = p.devices_per_host
+    if M == 1 or not p.shapes or any(m != M for _, m in p.shapes):
+        return p
+    return dataclasses.replace(p, unit=M)
 
 
 def _check_block(b: CandidateBlock, shape: tuple[int, int], L: int) -> None:
@@ -376,10 +396,11 @@ def pinned_tables(p: Problem):
 def structure(p: Problem):
     """valid[sh, d]: a stage of shape sh may start with d devices free; size[sh];
     cut[k, d]: priced cut term in front of a stage starting at layer k with d devices free (its sum term);
-    neck[k, d]: the same cut's steady-state term (its slower direction), which t_max bounds."""
-    L, NM = p.num_layers, p.num_devices
-    size = np.array([n * m for n, m in p.shapes], dtype=np.int64)
-    valid = _placements(p.shapes, p.hosts, p.devices_per_host)
+    neck[k, d]: the same cut's steady-state term (its slower direction), which t_max bounds.
+    Devices are counted in ``p.unit`` (d, size: in columns; see :func:`by_hosts`)."""
+    L, NM, u = p.num_layers, p.columns, p.unit
+    size = np.array([n * m // u for n, m in p.shapes], dtype=np.int64)
+    valid = _placements(p.shapes, p.hosts, p.devices_per_host, u)
     cut = np.zeros((L, NM + 1))
     neck = np.zeros((L, NM + 1))
     kappa = p.coefficients[1]  # the schedule's weight of a cut (interleaved: v transfers per microbatch)
@@ -388,11 +409,11 @@ def structure(p: Problem):
         # spread over the offsets 1..NM-1 that use it (other d never start a stage after layer 0). The same float
         # operations as priced_cut / priced_neck, elementwise.
         d = np.arange(1, NM)
-        inter_host = (NM - d) % p.devices_per_host == 0
+        inter_host = (NM - d) * u % p.devices_per_host == 0
         for where in (inter_host, ~inter_host):
             if not where.any():
                 continue
-            terms = [p.cut_terms(k, NM - int(d[where][0])) for k in range(1, L)]
+            terms = [p.cut_terms(k, (NM - int(d[where][0])) * u) for k in range(1, L)]
             f = np.array([t[0] for t in terms])
             b = np.array([t[1] for t in terms])
             cols = d[where]
@@ -402,14 +423,15 @@ def structure(p: Problem):
 
 
 @functools.lru_cache(maxsize=16)
-def _placements(shapes: tuple[tuple[int, int], ...], hosts: int, devices_per_host: int) -> np.ndarray:
-    """valid[sh, d]: a stage of ``shapes[sh]`` may start with d devices free (:func:`placement_fits` at offset
-    N*M - d); the same for every microbatch count and t_max, so kept (read-only)."""
-    NM = hosts * devices_per_host
-    valid = np.zeros((len(shapes), NM + 1), dtype=bool)
+def _placements(shapes: tuple[tuple[int, int], ...], hosts: int, devices_per_host: int, unit: int = 1) -> np.ndarray:
+    """valid[sh, d]: a stage of ``shapes[sh]`` may start with d columns of ``unit`` devices free
+    (:func:`placement_fits` at offset (C - d) * unit, C columns in all); the same for every microbatch count and
+    t_max, so kept (read-only)."""
+    C = hosts * devices_per_host // unit
+    valid = np.zeros((len(shapes), C + 1), dtype=bool)
     for sh, shape in enumerate(shapes):
-        for d in range(NM + 1):
-            valid[sh, d] = placement_fits(shape, NM - d, hosts, devices_per_host)
+        for d in range(C + 1):
+            valid[sh, d] = placement_fits(shape, (C - d) * unit, hosts, devices_per_host)
     valid.setflags(write=False)
     return valid
 

@@ -306,6 +306,16 @@ class DPOptions:
     once no larger stage count can go below the minimum found (lower bounds of :mod:`autopar_lab.solve.dpbounds`).
     Exact: the same latency and the same plan as ``prune=False`` (kept for tests and measurements).
 
+    ``skip_unbeatable`` (with a finite ``upper_bound``, no pins): when a lower bound on every plan's latency
+    (:func:`~autopar_lab.solve.inter.dp.latency_lower_bound`) cannot beat the bound, skip the t_max search: None
+    when plans fit, the same error when none does (one memory DP decides; for the schedules whose memory needs the
+    stage count, None, as their stage-count bounds answer). The microbatch search uses it.
+
+    ``host_columns``: where every submesh with a candidate is whole hosts (the "scale" planning space), count the
+    free devices in hosts (one DP column per host, ``devices_per_host`` times fewer): no stage can start inside a
+    host then, so the columns left out are never reached. Exact (same plan; ``False`` keeps one column per device,
+    for tests and measurements).
+
     >>> DPOptions().with_upper_bound(3.0).upper_bound
     3.0
     """
@@ -313,6 +323,8 @@ class DPOptions:
     t_max_search: str = "bisect"
     upper_bound: float = math.inf
     prune: bool = True
+    skip_unbeatable: bool = False
+    host_columns: bool = True
 
     def with_upper_bound(self, upper_bound: float) -> DPOptions:
         return dataclasses.replace(self, upper_bound=upper_bound)
