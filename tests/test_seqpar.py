@@ -161,3 +161,22 @@ def test_megatron_plan_with_sequence_parallelism_keeps_korthikantis_activations(
     # tensor parallelism alone keeps the layer norms' regions whole: more than sequence parallelism
     tp = al.megatron_plan(m, cluster, dp=1, tp=t, pp=1, microbatches=1, zero=0)
     assert tp.stages[0].layer_costs[plan.layer_names.index("layer_1")].act_bytes > 1.3 * got
+
+
+def test_a_sequence_parallel_llama_layer_keeps_a_t_th_of_its_activations():
+    """Korthikanti's structure on a Llama layer (RMSNorm, grouped-query attention, SwiGLU): with tensor and sequence
+    parallelism over t every activation the layer keeps is divided by t, the norms' outputs included (their producer
+    is a multiply by the norm's weight here, not GPT's add); tensor parallelism alone keeps those whole."""
+    m = al.models.get("llama3-tiny", num_heads=8, num_kv_heads=4, batch_size=2, hidden_size=256, seq_len=128,
+                      ffn_hidden=704, vocab_size=256, dtype="bfloat16")
+    a100 = Cluster.preset("dgx-a100")
+
+    def layer_act(t, sp=False):
+        plan = al.megatron_plan(m, a100.with_(devices_per_host=t), dp=1, tp=t, pp=1, zero=0, precision="bf16",
+                                sequence_parallel=sp, microbatches=1)
+        return plan.stages[0].layer_costs[plan.layer_names.index("layer_1")].act_bytes
+
+    t = 4
+    whole = layer_act(1)
+    assert layer_act(t, sp=True) * t == pytest.approx(whole, rel=1e-3)
+    assert layer_act(t) * t > 1.5 * whole
