@@ -71,13 +71,41 @@ def test_collectives_across_hosts_wait_for_the_network_and_one_all_reduce_beats_
     # + 3 on InfiniBand)); a ring crosses hosts 3 times, its other 28 steps stay on NVLink (NCCL's tuning model)
     assert mesh.all_reduce(1e3, 1) == 2 * (3 * a_in + 2 * a_out) + 2 * (31 / 32) * 1e3 / bw
     assert mesh.all_gather(1e9, 1) == 28 * a_in + 3 * a_out + (31 / 32) * 1e9 / bw
-    # an all-to-all: one message per peer, 7 in the host and 24 beyond it
-    assert mesh.all_to_all(1e3, 1) == 7 * a_in + 24 * a_out + (31 / 1024) * 1e3 / bw
+    # an all-to-all: one message per peer, 7 in the host and 24 beyond it; each device sends B / 32^2 to each peer,
+    # so 24 B / 1024 through its host's NICs, which the host's 8 devices share (8 x 24 / 1024 B at the host's
+    # bandwidth), while 7 B / 1024 go over its NVLink at the same time: the NICs are the slower path
+    for nbytes in (1e3, 1e9):
+        beyond, inside = 8 * 24 / 1024 * nbytes / bw, 7 / 1024 * nbytes / c.intra_host.bandwidth
+        assert beyond > inside
+        assert mesh.all_to_all(nbytes, 1) == pytest.approx(7 * a_in + 24 * a_out + beyond, rel=1e-12)
     for nbytes in (1e3, 1e6, 1e9):
         assert mesh.all_reduce(nbytes, 1) < mesh.reduce_scatter(nbytes, 1) + mesh.all_gather(nbytes, 1)
     # a pair of devices: one ring step, or one tree level each way, cost the same
     pair = c.logical_mesh((1, 2))
     assert pair.all_reduce(1e6, 1) == 2 * a_in + 1e6 / c.intra_host.bandwidth
+
+
+def test_an_all_to_all_across_hosts_shares_each_hosts_nics_among_its_devices_and_groups():
+    """LogicalMesh.all_to_all by hand: n devices of which g share a host, B the full buffer. Each device sends
+    (n-g) B/n^2 beyond its host and (g-1) B/n^2 inside it; the host's NICs carry its g devices' share for every
+    group crossing from it at once, NVLink the rest concurrently (NCCL's grouped send/recv): the slower path."""
+    c = Cluster.preset("dgx-a100", hosts=4)
+    mesh = c.logical_mesh((4, 8), (8, 4))  # axis 0: columns of 8 devices 4 apart, 2 on each of the 4 hosts
+    n, g, groups_per_host = 8, 2, 4  # each host holds 2 devices of each of the 4 columns
+    assert mesh.axis_hosts(0) == 4 and mesh.axis_link(0).bandwidth == c.inter_host.bandwidth / groups_per_host
+    B = 1e9
+    beyond = groups_per_host * g * (n - g) / n**2 * B / c.inter_host.bandwidth
+    inside = (g - 1) / n**2 * B / c.intra_host.bandwidth
+    latency = (g - 1) * c.intra_host.latency + (n - g) * c.inter_host.latency
+    assert mesh.all_to_all(B, 0) == pytest.approx(latency + max(beyond, inside), rel=1e-12)
+    # the network's bytes are g (n-g) / (n-1) = 12/7 times what charging each device's own (n-1)/n^2 B at the
+    # group's share of the NICs gave before
+    assert (mesh.all_to_all(B, 0) - latency) / ((n - 1) / n**2 * B / mesh.axis_link(0).bandwidth) == \
+        pytest.approx(g * (n - g) / (n - 1), rel=1e-12)
+    # inside one host nothing changes: (n-1)/n^2 B over NVLink
+    one = c.logical_mesh((1, 8), (1, 8))
+    assert one.all_to_all(B, 1) == pytest.approx(7 * c.intra_host.latency + 7 / 64 * B / c.intra_host.bandwidth,
+                                                 rel=1e-12)
 
 
 @pytest.mark.parametrize("method", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])

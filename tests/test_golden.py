@@ -17,6 +17,13 @@ the cheapest alternative is now ``RRS1 = RRR x RS1`` (``S1R = S1R x RR`` for wre
 (one step either way), but gpt-tiny-cpu's first data-parallel plan: a resharding all-to-all on the ``cpu`` preset's
 4-device host pays 3 latency steps (one message per peer) where a tree's log2 4 = 2 did, so its ILP reshards
 otherwise (26 collectives a step for 22; the step 16.036 -> 16.072 ms).
+
+Regenerated 2026-12-06 for the all-to-all across hosts (``LogicalMesh.all_to_all``: the bytes beyond a host go
+through its NICs shared by the group's devices on it, g (n-g) / n^2 B, beside (g-1) / n^2 B on NVLink). No number
+moved: only ``choices_sha1`` of gpt-1.3b's two data-parallel plans, whose (4, 1) mesh spans both hosts. Their ILP
+now breaks a tie otherwise: each traced layer's causal-mask broadcast ([2, 32, 32, 32], free either way, recomputed
+rather than kept) is made whole (``RRRR``) and sliced by its readers instead of made split by heads (``RS0RR``);
+the dearer all-to-all moved the solver's optimal vertex, not the optimum.
 """
 
 import hashlib

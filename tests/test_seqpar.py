@@ -126,3 +126,57 @@ def test_a_sequence_parallel_plan_trains_like_one_device(model, reference):
     runner = al.execute(plan, model, compiler_options={"xla_backend_optimization_level": 0})
     assert runner.mode == "spmd"  # every operator replayed with the plan's sharding, the regions included
     np.testing.assert_allclose(runner.train(3), reference[0], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_megatron_plan_with_sequence_parallelism_keeps_korthikantis_activations(flash):
+    """Korthikanti et al. 2022 (published-measurements.md): per layer, tensor + sequence parallelism over t keeps
+    s b h (34 / t + 5 a s / (h t)) bytes in fp16, every term divided by t: the layer norms' inputs and outputs are
+    kept split along the sequence, and the column-parallel matmuls' gathered inputs are not kept (Megatron-LM
+    gathers them again for the backward). ``al.megatron_plan(..., sequence_parallel=True)`` as a user calls it, on a
+    GPT layer.
+
+    Their 34 counts Megatron's layer; the zoo's differs in three places, each counted by hand: no dropout (their two
+    hidden-dropout masks, 1 byte each: -2), a tanh GeLU that keeps its tanh's output beside its input (4h in fp16:
+    +8), and layer norms that keep their normalised fp16 copy beside their output (+2 each: +4), so 44. Its
+    attention keeps 6 a s^2 b (fp32 exponentials and fp16 probabilities, test_memory) where theirs keeps 5, none
+    with flash attention. Beside those, float32 row statistics Korthikanti leaves out as small: each layer norm's
+    mean, rsqrt and normalisation factor (2 x 3 x 4 bytes a token) and the softmax's per head (4 a), split by t
+    too."""
+    s, h, a, b, t = 128, 256, 8, 2, 4
+    m = al.models.get("gpt-tiny", seq_len=s, hidden_size=h, num_heads=a, num_layers=4, batch_size=b,
+                      vocab_size=128, dtype="float16")
+    cluster = Cluster.preset("dgx-a100").with_(devices_per_host=t, flash_attention=flash)
+    plan = al.megatron_plan(m, cluster, dp=1, tp=t, pp=1, microbatches=1, zero=0, sequence_parallel=True)
+    got = plan.stages[0].layer_costs[plan.layer_names.index("layer_1")].act_bytes
+    sbh = s * b * h
+    scores = 0 if flash else 5 * a * s / h
+    korthikanti = sbh * (34 / t + scores / t)
+    zoo = sbh * ((34 - 2 + 8 + 4) / t + (0 if flash else 6 * a * s / h) / t) + (2 * 3 * 4 + 4 * a) * s * b / t
+    # to 0.5%: a bias broadcast and the causal mask stay whole
+    assert got == pytest.approx(zoo, rel=5e-3)
+    # Korthikanti's formula itself, the zoo's differences (above) aside: 44 / 34 = 1.29 per token (1.26 with the
+    # scores), 1.30 with the row statistics
+    assert 1.0 < got / korthikanti < 1.31
+    # tensor parallelism alone keeps the layer norms' regions whole: more than sequence parallelism
+    tp = al.megatron_plan(m, cluster, dp=1, tp=t, pp=1, microbatches=1, zero=0)
+    assert tp.stages[0].layer_costs[plan.layer_names.index("layer_1")].act_bytes > 1.3 * got
+
+
+def test_a_sequence_parallel_llama_layer_keeps_a_t_th_of_its_activations():
+    """Korthikanti's structure on a Llama layer (RMSNorm, grouped-query attention, SwiGLU): with tensor and sequence
+    parallelism over t every activation the layer keeps is divided by t, the norms' outputs included (their producer
+    is a multiply by the norm's weight here, not GPT's add); tensor parallelism alone keeps those whole."""
+    m = al.models.get("llama3-tiny", num_heads=8, num_kv_heads=4, batch_size=2, hidden_size=256, seq_len=128,
+                      ffn_hidden=704, vocab_size=256, dtype="bfloat16")
+    a100 = Cluster.preset("dgx-a100")
+
+    def layer_act(t, sp=False):
+        plan = al.megatron_plan(m, a100.with_(devices_per_host=t), dp=1, tp=t, pp=1, zero=0, precision="bf16",
+                                sequence_parallel=sp, microbatches=1)
+        return plan.stages[0].layer_costs[plan.layer_names.index("layer_1")].act_bytes
+
+    t = 4
+    whole = layer_act(1)
+    assert layer_act(t, sp=True) * t == pytest.approx(whole, rel=1e-3)
+    assert layer_act(t) * t > 1.5 * whole

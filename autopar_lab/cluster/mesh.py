@@ -7,7 +7,8 @@ steps, k-1 of them between nodes; an all-to-all is grouped send/recv, one messag
 :meth:`LogicalMesh._tree_latency` says); and a TPU slice's ICI torus,
 priced by :class:`~autopar_lab.cluster.torus.TorusAxis` for an axis that stays inside one slice. An axis that
 leaves its domain (its host, or the hosts that share one NVLink fabric; a TPU slice) uses the scale-out link, shared
-by the groups that cross from each host at once.
+by the groups that cross from each host at once (an all-to-all's bytes beyond the domain also share it among the
+group's devices on that host, :meth:`LogicalMesh.all_to_all`).
 
 >>> from autopar_lab.cluster import Cluster
 >>> c = Cluster.preset("p3.16xlarge")
@@ -179,8 +180,11 @@ class LogicalMesh:
         if n == 1:
             return (1,)
         link = self.axis_link(axis)
-        out = (n, self.axis_domains(axis), float(link.bandwidth), float(self.cluster.intra_host.latency),
+        k, hosts = self.axis_domains(axis), self.axis_hosts(axis)
+        out: tuple = (n, k, float(link.bandwidth), float(self.cluster.intra_host.latency),
                float(self.cluster.inter_host.latency))
+        if hosts != k:  # hosts sharing one domain: an all-to-all's bytes leave through each host's NICs
+            out += (hosts,)
         torus = self.torus_axis(axis)
         return out if torus is None else out + (torus.segments,)
 
@@ -253,18 +257,43 @@ class LogicalMesh:
         return latency + self._bandwidth_s(nbytes, axis, 2 * (n - 1) / n)
 
     def all_to_all(self, nbytes: float, axis: Axis) -> float:
-        """(n-1)/n^2 B at the bus bandwidth (each device keeps 1/n and sends n-1 pieces of B/n^2 straight to their
-        owners through the switch). NCCL has no all-to-all algorithm: it is n-1 grouped sends and receives, one
-        message per peer, each paying its link's latency: g-1 inside the domain, n-g to peers beyond it. On a TPU
-        slice, :meth:`TorusAxis.all_to_all` (pieces travel several hops)."""
+        """B = bytes of the full buffer along the axis: each of the n devices holds B/n, keeps 1/n of it and sends
+        a piece of B/n^2 straight to each other device. NCCL has no all-to-all algorithm: it is n-1 grouped sends
+        and receives, one message per peer, each paying its link's latency: g-1 inside the device's scale-up domain
+        (g = n/k devices of the group in each of its k domains), n-g to peers beyond it.
+
+        The bytes take two paths at once:
+
+        * inside the domain, (g-1) B/n^2 per device over its own NVLink (``intra_host``);
+        * beyond it, (n-g) B/n^2 per device through its host's NICs, which the group's h = n/hosts devices on that
+          host share (h = g where each host is its own domain, as on a DGX), and with them every other group
+          crossing from that host at once (:meth:`axis_link`'s bandwidth, the host's NICs over those groups):
+          h (n-g) B/n^2 at that bandwidth. The host's NICs, not each GPU, are the limit: charging each device's
+          (n-g) B/n^2 at the whole host's bandwidth would price 8 GPUs' traffic as one's.
+
+        NCCL runs the two concurrently (the grouped sends go to every peer at once, NVLink and the NICs are separate
+        engines), so the time is the slower path, not their sum:
+
+            max((g-1) B/n^2 / W_nvlink, h (n-g) B/n^2 / W_nic) + (g-1) alpha_in + (n-g) alpha_out
+
+        On one domain (k = 1) this is (n-1)/n^2 B at the domain's link. On a TPU slice,
+        :meth:`TorusAxis.all_to_all` (pieces travel several hops); an axis across slices takes its in-slice part
+        at one ICI link (``intra_host``), an approximation.
+        """
         n = self.axis_size(axis)
         if n == 1:
             return 0.0
         torus = self.torus_axis(axis)
         if torus is not None:
             return torus.all_to_all(nbytes)
-        g, _k, a_in, a_out = self._steps(axis)
-        return (g - 1) * a_in + (n - g) * a_out + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
+        g, k, a_in, a_out = self._steps(axis)
+        latency = (g - 1) * a_in + (n - g) * a_out
+        if k == 1:
+            return latency + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
+        h = n // self.axis_hosts(axis)
+        inside = (g - 1) * nbytes / (n * n) / self.cluster.intra_host.bandwidth
+        beyond = self._bandwidth_s(nbytes, axis, h * (n - g) / (n * n))
+        return latency + max(inside, beyond)
 
     def to_jax_mesh(self, devices: Sequence[Any] | None = None):
         """A ``jax.sharding.Mesh`` with axes ("x", "y") over real jax devices.

@@ -133,6 +133,24 @@ class _Pinner:
         else:  # column, head
             self.pin(r.op, r.label, lambda s: self.only(s.in_specs[w], r.split, want) and
                      self.batch_ok(s.in_specs[x]) and not s.collectives)
+            if self.sp:
+                self.sequence_input(r)
+
+    def sequence_input(self, r: MatmulRole) -> None:
+        """With sequence parallelism, the operator making a column matmul's input (a layer norm's output) keeps it
+        split along the sequence; the matmul gathers it (Korthikanti et al. 2022, section 4.2.2: the gathered input
+        is not kept, the backward gathers it again). Left to the ILP, the time-optimal plan may gather earlier (before
+        the layer norm, one collective either way) and keep the norm's activations whole on every rank: t times the
+        bytes Megatron-LM keeps. Nothing is pinned where the producer has no such strategy (a 2D input)."""
+        assert r.weight is not None
+        u = self.g.tensor(self.g.op(r.op).inputs[1 - r.weight]).producer
+        if u is None or u in self.pins or self.g.op(u).primitive == INPUT_PRIMITIVE:
+            return
+        s = _pick(self.cache.strategies(self.g.op(u)),
+                  lambda s: len(s.out_specs[0].dims) > 2 and self.only(s.out_specs[0], 1, (self.ta,))
+                  and self.batch_ok(s.out_specs[0]))
+        if s is not None:
+            self.pins[u] = s
 
     def whole_heads(self, r: MatmulRole) -> str:
         """For a projection into attention whose heads the tensor axis cannot split (GQA with more tensor-parallel
