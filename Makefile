@@ -63,4 +63,4 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .jax-cache

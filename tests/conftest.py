@@ -2,9 +2,23 @@
 them itself). A test module may still define a fixture of the same name for a different model or cluster; its own
 definition wins there."""
 
+import os
+import pathlib
+
 import pytest
 
 import autopar_lab as al
+
+# XLA's compiles are most of the suite's time on CPU, and many tests (and the CLI processes, Ray actors and notebook
+# kernels they start, which inherit this environment) compile the same programs: the same small GPT's one-device
+# reference step, the same plan's stage programs. JAX's persistent compilation cache keeps each executable on disk
+# under its HLO, compile options and devices, so a repeat loads the same executable instead of compiling it again:
+# identical programs, identical numbers. Every compile is kept (no minimum compile time). A test that counts compiles
+# counts the cache's hits too (tests/test_update_sharding.py). Set JAX_COMPILATION_CACHE_DIR to use another folder;
+# `make clean` removes this one.
+CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax-cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # `make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. Each test file is one group, so it runs
 # whole on one worker and its module-scoped fixtures are built once. The files that start a Ray head or a JupyterLab
@@ -23,6 +37,11 @@ BROWSER_FILES = frozenset({"test_browser", "test_browser_ray"})
 
 
 def pytest_configure(config):
+    import jax  # already imported by a plugin or autopar_lab: the environment above came too late for its config
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
     # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     config.addinivalue_line("markers", "notebook: runs a notebook end to end")

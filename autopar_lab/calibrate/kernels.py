@@ -58,6 +58,12 @@ def step_point(model: str, layers: int, batch: int, devices: int, peak_flops: fl
             "chain_s": chain, "call_s": call, "seconds": median_time(lambda: fn(*args), repeats=repeats)}
 
 
+# ``--quick``'s sizes (profile.measure_cpu and modes.update_kernel_overhead alike): 1-2-layer points for the kernel
+# fit and 6-8-layer steps for the chain reads, so a quick run compiles no 12- or 24-layer step.
+QUICK_KERNEL_POINTS = ((1, 2), (2, 2), (2, 8))
+QUICK_CHAIN_DEPTHS = (6, 8)
+
+
 def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 2), (4, 16)), repeats: int = 21,
                             peak_flops: float = 1e10, memory_bandwidth: float = 1e9,
                             model: str = "gpt-tiny") -> dict:
