@@ -9,13 +9,12 @@ import pytest
 
 import autopar_lab as al
 
-# XLA's compiles are most of the suite's time on CPU, and many tests (and the CLI processes, Ray actors and notebook
-# kernels they start, which inherit this environment) compile the same programs: the same small GPT's one-device
-# reference step, the same plan's stage programs. JAX's persistent compilation cache keeps each executable on disk
-# under its HLO, compile options and devices, so a repeat loads the same executable instead of compiling it again:
-# identical programs, identical numbers. Every compile is kept (no minimum compile time). A test that counts compiles
-# counts the cache's hits too (tests/test_update_sharding.py). Set JAX_COMPILATION_CACHE_DIR to use another folder;
-# `make clean` removes this one.
+# XLA's compiles are much of the suite's time on CPU. JAX's persistent compilation cache keeps each executable on disk
+# under its HLO, compile options and devices, so a program compiled before (by an earlier run: test-fast again after
+# an edit, or by another test, CLI process, Ray actor or notebook kernel of this run, which inherit this environment)
+# loads instead of compiling again: the same executable, the same numbers. Every compile is kept (no minimum compile
+# time). A test that counts compiles counts the cache's hits too (tests/test_update_sharding.py). Set
+# JAX_COMPILATION_CACHE_DIR to use another folder; `make clean` removes this one.
 CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -33,6 +32,7 @@ SERIAL_FILES = frozenset({
 # `make test-fast` leaves these out (`-m "not slow and not notebook and not browser"`): a notebook or a browser test
 # starts a kernel or Chromium, seconds before its first assertion, whatever it checks.
 NOTEBOOK_FILES = frozenset({"test_notebooks"})
+BROWSER_FILES = frozenset({"test_browser", "test_browser_ray"})
 
 # `make test-fast` must take under 3 minutes on 2 cores (issue 32 item 6). These tests took 3 s or more each in a
 # fresh clone's `make test`, or 2 s or more in a test-fast run on the shared machine (about 1 s on an idle one): a deep
@@ -379,7 +379,6 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_utilisation_is_mfu_against_a_bound_no_plan_can_beat",
     },
 }.items()}
-BROWSER_FILES = frozenset({"test_browser", "test_browser_ray"})
 
 
 def pytest_configure(config):
