@@ -50,7 +50,8 @@ js:
 test: $(VENV)/.installed-test browser js
 	$(BIN)/python -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
-# The tests not marked slow (each under ~10 s), with no notebook and no browser: the quick check while working.
+# The tests not marked slow, with no notebook and no browser: the quick check while working (under 3 minutes on 2
+# cores; tests/conftest.py's SLOW_TESTS lists the end-to-end tests it leaves to `make test`).
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -ra -m "not slow and not notebook and not browser" $(XDIST) $(PYTEST_ARGS)
 
@@ -63,4 +64,4 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .jax-cache

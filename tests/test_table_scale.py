@@ -101,16 +101,25 @@ WHAT_IFS = {"hosts-3": dict(hosts=3), "hosts-1": dict(hosts=1),
             "devices-2": dict(devices_per_host=2)}
 
 
+@pytest.fixture(scope="module")
+def planned_small_table(model):
+    """GPT-1.3B's table on SMALL after an auto plan solved its meshes: built once for every what-if below
+    (for_cluster copies what it keeps, so moving it leaves it as it was)."""
+    base = CostTable.build(model, SMALL)
+    al.auto_plan(base.graph, SMALL, table=base)
+    return base
+
+
 @pytest.mark.parametrize("what_if", list(WHAT_IFS))
-def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_fresh_one(model, what_if):
+def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_fresh_one(planned_small_table, model,
+                                                                                         what_if):
     """GPT-1.3B's 24 layers (planned on its shallow copy) on 2 hosts of 4, moved by each what-if of the sliders:
     the meshes carried over are exactly those whose mesh_signature is unchanged (an inter-host change keeps the
     one-host meshes, an intra-host one the meshes whose split axes all cross hosts), each equal to the fresh
     table's solve of it (layer costs, strategies and totals, to the bit), and the plan equals a fresh auto_plan."""
     from autopar_lab.pricing.table import mesh_signature
 
-    base = CostTable.build(model, SMALL)
-    al.auto_plan(base.graph, SMALL, table=base)
+    base = planned_small_table
     new = SMALL.with_(**WHAT_IFS[what_if])
     moved = base.for_cluster(new)
     solved = set(base.planned_meshes()) | {(a, b, LEAN) for a, b in base.lean_solved()}

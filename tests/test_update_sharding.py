@@ -27,9 +27,17 @@ def _count_compiles(event: str, duration_s: float, **_kw) -> None:
         _COMPILES.append(event)
 
 
+def _count_cache_hits(event: str, **_kw) -> None:
+    # A program the persistent compilation cache holds (tests/conftest.py) loads without a backend compile: a
+    # compile all the same.
+    if event == "/jax/compilation_cache/cache_hits":
+        _COMPILES.append(event)
+
+
 def _listen() -> None:
     if not _LISTENING:  # once per process: jax keeps its listeners
         jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+        jax.monitoring.register_event_listener(_count_cache_hits)
         _LISTENING.append(True)
 
 

@@ -58,7 +58,16 @@ def step_point(model: str, layers: int, batch: int, devices: int, peak_flops: fl
             "chain_s": chain, "call_s": call, "seconds": median_time(lambda: fn(*args), repeats=repeats)}
 
 
-def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 2), (4, 16)), repeats: int = 21,
+# The (layers, batch) points of the kernel fit and the depths of the chain-read fit; ``--quick``'s (profile.measure_cpu
+# and modes.update_kernel_overhead alike) are 1-2-layer points and 6-8-layer steps, so a quick run compiles no 12- or
+# 24-layer step.
+KERNEL_POINTS = ((2, 2), (4, 2), (4, 16))
+CHAIN_DEPTHS = (12, 24)
+QUICK_KERNEL_POINTS = ((1, 2), (2, 2), (2, 8))
+QUICK_CHAIN_DEPTHS = (6, 8)
+
+
+def measure_kernel_overhead(num_devices: int | None = None, points=KERNEL_POINTS, repeats: int = 21,
                             peak_flops: float = 1e10, memory_bandwidth: float = 1e9,
                             model: str = "gpt-tiny") -> dict:
     """Fit what a small model's kernels cost on every device at once: a fixed cost per kernel and how far the
@@ -115,7 +124,7 @@ def measure_kernel_overhead(num_devices: int | None = None, points=((2, 2), (4, 
                    "devices the step pays (d + driver_share) / (n + driver_share) of that; medians of repeats"}
 
 
-def measure_chain_reads(kernel_fit: Mapping[str, Any], depths=(12, 24), batch: int = 2, repeats: int = 11) -> dict:
+def measure_chain_reads(kernel_fit: Mapping[str, Any], depths=CHAIN_DEPTHS, batch: int = 2, repeats: int = 11) -> dict:
     """Fit ``Efficiency.chain_reads`` from deep steps: what a ``kernel_fit``'s formula (of
     :func:`measure_kernel_overhead`, fitted at 2-4 layers) leaves unexplained of the step at each of ``depths``
     layers, on the same devices, over the gradient chain's re-read bytes at the profile's bandwidth (least squares

@@ -12,7 +12,8 @@ from pathlib import Path
 from ..cluster import CPU_PROFILE_PATH
 from .collectives import BETWEEN_COMPUTE_NOTE, measure_collectives, measure_collectives_between_compute
 from .fits import refit_collectives
-from .kernels import measure_buffer_overhead, measure_chain_reads, measure_kernel_overhead
+from .kernels import (CHAIN_DEPTHS, KERNEL_POINTS, QUICK_CHAIN_DEPTHS, QUICK_KERNEL_POINTS, measure_buffer_overhead,
+                      measure_chain_reads, measure_kernel_overhead)
 from .profile import measure_cpu
 from .tasks import measure_task_overhead, per_device_task_overhead
 
@@ -84,10 +85,11 @@ def update_kernel_overhead(path: str | os.PathLike | None = None, quick: bool = 
                                    peak_flops=raw.get("matmul_flops_concurrent_per_device",
                                                       profile["device"]["peak_flops"]["float32"]),
                                    memory_bandwidth=raw.get("memory_bandwidth_concurrent_per_device",
-                                                            profile["device"]["memory_bandwidth"]))
+                                                            profile["device"]["memory_bandwidth"]),
+                                   points=QUICK_KERNEL_POINTS if quick else KERNEL_POINTS)
     profile["device"]["peak_flops"] = {"float32": kern["rates"]["peak_flops"] / kern["work_scale"]}
     profile["device"]["memory_bandwidth"] = kern["rates"]["memory_bandwidth"] / kern["work_scale"]
-    chain = measure_chain_reads(kern, repeats=5 if quick else 11)
+    chain = measure_chain_reads(kern, depths=QUICK_CHAIN_DEPTHS if quick else CHAIN_DEPTHS, repeats=5 if quick else 11)
     buf = measure_buffer_overhead(profile.get("num_devices"), repeats=7 if quick else 21)
     profile["device"].setdefault("efficiency", {}).update(kernel_launch_s=kern["kernel_launch_s"],
                                                           buffer_s=buf["buffer_s"], driver_share=kern["driver_share"],
@@ -111,7 +113,7 @@ def update_chain_reads(path: str | os.PathLike | None = None, quick: bool = Fals
     if not kern or "rates" not in kern:
         raise ValueError(f"{out} has no kernel fit to measure the gradient chain against; run "
                          f"`python -m autopar_lab.calibrate --kernel-overhead-only --out {out}` first")
-    chain = measure_chain_reads(kern, depths=(6, 8) if quick else (12, 24), repeats=5 if quick else 11)
+    chain = measure_chain_reads(kern, depths=QUICK_CHAIN_DEPTHS if quick else CHAIN_DEPTHS, repeats=5 if quick else 11)
     profile["device"].setdefault("efficiency", {})["chain_reads"] = chain["chain_reads"]
     profile.setdefault("measurements", {})["chain_reads"] = chain
     profile["chain_reads_measured_on"] = _dt.date.today().isoformat()

@@ -13,7 +13,8 @@ import numpy as np
 from ..cluster import CPU_PROFILE_KIND
 from .collectives import BETWEEN_COMPUTE_NOTE, measure_collectives_between_compute
 from .fits import ASSUMED_INTER_HOST, COLLECTIVE_FIT, fit_collectives
-from .kernels import measure_buffer_overhead, measure_chain_reads, measure_kernel_overhead
+from .kernels import (CHAIN_DEPTHS, KERNEL_POINTS, QUICK_CHAIN_DEPTHS, QUICK_KERNEL_POINTS, measure_buffer_overhead,
+                      measure_chain_reads, measure_kernel_overhead)
 from .tasks import measure_task_overhead, per_device_task_overhead
 from .timing import best_time, best_time_inplace
 
@@ -100,8 +101,8 @@ def measure_cpu(num_devices: int | None = None, quick: bool = False) -> dict:
         task = measure_task_overhead(n, byte_sizes=(1 << 10, 1 << 14, 1 << 18), repeats=21 if quick else 101)
     kern = measure_kernel_overhead(n, repeats=7 if quick else 21, peak_flops=peak_concurrent,
                                    memory_bandwidth=bw_concurrent,
-                                   points=((1, 2), (2, 2), (2, 8)) if quick else ((2, 2), (4, 2), (4, 16)))
-    chain = measure_chain_reads(kern, depths=(6, 8) if quick else (12, 24), repeats=5 if quick else 11)
+                                   points=QUICK_KERNEL_POINTS if quick else KERNEL_POINTS)
+    chain = measure_chain_reads(kern, depths=QUICK_CHAIN_DEPTHS if quick else CHAIN_DEPTHS, repeats=5 if quick else 11)
     buf = measure_buffer_overhead(n, repeats=7 if quick else 21)
 
     total = total_memory_bytes()
