@@ -163,7 +163,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     ``layer_pins`` (full-graph op -> strategy name): layers split from the layers that share their solution, each
     priced on its own (:func:`~autopar_lab.pricing.incremental.split_layer_costs`); without any, nothing changes.
     ``zero``: a ZeRO stage (0-3; a plan's ``stage_pins["zero"]``): every stage's memory priced as ZeRO splits it
-    (:mod:`~autopar_lab.pricing.zero`), the times unchanged; None: the storage each IntraPlan chose.
+    (:mod:`~autopar_lab.pricing.zero`), the updated weights gathered in the compute dtype; None: the storage each
+    IntraPlan chose.
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
     raised (the planner's ranking of several plans by simulation).
@@ -199,7 +200,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         else:
             costs = costs if costs is not None else table.layer_costs_of(intra)
             sums = prefix_sums(costs)
-        if zero is not None:  # ZeRO's memory (pricing.zero), the times unchanged
+        if zero is not None:  # ZeRO's memory and its gathers of the updated weights (pricing.zero)
             costs = zero_layer_costs(table, intra, costs, zero)
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution

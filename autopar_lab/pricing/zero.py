@@ -15,9 +15,21 @@ differently, each stage over the data-parallel group:
 The layouts store the optimizer state split over the group (stages 1-3) and the parameters too (stage 3)
 (:mod:`autopar_lab.layouts.shardpins`); :func:`zero_layer_costs` then moves the master weights (1+) and gradients
 (2+) to the optimizer state's split and, for stage 3, drops the gathered parameter copies the cost model otherwise
-keeps all step. Nothing changes where the state is stored whole (stage 0), so a plan's time is its strategies' and
-its memory is ZeRO's. Not counted: the one layer's gathered weights stage 3 holds at a time (and the next one's,
-prefetched), a transient the size of a layer's half-precision weights.
+keeps all step. Nothing changes where the state is stored whole (stage 0). Not counted: the one layer's gathered
+weights stage 3 holds at a time (and the next one's, prefetched), a transient the size of a layer's half-precision
+weights.
+
+Time: a plan's time is its strategies', but for the gather of the updated weights. With the optimizer state split,
+the update runs on each device's shard and its result goes back to the parameter's own spec: the strategies price
+that as an all-gather of the float32 master weights (the parameter input is the master). Megatron-LM's distributed
+optimizer keeps the master weights only as shards and all-gathers the updated weights in the compute dtype (bf16 or
+fp16, 2 bytes a parameter, not 4) into its parameter buffer (Megatron-Core ``DistributedOptimizer``; NVIDIA
+Megatron Bridge docs, "Communication Overlap": "reduce-scatter of gradients and all-gather of updated
+parameters"). :func:`zero_gather_deltas` re-prices those gathers in the dtype the parameter's readers cast it to.
+The gather stays on the critical path after the update: overlapping it with the next step's forward is Megatron's
+opt-in ``--overlap-param-gather`` (``DistributedDataParallelConfig.overlap_param_gather``, False by default), not
+its default. The gradients' reduce-scatter (or all-reduce) is the weight-gradient operators' own, in the gradient's
+dtype (:mod:`autopar_lab.precision`: float32 in the bf16 recipe).
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Sequence
 
-from ..graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM, OpGraph
+from ..graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, OUTPUT_PRIMITIVE, PARAM, OpGraph, dtype_size
 from ..solve.intra import StrategyCache, conversions
 from ..solve.memterms import STATIC_KINDS, held_copies, memory_terms
 
@@ -35,7 +47,8 @@ if TYPE_CHECKING:
     from .layers import LayerCost
     from .table import CostTable
 
-__all__ = ["ZERO_STAGES", "opt_states_of", "zero_deltas", "zero_layer_costs"]
+__all__ = ["ZERO_STAGES", "opt_states_of", "compute_dtype", "updated_param", "zero_deltas", "zero_gather_deltas",
+           "zero_layer_costs"]
 
 #: The stages :func:`zero_layer_costs` prices.
 ZERO_STAGES = (0, 1, 2, 3)
@@ -109,24 +122,72 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
     return out
 
 
+def compute_dtype(graph: OpGraph, param: int) -> str:
+    """The dtype a parameter input operator's readers compute with: the narrowest dtype a ``convert_element_type``
+    reading it casts it to (a mixed-precision step's half-precision copy), else the parameter's own."""
+    own = graph.tensor(graph.op(param).outputs[0])
+    best = str(own.dtype)
+    for c in graph.consumers.get(own.id, ()):
+        node = graph.op(c)
+        d = str(graph.tensor(node.outputs[0]).dtype)
+        if node.primitive == "convert_element_type" and "float" in d and 0 < dtype_size(d) < dtype_size(best):
+            best = d
+    return best
+
+
+def updated_param(graph: OpGraph, v: int) -> int | None:
+    """The parameter input operator whose updated value the output operator ``v`` returns (its ``alias_of``), or
+    None (``v`` is not such an output)."""
+    node = graph.op(v)
+    alias = node.params.get("alias_of") if node.primitive == OUTPUT_PRIMITIVE else None
+    p = graph.tensor(alias).producer if alias is not None else None
+    return p if p is not None and graph.tensor(graph.op(p).outputs[0]).kind == PARAM else None
+
+
+def zero_gather_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], zero: int,
+                       cache: StrategyCache | None = None) -> list[float]:
+    """Per layer of ``graph`` (as :func:`zero_deltas`), the seconds ZeRO stage ``zero`` adds (negative: saves) to
+    the gathers of the updated weights: every resharding on the way from the update to its parameter's spec (into
+    the output operator that returns it, or the alias back to the parameter) is priced in the parameter's compute
+    dtype (:func:`compute_dtype`) rather than its master's (see the module docstring). 0 everywhere for stage 0."""
+    index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
+    last = len(layer_names) - 1
+    out = [0.0] * len(layer_names)
+    if zero == 0:
+        return out
+    cache = cache or StrategyCache(intra.mesh)
+    for _u, v, _is_alias, t, src, dst, cost in conversions(graph, intra.ops, intra.strategies, cache):
+        param = updated_param(graph, v)
+        if param is None:
+            continue
+        dtype = compute_dtype(graph, param)
+        if dtype_size(dtype) < dtype_size(t.dtype):
+            out[index.get(graph.op(v).layer, last)] += cache.reshard(src, dst, t.shape, dtype) - cost
+    return out
+
+
 def zero_layer_costs(table: CostTable, intra: IntraPlan, costs: Sequence[LayerCost], zero: int) -> list[LayerCost]:
     """``costs`` (full-graph layer costs of ``intra``, a solution on ``table.solve_graph``) with ZeRO stage ``zero``'s
-    memory (see the module docstring); the times are unchanged."""
+    memory and its gathers of the updated weights in the compute dtype (see the module docstring); the other times
+    are unchanged."""
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
     memo = _MEMO.setdefault(table, {})
     hit = memo.get((id(intra), zero))
     if hit is None or hit[0] is not intra:
         g = table.solve_graph
-        hit = memo[(id(intra), zero)] = (intra, zero_deltas(g, intra, list(g.layers) or [""], zero,
-                                                              table.strategy_cache(intra.mesh)))
-    deltas = hit[1]
+        names, cache = list(g.layers) or [""], table.strategy_cache(intra.mesh)
+        hit = memo[(id(intra), zero)] = (intra, zero_deltas(g, intra, names, zero, cache),
+                                         zero_gather_deltas(g, intra, names, zero, cache))
+    deltas, gathers = hit[1], hit[2]
     out = []
     for k, c in enumerate(costs):
-        d = deltas[table.layer_map[k]]
-        if not any(d.values()):
+        d, dt = deltas[table.layer_map[k]], gathers[table.layer_map[k]]
+        if not any(d.values()) and not dt:
             out.append(c)
             continue
         parts = {f"{kind}_bytes": getattr(c, f"{kind}_bytes") + d[kind] for kind in STATIC_KINDS}
-        out.append(dataclasses.replace(c, static_bytes=sum(parts.values()), **parts))
+        # the update's gather runs with the optimizer step, in the backward's time (as layer_costs charges it)
+        out.append(dataclasses.replace(c, static_bytes=sum(parts.values()), bwd_s=c.bwd_s + dt,
+                                       reshard_s=c.reshard_s + dt, **parts))
     return out
