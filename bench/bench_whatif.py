@@ -9,7 +9,11 @@ pricing); "new/kept" counts the meshes solved against those carried over. "fresh
 same cluster (trace and every ILP, as a new workbench would plan it), and "same" says whether both plans agree to the
 bit (stages, microbatches, step time).
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/bench_whatif.py [--no-fresh] [--only hosts=32 ...]
+With ``--model llama3-405b@2048`` (or another row of ``bench_plan_time.TODAY``, issue 36 item 3) the session is
+that model on that many hosts of its preset, planned as bench_plan_time plans it, and the what-ifs are the hosts
+halved and doubled and the inter-host bandwidth x0.1 and x10.
+
+    JAX_PLATFORMS=cpu .venv/bin/python bench/bench_whatif.py [--no-fresh] [--model llama3-405b@2048] [hosts=32 ...]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from autopar_lab.pricing.table_pool import default_workers
 from autopar_lab.widgets.session import Session
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_plan_time import BLOCK_S, timed_blocks  # noqa: E402  (one StageBlock timer for both benchmarks)
+from bench_plan_time import BLOCK_S, config, timed_blocks  # noqa: E402  (one StageBlock timer for both benchmarks)
 
 
 def model():
@@ -39,6 +43,13 @@ def what_ifs(c: al.Cluster) -> dict[str, dict]:
             "intra x0.5": dict(intra_host_bandwidth=c.intra_host.bandwidth * 0.5)}
 
 
+def scaled_what_ifs(c: al.Cluster) -> dict[str, dict]:
+    """The what-ifs of today's largest runs: hosts halved and doubled, the inter-host network 10x slower or faster."""
+    return {f"hosts={c.hosts // 2}": dict(hosts=c.hosts // 2), f"hosts={c.hosts * 2}": dict(hosts=c.hosts * 2),
+            "inter x0.1": dict(inter_host_bandwidth=c.inter_host.bandwidth * 0.1),
+            "inter x10": dict(inter_host_bandwidth=c.inter_host.bandwidth * 10)}
+
+
 def signature(plan) -> tuple:
     return (tuple((st.layers, tuple(st.submesh), tuple(st.logical_mesh), st.remat) for st in plan.stages),
             plan.microbatches, plan.cost.step_time_s)
@@ -46,21 +57,27 @@ def signature(plan) -> tuple:
 
 def main(argv: list[str]) -> None:
     fresh = "--no-fresh" not in argv
-    only = [a for a in argv if not a.startswith("--")]
+    row = argv[argv.index("--model") + 1] if "--model" in argv else None
+    only = [a for a in argv if not a.startswith("--") and a != row]
     timed_blocks()
-    cluster = al.Cluster.preset("dgx-a100", hosts=64)
+    if row is None:
+        label, build, cluster, solver, moves = "GPT-39B", model, al.Cluster.preset("dgx-a100", hosts=64), "highs", \
+            what_ifs
+    else:
+        label, _, cluster, solver = config(row)
+        build, moves = (lambda: config(row)[1]), scaled_what_ifs
     t0 = time.perf_counter()
-    spec = model()
-    table = al.CostTable.build(spec, cluster, workers=default_workers())
-    plan = al.auto_plan(table.graph, cluster, table=table)
+    spec = build()
+    table = al.CostTable.build(spec, cluster, workers=default_workers(), solver=solver)
+    plan = al.auto_plan(table.graph, cluster, table=table, solver=solver)
     t_start = time.perf_counter() - t0
     session = Session(plan, model=spec)
-    print(f"GPT-39B on {cluster.num_devices} GPUs: planned in {t_start:.1f} s ({len(table.planned_meshes())} meshes):"
+    print(f"{label} on {cluster.num_devices} GPUs: planned in {t_start:.1f} s ({len(table.planned_meshes())} meshes):"
           f" {len(plan.stages)} stages, {plan.microbatches} microbatches, step {plan.cost.step_time_s:.4f} s; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'what-if':>12}{'re-plan s':>11}{'ilp s':>8}{'table s':>9}{'dp s':>7}{'new/kept':>10}{'fresh s':>9}"
           f"{'speedup':>9}{'same':>6}{'stages':>8}{'mb':>6}{'step s':>9}{'load':>6}", flush=True)
-    for name, changes in what_ifs(cluster).items():
+    for name, changes in moves(cluster).items():
         if only and name not in only:
             continue
         new_cluster = cluster.with_(**changes)
@@ -78,7 +95,7 @@ def main(argv: list[str]) -> None:
         t_fresh, same = float("nan"), "-"
         if fresh:
             t0 = time.perf_counter()
-            ref = al.auto_plan(model(), new_cluster)
+            ref = al.auto_plan(build(), new_cluster, solver=solver)
             t_fresh = time.perf_counter() - t0
             same = "yes" if signature(ref) == signature(after) else "NO"
         print(f"{name:>12}{t_re:>11.1f}{ilp:>8.1f}{t_block:>9.1f}{t_re - ilp - t_block:>7.1f}"
