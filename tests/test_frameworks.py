@@ -273,6 +273,23 @@ def test_expert_parallelism_round_trips_through_megatron_torchtitan_and_maxtext(
     assert "ici_expert_parallelism: 2" in out
 
 
+def test_the_grids_try_experts_over_the_data_parallel_group_for_an_moe_model(moe, tiny):
+    from autopar_lab.frameworks.grid import grid
+
+    _, table = moe
+    for fw in ("megatron", "torchtitan"):
+        layouts = [kw for _, kw in grid(fw, table)]
+        with_ep = [kw for kw in layouts if kw["ep"] > 1]
+        dp_of = (lambda kw: kw["dp"]) if fw == "megatron" else (lambda kw: kw["dp_replicate"] * kw["dp_shard"])
+        # every EP layout splits the 8 experts over its whole data-parallel group, and has a twin without EP
+        assert with_ep and all(kw["ep"] == dp_of(kw) and 8 % kw["ep"] == 0 for kw in with_ep)
+        assert all(dict(kw, ep=1) in layouts for kw in with_ep)
+        assert {dp_of(kw) for kw in layouts if kw["ep"] == 1 and dp_of(kw) > 1 and 8 % dp_of(kw) == 0} <= \
+            {dp_of(kw) for kw in with_ep}
+    # a dense model gets no expert degree
+    assert all(kw["ep"] == 1 for _, kw in grid("torchtitan", tiny[1]))
+
+
 @pytest.mark.parametrize("bad, words", [(3, "does not divide the model's"), (4, "ep=4 does not fit")])
 def test_fsdp_plan_expert_degree_that_does_not_fit_is_one_sentence(moe, bad, words):
     _, table = moe

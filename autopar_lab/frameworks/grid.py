@@ -18,8 +18,10 @@ The grids (``n`` devices, ``M`` a host, ``D`` a scale-up domain, ``L`` transform
   ``remat_policy`` (full, minimal, none) x gradient accumulation (powers up to 8); ``per_device_batch_size`` is
   ``B / n`` (a MaxText run has whole sequences per chip). No pipeline axis.
 
-Context and expert parallelism are not searched (the grid is the layouts people run first; import a configuration
-with them to price it).
+For a model with MoE layers, Megatron-LM's and torchtitan's grids also try each layout with its experts split over
+the data-parallel group (``ep = dp``, Megatron-LM's ``--expert-model-parallel-size`` and torchtitan's
+``expert_parallel_degree`` borrowing the FSDP ranks) where that divides the expert count. Context parallelism is not
+searched (import a configuration with it to price it).
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ def _pipelines(table) -> Iterator[tuple[int, int, list[tuple[str, int | None]]]]
             yield tp, pp, scheds
 
 
+def _expert_degrees(table, dp: int) -> list[int]:
+    """1, and ``dp`` where the model has MoE layers whose expert count ``dp`` divides (module docstring)."""
+    from ..layouts.engine import check_experts
+
+    if dp == 1:
+        return [1]
+    try:
+        check_experts(table, dp)
+    except ValueError:  # no MoE layer, or dp does not divide the experts
+        return [1]
+    return [1, dp]
+
+
 def _micro(batch: int, dp: int) -> list[int]:
     return [m for m in _powers(MAX_MICRO) if batch % dp == 0 and (batch // dp) % m == 0]
 
@@ -86,17 +101,18 @@ def grid(framework: str, table) -> Iterator[tuple[Callable, dict[str, Any]]]:
         dp = n // (tp * pp)
         for mbs in _micro(batch, dp):
             for schedule, v in scheds:
-                sched = dict(schedule=schedule, virtual_stages=v)
-                if framework == "megatron":
-                    for zero in (0, 1):
-                        yield megatron_plan, dict(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=tp > 1,
-                                                  micro_batch_size=mbs, **sched)
-                else:
-                    reps = [1] + ([cluster.hosts] if tp == 1 and pp == 1 and cluster.hosts > 1 else [])
-                    for rep in reps:
-                        for reshard in (True, False):
-                            yield fsdp_plan, dict(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp,
-                                                  reshard_after_forward=reshard, local_batch_size=mbs, **sched)
+                for ep in _expert_degrees(table, dp):
+                    sched = dict(schedule=schedule, virtual_stages=v, ep=ep)
+                    if framework == "megatron":
+                        for zero in (0, 1):
+                            yield megatron_plan, dict(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=tp > 1,
+                                                      micro_batch_size=mbs, **sched)
+                    else:
+                        reps = [1] + ([cluster.hosts] if tp == 1 and pp == 1 and cluster.hosts > 1 else [])
+                        for rep in reps:
+                            for reshard in (True, False):
+                                yield fsdp_plan, dict(dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp,
+                                                      reshard_after_forward=reshard, local_batch_size=mbs, **sched)
 
 
 def best_in_grid(framework: str, table, *, mem_limit_bytes: float | None = None, solver: str | None = None):
