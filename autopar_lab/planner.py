@@ -174,7 +174,7 @@ def _expressible(table: CostTable, framework: str, *, mem_limit_bytes, solver: s
     if key not in FRAMEWORK_NAMES:
         raise ValueError(f"expressible_in must be one of {', '.join(FRAMEWORK_NAMES)}, got {framework!r:.40}")
     name = FRAMEWORK_NAMES[key]
-    best, priced, fitting = best_in_grid(key, table, mem_limit_bytes=mem_limit_bytes, solver=solver)
+    best, priced, fitting, skipped = best_in_grid(key, table, mem_limit_bytes=mem_limit_bytes, solver=solver)
     if best is None:
         raise ValueError(f"none of the {priced} layouts of {name}'s grid fits in memory on this cluster; add devices "
                          "or plan it without expressible_in")
@@ -182,9 +182,10 @@ def _expressible(table: CostTable, framework: str, *, mem_limit_bytes, solver: s
                           **free)
     ours, theirs = best.cost.step_time_s, free_plan.cost.step_time_s
     gap = (f"{ours / theirs - 1:+.1%} ({ours:.4g} s against {theirs:.4g} s)" if theirs > 0 else "n/a")
-    note = (f"the best plan {name} can run: the fastest of the {fitting} layouts of its grid that fit ({priced} "
-            f"priced, autopar_lab.frameworks.grid); the unconstrained auto plan ({free_plan.method}, "
-            f"{len(free_plan.stages)} stage(s){'' if free_plan.cost.fits else ', does not fit'}): what {name}'s "
+    note = (f"the best plan {name} can run: the fastest layout of its grid that fits ({priced} priced, "
+            f"autopar_lab.frameworks.grid: {fitting} fit, {skipped} stopped by a lower bound above the best); the "
+            f"unconstrained auto plan ({free_plan.method}, {len(free_plan.stages)} stage(s)"
+            f"{'' if free_plan.cost.fits else ', does not fit'}): what {name}'s "
             f"limits cost: {gap}")
     return dataclasses.replace(best, notes=(*best.notes, note))
 

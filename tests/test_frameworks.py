@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -469,6 +470,11 @@ def test_auto_plan_expressible_in_megatron_is_the_grid_best_and_states_the_gap()
     free = al.auto_plan(table=table)
     gap = plan.cost.step_time_s / free.cost.step_time_s - 1
     assert f"what Megatron-LM's limits cost: {gap:+.1%}" in plan.notes[-1]
+    # the grid's search prices layouts against the best so far: it finds what pricing all of them in full finds
+    best, priced = exhaustive_best("megatron", table)
+    assert layout(plan) == layout(best) and plan.cost.step_time_s == best.cost.step_time_s
+    skipped = int(re.search(r"(\d+) stopped by a lower bound", plan.notes[-1]).group(1))
+    assert 0 < skipped < priced
     with pytest.raises(ValueError, match="expressible_in must be one of megatron, torchtitan, maxtext"):
         al.auto_plan(table=table, expressible_in="deepspeed")
 
@@ -573,3 +579,64 @@ def test_workbench_imports_a_torchtitan_toml_and_exports_maxtext_yaml(tiny):
     assert "did you mean" in controls.message.value and session.plan.method.startswith("fsdp(")  # nothing changed
     session.undo()
     assert session.plan is start
+
+
+# --- the grids' search -----------------------------------------------------------------------------------------------
+
+def exhaustive_best(framework, table):
+    """The fastest plan of ``framework``'s grid that fits, each layout priced in full (no bound) and recomputing
+    no more than it must to fit, and how many plans that priced."""
+    from autopar_lab.frameworks.grid import grid
+
+    ladder = ("none", "minimal", "full") if framework == "maxtext" else (False, "selective", True)
+    best, priced = None, 0
+    for fn, kw in grid(framework, table):
+        for remat in ladder:
+            try:
+                plan = fn(table=table, remat=remat, **kw)
+            except ValueError:
+                break
+            priced += 1
+            if plan.cost.fits:
+                if best is None or plan.cost.step_time_s < best.cost.step_time_s:
+                    best = plan
+                break
+    return best, priced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["maxtext"])
+def test_the_bounded_grid_search_finds_the_exhaustive_grids_best(framework):
+    """Pricing each layout against the best so far skips most of the grid, and finds what pricing every layout in
+    full finds (the same plan, to the bit). Megatron-LM's grid: in the expressible_in test above (torchtitan's
+    search is the same code with Megatron-LM's recomputation ladder; its grid's ILPs take a minute here)."""
+    from autopar_lab.frameworks.grid import best_in_grid
+
+    model = al.models.get("llama3-tiny", num_layers=2, batch_size=16, dtype="bfloat16")
+    table = CostTable.build(model, al.Cluster.parse("dgx-h100:1"), precision="bf16")
+    found = best_in_grid(framework, table)
+    best, priced = exhaustive_best(framework, table)
+    assert found.best is not None and layout(found.best) == layout(best)
+    assert found.best.cost.step_time_s == best.cost.step_time_s
+    assert found.skipped > 0 and found.priced - found.skipped < priced
+
+
+def test_the_grids_try_context_parallelism_at_long_sequences_and_maxtext_pipelines_across_slices():
+    from autopar_lab.frameworks.grid import CP_MIN_TOKENS, context_degrees, grid
+
+    # Llama 3 ran CP 1 at its 8,192-token pre-training sequence and CP 16 at 131,072 tokens: both are in the grid
+    assert context_degrees(8192) == [1] and context_degrees(131072)[-1] == 16 and context_degrees(100) == [1]
+    assert context_degrees(3 * CP_MIN_TOKENS) == [1, 2]  # 3 x 8,192 tokens: 2 ranks of 12,288 (4 would keep 6,144)
+
+    long = al.models.get("llama3-tiny", num_layers=4, batch_size=BATCH, seq_len=4 * CP_MIN_TOKENS, dtype="bfloat16")
+    table = CostTable.build(long, TWO_H100, precision="bf16")
+    for fw in ("megatron", "torchtitan"):
+        layouts = [kw for _, kw in grid(fw, table)]
+        assert {kw["cp"] for kw in layouts} == {1, 2, 4}  # each rank keeps >= CP_MIN_TOKENS tokens
+        for kw in layouts:
+            dp = kw["dp"] if fw == "megatron" else kw["dp_replicate"] * kw["dp_shard"]
+            assert dp * kw["tp"] * kw["pp"] * kw["cp"] == 16
+    maxtext = [kw for _, kw in grid("maxtext", table)]
+    assert {kw["ici_sequence"] for kw in maxtext} == {1, 2, 4}
+    piped = [kw for kw in maxtext if kw.get("dcn_pipeline", 1) > 1]
+    assert piped and all(kw["dcn_pipeline"] == 2 and kw["microbatches"] in (2, 4, 8) for kw in piped)

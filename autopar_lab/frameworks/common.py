@@ -102,6 +102,19 @@ def block_count(table) -> int:
     return len(inside) or len(table.layer_names)
 
 
+def sequence_length(table) -> int:
+    """The sequence length of ``table``'s model: the second dimension of its rank-2 integer batch input (the
+    tokens; 1 for a model without one)."""
+    from ..graph.opgraph import BATCH
+
+    graph = table.solve_graph
+    for t in graph.inputs:
+        spec = graph.tensor(t)
+        if spec.kind == BATCH and len(spec.shape) == 2 and "int" in str(spec.dtype):
+            return int(spec.shape[1])
+    return 1
+
+
 def model_config_value(model, key: str):
     """A field of a zoo model's configuration (None for a model without it, or an OpGraph)."""
     config = getattr(model, "config", None)

@@ -20,6 +20,7 @@ Pinned solutions are kept per cost table, mesh and pins (a grid of Megatron conf
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -187,8 +188,12 @@ def stage_bounds(table: CostTable, stages: int) -> list[int]:
 
 
 def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | None = None,
-                 solver: str = DEFAULT_SOLVER, solve_s: Mapping[str, float] | None = None) -> Plan:
-    """``layout`` priced by ``table`` (see the module docstring); ``solve_s``: the phases so far (tracing)."""
+                 solver: str = DEFAULT_SOLVER, solve_s: Mapping[str, float] | None = None,
+                 skip_above: float = math.inf) -> Plan:
+    """``layout`` priced by ``table`` (see the module docstring); ``solve_s``: the phases so far (tracing);
+    ``skip_above``: a step time to beat (:func:`~autopar_lab.plan.price_plan`'s: a layout whose step cannot beat it
+    raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated; so does its memory-lean retry, whose gathers
+    only add to the step)."""
     t0 = time.perf_counter()
     p = layout.stages
     bounds = stage_bounds(table, p)
@@ -211,7 +216,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
                           stage_comm="model", mem_limit_bytes=mem_limit_bytes, method=layout.method,
                           intras=[s.intra for s in sol_list], layer_costs=[list(s.costs) for s in sol_list],
                           solutions=[s.table_solution or ("lean" if s is not sols[0] else "fast") for s in sol_list],
-                          stage_pins=stage_pins, notes=tuple(notes), solve_s=planning_times(table, times))
+                          stage_pins=stage_pins, notes=tuple(notes), solve_s=planning_times(table, times),
+                          skip_above=skip_above)
 
     plan = priced(sols)
     fit = ""

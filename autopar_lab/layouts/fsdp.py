@@ -23,6 +23,7 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from .. import checks
@@ -48,7 +49,7 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
               microbatches: int | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
               virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
               mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-              precision: str | Precision | None = None) -> Plan:
+              precision: str | Precision | None = None, skip_above: float = math.inf) -> Plan:
     """torchtitan's layout (see the module docstring). ``dp_shard``: the FSDP group (-1: every device the other
     degrees leave, torchtitan's default); ``zero``: the ZeRO stage to price instead of FSDP's (3, or 2 with
     ``reshard_after_forward=False``); ``microbatches`` or ``local_batch_size`` (sequences per data-parallel rank per
@@ -56,7 +57,9 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
     "1f1b", "interleaved", "zb-h1"); ``ep``: the expert-parallel degree (module docstring);
     ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
-    ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
+    ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
+    ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
+    is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
     remat = remat_value(remat)
     if is_selective(remat):
         remat = DOTS  # torchtitan's selective is op-level SAC (module docstring)
@@ -108,7 +111,7 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, mb, remat, schedule, virtual_stages, zero,
                     sp, mesh.notes)
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
-                        solve_s={} if trace_s is None else {"trace": trace_s})
+                        solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
 
 
 def _hsdp_experts(ep: int, replicate: int, shard: int) -> tuple[int, ...]:

@@ -108,13 +108,15 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
                  per_device_batch_size: int | None = None, remat: bool | str = "full", zero: int | None = None,
                  schedule: str = "1f1b", virtual_stages: int | None = None, mem_limit_bytes: float | None = None,
                  solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-                 precision: str | Precision | None = None) -> Plan:
+                 precision: str | Precision | None = None, skip_above: float = math.inf) -> Plan:
     """MaxText's layout (see the module docstring) on a cluster of TPU slices (``tpu-v5p:N``; a GPU cluster's hosts
     are taken as slices). ``per_device_batch_size``: MaxText's, checked against the model's batch (which must be
     it times the chips); ``microbatches``: gradient accumulation steps, or a pipeline's microbatches (default: 1,
     or the stage count when pipelined, MaxText's ``num_pipeline_microbatches``); ``zero``: the ZeRO stage to price
     instead of the layout's own (3 with FSDP, 0 without). ``table``, ``precision``, ``solver``: as for
-    :func:`~autopar_lab.planner.auto_plan`."""
+    :func:`~autopar_lab.planner.auto_plan`.
+    ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
+    is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
     policy = REMAT_POLICIES.get(remat, remat) if isinstance(remat, str) else remat
     remat = remat_value(policy, "remat (MaxText's remat_policy: 'full', 'minimal' or 'none')")
     zero = check_zero(zero)
@@ -146,4 +148,4 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
     layout = Layout(name, pp, stage_submesh(cluster, chips // pp), mesh, mb, remat, schedule, virtual_stages,
                     zero, False, mesh.notes)
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
-                        solve_s={} if trace_s is None else {"trace": trace_s})
+                        solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

@@ -15,6 +15,7 @@ recomputation (``remat``: ``True`` Megatron-LM's full ``--recompute-granularity 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from .. import checks
@@ -74,7 +75,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
-                  micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True) -> Plan:
+                  micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True,
+                  skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
     of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
@@ -89,7 +91,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
     None: the storage of weights and optimizer state left to the planner, stored at its least in any stage that
     overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
-    would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`."""
+    would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
+    ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
+    is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -126,4 +130,4 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
                     lean=checks.flag(lean, "lean"))
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
-                        solve_s={} if trace_s is None else {"trace": trace_s})
+                        solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
