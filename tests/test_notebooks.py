@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import autopar_lab as al
+
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # What an exercise's answer check prints (autopar_lab.widgets.exercise.check_answer).
 VERDICT = re.compile(r"(✔ Right|✘ Not yet): you predicted")
@@ -114,8 +116,9 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
     batch's two-step exercise is checked, and the planner is asked whether tensor parallelism pays on 16 and 64
     GPUs; the old reason ('pays when a layer does not fit') is no longer the one given."""
     source, text = _code("08_modern_schedules_and_hardware"), _text("08_modern_schedules_and_hardware")
-    for call in ("al.megatron_plan(table=table, dp=16, tp=1, pp=1, zero=1", "al.fsdp_plan(table=table",
-                 "al.fsdp_plan(table=table8, tp=8)", "ask_batch.check(", "memory_breakdown(plan)"):
+    for call in ("al.megatron_plan(table=table, dp=16 // tp, tp=tp, pp=1, zero=1",
+                 "al.fsdp_plan(table=table, tp=tp", "al.fsdp_plan(table=table8, tp=8)", "ask_batch.check(",
+                 "memory_breakdown(plan)"):
         assert call in source, call
     assert "global batch" in text and "tensor parallelism pays when a layer does not fit" not in text.lower()
 
@@ -201,3 +204,25 @@ def test_rooflines_sections_1_to_3_are_llama3_on_h100_in_bf16_and_match_hand_for
         assert 4 * lo <= ns["formula_s"]["H100", t] - T1 / t <= 4 * hi + 1e-12
     assert ns["worth"] == {"V100": 8, "H100": 8}
     assert ns["formula_s"]["H100", 16] < ns["formula_s"]["H100", 8] < ns["layer_s"]["H100", 16]
+
+
+def test_grid_sharded_rows_store_the_hand_counted_bytes_a_parameter():
+    """Issue 34 item 4: 08's ZeRO-1 and FSDP columns for the tensor-parallel rows of the GPT-6.7B grid (2 x 8 H100s,
+    dp = 16 / tp) store, per GPU and part, what a hand count of mixed precision with Adam gives: 2 bytes a parameter
+    of float16 weights, 2 of gradients, 4 of float32 master weights and 8 of moments; ZeRO-1 splits the first two by
+    tp and the last two by tp x dp = 16, FSDP all four 16 ways."""
+    from autopar_lab.memory import memory_breakdown
+
+    gpt67 = al.models.get("gpt-6.7b", batch_size=64)
+    table = al.CostTable.build(gpt67, al.Cluster.preset("dgx-h100", hosts=2))
+    N = gpt67.param_count
+    for tp in (2, 4, 8):
+        for plan, split in ((al.megatron_plan(table=table, dp=16 // tp, tp=tp, pp=1, zero=1), (tp, tp, 16, 16)),
+                            (al.fsdp_plan(table=table, tp=tp), (16, 16, 16, 16))):
+            part = memory_breakdown(plan)[0]
+            for key, nbytes, ways in zip(("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes"),
+                                         (2, 2, 4, 8), split):
+                # the norms, biases and position embedding tensor parallelism keeps whole: well under 1%
+                assert math.isclose(part[key] / N, nbytes / ways, rel_tol=0.01), (plan.method, key)
+            assert plan.cost.fits
+
