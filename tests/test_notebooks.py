@@ -226,3 +226,26 @@ def test_grid_sharded_rows_store_the_hand_counted_bytes_a_parameter():
                 assert math.isclose(part[key] / N, nbytes / ways, rel_tol=0.01), (plan.method, key)
             assert plan.cost.fits
 
+
+def test_alpa_walkthrough_examples_in_bf16_on_h100_stay_replicated_as_a_hand_count_says():
+    """Issue 34 item 5: 03 keeps Alpa's V100 and float32 examples and shows them in bf16 on 4 H100s, where the ILP
+    keeps both matmuls replicated. By hand: the forward's two matmuls at the preset's matmul rate, a batch split
+    that still reads both weights whole on every GPU, and the 4-GPU all-reduce of the loss at NVLink's latency; the
+    split saves less than that all-reduce costs until the batch doubles to 1,024 rows."""
+    ns = _run_until("03_alpa_walkthrough", "## 3.")
+    h100 = al.Cluster.preset("dgx-h100", hosts=1)
+    d, link = h100.device, h100.logical_mesh((1, 4), (4, 1)).axis_link(0)
+
+    def matmuls_s(rows):                           # x W1 and h W2: 2 x (2 rows 1024 4096) FLOPs
+        return 2 * 2 * rows * 1024 * 4096 / (d.peak("bfloat16") * d.efficiency.matmul)
+
+    weights_s = 2 * 1024 * 4096 * 2 / (d.memory_bandwidth * d.efficiency.memory)   # W1 and W2 in bf16, read whole
+    whole_s, split_s, allreduce_s = ns["split"]["H100, bf16"]
+    assert 1.0 < whole_s / matmuls_s(512) < 1.15                 # the tanh, square and mean on top
+    assert weights_s < split_s < matmuls_s(512)                  # every GPU reads W1 and W2 whole
+    assert 2 * link.latency <= allreduce_s <= 2 * 3 * link.latency + 1e-7    # a scalar: latency only
+    # the split's saving against the all-reduce, by hand: replicated at 512 rows, split at 1,024
+    assert matmuls_s(512) - max(matmuls_s(512) / 4, weights_s) < allreduce_s
+    assert matmuls_s(1024) - max(matmuls_s(1024) / 4, weights_s) > allreduce_s
+    assert ns["on"]["H100 bf16", 512] == ns["on"]["H100 bf16", 8] == ["replicated"] * 2
+    assert ns["rows_"] == 1024 and ns["on"]["H100 bf16", 1024] == ["data"] * 2
