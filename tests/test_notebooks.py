@@ -1,11 +1,14 @@
 """Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
+import math
 import pathlib
 import re
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+import autopar_lab as al
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # What an exercise's answer check prints (autopar_lab.widgets.exercise.check_answer).
@@ -113,8 +116,9 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
     batch's two-step exercise is checked, and the planner is asked whether tensor parallelism pays on 16 and 64
     GPUs; the old reason ('pays when a layer does not fit') is no longer the one given."""
     source, text = _code("08_modern_schedules_and_hardware"), _text("08_modern_schedules_and_hardware")
-    for call in ("al.megatron_plan(table=table, dp=16, tp=1, pp=1, zero=1", "al.fsdp_plan(table=table",
-                 "al.fsdp_plan(table=table8, tp=8)", "ask_batch.check(", "memory_breakdown(plan)"):
+    for call in ("al.megatron_plan(table=table, dp=16 // tp, tp=tp, pp=1, zero=1",
+                 "al.fsdp_plan(table=table, tp=tp", "al.fsdp_plan(table=table8, tp=8)", "ask_batch.check(",
+                 "memory_breakdown(plan)"):
         assert call in source, call
     assert "global batch" in text and "tensor parallelism pays when a layer does not fit" not in text.lower()
 
@@ -127,3 +131,121 @@ def test_running_examples_are_todays_hardware():
     seven = _code("07_rooflines_mfu")
     assert all(f'"dgx-{gpu}"' in seven for gpu in ("h100", "h200", "b200")) and 'peak("bfloat16")' in seven
     assert "On Alpa's testbed, on purpose" in _text("03_alpa_walkthrough")
+
+
+def _run_until(stem: str, heading: str) -> dict:
+    """The namespace of `stem`'s code cells run in this process, up to the markdown cell with a line that starts with
+    `heading`: the notebook's own numbers, for a test to check against hand formulas."""
+    nb = nbformat.read(NOTEBOOKS[0].parent / f"{stem}.ipynb", as_version=4)
+    ns: dict = {}
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and re.search(f"^{re.escape(heading)}", cell.source, re.M):
+            return ns
+        if cell.cell_type == "code":
+            exec(compile(cell.source, f"{stem}.ipynb", "exec"), ns)
+    raise AssertionError(f"{stem} has no cell starting {heading!r}")
+
+
+def _ring_all_reduce(nbytes: float, n: int, link) -> tuple[float, float]:
+    """A ring all-reduce of nbytes over n devices by hand (Patarasuk and Yuan 2009): 2 (n-1)/n nbytes at the bus
+    bandwidth, plus at most 2 (n-1) steps' latency (the library may take a tree's smaller latency)."""
+    wire = 2 * (n - 1) / n * nbytes / link.bandwidth
+    return wire, wire + 2 * (n - 1) * link.latency
+
+
+def test_rooflines_sections_1_to_3_are_llama3_on_h100_in_bf16_and_match_hand_formulas():
+    """Issue 34 item 5: 07's sections 1-3 run one Llama 3 8B layer (sequence 4,096) in bf16 on DGX H100s, the V100
+    beside it in float16, and every number they state matches a formula counted here by hand: the ridge points from
+    the data sheets, the layer's parameters and gradient bytes, the backward's time per sequence from its matmul
+    FLOPs, data parallelism's crossover from a ring all-reduce, and Megatron's formula T(1)/t + 4 all-reduces."""
+    ns = _run_until("07_rooflines_mfu", "## 4.")
+    cfg, seq = ns["cfg"], ns["seq"]
+    # Llama 3 8B as released (Grattafiori et al. 2024, Table 3; the HF config), Llama 3's first pre-training length.
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden, cfg.vocab_size) == \
+        (4096, 32, 8, 14336, 128256) and seq == 4096 and cfg.dtype == "bfloat16"
+    assert ns["DTYPE"] == {"V100": "float16", "H100": "bfloat16"}
+    # Section 1: ridge points from the data sheets (H100 SXM: 989.4 TFLOP/s dense bf16, 3.35 TB/s; V100 SXM2: 125
+    # TFLOP/s float16 tensor cores, 900 GB/s).
+    assert math.isclose(ns["ridge"]["H100"], 989.4e12 / 3.35e12, rel_tol=1e-3)
+    assert math.isclose(ns["ridge"]["V100"], 125e12 / 900e9, rel_tol=1e-3)
+    assert ns["share"]["H100"] > ns["share"]["V100"] and ns["alone_total"]["V100"] > 2 * ns["fused_total"]["V100"]
+    # The layer's parameters: Q, K, V (GQA: 8 KV heads of 128), the output projection, SwiGLU's three, two norms.
+    H, heads, kv, F, V = 4096, 32, 8, 14336, 128256
+    hd = H // heads
+    P = H * (heads + 2 * kv) * hd + heads * hd * H + 3 * H * F + 2 * H
+    assert ns["params"] == P == 218_112_000 and ns["grad_bytes"] == 2 * P and ns["embedding"] == V * H
+    # Section 2: the backward per sequence from its matmuls at the rate the preset fits (two matmuls a weight: 4 P
+    # FLOPs a token; flash attention's backward: twice the causal half of the 4 heads S^2 hd forward, at the
+    # preset's attention rate). The library's backward also runs the norms' and SwiGLU's elementwise kernels.
+    h100 = ns["GPUS"]["H100"]
+    d = h100.device
+    C = d.peak("bfloat16") * d.efficiency.matmul
+    hand_slope = 4 * P * seq / C + 2 * (4 * heads * seq**2 * hd / 2) / (d.peak("bfloat16") * d.efficiency.attention)
+    slope, intercept = ns["lines"]["H100"]
+    assert 1.0 < slope / hand_slope < 1.25
+    for label, sub, shape in ns["MESHES"]:
+        mesh = h100.logical_mesh(sub, shape)
+        n, link = mesh.axis_size(0), mesh.axis_link(0)
+        lo, hi = _ring_all_reduce(2 * P, n, link)
+        assert lo < mesh.all_reduce(2 * P, 0) <= hi + 1e-12
+        assert math.isclose(ns["rule"]["H100", label], (n - 1) / n * C / link.bandwidth, rel_tol=1e-9)
+        # the crossover: the all-reduce over the backward per token, the hand slope a little fast (see above)
+        hand = lo / hand_slope * seq
+        assert 0.75 < ns["crossover"]["H100", label] / hand < 1.0
+        assert 0.75 < ns["fp32"][label] / (2 * hand) < 1.0
+    assert seq / 4 < ns["crossover"]["H100", "8 GPUs in a host"] < seq
+    # Section 3: Megatron's formula, its four all-reduces of one sequence's bf16 activations by hand.
+    assert ns["act_bytes"] == seq * H * 2
+    T1 = ns["layer_s"]["H100", 1]
+    assert 1.0 < T1 / (6 * P * seq / C) < 1.6    # forward and backward matmuls; attention and the rest on top
+    for t, sub in ((2, (1, 2)), (4, (1, 4)), (8, (1, 8)), (16, (2, 8))):
+        mesh = h100.logical_mesh(sub, (1, t))
+        lo, hi = _ring_all_reduce(seq * H * 2, t, mesh.axis_link(1))
+        assert 4 * lo <= ns["formula_s"]["H100", t] - T1 / t <= 4 * hi + 1e-12
+    assert ns["worth"] == {"V100": 8, "H100": 8}
+    assert ns["formula_s"]["H100", 16] < ns["formula_s"]["H100", 8] < ns["layer_s"]["H100", 16]
+
+
+def test_grid_sharded_rows_store_the_hand_counted_bytes_a_parameter():
+    """Issue 34 item 4: 08's ZeRO-1 and FSDP columns for the tensor-parallel rows of the GPT-6.7B grid (2 x 8 H100s,
+    dp = 16 / tp) store, per GPU and part, what a hand count of mixed precision with Adam gives: 2 bytes a parameter
+    of float16 weights, 2 of gradients, 4 of float32 master weights and 8 of moments; ZeRO-1 splits the first two by
+    tp and the last two by tp x dp = 16, FSDP all four 16 ways."""
+    from autopar_lab.memory import memory_breakdown
+
+    gpt67 = al.models.get("gpt-6.7b", batch_size=64)
+    table = al.CostTable.build(gpt67, al.Cluster.preset("dgx-h100", hosts=2))
+    N = gpt67.param_count
+    for tp in (2, 4, 8):
+        for plan, split in ((al.megatron_plan(table=table, dp=16 // tp, tp=tp, pp=1, zero=1), (tp, tp, 16, 16)),
+                            (al.fsdp_plan(table=table, tp=tp), (16, 16, 16, 16))):
+            part = memory_breakdown(plan)[0]
+            for key, nbytes, ways in zip(("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes"),
+                                         (2, 2, 4, 8), split):
+                # the norms, biases and position embedding tensor parallelism keeps whole: well under 1%
+                assert math.isclose(part[key] / N, nbytes / ways, rel_tol=0.01), (plan.method, key)
+            assert plan.cost.fits
+
+
+def test_alpa_walkthrough_examples_in_bf16_on_h100_stay_replicated_as_a_hand_count_says():
+    """Issue 34 item 5: 03 keeps Alpa's V100 and float32 examples and shows them in bf16 on 4 H100s, where the ILP
+    keeps both matmuls replicated. By hand: the forward's two matmuls at the preset's matmul rate, a batch split
+    that still reads both weights whole on every GPU, and the 4-GPU all-reduce of the loss at NVLink's latency; the
+    split saves less than that all-reduce costs until the batch doubles to 1,024 rows."""
+    ns = _run_until("03_alpa_walkthrough", "## 3.")
+    h100 = al.Cluster.preset("dgx-h100", hosts=1)
+    d, link = h100.device, h100.logical_mesh((1, 4), (4, 1)).axis_link(0)
+
+    def matmuls_s(rows):                           # x W1 and h W2: 2 x (2 rows 1024 4096) FLOPs
+        return 2 * 2 * rows * 1024 * 4096 / (d.peak("bfloat16") * d.efficiency.matmul)
+
+    weights_s = 2 * 1024 * 4096 * 2 / (d.memory_bandwidth * d.efficiency.memory)   # W1 and W2 in bf16, read whole
+    whole_s, split_s, allreduce_s = ns["split"]["H100, bf16"]
+    assert 1.0 < whole_s / matmuls_s(512) < 1.15                 # the tanh, square and mean on top
+    assert weights_s < split_s < matmuls_s(512)                  # every GPU reads W1 and W2 whole
+    assert 2 * link.latency <= allreduce_s <= 2 * 3 * link.latency + 1e-7    # a scalar: latency only
+    # the split's saving against the all-reduce, by hand: replicated at 512 rows, split at 1,024
+    assert matmuls_s(512) - max(matmuls_s(512) / 4, weights_s) < allreduce_s
+    assert matmuls_s(1024) - max(matmuls_s(1024) / 4, weights_s) > allreduce_s
+    assert ns["on"]["H100 bf16", 512] == ns["on"]["H100 bf16", 8] == ["replicated"] * 2
+    assert ns["rows_"] == 1024 and ns["on"]["H100 bf16", 1024] == ["data"] * 2
