@@ -20,7 +20,7 @@ import autopar_lab as al
 from autopar_lab.graph.fusion import kernel_view
 from autopar_lab.runtime.local import synthetic_batch
 from autopar_lab.runtime.partition import split_stages
-from reference import one_device_training
+from reference import one_device_training, scanned
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
 
@@ -417,5 +417,5 @@ def test_deep_model_two_stages_trains_like_one_device(cluster, capfd):
     # No stage program reshards its input through full replication (XLA's SPMD partitioner logs "Involuntary full
     # rematerialization" when a boundary's layout is not what the stage's first operator takes: issue 35).
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
-    ref, _ = one_device_training(deep, 2, compiler_options=FAST)
+    ref, _ = one_device_training(scanned(deep), 2, compiler_options=FAST)  # the same model, compiled once a layer
     _close(losses, ref)
