@@ -241,7 +241,9 @@ def plan_from(imp: Imported, model, cluster, **planner):
                          cp=cp, ep=ep, micro_batch_size=mbs, remat=_remat(imp),
                          zero=1 if imp.get("--use-distributed-optimizer") else 0,
                          sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec,
-                         **{k: bool(imp.get(f)) for f, (k, _) in OVERLAP_SWITCHES.items()}, **kw, **planner)
+                         overlap_grad_reduce=bool(imp.get("--overlap-grad-reduce")),
+                         overlap_param_gather=bool(imp.get("--overlap-param-gather")),
+                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")), **kw, **planner)
     return plan, imp
 
 
