@@ -32,9 +32,10 @@ fp16, 2 bytes a parameter, not 4) into its parameter buffer (Megatron-Core ``Dis
 Megatron Bridge docs, "Communication Overlap": "reduce-scatter of gradients and all-gather of updated
 parameters"). :func:`zero_gather_deltas` re-prices those gathers in the dtype the parameter's readers cast it to.
 The gather stays on the critical path after the update: overlapping it with the next step's forward is Megatron's
-opt-in ``--overlap-param-gather`` (``DistributedDataParallelConfig.overlap_param_gather``, False by default), not
-its default. The gradients' reduce-scatter (or all-reduce) is the weight-gradient operators' own, in the gradient's
-dtype (:mod:`autopar_lab.precision`: float32 in the bf16 recipe).
+opt-in ``--overlap-param-gather`` (``DistributedDataParallelConfig.overlap_param_gather``, False by default), which
+a plan names in ``stage_pins["overlap"]`` (``megatron_plan(overlap_param_gather=True)``; :mod:`.overlap` prices
+it). The gradients' reduce-scatter (or all-reduce) is the weight-gradient operators' own, in the gradient's dtype
+(:mod:`autopar_lab.precision`: float32 in the bf16 recipe).
 """
 
 from __future__ import annotations
