@@ -91,7 +91,7 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
                           schedule=schedule, virtual_stages=v, solutions=solutions,
                           mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins),
-                          zero=stage_pins.get("zero"))
+                          zero=stage_pins.get("zero"), overlap=stage_pins.get("overlap"))
     return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 

@@ -44,6 +44,7 @@ import os
 from . import operators, planschema
 from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .planvalues import LAYER, Pin
+from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import DOTS, REMAT_NAMES, is_dots, is_selective, remat_value
 from .safeio import write_atomic
@@ -104,6 +105,8 @@ def _stage_pins_to_json(stage_pins) -> dict:
             out[key] = list(value)
         elif key == "remat":
             out[key] = [None if v is None else remat_json(v) for v in value]
+        elif key == "overlap":
+            out[key] = list(value)
         else:
             out[key] = value
     return out
@@ -146,6 +149,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if isinstance(value, bool) or value not in (0, 1, 2, 3):
                 raise ValueError("stage_pins['zero'] must be a ZeRO stage 0, 1, 2 or 3")
             out[key] = value
+        elif key == "overlap":  # the communication hidden behind compute (pricing.overlap)
+            if not isinstance(value, list) or any(v not in OVERLAPS for v in value):
+                raise ValueError(f"stage_pins['overlap'] must list names among {', '.join(map(repr, OVERLAPS))}")
+            out[key] = check_overlap(value)
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

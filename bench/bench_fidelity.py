@@ -106,7 +106,9 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     """(plan, model, GPUs, published TFLOP/s, FLOPs per step) of one row in its published layout (pipelined rows
     interleaved unless ``interleave`` is False), priced through the public API: ``al.megatron_plan`` with the row's
     degrees, Megatron-LM's sharding pinned by the library, the state stored whole over the data-parallel group
-    (``zero=0``: SC21 ran without the distributed optimizer), full recomputation, ``micro`` sequences a microbatch."""
+    (``zero=0``: SC21 ran without the distributed optimizer), full recomputation, ``micro`` sequences a microbatch,
+    no communication overlapped (megatron_plan's defaults, Megatron-Core's: assumed, SC21's Megatron-LM reduced the
+    gradients after the backward; ``--overlap-grad-reduce`` came with Megatron-Core)."""
     import autopar_lab as al
     from autopar_lab.pricing import CostTable
 
@@ -222,8 +224,12 @@ def _mlm(name, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> Today:
                  dict(seq_len=4096, hidden_size=hidden, num_layers=layers, num_heads=heads, vocab_size=131072,
                       batch_size=batch, dtype="bfloat16"), "dgx-h100", gpus // 8,
                  dict(dp=48, tp=tp, pp=pp, micro_batch_size=1, zero=1, sequence_parallel=tp > 1, precision="bf16",
-                      **sched), gpus, tflops, "tflops",
-                 assumed="micro-batch 1, no recomputation, flash attention, the distributed optimizer (zero=1)"
+                      overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=tp > 1, **sched), gpus,
+                 tflops, "tflops",
+                 assumed="micro-batch 1, no recomputation, flash attention, the distributed optimizer (zero=1); "
+                         "the gradient reduce-scatter, parameter all-gather and TP communication overlapped (the "
+                         "README's words; TP overlap where TP > 1, as Megatron-LM allows it only with sequence "
+                         "parallelism)"
                          + (", interleaved with 2 virtual stages" if pp > 1 else ""))
 
 
@@ -255,9 +261,11 @@ TODAY = {r.name: r for r in [
     Today("llama3-405b", "Llama 3 paper, Table 4, first row", "megatron", "llama3-405b",
           dict(seq_len=8192, batch_size=2048), "dgx-h100", 1024,
           dict(dp=64, tp=8, pp=16, micro_batch_size=1, zero=2, sequence_parallel=True, precision="bf16",
-               schedule="interleaved", virtual_stages=2), 8192, 430.0, "tflops",
+               schedule="interleaved", virtual_stages=2, overlap_grad_reduce=True, overlap_param_gather=True),
+          8192, 430.0, "tflops",
           assumed="micro-batch 1, 2 virtual stages, sequence parallelism with TP, ZeRO-2 for FSDP without "
-                  "resharding"),
+                  "resharding, FSDP's reduce-scatter and all-gather overlapped with compute (as FSDP does; the "
+                  "paper does not say), TP communication not overlapped (not stated)"),
     _tt(8, 5762, 82.4),
     _tt(128, 5605, 67.0),
     _kf("none", 1, 10471, 80.7),
@@ -267,8 +275,10 @@ TODAY = {r.name: r for r in [
     _kf("tp", 4, 25135, 39.4),
     Today("deepseek-v3", "NeMo Automodel performance summary", "megatron", "deepseek-v3",
           dict(seq_len=4096, batch_size=512), "dgx-h100", 32,
-          dict(dp=64, tp=1, pp=4, ep=64, zero=3, micro_batch_size=1, precision="bf16"), 256, 8.18, "step_s",
-          assumed="1F1B (the run's 8 virtual stages do not divide the model's layers evenly here), FSDP as ZeRO-3"),
+          dict(dp=64, tp=1, pp=4, ep=64, zero=3, micro_batch_size=1, precision="bf16", overlap_grad_reduce=True,
+               overlap_param_gather=True), 256, 8.18, "step_s",
+          assumed="1F1B (the run's 8 virtual stages do not divide the model's layers evenly here), FSDP as ZeRO-3, "
+                  "its reduce-scatter and all-gather overlapped with compute (FSDP2's default prefetching)"),
     Today("maxtext-32b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=32, num_heads=64, num_kv_heads=64, head_dim=128,
                ffn_hidden=28672, vocab_size=32000, batch_size=6 * 128), "tpu-v5p", 128,

@@ -91,6 +91,26 @@ def test_megatron_arguments_round_trip_interleaved_selective_sequence_parallel_z
     assert "--num-layers-per-virtual-pipeline-stage 1" in out and "--use-distributed-optimizer" in out
 
 
+def test_megatron_overlap_switches_are_read_priced_and_written_back(tiny):
+    """--overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap (Megatron-LM's arguments.py) become
+    megatron_plan's keywords of the same names (priced by pricing.overlap, tests/test_overlap.py), and the export
+    writes them again."""
+    model, table = tiny
+    text = megatron_text(2, 2, 1, True, True, None, 1, None,
+                         extra=["--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"])
+    plan = al.import_config(text, model, table=table)
+    direct = al.megatron_plan(table=table, dp=4, tp=2, pp=2, micro_batch_size=1, zero=1, sequence_parallel=True,
+                              precision="bf16", overlap_grad_reduce=True, overlap_param_gather=True,
+                              tp_comm_overlap=True)
+    assert plan.stage_pins["overlap"] == ("grad_reduce", "param_gather", "tp_comm")
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert "ignored" not in plan.notes[-1]
+    plain = al.import_config(megatron_text(2, 2, 1, True, True, None, 1, None), model, table=table)
+    assert plain.stage_pins["overlap"] == () and plain.cost.step_time_s != plan.cost.step_time_s
+    out, _ = round_trip(plan, "megatron", model, table)
+    assert all(f in out for f in ("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"))
+
+
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(MEGATRON)
@@ -316,11 +336,11 @@ def test_megatron_h100_row_imports_as_megatron_plan_prices_it():
     plan = al.import_config(args, cluster=cluster)
     model = al.models.get("gpt-tiny", seq_len=4096, hidden_size=2048, num_layers=24, num_heads=16,
                           vocab_size=131072, batch_size=192, dtype="bfloat16")
-    row = al.megatron_plan(model, cluster, dp=48, tp=1, pp=1, micro_batch_size=1, zero=1, precision="bf16")
+    row = al.megatron_plan(model, cluster, dp=48, tp=1, pp=1, micro_batch_size=1, zero=1, precision="bf16",
+                           overlap_grad_reduce=True, overlap_param_gather=True)
     assert layout(plan) == layout(row)
     assert plan.cost.step_time_s == row.cost.step_time_s
-    assert plan.notes[-1] == ("ignored (not modelled by the planner): --overlap-grad-reduce, --overlap-param-gather, "
-                              "--use-flash-attn")
+    assert plan.notes[-1] == "ignored (not modelled by the planner): --use-flash-attn"
 
 
 @pytest.mark.slow

@@ -9,6 +9,9 @@ records the commit they were checked against):
   ``--expert-model-parallel-size`` (the data-parallel size is what the cluster's devices leave, as Megatron-LM
   computes it), ``--num-layers-per-virtual-pipeline-stage`` (the interleaved schedule), ``--sequence-parallel``,
   ``--use-distributed-optimizer`` (ZeRO-1; without it the optimizer state is whole on every rank: ZeRO-0);
+* communication overlapped with compute: ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--tp-comm-overlap``
+  (:func:`~autopar_lab.layouts.megatron_plan`'s ``overlap_grad_reduce``, ``overlap_param_gather``,
+  ``tp_comm_overlap``; each off without its switch, as in Megatron-LM);
 * recomputation: ``--recompute-granularity full|selective``, ``--recompute-activations`` (selective),
   ``--checkpoint-activations`` (full, the older name);
 * batch: ``--micro-batch-size``, ``--global-batch-size`` (default ``micro-batch-size x data-parallel size``);
@@ -29,7 +32,7 @@ from typing import Any
 from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_for
 from .planlayout import FrameworkLayout
 
-__all__ = ["FLAGS", "looks_like", "parse", "plan_from", "render"]
+__all__ = ["FLAGS", "OVERLAP_SWITCHES", "looks_like", "parse", "plan_from", "render"]
 
 #: Flags taking a value: flag -> what it is (int or str).
 VALUED = {
@@ -43,7 +46,13 @@ VALUED = {
 }
 #: Switches (no value).
 SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--checkpoint-activations",
-            "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights")
+            "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
+            "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap")
+
+#: Megatron-LM's overlap switches -> (megatron_plan's keyword, the overlap's name in pricing.overlap).
+OVERLAP_SWITCHES = {"--overlap-grad-reduce": ("overlap_grad_reduce", "grad_reduce"),
+                    "--overlap-param-gather": ("overlap_param_gather", "param_gather"),
+                    "--tp-comm-overlap": ("tp_comm_overlap", "tp_comm")}
 #: Every flag read.
 FLAGS = (*VALUED, *SWITCHES)
 #: Flags that mark a Llama-style model.
@@ -231,7 +240,10 @@ def plan_from(imp: Imported, model, cluster, **planner):
     plan = megatron_plan(model if table is None else None, cluster, dp=dp, tp=tp, pp=pp,
                          cp=cp, ep=ep, micro_batch_size=mbs, remat=_remat(imp),
                          zero=1 if imp.get("--use-distributed-optimizer") else 0,
-                         sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec, **kw, **planner)
+                         sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec,
+                         overlap_grad_reduce=bool(imp.get("--overlap-grad-reduce")),
+                         overlap_param_gather=bool(imp.get("--overlap-param-gather")),
+                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")), **kw, **planner)
     return plan, imp
 
 
@@ -275,6 +287,7 @@ def render(lay: FrameworkLayout, model=None) -> str:
         switches.append("--sequence-parallel")
     if lay.zero == 1:
         switches.append("--use-distributed-optimizer")
+    switches += [f for f, (_, name) in OVERLAP_SWITCHES.items() if name in lay.overlap]
     if lay.remat is True:
         args.append(("--recompute-granularity", "full"))
         args.append(("--recompute-method", "uniform"))  # full recomputation needs a method; every layer: uniform 1

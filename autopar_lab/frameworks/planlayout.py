@@ -29,7 +29,8 @@ class FrameworkLayout:
     copies of the shards), tensor ``tp``, pipeline ``pp``, context ``cp``, expert ``ep``; ``zero`` (the ZeRO stage,
     None: the planner's storage); ``sequence_parallel``; ``remat``; ``schedule`` and ``virtual_stages``;
     ``microbatches``; ``batch`` (the global batch, sequences); ``blocks`` (the transformer blocks);
-    ``maxtext_axes`` (``ici_*`` / ``dcn_*`` degrees, for a MaxText plan) and ``notes`` (what the export should say).
+    ``maxtext_axes`` (``ici_*`` / ``dcn_*`` degrees, for a MaxText plan), ``notes`` (what the export should say) and
+    ``overlap`` (the communication overlapped with compute, :data:`~autopar_lab.pricing.overlap.OVERLAPS` names).
     """
 
     origin: str
@@ -50,6 +51,7 @@ class FrameworkLayout:
     precision: str = "fp32"
     maxtext_axes: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    overlap: tuple[str, ...] = ()
 
     @property
     def sample_per_microbatch(self) -> int:
@@ -147,6 +149,7 @@ def _layout(plan, fw: str, base: dict, n0: int, n1: int) -> FrameworkLayout:
         remat = True if "remat" in flags else "selective" if "selective" in flags else False
         return FrameworkLayout("megatron", dp=num["dp"], tp=num["tp"], cp=num.get("cp", 1), ep=num.get("ep", 1),
                                zero=num.get("zero"), sequence_parallel="sp" in flags,
+                               overlap=tuple(plan.stage_pins.get("overlap", ())),
                                **{**base, "pp": num["pp"], "remat": remat})
     if kind == "fsdp":
         zero = num.get("zero", 2 if "no-reshard" in flags else 3)

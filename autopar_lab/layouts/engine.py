@@ -54,7 +54,8 @@ class Layout:
     logical mesh and its axes' roles; ``notes``: what the plan should say about the layout (approximations);
     ``pin_roles``: False leaves every operator's sharding to the ILP (only the storage a ZeRO stage names is
     pinned); ``lean``: False keeps the storage as the ILP chose it where it overflows (what the layout would need)
-    instead of the memory-lean solution."""
+    instead of the memory-lean solution; ``overlap``: the communication the framework hides behind compute
+    (:mod:`~autopar_lab.pricing.overlap`; None: the pricing's default)."""
 
     method: str
     stages: int
@@ -69,6 +70,7 @@ class Layout:
     notes: tuple[str, ...] = ()
     pin_roles: bool = True
     lean: bool = True
+    overlap: tuple[str, ...] | None = None
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -206,7 +208,9 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
     if sols[0].free:
         notes.append("left to the ILP (no strategy on this mesh is the layout's): " + ", ".join(sols[0].free[:8])
                      + (", ..." if len(sols[0].free) > 8 else ""))
-    stage_pins = {"zero": layout.zero} if layout.zero is not None else {}
+    stage_pins: dict = {"zero": layout.zero} if layout.zero is not None else {}
+    if layout.overlap is not None:
+        stage_pins["overlap"] = layout.overlap
 
     def priced(sol_list) -> Plan:
         times = dict(solve_s or {})

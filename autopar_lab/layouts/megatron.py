@@ -37,6 +37,10 @@ __all__ = ["SHARDINGS", "megatron_mesh", "megatron_plan"]
 #: ``sharding=``: Megatron-LM's pinned, or the ILP's on Megatron-LM's layout.
 SHARDINGS = ("megatron", "ilp")
 
+# overlap name (pricing.overlap) -> megatron_plan's keyword, and the plan name's tag when it is on
+_FLAGS = {"grad_reduce": "overlap_grad_reduce", "param_gather": "overlap_param_gather", "tp_comm": "tp_comm_overlap"}
+_TAGS = {"grad_reduce": "ogr", "param_gather": "opg", "tp_comm": "tpo"}
+
 
 def megatron_mesh(par: Parallelism) -> MeshRoles:
     """The logical mesh of a Megatron-LM stage and its axes' roles (see :mod:`~autopar_lab.layouts.config`).
@@ -76,7 +80,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
                   micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True,
-                  skip_above: float = math.inf) -> Plan:
+                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                  tp_comm_overlap: bool = False, skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
     of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
@@ -93,7 +98,17 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
     would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
-    is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
+    is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search).
+
+    Communication overlapped with compute, Megatron-Core's switches and defaults (all off;
+    :mod:`~autopar_lab.pricing.overlap` prices each): ``overlap_grad_reduce`` (``--overlap-grad-reduce``: the
+    gradient reduction in per-layer buckets behind the last microbatch's backward, hidden up to that backward's
+    compute less one layer's; off, it follows the backward in full), ``overlap_param_gather``
+    (``--overlap-param-gather``, with the distributed optimizer and ``overlap_grad_reduce``: the updated weights'
+    all-gather behind the next step's first forward, up to its compute less one layer's; off, it follows the update),
+    ``tp_comm_overlap`` (``--tp-comm-overlap``, with ``sequence_parallel``: each layer's tensor-parallel all-gathers
+    and reduce-scatters, the backward's re-gather of the stored sequence shard included, hidden behind that layer's
+    matmuls of the same pass, ``min(collectives, matmuls)``; off, on the critical path)."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -101,6 +116,14 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r:.40}")
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    overlap = tuple(name for name, on in (("grad_reduce", overlap_grad_reduce), ("param_gather", overlap_param_gather),
+                                          ("tp_comm", tp_comm_overlap)) if checks.flag(on, f"{_FLAGS[name]}"))
+    if overlap_param_gather and not (zero is not None and zero >= 1 and overlap_grad_reduce):
+        raise ValueError("overlap_param_gather overlaps the distributed optimizer's gather of the updated weights: "
+                         "pass zero=1 (or 2, 3) and overlap_grad_reduce=True with it, as Megatron-LM requires")
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError("tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters with the "
+                         "matmuls; pass sequence_parallel=True with it, as Megatron-LM requires")
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
                          "group; it needs tp of 2 or more")
@@ -122,12 +145,13 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
     extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
     extra += ",ilp" if sharding == "ilp" else ""
+    extra += "".join(f",{_TAGS[o]}" for o in overlap)
     name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
     if schedule == "interleaved":
         name = f"{name[:-1]},v={virtual_stages})"
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, mb, remat, schedule,
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
-                    lean=checks.flag(lean, "lean"))
+                    lean=checks.flag(lean, "lean"), overlap=overlap)
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                         solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

@@ -29,6 +29,7 @@ from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
+from .overlap import overlap_layer_costs
 from .zero import zero_layer_costs
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  intras: Sequence[IntraPlan | None] | None = None,
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
-                 zero: int | None = None, skip_above: float = math.inf) -> Priced:
+                 zero: int | None = None, skip_above: float = math.inf,
+                 overlap: Sequence[str] | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -165,6 +167,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     ``zero``: a ZeRO stage (0-3; a plan's ``stage_pins["zero"]``): every stage's memory priced as ZeRO splits it
     (:mod:`~autopar_lab.pricing.zero`), the updated weights gathered in the compute dtype; None: the storage each
     IntraPlan chose.
+    ``overlap``: the communication hidden behind compute (a plan's ``stage_pins["overlap"]``, names of
+    :data:`~autopar_lab.pricing.overlap.OVERLAPS`: Megatron-Core's ``--overlap-grad-reduce``,
+    ``--overlap-param-gather`` and ``--tp-comm-overlap``; :mod:`~autopar_lab.pricing.overlap` says how each is
+    priced); None: the layer costs as they are (the weight-gradient collectives hidden, nothing else).
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
     raised (the planner's ranking of several plans by simulation).
@@ -202,6 +208,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             sums = prefix_sums(costs)
         if zero is not None:  # ZeRO's memory and its gathers of the updated weights (pricing.zero)
             costs = zero_layer_costs(table, intra, costs, zero)
+            sums = prefix_sums(costs)
+        if overlap is not None:  # what the plan's framework overlaps (pricing.overlap)
+            costs = overlap_layer_costs(table, intra, costs, overlap, zero)
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:

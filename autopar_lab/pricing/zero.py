@@ -15,7 +15,12 @@ differently, each stage over the data-parallel group:
 The layouts store the optimizer state split over the group (stages 1-3) and the parameters too (stage 3)
 (:mod:`autopar_lab.layouts.shardpins`); :func:`zero_layer_costs` then moves the master weights (1+) and gradients
 (2+) to the optimizer state's split and, for stage 3, drops the gathered parameter copies the cost model otherwise
-keeps all step. Nothing changes where the state is stored whole (stage 0). Not counted: the one layer's gathered
+keeps all step. Nothing changes where the state is stored whole (stage 0). Where a parameter's state could not be
+split evenly over the group (no dimension divides: 8,192 over 48 replicas), the layout keeps its spec whole, but
+ZeRO (Megatron-LM's distributed optimizer, DeepSpeed) splits one flat, padded buffer of all parameters, so each of
+the ``d`` replicas (:func:`replicas`) still holds ``1 / d`` of it: its master weights and Adam moments (1+), its
+gradients (2+) and its parameters (3) are counted at ``1 / d`` (the padding, under ``d`` elements a buffer, left
+out); its gradient reduction stays the strategies' all-reduce. Not counted: the one layer's gathered
 weights stage 3 holds at a time (and the next one's, prefetched), a transient the size of a layer's half-precision
 weights.
 
@@ -27,14 +32,16 @@ fp16, 2 bytes a parameter, not 4) into its parameter buffer (Megatron-Core ``Dis
 Megatron Bridge docs, "Communication Overlap": "reduce-scatter of gradients and all-gather of updated
 parameters"). :func:`zero_gather_deltas` re-prices those gathers in the dtype the parameter's readers cast it to.
 The gather stays on the critical path after the update: overlapping it with the next step's forward is Megatron's
-opt-in ``--overlap-param-gather`` (``DistributedDataParallelConfig.overlap_param_gather``, False by default), not
-its default. The gradients' reduce-scatter (or all-reduce) is the weight-gradient operators' own, in the gradient's
-dtype (:mod:`autopar_lab.precision`: float32 in the bf16 recipe).
+opt-in ``--overlap-param-gather`` (``DistributedDataParallelConfig.overlap_param_gather``, False by default), which
+a plan names in ``stage_pins["overlap"]`` (``megatron_plan(overlap_param_gather=True)``; :mod:`.overlap` prices
+it). The gradients' reduce-scatter (or all-reduce) is the weight-gradient operators' own, in the gradient's dtype
+(:mod:`autopar_lab.precision`: float32 in the bf16 recipe).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import TYPE_CHECKING, Sequence
 
@@ -47,8 +54,8 @@ if TYPE_CHECKING:
     from .layers import LayerCost
     from .table import CostTable
 
-__all__ = ["ZERO_STAGES", "opt_states_of", "compute_dtype", "updated_param", "zero_deltas", "zero_gather_deltas",
-           "zero_layer_costs"]
+__all__ = ["ZERO_STAGES", "opt_states_of", "compute_dtype", "replicas", "updated_param", "zero_deltas",
+           "zero_gather_deltas", "zero_layer_costs"]
 
 #: The stages :func:`zero_layer_costs` prices.
 ZERO_STAGES = (0, 1, 2, 3)
@@ -104,13 +111,27 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
         if p not in intra.strategies or states[0] not in intra.strategies:
             continue
         info = graph.tensor(graph.op(p).outputs[0])
-        own = intra.strategies[p].out_specs[0].bytes_per_device(info.shape, info.dtype, mshape)
+        spec = intra.strategies[p].out_specs[0]
+        own = spec.bytes_per_device(info.shape, info.dtype, mshape)
         opt = intra.strategies[states[0]].out_specs[0].bytes_per_device(info.shape, info.dtype, mshape)
-        if not own or own == opt:
+        if not own:
             continue
-        ratio = opt / own  # the optimizer state's share of what the parameter's own spec holds
-        terms = dict(memory_terms(graph, graph.op(p), intra.strategies[p], mshape, fused))
         slot = out[index.get(graph.op(p).layer, last)]
+        terms = dict(memory_terms(graph, graph.op(p), intra.strategies[p], mshape, fused))
+        if own == opt:
+            # The state could not be split evenly over the group (a dimension of 8,192 over 48 replicas): ZeRO
+            # splits one flat buffer, padded to a multiple of the group, so each replica still holds 1 / d of it.
+            d = replicas(spec, mshape)
+            if d <= 1:
+                continue
+            ratio = 1.0 / d
+            for st in states:
+                slot["opt"] += sum(b for k, b in memory_terms(graph, graph.op(st), intra.strategies[st], mshape,
+                                                                fused) if k == "opt") * (ratio - 1)
+            if zero >= 3:
+                slot["param"] += terms.get("param", 0.0) * (ratio - 1)
+        else:
+            ratio = opt / own  # the optimizer state's share of what the parameter's own spec holds
         if "master" in terms:
             slot["master"] += terms["master"] * (ratio - 1)
         if zero >= 2:
@@ -120,6 +141,18 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
         for v, nbytes in held_copies(graph, convs, mshape).values():
             out[index.get(graph.op(v).layer, last)]["copies"] -= nbytes
     return out
+
+
+def replicas(spec, mesh_shape: Sequence[int]) -> int:
+    """The devices of a mesh of ``mesh_shape`` holding the same shard of a tensor stored as ``spec``: the devices
+    over the mesh axes ``spec`` does not split (a parameter's data-parallel group, over which ZeRO splits it).
+
+    >>> from autopar_lab.sharding.spec import ShardingSpec
+    >>> replicas(ShardingSpec(((), (1,))), (48, 8)), replicas(ShardingSpec(((0,), (1,))), (48, 8))
+    (48, 1)
+    """
+    used = spec.axes
+    return math.prod(int(n) for a, n in enumerate(mesh_shape) if a not in used)
 
 
 def compute_dtype(graph: OpGraph, param: int) -> str:
