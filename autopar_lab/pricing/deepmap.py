@@ -124,7 +124,7 @@ def derive(num_layers: int, shallow: OpGraph, trace_deeper: Callable[[], OpGraph
     offset = max(0, lead - EDGE) if trace_base is not None else 0
     if num_layers - offset <= SHALLOW:
         return None
-    base = trace_base() if offset else shallow
+    base = trace_base() if offset and trace_base is not None else shallow
     deeper = trace_deeper()
     names4, names6 = list(base.layers), list(deeper.layers)
     layout = _layout(names4, names6, offset)
