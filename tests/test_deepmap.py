@@ -219,3 +219,24 @@ def test_a_failed_trace_is_tried_again_and_other_layers_are_refused():
     wrong = deferred_trace(_tiny_graph, name="gpt-tiny", layers=["embed", "head"])
     with pytest.raises(RuntimeError, match="other layers"):
         wrong.fill_now()
+
+
+@pytest.mark.parametrize("dense", [3, 5])
+def test_dense_first_layers_beyond_the_edge_are_read_off_deeper_copies(dense):
+    """DeepSeek-V3's 3 dense first layers are more than the pattern's edge (2): its 4- and 6-layer copies disagree,
+    so the pattern is read off its 5- and 7-layer copies (the lead layers kept by every copy) instead of tracing the
+    full model; the derived names, layer map and cut bytes equal the full trace's. With 5 dense layers the copies
+    keep only 3 (deepseek.COPY_DENSE_MAX), so the model has no lead layers and is traced in full as before."""
+    model = al.models.get("deepseek-tiny", num_layers=9, first_dense_layers=dense)
+    small = solve_graph_for(model)
+    assert model.lead_layers == (3 if dense == 3 else 0)
+    graph, deep = deferred_graph(model, small)
+    if dense == 5:
+        assert deep is None and not isinstance(graph, Lazy)
+        return
+    assert derive(9, small, lambda: model.with_layers(6).trace()) is None  # the plain copies disagree
+    assert deep is not None and isinstance(graph, Lazy) and not graph.is_filled
+    names, layer_map, cuts = _full_values(model)
+    assert list(deep.layer_names) == names and len(names) == 11  # embedding, 9 layers, head
+    assert list(deep.layer_map) == layer_map and len(set(layer_map)) >= 4  # dense and MoE layers told apart
+    assert list(deep.cut_bytes) == cuts

@@ -124,3 +124,21 @@ def test_partition_bounds_against_enumeration():
             roots[len(parts)] = min(roots.get(len(parts), math.inf), r)
         assert H == pytest.approx(min(sums))
         assert [G[s - 1] for s in range(1, L + 1)] == pytest.approx([roots[s] for s in range(1, L + 1)])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_under_an_upper_bound_no_t_max_that_cannot_win_is_solved(seed):
+    """A plan whose largest term is t costs at least (K + 1) t (in the formula's units), so under an upper bound the
+    t_max search solves no value above the last one that could beat it (the largest is solved only when nothing
+    else says whether a plan fits), and finds the plain search's plan."""
+    L, hosts, dph, fn, kw = random_instance(seed)
+    sp = StageProblem(L, hosts, dph, **kw)
+    plain = outcome(lambda: stage_dp(sp, fn, DPOptions(prune=False)))
+    if plain is None or plain[0] == "infeasible":
+        return
+    a, _, K = dp.build_problem(sp, fn).coefficients
+    bound = plain[0] * 1.25
+    r = stage_dp(sp, fn, DPOptions(upper_bound=bound))
+    assert outcome(lambda: r) == outcome(lambda: stage_dp(sp, fn, DPOptions(prune=False, upper_bound=bound)))
+    tried = r.diagnostics["t_max_tried"]
+    assert tried and all(t * (K + 1) < bound / a for t in tried)

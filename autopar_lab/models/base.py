@@ -46,6 +46,10 @@ class ModelSpec:
     # all of them: autopar_lab.pricing.table.solve_graph_for). None for a model without them: a step of your own,
     # a Wide-ResNet (its blocks are not all alike: the widths change from stage to stage). The zoo's families set it.
     copy_fn: Callable[[int], ModelSpec] | None = field(default=None, compare=False, repr=False)
+    # How many first layers differ from the repeated ones that follow while every copy of more layers than that keeps
+    # them as they are (DeepSeek's dense first layers); 0 when all are alike or a copy may not keep them. The pricing
+    # reads a deep model's layer pattern off copies that keep them (autopar_lab.pricing.deepmap).
+    lead_layers: int = field(default=0, compare=False, repr=False)
 
     @classmethod
     def from_step(cls, step_fn: Callable, init_fn: Callable, *, batch_argnums, param_argnums=(0,),

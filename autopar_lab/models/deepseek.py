@@ -117,6 +117,14 @@ def copy_config(c: DeepSeekConfig, num_layers: int) -> DeepSeekConfig:
     return replace_config(c, num_layers=num_layers, first_dense_layers=first)
 
 
+def lead_layers(c: DeepSeekConfig) -> int:
+    """The dense first layers every copy keeps as they are (``ModelSpec.lead_layers``): all of them where the model
+    has MoE layers and at most :data:`COPY_DENSE_MAX` dense ones, else 0 (every layer alike, or copies that cap the
+    dense layers and so do not keep them)."""
+    first = c.first_dense_layers
+    return first if num_moe_layers(c) and first <= COPY_DENSE_MAX else 0
+
+
 def init_attention(key, c: DeepSeekConfig, dtype) -> dict:
     H, nh = c.hidden_size, c.num_heads
     dn, dr, dv, ql, kl = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank

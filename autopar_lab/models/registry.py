@@ -76,7 +76,9 @@ def _built(family, name: str, cfg) -> ModelSpec:
     spec = family.build(name, cfg)
     if not getattr(family, "HAS_COPIES", True):
         return spec
-    return dataclasses.replace(spec, copy_fn=functools.partial(with_layers, spec))
+    lead = getattr(family, "lead_layers", None)
+    return dataclasses.replace(spec, copy_fn=functools.partial(with_layers, spec),
+                               lead_layers=lead(cfg) if lead is not None else 0)
 
 
 #: The largest size a config field may take. Tracing unrolls every layer and shapes are Python ints, so a typo such as

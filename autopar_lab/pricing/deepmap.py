@@ -53,14 +53,16 @@ class _Layout:
     prefix: int
     width: int
     templates: tuple[str, ...]  # one per layer of a block, ``{}`` where the block index goes
+    offset: int = 0  # the index in the name of the first block (the lead layers before it are in the prefix)
 
     def names(self, first: Sequence[str], blocks: int, suffix: Sequence[str]) -> list[str]:
-        return list(first) + [t.replace("{}", str(i)) for i in range(blocks) for t in self.templates] + list(suffix)
+        return list(first) + [t.replace("{}", str(i + self.offset)) for i in range(blocks) for t in self.templates] \
+            + list(suffix)
 
 
-def _layout(names4: Sequence[str], names6: Sequence[str]) -> _Layout | None:
+def _layout(names4: Sequence[str], names6: Sequence[str], offset: int = 0) -> _Layout | None:
     """The block layout both copies' layer names share, or None. Block ``i``'s names are the block-0 names with the
-    index ``0`` written as ``i``; everything before and after the blocks is the same in both copies."""
+    index ``offset`` written as ``offset + i``; everything before and after the blocks is the same in both copies."""
     extra = len(names6) - len(names4)
     if extra <= 0 or extra % (DEEPER - SHALLOW):
         return None
@@ -68,10 +70,11 @@ def _layout(names4: Sequence[str], names6: Sequence[str]) -> _Layout | None:
     for prefix in range(len(names4) - SHALLOW * width + 1):
         block0 = names4[prefix:prefix + width]
         # Each way of marking one "0" of each block-0 name as the index.
-        options: list[list[str]] = [[n[:m.start()] + "{}" + n[m.end():] for m in re.finditer(r"(?<!\d)0(?!\d)", n)]
+        mark = rf"(?<!\d){offset}(?!\d)"
+        options: list[list[str]] = [[n[:m.start()] + "{}" + n[m.end():] for m in re.finditer(mark, n)]
                                     for n in block0]
         for templates in itertools.product(*options):
-            layout = _Layout(prefix, width, tuple(templates))
+            layout = _Layout(prefix, width, tuple(templates), offset)
             suffix = names4[prefix + SHALLOW * width:]
             if layout.names(names4[:prefix], SHALLOW, suffix) == list(names4) and \
                     layout.names(names4[:prefix], DEEPER, suffix) == list(names6):
@@ -107,31 +110,41 @@ def _agrees(values4: Sequence[Any], values6: Sequence[Any], layout: _Layout) -> 
     return list(values4) == _extend(values6, layout, SHALLOW) and all(m == middle[0] for m in middle)
 
 
-def derive(num_layers: int, shallow: OpGraph, trace_deeper: Callable[[], OpGraph]) -> DeepMap | None:
+def derive(num_layers: int, shallow: OpGraph, trace_deeper: Callable[[], OpGraph], *, lead: int = 0,
+           trace_base: Callable[[], OpGraph] | None = None) -> DeepMap | None:
     """The :class:`DeepMap` of a zoo model with ``num_layers`` blocks from its 4-layer copy ``shallow`` (the solve
     graph) and its 6-layer copy (``trace_deeper()``, traced here), or None where the copies do not follow the
-    pattern (see the module docstring): the caller then traces the full model."""
-    if num_layers <= SHALLOW:
+    pattern (see the module docstring): the caller then traces the full model.
+
+    ``lead``: how many first blocks differ from the rest while every copy keeps them (``ModelSpec.lead_layers``:
+    DeepSeek-V3's 3 dense layers before its MoE layers). Above :data:`EDGE` they are more than the pattern's edge
+    describes, so the pattern is read after the first ``lead - EDGE`` of them, off the copies of ``SHALLOW + lead -
+    EDGE`` (``trace_base()``) and ``DEEPER + lead - EDGE`` blocks (``trace_deeper()``); each layer is still mapped
+    onto ``shallow``'s layers by its structure."""
+    offset = max(0, lead - EDGE) if trace_base is not None else 0
+    if num_layers - offset <= SHALLOW:
         return None
+    base = trace_base() if offset and trace_base is not None else shallow
     deeper = trace_deeper()
-    names4, names6 = list(shallow.layers), list(deeper.layers)
-    layout = _layout(names4, names6)
+    names4, names6 = list(base.layers), list(deeper.layers)
+    layout = _layout(names4, names6, offset)
     if layout is None:
         return None
-    sig4 = [plain_signature(shallow, n) for n in names4]
+    sig4 = [plain_signature(base, n) for n in names4]
     sig6 = [plain_signature(deeper, n) for n in names6]
     # The bytes entering each layer (0 for the first), so that cuts line up with layers.
-    in4 = [0.0] + cut_bytes(shallow, names4)
+    in4 = [0.0] + cut_bytes(base, names4)
     in6 = [0.0] + cut_bytes(deeper, names6)
     if not (_agrees(sig4, sig6, layout) and _agrees(in4, in6, layout)):
         return None
     suffix = names4[layout.prefix + SHALLOW * layout.width:]
-    names = layout.names(names4[:layout.prefix], num_layers, suffix)
+    blocks = num_layers - offset
+    names = layout.names(names4[:layout.prefix], blocks, suffix)
     try:
-        layer_map = layer_map_of(_extend(sig6, layout, num_layers), shallow)
+        layer_map = layer_map_of(_extend(sig6, layout, blocks), shallow)
     except LookupError:
         return None
-    return DeepMap(tuple(names), tuple(layer_map), tuple(_extend(in6, layout, num_layers)[1:]))
+    return DeepMap(tuple(names), tuple(layer_map), tuple(_extend(in6, layout, blocks)[1:]))
 
 
-__all__ = ["DeepMap", "derive", "SHALLOW", "DEEPER"]
+__all__ = ["DeepMap", "derive", "SHALLOW", "DEEPER", "EDGE"]

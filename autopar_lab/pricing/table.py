@@ -36,7 +36,7 @@ from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
 from ..solve.intra import IntraPlan, StrategyCache
-from .deepmap import DEEPER, SHALLOW, DeepMap, derive
+from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
@@ -91,7 +91,12 @@ def deferred_graph(model, small: OpGraph, fit: Callable[[OpGraph], OpGraph] | No
         graph = spec.trace()
         return graph if fit is None else fit(graph)
 
-    deep = derive(model.repeated_layers, small, lambda: traced(model.with_layers(DEEPER)))
+    # Lead layers beyond the pattern's edge (DeepSeek-V3's 3 dense ones): the pattern is read off copies that
+    # are deeper by the excess, still far shallower than the model (7 and 9 layers against 61).
+    extra = max(0, getattr(model, "lead_layers", 0) - EDGE)
+    base = (lambda: traced(model.with_layers(SHALLOW + extra))) if extra else None
+    deep = derive(model.repeated_layers, small, lambda: traced(model.with_layers(DEEPER + extra)),
+                  lead=getattr(model, "lead_layers", 0), trace_base=base)
     if deep is None:
         return traced(model), None
     # the number format is answered without the trace, as the name and layers are
