@@ -11,9 +11,9 @@ The grids (``n`` devices, ``M`` a host, ``D`` a scale-up domain, ``L`` transform
   (1F1B; interleaved with 2 chunks a stage where ``2 pp`` divides ``L``); sequence parallelism on with ``tp`` > 1
   (it only saves memory), and Megatron-Core's overlap switches on where they apply (``--overlap-grad-reduce``;
   ``--overlap-param-gather`` with the distributed optimizer; ``--tp-comm-overlap`` with ``tp`` > 1: they only hide
-  communication, as the H100 runs used them). Recomputation is tried in the order none, selective, full, and a layout stops at the
-  first that fits: recomputing adds compute to the backward and changes nothing else the layout prices, so a layout
-  that fits without it is not faster with it.
+  communication, as the H100 runs used them). Recomputation is tried in the order none, selective, full, and a
+  layout stops at the first that fits: recomputing adds compute to the backward and changes nothing else the layout
+  prices, so a layout that fits without it is not faster with it.
 * torchtitan: the same ``tp`` x ``cp`` x ``pp`` x FSDP over the rest (ZeRO-3, or ZeRO-2 kept gathered after the
   forward; HSDP with one replica a host when ``tp`` and ``cp`` are 1) x recomputation x microbatch size x schedule.
 * MaxText: ``ici_tensor`` (powers up to ``M``) x ``ici_sequence`` (``cp`` below) with FSDP over the rest of the
