@@ -79,8 +79,13 @@ def check_overlap(overlap: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
-def _on_tensor_axis(axis) -> bool:
-    return axis == TENSOR_AXIS or (isinstance(axis, tuple) and TENSOR_AXIS in axis)
+#: The collectives of the tensor-parallel matmuls that ``--tp-comm-overlap`` hides (a ring attention's key/value
+#: passes, ``collective_permute``, are context parallelism's and already overlapped in their strategies).
+TP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _on_tensor_axis(axis, kind: str = "all_gather") -> bool:
+    return kind in TP_KINDS and (axis == TENSOR_AXIS or (isinstance(axis, tuple) and TENSOR_AXIS in axis))
 
 
 def overlap_terms(graph, intra: IntraPlan, layer_names: Sequence[str], zero: int | None,
@@ -108,8 +113,8 @@ def overlap_terms(graph, intra: IntraPlan, layer_names: Sequence[str], zero: int
         if node.primitive == "dot_general":
             slot["mm_fwd" if fwd else "mm_bwd"] += s.compute_s
         if tensor and op not in grads:
-            slot["tp_fwd" if fwd else "tp_bwd"] += sum(collective_time(mesh, kind, n, axis)
-                                                       for kind, axis, n in s.collectives if _on_tensor_axis(axis))
+            slot["tp_fwd" if fwd else "tp_bwd"] += sum(collective_time(mesh, kind, n, axis) for kind, axis, n
+                                                       in s.collectives if _on_tensor_axis(axis, kind))
     weights = kernel_view(graph, mesh.cluster.device.efficiency.flash_attention).weight_derived
     for _u, v, _is_alias, t, src, dst, cost in conversions(graph, intra.ops, intra.strategies, cache):
         vn = graph.op(v)
@@ -124,7 +129,7 @@ def overlap_terms(graph, intra: IntraPlan, layer_names: Sequence[str], zero: int
             continue
         cols = cache.reshard_collectives(src, dst, t.shape, t.dtype)
         on_axis = min(cost, sum(collective_time(mesh, kind, n, axis) for kind, axis, n in cols
-                                if _on_tensor_axis(axis))) if tensor else 0.0
+                                if _on_tensor_axis(axis, kind))) if tensor else 0.0
         slot["tp_fwd" if vn.role == FORWARD else "tp_bwd"] += on_axis
         if vn.role == FORWARD and cols and all(k == "all_gather" for k, _a, _n in cols) and \
                 _read_again(graph, intra, t.id, dst):

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .table import CostTable
 
 __all__ = ["ZERO_STAGES", "opt_states_of", "compute_dtype", "replicas", "updated_param", "zero_deltas",
-           "zero_gather_deltas", "zero_layer_costs"]
+           "zero_gather_deltas", "zero_group", "zero_layer_costs"]
 
 #: The stages :func:`zero_layer_costs` prices.
 ZERO_STAGES = (0, 1, 2, 3)
@@ -107,6 +107,7 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
         return out
     mshape = tuple(intra.mesh.shape)
     fused = intra.mesh.cluster.device.efficiency.flash_attention
+    group: tuple[int, ...] | None = None
     for p, states in opt_states_of(graph).items():
         if p not in intra.strategies or states[0] not in intra.strategies:
             continue
@@ -121,7 +122,12 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
         if own == opt:
             # The state could not be split evenly over the group (a dimension of 8,192 over 48 replicas): ZeRO
             # splits one flat buffer, padded to a multiple of the group, so each replica still holds 1 / d of it.
-            d = replicas(spec, mshape)
+            # A spec already split over the group (stage 3 stores the parameter so) is ZeRO's split itself.
+            if group is None:
+                group = zero_group(graph, intra)
+            if set(spec.axes) & set(group):
+                continue
+            d = math.prod(int(mshape[a]) for a in group)
             if d <= 1:
                 continue
             ratio = 1.0 / d
@@ -141,6 +147,17 @@ def zero_deltas(graph: OpGraph, intra: IntraPlan, layer_names: Sequence[str], ze
         for v, nbytes in held_copies(graph, convs, mshape).values():
             out[index.get(graph.op(v).layer, last)]["copies"] -= nbytes
     return out
+
+
+def zero_group(graph: OpGraph, intra: IntraPlan) -> tuple[int, ...]:
+    """The mesh axes ZeRO splits ``intra``'s optimizer state over: those a parameter's optimizer state is split over
+    and the parameter itself is not (axis 0, the layouts' data-parallel axis, when no parameter says: stage 3 stores
+    each parameter split as its state is)."""
+    axes: set[int] = set()
+    for p, states in opt_states_of(graph).items():
+        if p in intra.strategies and states[0] in intra.strategies:
+            axes |= set(intra.strategies[states[0]].out_specs[0].axes) - set(intra.strategies[p].out_specs[0].axes)
+    return tuple(sorted(axes)) or (0,)
 
 
 def replicas(spec, mesh_shape: Sequence[int]) -> int:
