@@ -107,7 +107,7 @@ def test_the_config_fields_reach_the_cluster_of_the_table():
         al.models.get("deepseek-tiny", n_group=3, topk_group=1)
 
 
-def test_a_plan_prices_the_deepseek_exchange_with_the_limit():
+def test_a_plan_prices_the_deepseek_exchange_with_the_limit(tmp_path):
     """End to end through the public API: DeepSeek-V3's layers (two of them, sequence 1,024) with 256 experts split
     over 32 GPUs on 4 hosts: a token's top-8 experts sit in 4 of 8 groups, two groups a host, so it reaches at most
     4 hosts (all of them here) and the limit saves nothing beyond top_k = 8 -> 4 copies: half the bytes that leave a
@@ -116,7 +116,8 @@ def test_a_plan_prices_the_deepseek_exchange_with_the_limit():
     kw = dict(num_layers=2, first_dense_layers=1, batch_size=32, seq_len=1024, expert_group_size=1024)
     cluster = Cluster.preset("dgx-h100", 4)
     layout = dict(dp=32, tp=1, pp=1, ep=32, micro_batch_size=1)
-    plan = al.megatron_plan(al.models.get("deepseek-v3", **kw), cluster, **layout)
+    model = al.models.get("deepseek-v3", **kw)
+    plan = al.megatron_plan(model, cluster, **layout)
     free = al.megatron_plan(al.models.get("deepseek-v3", topk_group=8, **kw), cluster, **layout)
     assert plan.cluster.moe_routing == NodeLimit(256, 8, 8, 4) and free.cluster.moe_routing is None
     [(_k, intra, ops)] = stage_intras(plan)
@@ -128,6 +129,11 @@ def test_a_plan_prices_the_deepseek_exchange_with_the_limit():
     plain = sum(mesh.all_to_all(b, a) for _kind, a, b in layer.all_to_alls)
     assert layer.all_to_all_s == pytest.approx(routed) and routed < 0.6 * plain
     assert plan.cost.step_time_s < free.cost.step_time_s  # (the ILP may move other exchanges onto the cheaper one)
+    # a saved plan loads with the same limit (the cluster's file form does not hold it: the model gives it again)
+    al.save_plan(plan, tmp_path / "ds.json")
+    back = al.load_plan(tmp_path / "ds.json", model)
+    assert back.cluster.moe_routing == plan.cluster.moe_routing
+    assert back.cost.step_time_s == pytest.approx(plan.cost.step_time_s, rel=1e-9)
 
 
 def one_hot_kept(kept, tokens: int, experts: int, slots: int) -> list:
