@@ -182,6 +182,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
     from .planner import microbatch_choices
     from .plan import price_plan
     from .pricing import CostTable, solve_graph_for
+    from .pricing.table import with_routing
     from .solve.intra import StrategyCache, evaluate_intra
 
     where = f"plan file {os.fspath(path)!r}"
@@ -229,6 +230,7 @@ def load_plan(path: str | os.PathLike, graph, cluster=None, *, model=None):
             if solve_graph is None or solve_graph.fingerprint != data["solve_graph_fingerprint"]:
                 raise ValueError(f"{where} was planned on a shallower copy of the model; pass model= (the zoo model "
                                  "it was made for) to load it.")
+        cluster = with_routing(cluster, model)  # a zoo model's routing limit, as CostTable.build priced it
         table = CostTable(graph, cluster, solve_graph=solve_graph)
         planschema.check_fits(data, where, ops=solve_graph.ops, num_layers=len(table.layer_names), cluster=cluster,
                               batch_size=table.batch_size, full_ops=graph.ops)

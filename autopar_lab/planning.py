@@ -47,15 +47,16 @@ def table_for(model, cluster: Cluster | None, table: CostTable | None, solver: s
             raise ValueError("give the model and the cluster to plan (or a cost table built for them, table=...)")
         built = CostTable.build(model, cluster, solver=solver, on_progress=on_progress, space=space, workers=workers,
                                 precision=precision)
-        return built, cluster, built.trace_s
+        return built, built.cluster, built.trace_s  # the cluster with the model's routing limit, if it has one
     if not isinstance(table, CostTable):
         raise TypeError(f"table must be a CostTable (from CostTable.build(model, cluster)), got {type(table).__name__}")
     if cluster is None:
         cluster = table.cluster
-    elif cluster != table.cluster:
+    elif cluster.with_(moe_routing=table.cluster.moe_routing) != table.cluster:  # the model's routing is the table's
         raise ValueError(f"the cost table was built for another cluster ({table.cluster.name}: {table.cluster.hosts} "
                          f"x {table.cluster.devices_per_host} devices); build one for this cluster with "
                          "CostTable.build(model, cluster), or pass table.cluster.")
+    cluster = table.cluster
     if precision is not None and not as_precision(precision).same_format(table.precision):
         want = as_precision(precision).name
         raise ValueError(f"the cost table prices precision {table.precision.name!r}, not {want!r}; build one with "

@@ -99,3 +99,19 @@ def test_deepseek_and_tflops_rows_convert_as_published():
     assert mlm.published_step_s() == pytest.approx(F / (408.8e12 * 48), rel=1e-9)
     # MFU 41% of 989 TFLOP/s: the count and the published MFU agree
     assert F / mlm.published_step_s() / 48 / 989.4e12 == pytest.approx(0.41, abs=0.005)
+
+
+@pytest.mark.slow
+def test_deepseek_row_recomputes_as_it_ran_and_fits():
+    """NeMo Automodel's DeepSeek-V3 run checkpoints every block (its config: activation_checkpointing true): priced
+    so, a stage keeps only its blocks' inputs (N H bf16 a layer and microbatch in flight, N = 4,096 tokens, H = 7,168;
+    1F1B keeps at most pp = 4 microbatches in flight on the first stage, 16 layers of 61 a stage) and the one block it
+    recomputes, and the layout that ran on 80 GB fits. Without the recomputation the row read 153 GiB of
+    activations, 'does not fit'."""
+    row = fidelity.today_row(fidelity.TODAY["deepseek-v3"])
+    N, H, layers = 4096, 7168, 16
+    one = N * H * 2 / 2**30  # GiB a block input
+    acts = row["peak_parts_gib"]["activations_bytes"]
+    assert 4 * layers * one <= acts <= 2 * 4 * layers * one
+    assert 0 < row["peak_parts_gib"]["recompute_bytes"] < acts
+    assert row["fits"] and row["peak_mem_gib"] < 80 * 1e9 / 2**30

@@ -133,7 +133,11 @@ def test_not_a_config_file(tmp_path):
 
 
 def test_ignored_keys_are_named():
-    assert set(al.models.hfconfig.ignored_keys(DEEPSEEK_V3)) >= {"n_group", "topk_group", "num_nextn_predict_layers"}
+    ignored = set(al.models.hfconfig.ignored_keys(DEEPSEEK_V3))
+    assert ignored >= {"topk_method", "num_nextn_predict_layers"}
+    assert not ignored & {"n_group", "topk_group"}  # node-limited routing is modelled (tests/test_node_limit.py)
+    c = al.models.from_config(DEEPSEEK_V3).config
+    assert (c.n_group, c.topk_group) == (8, 4)
     assert "rope_scaling" in al.models.hfconfig.ignored_keys(LLAMA3_405B)
     assert al.models.hfconfig.ignored_keys(LLAMA3_8B) == []
 

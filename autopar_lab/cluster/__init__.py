@@ -23,12 +23,13 @@ from .machine import MAX_DEVICES_PER_HOST, MAX_HOSTS, Cluster
 from .mesh import LogicalMesh
 from .presets import PRESETS
 from .torus import Torus
-from .values import Device, Efficiency, Link, send_recv
+from .values import Device, Efficiency, Link, NodeLimit, send_recv
 
 __all__ = [
     "Device",
     "Efficiency",
     "Link",
+    "NodeLimit",
     "Cluster",
     "LogicalMesh",
     "Torus",

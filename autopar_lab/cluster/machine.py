@@ -22,8 +22,8 @@ from .cpuprofile import CPU_PROFILE_KIND, cpu_fields, profile_fields
 from .mesh import LogicalMesh
 from .presets import GPU_PRESETS, PRESETS, SPEC_HELP, TPU_PRESETS, count_word, preset_fields
 from .torus import Torus
-from .values import (Device, Efficiency, Link, check_link, check_positive, is_power_of_two, is_whole, send_recv,
-                     shares_cores_of)
+from .values import (Device, Efficiency, Link, NodeLimit, check_link, check_positive, is_power_of_two, is_whole,
+                     send_recv, shares_cores_of)
 
 __all__ = ["Cluster", "MAX_HOSTS", "MAX_DEVICES_PER_HOST"]
 
@@ -53,6 +53,12 @@ class Cluster:
     that crosses domains ``inter_host``; so does a stage-to-stage transfer. ``torus``: the ICI torus of one host
     when the hosts are TPU slices (:class:`~autopar_lab.cluster.torus.Torus`; None for switched fabrics).
 
+    ``moe_routing``: the node limit of the model's expert routing, where the model declares one and the dispatcher
+    sends one copy per node (:class:`~autopar_lab.cluster.values.NodeLimit`; DeepSeek-V3 with DeepEP): its token
+    exchanges are priced by :meth:`LogicalMesh.routed_all_to_all`. A property of the model run on the cluster, so
+    :meth:`CostTable.build <autopar_lab.pricing.CostTable.build>` sets it from the model's config; not part of the
+    cluster's JSON form.
+
     >>> c = Cluster(hosts=2, devices_per_host=4, device=Device("toy", {"float32": 1e12}, 2**30, 1e11),
     ...             intra_host=Link(1e11, 1e-6), inter_host=Link(1e10, 1e-5))
     >>> c.num_devices, c.host_of(5)
@@ -67,6 +73,7 @@ class Cluster:
     name: str = "custom"
     domain_hosts: int = 1
     torus: Torus | None = None
+    moe_routing: NodeLimit | None = None
 
     def __post_init__(self) -> None:
         for field, value, most in (("hosts", self.hosts, MAX_HOSTS),
@@ -93,6 +100,9 @@ class Cluster:
             raise ValueError(f"domain_hosts must be a whole number of hosts from 1 to {MAX_HOSTS} (the hosts that "
                              f"share one scale-up fabric), got {self.domain_hosts!r}; use 1 where each host is its "
                              "own.")
+        if self.moe_routing is not None and not isinstance(self.moe_routing, NodeLimit):
+            raise ValueError(f"moe_routing must be a NodeLimit or None, got {type(self.moe_routing).__name__}; "
+                             "build one with NodeLimit(num_experts, top_k, n_group, topk_group).")
         if self.torus is not None:
             torus = Torus.from_dict(self.torus)
             object.__setattr__(self, "torus", torus)
@@ -308,7 +318,8 @@ class Cluster:
             name=str(data.get("name", "custom")),
             domain_hosts=data.get("domain_hosts", 1),
             torus=data.get("torus"),
-            **links,
+            intra_host=links["intra_host"],
+            inter_host=links["inter_host"],
         )
 
     # Shortcuts accepted by with_() besides the dataclass fields, so a what-if slider can move one number.

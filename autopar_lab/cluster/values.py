@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["Efficiency", "Device", "Link", "shares_cores_of", "send_recv", "is_whole", "is_power_of_two",
+__all__ = ["Efficiency", "Device", "Link", "NodeLimit", "shares_cores_of", "send_recv", "is_whole", "is_power_of_two",
            "check_positive", "check_link", "dtype_name"]
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,3 +368,61 @@ def send_recv(nbytes: float, link: Link) -> float:
     1.00005
     """
     return link.transfer_time(nbytes)
+
+
+@dataclass(frozen=True)
+class NodeLimit:
+    """Node-limited expert routing over a dispatcher that sends one copy of a token per node (DeepSeek-V3's routing
+    with DeepEP): the ``num_experts`` routed experts are cut into ``n_group`` groups of consecutive experts, each
+    token picks its ``top_k`` experts inside ``topk_group`` of the groups (config.json's ``n_group`` /
+    ``topk_group``: 8 and 4 for DeepSeek-V3; its report, arXiv 2412.19437 section 2.1.2 and 3.2.2: "each token is
+    sent to at most 4 nodes"), and the dispatcher sends each token once to every scale-up domain (node) holding one
+    of its experts, then forwards it over NVLink to the experts there (DeepEP), and combines the same way back.
+
+    Experts lie in order over the expert-parallel group, so each of its ``k`` domains holds ``num_experts / k``
+    consecutive experts: a group fits in one domain when ``k <= n_group``, and spans ``k / n_group`` domains
+    otherwise. A token's experts then sit in at most :meth:`reach` ``(k) = min(k, topk_group * ceil(k / n_group))``
+    domains, so at most ``min(top_k, reach(k))`` copies of it cross domains instead of ``top_k``
+    (:meth:`LogicalMesh.routed_all_to_all`).
+
+    >>> NodeLimit(256, 8, 8, 4).reach(8), NodeLimit(256, 8, 8, 4).reach(4), NodeLimit(256, 8, 8, 4).reach(16)
+    (4, 4, 8)
+    >>> NodeLimit(256, 8, 8, 4).copies(8), NodeLimit(64, 8, 8, 8).copies(2)
+    (4, 2)
+    """
+
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "n_group", "topk_group"):
+            v = getattr(self, name)
+            if not is_whole(v) or v < 1:
+                raise ValueError(f"NodeLimit's {name} must be a positive whole number, got {v!r}.")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) cannot exceed n_group ({self.n_group}); set it to at "
+                             f"most n_group.")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group}).")
+
+    def reach(self, domains: int) -> int:
+        """The most scale-up domains of an expert-parallel group over ``domains`` one token's experts sit in."""
+        return min(domains, self.topk_group * -(-domains // self.n_group))
+
+    def copies(self, domains: int) -> int:
+        """The most copies of one token the dispatcher sends: one per domain it reaches, never more than ``top_k``."""
+        return min(self.top_k, self.reach(domains))
+
+    @classmethod
+    def of(cls, config: Any) -> NodeLimit | None:
+        """The limit a model config declares (``num_experts``, ``top_k``, ``n_group``, ``topk_group`` fields, as
+        the zoo's DeepSeekConfig has), or None where it has none or does not limit (``topk_group == n_group``)."""
+        try:
+            e, k, n, m = (getattr(config, f) for f in ("num_experts", "top_k", "n_group", "topk_group"))
+        except AttributeError:
+            return None
+        if not e or m >= n:
+            return None
+        return cls(int(e), int(k), int(n), int(m))

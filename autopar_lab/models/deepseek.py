@@ -14,10 +14,14 @@ pre-norm decoder (RMSNorm), untied embeddings, ``num_layers`` layers of ``x += M
 * FFN: the first ``first_dense_layers`` layers a dense SwiGLU of ``ffn_hidden`` (18,432); the others routed experts
   (:mod:`autopar_lab.models.routing`): ``num_shared_experts`` shared + ``num_experts`` routed experts of width
   ``moe_ffn_hidden`` (2,048), ``top_k`` (8) chosen per token by **sigmoid** scores renormalised over the chosen and
-  scaled by ``routed_scaling_factor`` (2.5), as section 2.1.2. The auxiliary-loss-free balancing bias, the
-  node-limited (group) routing and multi-token prediction (MTP, section 2.2) are left out: they do not change the
-  main model's shapes or FLOPs (MTP would add one more layer and head pass per step); a small balance loss
-  (``aux_loss_weight``, the report's sequence-wise alpha 0.0001) stands in for the bias.
+  scaled by ``routed_scaling_factor`` (2.5), as section 2.1.2, among the experts of the token's best ``topk_group``
+  (4) of ``n_group`` (8) expert groups (node-limited routing, config.json's ``n_group`` / ``topk_group``,
+  :func:`~autopar_lab.models.routing.group_limited`; ``topk_group == n_group``: no limit): a token's experts sit on
+  at most 4 nodes, and a plan prices the token exchange with that bound (:class:`~autopar_lab.cluster.NodeLimit`,
+  set on the cluster by ``CostTable.build``). The auxiliary-loss-free balancing bias and multi-token prediction
+  (MTP, section 2.2) are left out: they do not change the main model's shapes or FLOPs (MTP would add one more layer
+  and head pass per step); a small balance loss (``aux_loss_weight``, the report's sequence-wise alpha 0.0001)
+  stands in for the bias.
 * training: next-token cross-entropy, Adam, bfloat16 with float32 master weights (``mixed_precision``).
 
 Parameters (no biases): ``2 V H + H + L_attn + 3 H F first_dense + (L - first_dense) (H E + 3 (E + shared) H F_e)``
@@ -63,6 +67,8 @@ class DeepSeekConfig:
     num_shared_experts: int = 1
     top_k: int = 8
     moe_ffn_hidden: int = 2048
+    n_group: int = 8                     # expert groups (node-limited routing) ...
+    topk_group: int = 4                  # ... of which a token's experts come from at most this many
     vocab_size: int = 129280
     batch_size: int = 512
     dtype: str = "bfloat16"
@@ -81,7 +87,7 @@ PRESETS = {
                                     kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                                     ffn_hidden=64, first_dense_layers=1, num_experts=8, num_shared_experts=1, top_k=2,
                                     moe_ffn_hidden=16, vocab_size=64, batch_size=4, dtype="float32",
-                                    expert_group_size=16),
+                                    expert_group_size=16, n_group=1, topk_group=1),
 }
 
 
@@ -95,7 +101,7 @@ def num_moe_layers(c: DeepSeekConfig) -> int:
 
 def routing(c: DeepSeekConfig) -> Routing:
     return Routing(c.num_experts, c.top_k, min(c.expert_group_size, c.seq_len), c.capacity_factor, "sigmoid", True,
-                   c.routed_scaling_factor)
+                   c.routed_scaling_factor, c.n_group, c.topk_group)
 
 
 #: The most dense first layers a shallow copy keeps (DeepSeek-V3 has 3). The planner solves a deep model on its 4-layer
@@ -229,6 +235,15 @@ def validate(c: DeepSeekConfig):
         return
     check(c.top_k <= c.num_experts, f"top_k ({c.top_k}) cannot exceed num_experts ({c.num_experts}).")
     check(c.capacity_factor > 0, f"capacity_factor must be positive, got {c.capacity_factor!r}.")
+    for f in ("n_group", "topk_group"):
+        check(isinstance(getattr(c, f), int) and getattr(c, f) >= 1,
+              f"{f} must be a positive integer, got {getattr(c, f)!r}.")
+    check(c.topk_group <= c.n_group, f"topk_group ({c.topk_group}) cannot exceed n_group ({c.n_group}).")
+    check(c.num_experts % c.n_group == 0,
+          f"num_experts ({c.num_experts}) must be divisible by n_group ({c.n_group}); set n_group to a divisor.")
+    check(c.top_k <= c.topk_group * (c.num_experts // c.n_group),
+          f"top_k ({c.top_k}) exceeds the {c.topk_group * (c.num_experts // c.n_group)} experts of topk_group "
+          f"({c.topk_group}) groups; raise topk_group.")
     group = min(c.expert_group_size, c.seq_len)
     check(c.seq_len % group == 0,
           f"seq_len ({c.seq_len}) must be divisible by expert_group_size ({c.expert_group_size}).")

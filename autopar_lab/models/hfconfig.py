@@ -121,6 +121,8 @@ def _deepseek_v3(cfg: Mapping, arch: str) -> dict:
             "num_experts": _int(cfg, "n_routed_experts", arch),
             "num_shared_experts": int(cfg.get("n_shared_experts") or 0),
             "top_k": _int(cfg, "num_experts_per_tok", arch),
+            # node-limited routing (absent: one group, no limit)
+            "n_group": int(cfg.get("n_group") or 1), "topk_group": int(cfg.get("topk_group") or 1),
             "moe_ffn_hidden": _int(cfg, "moe_intermediate_size", arch),
             "vocab_size": _int(cfg, "vocab_size", arch),
             "rope_theta": _float(cfg, "rope_theta", arch, deepseek.DeepSeekConfig.rope_theta),
@@ -142,7 +144,7 @@ ARCHITECTURES: dict[str, tuple[Any, Callable[[Mapping, str], dict]]] = {
 #: Keys that shape the network (or the routing) and that autopar-lab does not model: :func:`ignored_keys` names
 #: those a config sets, so a plan says what it left out.
 NOT_MODELLED = ("rope_scaling", "sliding_window", "use_sliding_window", "attention_bias", "mlp_bias",
-                "n_group", "topk_group", "topk_method", "num_nextn_predict_layers", "attention_dropout",
+                "topk_method", "num_nextn_predict_layers", "attention_dropout",
                 "router_aux_loss_coef", "output_router_logits")
 
 

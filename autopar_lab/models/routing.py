@@ -26,10 +26,22 @@ Tokens are cut into groups of ``group_size`` (never across sequences), ``x[g, t,
 6. **shared experts** (``shared_experts`` scope; DeepSeek's always-active experts): one SwiGLU of width
    ``num_shared * F`` on every token.
 
+What the layer keeps for the backward (the memory model reads it off the traced program,
+:mod:`~autopar_lab.graph.fusion`; ``N`` tokens, ``K`` choices, capacity factor 1 so ``E C = N K`` slots): the
+dispatched tokens (``N K H``, the gather), the experts' output in their slots (``N K H``: the combine's gate
+gradient reads it), the SwiGLU's intermediates (``N K F`` each) and ``N K`` int32 slot indices; no ``[tokens,
+experts, capacity]`` one-hot tensor. That is what Megatron-LM's token permutation and DeepEP keep too (the permuted
+tokens, the expert outputs before the weighted un-permutation, the grouped MLP's intermediates), so the layout
+functions (``megatron_plan`` and the others) price the zoo's program as it is, with nothing pinned for the dispatch
+(tests/test_node_limit.py); only the number of the SwiGLU's intermediates is the kernel model's (what XLA's fusions
+write: 6 of ``N K F``), where Megatron-LM's fused kernels keep 3 (the first matmul's two halves and its activation).
+
 The balance loss returned is the Switch Transformer's (Fedus et al. 2021) for top-k: ``E * sum_e f_e P_e`` with
 ``f_e`` the share of the group's ``T * top_k`` choices made for ``e`` (before capacity) and ``P_e`` the mean
-normalised score of ``e``; it is 1 for perfectly balanced routing. (DeepSeek-V3's auxiliary-loss-free bias and its
-node-limited routing are not modelled; they change which experts are chosen, not the shapes or FLOPs.)
+normalised score of ``e``; it is 1 for perfectly balanced routing. (DeepSeek-V3's auxiliary-loss-free bias is not
+modelled: it changes which experts are chosen, not the shapes or FLOPs. Its node-limited routing is,
+:func:`group_limited`: it bounds the copies of a token that cross nodes, which the pricing of the token exchange
+honours, :meth:`~autopar_lab.cluster.LogicalMesh.routed_all_to_all`.)
 """
 from __future__ import annotations
 
@@ -49,7 +61,9 @@ SCORES = ("softmax", "sigmoid")
 class Routing:
     """How tokens are routed: ``num_experts`` experts, ``top_k`` of them per token, groups of ``group_size`` tokens,
     capacity ``ceil(capacity_factor * group_size * top_k / num_experts)`` per expert and group, ``score`` "softmax"
-    or "sigmoid", the chosen weights renormalised (``normalize``) and scaled by ``scale``."""
+    or "sigmoid", the chosen weights renormalised (``normalize``) and scaled by ``scale``; with ``topk_group <
+    n_group``, node-limited routing (:func:`group_limited`): the experts are cut into ``n_group`` groups and a token
+    chooses among those of its best ``topk_group`` groups only."""
 
     num_experts: int
     top_k: int
@@ -58,6 +72,8 @@ class Routing:
     score: str = "softmax"
     normalize: bool = True
     scale: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
 
     @property
     def capacity(self) -> int:
@@ -86,6 +102,22 @@ def init_moe(key, hidden: int, moe_ffn: int, num_experts: int, num_shared: int, 
     return p
 
 
+def group_limited(scores, r: Routing):
+    """``scores`` [G, T, E] with every expert outside a token's best ``topk_group`` of ``n_group`` expert groups set to
+    0 (DeepSeek-V3's node-limited routing, arXiv 2412.19437 section 2.1.2, as its released code ranks groups: by the
+    sum of each group's two highest scores); ``scores`` itself without a limit. The groups are runs of ``E /
+    n_group`` consecutive experts: laid out in order over the expert-parallel devices, a group sits on one node, so
+    a token's experts lie on at most ``topk_group`` nodes (what :class:`~autopar_lab.cluster.values.NodeLimit`
+    prices)."""
+    if r.topk_group >= r.n_group:
+        return scores
+    G, T, E = scores.shape
+    grouped = scores.reshape(G, T, r.n_group, E // r.n_group)
+    rank = jax.lax.top_k(grouped, min(2, E // r.n_group))[0].sum(-1)                 # [G, T, n_group]
+    keep = jax.nn.one_hot(jax.lax.top_k(rank, r.topk_group)[1], r.n_group, dtype=scores.dtype).sum(-2)
+    return (grouped * keep[..., None]).reshape(G, T, E)
+
+
 def top_k_gates(logits, r: Routing):
     """``logits`` [G, T, E] -> (weights [G, T, K] float32, experts [G, T, K] int32, normalised scores [G, T, E])."""
     lf = logits.astype(jnp.float32)
@@ -94,7 +126,7 @@ def top_k_gates(logits, r: Routing):
     else:
         scores = jax.nn.sigmoid(lf)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    weights, experts = jax.lax.top_k(scores, r.top_k)
+    weights, experts = jax.lax.top_k(group_limited(scores, r), r.top_k)
     if r.normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights * r.scale, experts.astype(jnp.int32), probs
@@ -173,5 +205,5 @@ def moe_ffn(p, x, r: Routing):
     return y, balance_loss(counts, probs, r.top_k)
 
 
-__all__ = ["Routing", "SCORES", "capacity", "init_moe", "top_k_gates", "assign_slots", "expert_swiglu",
+__all__ = ["Routing", "SCORES", "capacity", "init_moe", "group_limited", "top_k_gates", "assign_slots", "expert_swiglu",
            "balance_loss", "moe_ffn"]

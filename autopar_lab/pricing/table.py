@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..backends import one_program_share, program_rereads_s
+from ..cluster.values import NodeLimit
 from ..graph.capture import deferred_trace
 from ..graph.fusion import attach_kernel_roles
 from ..graph.opgraph import OpGraph
@@ -112,6 +113,15 @@ def as_graph(model) -> tuple[OpGraph, Any, float]:
     return graph, model, graph.trace_s
 
 
+def with_routing(cluster: Cluster, model) -> Cluster:
+    """``cluster`` with the node limit of ``model``'s expert routing (:attr:`Cluster.moe_routing`, from a zoo
+    model's config: :meth:`NodeLimit.of <autopar_lab.cluster.values.NodeLimit.of>`), so that every mesh of its
+    table prices the token exchange with it; ``cluster`` itself for a model without one, or an OpGraph (a graph does
+    not say how it routes)."""
+    limit = NodeLimit.of(getattr(model, "config", None))
+    return cluster if limit is None or cluster.moe_routing is not None else cluster.with_(moe_routing=limit)
+
+
 def _fitter(fmt: Precision) -> Callable[[OpGraph], OpGraph]:
     return lambda graph: retype(graph, fmt)
 
@@ -191,6 +201,7 @@ class CostTable:
         (:func:`~autopar_lab.precision.retype`); None: the model's own (as traced, or as ``model``, a graph, was
         retyped)."""
         fit = None if precision is None else _fitter(as_precision(precision))
+        cluster = with_routing(cluster, model)
         if lean not in LEAN_MODES:
             raise ValueError(f"lean must be one of {LEAN_MODES}, got {lean!r}")
         if trace not in TRACE_MODES:

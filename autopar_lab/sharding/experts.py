@@ -120,7 +120,8 @@ def expert_layers(graph: OpGraph, strategies: Mapping[int, Any], mesh, ops=None)
             if math.prod(mshape[a] for a in axes) > math.prod(mshape[a] for a in best):
                 best = axes
         cols = layer_all_to_alls(graph, strategies, mshape, layer, keep, num_experts)
-        secs = sum(collective_time(mesh, k, b, a) for k, a, b in cols)
+        # the layer's token exchanges, under the cluster's node-limited routing where the model declares one
+        secs = sum(collective_time(mesh, "routed_all_to_all", b, a) for _k, a, b in cols)
         out.append(ExpertLayer(layer, tuple(sorted(mm)), num_experts, best,
                                math.prod(mshape[a] for a in best), cols, float(secs)))
     return sorted(out, key=lambda e: e.ops[0])

@@ -136,7 +136,21 @@ def reshard_cost(
     (0.0, ())
     """
     cols = plan_reshard(src, dst, shape, dtype, tuple(mesh.shape))
-    return float(sum(collective_time(mesh, k, b, a) for k, a, b in cols)), cols
+    limit = getattr(getattr(mesh, "cluster", None), "moe_routing", None)
+    return float(sum(collective_time(mesh, _priced_as(k, a, src, dst, shape, limit), b, a) for k, a, b in cols)), cols
+
+
+def _priced_as(kind: str, axis, src: ShardingSpec, dst: ShardingSpec, shape: Sequence[int], limit) -> str:
+    """The mesh method that prices one collective of a resharding: ``routed_all_to_all`` for an MoE token exchange
+    under node-limited routing (``limit``, the cluster's :class:`~autopar_lab.cluster.values.NodeLimit`): an
+    all-to-all that moves a mesh axis onto or off a dimension of ``num_experts`` (the expert dimension of the
+    dispatched tokens, as :func:`~autopar_lab.sharding.experts.layer_all_to_alls` recognises them); ``kind``
+    otherwise."""
+    if limit is None or kind != "all_to_all":
+        return kind
+    moved = (axis,) if isinstance(axis, int) else tuple(axis)
+    dims = {spec.dim_of(a) for spec in (src, dst) for a in moved} - {None}
+    return "routed_all_to_all" if any(int(shape[d]) == limit.num_experts for d in dims) else kind
 
 
 __all__ = ["Collective", "collective_time", "plan_reshard", "reshard_cost"]
