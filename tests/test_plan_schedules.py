@@ -27,7 +27,9 @@ def model():
 @pytest.fixture(scope="module")
 def plan(model):
     cluster = al.Cluster.preset("cpu", hosts=1)
-    return al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=4, sharding="ilp")  # the table's
+    # the table prices the gradient reduction hidden behind the backward, as Megatron-Core's --overlap-grad-reduce
+    return al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=4, sharding="ilp",
+                            overlap_grad_reduce=True)
 
 
 def test_interleaved_plan_is_priced_chunk_by_chunk(plan):
@@ -104,8 +106,9 @@ def test_zb_h1_splits_each_backward_into_input_and_weight_gradients(plan, model)
 
 def test_schedule_is_pinned_and_kept_by_every_override(plan):
     q = plan.with_schedule("interleaved", 2)
-    assert q.stage_pins == {"schedule": "interleaved", "virtual_stages": 2}
-    assert q.with_schedule("1f1b").stage_pins == {"schedule": "1f1b"}  # the chunk count goes with its schedule
+    grad = {"overlap": ("grad_reduce",)}  # the fixture's --overlap-grad-reduce, kept by every override
+    assert q.stage_pins == {"schedule": "interleaved", "virtual_stages": 2, **grad}
+    assert q.with_schedule("1f1b").stage_pins == {"schedule": "1f1b", **grad}  # the chunk count goes with its schedule
     assert q.with_schedule("1f1b").cost.step_time_s == plan.cost.step_time_s
     op = next(iter(q.op_graph.ops))
     r = q.with_choice(op, q.choice(op).name)

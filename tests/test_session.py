@@ -148,7 +148,8 @@ def test_resolve_keeps_stage_pins(small_plan):
     session = Session(small_plan)
     session.set_microbatches(2)
     p = session.resolve()  # the stage DP over the cached table, the microbatch count held
-    assert p.microbatches == 2 and p.stage_pins == {"microbatches": 2}
+    # a Megatron-LM plan also keeps what it overlaps (none of Megatron-Core's switches on: its default)
+    assert p.microbatches == 2 and p.stage_pins == {"microbatches": 2, "overlap": ()}
     assert session.last_action == "resolve" and session.previous.microbatches == 2
 
 
@@ -313,7 +314,7 @@ def test_what_if_replan_drops_what_cannot_hold_and_says_why(small_plan, graph):
     assert "submeshes" in s.stage_pins
     events = _record(s)
     p = s.set_cluster(devices_per_host=1)  # one device: no strategy splits anything
-    assert p.pins == {} and p.stage_pins == {}
+    assert p.pins == {} and p.stage_pins == {"overlap": ()}  # the Megatron-LM plan's overlap (none) holds anywhere
     assert len(s.dropped_pins) == 2 and events[-1].detail["dropped_pins"] == s.dropped_pins
     assert any(f"#{op}" in m and split in m and "no logical mesh of the new cluster" in m for m in s.dropped_pins)
     assert any("submeshes" in m and "dropped" in m for m in s.dropped_pins)
