@@ -39,7 +39,7 @@ GROUP_SECONDS: dict[str, float] = {
     "test_ring_execute": 295, "test_browser": 280, "test_notebooks": 275, "test_launch": 190, "test_gallery": 175,
     "test_ray_lifecycle": 165, "test_table_scale": 165, "test_readme": 135, "test_execute": 85,
     "test_runtime_buffers": 100, "test_execute_schedules": 95, "test_cli_today": 95, "test_lean": 90,
-    "test_launch_remote": 90, "test_frameworks": 250, "test_moe": 85, "test_memory_measured": 80, "test_browser_ray": 75,
+    "test_launch_remote": 90, "test_frameworks": 90, "test_moe": 85, "test_memory_measured": 80, "test_browser_ray": 75,
     "test_models_deepseek": 75, "test_virtual_share": 70, "test_precision": 65, "test_models_llama": 60,
     "test_layouts": 55, "test_deepmap": 55, "test_gradient_chain": 55, "test_fsdp": 55, "test_update_sharding": 50,
     "test_golden": 50, "test_calibrate": 50, "test_models": 45, "test_presets_today": 45, "test_cluster": 40,
