@@ -29,15 +29,14 @@ SERIAL_FILES = frozenset({
     "test_ray_lifecycle", "test_readme", "test_training_panel",
 })
 
-# xdist hands each worker the next group when it runs low, in the order of the collection (this conftest turns off
-# xdist's own order, by number of tests, which says nothing of a group's time). The longest groups go first, so the
-# short ones fill both workers' ends evenly ("longest processing time first") and no long group is left to one
-# worker at the end. The seconds are each file's tests' time in a fresh clone's `make test` on the 2-core
-# machine (2026-12-06, --durations; test_execute and test_ring_execute less their one-device references' saving);
-# they only order the run, and a file not listed goes after them in its place.
+# xdist hands each worker the next group when it runs dry, in the order of the collection (this conftest turns off
+# xdist's own order, by number of tests, which put the long files of few tests last: one worker ran them alone while
+# the other idled). The longest groups go first, so the short ones fill both workers' ends evenly ("longest
+# processing time first"). The seconds are each file's tests' time in a fresh clone's `make test` on the 2-core
+# machine (2026-12-06, --durations); they only order the run, and a file not listed goes after them in its place.
 GROUP_SECONDS: dict[str, float] = {
-    "test_ring_execute": 295, "test_browser": 280, "test_notebooks": 275, "test_launch": 190, "test_gallery": 175,
-    "test_ray_lifecycle": 165, "test_table_scale": 165, "test_readme": 135, "test_execute": 85,
+    "test_ring_execute": 330, "test_browser": 280, "test_notebooks": 275, "test_launch": 190, "test_gallery": 175,
+    "test_ray_lifecycle": 165, "test_table_scale": 165, "test_readme": 135, "test_execute": 120,
     "test_runtime_buffers": 100, "test_execute_schedules": 95, "test_cli_today": 95, "test_lean": 90,
     "test_launch_remote": 90, "test_frameworks": 90, "test_moe": 85, "test_memory_measured": 80, "test_browser_ray": 75,
     "test_models_deepseek": 75, "test_virtual_share": 70, "test_precision": 65, "test_models_llama": 60,
