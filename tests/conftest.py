@@ -29,36 +29,6 @@ SERIAL_FILES = frozenset({
     "test_ray_lifecycle", "test_readme", "test_training_panel",
 })
 
-# xdist hands each worker the next group when it runs dry, in the order of the collection (this conftest turns off
-# xdist's own order, by number of tests, which put the long files of few tests last: one worker ran them alone while
-# the other idled). The longest groups go first, so the short ones fill both workers' ends evenly ("longest
-# processing time first"). The seconds are each file's tests' time in a fresh clone's `make test` on the 2-core
-# machine (2026-12-06, --durations); they only order the run, and a file not listed goes after them in its place.
-GROUP_SECONDS: dict[str, float] = {
-    "test_ring_execute": 330, "test_browser": 280, "test_notebooks": 275, "test_launch": 190, "test_gallery": 175,
-    "test_ray_lifecycle": 165, "test_table_scale": 165, "test_readme": 135, "test_execute": 120,
-    "test_runtime_buffers": 100, "test_execute_schedules": 95, "test_cli_today": 95, "test_lean": 90,
-    "test_launch_remote": 90, "test_frameworks": 90, "test_moe": 85, "test_memory_measured": 80, "test_browser_ray": 75,
-    "test_models_deepseek": 75, "test_virtual_share": 70, "test_precision": 65, "test_models_llama": 60,
-    "test_layouts": 55, "test_deepmap": 55, "test_gradient_chain": 55, "test_fsdp": 55, "test_update_sharding": 50,
-    "test_golden": 50, "test_calibrate": 50, "test_models": 45, "test_presets_today": 45, "test_cluster": 40,
-    "test_widgets": 40, "test_selective_remat": 35, "test_intra": 30, "test_workbench_fixes": 25,
-    "test_deep_overrides": 25, "test_scale_space": 25,
-}
-
-
-def group_of(stem: str) -> str:
-    """The xdist group of test file ``stem``: SERIAL_GROUP or the file itself."""
-    return SERIAL_GROUP if stem in SERIAL_FILES else stem
-
-
-def group_seconds(group: str) -> float:
-    """How long ``group`` took (GROUP_SECONDS; the serial group is the sum of its files), 0 when not listed."""
-    if group == SERIAL_GROUP:
-        return sum(GROUP_SECONDS.get(f, 0.0) for f in SERIAL_FILES)
-    return GROUP_SECONDS.get(group, 0.0)
-
-
 # `make test-fast` leaves these out (`-m "not slow and not notebook and not browser"`): a notebook or a browser test
 # starts a kernel or Chromium, seconds before its first assertion, whatever it checks.
 NOTEBOOK_FILES = frozenset({"test_notebooks"})
@@ -421,19 +391,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     config.addinivalue_line("markers", "notebook: runs a notebook end to end")
     config.addinivalue_line("markers", "browser: drives a real browser")
-    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order pytest_collection_modifyitems sets
-        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing), longest
-    group first (GROUP_SECONDS; a stable sort, so each file's tests keep their order), marks the tests of SLOW_TESTS
-    slow, and the notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
-    items.sort(key=lambda item: -group_seconds(group_of(item.path.stem)))
+    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing), marks the
+    tests of SLOW_TESTS slow, and the notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
     for item in items:
         stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group_of(stem)))
+        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if stem in SERIAL_FILES else stem))
         if getattr(item, "originalname", None) in SLOW_TESTS.get(stem, ()):
             item.add_marker(pytest.mark.slow)
         if stem in NOTEBOOK_FILES:
