@@ -25,6 +25,8 @@ from typing import Any, Iterator, Mapping
 import networkx as nx
 import numpy as np
 
+from .opcost import CONTRACTIONS, DATA_MOVEMENT, ELEMENTWISE, REDUCTIONS
+
 # What an operator's input (or a graph input) holds, from the step function's point of view.
 PARAM, OPT_STATE, BATCH, ACTIVATION, CONST, STATE = "param", "opt_state", "batch", "activation", "const", "state"
 TENSOR_KINDS = (PARAM, OPT_STATE, BATCH, ACTIVATION, CONST, STATE)
@@ -114,6 +116,24 @@ class OpNode:
     @property
     def bytes_accessed(self) -> float:
         return self.bytes_read + self.bytes_written
+
+    @property
+    def category(self) -> str:
+        """What kind of work the operator does, by the FLOP conventions of :mod:`autopar_lab.graph.opcost`:
+        ``"matmul"`` (a contraction: dot_general, convolution), ``"elementwise"`` (one FLOP an output element),
+        ``"reduction"`` (one FLOP an input element), ``"data movement"`` (no FLOPs, only bytes: layout changes,
+        slices, converts, the step's inputs and outputs) or ``"other"`` (scatters, sorts, windowed reductions,
+        unknown primitives).
+
+        >>> OpNode(0, "tanh", "t", (0,), (1,), ((4,),), ("float32",), ((4,),), ("float32",), ("activation",), 4,
+        ...        16, 16, "forward").category
+        'elementwise'
+        """
+        for name, members in (("matmul", CONTRACTIONS), ("elementwise", ELEMENTWISE), ("reduction", REDUCTIONS),
+                              ("data movement", DATA_MOVEMENT)):
+            if self.primitive in members:
+                return name
+        return "other"
 
     @property
     def out_bytes(self) -> int:

@@ -322,8 +322,9 @@ def _fits(s: Strategy, op: OpNode, mshape: Sequence[int]) -> bool:
     )
 
 
-def price(op: OpNode, s: Strategy, mesh) -> Strategy:
-    """``s`` with compute_s, comm_s and mem_bytes filled in (see the module docstring for the formulas)."""
+def price(op: OpNode, s: Strategy, mesh, *, alone: bool = False) -> Strategy:
+    """``s`` with compute_s, comm_s and mem_bytes filled in (see the module docstring for the formulas); ``alone``:
+    the operator priced as a kernel of its own even where its graph has kernel roles (:func:`kernel_time`)."""
     mshape = mesh_shape(mesh)
     outs = [spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.out_specs, op.out_shapes, op.out_dtypes)]
     ins = [spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.in_specs, op.in_shapes, op.in_dtypes)]
@@ -333,7 +334,7 @@ def price(op: OpNode, s: Strategy, mesh) -> Strategy:
     if op.primitive not in ZERO_COST:
         used = set().union(*(spec.axes for spec in s.out_specs + s.in_specs)) if (s.out_specs or s.in_specs) else set()
         n_work = math.prod(mshape[a] for a in used)
-        compute = kernel_time(op, s, mesh, ins, outs, n_work)
+        compute = kernel_time(op, s, mesh, ins, outs, n_work, alone=alone)
         if FP8_CASTS in op.params:
             compute += cast_time(op, mesh, ins)
     comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
@@ -341,7 +342,8 @@ def price(op: OpNode, s: Strategy, mesh) -> Strategy:
     return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
 
 
-def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Sequence[float], n_work: int) -> float:
+def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Sequence[float], n_work: int, *,
+                alone: bool = False) -> float:
     """Seconds one device spends on ``op``'s shard under strategy ``s``, as part of the kernel it runs in.
 
     The roofline of the kernel, ``max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth)``, split over its
@@ -349,11 +351,12 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     (a tensor inside the kernel costs none); a matmul (or flash-attention kernel) charges its absorbed operators'
     FLOPs and traffic with its own, at the GEMM's achievable rate for the shard's shape (wave quantisation, inner
     dimension: :meth:`~autopar_lab.cluster.Device.matmul_rate`); the rest run at the elementwise rate. An operator
-    whose graph has no kernel roles attached is priced as a kernel of its own. Launch overheads are counted per
-    kernel elsewhere (:mod:`autopar_lab.pricing.layers`).
+    whose graph has no kernel roles attached, or priced ``alone``, is priced as a kernel of its own (reading its
+    inputs from memory and writing its outputs back). Launch overheads are counted per kernel elsewhere
+    (:mod:`autopar_lab.pricing.layers`).
     """
     device = mesh.cluster.device
-    role = kernel_role(op, device.efficiency.flash_attention)
+    role = None if alone else kernel_role(op, device.efficiency.flash_attention)
     dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
     flops = op.flops / n_work
     bw = device.achievable_bandwidth
