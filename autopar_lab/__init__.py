@@ -52,6 +52,7 @@ _LAZY = {
     "RunOptions": ("autopar_lab.runtime.train_entry", "RunOptions"),
     "Session": ("autopar_lab.widgets.session", "Session"),
     "Workbench": ("autopar_lab.widgets.workbench", "Workbench"),
+    "Exercise": ("autopar_lab.widgets.exercise", "Exercise"),
 }
 
 

@@ -127,3 +127,11 @@ def test_the_check_imports_no_jupyter():
             "check_answer(1, 1); Exercise('q?', default=1).check(1); "
             "assert 'ipywidgets' not in sys.modules and 'IPython' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_course_reaches_it_from_the_package():
+    """A notebook asks with `al.Exercise`, the package's public name, not through the widgets' module."""
+    import autopar_lab as al
+
+    v = al.Exercise("Two?", default=2.0, rel_tol=0.1).check(2.05)
+    assert al.Exercise is Exercise and isinstance(v, Verdict) and v.correct
