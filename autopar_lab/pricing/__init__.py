@@ -6,6 +6,8 @@
 - :mod:`~autopar_lab.pricing.opmap`: :class:`OpMap`, the full graph vs the (shallower) graph a plan was solved on.
 - :mod:`~autopar_lab.pricing.price`: :func:`price_stages`, a plan's step time and memory from its decisions.
 - :mod:`~autopar_lab.pricing.incremental`: re-pricing one strategy change without pricing every layer again.
+- :mod:`~autopar_lab.pricing.kernels`: one device's view of a step (each operator's seconds, alone or fused; the
+  kernels with their FLOPs and bytes; a plan's cost by layer), what the roofline notebook reads.
 - :mod:`~autopar_lab.pricing.memory`: each stage's peak memory split into parameters, gradients, master weights,
   optimizer state, parameter copies, buffers, the recomputation working set and activations.
 
