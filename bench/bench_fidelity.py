@@ -50,7 +50,7 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   ep=64, zero=3, remat=True)`` (NeMo Automodel's config checkpoints every block);
 * MaxText on TPU v5p: MaxText's ``global_parameter_scale`` 32 and 128 models (``configs/base.yml`` scaled as its
   ``pyconfig.get_individual_scales`` does) as Llama-shaped models, ``al.maxtext_plan(ici_fsdp=-1, ici_tensor,
-  per_device_batch_size, remat="minimal")`` on one slice.
+  per_device_batch_size, remat="minimal", attention="flash")`` on one slice.
 
 Throughput is compared as step times: a row published as tokens/s gives its step as tokens / rate; one published as
 TFLOP/s per device as F / (rate x devices) with F the publishers' count (:func:`model_flops`: 6 x tokens x the
@@ -252,6 +252,11 @@ def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
                                           "recomputation; eager PyTorch and the 500 W cap not modelled")
 
 
+_MAXTEXT_ASSUMED = ("attention='flash' as the run's script passes it (configs/v5p/32b.sh, 128b.sh); remat 'minimal' "
+                    "priced as 'dots' (every matmul's output kept: attention's output too, which MaxText's minimal "
+                    "recomputes); the activations between blocks split over tensor (base.yml's activation_embed "
+                    "rule), priced as sequence parallelism")
+
 #: name -> row: the reference's "Runs of 2022-2026", in its order.
 TODAY = {r.name: r for r in [
     _mlm("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
@@ -286,15 +291,17 @@ TODAY = {r.name: r for r in [
     Today("maxtext-32b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=32, num_heads=64, num_kv_heads=64, head_dim=128,
                ffn_hidden=28672, vocab_size=32000, batch_size=6 * 128), "tpu-v5p", 128,
-          dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=6, remat="minimal", precision="bf16"), 128, 328.0,
+          dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=6, remat="minimal", attention="flash",
+               precision="bf16"), 128, 328.0,
           "tflops", assumed="global_parameter_scale 32: emb 8,192, 64 heads of 128, MLP 28,672, 32 layers, vocabulary "
-                            "32,000; remat 'minimal' priced as selective recomputation"),
+                            "32,000; " + _MAXTEXT_ASSUMED),
     Today("maxtext-128b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=64, num_heads=128, num_kv_heads=128, head_dim=128,
                ffn_hidden=57344, vocab_size=32000, batch_size=256), "tpu-v5p", 256,
-          dict(ici_fsdp=-1, ici_tensor=8, per_device_batch_size=1, remat="minimal", precision="bf16"), 256, 315.0,
+          dict(ici_fsdp=-1, ici_tensor=8, per_device_batch_size=1, remat="minimal", attention="flash",
+               precision="bf16"), 256, 315.0,
           "tflops", assumed="global_parameter_scale 128: emb 8,192, 128 heads of 128, MLP 57,344, 64 layers, "
-                            "vocabulary 32,000; remat 'minimal' priced as selective recomputation"),
+                            "vocabulary 32,000; " + _MAXTEXT_ASSUMED),
 ]}
 
 
