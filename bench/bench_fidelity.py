@@ -248,8 +248,13 @@ def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
                  dict(seq_len=8192, batch_size=2 * gpus), "dgx-h100", gpus // 8,
                  dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16"), gpus, tokens,
                  "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
-                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing priced as selective "
-                                          "recomputation; eager PyTorch and the 500 W cap not modelled")
+                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
+                                          "output and every other mm's, recomputing the rest) priced as 'dots' "
+                                          "(every matmul's output kept: about 0.11 s a step of recomputed mms "
+                                          "not priced); eager PyTorch (each elementwise op a kernel through HBM: "
+                                          "about 0.58 s a step more than the fused view, estimated on the traced "
+                                          "graph) and the 500 W cap (peak between the SXM's and the NVL's, "
+                                          "torchtitan's note) not modelled")
 
 
 _MAXTEXT_ASSUMED = ("attention='flash' as the run's script passes it (configs/v5p/32b.sh, 128b.sh); remat 'minimal' "
