@@ -41,8 +41,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   precision="bf16")`` on ``dgx-h100``, the pipelined rows interleaved;
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
   sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
-* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective")`` on ``dgx-h100`` with the
-  run's H100 (96 GB HBM2e at 2.4 TB/s);
+* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False)`` (eager:
+  no torch.compile) on ``dgx-h100`` with the run's H100 (96 GB HBM2e at 2.4 TB/s);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences;
@@ -237,7 +237,8 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
     dp, tp = (n, 1) if layout in ("none", "fsdp") else (1, n)
     return Today(f"kf-{layout}-{n}", "KempnerForge benchmarks/mfu_scaling (H200)", "fsdp", "llama3-8b",
                  dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
-                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True), n, tokens_all / n, "tokens_per_device",
+                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True), n, tokens_all / n,
+                 "tokens_per_device",
                  cluster_kw=dict(devices_per_host=n), mem_gib=mem_gb * 1e9 / GIB, group="kempnerforge",
                  assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
                          "tokens a microbatch, 2 microbatches")
@@ -246,15 +247,14 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
 def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
     return Today(f"torchtitan-8b-{gpus}", "torchtitan llama3_h100_202412", "fsdp", "llama3-8b",
                  dict(seq_len=8192, batch_size=2 * gpus), "dgx-h100", gpus // 8,
-                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16"), gpus, tokens,
+                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False), gpus, tokens,
                  "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
                  mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
                                           "output and every other mm's, recomputing the rest) priced as 'dots' "
                                           "(every matmul's output kept: about 0.11 s a step of recomputed mms "
-                                          "not priced); eager PyTorch (each elementwise op a kernel through HBM: "
-                                          "about 0.58 s a step more than the fused view, estimated on the traced "
-                                          "graph) and the 500 W cap (peak between the SXM's and the NVL's, "
-                                          "torchtitan's note) not modelled")
+                                          "not priced); no torch.compile: eager (compile=False, every "
+                                          "elementwise op a kernel through HBM); the 500 W cap (peak between the "
+                                          "SXM's and the NVL's, torchtitan's note) not modelled")
 
 
 _MAXTEXT_ASSUMED = ("attention='flash' as the run's script passes it (configs/v5p/32b.sh, 128b.sh); remat 'minimal' "

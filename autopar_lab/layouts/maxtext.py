@@ -46,7 +46,7 @@ from ..rematmode import DOTS, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, check_zero
-from .engine import Layout, check_experts, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, price_layout, stage_submesh
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -95,23 +95,12 @@ def attention_cluster(attention: str, cluster, table):
     >>> attention_cluster("flash", "tpu-v5p:8", None).device.efficiency.flash_attention
     True
     """
-    from ..cluster import Cluster
-
     if not isinstance(attention, str) or attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention must be one of MaxText's kernels {', '.join(map(repr, ATTENTION_KERNELS))}, "
                          f"got {attention!r:.40}")
     fused = ATTENTION_KERNELS[attention]
-    if table is not None:
-        if attention != "autoselected" and table.cluster.device.efficiency.flash_attention != fused:
-            raise ValueError(f"the cost table was built {'without' if fused else 'with'} flash attention, but "
-                             f"attention={attention!r}; build it on cluster.with_(flash_attention={fused}), or pass "
-                             "attention='autoselected' to keep the table's")
-        return cluster
-    if cluster is None:
-        return None
-    if not isinstance(cluster, Cluster):
-        cluster = Cluster.parse(cluster)
-    return cluster.with_(flash_attention=fused)
+    keep = attention == "autoselected" and table is not None  # a table given: its own attention
+    return cluster_running(cluster, table, "flash_attention", None if keep else fused, f"attention={attention!r}")
 
 
 def maxtext_mesh(data: int, fsdp: int, sequence: int, expert: int, tensor: int) -> MeshRoles:
