@@ -72,8 +72,9 @@ def scale_out_hosts(cluster, sender: Any, receiver: Any) -> int:
     once (``inter_host.bandwidth`` is one host's); the smaller of the two stages' host counts, at least 1.
 
     >>> from types import SimpleNamespace as S
-    >>> scale_out_hosts(S(devices_per_host=8), S(submesh=(64, 8)), S(submesh=(64, 8))), \
-    ...     scale_out_hosts(S(devices_per_host=8), S(submesh=(1, 4)), S(submesh=(2, 8)))
+    >>> dgx = S(devices_per_host=8)
+    >>> scale_out_hosts(dgx, S(submesh=(64, 8)), S(submesh=(64, 8))), scale_out_hosts(dgx, S(submesh=(1, 4)),
+    ...                                                                                S(submesh=(2, 8)))
     (64, 1)
     """
     def hosts(st: Any) -> int:
