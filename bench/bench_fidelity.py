@@ -41,8 +41,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   precision="bf16")`` on ``dgx-h100``, the pipelined rows interleaved;
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
   sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
-* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective")`` on ``dgx-h100`` with the
-  run's H100 (96 GB HBM2e at 2.4 TB/s);
+* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False)`` (eager:
+  no torch.compile) on ``dgx-h100`` with the run's H100 (96 GB HBM2e at 2.4 TB/s);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences;
@@ -50,7 +50,7 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   ep=64, zero=3, remat=True)`` (NeMo Automodel's config checkpoints every block);
 * MaxText on TPU v5p: MaxText's ``global_parameter_scale`` 32 and 128 models (``configs/base.yml`` scaled as its
   ``pyconfig.get_individual_scales`` does) as Llama-shaped models, ``al.maxtext_plan(ici_fsdp=-1, ici_tensor,
-  per_device_batch_size, remat="minimal")`` on one slice.
+  per_device_batch_size, remat="minimal", attention="flash")`` on one slice.
 
 Throughput is compared as step times: a row published as tokens/s gives its step as tokens / rate; one published as
 TFLOP/s per device as F / (rate x devices) with F the publishers' count (:func:`model_flops`: 6 x tokens x the
@@ -237,7 +237,8 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
     dp, tp = (n, 1) if layout in ("none", "fsdp") else (1, n)
     return Today(f"kf-{layout}-{n}", "KempnerForge benchmarks/mfu_scaling (H200)", "fsdp", "llama3-8b",
                  dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
-                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True), n, tokens_all / n, "tokens_per_device",
+                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True), n, tokens_all / n,
+                 "tokens_per_device",
                  cluster_kw=dict(devices_per_host=n), mem_gib=mem_gb * 1e9 / GIB, group="kempnerforge",
                  assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
                          "tokens a microbatch, 2 microbatches")
@@ -246,11 +247,20 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
 def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
     return Today(f"torchtitan-8b-{gpus}", "torchtitan llama3_h100_202412", "fsdp", "llama3-8b",
                  dict(seq_len=8192, batch_size=2 * gpus), "dgx-h100", gpus // 8,
-                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16"), gpus, tokens,
+                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False), gpus, tokens,
                  "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
-                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing priced as selective "
-                                          "recomputation; eager PyTorch and the 500 W cap not modelled")
+                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
+                                          "output and every other mm's, recomputing the rest) priced as 'dots' "
+                                          "(every matmul's output kept: about 0.11 s a step of recomputed mms "
+                                          "not priced); no torch.compile: eager (compile=False, every "
+                                          "elementwise op a kernel through HBM); the 500 W cap (peak between the "
+                                          "SXM's and the NVL's, torchtitan's note) not modelled")
 
+
+_MAXTEXT_ASSUMED = ("attention='flash' as the run's script passes it (configs/v5p/32b.sh, 128b.sh); remat 'minimal' "
+                    "priced as 'dots' (every matmul's output kept: attention's output too, which MaxText's minimal "
+                    "recomputes); the activations between blocks split over tensor (base.yml's activation_embed "
+                    "rule), priced as sequence parallelism")
 
 #: name -> row: the reference's "Runs of 2022-2026", in its order.
 TODAY = {r.name: r for r in [
@@ -286,15 +296,17 @@ TODAY = {r.name: r for r in [
     Today("maxtext-32b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=32, num_heads=64, num_kv_heads=64, head_dim=128,
                ffn_hidden=28672, vocab_size=32000, batch_size=6 * 128), "tpu-v5p", 128,
-          dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=6, remat="minimal", precision="bf16"), 128, 328.0,
+          dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=6, remat="minimal", attention="flash",
+               precision="bf16"), 128, 328.0,
           "tflops", assumed="global_parameter_scale 32: emb 8,192, 64 heads of 128, MLP 28,672, 32 layers, vocabulary "
-                            "32,000; remat 'minimal' priced as selective recomputation"),
+                            "32,000; " + _MAXTEXT_ASSUMED),
     Today("maxtext-128b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=64, num_heads=128, num_kv_heads=128, head_dim=128,
                ffn_hidden=57344, vocab_size=32000, batch_size=256), "tpu-v5p", 256,
-          dict(ici_fsdp=-1, ici_tensor=8, per_device_batch_size=1, remat="minimal", precision="bf16"), 256, 315.0,
+          dict(ici_fsdp=-1, ici_tensor=8, per_device_batch_size=1, remat="minimal", attention="flash",
+               precision="bf16"), 256, 315.0,
           "tflops", assumed="global_parameter_scale 128: emb 8,192, 128 heads of 128, MLP 57,344, 64 layers, "
-                            "vocabulary 32,000; remat 'minimal' priced as selective recomputation"),
+                            "vocabulary 32,000; " + _MAXTEXT_ASSUMED),
 ]}
 
 

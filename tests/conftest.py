@@ -277,6 +277,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_plan_files_views_and_export_say_the_format",
     },
     "test_presets_today": {
+        "test_a_cut_between_stages_that_span_hosts_crosses_every_hosts_network_link",
         "test_cli_refuses_a_bad_preset_in_one_sentence",
         "test_megatron_plans_on_every_new_preset",
         "test_stage_transfers_inside_the_domain_take_nvlink",

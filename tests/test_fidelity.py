@@ -115,3 +115,18 @@ def test_deepseek_row_recomputes_as_it_ran_and_fits():
     assert 4 * layers * one <= acts <= 2 * 4 * layers * one
     assert 0 < row["peak_parts_gib"]["recompute_bytes"] < acts
     assert row["fits"] and row["peak_mem_gib"] < 80 * 1e9 / 2**30
+
+
+@pytest.mark.slow
+def test_maxtext_32b_row_keeps_its_matmul_outputs_split_over_tensor_and_fits():
+    """MaxText's v5p-128 row (global_parameter_scale 32, remat 'minimal', attention 'flash'): each of the 32 layers
+    keeps its matmuls' outputs for the backward, all split over tensor 4 (q, k, v, attention's output, the output
+    projection and the second MLP matmul: 6 x 8,192 / 4 a token; the two first MLP matmuls 2 x 28,672 / 4) on the
+    24 sequences of 2,048 each FSDP rank runs (6 a chip x 4 chips of a tensor group), in bf16. With attention priced
+    unfused and the residual stream whole on every tensor rank the row read 138.7 GiB: 'does not fit' on 95 GB."""
+    row = fidelity.today_row(fidelity.TODAY["maxtext-32b"])
+    tokens, layers = 24 * 2048, 32
+    hand = layers * tokens * 2 * (6 * 8192 + 2 * 28672) / 4 / 2**30
+    acts = row["peak_parts_gib"]["activations_bytes"]
+    assert hand <= acts <= 1.1 * hand, (hand, acts)
+    assert row["fits"] and row["peak_mem_gib"] <= 95

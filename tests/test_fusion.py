@@ -122,3 +122,51 @@ def test_a_deep_model_has_the_same_kernels_in_every_layer():
     # every live operator belongs to exactly one kernel or is folded into one
     assert all((r.kernel >= 0) == (r.kind not in ("dead", "inline", "free")) for r in v.roles.values())
     assert math.isclose(sum(1 for r in v.roles.values() if r.root), len(v.kernels))
+
+
+def _traffic(g, view):
+    """Bytes the view's kernels read and write over the whole graph."""
+    total = 0.0
+    for o in g.ops:
+        r, n = view.roles.get(o), g.op(o)
+        if r is None:
+            continue
+        ins, outs = [g.tensor(t).nbytes for t in n.inputs], [g.tensor(t).nbytes for t in n.outputs]
+        total += sum(f * b for f, b in zip(r.reads, ins)) + sum(w * b for w, b in zip(r.writes, outs)) + \
+            r.extra_bytes * sum(outs)
+    return total
+
+
+def test_eager_execution_runs_every_elementwise_operator_through_memory():
+    """PyTorch without torch.compile: tanh(x @ w + b) is three kernels, the bias add reading the matmul's output and
+    the bias and writing its sum, tanh reading that and writing its own: (MK + KN + N + 5 MN) floats of traffic
+    where the fused matmul with its epilogue moves (MK + KN + N + MN)."""
+    M, K, N = 64, 32, 16
+    g = trace(lambda w, b, x: jnp.tanh(x @ w + b), jnp.zeros((K, N)), jnp.zeros(N), jnp.zeros((M, K)))
+    fused, eager = kernel_view(g), kernel_view(g, eager=True)
+    assert [k.kind for k in eager.kernels] == ["gemm", "loop", "loop"] and len(fused.kernels) == 1
+    assert _traffic(g, fused) == 4 * (M * K + K * N + N + M * N)
+    assert _traffic(g, eager) == 4 * (M * K + K * N + N + 5 * M * N)
+    assert eager.saved == fused.saved  # what the backward keeps is autodiff's, however the kernels run
+    # priced so on a device without a fusing compiler: the add and tanh each pay the roofline of their traffic
+    attach_kernel_roles(g, eager=True)
+    tanh = next(n for n in g if n.primitive == "tanh")
+    assert kernel_role(tanh, eager=True).root and not kernel_role(tanh).root
+
+
+@pytest.mark.slow
+def test_fsdp_plan_prices_torchtitan_without_torch_compile_as_eager():
+    model = al.models.get("gpt-tiny", batch_size=8, dtype="bfloat16")
+    cluster = Cluster.preset("dgx-h100")
+    compiled = al.fsdp_plan(model, cluster, precision="bf16")
+    eager = al.fsdp_plan(model, cluster, precision="bf16", compile=False)
+    assert compiled.cluster.device.efficiency.kernel_fusion and not eager.cluster.device.efficiency.kernel_fusion
+    assert eager.cost.kernels > compiled.cost.kernels and eager.cost.step_time_s > compiled.cost.step_time_s
+    assert al.fsdp_plan(model, cluster, precision="bf16", compile=True).cost.step_time_s == \
+        compiled.cost.step_time_s  # the presets' default is a fusing compiler
+    with pytest.raises(ValueError, match="built with kernel_fusion=True, but compile=False"):
+        al.fsdp_plan(table=compiled.table, precision="bf16", compile=False)
+    # torchtitan's own switch, read from its job configuration
+    toml = '[training]\nlocal_batch_size = 1\nmixed_precision_param = "bfloat16"\ncompile = false\n'
+    imported = al.import_config(toml, model, cluster=cluster, framework="torchtitan")
+    assert not imported.cluster.device.efficiency.kernel_fusion

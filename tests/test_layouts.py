@@ -287,6 +287,39 @@ def test_maxtext_plan_prices_fsdp_with_tensor_parallelism_on_a_v5p_slice():
         al.maxtext_plan(model, cluster, ici_fsdp=-1, ici_tensor=-1)
 
 
+@pytest.mark.slow
+def test_maxtext_plan_keeps_the_activations_split_over_tensor_and_runs_its_flash_kernel():
+    """MaxText's sharding rules split activations' embedding over tensor (base.yml: ['activation_embed', 'tensor']),
+    and its attention is the flash kernel unless the configuration says dot_product (base.yml: attention
+    'autoselected'; the v5p rows' scripts pass attention='flash')."""
+    B, s, h, heads = 32, 512, 256, 8
+    model = al.models.get("gpt-tiny", batch_size=B, seq_len=s, hidden_size=h, num_heads=heads, num_layers=2,
+                          dtype="bfloat16")
+    cluster = al.Cluster.parse("tpu-v5p:16")
+    assert not cluster.device.efficiency.flash_attention  # the preset's default: XLA does not fuse attention itself
+    kw = dict(ici_fsdp=-1, ici_tensor=4, per_device_batch_size=2, remat="minimal", precision="bf16")
+    plan = al.maxtext_plan(model, cluster, **kw)
+    assert plan.cluster.device.efficiency.flash_attention  # "autoselected": the flash kernel
+    assert parallelism.seqpar_regions(plan)[0]
+    # Each block's output (the residual stream, B x s x h in bf16) is held split over FSDP (4) and tensor (4).
+    g, st, mesh = plan.op_graph, plan.stages[0].intra.strategies, plan.stages[0].logical_mesh
+    adds = [o for o in g.ops if g.op(o).layer == "layer_0" and g.op(o).role == "forward"
+            and g.op(o).primitive == "add" and g.tensor(g.op(o).outputs[0]).shape == (B, s, h)]
+    assert adds
+    for o in adds:
+        t = g.tensor(g.op(o).outputs[0])
+        assert st[o].out_specs[0].bytes_per_device(t.shape, t.dtype, mesh) == B // 4 * s * h * 2 / 4
+    dot = al.maxtext_plan(model, cluster, attention="dot_product", **kw)
+    assert not dot.cluster.device.efficiency.flash_attention
+    # Without the kernel a recomputed layer writes its scores (B/4 sequences x heads/4 x s x s in bf16) at least.
+    held = [memory_breakdown(p)[0]["recompute_bytes"] for p in (plan, dot)]
+    assert held[1] - held[0] >= B // 4 * heads // 4 * s * s * 2
+    with pytest.raises(ValueError, match="attention must be one of MaxText's kernels"):
+        al.maxtext_plan(model, cluster, attention="splash", **kw)
+    with pytest.raises(ValueError, match="built with flash_attention=True"):
+        al.maxtext_plan(table=plan.table, attention="dot_product", **kw)
+
+
 # --- no silent "does not fit" --------------------------------------------------------------------------------------
 
 def test_a_stage_that_overflows_with_open_storage_is_stored_at_its_least_and_says_so():

@@ -368,6 +368,25 @@ def test_tensor_parallelism_across_trays_inside_the_nvl72_domain_is_priced_on_nv
         al.megatron_plan(model, Cluster.parse("gb200-nvl72:18").with_(domain_hosts=1), dp=9, tp=8, pp=1)
 
 
+def test_a_cut_between_stages_that_span_hosts_crosses_every_hosts_network_link(small):
+    """Each device sends its own part of a microbatch's activations to its counterpart in the next stage, so a stage
+    spread over h hosts sends over h hosts' links at once (the preset's inter_host bandwidth is one host's)."""
+    model, table = small
+    c = Cluster.parse("dgx-h200:4")  # 4 hosts of 8: two stages of 16 GPUs, 2 hosts each
+    plan = al.megatron_plan(model, c, dp=2, tp=8, pp=2, table=table.for_cluster(c))
+    assert [st.submesh for st in plan.stages] == [(2, 8), (2, 8)]
+    nbytes = plan.table.cut_bytes[plan.stages[1].layers[0] - 1] / plan.microbatches
+    assert nbytes > 0
+    assert stage_transfers(plan.table, plan.stages, plan.microbatches) == [
+        c.inter_host.latency + nbytes / (2 * c.inter_host.bandwidth)]
+    assert plan.cost.stage_comm_s == pytest.approx(2 * (c.inter_host.latency + nbytes / (2 * c.inter_host.bandwidth)))
+    # one host a stage: one host's link (2 hosts, two stages of 8)
+    two = Cluster.parse("dgx-h200:2")
+    one = al.megatron_plan(model, two, dp=1, tp=8, pp=2, table=table)
+    nb = one.table.cut_bytes[one.stages[1].layers[0] - 1] / one.microbatches
+    assert stage_transfers(one.table, one.stages, one.microbatches) == [transfer_s(nb, two.inter_host)]
+
+
 def test_stage_transfers_inside_the_domain_take_nvlink(small):
     model, table = small
     c = Cluster.parse("gb200-nvl72:18")
@@ -377,7 +396,8 @@ def test_stage_transfers_inside_the_domain_take_nvlink(small):
     nbytes = plan.table.cut_bytes[plan.stages[1].layers[0] - 1]
     assert nbytes > 0 and plan.stages[1].layers == apart.stages[1].layers
     assert stage_transfers(plan.table, plan.stages, 1) == [transfer_s(nbytes, c.intra_host)]
-    assert stage_transfers(apart.table, apart.stages, 1) == [transfer_s(nbytes, per_tray.inter_host)]
+    # each stage's 36 GPUs sit on 9 trays of 4: the cut crosses 9 trays' network links at once
+    assert stage_transfers(apart.table, apart.stages, 1) == [transfer_s(nbytes / 9, per_tray.inter_host)]
     # and the stage DP sees a cut between trays of one rack on NVLink too
     assert c.host_boundary_link == c.intra_host and per_tray.host_boundary_link == per_tray.inter_host
     assert Cluster.parse("gb200-nvl72:36").host_boundary_link.bandwidth < c.intra_host.bandwidth

@@ -94,6 +94,10 @@ class Efficiency:
     - ``attention``: the fraction of ``peak_flops`` a fused (flash) attention kernel reaches on the FLOPs it runs;
     - ``flash_attention``: whether attention runs as one fused kernel on this device by default (the s x s scores
       never reach memory); a plan may choose otherwise (``cluster.with_(flash_attention=False)``);
+    - ``kernel_fusion``: whether a compiler fuses the step's elementwise work into kernels (XLA, ``torch.compile``:
+      :mod:`autopar_lab.graph.fusion`); False prices eager execution (PyTorch without ``torch.compile``): every
+      elementwise operator, reduction and cast a kernel of its own that reads its inputs from memory and writes its
+      outputs back, every matmul without an epilogue (flash attention, a library kernel, stays one kernel);
     - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch;
     - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
       step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
@@ -124,6 +128,7 @@ class Efficiency:
     memory: float = 1.0
     attention: float = 1.0
     flash_attention: bool = False
+    kernel_fusion: bool = True
     kernel_launch_s: float = 5e-6
     buffer_s: float = 0.0
     driver_share: float = 0.0
@@ -157,6 +162,7 @@ class Efficiency:
                              f"{reads!r}.")
         object.__setattr__(self, "chain_reads", float(reads))
         object.__setattr__(self, "flash_attention", bool(self.flash_attention))
+        object.__setattr__(self, "kernel_fusion", bool(self.kernel_fusion))
 
     def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:
         """The fraction of the cores' time a GEMM of ``batch`` x (m x n) outputs spends on useful work: its output

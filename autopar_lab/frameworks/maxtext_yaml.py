@@ -7,6 +7,7 @@ against). Modelled: ``ici_{data,fsdp,sequence,expert,tensor,pipeline}_parallelis
 ``gradient_accumulation_steps``, ``num_pipeline_microbatches``, ``num_layers_per_pipeline_stage`` and
 ``num_pipeline_repeats`` (repeats > 1: a circular schedule, priced as interleaved), ``remat_policy`` (``full``,
 ``minimal`` and the policies that save some matmul outputs as "dots" (every matmul output kept), ``none``),
+``attention`` (``autoselected``, ``flash``, ``dot_product``: :func:`~autopar_lab.layouts.maxtext_plan`'s),
 ``max_target_length``, ``model_name`` (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``llama3.1-*``: the zoo's
 Llama 3), ``dtype`` and ``quantization`` (``fp8``). Every other key is listed as ignored.
 """
@@ -30,7 +31,7 @@ MODELLED_DCN = ("data", "fsdp", "pipeline")
 #: The other keys the planner models.
 MODELLED = ("per_device_batch_size", "gradient_accumulation_steps", "num_pipeline_microbatches",
             "num_layers_per_pipeline_stage", "num_pipeline_repeats", "remat_policy", "max_target_length",
-            "model_name", "dtype", "quantization")
+            "model_name", "dtype", "quantization", "attention")
 #: base.yml's remat policies: the planner's recomputation for each (None: not modelled).
 REMAT: dict[str, bool | str | None] = {
     "full": True, "minimal": "dots", "none": False, "save_dot_with_context_except_mlp": "dots",
@@ -142,8 +143,9 @@ def plan_from(imp: Imported, model, cluster, **planner):
     else:
         kw["microbatches"] = integer(imp.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps")
     prec = _precision(imp)
-    plan = maxtext_plan(model if table is None else None, cluster,
-                        per_device_batch_size=pdbs, remat=remat, precision=prec, **degrees, **kw, **planner)
+    attention = str(imp.get("attention", "autoselected"))  # base.yml's default
+    plan = maxtext_plan(model if table is None else None, cluster, per_device_batch_size=pdbs, remat=remat,
+                        precision=prec, attention=attention, **degrees, **kw, **planner)
     return plan, imp
 
 
@@ -198,9 +200,10 @@ def render(lay: FrameworkLayout, model=None, cluster=None) -> str:
         axes = dict(lay.maxtext_axes)
     else:
         axes = _axes_from(lay, cluster)
-        if lay.sequence_parallel:
-            notes.append("not expressible, written as MaxText's nearest: the plan's sequence-parallel norms (split "
-                         "over the tensor group) are whole on MaxText's tensor axis; import this file to price that")
+        if lay.tp > 1 and not lay.sequence_parallel:
+            notes.append("not expressible, written as MaxText's nearest: MaxText keeps the activations between the "
+                         "blocks split over its tensor axis (activation_embed), which this plan keeps whole; import "
+                         "this file to price that")
         if lay.zero is None:
             notes.append("the plan left the weights' storage to the planner; written as FSDP (ZeRO-3)")
     if lay.precision not in ("bf16", "fp32", "fp8"):

@@ -166,5 +166,7 @@ def _layout(plan, fw: str, base: dict, n0: int, n1: int) -> FrameworkLayout:
 
     fsdp = deg("fsdp")
     zero = num.get("zero", 3 if fsdp > 1 else 0)
+    # maxtext_plan keeps the activations split over the tensor axis (activation_embed): sequence parallelism
     return FrameworkLayout("maxtext", dp=deg("data") * fsdp * deg("expert"), tp=deg("tensor"), cp=deg("sequence"),
-                           ep=deg("expert"), zero=zero, maxtext_axes=axes, **base)
+                           ep=deg("expert"), zero=zero, sequence_parallel=deg("tensor") > 1, maxtext_axes=axes,
+                           **base)

@@ -10,7 +10,9 @@ an interleaved schedule; torchtitan's default is 2 a rank), ``pipeline_parallel_
 ``context_parallel_degree``, ``fsdp_reshard_after_forward`` (``never``: ZeRO-2, else ZeRO-3);
 ``[activation_checkpoint] mode`` (``none``, ``selective``, ``full``); ``[training]`` ``local_batch_size`` (per
 data-parallel rank), ``global_batch_size`` (more than ``local x dp``: gradient accumulation), ``seq_len``,
-``mixed_precision_param``; ``[model]`` ``name``, ``flavor`` (``llama3`` ``8B``/``70B``/``405B``: the zoo's Llama 3),
+``mixed_precision_param``, ``compile`` (false: eager PyTorch, :func:`~autopar_lab.layouts.fsdp_plan`'s
+``compile=False``; left out, the cluster's own kernels, fused on every preset); ``[model]`` ``name``, ``flavor``
+(``llama3`` ``8B``/``70B``/``405B``: the zoo's Llama 3),
 ``converters`` (``float8``: FP8 matmuls).
 """
 
@@ -47,7 +49,7 @@ MODELLED = {
                     "module_fqns_per_model_part", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
                     "pipeline_parallel_microbatch_size", "context_parallel_degree", "expert_parallel_degree",
                     "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers"),
-    "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param"),
+    "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param", "compile"),
     "activation_checkpoint": ("mode", "selective_ac_option"),
     "model": ("name", "flavor", "converters"),
 }
@@ -87,6 +89,13 @@ def parse(text: str) -> Imported:
 
 def _degree(imp: Imported, key: str, default: int = 1, allow_minus_one: bool = False) -> int:
     return integer(imp.get(f"parallelism.{key}", default), f"[parallelism] {key}", allow_minus_one=allow_minus_one)
+
+
+def _compile(value: Any) -> bool | None:
+    """``[training] compile`` as fsdp_plan's ``compile`` (None where the file leaves it out)."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"[training] compile must be true or false, got {value!r:.20}")
 
 
 def plan_from(imp: Imported, model, cluster, **planner):
@@ -182,7 +191,8 @@ def plan_from(imp: Imported, model, cluster, **planner):
             kw["virtual_stages"] = layers // (pp * lps)
     plan = fsdp_plan(model if table is None else None, cluster, dp_shard=shard,
                      dp_replicate=rep, tp=tp, pp=pp, cp=cp, ep=ep, reshard_after_forward=reshard != "never",
-                     microbatches=microbatches, remat=remat, precision=prec, **kw, **planner)
+                     microbatches=microbatches, remat=remat, precision=prec,
+                     compile=_compile(imp.get("training.compile")), **kw, **planner)
     return plan, imp
 
 

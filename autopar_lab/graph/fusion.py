@@ -163,9 +163,10 @@ def _nbytes(graph: OpGraph, t: int) -> int:
 class _Builder:
     """Groups a graph's operators into kernels (see the module docstring); one use per view."""
 
-    def __init__(self, graph: OpGraph, fused_attention: bool):
+    def __init__(self, graph: OpGraph, fused_attention: bool, eager: bool = False):
         self.g = graph
         self.fused = fused_attention
+        self.eager = eager
         self.cat = [_category(n) for n in graph]
         # Operators no output depends on (the jvp's leftovers): the compiler removes them; they cost nothing.
         self.live = _live_ops(graph)
@@ -380,6 +381,9 @@ class _Builder:
             if op in self.group or c in (_FREE, _CHEAP_CAT):
                 continue
             node = g.op(op)
+            if self.eager:  # no compiler: every operator its own kernel (an attention kernel stays whole)
+                self.new_group({_REDUCE_CAT: "reduce", _LIBRARY_CAT: "library", _GEMM_CAT: "gemm"}.get(c, "loop"), op)
+                continue
             if c == _REDUCE_CAT:
                 self.new_group("reduce", op)
                 continue
@@ -579,37 +583,57 @@ def _from_iota(graph: OpGraph, t: int, depth: int) -> bool:
     return all(_from_iota(graph, x, depth - 1) for x in node.inputs)
 
 
-def kernel_view(graph: OpGraph, fused_attention: bool = False) -> KernelView:
-    """The kernels of ``graph`` (see the module docstring); computed once per graph and attention choice."""
+def kernel_view(graph: OpGraph, fused_attention: bool = False, eager: bool = False) -> KernelView:
+    """The kernels of ``graph`` (see the module docstring); computed once per graph, attention choice and
+    execution. ``eager``: no compiler fuses anything (PyTorch without ``torch.compile``): every operator but the
+    free and cheap layout ones (views, broadcasts) is a kernel of its own, and a flash-attention kernel (a library
+    call) stays whole. Which forward tensors the backward keeps (``saved``) is the compiled view's in both.
+
+    >>> import jax.numpy as jnp
+    >>> from autopar_lab.graph.capture import trace
+    >>> g = trace(lambda w, b, x: jnp.tanh(x @ w + b), jnp.zeros((8, 8)), jnp.zeros(8), jnp.zeros((4, 8)))
+    >>> [k.kind for k in kernel_view(g, eager=True).kernels]   # the bias add and tanh: kernels of their own
+    ['gemm', 'loop', 'loop']
+    """
     memo = graph.__dict__.setdefault("_kernel_views", {})
-    key = bool(fused_attention)
+    key: bool | tuple[bool, str] = bool(fused_attention) if not eager else (bool(fused_attention), "eager")
     if key not in memo:
-        b = _Builder(graph, key)
-        if key:
+        b = _Builder(graph, bool(fused_attention), bool(eager))
+        if fused_attention:
             b.attention()
         b.fuse()
         kernels, roles = b.roles()
-        saved, weight, masters = b.memory()
-        memo[key] = KernelView(key, kernels, roles, saved, weight, masters)
+        if eager:  # what autodiff keeps does not depend on how the kernels run: the compiled view's
+            compiled = kernel_view(graph, fused_attention)
+            memo[key] = KernelView(bool(fused_attention), kernels, roles, compiled.saved, compiled.weight_derived,
+                                   compiled.masters)
+        else:
+            saved, weight, masters = b.memory()
+            memo[key] = KernelView(bool(fused_attention), kernels, roles, saved, weight, masters)
     return memo[key]
 
 
-def attach_kernel_roles(graph: OpGraph) -> None:
-    """Give every operator of ``graph`` its :class:`OpKernel` (both attention choices), so that pricing an operator
-    on its own (:func:`autopar_lab.sharding.strategies.strategies_for`) prices it as part of its kernel. Idempotent;
-    the graph's operators keep them (graphs do not change once captured)."""
-    if graph.__dict__.get("_kernel_roles_attached"):
-        return
-    plain, fused = kernel_view(graph, False), kernel_view(graph, True)
-    for node in graph:
-        object.__setattr__(node, "_kernel", (plain.roles.get(node.id), fused.roles.get(node.id)))
-    graph.__dict__["_kernel_roles_attached"] = True
+def attach_kernel_roles(graph: OpGraph, eager: bool = False) -> None:
+    """Give every operator of ``graph`` its :class:`OpKernel` (both attention choices; with ``eager`` the eager
+    views' too), so that pricing an operator on its own (:func:`autopar_lab.sharding.strategies.strategies_for`)
+    prices it as part of its kernel. Idempotent; the graph's operators keep them (graphs do not change once
+    captured)."""
+    if not graph.__dict__.get("_kernel_roles_attached"):
+        plain, fused = kernel_view(graph, False), kernel_view(graph, True)
+        for node in graph:
+            object.__setattr__(node, "_kernel", (plain.roles.get(node.id), fused.roles.get(node.id)))
+        graph.__dict__["_kernel_roles_attached"] = True
+    if eager and not graph.__dict__.get("_eager_roles_attached"):
+        plain, fused = kernel_view(graph, False, eager=True), kernel_view(graph, True, eager=True)
+        for node in graph:
+            object.__setattr__(node, "_kernel_eager", (plain.roles.get(node.id), fused.roles.get(node.id)))
+        graph.__dict__["_eager_roles_attached"] = True
 
 
-def kernel_role(node: OpNode, fused_attention: bool = False) -> OpKernel | None:
-    """The operator's :class:`OpKernel` once its graph's roles are attached (:func:`attach_kernel_roles`), else
-    None (priced as a kernel of its own)."""
-    both = node.__dict__.get("_kernel")
+def kernel_role(node: OpNode, fused_attention: bool = False, eager: bool = False) -> OpKernel | None:
+    """The operator's :class:`OpKernel` once its graph's roles are attached (:func:`attach_kernel_roles`, with
+    ``eager`` for the eager views'), else None (priced as a kernel of its own)."""
+    both = node.__dict__.get("_kernel_eager" if eager else "_kernel")
     return None if both is None else both[1 if fused_attention else 0]
 
 

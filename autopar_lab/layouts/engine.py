@@ -130,6 +130,31 @@ def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles,
     return out
 
 
+def cluster_running(cluster, table, field: str, value: bool | None, what: str):
+    """The cluster to build a layout's cost table on when the framework decides how the device runs a kernel (a
+    field of :class:`~autopar_lab.cluster.Efficiency`: ``flash_attention``, ``kernel_fusion``): ``cluster`` (a
+    Cluster or its name) with ``field`` set to ``value``; ``value`` None keeps it. With a ``table`` instead, the
+    table's cluster is used as built, and a ``value`` that disagrees with it raises one ValueError naming ``what``
+    (the framework's argument) and how to build a table that agrees.
+
+    >>> cluster_running("dgx-h100:1", None, "kernel_fusion", False, "compile").device.efficiency.kernel_fusion
+    False
+    """
+    from ..cluster import Cluster
+
+    if table is not None:
+        if value is not None and getattr(table.cluster.device.efficiency, field) != value:
+            raise ValueError(f"the cost table was built with {field}={not value}, but {what} asks for "
+                             f"{field}={value}; build it on cluster.with_({field}={value}), or leave {what} out to "
+                             "keep the table's")
+        return cluster
+    if cluster is None or value is None:
+        return cluster
+    if not isinstance(cluster, Cluster):
+        cluster = Cluster.parse(cluster)
+    return cluster.with_(**{field: bool(value)})
+
+
 def stage_submesh(cluster: Cluster, devices: int) -> tuple[int, int]:
     """The submesh of a stage of ``devices`` devices: part of a host, or whole hosts (a ValueError otherwise)."""
     M = cluster.devices_per_host

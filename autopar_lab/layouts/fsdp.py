@@ -18,7 +18,11 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
 * activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps the outputs of
   every other matmul and of SDPA and recomputes the rest: priced as ``"dots"``, every matmul's output kept, see
   :mod:`autopar_lab.rematmode`; Megatron-LM's selective recomputation, which recomputes only the attention core,
-  would save nothing with flash attention) or ``full``.
+  would save nothing with flash attention) or ``full``;
+* ``compile``: torchtitan's ``compile`` switch (``[training] compile``, later ``[compile] enable``; off by default
+  there): False prices eager PyTorch (the cluster's ``kernel_fusion`` off: every elementwise operator, norm and cast
+  a kernel of its own through memory, attention SDPA's flash kernel), True ``torch.compile``'s fused kernels (as
+  XLA's, :mod:`autopar_lab.graph.fusion`); None (the default) keeps the cluster's own, fused on every preset.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ..rematmode import DOTS, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, microbatches_for, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, microbatches_for, price_layout, stage_submesh
 from .megatron import megatron_mesh
 
 if TYPE_CHECKING:
@@ -49,14 +53,16 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
               microbatches: int | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
               virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
               mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
-              precision: str | Precision | None = None, skip_above: float = math.inf) -> Plan:
+              precision: str | Precision | None = None, skip_above: float = math.inf,
+              compile: bool | None = None) -> Plan:
     """torchtitan's layout (see the module docstring). ``dp_shard``: the FSDP group (-1: every device the other
     degrees leave, torchtitan's default); ``zero``: the ZeRO stage to price instead of FSDP's (3, or 2 with
     ``reshard_after_forward=False``); ``microbatches`` or ``local_batch_size`` (sequences per data-parallel rank per
     microbatch; the global batch is ``dp_replicate x dp_shard x local_batch_size x microbatches``); ``schedule``,
     ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
     "1f1b", "interleaved", "zb-h1"); ``ep``: the expert-parallel degree (module docstring);
-    ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1).
+    ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1). ``compile``: torchtitan's switch
+    (module docstring; a ``table`` given was built with its cluster's kernels, which ``compile`` must match).
     ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
@@ -68,6 +74,8 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     if zero is None:
         zero = 3 if reshard_after_forward else 2
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    fused = None if compile is None else checks.flag(compile, "compile")
+    cluster = cluster_running(cluster, table, "kernel_fusion", fused, f"compile={compile}")
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     n = cluster.num_devices
     for k, v in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):

@@ -12,9 +12,25 @@ On a slice (a host of the TPU presets, :mod:`autopar_lab.cluster.torus`), each p
 the 2-D logical mesh of :mod:`~autopar_lab.layouts.config`: with tensor parallelism, ``(data x fsdp x sequence x
 expert, tensor)`` (sequence folded into the data-parallel axis as Megatron-LM's ``cp`` is; data and FSDP sharing an
 axis, the state is split over data too: said in the plan's notes); without, ``(data, fsdp)`` (the state split over
-FSDP only) or ``(data x fsdp, sequence)`` (ring attention over sequence). ``remat``: MaxText's ``remat_policy``
-``"full"``, ``"minimal"`` (JAX's ``checkpoint_dots``: keeps the matmuls' outputs, recomputes the rest: ``"dots"``,
-see :mod:`autopar_lab.rematmode`) or ``"none"``, or any ``remat=`` value of the other planners.
+FSDP only) or ``(data x fsdp, sequence)`` (ring attention over sequence). With tensor parallelism the activations
+between the blocks stay split over the tensor axis (base.yml's logical axis rule ``['activation_embed', 'tensor']``):
+each block's output is reduce-scattered, its input all-gathered, as Megatron-LM's sequence parallelism does (split
+on the embedding rather than the sequence dimension: the same bytes held and moved), and priced as that.
+
+``remat``: MaxText's ``remat_policy`` ``"full"``, ``"minimal"`` or ``"none"``, or any ``remat=`` value of the other
+planners. ``"minimal"`` is priced as ``"dots"`` (:mod:`autopar_lab.rematmode`: every matmul's output kept, the rest
+recomputed). MaxText's ``minimal`` saves the outputs of the matmuls against weights (``layers/decoders.py``:
+``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims``; later ``save_only_these_names`` of the q, k, v,
+out and MLP projections) and not attention's batched matmuls; with its flash kernel (below) the scores are never
+written, so the one difference left is attention's output (``context``), which ``minimal`` recomputes and
+``"dots"`` keeps (MaxText's ``minimal_with_context``): one activation of the embedding's size per layer held, one
+flash forward per layer saved.
+
+``attention``: MaxText's ``attention`` key. ``"autoselected"`` (base.yml's default) and ``"flash"`` run its fused
+kernel (Pallas splash attention on TPU; ``"autoselected"`` picks it for training at 128 tokens and more, and is
+priced as it at every length), as does ``"cudnn_flash_te"`` (a GPU's), priced with the cluster's ``flash_attention``
+on; ``"dot_product"`` runs attention as matmuls and a softmax through memory. The v5p configurations of the
+reference's rows (``configs/v5p/32b.sh``, ``128b.sh``) pass ``attention='flash'``.
 """
 
 from __future__ import annotations
@@ -30,18 +46,20 @@ from ..rematmode import DOTS, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, check_zero
-from .engine import Layout, check_experts, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, price_layout, stage_submesh
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
     from ..pricing import CostTable
 
-__all__ = ["AXES", "maxtext_mesh", "maxtext_plan", "resolve_axes"]
+__all__ = ["ATTENTION_KERNELS", "AXES", "attention_cluster", "maxtext_mesh", "maxtext_plan", "resolve_axes"]
 
 #: MaxText's parallelism axes, in the order its mesh lists them (pipeline first: each stage is a sub-mesh).
 AXES = ("pipeline", "data", "fsdp", "sequence", "expert", "tensor")
 #: MaxText's ``remat_policy`` names and the recomputation they are priced as.
 REMAT_POLICIES = {"full": True, "minimal": DOTS, "none": False}
+#: MaxText's ``attention`` kernels and whether each runs fused (flash attention).
+ATTENTION_KERNELS = {"autoselected": True, "flash": True, "cudnn_flash_te": True, "dot_product": False}
 
 
 def resolve_axes(given: dict[str, int], total: int, where: str) -> dict[str, int]:
@@ -67,6 +85,22 @@ def resolve_axes(given: dict[str, int], total: int, where: str) -> dict[str, int
         raise ValueError(f"the {where}_* degrees multiply to {known}, but there are {total} "
                          f"{'chips in a slice' if where == 'ici' else 'slices'}; make one of them -1")
     return out
+
+
+def attention_cluster(attention: str, cluster, table):
+    """The cluster to build the cost table on for MaxText's ``attention`` kernel: ``cluster`` (a Cluster or its
+    name, ``"tpu-v5p:128"``) with ``flash_attention`` set as the kernel runs; with a ``table`` instead, ``cluster``
+    as given once the table's attention agrees (``"autoselected"`` takes the table's own).
+
+    >>> attention_cluster("flash", "tpu-v5p:8", None).device.efficiency.flash_attention
+    True
+    """
+    if not isinstance(attention, str) or attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of MaxText's kernels {', '.join(map(repr, ATTENTION_KERNELS))}, "
+                         f"got {attention!r:.40}")
+    fused = ATTENTION_KERNELS[attention]
+    keep = attention == "autoselected" and table is not None  # a table given: its own attention
+    return cluster_running(cluster, table, "flash_attention", None if keep else fused, f"attention={attention!r}")
 
 
 def maxtext_mesh(data: int, fsdp: int, sequence: int, expert: int, tensor: int) -> MeshRoles:
@@ -106,14 +140,16 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
                  ici_sequence: int = 1, ici_expert: int = 1, ici_tensor: int = 1, ici_pipeline: int = 1,
                  dcn_data: int = -1, dcn_fsdp: int = 1, dcn_pipeline: int = 1, microbatches: int | None = None,
                  per_device_batch_size: int | None = None, remat: bool | str = "full", zero: int | None = None,
-                 schedule: str = "1f1b", virtual_stages: int | None = None, mem_limit_bytes: float | None = None,
-                 solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
+                 schedule: str = "1f1b", virtual_stages: int | None = None, attention: str = "autoselected",
+                 mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                  precision: str | Precision | None = None, skip_above: float = math.inf) -> Plan:
     """MaxText's layout (see the module docstring) on a cluster of TPU slices (``tpu-v5p:N``; a GPU cluster's hosts
     are taken as slices). ``per_device_batch_size``: MaxText's, checked against the model's batch (which must be
     it times the chips); ``microbatches``: gradient accumulation steps, or a pipeline's microbatches (default: 1,
     or the stage count when pipelined, MaxText's ``num_pipeline_microbatches``); ``zero``: the ZeRO stage to price
-    instead of the layout's own (3 with FSDP, 0 without). ``table``, ``precision``, ``solver``: as for
+    instead of the layout's own (3 with FSDP, 0 without). ``attention``: MaxText's kernel (module docstring); a
+    ``table`` given was built with its cluster's attention, which ``"autoselected"`` keeps and ``"flash"`` or
+    ``"dot_product"`` must match. ``table``, ``precision``, ``solver``: as for
     :func:`~autopar_lab.planner.auto_plan`.
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
@@ -121,6 +157,7 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
     remat = remat_value(policy, "remat (MaxText's remat_policy: 'full', 'minimal' or 'none')")
     zero = check_zero(zero)
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    cluster = attention_cluster(attention, cluster, table)
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     ici = resolve_axes({"data": ici_data, "fsdp": ici_fsdp, "sequence": ici_sequence, "expert": ici_expert,
                         "tensor": ici_tensor, "pipeline": ici_pipeline}, cluster.devices_per_host, "ici")
@@ -146,6 +183,6 @@ def maxtext_plan(model=None, cluster: Cluster | None = None, *, ici_data: int = 
     name = "maxtext(" + ",".join(f"{k}={v}" for k, v in degrees) + f",remat={remat_label(remat)}"
     name += f",zero={zero})" if zero != (3 if fsdp > 1 else 0) else ")"
     layout = Layout(name, pp, stage_submesh(cluster, chips // pp), mesh, mb, remat, schedule, virtual_stages,
-                    zero, False, mesh.notes)
+                    zero, ici["tensor"] > 1, mesh.notes)  # activation_embed split over tensor: module docstring
     return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
                         solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

@@ -70,7 +70,7 @@ def op_seconds(graph: OpGraph, cluster: Any, *, fused: bool = True) -> dict[int,
     kernel's operators is the kernel's time (an operator folded into its readers costs 0); else as a kernel of its
     own. Launches are not included (one per kernel, ``cluster.device.efficiency.kernel_launch_s``)."""
     if fused:
-        attach_kernel_roles(graph)
+        attach_kernel_roles(graph, eager=not cluster.device.efficiency.kernel_fusion)
     one = _one_device(cluster)
     return {op: price(graph.op(op), strategies_for(graph.op(op), one)[0], one, alone=not fused).compute_s
             for op in graph.ops}
@@ -78,9 +78,11 @@ def op_seconds(graph: OpGraph, cluster: Any, *, fused: bool = True) -> dict[int,
 
 def kernel_costs(graph: OpGraph, cluster: Any) -> list[KernelCost]:
     """The kernels of ``graph`` on one device of ``cluster``, as the compiler fuses its operators (flash attention
-    where ``cluster.device.efficiency.flash_attention`` says so), in graph order. The operators recomputed inside
+    where ``cluster.device.efficiency.flash_attention`` says so; one operator a kernel where ``kernel_fusion`` is
+    off: eager execution), in graph order. The operators recomputed inside
     the kernels that read them (a cheap elementwise producer) are in none; their seconds are in :func:`op_seconds`."""
-    view = kernel_view(graph, cluster.device.efficiency.flash_attention)
+    eff = cluster.device.efficiency
+    view = kernel_view(graph, eff.flash_attention, eager=not eff.kernel_fusion)
     seconds = op_seconds(graph, cluster)
     out = []
     for k in view.kernels:

@@ -117,7 +117,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 cache: StrategyCache | None = None) -> list[LayerCost]:
     """Split an intra plan's cost by layer: each operator counts in its layer (operators without one in the last
     layer), each resharding in its consumer's layer; each kernel's launch in its root's layer."""
-    attach_kernel_roles(graph)
+    eager = not plan.mesh.cluster.device.efficiency.kernel_fusion
+    attach_kernel_roles(graph, eager=eager)
     index: dict[str | None, int] = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
     acc: list[dict[str, Any]] = [
@@ -133,7 +134,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     # The backends' shares of the calibrated launch and array costs (1 but on the CPU).
     launch = device.efficiency.kernel_launch_s * kernel_share(plan.mesh)
     per_buffer = device.efficiency.buffer_s * buffer_share(plan.mesh)
-    view = kernel_view(graph, fused)
+    view = kernel_view(graph, fused, eager=eager)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
     internals = attention_internals(graph)

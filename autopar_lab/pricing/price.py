@@ -65,16 +65,36 @@ def stage_offsets(stages: Sequence[Any]) -> list[int]:
     return offsets
 
 
+def scale_out_hosts(cluster, sender: Any, receiver: Any) -> int:
+    """How many hosts' scale-out links carry a cut between two stages: each device sends its own part of the
+    microbatch's activations to its counterpart in the next stage (each data-parallel replica its own samples, each
+    tensor-parallel rank its shard), so a stage spread over ``h`` hosts sends over ``h`` hosts' network links at
+    once (``inter_host.bandwidth`` is one host's); the smaller of the two stages' host counts, at least 1.
+
+    >>> from types import SimpleNamespace as S
+    >>> dgx = S(devices_per_host=8)
+    >>> scale_out_hosts(dgx, S(submesh=(64, 8)), S(submesh=(64, 8))), scale_out_hosts(dgx, S(submesh=(1, 4)),
+    ...                                                                                S(submesh=(2, 8)))
+    (64, 1)
+    """
+    def hosts(st: Any) -> int:
+        return max(1, (st.submesh[0] * st.submesh[1]) // cluster.devices_per_host)
+
+    return min(hosts(sender), hosts(receiver))
+
+
 def stage_transfers(table: CostTable, stages: Sequence[Any], microbatches: int) -> list[float]:
     """Seconds to send one microbatch's activations across each cut (gradients come back at the same size): over
     the scale-up link when the next stage starts inside a scale-up domain (a host, or the hosts sharing an NVLink
-    fabric), else the scale-out link."""
+    fabric), else the scale-out links of the hosts the stages span (:func:`scale_out_hosts`)."""
     cluster, offsets = table.cluster, stage_offsets(stages)
     out = []
     for k in range(1, len(stages)):
         nbytes = table.cut_bytes[stages[k].layers[0] - 1] / microbatches
-        link = cluster.intra_host if offsets[k] % cluster.devices_per_domain else cluster.inter_host
-        out.append(transfer_s(nbytes, link))
+        if offsets[k] % cluster.devices_per_domain:
+            out.append(transfer_s(nbytes, cluster.intra_host))
+        else:
+            out.append(transfer_s(nbytes / scale_out_hosts(cluster, stages[k - 1], stages[k]), cluster.inter_host))
     return out
 
 
@@ -91,7 +111,10 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
         k = c % p
         nbytes = table.cut_bytes[order[c][0] - 1] / microbatches
         inside = offsets[k] % cluster.devices_per_domain if k else last_device < cluster.devices_per_domain
-        out.append(transfer_s(nbytes, cluster.intra_host if inside else cluster.inter_host))
+        if inside:
+            out.append(transfer_s(nbytes, cluster.intra_host))
+        else:
+            out.append(transfer_s(nbytes / scale_out_hosts(cluster, stages[k - 1], stages[k]), cluster.inter_host))
     return out
 
 

@@ -157,7 +157,7 @@ class CostTable:
         check_device(self.precision, cluster.device)
         # Every operator's part in its kernel, before any strategy is priced (a plan file re-priced from this
         # table's graph prices its operators in their kernels too).
-        attach_kernel_roles(self.solve_graph)
+        attach_kernel_roles(self.solve_graph, eager=not cluster.device.efficiency.kernel_fusion)
         self.solver = solver
         self.on_progress = on_progress
         # raises LookupError when a layer has no counterpart

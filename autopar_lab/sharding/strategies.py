@@ -356,7 +356,7 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     (:mod:`autopar_lab.pricing.layers`).
     """
     device = mesh.cluster.device
-    role = None if alone else kernel_role(op, device.efficiency.flash_attention)
+    role = None if alone else kernel_role(op, device.efficiency.flash_attention, not device.efficiency.kernel_fusion)
     dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
     flops = op.flops / n_work
     bw = device.achievable_bandwidth

@@ -162,10 +162,13 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     auto_fits = all(m <= mem for m in auto.cost.peak_mem_bytes)
     t_auto = time.perf_counter()
 
-    # Per-cut transfer time for a microbatch count B: the cut in front of layer k, into a stage at device offset o.
-    def send_s(k: int, o: int, B: int) -> float:
-        link = cluster.intra_host if o % cluster.devices_per_domain else cluster.inter_host
-        return transfer_s(table.cut_bytes[k - 1] / B, link)
+    # Per-cut transfer time for a microbatch count B: the cut in front of layer k, into a stage at device offset o,
+    # between stages of `sizes` devices (across hosts: over the links of the hosts both span, as the pricing does).
+    def send_s(k: int, o: int, B: int, sizes: tuple[int, int]) -> float:
+        if o % cluster.devices_per_domain:
+            return transfer_s(table.cut_bytes[k - 1] / B, cluster.intra_host)
+        hosts = max(1, min(sizes) // cluster.devices_per_host)
+        return transfer_s(table.cut_bytes[k - 1] / B / hosts, cluster.inter_host)
 
     # Can devices offset..NM be tiled by at most `stages` more stages?
     @functools.lru_cache(maxsize=None)
@@ -216,7 +219,8 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
         if tl.makespan < best["T"]:
             best.update(T=tl.makespan, stages=list(stages), B=B)
 
-    def descend(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int) -> None:
+    def descend(k: int, offset: int, stages: list, sends: list, prefix: float, bound: float, B: int,
+                prev: int = 0) -> None:
         # prefix: sum over placed stages and the cuts behind them of (fwd + bwd + send_fwd + send_bwd).
         if k == L:
             if offset == NM:
@@ -231,7 +235,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
                 nxt = offset + size
                 if (left == 0) != (nxt == NM) or not tileable(nxt, left):
                     continue
-                cut = send_s(k, offset, B) if k > 0 else 0.0
+                cut = send_s(k, offset, B, (prev, size)) if k > 0 else 0.0
                 into = 0.0 if own else prefix + 2 * cut
                 for c in cands(k, i, sub, B):
                     lb = max(bound, into + B * c.time_s)
@@ -240,7 +244,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
                     stages.append(c)
                     if k > 0:
                         sends.append(cut)
-                    descend(i + 1, nxt, stages, sends, into + c.time_s, lb, B)
+                    descend(i + 1, nxt, stages, sends, into + c.time_s, lb, B, size)
                     stages.pop()
                     if k > 0:
                         sends.pop()

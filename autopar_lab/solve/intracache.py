@@ -129,7 +129,8 @@ class StrategyCache:
 
     def list_key(self, node: OpNode) -> tuple:
         """What :meth:`strategies` keys a node's list by: nodes with equal keys get the same list object."""
-        return (op_signature(node), kernel_role(node, self.mesh.cluster.device.efficiency.flash_attention))
+        eff = self.mesh.cluster.device.efficiency
+        return (op_signature(node), kernel_role(node, eff.flash_attention, not eff.kernel_fusion))
 
     def single(self, s: Strategy) -> list[Strategy]:
         """``[s]``, one list per strategy (an operator decided outside the ILP joins it with this one choice)."""

@@ -170,5 +170,8 @@ def pipeline_latency(stage_s: Sequence[float], cut_s: Sequence[float], microbatc
 
 def transfer_s(nbytes: float, link: Any) -> float:
     """Seconds to send ``nbytes`` over ``link`` (one direction): its latency plus bytes over bandwidth. The one
-    stage-transfer formula: the DP, the pricing of a plan and the global-optimum search all use it."""
+    stage-transfer formula: the DP, the pricing of a plan and the global-optimum search all use it (the pricing and
+    the search send a cut between stages that span several hosts over all their links,
+    :func:`~autopar_lab.pricing.price.scale_out_hosts`; the DP's cut term, which does not know the stages' shapes,
+    over one host's: an upper bound)."""
     return float(link.latency) + float(nbytes) / float(link.bandwidth)
