@@ -29,12 +29,13 @@ Example (2 stages, 2 microbatches, fwd 1 s, bwd 2 s):
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import numpy as np
 
 from .schedules import SCHEDULES, check_layout, check_schedule
 
@@ -569,16 +570,12 @@ def _max_alive(starts: Sequence[float], ends: Sequence[float]) -> int:
 
     With ends before starts at equal times, the count of those alive rises only at starts, so its highest values come
     right after all the starts at one time ``t``: ``#(starts <= t) - #(ends <= t)``, the largest over the starts (or
-    0, as the event sweep starts from 0).
+    0, as the event sweep starts from 0). Counts of the same floats: exact.
     """
-    s = sorted(starts)
-    e = sorted(ends)
-    best = 0
-    for k, t in enumerate(s):
-        if k + 1 < len(s) and s[k + 1] == t:  # not the last start at t
-            continue
-        best = max(best, k + 1 - bisect.bisect_right(e, t))
-    return best
+    s = np.sort(np.asarray(starts, dtype=float))
+    e = np.sort(np.asarray(ends, dtype=float))
+    alive = np.searchsorted(s, s, side="right") - np.searchsorted(e, s, side="right")
+    return max(int(alive.max()), 0)
 
 
 def _max_overlap(intervals: list[tuple[float, float]], weights: Sequence[float] | None = None):
