@@ -30,9 +30,12 @@ Example (2 stages, 2 microbatches, fwd 1 s, bwd 2 s):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import numpy as np
 
 from .schedules import SCHEDULES, check_layout, check_schedule
 
@@ -65,9 +68,13 @@ class Task:
 
 @dataclass(frozen=True)
 class Timeline:
-    """The result of :func:`simulate`. Per-stage figures are tuples indexed by (physical) stage."""
+    """The result of :func:`simulate`. Per-stage figures are tuples indexed by (physical) stage.
 
-    tasks: tuple[Task, ...]
+    ``tasks`` (every interval, sorted by start) is built from ``records`` on first read: a planner ranking plans by
+    their makespan and memory never reads it, and at 65 stages and 2,048 microbatches building it is most of a
+    simulation's time."""
+
+    records: tuple[tuple, ...] = field(repr=False)  # Task fields (stage, kind, microbatch, start, end, chunk) per task
     num_stages: int
     microbatches: int
     schedule: str
@@ -76,6 +83,13 @@ class Timeline:
     peak_inflight: tuple[int, ...]  # most microbatches (chunk-microbatches when interleaved) alive at once
     peak_mem_bytes: tuple[float, ...]  # static + the activations of those in flight at the worst instant
     virtual_stages: int = 1
+
+    @functools.cached_property
+    def tasks(self) -> tuple[Task, ...]:
+        """Every task, by start time (compute before transfers, then by stage and end; ties in placement order)."""
+        out = [Task(*r) for r in self.records]
+        out.sort(key=lambda t: (t.start, t.kind not in COMPUTE_KINDS, t.stage, t.end))
+        return tuple(out)
 
     @property
     def bubble_fraction(self) -> float:
@@ -332,7 +346,131 @@ def simulate(
     if warmup is not None and len(warmup) != S:
         raise ValueError(f"warmup has {len(warmup)} entries but {S} are needed.")
     orders = [task_order(i, S, B, schedule, None if warmup is None else warmup[i], v) for i in range(S)]
+    if hosts is not None and len(hosts) != S:
+        raise ValueError(f"hosts has {len(hosts)} entries but {S} are needed (one per stage).")
+    resource = list(range(S)) if hosts is None else [int(h) for h in hosts]
+    durations = {"fwd": fwd, "bwd": bwd, "wgrad": wgt}
+    if len(set(resource)) < S:
+        records, fwd_start, held_end = _place_shared(orders, resource, B, durations, sf, sb)
+        makespan = max(r[4] for r in records)
+    else:
+        records, fwd_start, held_end, makespan = _place_own(orders, B, durations, sf, sb)
+
+    chunks = [range(i, C, S) for i in range(S)]
     split = schedule == "zb-h1"
+    if v == 1:
+        busy = tuple(B * (fwd[i] + bwd[i] + wgt[i]) if split else B * (fwd[i] + bwd[i]) for i in range(S))
+        peak = tuple(_max_alive(fwd_start[i], held_end[i]) for i in range(S))
+        mem = tuple(static[i] + peak[i] * act[i] for i in range(S))
+    else:
+        busy = tuple(sum(B * (fwd[c] + bwd[c] + wgt[c]) for c in chunks[i]) for i in range(S))
+        peak = tuple(_max_overlap([(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)])
+                     for i in range(S))
+        mem = tuple(sum(static[c] for c in chunks[i]) + _max_overlap(
+            [(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)],
+            [act[c] for c in chunks[i] for _ in range(B)]) for i in range(S))
+    return Timeline(tuple(records), S, B, schedule, makespan, busy, peak, mem, v)
+
+
+# A placed task as the fields of its Task: (stage, kind, microbatch, start, end, chunk).
+_Records = list[tuple[int, str, int, float, float, int]]
+_Times = list[list[float]]
+
+
+def _place_own(orders: Sequence[Sequence[tuple[str, int, int]]], B: int, durations: dict[str, tuple[float, ...]],
+               sf: Sequence[float], sb: Sequence[float]) -> tuple[_Records, _Times, _Times, float]:
+    """Place every task when each stage is a compute resource of its own (:func:`simulate`'s rules): each stage in
+    turn runs as many of its next tasks as have their input, until none is left. Every start, end and transfer is
+    the one :func:`_place_shared` computes with a host per stage, by the same operations in the same order (a stage's
+    next task starts at the later of its stage's end and its input's arrival; each link carries one sender's values
+    in that sender's order), and the tasks are recorded in the same order; the work per task is a few list reads.
+    Returns the records, each chunk's forward starts and activation release times per microbatch, and the makespan."""
+    S, C = len(orders), len(durations["fwd"])
+    fw, bw, wg = durations["fwd"], durations["bwd"], durations["wgrad"]
+    # ready_*[c][j]: when chunk c's task of microbatch j has its input (None: not yet).
+    ready_f: list[list[float | None]] = [[None] * B for _ in range(C)]
+    ready_f[0] = [0.0] * B
+    ready_b: list[list[float | None]] = [[None] * B for _ in range(C)]
+    ready_w: list[list[float | None]] = [[None] * B for _ in range(C)]
+    fwd_start = [[0.0] * B for _ in range(C)]
+    held_end = [[0.0] * B for _ in range(C)]
+    link_f, link_b = [0.0] * S, [0.0] * S
+    free, pos = [0.0] * S, [0] * S
+    records: _Records = []
+    add = records.append
+    last = C - 1
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(S):
+            order, k, t = orders[i], pos[i], free[i]
+            n = len(order)
+            while k < n:
+                kind, c, j = order[k]
+                if kind == "fwd":
+                    at = ready_f[c][j]
+                    if at is None:
+                        break
+                    start = t if t > at else at
+                    end = start + fw[c]
+                    add((i, kind, j, start, end, c))
+                    fwd_start[c][j] = start
+                    if c == last:
+                        ready_b[c][j] = end
+                    else:
+                        t0 = link_f[i]
+                        t0 = end if end > t0 else t0
+                        x = sf[c]
+                        t1 = link_f[i] = t0 + x
+                        if x > 0:
+                            add((i, "send_fwd", j, t0, t1, c))
+                        ready_f[c + 1][j] = t1
+                elif kind == "bwd":
+                    at = ready_b[c][j]
+                    if at is None:
+                        break
+                    start = t if t > at else at
+                    end = start + bw[c]
+                    add((i, kind, j, start, end, c))
+                    held_end[c][j] = end
+                    ready_w[c][j] = end
+                    if c > 0:
+                        link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
+                        t0 = link_b[link]
+                        t0 = end if end > t0 else t0
+                        x = sb[c - 1]
+                        t1 = link_b[link] = t0 + x
+                        if x > 0:
+                            add((link, "send_bwd", j, t0, t1, c - 1))
+                        ready_b[c - 1][j] = t1
+                else:
+                    at = ready_w[c][j]
+                    if at is None:
+                        break
+                    start = t if t > at else at
+                    end = start + wg[c]
+                    add((i, kind, j, start, end, c))
+                    held_end[c][j] = end
+                t = end
+                k += 1
+            if k > pos[i]:
+                remaining -= k - pos[i]
+                progressed = True
+                pos[i], free[i] = k, t
+        if not progressed:  # cannot happen for the schedules above; guard anyway
+            raise RuntimeError("pipeline schedule deadlocked; this is a bug in task_order.")
+    # Every value a stage or link ends on is a recorded task's end, or (a transfer of 0 s, not recorded) no later than
+    # one: the latest of them is the latest task's end.
+    return records, fwd_start, held_end, max(max(free), max(link_f), max(link_b))
+
+
+def _place_shared(orders: Sequence[Sequence[tuple[str, int, int]]], resource: Sequence[int], B: int,
+                  durations: dict[str, tuple[float, ...]], sf: Sequence[float],
+                  sb: Sequence[float]) -> tuple[_Records, _Times, _Times]:
+    """Place every task when stages share compute resources (``resource[i]``: stage i's): among the stages whose
+    next task has its input, the task that can start first runs next. Returns the records (in placement order) and
+    each chunk's forward starts and activation release times per microbatch."""
+    S, C = len(orders), len(durations["fwd"])
     pos = [0] * S  # next task index per stage
     stage_free = [0.0] * S
     # Arrival times of inputs: ready[kind][c][j] is when chunk c may start that task of microbatch j (its
@@ -343,14 +481,9 @@ def simulate(
     # link has one sender, which emits in its own task order, so a transfer can be placed as soon as it is made.
     link_fwd_free = [0.0] * S
     link_bwd_free = [0.0] * S
-    tasks: list[Task] = []
+    records: _Records = []
     fwd_start = [[0.0] * B for _ in range(C)]
     held_end = [[0.0] * B for _ in range(C)]  # when the microbatch's activations are freed (last bwd or wgrad end)
-
-    if hosts is not None and len(hosts) != S:
-        raise ValueError(f"hosts has {len(hosts)} entries but {S} are needed (one per stage).")
-    resource = list(range(S)) if hosts is None else [int(h) for h in hosts]
-    shared = len(set(resource)) < S
     resource_free = dict.fromkeys(resource, 0.0)
 
     def next_start(i: int) -> float | None:
@@ -361,78 +494,45 @@ def simulate(
         at = ready[kind][c][j]
         return None if at is None else max(stage_free[i], resource_free[resource[i]], at)
 
-    def candidates():
-        """The stages whose next task to place now: each ready one in turn, as many as are ready, when every stage
-        has its own resource; with shared ones, the one task (of all stages) that can start first."""
-        if not shared:
-            for i in range(S):
-                while next_start(i) is not None:
-                    yield i
-            return
-        while True:
-            starts = [(t, i) for i in range(S) for t in (next_start(i),) if t is not None]
-            if not starts:
-                return
-            yield min(starts)[1]
-
     remaining = sum(len(o) for o in orders)
     while remaining:
-        progressed = False
-        for i in candidates():
-            # One task of stage i, at the earliest its stage, its resource and its input allow.
-            kind, c, j = orders[i][pos[i]]
-            start = next_start(i)
-            assert start is not None  # candidates() yields only stages whose next task is ready
-            end = start + (fwd[c] if kind == "fwd" else bwd[c] if kind == "bwd" else wgt[c])
-            resource_free[resource[i]] = end
-            tasks.append(Task(i, kind, j, start, end, c))
-            stage_free[i] = end
-            pos[i] += 1
-            remaining -= 1
-            progressed = True
-            if kind == "fwd":
-                fwd_start[c][j] = start
-                if c == C - 1:
-                    ready["bwd"][c][j] = end
-                else:
-                    t0 = max(end, link_fwd_free[i])
-                    t1 = t0 + sf[c]
-                    link_fwd_free[i] = t1
-                    if sf[c] > 0:
-                        tasks.append(Task(i, "send_fwd", j, t0, t1, c))
-                    ready["fwd"][c + 1][j] = t1
-            elif kind == "bwd":
-                held_end[c][j] = end
-                if split:
-                    ready["wgrad"][c][j] = end
-                if c > 0:
-                    link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
-                    t0 = max(end, link_bwd_free[link])
-                    t1 = t0 + sb[c - 1]
-                    link_bwd_free[link] = t1
-                    if sb[c - 1] > 0:
-                        tasks.append(Task(link, "send_bwd", j, t0, t1, c - 1))
-                    ready["bwd"][c - 1][j] = t1
-            else:
-                held_end[c][j] = end
-        if not progressed:  # cannot happen for the schedules above; guard anyway
+        # The one task (of all stages) that can start first runs next.
+        starts = [(t, i) for i in range(S) for t in (next_start(i),) if t is not None]
+        if not starts:  # cannot happen for the schedules above; guard anyway
             raise RuntimeError("pipeline schedule deadlocked; this is a bug in task_order.")
-
-    makespan = max(t.end for t in tasks)
-    chunks = [range(i, C, S) for i in range(S)]
-    if v == 1:
-        busy = tuple(B * (fwd[i] + bwd[i] + wgt[i]) if split else B * (fwd[i] + bwd[i]) for i in range(S))
-        peak = tuple(_max_overlap([(fwd_start[i][j], held_end[i][j]) for j in range(B)]) for i in range(S))
-        mem = tuple(static[i] + peak[i] * act[i] for i in range(S))
-    else:
-        busy = tuple(sum(B * (fwd[c] + bwd[c] + wgt[c]) for c in chunks[i]) for i in range(S))
-        peak = tuple(_max_overlap([(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)])
-                     for i in range(S))
-        mem = tuple(sum(static[c] for c in chunks[i]) + _max_overlap(
-            [(fwd_start[c][j], held_end[c][j]) for c in chunks[i] for j in range(B)],
-            [act[c] for c in chunks[i] for _ in range(B)]) for i in range(S))
-    tasks.sort(key=lambda t: (t.start, t.kind not in COMPUTE_KINDS, t.stage, t.end))
-    return Timeline(tuple(tasks), S, B, schedule, makespan, busy, peak, mem, v)
+        start, i = min(starts)
+        kind, c, j = orders[i][pos[i]]
+        end = start + durations[kind][c]
+        resource_free[resource[i]] = end
+        records.append((i, kind, j, start, end, c))
+        stage_free[i] = end
+        pos[i] += 1
+        remaining -= 1
+        if kind == "fwd":
+            fwd_start[c][j] = start
+            if c == C - 1:
+                ready["bwd"][c][j] = end
+            else:
+                t0 = max(end, link_fwd_free[i])
+                t1 = t0 + sf[c]
+                link_fwd_free[i] = t1
+                if sf[c] > 0:
+                    records.append((i, "send_fwd", j, t0, t1, c))
+                ready["fwd"][c + 1][j] = t1
+        elif kind == "bwd":
+            held_end[c][j] = end
+            ready["wgrad"][c][j] = end
+            if c > 0:
+                link = (c - 1) % S  # the link between stage c-1's and this one, named by the receiver
+                t0 = max(end, link_bwd_free[link])
+                t1 = t0 + sb[c - 1]
+                link_bwd_free[link] = t1
+                if sb[c - 1] > 0:
+                    records.append((link, "send_bwd", j, t0, t1, c - 1))
+                ready["bwd"][c - 1][j] = t1
+        else:
+            held_end[c][j] = end
+    return records, fwd_start, held_end
 
 
 def makespan_floor(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches: int, schedule: str = "1f1b", *,
@@ -463,6 +563,19 @@ def makespan_floor(fwd_s: Sequence[float], bwd_s: Sequence[float], microbatches:
             into += float(fwd_s[i]) + sf[i]
             back += sb[i] + float(bwd_s[i])
     return best
+
+
+def _max_alive(starts: Sequence[float], ends: Sequence[float]) -> int:
+    """:func:`_max_overlap` of the intervals ``[starts[j], ends[j])``, by sorting the starts and the ends apart.
+
+    With ends before starts at equal times, the count of those alive rises only at starts, so its highest values come
+    right after all the starts at one time ``t``: ``#(starts <= t) - #(ends <= t)``, the largest over the starts (or
+    0, as the event sweep starts from 0). Counts of the same floats: exact.
+    """
+    s = np.sort(np.asarray(starts, dtype=float))
+    e = np.sort(np.asarray(ends, dtype=float))
+    alive = np.searchsorted(s, s, side="right") - np.searchsorted(e, s, side="right")
+    return max(int(alive.max()), 0)
 
 
 def _max_overlap(intervals: list[tuple[float, float]], weights: Sequence[float] | None = None):

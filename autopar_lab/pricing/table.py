@@ -169,6 +169,7 @@ class CostTable:
         self._mesh: dict[tuple, tuple[list[LayerCost], IntraPlan | None]] = {}
         self._sums: dict[tuple, dict[str, list[float]]] = {}
         self._arrays: dict[tuple, dict[str, np.ndarray]] = {}  # the same sums as arrays
+        self._totals: dict[tuple, dict[str, np.ndarray]] = {}  # range_totals, per mesh, solution and ranges
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
         self._caches: dict[tuple, StrategyCache] = {}
@@ -449,7 +450,7 @@ class CostTable:
         new = copy.copy(self)
         new.cluster = cluster
         new.solve_s, new.trace_s = 0.0, 0.0
-        new._caches, new._memo_space = {}, {}
+        new._caches, new._memo_space, new._totals = {}, {}, {}
         same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
                 and cluster.inter_host == self.cluster.inter_host
                 and cluster.devices_per_host == self.cluster.devices_per_host
@@ -513,6 +514,19 @@ class CostTable:
             costs = self._mesh[key][0] if key in self._mesh else self.mesh_costs(submesh, shape, solution)[0]
             self._sums[key] = prefix_sums(costs)
         return self._sums[key]
+
+    def range_totals(self, submesh, shape, solution: str, rows: np.ndarray, cols: np.ndarray) -> dict[str, np.ndarray]:
+        """Each running sum's total over layers ``rows[a]..cols[b]`` on one mesh (``(len(rows), len(cols))`` arrays,
+        ``sums[b + 1] - sums[a]``), with the backward programs' re-reads (``rereads_s``): what :class:`StageBlock`
+        prices its candidates from. They do not depend on the microbatch count, so every count's blocks share them
+        (kept until the table moves to another cluster, whose links the re-reads read)."""
+        key = (self.key(submesh, shape, solution), rows.tobytes(), cols.tobytes())
+        if key not in self._totals:
+            sums = self.prefix_arrays(submesh, shape, solution)
+            totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
+            totals["rereads_s"] = program_rereads_s(self.cluster, sums, rows[:, None], cols[None, :])
+            self._totals[key] = totals
+        return self._totals[key]
 
     def prefix_arrays(self, submesh, shape, solution: str = "fast") -> dict[str, np.ndarray]:
         """:meth:`prefix_sums` as float arrays, kept (every microbatch count's :class:`StageBlock` reads them)."""
@@ -707,9 +721,7 @@ class StageBlock:
         totals: dict[str, np.ndarray] = {}
         for k, (shape, sol, r) in enumerate(self.options):
             if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
-                sums = table.prefix_arrays(submesh, shape, sol)
-                totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
-                totals["rereads_s"] = program_rereads_s(table.cluster, sums, rows[:, None], cols[None, :])
+                totals = table.range_totals(submesh, shape, sol, rows, cols)
             costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
             for out, v in zip(keys, costs):
                 np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
