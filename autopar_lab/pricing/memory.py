@@ -63,7 +63,8 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     out = {name: float(sum(getattr(c, field) for c in part)) for field, name in _STATIC}
     act = sum(c.act_bytes for c in part) / microbatches
     # the backward's transients: the average layer's largest temporary and one layer's activation cotangents
-    out["buffers_bytes"] = sum(c.temp_bytes + c.act_bytes for c in part) / microbatches / n
+    # (the same float operations as stage_cost's, so the parts add up to its static bytes)
+    out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n + act / n
     internals = sum(c.attn_act_bytes for c in part) / microbatches
     elementwise = sum(c.dots_act_bytes for c in part) / microbatches
     out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else \
@@ -94,10 +95,9 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
                 row[p] = parts[p]
             if recomputes(st.remat):
                 saved = max(parts["plain_act_per_microbatch_bytes"] - st.act_bytes, 0.0) * inflight
-            # what the formula's float sums leave over (a few bytes at most) goes to the largest part
-            rest = st.static_bytes - sum(row[p] for p in PARTS[:-1])
-            big = max(PARTS[:-1], key=lambda p: row[p])
-            row[big] += rest
+            # what the formula's float sums leave over (a fraction of a byte) goes to the transient buffers, the
+            # one part that is an average (one layer's of the stage's), so the stored state's parts stay exact
+            row["buffers_bytes"] += st.static_bytes - sum(row[p] for p in PARTS[:-1])
         else:
             row["params_bytes"] = st.static_bytes
         # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
