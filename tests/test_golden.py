@@ -24,6 +24,13 @@ moved: only ``choices_sha1`` of gpt-1.3b's two data-parallel plans, whose (4, 1)
 now breaks a tie otherwise: each traced layer's causal-mask broadcast ([2, 32, 32, 32], free either way, recomputed
 rather than kept) is made whole (``RRRR``) and sliced by its readers instead of made split by heads (``RS0RR``);
 the dearer all-to-all moved the solver's optimal vertex, not the optimum.
+
+Regenerated 2026-12-06 for the backward's working set (``pricing.stage.stage_cost``: a stage's static bytes now add
+the cotangents of one (average) layer's activations of one microbatch, which live while that layer's backward runs;
+measured on 8 CPU devices, bench/RESULTS.md execute-memory). Only ``static_bytes`` and ``peak_mem_bytes`` moved, each
+by exactly its stage's ``act_bytes`` (one microbatch) over its layer count: gpt-tiny-cpu's one-layer auto stages by a
+whole layer's activations (651,008 -> 1,049,344 B), the deep gpt-1.3b plans by under 0.2%. No plan, time or choice
+moved: no memory limit here binds within that margin.
 """
 
 import hashlib

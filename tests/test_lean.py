@@ -21,6 +21,7 @@ from autopar_lab.graph.opgraph import INPUT_PRIMITIVE, OPT_STATE, PARAM
 from autopar_lab.parallelism import op_notes
 from autopar_lab.planfile import load_plan, save_plan
 from autopar_lab.pricing.table import CostTable
+from autopar_lab.rematmode import REMAT_CHOICES
 from autopar_lab.sharding.fsdp import gathered_params
 from autopar_lab.solve import inter
 
@@ -65,13 +66,14 @@ def test_the_lean_solution_stores_every_weight_and_optimizer_state_at_its_least(
 
 
 def every_candidate(table, B):
-    """Every (logical mesh, solution, remat) of every range, nothing dropped: what brute force searches."""
+    """Every (logical mesh, solution, remat) of every range, nothing dropped: what brute force searches (every remat
+    mode the stage DP tries, selective included)."""
     def fn(a, b, sub):
         sub = tuple(sub)
         if sub not in table.submeshes():
             return []
         return [table.stage(a, b, sub, shape, B, r, sol) for shape in table.mesh_shapes(sub)
-                for sol in table.solutions(sub, shape) for r in (False, True)]
+                for sol in table.solutions(sub, shape) for r in REMAT_CHOICES]
     return fn
 
 

@@ -17,7 +17,8 @@ and :func:`memory_breakdown` splits the same sums:
   forward and read by the backward;
 * ``fp8_copies_bytes``: an FP8 format's FP8 copies of the weights its FP8 matmuls read (and their transposed copies
   and block scales; 0 otherwise);
-* ``buffers_bytes``: transient buffers: the stage's (average) layer's largest tensor written and not kept;
+* ``buffers_bytes``: the backward's transient buffers: the stage's (average) layer's largest tensor written and not
+  kept, and the cotangents of one layer's activations (as large as its activations) while its backward runs;
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
   schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
@@ -61,7 +62,9 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     n = max(len(part), 1)
     out = {name: float(sum(getattr(c, field) for c in part)) for field, name in _STATIC}
     act = sum(c.act_bytes for c in part) / microbatches
-    out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n
+    # the backward's transients: the average layer's largest temporary and one layer's activation cotangents
+    # (the same float operations as stage_cost's, so the parts add up to its static bytes)
+    out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n + act / n
     internals = sum(c.attn_act_bytes for c in part) / microbatches
     elementwise = sum(c.dots_act_bytes for c in part) / microbatches
     out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else \
@@ -92,10 +95,9 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
                 row[p] = parts[p]
             if recomputes(st.remat):
                 saved = max(parts["plain_act_per_microbatch_bytes"] - st.act_bytes, 0.0) * inflight
-            # what the formula's float sums leave over (a few bytes at most) goes to the largest part
-            rest = st.static_bytes - sum(row[p] for p in PARTS[:-1])
-            big = max(PARTS[:-1], key=lambda p: row[p])
-            row[big] += rest
+            # what the formula's float sums leave over (a fraction of a byte) goes to the transient buffers, the
+            # one part that is an average (one layer's of the stage's), so the stored state's parts stay exact
+            row["buffers_bytes"] += st.static_bytes - sum(row[p] for p in PARTS[:-1])
         else:
             row["params_bytes"] = st.static_bytes
         # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static

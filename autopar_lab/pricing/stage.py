@@ -100,26 +100,27 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1.
 
     Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
-    working set: the stage's average layer's largest temporary tensor and, with remat, one layer's activations
-    (selective: one layer's attention internals; "dots": one layer's tensors other than the matmuls' outputs).
+    working set: the stage's average layer's largest temporary tensor, the cotangents of one layer's activations
+    (the backward's), and, with remat, one layer's activations recomputed (selective: one layer's attention
+    internals; "dots": one layer's tensors other than the matmuls' outputs).
     ``remat``: False (none), True (full), "selective" or "dots".
 
     >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
     ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
     ...          launch_bwd_s=2e-5, ckpt_bytes=2.0, temp_bytes=0.0, layers=2)
     >>> stage_cost(t, 0.0, 2, 1, False, 0.0)   # 1.5 s of the gradient reduction hides behind the last backward
-    (2.00001, 3.25002, 10.0, 3.0)
+    (2.00001, 3.25002, 11.5, 3.0)
     >>> stage_cost(t, 0.0, 2, 1, True, 0.0)    # remat: keeps layer inputs, one layer's activations, runs fwd twice
-    (2.00001, 5.25003, 11.5, 1.0)
+    (2.00001, 5.25003, 13.0, 1.0)
     >>> t.update(attn_act_bytes=4.0, attn_fwd_s=1.0, attn_launch_s=0.0)
     >>> stage_cost(t, 0.0, 2, 1, "selective", 0.0)   # drops the internals (4 of 6), recomputes their forward (1 s)
-    (2.00001, 3.75002, 11.0, 1.0)
+    (2.00001, 3.75002, 12.5, 1.0)
     >>> t.update(dots_act_bytes=5.0, dots_fwd_s=0.5, dots_launch_s=1e-5)
     >>> stage_cost(t, 0.0, 2, 1, "dots", 0.0)   # keeps the matmuls' outputs (1 of 6), recomputes the rest (0.5 s)
-    (2.00001, 3.50003, 11.25, 0.5)
+    (2.00001, 3.50003, 12.75, 0.5)
     >>> t.update(latency_fwd_s=0.5, latency_bwd_s=1.0)   # 0.5 s of forward latency once a step: 0.5 s a microbatch
     >>> stage_cost(t, 0.0, 2, 1, False, 0.0)
-    (2.25001, 3.75002, 10.0, 3.0)
+    (2.25001, 3.75002, 11.5, 3.0)
     """
     B = microbatches
     hidden_sync, hidden_gather = hidden_comm_s(totals, B)
@@ -132,7 +133,11 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     bwd = bwd + totals.get("rereads_s", 0.0) / B
     n = totals["layers"]
     layers = np.maximum(n, 1) if isinstance(n, np.ndarray) else max(n, 1)
-    static = totals["static_bytes"] + totals["temp_bytes"] / B / layers
+    # The backward's working set: besides the average layer's largest temporary, the cotangents of one layer's
+    # activations live while that layer's backward runs (as large as its activations), on top of the microbatches
+    # in flight (measured on 8 CPU devices: a two-layer stage's backward program took 160 KiB of temporaries for
+    # 147 KiB of activations a layer; bench/RESULTS.md, execute-memory).
+    static = totals["static_bytes"] + totals["temp_bytes"] / B / layers + totals["act_bytes"] / B / layers
     act = totals["act_bytes"] / B
     if is_selective(remat) or is_dots(remat):
         # The attention internals (selective) or everything but the matmuls' outputs (dots) are dropped; in the

@@ -124,12 +124,18 @@ class Runner:
                                        output_specs=output_specs, binds=binds)
         self.ring_ops = tuple(sorted(binds))
         self._replay = replay
-        self._spmd_step = replay.jit(compiler_options=self._compiler_options)
         args = self.model.init(seed)
         batch_argnums = set(self.model.batch_argnums)
+        self._spmd_io = _output_roles(plan.graph, args)
+        # The state is donated, as a training loop's step donates it: XLA writes the new parameters and optimizer
+        # state into the old ones' buffers, so a device holds one copy of its state, not two, while the step runs
+        # (what the plan's memory prices). Only an argument whose every leaf the step returns anew is donated (a
+        # leaf the step leaves as it is must outlive the step).
+        donate = tuple(i for i, a in enumerate(args) if i not in batch_argnums
+                       and all((i, j) in self._spmd_io[0] for j in range(len(jax.tree_util.tree_leaves(a)))))
+        self._spmd_step = replay.jit(compiler_options=self._compiler_options, donate_argnums=donate)
         self._spmd_state = [None if i in batch_argnums else jax.tree_util.tree_map(move, a, replay.in_shardings[i])
                             for i, a in enumerate(args)]
-        self._spmd_io = _output_roles(plan.graph, args)
         self.mesh = mesh
 
     def _step_spmd(self, batch) -> float:
