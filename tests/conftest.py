@@ -387,6 +387,11 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    if config.pluginmanager.has_plugin("xdist"):
+        # `--dist loadgroup` that goes on to the end when a worker dies (tests/xdist_schedule.py says why).
+        import xdist_schedule
+
+        config.pluginmanager.register(xdist_schedule, "crash-safe-loadgroup")
     # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     config.addinivalue_line("markers", "notebook: runs a notebook end to end")
