@@ -19,6 +19,21 @@ CACHE_DIR = pathlib.Path(__file__).resolve().parent.parent / ".jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# XLA's CPU compiler without its backend optimisations (level 0) and with its elemental IR emitter for fusions
+# instead of the newer MLIR fusion emitters, for the test processes and what they start (CLI subprocesses, Ray actors
+# and notebook kernels inherit this environment); set here, before any backend exists. Measured compiling a dp2 tp2
+# pp2 pipeline of gpt-tiny (4 layers, hidden 32) and running its first step with no cache, the options alternated in
+# one process (jit compiler_options), two rounds on the shared 2-core machine: 12.6-13.1 CPU-s by default, 9.1-9.5
+# with level 0 alone, 12.3-13.9 with the emitter switch alone, 6.2-7.0 with both; the losses equal to 5 digits in every
+# case. `--xla_llvm_disable_expensive_passes=true` (6.3-7.4 beside both), one codegen split (9.5-10.2 beside level 0)
+# and no copy-insertion region analysis (5.7-6.8 beside both: within the noise) did not help and are not set. A flag
+# that XLA_FLAGS already names is left as the user set it. Whole files, empty cache, without and with the flags run side
+# by side (pytest's own CPU-s): test_update_sharding 71 -> 50, notebook 05's tests 65 -> 45, test_ring_execute with
+# test_runtime_buffers 338 -> 294 and test_execute's 24-layer test 58 -> 54 (these two already compile at level 0).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.split("=")[0] not in _FLAGS]).strip()
+
 # `make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. Each test file is one group, so it runs
 # whole on one worker and its module-scoped fixtures are built once. The files that start a Ray head or a JupyterLab
 # server share one group, so only one of them runs at a time: two Ray clusters (each a handful of processes) or a
@@ -379,6 +394,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_schedule_buttons_preview_step_and_memory_before_they_apply",
         "test_utilisation_is_mfu_against_a_bound_no_plan_can_beat",
     },
+    "test_xdist_schedule": {
+        "test_a_crashed_worker_fails_its_test_and_the_rest_run_once",
+    },
 }.items()}
 
 
@@ -388,6 +406,11 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    if config.pluginmanager.has_plugin("xdist"):
+        # `--dist loadgroup` that goes on to the end when a worker dies (tests/xdist_schedule.py says why).
+        import xdist_schedule
+
+        config.pluginmanager.register(xdist_schedule, "crash-safe-loadgroup")
     # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     config.addinivalue_line("markers", "notebook: runs a notebook end to end")

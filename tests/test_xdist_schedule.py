@@ -1,0 +1,52 @@
+"""`make test`'s scheduler (tests/xdist_schedule.py) finishes a run in which a worker dies, running every other test
+once: a small suite run with two xdist workers, one of its tests killing its worker."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+# Each file is one group, as tests/conftest.py makes them; b's first test kills its worker. c and d hold one test
+# each: a replacement worker given a one-test group must still be able to run it.
+FILES = {
+    "test_a.py": "def test_a1(): pass\ndef test_a2(): pass\ndef test_a3(): pass\n",
+    "test_b.py": "import os\ndef test_b_crash(): os._exit(3)\ndef test_b_after(): pass\ndef test_b_last(): pass\n",
+    "test_c.py": "def test_c1(): pass\n",
+    "test_d.py": "def test_d1(): pass\n",
+}
+CONFTEST = """import pytest
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))
+"""
+
+
+def test_a_crashed_worker_fails_its_test_and_the_rest_run_once(tmp_path):
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    # Only xdist and the scheduler as plugins: the run starts in a second, not the seconds the venv's plugins take.
+    cmd = [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-p", "xdist_schedule", "-p", "no:cacheprovider",
+           "-n", "2", "--dist", "loadgroup", "-rA", "-q"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    try:
+        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the run was stranded after the crash:\n{e.stdout}")
+    text = out.stdout
+    assert out.returncode == 1, text
+    assert "crashed while running 'test_b.py::test_b_crash'" in text, text
+    passed = [line.split()[1] for line in text.splitlines() if line.startswith("PASSED ")]
+    failed = [line.split()[1] for line in text.splitlines() if line.startswith("FAILED ")]
+    assert failed == ["test_b.py::test_b_crash"], text
+    assert sorted(passed) == ["test_a.py::test_a1", "test_a.py::test_a2", "test_a.py::test_a3",
+                              "test_b.py::test_b_after", "test_b.py::test_b_last", "test_c.py::test_c1",
+                              "test_d.py::test_d1"], text
