@@ -202,9 +202,9 @@ def settle(page, timeout_s: float = 600) -> None:
     page.wait_for_timeout(300)  # the last messages' effects reach the page
 
 
-def assert_fits(page, timeout_s: float = 30) -> None:
+def assert_fits(page, timeout_s: float = 90) -> None:
     """No view scrolls sideways, once the figures settled (a plotly figure is first drawn at its default width and
-    takes its own a moment later)."""
+    takes its own a moment later: beside the rest of `make test` on 2 cores, the stage layout's took over 30 s)."""
     deadline = time.monotonic() + timeout_s
     while sideways_scrolls(page) and time.monotonic() < deadline:
         page.wait_for_timeout(500)
