@@ -5,7 +5,9 @@ For each zoo model (at the small float32 sizes of ``autopar_lab.validate.SMALL_O
 one host of 8 CPU devices, solve the intra-op ILP on the ``cpu`` preset, apply the plan to the real step, compile it,
 run one step sharded and one on a single device, and print one table: predicted and compiled collective bytes
 (per-device buffers, see ``autopar_lab.validate.predicted_collectives``), their ratio, the ratio with a value
-resharded alike for several consumers counted once ("dedup", as XLA computes it once), counts per kind
+resharded alike for several consumers counted once ("dedup", as XLA computes it once), the ratio with the
+conversions XLA's partitioner moves across their reader taken as XLA moves them ("XLA moves",
+``autopar_lab.validate.xlamoves``) and the seconds the plan's price charges for those ("moved us"), counts per kind
 (predicted/compiled; AR all-reduce, AG all-gather, RS reduce-scatter, A2A all-to-all) and the numerics error.
 
     JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu .venv/bin/python bench/bench_validate.py [--json] [mlp gpt-1.3b ...]
@@ -71,16 +73,18 @@ def table(rows: list[dict]) -> str:
     from autopar_lab.validate import total_bytes
 
     lines = []
-    head = (f"| model | mesh | predicted MiB | compiled MiB | ratio | ratio dedup | counts pred/compiled | "
-            f"max abs err | pred step ms | solve s | compile s |")
+    head = (f"| model | mesh | predicted MiB | compiled MiB | ratio | ratio dedup | ratio XLA moves | moved us | "
+            f"counts pred/compiled | max abs err | pred step ms | solve s | compile s |")
     lines.append(head)
-    lines.append("|" + "|".join("---" for _ in range(11)) + "|")
+    lines.append("|" + "|".join("---" for _ in range(13)) + "|")
     for r in rows:
         ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3f}"
         dedup = "-" if r["bytes_ratio_dedup"] is None else f"{r['bytes_ratio_dedup']:.3f}"
+        moved = "-" if r["bytes_ratio_xla"] is None else f"{r['bytes_ratio_xla']:.3f}"
         err = "-" if r["numerics_max_abs_err"] is None else f"{r['numerics_max_abs_err']:.1e}"
         lines.append(f"| {r['model']} | {r['logical_mesh'][0]}x{r['logical_mesh'][1]} | {_mb(total_bytes(r['predicted']))} | "
-              f"{_mb(total_bytes(r['compiled']))} | {ratio} | {dedup} | {_counts(r)} | {err} | "
+              f"{_mb(total_bytes(r['compiled']))} | {ratio} | {dedup} | {moved} | {1e6 * r['xla_moves_s']:.1f} | "
+              f"{_counts(r)} | {err} | "
               f"{1e3 * r['predicted_step_s']:.1f} | {r['solve_s']:.1f} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 

@@ -44,6 +44,8 @@ def _check_report(rep: dict, mesh: tuple) -> None:
     # the plan's own figures count each conversion once too, so they agree with XLA as well
     assert 0.9 <= rep["bytes_ratio"] <= 1.1, (rep["predicted"], rep["compiled"])
     assert rep["bytes_ratio"] == pytest.approx(total_bytes(rep["predicted"]) / comp)
+    # what XLA's partitioner moves across a reader (validate/xlamoves) only ever lowers the prediction
+    assert rep["bytes_ratio_xla"] <= rep["bytes_ratio"] and rep["xla_moves_s"] >= 0
     assert rep["predicted_step_s"] > 0 and rep["solve_s"] > 0 and rep["compile_s"] > 0
 
 
@@ -52,6 +54,28 @@ def test_mlp_plan_matches_xla():
     rep = validate_plan("mlp", devices=8, mesh_shape=(8, 1))
     _check_report(rep, (8, 1))
     assert rep["model"] == "mlp"
+
+
+@needs8
+def test_mlp_plan_on_two_axes_matches_xla_once_xlas_two_moves_are_taken():
+    """The default mesh of `autopar-lab validate mlp --devices 8`. Its plan gathers both inputs of the weight
+    gradient's add_any (float32[256, 512], S0S1 -> RS1 over axis 0, 131,072 B each) and all-to-alls the sum for
+    the bias gradient's reduce_sum (RS1 -> RS01, 65,536 B a device): 1.22x the bytes XLA compiles. XLA computes the
+    add_any in S0S1 and gathers the sum once, and reduces before it moves the [512] result (a 256 B permute).
+    Neither is a conversion several readers share (those the price already counts once): both are XLA placing an
+    operator the plan does not pin in another layout than the plan's. With the two taken as XLA takes them, the
+    prediction is within 1%; the plan's price charges them 77 us of its 12.16 ms step (0.6%)."""
+    rep = validate_plan("mlp", devices=8, mesh_shape=(2, 4))
+    comp = total_bytes(rep["compiled"])
+    moves = rep["xla_moves"]
+    assert [(m["rule"], m["kind"]) for m in moves] == [("commuted", "all_gather"), ("reduced first", "all_to_all")]
+    assert [m["op_name"].split("(")[0].split()[-1] for m in moves] == ["add_any", "reduce_sum"]
+    saved = sum(m["hlo_bytes"] * (1 - m["kept"]) for m in moves)
+    assert total_bytes(rep["predicted_xla"]) == pytest.approx(total_bytes(rep["predicted"]) - saved)
+    assert 0.99 <= rep["bytes_ratio_xla"] <= 1.01, (rep["predicted_xla"], rep["compiled"])
+    assert rep["bytes_ratio_xla"] == pytest.approx(total_bytes(rep["predicted_xla"]) / comp)
+    assert 0 < rep["xla_moves_s"] < 0.01 * rep["predicted_step_s"]
+    assert rep["numerics_max_abs_err"] < 1e-4
 
 
 @needs8

@@ -285,6 +285,13 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     position in an identical layer): edges from it are priced as edges from its mirror. ``restrict`` keeps, per
     operator, only the strategies whose specs without mesh axis 1 equal the given projection (see ``axes`` in
     :class:`IntraOptions`).
+
+    Each edge is priced on its own (Alpa's pairwise formulation): a value that several readers read in one other
+    layout is charged its conversion once per reader, where the plan's price (:func:`evaluate_intra`, through
+    :func:`conversions`) and XLA convert it once. The objective is so an upper bound on the price of the plan it
+    chooses, above it by the conversions those readers share; the ILP decides on the bound (a formulation that
+    prices a shared conversion once, a node per value and layout, weakened the LP relaxation and doubled planning
+    time).
     """
     attach_kernel_roles(graph)
     cache = cache or StrategyCache(mesh)
@@ -618,7 +625,10 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
     conversion with a cost, between operators both in ``ops``.
 
     A tensor converted to one spec is converted once, whatever the number of consumers that read the copy (the ILP's
-    pairwise edges count it per consumer: an over-estimate this recomputation corrects, as XLA does).
+    pairwise edges count it per consumer: an upper bound this recomputation corrects, as XLA does; see
+    :func:`conversion_key` for the one exception). This is the one place a plan's conversions are listed: the
+    plan's ``reshard_s`` and ``collectives``, the layer costs, the cost panel and explain() read them from here, and
+    ``validate.predicted_collectives`` dedupes by the same :func:`conversion_key`.
     """
     seen: set[tuple] = set()
     for u, v, i, j, t, param in _internal_edges(graph, ops):

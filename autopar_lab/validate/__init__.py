@@ -1,7 +1,8 @@
 """Apply a sharding plan to the real step function, and read back what XLA compiled.
 
 Three pieces, one module each (:mod:`~autopar_lab.validate.replay`, :mod:`~autopar_lab.validate.hlo`,
-:mod:`~autopar_lab.validate.report`):
+:mod:`~autopar_lab.validate.report`), and a fourth that explains a gap between them
+(:mod:`~autopar_lab.validate.xlamoves`):
 
 - :func:`replay_with_shardings` re-executes the step function's jaxpr equation by equation, walking it in exactly the
   order :mod:`autopar_lab.graph.capture` does (nested calls inlined, short scans unrolled into ``scan_slice`` / body /
@@ -11,6 +12,9 @@ Three pieces, one module each (:mod:`~autopar_lab.validate.replay`, :mod:`~autop
   :class:`ReplayError` the moment the two disagree.
 - :func:`collectives_in_hlo` counts the collectives in XLA's partitioned HLO text and the bytes each one moves
   (by the convention of :mod:`autopar_lab.sharding.strategies`: the full per-device buffer the collective works on).
+- :func:`xla_moves` (:mod:`~autopar_lab.validate.xlamoves`): the conversions of a plan that XLA's partitioner moves
+  across their reader (an elementwise operator computed before its inputs' shared conversion, a reduction before
+  its input's), which explain a prediction above what XLA compiled.
 - :func:`validate_model` puts the two together on a zoo model: compile the planned step on a mesh, count its
   collectives, run one step sharded and one on a single device, and report predicted against compiled.
 
@@ -32,6 +36,7 @@ from .hlo import COLLECTIVE_KINDS, collective_instructions, collectives_in_hlo, 
 from .replay import (Replay, ReplayError, ReplayOptions, operand_specs_from_strategies, replay_with_shardings,
                      specs_from_strategies)
 from .report import SMALL_OVERRIDES, predicted_collectives, summarize_collectives, validate_model, validate_plan
+from .xlamoves import moves_seconds, without_moves, xla_moves
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -49,4 +54,7 @@ __all__ = [
     "validate_model",
     "validate_plan",
     "SMALL_OVERRIDES",
+    "moves_seconds",
+    "without_moves",
+    "xla_moves",
 ]

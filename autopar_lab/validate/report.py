@@ -11,6 +11,7 @@ import numpy as np
 from ..graph.opgraph import OUTPUT_PRIMITIVE, OpGraph
 from .hlo import COLLECTIVE_KINDS, collectives_in_hlo, total_bytes
 from .replay import Replay, ReplayOptions, operand_specs_from_strategies, specs_from_strategies
+from .xlamoves import moves_seconds, without_moves, xla_moves
 
 if TYPE_CHECKING:
     from ..cluster import LogicalMesh
@@ -266,6 +267,7 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
     rep = validate_model(spec, out_specs, mesh, None, graph=graph, run=run, donate_argnums=donate, replay=replay)
     predicted = summarize_collectives(records)
     dedup = summarize_collectives(records, dedupe=True)
+    moves = xla_moves(graph, plan.strategies, records, shape)
     compiled = rep["compiled"]
     comp_total = total_bytes(compiled)
     ratio = (lambda pred: total_bytes(pred) / comp_total if comp_total > 0 else
@@ -280,6 +282,10 @@ def _plan_report(spec, graph, cluster, shape, devices, solver, run, trace_s) -> 
         "predicted_dedup": dedup,
         "bytes_ratio_dedup": ratio(dedup),
         "predicted_model": {k: dict(v) for k, v in plan.collectives.items()},
+        "xla_moves": [dict(m, op_name=graph.op(m["op"]).describe()) for m in moves],
+        "predicted_xla": summarize_collectives(without_moves(records, moves)),
+        "bytes_ratio_xla": ratio(summarize_collectives(without_moves(records, moves))),
+        "xla_moves_s": moves_seconds(moves, lm),
         "numerics_max_abs_err": rep["numerics_max_abs_err"],
         "predicted_step_s": plan.total_s,
         "predicted_comm_s": plan.comm_s + plan.reshard_s,
@@ -309,7 +315,10 @@ def validate_plan(model, devices: int = 8, mesh_shape=None, overrides: Mapping[s
     Returns a JSON-ready dict: model, devices, logical_mesh, predicted and compiled ``{kind: {count, bytes}}`` (bytes
     per device buffer, see :func:`predicted_collectives`), bytes_ratio (predicted / compiled total; 1.0 when both
     are zero), predicted_dedup / bytes_ratio_dedup (a value resharded alike for several consumers counted once, as
-    XLA does), predicted_model (``IntraPlan.collectives`` as the cost model states it), numerics_max_abs_err,
+    XLA does), predicted_model (``IntraPlan.collectives`` as the cost model states it), xla_moves / predicted_xla /
+    bytes_ratio_xla / xla_moves_s (the conversions XLA's partitioner moves across their reader, the prediction
+    with them moved, and the seconds the plan's price charges for what XLA does not move:
+    :mod:`~autopar_lab.validate.xlamoves`), numerics_max_abs_err,
     predicted_step_s, predicted_comm_s, solve_s, compile_s, trace_s, num_ops. Bad input raises ValueError.
     """
     from ..cluster import Cluster
