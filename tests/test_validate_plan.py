@@ -126,3 +126,23 @@ def test_bad_input_is_one_clear_value_error(kwargs, words):
 def test_unknown_model_is_a_value_error():
     with pytest.raises(ValueError, match="unknown model"):
         validate_plan("gpt-9000", devices=1)
+
+
+@pytest.mark.slow
+def test_the_validate_command_reports_what_xla_moves(tmp_path):
+    """`autopar-lab validate mlp --devices 8 --json` as a user runs it, from another directory: the (2, 4) mesh
+    wins on predicted step time, and its report says which conversions XLA moved and what they cost."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    proc = subprocess.run([sys.executable, "-m", "autopar_lab", "validate", "mlp", "--devices", "8", "--json"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["logical_mesh"] == [2, 4] and len(rep["meshes"]) == 2
+    assert [m["rule"] for m in rep["xla_moves"]] == ["commuted", "reduced first"]
+    assert 0.99 <= rep["bytes_ratio_xla"] <= 1.01
+    other = next(m for m in rep["meshes"] if m["logical_mesh"] == [8, 1])
+    assert other["xla_moves"] == [] and other["bytes_ratio_xla"] == other["bytes_ratio"]
