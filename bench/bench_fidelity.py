@@ -286,10 +286,11 @@ TODAY = {r.name: r for r in [
     Today("deepseek-v3", "NeMo Automodel performance summary", "megatron", "deepseek-v3",
           dict(seq_len=4096, batch_size=512), "dgx-h100", 32,
           dict(dp=64, tp=1, pp=4, ep=64, zero=3, micro_batch_size=1, precision="bf16", overlap_grad_reduce=True,
-               overlap_param_gather=True, remat=True), 256, 8.18, "step_s",
+               overlap_param_gather=True, remat=True, schedule="interleaved", virtual_stages=2), 256, 8.18, "step_s",
           assumed="full recomputation of every block (the run's config, examples/benchmark/configs/"
                   "deepseek_v3_te_deepep.yaml: activation_checkpointing true, a checkpoint wrapper per block); "
-                  "1F1B (the run's 8 virtual stages do not divide the model's layers evenly here), FSDP as ZeRO-3 "
+                  "the interleaved schedule with the run's 8 virtual stages, 2 chunks on each of the 4 pipeline "
+                  "ranks (61 layers: chunks of 7 and 8, split as evenly as they go), FSDP as ZeRO-3 "
                   "(the config keeps parameters gathered after the forward, reshard_after_forward false: ZeRO-2 "
                   "prices 12.93 s and 62.9 GiB), its reduce-scatter and all-gather overlapped with compute (FSDP2's "
                   "default prefetching); node-limited routing (4 of 8 groups) with DeepEP's one copy a node"),

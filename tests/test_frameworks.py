@@ -374,6 +374,21 @@ selective_ac_option = "op"
     assert not plan.cluster.device.efficiency.kernel_fusion
 
 
+def test_an_eager_fsdp_plan_exports_compile_false_and_imports_back_eager(tiny):
+    """A plan priced without torch.compile (fsdp_plan(compile=False): every elementwise op its own kernel) writes
+    torchtitan's ``compile = false``; the file read back prices the same eager plan. A fused plan writes ``true``."""
+    model, table = tiny
+    eager = al.fsdp_plan(model, TWO_H100, local_batch_size=4, precision="bf16", compile=False)
+    text = al.export_config(eager, "torchtitan", model=model)
+    assert "\ncompile = false\n" in text
+    again = al.import_config(text, model, cluster=TWO_H100)
+    assert not again.cluster.device.efficiency.kernel_fusion
+    assert layout(again) == layout(eager) and again.cost.step_time_s == eager.cost.step_time_s
+    fused = al.fsdp_plan(model, TWO_H100, local_batch_size=4, precision="bf16", table=table)
+    assert "\ncompile = true\n" in al.export_config(fused, "torchtitan", model=model)
+    assert fused.cost.step_time_s < eager.cost.step_time_s  # the eager kernels read and write more
+
+
 @pytest.mark.slow
 def test_maxtext_v5p_row_imports_as_maxtext_plan_prices_it():
     """MaxText's v5p table, the 32B row's layout (FSDP over the slice, tensor 4, per-device batch 6, remat minimal,

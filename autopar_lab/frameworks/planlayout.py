@@ -30,7 +30,9 @@ class FrameworkLayout:
     None: the planner's storage); ``sequence_parallel``; ``remat``; ``schedule`` and ``virtual_stages``;
     ``microbatches``; ``batch`` (the global batch, sequences); ``blocks`` (the transformer blocks);
     ``maxtext_axes`` (``ici_*`` / ``dcn_*`` degrees, for a MaxText plan), ``notes`` (what the export should say) and
-    ``overlap`` (the communication overlapped with compute, :data:`~autopar_lab.pricing.overlap.OVERLAPS` names).
+    ``overlap`` (the communication overlapped with compute, :data:`~autopar_lab.pricing.overlap.OVERLAPS` names);
+    ``kernel_fusion`` (whether the plan was priced with a compiler's fused kernels, its cluster's
+    :class:`~autopar_lab.cluster.Efficiency` field: torchtitan's ``compile``).
     """
 
     origin: str
@@ -52,6 +54,7 @@ class FrameworkLayout:
     maxtext_axes: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     overlap: tuple[str, ...] = ()
+    kernel_fusion: bool = True
 
     @property
     def sample_per_microbatch(self) -> int:
@@ -113,7 +116,8 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
     precision, written = _format_name(plan.precision)
     base = dict(pp=len(plan.stages), remat=remat_value(first.remat), schedule=plan.schedule,
                 virtual_stages=plan.virtual_stages, microbatches=plan.microbatches, batch=plan.table.batch_size,
-                blocks=block_count(plan.table), precision=precision)
+                blocks=block_count(plan.table), precision=precision,
+                kernel_fusion=plan.cluster.device.efficiency.kernel_fusion)
     layout = _layout(plan, fw, base, n0, n1)
     return layout if written is None else layout.with_(notes=(*layout.notes, written))
 

@@ -11,7 +11,8 @@ an interleaved schedule; torchtitan's default is 2 a rank), ``pipeline_parallel_
 ``[activation_checkpoint] mode`` (``none``, ``selective``, ``full``); ``[training]`` ``local_batch_size`` (per
 data-parallel rank), ``global_batch_size`` (more than ``local x dp``: gradient accumulation), ``seq_len``,
 ``mixed_precision_param``, ``compile`` (false: eager PyTorch, :func:`~autopar_lab.layouts.fsdp_plan`'s
-``compile=False``; left out, the cluster's own kernels, fused on every preset); ``[model]`` ``name``, ``flavor``
+``compile=False``; left out, the cluster's own kernels, fused on every preset; written back as the plan was
+priced: false for an eager plan, true for fused kernels); ``[model]`` ``name``, ``flavor``
 (``llama3`` ``8B``/``70B``/``405B``: the zoo's Llama 3),
 ``converters`` (``float8``: FP8 matmuls).
 """
@@ -270,7 +271,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
                                  "ranks evenly")
             par["pipeline_parallel_layers_per_stage"] = lay.blocks // (lay.pp * lay.virtual_stages)
     training: dict[str, Any] = {"local_batch_size": local, "global_batch_size": lay.batch,
-                                "mixed_precision_param": "float32" if lay.precision == "fp32" else "bfloat16"}
+                                "mixed_precision_param": "float32" if lay.precision == "fp32" else "bfloat16",
+                                "compile": lay.kernel_fusion}  # priced eager (fsdp_plan(compile=False)): false
     seq = getattr(getattr(model, "config", None), "seq_len", None)
     if seq is not None:
         training["seq_len"] = seq
