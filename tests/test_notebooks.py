@@ -1,5 +1,6 @@
 """Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
+import ast
 import math
 import pathlib
 import re
@@ -48,6 +49,48 @@ def test_notebook_has_a_prediction_exercise(path):
     source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
     assert re.search(r"Exercise\(.*default=my_prediction", source, re.S)
     assert "hint=" in source and re.search(r"\.check\(", source)
+
+
+def _imports_and_names(source: str) -> tuple[list[str], set[str]]:
+    """What a notebook's code imports (``"from M"`` for ``from M import ...``, ``"M"`` for ``import M``), and the
+    names it reads off the package (``al.NAME``)."""
+    tree = ast.parse("\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+    modules, names = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            modules.append("from " + "." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "al":
+            names.add(node.attr)
+    return modules, names
+
+
+# Notebooks still on the package's inside, moved one commit at a time (issue 34); empty when done.
+NOT_YET_PUBLIC = {"01_tour",
+                  "02_concepts",
+                  "03_alpa_walkthrough",
+                  "04_overrides",
+                  "05_bring_your_own_model",
+                  "06_open_questions",
+                  "09_memory_anatomy",
+                  "10_capstone_llama3_70b"}
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem not in NOT_YET_PUBLIC],
+                         ids=[p.stem for p in NOTEBOOKS if p.stem not in NOT_YET_PUBLIC])
+def test_notebook_uses_only_the_public_api(path):
+    """Issue 34: a learner's code imports `autopar_lab as al` and nothing under it (a module's inside may change;
+    the package's names are the contract, ../shared/DESIGN.md), and every `al.NAME` it reads is one of them."""
+    modules, names = _imports_and_names(_code(path.stem))
+    inside = [m for m in modules if m.startswith(("autopar_lab.", "from autopar_lab", "from ."))]
+    assert not inside, f"{path.stem} imports {inside}: use the package's public names (al.NAME)"
+    assert names <= set(al.__all__), f"{path.stem} reads {sorted(names - set(al.__all__))} that al does not export"
+
+
+def test_a_notebook_importing_an_inside_module_is_caught():
+    code = "import autopar_lab as al\nfrom autopar_lab import planner\nal.models.get('x')\n%time 1"
+    assert _imports_and_names(code) == (["autopar_lab", "from autopar_lab"], {"models"})
 
 
 def test_there_is_a_tour():
