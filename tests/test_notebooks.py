@@ -73,7 +73,6 @@ NOT_YET_PUBLIC = {"01_tour",
                   "04_overrides",
                   "05_bring_your_own_model",
                   "06_open_questions",
-                  "09_memory_anatomy",
                   "10_capstone_llama3_70b"}
 
 
