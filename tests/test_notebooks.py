@@ -72,8 +72,7 @@ NOT_YET_PUBLIC = {"01_tour",
                   "03_alpa_walkthrough",
                   "04_overrides",
                   "05_bring_your_own_model",
-                  "06_open_questions",
-                  "10_capstone_llama3_70b"}
+                  "06_open_questions"}
 
 
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem not in NOT_YET_PUBLIC],
