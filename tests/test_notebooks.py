@@ -124,7 +124,7 @@ def test_capstone_checks_a_prediction_at_each_design_step():
     asserted, not just printed."""
     nb = nbformat.read(NOTEBOOKS[0].parent / "10_capstone_llama3_70b.ipynb", as_version=4)
     source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    asks = re.findall(r"^(ask_\w+) = Exercise\(", source, re.M)
+    asks = re.findall(r"^(ask_\w+) = al\.Exercise\(", source, re.M)
     assert len(asks) >= 6
     assert all(f"{ask}.check(" in source for ask in asks)
     for call in ("al.megatron_plan(table=table", "al.fsdp_plan(table=table", "al.auto_plan(table=table",
