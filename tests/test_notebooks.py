@@ -67,12 +67,7 @@ def _imports_and_names(source: str) -> tuple[list[str], set[str]]:
     return modules, names
 
 
-# Notebooks still on the package's inside, moved one commit at a time (issue 34); empty when done.
-NOT_YET_PUBLIC = {"01_tour"}
-
-
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem not in NOT_YET_PUBLIC],
-                         ids=[p.stem for p in NOTEBOOKS if p.stem not in NOT_YET_PUBLIC])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_uses_only_the_public_api(path):
     """Issue 34: a learner's code imports `autopar_lab as al` and nothing under it (a module's inside may change;
     the package's names are the contract, ../shared/DESIGN.md), and every `al.NAME` it reads is one of them."""
