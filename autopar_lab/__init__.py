@@ -53,6 +53,38 @@ _LAZY = {
     "Session": ("autopar_lab.widgets.session", "Session"),
     "Workbench": ("autopar_lab.widgets.workbench", "Workbench"),
     "Exercise": ("autopar_lab.widgets.exercise", "Exercise"),
+    # The pieces the course's notebooks open up (issue 34: the notebooks import nothing but this package). Each is
+    # the library's own function or class, under the name below; its docstring says what it does.
+    # Pipeline schedules as timelines (GPipe, 1F1B, interleaved, zero-bubble) and their figure. Not `simulate`: the
+    # module of that name would shadow the function once imported.
+    "simulate_pipeline": ("autopar_lab.simulate", "simulate"),
+    "SimOptions": ("autopar_lab.simulate", "SimOptions"),
+    "timeline_figure": ("autopar_lab.widgets.views.figures", "timeline_figure"),
+    "timeline_series": ("autopar_lab.widgets.views.timeline", "timeline_series"),
+    # The sharding strategies of one operator on a logical mesh, the ILP's problem and its solvers.
+    "strategies_for": ("autopar_lab.sharding.strategies", "strategies_for"),
+    "intra_problem": ("autopar_lab.solve.intra", "build_problem"),
+    "solve_ilp": ("autopar_lab.solve.ilp", "solve_ilp"),
+    "brute_force_ilp": ("autopar_lab.solve.ilp", "brute_force"),
+    # Alpa's stage DP on plain data, its brute-force check, its latency formula; the exhaustive optimum.
+    "StageProblem": ("autopar_lab.solve.inter", "StageProblem"),
+    "StageCandidate": ("autopar_lab.solve.inter", "StageCandidate"),
+    "stage_dp": ("autopar_lab.solve.inter", "stage_dp"),
+    "stage_dp_auto": ("autopar_lab.solve.inter", "stage_dp_auto"),
+    "brute_force_stages": ("autopar_lab.solve.inter", "brute_force_stages"),
+    "pipeline_latency": ("autopar_lab.solve.inter", "pipeline_latency"),
+    "NoFeasiblePlanError": ("autopar_lab.solve.inter", "NoFeasiblePlanError"),
+    "global_optimum": ("autopar_lab.solve.exhaustive", "global_optimum"),
+    # Memory: a plan's peak per stage split into parts (MEMORY_PARTS: the keys that add up to it), one operator's
+    # terms as the ILP counts them; a number format by name ("bf16").
+    "memory_breakdown": ("autopar_lab.pricing.memory", "memory_breakdown"),
+    "MEMORY_PARTS": ("autopar_lab.pricing.memory", "PARTS"),
+    "memory_terms": ("autopar_lab.solve.memterms", "memory_terms"),
+    "as_precision": ("autopar_lab.precision", "as_precision"),
+    # A plan against what XLA compiles (validate_plan, replay_with_shardings, collectives_in_hlo, ...): a namespace,
+    # as `models` is, since its pieces are used together.
+    "validate": ("autopar_lab.validate", None),
+    "shutdown_local_ray": ("autopar_lab.runtime.launch", "shutdown_local_ray"),
 }
 
 

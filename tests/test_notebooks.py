@@ -1,7 +1,9 @@
 """Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
+import ast
 import math
 import pathlib
+import pkgutil
 import re
 
 import nbformat
@@ -50,6 +52,48 @@ def test_notebook_has_a_prediction_exercise(path):
     assert "hint=" in source and re.search(r"\.check\(", source)
 
 
+def _imports_and_names(source: str) -> tuple[list[str], set[str]]:
+    """What a notebook's code imports (``"from M"`` for ``from M import ...``, ``"M"`` for ``import M``), and the
+    names it reads off the package (``al.NAME``)."""
+    tree = ast.parse("\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+    modules, names = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            modules.append("from " + "." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "al":
+            names.add(node.attr)
+    return modules, names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_uses_only_the_public_api(path):
+    """Issue 34: a learner's code imports `autopar_lab as al` and nothing under it (a module's inside may change;
+    the package's names are the contract, ../shared/DESIGN.md), and every `al.NAME` it reads is one of them."""
+    modules, names = _imports_and_names(_code(path.stem))
+    inside = [m for m in modules if m.startswith(("autopar_lab.", "from autopar_lab", "from ."))]
+    assert not inside, f"{path.stem} imports {inside}: use the package's public names (al.NAME)"
+    names = {n for n in names if not n.startswith("__")}                  # a module's own: al.__file__
+    assert names <= set(al.__all__), f"{path.stem} reads {sorted(names - set(al.__all__))} that al does not export"
+
+
+def test_a_notebook_importing_an_inside_module_is_caught():
+    code = "import autopar_lab as al\nfrom autopar_lab import planner\nal.models.get('x')\n%time 1"
+    assert _imports_and_names(code) == (["autopar_lab", "from autopar_lab"], {"models"})
+
+
+def test_no_exported_function_or_class_is_named_like_a_module_of_the_package():
+    """Python sets a package's attribute to a submodule when the submodule is first imported, so a lazily exported
+    function named like a module (`al.simulate` beside autopar_lab/simulate.py) would turn into that module once
+    anything imported it: the notebooks' `al.simulate_pipeline` is named apart for this. Only namespaces (`models`,
+    `validate`: the module itself) may share a module's name."""
+    modules = {m.name for m in pkgutil.iter_modules(al.__path__)}
+    clashes = [name for name, (_, attr) in al._LAZY.items() if name in modules and attr is not None]
+    assert not clashes
+    assert {"models", "validate"} <= modules and all(al._LAZY[n][1] is None for n in ("models", "validate"))
+
+
 def test_there_is_a_tour():
     assert any(p.stem == "01_tour" for p in NOTEBOOKS)
 
@@ -74,7 +118,7 @@ def test_capstone_checks_a_prediction_at_each_design_step():
     asserted, not just printed."""
     nb = nbformat.read(NOTEBOOKS[0].parent / "10_capstone_llama3_70b.ipynb", as_version=4)
     source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    asks = re.findall(r"^(ask_\w+) = Exercise\(", source, re.M)
+    asks = re.findall(r"^(ask_\w+) = al\.Exercise\(", source, re.M)
     assert len(asks) >= 6
     assert all(f"{ask}.check(" in source for ask in asks)
     for call in ("al.megatron_plan(table=table", "al.fsdp_plan(table=table", "al.auto_plan(table=table",
