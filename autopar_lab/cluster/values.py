@@ -98,6 +98,12 @@ class Efficiency:
       :mod:`autopar_lab.graph.fusion`); False prices eager execution (PyTorch without ``torch.compile``): every
       elementwise operator, reduction and cast a kernel of its own that reads its inputs from memory and writes its
       outputs back, every matmul without an epilogue (flash attention, a library kernel, stays one kernel);
+    - ``library_kernels``: whether the step runs a fused-kernel library's kernels (Megatron-LM's Transformer Engine
+      and fused bias-GeLU, SwiGLU and norm kernels), whose backward keeps each kernel's inputs and recomputes the
+      elementwise values inside it, where JAX's autodiff keeps every value its backward reads
+      (:func:`~autopar_lab.graph.fusion.kernel_saved`: a GPT layer's 44 bytes a token and hidden unit become 32, a
+      Llama layer's 59 become 34); the recomputation's elementwise work is not priced (it runs inside the
+      backward's kernels, on values they read anyway);
     - ``kernel_launch_s``: the gap one kernel launch leaves between kernels, per kernel per microbatch;
     - ``buffer_s``: the fixed cost per state array (a parameter or optimizer-state tensor, all its shards) that the
       step's update program takes and returns, once per step: the runtime's dispatch of its buffers (measured on the
@@ -129,6 +135,7 @@ class Efficiency:
     attention: float = 1.0
     flash_attention: bool = False
     kernel_fusion: bool = True
+    library_kernels: bool = False
     kernel_launch_s: float = 5e-6
     buffer_s: float = 0.0
     driver_share: float = 0.0
@@ -163,6 +170,7 @@ class Efficiency:
         object.__setattr__(self, "chain_reads", float(reads))
         object.__setattr__(self, "flash_attention", bool(self.flash_attention))
         object.__setattr__(self, "kernel_fusion", bool(self.kernel_fusion))
+        object.__setattr__(self, "library_kernels", bool(self.library_kernels))
 
     def wave_fraction(self, m: int, n: int, batch: int = 1) -> float:
         """The fraction of the cores' time a GEMM of ``batch`` x (m x n) outputs spends on useful work: its output

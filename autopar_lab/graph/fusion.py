@@ -129,6 +129,13 @@ class KernelView:
     saved: frozenset[int]
     weight_derived: frozenset[int]
     masters: Mapping[int, float]
+    # what a framework whose fused kernels recompute their insides keeps (:func:`kernel_saved`); ``saved`` if None
+    kernel_saved: frozenset[int] | None = None
+
+    def kept(self, library_kernels: bool = False) -> frozenset[int]:
+        """The forward tensors the backward keeps: JAX autodiff's (``saved``), or with ``library_kernels`` a
+        fused-kernel library's (``kernel_saved``: :func:`kernel_saved`)."""
+        return self.kernel_saved if library_kernels and self.kernel_saved is not None else self.saved
 
     def kernels_of(self, role: str) -> list[Kernel]:
         return [k for k in self.kernels if k.role == role]
@@ -606,11 +613,72 @@ def kernel_view(graph: OpGraph, fused_attention: bool = False, eager: bool = Fal
         if eager:  # what autodiff keeps does not depend on how the kernels run: the compiled view's
             compiled = kernel_view(graph, fused_attention)
             memo[key] = KernelView(bool(fused_attention), kernels, roles, compiled.saved, compiled.weight_derived,
-                                   compiled.masters)
+                                   compiled.masters, compiled.kernel_saved)
         else:
             saved, weight, masters = b.memory()
-            memo[key] = KernelView(bool(fused_attention), kernels, roles, saved, weight, masters)
+            memo[key] = KernelView(bool(fused_attention), kernels, roles, saved, weight, masters,
+                                   kernel_saved(graph, kernels, roles, saved, weight))
     return memo[key]
+
+
+def kernel_saved(graph: OpGraph, kernels, roles: Mapping[int, OpKernel], saved: frozenset[int],
+                 weight: frozenset[int]) -> frozenset[int]:
+    """What the backward keeps when each fused kernel's backward recomputes the elementwise values inside it from
+    the kernel's inputs, as a fused-kernel library does (Megatron-LM's Transformer Engine and fused bias-GeLU,
+    SwiGLU and norm kernels save their inputs and a norm's statistics), where JAX's autodiff keeps every value its
+    backward reads (a tanh-GeLU's tanh, a SiLU's sigmoid, a norm's normalised copy: 44 and 56 bytes a token and
+    hidden unit for a GPT and a Llama layer against Korthikanti et al.'s 34 and Megatron's ~32).
+
+    A library's kernel boundaries are not XLA's: each matmul, attention and norm is a kernel that keeps its own
+    input, and the elementwise work between them one fused kernel that keeps its inputs. So a tensor of ``saved`` is
+    dropped when elementwise work computes it and no forward matmul, attention, library call or reduction reads it
+    (what those read, their kernels keep), and it can be recomputed from values that stay kept: walking back
+    through elementwise work and free layout changes to kept tensors, parameters, step inputs, values computed from
+    parameters alone, or the output of a matmul, attention or reduction, which is kept instead (the fused kernel's
+    input).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from autopar_lab.graph.capture import trace
+    >>> def loss(w, x):   # a tanh-GeLU's backward reads its tanh; a fused kernel recomputes it from x @ w
+    ...     y = x @ w
+    ...     return jnp.sum(0.5 * y * (1 + jnp.tanh(0.79788 * (y + 0.044715 * y ** 3))))
+    >>> g = trace(lambda w, x: jax.value_and_grad(loss)(w, x), jnp.zeros((8, 8)), jnp.zeros((4, 8)))
+    >>> v = kernel_view(g)
+    >>> sorted(g.op(g.tensor(t).producer).primitive for t in v.saved - v.kernel_saved)
+    ['tanh']
+    """
+    cat = {op: _category(graph.op(op)) for op in roles}
+    elementwise = {op for op, c in cat.items() if c in (_DUP_CAT, _LOOP_CAT)}
+    library = {op for op, c in cat.items() if c in (_GEMM_CAT, _LIBRARY_CAT, _REDUCE_CAT)} | {
+        op for k in kernels if k.kind == "attention" for op in k.ops}
+
+    def recomputed(t: int) -> bool:
+        return not any(graph.op(c).role == FORWARD and c in library for c in graph.consumers.get(t, ()))
+
+    drop = {t for t in saved if (p := graph.tensor(t).producer) is not None and p in elementwise and
+            p not in library and recomputed(t)}
+    keep = set(saved - drop)
+
+    def leaves(t: int, seen: set[int]) -> list[int]:
+        """The tensors ``t`` is recomputed from: through elementwise work and free layout changes, down to kept
+        values, parameters, step inputs and what a matmul, attention or reduction wrote."""
+        out: list[int] = []
+        for u in graph.op(graph.tensor(t).producer).inputs:
+            if u in seen:
+                continue
+            seen.add(u)
+            q = graph.tensor(u).producer
+            if q is None or u in keep or u in weight or graph.op(q).primitive == INPUT_PRIMITIVE:
+                continue
+            if (q in elementwise and q not in library) or cat.get(q) in (_FREE, _CHEAP_CAT):
+                out += leaves(u, seen)
+            else:
+                out.append(u)
+        return out
+
+    for t in sorted(drop):
+        keep.update(leaves(t, set()))
+    return frozenset(keep)
 
 
 def attach_kernel_roles(graph: OpGraph, eager: bool = False) -> None:

@@ -132,8 +132,9 @@ def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles,
 
 def cluster_running(cluster, table, field: str, value: bool | None, what: str):
     """The cluster to build a layout's cost table on when the framework decides how the device runs a kernel (a
-    field of :class:`~autopar_lab.cluster.Efficiency`: ``flash_attention``, ``kernel_fusion``): ``cluster`` (a
-    Cluster or its name) with ``field`` set to ``value``; ``value`` None keeps it. With a ``table`` instead, the
+    field of :class:`~autopar_lab.cluster.Efficiency`: ``flash_attention``, ``kernel_fusion``,
+    ``library_kernels``): ``cluster`` (a Cluster or its name) with ``field`` set to ``value``; ``value`` None keeps
+    it. With a ``table`` instead, the
     table's cluster is used as built, and a ``value`` that disagrees with it raises one ValueError naming ``what``
     (the framework's argument) and how to build a table that agrees.
 

@@ -26,7 +26,7 @@ from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, microbatches_for, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, microbatches_for, price_layout, stage_submesh
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -81,7 +81,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
                   micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                  tp_comm_overlap: bool = False, skip_above: float = math.inf) -> Plan:
+                  tp_comm_overlap: bool = False, library_kernels: bool | None = None,
+                  skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
     of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
@@ -108,7 +109,13 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     all-gather behind the next step's first forward, up to its compute less one layer's; off, it follows the update),
     ``tp_comm_overlap`` (``--tp-comm-overlap``, with ``sequence_parallel``: each layer's tensor-parallel all-gathers
     and reduce-scatters, the backward's re-gather of the stored sequence shard included, hidden behind that layer's
-    matmuls of the same pass, ``min(collectives, matmuls)``; off, on the critical path)."""
+    matmuls of the same pass, ``min(collectives, matmuls)``; off, on the critical path).
+
+    ``library_kernels``: True prices the activations Megatron-LM's fused kernels keep (Transformer Engine, fused
+    bias-GeLU / SwiGLU and norms: each kernel keeps its inputs and recomputes what it computes inside; a GPT layer
+    keeps Korthikanti et al.'s 34 bytes a token and hidden unit less the dropout masks), False what JAX's autodiff
+    keeps, None the cluster's (``table``'s) own :class:`~autopar_lab.cluster.Efficiency` setting (False on every
+    preset: a plan the library runs keeps what autodiff keeps)."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -127,6 +134,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
                          "group; it needs tp of 2 or more")
+    library_kernels = None if library_kernels is None else checks.flag(library_kernels, "library_kernels")
+    cluster = cluster_running(cluster, table, "library_kernels", library_kernels,
+                              f"library_kernels={library_kernels}")
     table, cluster, trace_s = table_for(model, cluster, table, solver, precision=precision)
     n = cluster.num_devices
     if par.devices != n:

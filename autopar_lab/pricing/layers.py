@@ -135,6 +135,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     launch = device.efficiency.kernel_launch_s * kernel_share(plan.mesh)
     per_buffer = device.efficiency.buffer_s * buffer_share(plan.mesh)
     view = kernel_view(graph, fused, eager=eager)
+    library = device.efficiency.library_kernels
+    keeps = view.kept(library)  # the forward tensors the backward keeps (a fused-kernel library's, or autodiff's)
     grads = weight_gradient_ops(graph, plan.ops)
     inside = set(plan.ops)
     internals = attention_internals(graph)
@@ -196,7 +198,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 a[f"{key}_fwd"] += s.cost
                 if role is not None and role.root:
                     a[f"{key}_lf"] += launch
-        for kind, nbytes in memory_terms(graph, node, s, mshape, fused):
+        for kind, nbytes in memory_terms(graph, node, s, mshape, fused, library_kernels=library):
             a[kind] += nbytes
             if internal and kind == "act":
                 a["attn_act"] += nbytes
@@ -207,12 +209,12 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             # the residual add): the policy keeps it for the recomputation, so it saves that much less. (Not the
             # scores: a flash-attention kernel never writes them.)
             for t, kept in zip(node.outputs, s.out_specs):
-                if t not in view.saved and any(c in elementwise for c in graph.consumers.get(t, ())):
+                if t not in keeps and any(c in elementwise for c in graph.consumers.get(t, ())):
                     info = graph.tensor(t)
                     a["dots_act"] -= kept.bytes_per_device(info.shape, info.dtype, mshape)
 
         if role is not None and role.kind != "dead":
-            written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in view.saved
+            written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in keeps
                        for b in (spec.bytes_per_device(graph.tensor(t).shape, graph.tensor(t).dtype, mshape),)]
             a["temp"] = max(a["temp"], max(written, default=0.0))
         if fwd and node.primitive != INPUT_PRIMITIVE:

@@ -81,7 +81,7 @@ STATIC_KINDS = ("param", "grad", "master", "opt", "copies", "fp8")
 
 
 def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...],
-                 fused_attention: bool = False):
+                 fused_attention: bool = False, *, library_kernels: bool = False):
     """The bytes per device one operator adds to a stage, term by term, as ``(kind, bytes)``.
 
     A parameter input: ``param`` and ``grad`` (as sharded), or for an fp32 master weight of a lower-precision step
@@ -93,8 +93,11 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
     (:attr:`~autopar_lab.graph.fusion.KernelView.saved`: broadcasts and cheap elementwise work are recomputed, a
     flash-attention kernel keeps no scores): ``act``, or ``copies`` when computed from parameters alone (it does not
     grow with the microbatch). The one memory formula: the IntraPlan's totals and the per-layer costs of
-    :mod:`autopar_lab.pricing` both add these terms, in this order."""
+    :mod:`autopar_lab.pricing` both add these terms, in this order. ``library_kernels``: the forward
+    tensors a fused-kernel library keeps instead (:meth:`~autopar_lab.graph.fusion.KernelView.kept`;
+    :class:`~autopar_lab.cluster.Efficiency`'s field of that name)."""
     view = kernel_view(graph, fused_attention)
+    kept = view.kept(library_kernels)
     if node.primitive == INPUT_PRIMITIVE:
         t = node.outputs[0]
         kind = graph.tensor(t).kind
@@ -117,7 +120,7 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
     if node.role != FORWARD:
         return
     for k, t in enumerate(node.outputs):
-        if t not in view.saved:
+        if t not in kept:
             continue
         if t in view.weight_derived:
             if node.primitive == "convert_element_type" and graph.tensor(node.inputs[0]).id in view.masters:
@@ -161,10 +164,11 @@ def held_copies(graph: OpGraph, convs, mesh_shape: tuple[int, ...]) -> dict[int,
 def memory_totals(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strategy], mesh) -> tuple[float, float]:
     """(static, activation) bytes per device: the sum of :func:`memory_terms` over ``ops``."""
     mshape = tuple(mesh.shape)
-    fused = mesh.cluster.device.efficiency.flash_attention
+    eff = mesh.cluster.device.efficiency
     static = act = 0.0
     for op in ops:
-        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape, fused):
+        for kind, nbytes in memory_terms(graph, graph.op(op), chosen[op], mshape, eff.flash_attention,
+                                         library_kernels=eff.library_kernels):
             if kind == "act":
                 act += nbytes
             else:
