@@ -5,13 +5,15 @@ A session on GPT-39B (Megatron's 48 layers, H 8192, 64 heads, s 2048, batch 1536
 inter-host bandwidth x0.1 and x10; intra-host bandwidth x0.5. Each re-plan (``Session.set_cluster``, what the
 "re-plan on this cluster" button runs) is timed and split into "ilp s" (the ILPs of meshes the moved table could not
 keep), "table s" (the stage candidates' arrays, ``StageBlock``) and "dp s" (the rest: the stage DP, the simulation,
-pricing); "new/kept" counts the meshes solved against those carried over. "fresh s" is a fresh ``auto_plan`` of the
-same cluster (trace and every ILP, as a new workbench would plan it), and "same" says whether both plans agree to the
+pricing); "cpu s" is the re-plan's CPU time in this process (ILP worker processes apart: the figure a shared
+machine's load does not inflate); "new/kept" counts the meshes solved against those carried over. "fresh s" is a
+fresh ``auto_plan`` of the same cluster (trace and every ILP, as a new workbench would plan it), and "same" says whether both plans agree to the
 bit (stages, microbatches, step time).
 
 With ``--model llama3-405b@2048`` (or another row of ``bench_plan_time.TODAY``, issue 36 item 3) the session is
 that model on that many hosts of its preset, planned as bench_plan_time plans it, and the what-ifs are the hosts
-halved and doubled and the inter-host bandwidth x0.1 and x10.
+halved and doubled and the inter-host bandwidth x0.1 and x10. Arguments such as ``hosts=1024`` run only those
+what-ifs (their names as printed).
 
     JAX_PLATFORMS=cpu .venv/bin/python bench/bench_whatif.py [--no-fresh] [--model llama3-405b@2048] [hosts=32 ...]
 """
@@ -75,16 +77,16 @@ def main(argv: list[str]) -> None:
     print(f"{label} on {cluster.num_devices} GPUs: planned in {t_start:.1f} s ({len(table.planned_meshes())} meshes):"
           f" {len(plan.stages)} stages, {plan.microbatches} microbatches, step {plan.cost.step_time_s:.4f} s; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"{'what-if':>12}{'re-plan s':>11}{'ilp s':>8}{'table s':>9}{'dp s':>7}{'new/kept':>10}{'fresh s':>9}"
-          f"{'speedup':>9}{'same':>6}{'stages':>8}{'mb':>6}{'step s':>9}{'load':>6}", flush=True)
+    print(f"{'what-if':>12}{'re-plan s':>11}{'cpu s':>7}{'ilp s':>8}{'table s':>9}{'dp s':>7}{'new/kept':>10}"
+          f"{'fresh s':>9}{'speedup':>9}{'same':>6}{'stages':>8}{'mb':>6}{'step s':>9}{'load':>6}", flush=True)
     for name, changes in moves(cluster).items():
         if only and name not in only:
             continue
         new_cluster = cluster.with_(**changes)
         BLOCK_S[0] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         after = session.set_cluster(new_cluster)
-        t_re = time.perf_counter() - t0
+        t_re, c_re = time.perf_counter() - t0, time.process_time() - c0
         t_block = BLOCK_S[0]
         moved = after.table
         ilp = moved.solve_s
@@ -98,7 +100,7 @@ def main(argv: list[str]) -> None:
             ref = al.auto_plan(build(), new_cluster, solver=solver)
             t_fresh = time.perf_counter() - t0
             same = "yes" if signature(ref) == signature(after) else "NO"
-        print(f"{name:>12}{t_re:>11.1f}{ilp:>8.1f}{t_block:>9.1f}{t_re - ilp - t_block:>7.1f}"
+        print(f"{name:>12}{t_re:>11.1f}{c_re:>7.1f}{ilp:>8.1f}{t_block:>9.1f}{t_re - ilp - t_block:>7.1f}"
               f"{f'{solved}/{kept}':>10}{t_fresh:>9.1f}{t_fresh / t_re:>8.1f}x{same:>6}{len(after.stages):>8}"
               f"{after.microbatches:>6}{after.cost.step_time_s:>9.4f}{os.getloadavg()[0]:>6.1f}", flush=True)
 

@@ -85,11 +85,15 @@ def test_layered_dp_equals_the_full_minimum(seed):
         for s in range(1, p.max_stages + 1):
             np.testing.assert_array_equal(got_F[s], want_F[s])
             np.testing.assert_array_equal(got_arg[s], want_arg[s])
-    # t_max given to the DP is the same as masking the table first
-    got_F, _ = dp.layered_dp(p, tables.best_time, cut, valid, size, np.add, t_max=t_max)
+    # t_max given to the DP is the same as masking the table first, and a table laid out [k, i, sh, s] in memory
+    # (pins build one so) gives what candidate_tables' [s, sh, k, i] layout gives
+    got_F, got_arg = dp.layered_dp(p, tables.best_time, cut, valid, size, np.add, t_max=t_max)
     want_F, _ = dp.layered_dp(p, masked, cut, valid, size, np.add)
+    other_F, other_arg = dp.layered_dp(p, np.ascontiguousarray(tables.best_time), cut, valid, size, np.add, t_max=t_max)
     for s in range(1, p.max_stages + 1):
         np.testing.assert_array_equal(got_F[s], want_F[s])
+        np.testing.assert_array_equal(got_F[s], other_F[s])
+        np.testing.assert_array_equal(got_arg[s], other_arg[s])
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -52,10 +52,12 @@ def partition_bounds(E: np.ndarray, max_parts: int) -> tuple[float, np.ndarray]:
     G = np.full(max_parts, np.inf)
     g = np.full(L + 1, np.inf)  # g[k]: min sum of sqrt over partitions of k..L-1 into s ranges (s so far)
     g[L] = 0.0
+    # Every k at once: [k, i] is root[k, i] + g[i + 1] for a range k..i (i >= k), inf below (no range), so the row
+    # minimum is the same float as the minimum over i >= k alone (a min does not round).
+    ranges = np.where(np.triu(np.ones((L, L), dtype=bool)), root, np.inf)
     for s in range(1, max_parts + 1):
         nxt = np.full(L + 1, np.inf)
-        for k in range(L - 1, -1, -1):
-            nxt[k] = np.min(root[k, k:] + g[k + 1:], initial=np.inf)
+        nxt[:L] = np.min(ranges + g[None, 1:], axis=1, initial=np.inf)
         g = nxt
         G[s - 1] = g[0]
     return float(h[0]), G

@@ -38,6 +38,11 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
     L, NM, SH = p.num_layers, p.columns, len(p.shapes)
     S = p.max_stages
     lowest = math.inf
+    # At thousands of devices each (s, shape) step is small (tens of start layers and columns): the time goes to
+    # numpy's per-call overhead and to strided reads, so each s reads its costs as one block, [sh, k, i].
+    costs = stage_cost.transpose(3, 2, 0, 1)  # [s - 1, sh, k, i]: candidate_tables lays best_time out so
+    if not costs.flags.c_contiguous:  # (a table laid out otherwise: copied once)
+        costs = np.ascontiguousarray(costs)
     F_prev = np.full((L + 1, NM + 1), np.inf)
     F_prev[L, 0] = 0.0
     Fs, args = [F_prev], [None]  # type: list[Any], list[Any]
@@ -45,40 +50,42 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
     places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
     for s in range(1, S + 1):
         F = np.full((L + 1, NM + 1), np.inf)
-        arg = np.zeros((L, NM + 1), dtype=np.int64)
+        arg = np.zeros((L, NM + 1), dtype=np.int32)  # flat indices i * SH + sh: far below 2**31
         # s stages need s layers: only start layers k <= L - s can have a plan, and a stage ending at i leaves
         # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s.
         n = L - s + 1
         best = F[:n]
         # Device counts the s - 1 stages after this one can fill at all: a stage is placed only where it leaves one.
         reachable = np.asarray(np.isfinite(F_prev[1:n + 1]).any(axis=0))
+        cost_s = costs[s - 1, :, :n, :n]  # [sh, k, i]
+        if t_max < math.inf:
+            cost_s = np.where(cost_s <= t_max, cost_s, np.inf)
+        fin_all = np.isfinite(cost_s)
+        any_row = fin_all.any(axis=2)  # [sh, k]: some stage of shape sh starts at layer k
         for sh, all_ds in enumerate(places):
+            rows = any_row[sh]
+            if not rows.any():
+                continue  # no stage of this shape here (memory, t_max): nothing to take
             ds = all_ds[reachable[all_ds - size[sh]]] if all_ds.size else all_ds
             if ds.size == 0:
                 continue
-            cost = stage_cost[:n, :n, sh, s - 1]
-            if t_max < math.inf:
-                cost = np.where(cost <= t_max, cost, np.inf)
-            fin = np.isfinite(cost)
-            rows = np.flatnonzero(fin.any(axis=1))  # start layers with any stage of this shape
-            if rows.size == 0:
-                continue  # no stage of this shape here (memory, t_max): nothing to take
-            k_fin, i_fin = np.nonzero(fin[rows])
+            # Start layers k0..k1-1 (a row between without a stage is all inf: it never takes, as in the min).
+            k0, k1 = int(rows.argmax()), n - int(rows[::-1].argmax())
+            k_fin, i_fin = np.nonzero(fin_all[sh, k0:k1])
             # Stages longer than the longest finite one cost inf: look only at end layers i = k .. k + w - 1.
-            w = int((i_fin - rows[k_fin]).max()) + 1
-            i_of = rows[:, None] + np.arange(w)[None, :]  # (row, r) -> end layer k + r
+            w = int((i_fin - k_fin).max()) + 1 - k0
+            i_of = np.arange(k0, k1)[:, None] + np.arange(w)  # (row, r) -> end layer k + r
             ends = np.minimum(i_of, n - 1)
-            band = np.where(i_of < n, cost[rows[:, None], ends], np.inf)
-            here = band[:, :, None] + cut[rows][:, None, ds]  # (row, r, d)
+            band = np.where(i_of < n, cost_s[sh][np.arange(k0, k1)[:, None], ends], np.inf)
+            here = band[:, :, None] + cut[k0:k1, ds][:, None, :]  # (row, r, d)
             total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
             r_best = np.argmin(total, axis=1)
-            v = np.take_along_axis(total, r_best[:, None, :], axis=1)[:, 0, :]
-            flat = (r_best + rows[:, None]) * SH + sh
-            at = np.ix_(rows, ds)
-            cur_v, cur_f = best[at], arg[at]
+            v = total.min(axis=1)
+            flat = (r_best + np.arange(k0, k1)[:, None]) * SH + sh
+            cur_v, cur_f = best[k0:k1, ds], arg[k0:k1, ds]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
-            best[at] = np.where(take, v, cur_v)
-            arg[at] = np.where(take, flat, cur_f)
+            best[k0:k1, ds] = np.where(take, v, cur_v)
+            arg[k0:k1, ds] = np.where(take, flat, cur_f)
         Fs.append(F)
         args.append(arg)
         F_prev = F

@@ -269,7 +269,8 @@ class CandidateTables(NamedTuple):
 
     For a fixed t_max the best candidate is simply the fastest one that fits memory (if it
     is within t_max, nothing slower can be better; if not, nothing fits), so the t_max loop
-    only has to mask this table.
+    only has to mask this table. ``best_time`` and ``min_req()`` are laid out ``[s-1, sh, k, i]`` in memory (seen
+    through a transposed view): the layered DP reads one (s, shape) block at a time.
     """
 
     best_time: np.ndarray
@@ -289,7 +290,8 @@ def candidate_tables(p: Problem, arrays=None) -> CandidateTables:
     whole = bool(np.all(held == np.floor(held)))
     mem = p.mem_limit
     arrays = candidate_arrays(p) if arrays is None else arrays
-    best_time = np.full((L, L, SH, S), np.inf)
+    # Laid out [s - 1, sh, k, i] and seen as [k, i, sh, s - 1]: the DP reads one (s, shape) block at a time.
+    laid = np.full((S, SH, L, L), np.inf)
     for sh, (time_, static, act, has) in enumerate(arrays):
         # hmax: the most microbatches a candidate can hold, checked with the same float operations as
         # StageCandidate.mem_bytes (the estimate from a division is corrected by one either way).
@@ -303,10 +305,11 @@ def candidate_tables(p: Problem, arrays=None) -> CandidateTables:
         s_max = np.searchsorted(held, np.where(has, est, -1.0), side="right")  # candidates fit for s = 1..s_max
         if not whole:  # a fractional held (interleaved): count the s that fit directly (held grows with s)
             s_max = sum((static + h * act <= mem).astype(np.int64) for h in held)
-        by_top = np.full((L, L, S + 1), np.inf)  # [..., t]: fastest candidate whose s_max is t
+        by_top = np.full((S + 1, L, L), np.inf)  # [t]: fastest candidate whose s_max is t
         cc, kk, ii = np.nonzero(has & (s_max > 0))
-        np.minimum.at(by_top, (kk, ii, s_max[cc, kk, ii]), time_[cc, kk, ii])
-        best_time[:, :, sh, :] = np.minimum.accumulate(by_top[..., :0:-1], axis=-1)[..., ::-1]  # over s_max >= s
+        np.minimum.at(by_top, (s_max[cc, kk, ii], kk, ii), time_[cc, kk, ii])
+        laid[:, sh] = np.minimum.accumulate(by_top[:0:-1], axis=0)[::-1]  # over s_max >= s
+    best_time = laid.transpose(2, 3, 1, 0)
 
     def index(k, i, sh, s):
         held_s = p.held(s)
@@ -316,11 +319,11 @@ def candidate_tables(p: Problem, arrays=None) -> CandidateTables:
         return -1
 
     def min_req():
-        out = np.full((L, L, SH, S), np.inf)
+        out = np.full((S, SH, L, L), np.inf)  # laid out as best_time
         for sh, (_, static, act, has) in enumerate(arrays):
             for s in range(S):
-                out[:, :, sh, s] = np.where(has, static + held[s] * act, np.inf).min(axis=0, initial=np.inf)
-        return out
+                out[s, sh] = np.where(has, static + held[s] * act, np.inf).min(axis=0, initial=np.inf)
+        return out.transpose(2, 3, 1, 0)
 
     return CandidateTables(best_time, index, min_req)
 
