@@ -230,8 +230,10 @@ class FakeRunner:
 
     def __init__(self, plan):
         self.plan, self.losses, self.gate = plan, [], threading.Semaphore(0)
+        self.entered = 0  # steps begun (a step waits at the gate once begun)
 
     def step(self, batch):
+        self.entered += 1
         assert self.gate.acquire(timeout=10)
         self.losses.append(5.0 - len(self.losses))
         return self.losses[-1]
@@ -258,7 +260,8 @@ def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypa
     assert _wait_for(lambda: bool(runners))
     runner = runners[0]
     runner.gate.release(2)
-    assert _wait_for(lambda: panel.progress.value == 2)
+    # the third step under way (begun, waiting at the gate): under load the panel may show step 2 before then
+    assert _wait_for(lambda: panel.progress.value == 2 and runner.entered == 3)
     panel.cancel()  # the third step is under way: it finishes, then the run stops
     runner.gate.release()
     panel.wait(10)
