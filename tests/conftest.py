@@ -35,11 +35,13 @@ _FLAGS = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.split("=")[0] not in _FLAGS]).strip()
 
 # `make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. Each test file is one group, so it runs
-# whole on one worker and its module-scoped fixtures are built once. The files that start a Ray head share one group,
-# so only one of them runs at a time: test_launch_remote's `ray stop --force` stops every Ray head of the user, and two
-# Ray clusters (each a handful of processes) would starve a 2-core machine and make their start-up timeouts flaky.
-# test_browser (one JupyterLab and one Chromium, no Ray) and test_training_panel (no Ray: a fake job) run as their own
-# groups, beside it.
+# whole on one worker and its module-scoped fixtures are built once. tests/xdist_schedule.py finds each test's group
+# with group_of itself: under pytest 9, pytest-xdist 3.8's xdist_group marks never reach its scheduler, and every
+# test was a group of its own until it did (module fixtures built on both workers, Ray files side by side). The files
+# that start a Ray head share one group, so only one of them runs at a time: test_launch_remote's `ray stop --force`
+# stops every Ray head of the user, and two Ray clusters (each a handful of processes) would starve a 2-core machine
+# and make their start-up timeouts flaky. test_browser (one JupyterLab and one Chromium, no Ray) and
+# test_training_panel (no Ray: a fake job) are groups of their own, beside it.
 SERIAL_GROUP = "ray"
 SERIAL_FILES = frozenset({
     "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
@@ -427,6 +429,7 @@ def pytest_configure(config):
         import xdist_schedule
 
         config.pluginmanager.register(xdist_schedule, "crash-safe-loadgroup")
+        config.stash[xdist_schedule.GROUP_OF_FILE] = lambda path: group_of(pathlib.PurePath(path).stem)
         # The groups run in the order the tests are collected in (pytest_collection_modifyitems sorts them), not
         # xdist's default of the group with most tests first.
         config.option.loadscopereorder = False
