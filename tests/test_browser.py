@@ -1,14 +1,13 @@
 """The workbench in a real browser: JupyterLab on localhost (with a token), Chromium driven by Playwright.
 
-The tests share one JupyterLab (started in a temporary folder) and one Chromium; each writes its notebook there,
-opens it in a page of its own and runs every cell, and its kernel is stopped after it. The first test copies in the
-tour notebook: its workbench is on a plan as deep as GPT-1.3B (24 layers, two pipeline stages on 2 hosts x 4
-devices). The test waits for every view (found by their stable CSS classes), checks that none scrolls sideways and
-that the header stays in view, screenshots each one, then clicks every control it owns and checks what each click
-shows: the operator graph (open a group of repeated layers, expand a layer of 500 operators, zoom, hover, colour by
-sharding), an override on a deep layer in the sharding table (for every layer sharing its solution, then for that
-layer alone), a cut moved by layer name, submeshes edited for every stage, undo, a what-if re-plan, compare and
-adopt, export, and a local training run. Screenshots are kept under the test's tmp dir; with
+The test copies the tour notebook into a temporary folder, starts JupyterLab there, opens the notebook and runs every
+cell. The tour's workbench is on a plan as deep as GPT-1.3B (24 layers, two pipeline stages on 2 hosts x 4 devices).
+The test waits for every view (found by their stable CSS classes), checks that none scrolls sideways and that the
+header stays in view, screenshots each one, then clicks every control it owns and checks what each click shows: the
+operator graph (open a group of repeated layers, expand a layer of 500 operators, zoom, hover, colour by sharding),
+an override on a deep layer in the sharding table (for every layer sharing its solution, then for that layer
+alone), a cut moved by layer name, submeshes edited for every stage, undo, a what-if
+re-plan, compare and adopt, export, and a local training run. Screenshots are kept under the test's tmp dir; with
 ``AUTOPAR_SCREENSHOTS=docs`` they are also written to ``docs/`` (the README uses them).
 
     AUTOPAR_SCREENSHOTS=docs .venv/bin/python -m pytest -q -m slow tests/test_browser.py
@@ -20,8 +19,6 @@ training run, 8 JAX devices (``JAX_NUM_CPU_DEVICES=8``, as ``make test`` sets).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import pathlib
 import re
@@ -32,7 +29,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -125,75 +121,9 @@ def chromium_page(viewport=(1500, 3000)):
             browser.close()
 
 
-
-@dataclasses.dataclass(frozen=True)
-class Lab:
-    """The JupyterLab this file's tests share: the folder it serves, its URL and token."""
-
-    root: pathlib.Path
-    url: str
-    token: str
-
-    def _api(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(f"{self.url}/api/{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            body = r.read()
-        return json.loads(body) if body else None
-
-    def shutdown_kernels(self) -> None:
-        """Stop every session's kernel (and any kernel without one), as closing JupyterLab would: the next test
-        starts from a server with nothing running."""
-        for session in self._api("sessions"):
-            with contextlib.suppress(urllib.error.HTTPError):
-                self._api(f"sessions/{session['id']}", "DELETE")
-        for kernel in self._api("kernels"):
-            with contextlib.suppress(urllib.error.HTTPError):
-                self._api(f"kernels/{kernel['id']}", "DELETE")
-
-
-# One JupyterLab server and one Chromium for this file's tests (starting them took seconds of CPU per test); each test
-# writes its notebook into the served folder, opens it in a page and a JupyterLab workspace of its own, and its kernel
-# is stopped after it (lab_page).
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    base = tmp_path_factory.mktemp("lab")
-    root, scratch = base / "notebooks", base / "scratch"
-    root.mkdir()
-    scratch.mkdir()
-    with jupyter_lab(root, scratch) as (url, token):
-        yield Lab(root, url, token)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-@contextlib.contextmanager
-def lab_page(lab: Lab, browser, notebook: str, viewport):
-    """A fresh page (its own browser context) on ``lab``'s ``notebook``, run cell by cell in a workspace named after
-    it; the page is closed and the server's kernels stopped on exit."""
-    page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
-    try:
-        open_and_run_all(page, lab.url, lab.token, notebook, timeout_s=90, workspace=pathlib.Path(notebook).stem)
-        yield page
-    finally:
-        page.close()
-        lab.shutdown_kernels()
-
-def open_and_run_all(page, url: str, token: str, notebook: str, timeout_s: float, workspace: str | None = None) -> None:
-    """Open ``notebook`` in JupyterLab, wait for its kernel, and run every cell (the "Run All Cells" command). With
-    ``workspace``, the page opens in that JupyterLab workspace (a new one is empty: no tab of an earlier test's)."""
-    where = f"workspaces/{workspace}/tree" if workspace else "tree"
-    page.goto(f"{url}/lab/{where}/{notebook}?token={token}", timeout=int(timeout_s * 1000))
+def open_and_run_all(page, url: str, token: str, notebook: str, timeout_s: float) -> None:
+    """Open ``notebook`` in JupyterLab, wait for its kernel, and run every cell (the "Run All Cells" command)."""
+    page.goto(f"{url}/lab/tree/{notebook}?token={token}", timeout=int(timeout_s * 1000))
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=int(timeout_s * 1000))
     page.wait_for_function(
         "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
@@ -329,11 +259,16 @@ def editor_select(page, stage: int, column: int):
 
 
 @pytest.mark.slow
-def test_deep_workbench_in_chromium(tmp_path, lab, browser):
-    shutil.copy(ROOT / "notebooks" / "01_tour.ipynb", lab.root)
+def test_deep_workbench_in_chromium(tmp_path):
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copy(ROOT / "notebooks" / "01_tour.ipynb", root)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     dirs = _shots_dirs(tmp_path)
     log = []
-    with lab_page(lab, browser, "01_tour.ipynb", (1400, 3400)) as page:
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 3400)) as page:
+        open_and_run_all(page, url, token, "01_tour.ipynb", timeout_s=90)
         for cls in VIEWS:  # the tour's planning cells run first: allow for a loaded machine
             page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
@@ -594,19 +529,24 @@ SHAPES = re.compile(r"\[\d+(,\d+)*\](x\[\d+(,\d+)*\])* -> \[\d+(,\d+)*\]")
 
 
 @pytest.mark.slow
-def test_views_name_modules_in_chromium(tmp_path, lab, browser):
+def test_views_name_modules_in_chromium(tmp_path):
     """Issue 30 item 6 and issue 35 item 8 as a user meets them: the sharding table's rows of a deep layer name their
     module and shapes, the filter by module keeps one module's rows, the graph names the layer's matmuls by module and
     the overview names the layer selected."""
     import nbformat
 
+    root = tmp_path / "notebooks"
+    root.mkdir()
     cell = (f"import autopar_lab as al\n"
             f"wb = al.Workbench(al.models.get({MODULES_MODEL!r}), al.Cluster.parse({MODULES_CLUSTER!r}))\nwb")
     kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}  # as the tour's
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)], metadata=kernel),
-                   lab.root / "modules.ipynb")
+                   root / "modules.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     dirs = _shots_dirs(tmp_path)[:1]  # kept with the test (the README's table screenshot is the tour's)
-    with lab_page(lab, browser, "modules.ipynb", (1400, 2400)) as page:
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 2400)) as page:
+        open_and_run_all(page, url, token, "modules.ipynb", timeout_s=90)
         page.wait_for_selector(".autopar-sharding-table", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
@@ -698,17 +638,22 @@ _TOOLBAR_ON_TITLE = """([scope, title]) => {
 
 
 @pytest.mark.slow
-def test_graph_and_charts_read_clearly_in_chromium(lab, browser):
+def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
     """Issue 35 item 8 as a user reads it: the detail view's caption never covers the top row of operators, the
     overview's hover counts the operators the caption counts, the hovers' strategy notation is explained in the
     graph and the table, and plotly's toolbar (shown when the mouse is over a chart) leaves the stage and memory
     charts' titles readable."""
     import nbformat
 
+    root = tmp_path / "notebooks"
+    root.mkdir()
     kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CHARTS_CELL)], metadata=kernel),
-                   lab.root / "charts.ipynb")
-    with lab_page(lab, browser, "charts.ipynb", (1600, 2600)) as page:
+                   root / "charts.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1600, 2600)) as page:
+        open_and_run_all(page, url, token, "charts.ipynb", timeout_s=90)
         for cls in VIEWS:
             page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
@@ -783,18 +728,23 @@ mode = "full"
 
 
 @pytest.mark.slow
-def test_framework_config_in_and_out_in_chromium(lab, browser):
+def test_framework_config_in_and_out_in_chromium(tmp_path):
     """Issue 33 as a user meets it: the workbench imports a torchtitan TOML pasted into its configuration box (the
     header then names torchtitan's layout) and exports the plan as MaxText YAML into the same box."""
     import nbformat
 
+    root = tmp_path / "notebooks"
+    root.mkdir()
     cell = ("import autopar_lab as al\n"
             "m = al.models.get('llama3-tiny', num_layers=4, batch_size=64, dtype='bfloat16')\n"
             "wb = al.Workbench(m, plan=al.megatron_plan(m, al.Cluster.parse('dgx-h100:2'), dp=16, tp=1, pp=1))\nwb")
     kernel = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)], metadata=kernel),
-                   lab.root / "frameworks.ipynb")
-    with lab_page(lab, browser, "frameworks.ipynb", (1400, 2400)) as page:
+                   root / "frameworks.ipynb")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with jupyter_lab(root, scratch) as (url, token), chromium_page((1400, 2400)) as page:
+        open_and_run_all(page, url, token, "frameworks.ipynb", timeout_s=90)
         page.wait_for_selector(".autopar-workbench", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
