@@ -35,14 +35,32 @@ _FLAGS = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.split("=")[0] not in _FLAGS]).strip()
 
 # `make test` runs the suite on pytest-xdist workers with `--dist loadgroup`. Each test file is one group, so it runs
-# whole on one worker and its module-scoped fixtures are built once. The files that start a Ray head or a JupyterLab
-# server share one group, so only one of them runs at a time: two Ray clusters (each a handful of processes) or a
-# browser beside a cluster would starve a 2-core machine and make their start-up timeouts flaky.
-SERIAL_GROUP = "ray-and-servers"
+# whole on one worker and its module-scoped fixtures are built once. tests/xdist_schedule.py finds each test's group
+# with group_of itself: under pytest 9, pytest-xdist 3.8's xdist_group marks never reach its scheduler, and every
+# test was a group of its own until it did (module fixtures built on both workers, Ray files side by side). The files
+# that start a Ray head share one group, so only one of them runs at a time: test_launch_remote's `ray stop --force`
+# stops every Ray head of the user, and two Ray clusters (each a handful of processes) would starve a 2-core machine
+# and make their start-up timeouts flaky. test_browser (one JupyterLab and one Chromium, no Ray) and
+# test_training_panel (no Ray: a fake job) are groups of their own, beside it.
+SERIAL_GROUP = "ray"
 SERIAL_FILES = frozenset({
-    "test_browser", "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
-    "test_ray_lifecycle", "test_readme", "test_training_panel",
+    "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
+    "test_ray_lifecycle", "test_readme",
 })
+
+# The groups that take longest, longest first: the workers start on these, so that no long group is left for the end
+# while the other worker has nothing to do (xdist's own order, most tests first, put test_browser's 4 tests and
+# test_runtime_buffers' 4 near the end). The order follows the seconds each group's tests took on the workers of a
+# fresh clone's `make test` (session 29's --durations=300 summed by file, session 32's --durations=40 where more);
+# the groups not named here follow, most tests first.
+LONGEST_FIRST = (
+    SERIAL_GROUP, "test_notebooks", "test_browser", "test_ring_execute", "test_virtual_share", "test_table_scale",
+    "test_gallery", "test_runtime_buffers", "test_execute", "test_moe", "test_models_deepseek", "test_lean",
+    "test_update_sharding", "test_frameworks", "test_precision", "test_memory_measured", "test_gradient_chain",
+    "test_layouts", "test_models_llama", "test_deepmap", "test_golden", "test_cli_today", "test_fsdp",
+    "test_presets_today", "test_widgets", "test_models", "test_selective_remat", "test_calibrate", "test_intra",
+    "test_cluster", "test_workbench_fixes", "test_scale_space", "test_deep_overrides", "test_bench_published",
+)
 
 # `make test-fast` leaves these out (`-m "not slow and not notebook and not browser"`): a notebook or a browser test
 # starts a kernel or Chromium, seconds before its first assertion, whatever it checks.
@@ -411,19 +429,41 @@ def pytest_configure(config):
         import xdist_schedule
 
         config.pluginmanager.register(xdist_schedule, "crash-safe-loadgroup")
+        config.stash[xdist_schedule.GROUP_OF_FILE] = lambda path: group_of(pathlib.PurePath(path).stem)
+        # The groups run in the order the tests are collected in (pytest_collection_modifyitems sorts them), not
+        # xdist's default of the group with most tests first.
+        config.option.loadscopereorder = False
     # Registered here too, so a run without xdist (`make test XDIST=`) does not warn about an unknown mark.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     config.addinivalue_line("markers", "notebook: runs a notebook end to end")
     config.addinivalue_line("markers", "browser: drives a real browser")
 
 
+def group_of(stem: str) -> str:
+    """The xdist group of the tests of file ``stem`` (see SERIAL_FILES)."""
+    return SERIAL_GROUP if stem in SERIAL_FILES else stem
+
+
+def longest_first(stems: list[str]) -> dict[str, int]:
+    """Each group's place in the run, for the files ``stems`` (one entry per test): LONGEST_FIRST's groups in its
+    order, then the others by their number of tests, most first (pytest-xdist's own order), ties by first test."""
+    count: dict[str, int] = {}
+    for stem in stems:
+        count[group_of(stem)] = count.get(group_of(stem), 0) + 1
+    rest = sorted((g for g in count if g not in LONGEST_FIRST), key=lambda g: -count[g])  # stable: first test first
+    return {g: i for i, g in enumerate([g for g in LONGEST_FIRST if g in count] + rest)}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing), marks the
-    tests of SLOW_TESTS slow, and the notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
+    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing) and the
+    groups in the order they are to run (see LONGEST_FIRST), marks the tests of SLOW_TESTS slow, and the notebook and
+    browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
+    rank = longest_first([item.path.stem for item in items])
+    items.sort(key=lambda item: rank[group_of(item.path.stem)])  # stable: each file's tests keep their order
     for item in items:
         stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if stem in SERIAL_FILES else stem))
+        item.add_marker(pytest.mark.xdist_group(group_of(stem)))
         if getattr(item, "originalname", None) in SLOW_TESTS.get(stem, ()):
             item.add_marker(pytest.mark.slow)
         if stem in NOTEBOOK_FILES:

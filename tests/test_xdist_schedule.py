@@ -1,9 +1,10 @@
 """`make test`'s scheduler (tests/xdist_schedule.py) finishes a run in which a worker dies, running every other test
-once: a small suite run with two xdist workers, one of its tests killing its worker."""
+once, and runs each group of tests whole on one worker: small suites run with two xdist workers."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -50,3 +51,35 @@ def test_a_crashed_worker_fails_its_test_and_the_rest_run_once(tmp_path):
     assert sorted(passed) == ["test_a.py::test_a1", "test_a.py::test_a2", "test_a.py::test_a3",
                               "test_b.py::test_b_after", "test_b.py::test_b_last", "test_c.py::test_c1",
                               "test_d.py::test_d1"], text
+
+
+# Files e and f are one group (as tests/conftest.py puts the Ray files in one), g and h a group each.
+GROUPING_CONFTEST = """import pathlib
+
+import xdist_schedule
+
+
+def pytest_configure(config):
+    config.stash[xdist_schedule.GROUP_OF_FILE] = lambda path: (
+        "ef" if pathlib.PurePath(path).stem in ("test_e", "test_f") else path)
+"""
+
+
+def test_each_group_runs_whole_on_one_worker(tmp_path):
+    """pytest-xdist's own group marks do not reach its scheduler under pytest 9 (each test was its own group, spread
+    over the workers); the scheduler groups the tests by file, or as the conftest maps the files."""
+    for x in "efgh":
+        (tmp_path / f"test_{x}.py").write_text("".join(f"def test_{x}{i}(): pass\n" for i in range(4)))
+    (tmp_path / "conftest.py").write_text(GROUPING_CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    cmd = [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-p", "xdist_schedule", "-p", "no:cacheprovider",
+           "-n", "2", "--dist", "loadgroup", "-v"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(HERE), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout
+    workers: dict[str, set[str]] = {}
+    for worker, stem in re.findall(r"^\[(gw\d+)\] \[\s*\d+%\] PASSED (test_\w)\.py::", out.stdout, re.M):
+        workers.setdefault(stem, set()).add(worker)
+    assert sorted(workers) == ["test_e", "test_f", "test_g", "test_h"], out.stdout
+    assert all(len(w) == 1 for w in workers.values()), workers  # each file on one worker
+    assert workers["test_e"] == workers["test_f"], workers  # one group: one worker
