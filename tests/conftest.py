@@ -38,9 +38,10 @@ os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.spl
 # whole on one worker and its module-scoped fixtures are built once. tests/xdist_schedule.py finds each test's group
 # with group_of itself: under pytest 9, pytest-xdist 3.8's xdist_group marks never reach its scheduler, and every
 # test was a group of its own until it did (module fixtures built on both workers, Ray files side by side). The files
-# that start a Ray head share one group, so only one of them runs at a time: test_launch_remote's `ray stop --force`
-# stops every Ray head of the user, and two Ray clusters (each a handful of processes) would starve a 2-core machine
-# and make their start-up timeouts flaky. test_browser (one JupyterLab and one Chromium, no Ray) and
+# that start a Ray head share one group, so only one of them runs at a time: two Ray clusters (each a handful of
+# processes) would starve a 2-core machine and make their start-up timeouts flaky. (test_launch_remote stops only
+# the head it started, by its temp directory, not with `ray stop --force`: test_ring_execute and test_gallery start
+# an embedded Ray beside this group.) test_browser (one JupyterLab and one Chromium, no Ray) and
 # test_training_panel (no Ray: a fake job) are groups of their own, beside it.
 SERIAL_GROUP = "ray"
 SERIAL_FILES = frozenset({

@@ -17,6 +17,32 @@ import pytest
 import autopar_lab as al
 
 
+def _stop_head(temp: Path) -> None:
+    """Stop the Ray head started with ``--temp-dir=temp`` and nothing else: its processes name that directory (their
+    session directory is inside it). Not `ray stop --force`, which stops every Ray of the user: the Ray runs of other
+    test files running beside this one on the other xdist worker, and anything else the user runs."""
+    import psutil  # Ray's own dependency
+
+    def ours(p) -> bool:
+        try:
+            return any(str(temp) in arg for arg in (p.cmdline() or ()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+
+    procs = [p for p in psutil.process_iter() if ours(p)]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,7 +89,7 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path):
                                  env=no_token, capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and "token" in refused.stderr and "Traceback" not in refused.stderr
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_head(temp)
         shutil.rmtree(temp, ignore_errors=True)
 
 
