@@ -663,7 +663,10 @@ def kernel_saved(graph: OpGraph, kernels, roles: Mapping[int, OpKernel], saved: 
         """The tensors ``t`` is recomputed from: through elementwise work and free layout changes, down to kept
         values, parameters, step inputs and what a matmul, attention or reduction wrote."""
         out: list[int] = []
-        for u in graph.op(graph.tensor(t).producer).inputs:
+        p = graph.tensor(t).producer
+        if p is None:  # a step input: kept with the inputs
+            return out
+        for u in graph.op(p).inputs:
             if u in seen:
                 continue
             seen.add(u)
