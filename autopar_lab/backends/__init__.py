@@ -13,6 +13,8 @@ the measurement that fitted it. No GPU or TPU path reaches that module.
 - :func:`task_devices`, :func:`one_program_share`: per-task overhead multiples.
 - :func:`runs_serially`, :func:`host_of_stages`: stages that share one compute resource.
 - :func:`read_again_s`, :func:`program_rereads_s`: an operator's output read again by later layers of its program.
+- :func:`update_copies_bytes`, :func:`dot_f32_copies`: memory a program takes beyond the general formulas (a
+  pipeline stage's update program; a half-precision matmul computed in float32).
 - :func:`cpu_cost`, :func:`cost_note`: the CPU's own terms of a cost report; their clause in the CLI;
   :func:`plan_note`, how the CPU prices a plan's stages (the cost panel).
 """
@@ -24,7 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 from . import cpu
 
 __all__ = ["on_cpu", "kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share",
-           "runs_serially", "host_of_stages", "read_again_s", "program_rereads_s", "cpu_cost", "cost_note", "plan_note"]
+           "runs_serially", "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
+           "dot_f32_copies", "cpu_cost", "cost_note", "plan_note"]
 
 
 def on_cpu(cluster: Any) -> bool:
@@ -88,6 +91,22 @@ def program_rereads_s(cluster: Any, sums: Mapping[str, Any], start: Any, end: An
     the later layers of the same program, from the running sums of ``reread_s`` and ``reread_rank_s``
     (:func:`autopar_lab.pricing.stage.prefix_sums`); 0 but on the CPU."""
     return cpu.chain_pairs(sums, start, end) if on_cpu(cluster) else 0.0
+
+
+def update_copies_bytes(cluster: Any, opt_bytes: Any) -> Any:
+    """Bytes per device a pipeline stage's update program takes beyond the stage's state for ``opt_bytes`` of
+    optimizer state (floats or numpy arrays): 0 but on the CPU
+    (:func:`autopar_lab.backends.cpu.update_copies_bytes`)."""
+    return cpu.update_copies_bytes(opt_bytes) if on_cpu(cluster) else 0.0
+
+
+def dot_f32_copies(mesh: Any, graph: Any, node: Any, strategy: Any, weights: Any) -> tuple[float, float] | None:
+    """Bytes per device of the float32 copies the backward of forward matmul ``node`` makes with ``strategy``, as
+    (what grows with the microbatch, what does not): None on a GPU or TPU, which multiply half precision as it is
+    (:func:`autopar_lab.backends.cpu.dot_f32_copies`)."""
+    if not on_cpu(mesh.cluster) or node.primitive != "dot_general":
+        return None
+    return cpu.dot_f32_copies(graph, node, strategy, tuple(mesh.shape), weights)
 
 
 def cpu_cost(cluster: Any, *, shared_host: bool, task_s: float, rereads_s: float) -> cpu.CpuCost | None:

@@ -19,7 +19,10 @@ The quirks, each behind one function:
 - one host (:func:`runs_serially`, :func:`host_of_stages`): the stages on a host run one task at a time;
 - the gradient chain (:func:`read_again_s`, :func:`chain_pairs`, :func:`chain_pair_bytes`): XLA on CPU fuses the
   residual stream's gradient, a sum with one term per later layer, into every kernel that reads it, so each layer's
-  backward reads the link of every later layer of the same program again (``Efficiency.chain_reads`` reads each).
+  backward reads the link of every later layer of the same program again (``Efficiency.chain_reads`` reads each);
+- memory (:func:`update_copies_bytes`, :func:`dot_f32_copies`): a pipeline stage's separate update program copies
+  its optimizer state before writing it (:data:`UPDATE_COPIES_SHARE`), and XLA's CPU backend computes a
+  half-precision matmul in float32, from float32 copies of its operands into a float32 result.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import numpy as np
 from ..graph.fusion import is_chain_link
 from ..graph.opgraph import PARAM
 
-__all__ = ["EMPIRICAL", "ONE_PROGRAM_SHARE", "CpuCost", "kernel_share", "buffer_share", "task_array_s",
+__all__ = ["EMPIRICAL", "ONE_PROGRAM_SHARE", "UPDATE_COPIES_SHARE", "CpuCost", "update_copies_bytes", "dot_f32_copies",
+           "kernel_share", "buffer_share", "task_array_s",
            "task_devices", "runs_serially", "host_of_stages", "chain_read_s_per_byte", "read_again_s",
            "chain_pairs", "chain_pair_bytes", "plan_note"]
 
@@ -61,7 +65,31 @@ EMPIRICAL: Mapping[str, str] = {
     "read_again_s": "as chain_read_s_per_byte; the ILP charges one reader (bench/JOURNAL.md 'The chain in the "
                     "intra-op ILP': Spearman 0.52 -> 0.99 over the 24-layer plans)",
     "chain_pairs": "as chain_read_s_per_byte: a backward program of n layers re-reads ~n^2/2 links",
+    "UPDATE_COPIES_SHARE": "the update programs of tp4 x pp2 on gpt-350m's shape (4 layers, sequence 256, batch 2: "
+                           "tests/test_memory_measured.py's plan) took 144.6 and 44.1 MiB of temporaries (XLA's "
+                           "compiled memory analysis, per device) for 148.6 and 48.1 MiB of Adam state, 0.97 and "
+                           "0.92 of it; gpt-tiny's dp4 x pp2 (float32, 4 layers) 0.94 and 0.92; the compiled "
+                           "programs copy the donated state arrays they still read after writing the new ones "
+                           "(2026-12-06, bench/JOURNAL.md 'CPU-only memory terms priced')",
+    "update_copies_bytes": "as UPDATE_COPIES_SHARE: a pipeline stage's update program, not the one-program step "
+                           "(whose update XLA fuses into the step: no copies)",
+    "dot_f32_copies": "XLA's CPU backend converts a float16 or bfloat16 matmul's operands to float32 and computes "
+                      "a float32 result (the compiled HLO: convert, dot, convert); the backward of y = x @ W at "
+                      "gpt-350m's tied vocabulary shape (x 512 x 1024, W 1024 x 12800, float16) took 75.0 MiB of "
+                      "temporaries against 77.0 priced (x + W + y at 4 bytes), float32 none, bfloat16 operands into a "
+                      "float32 result none (jax.jit(f).lower(...).compile().memory_analysis(); 2026-12-06, "
+                      "bench/JOURNAL.md 'CPU-only memory terms priced')",
 }
+
+#: What the stage update program of a pipeline runner adds on the CPU as temporaries, per byte of the stage's
+#: optimizer state (empirical: :data:`EMPIRICAL`; measured 0.92-0.97). Adam keeps two float32 arrays per
+#: parameter, so this is about two float32 copies of the parameters: the program copies two of each parameter's
+#: donated arrays that it still reads after writing their new values. The one-program step (the runtime's "spmd"
+#: mode) fuses the update into the step and makes none.
+UPDATE_COPIES_SHARE = 0.94
+
+#: Element sizes of the dtypes whose matmuls XLA's CPU backend computes from float32 copies.
+_HALF = {"float16": 2, "bfloat16": 2}
 
 #: What each of a stage's three tasks a step (forward, backward, update, with one microbatch) is charged of the task
 #: overhead when the stage is the whole step run as one program: one task in all (empirical: :data:`EMPIRICAL`).
@@ -145,6 +173,49 @@ def task_array_s(per_buffer: float, kind: str) -> float:
     """What each forward and backward task pays to take one state array of tensor ``kind`` (its ``per_buffer``):
     a parameter's whole figure, other state none."""
     return per_buffer if kind == PARAM else 0.0
+
+
+# --- memory: the update's copies, matmuls in float32 ------------------------------------------------------------------
+
+
+def update_copies_bytes(opt_bytes: Any) -> Any:
+    """Bytes of temporaries a pipeline stage's update program takes per device on the CPU for ``opt_bytes`` of
+    optimizer state: :data:`UPDATE_COPIES_SHARE` of it (floats or numpy arrays).
+
+    >>> round(update_copies_bytes(100.0), 6)
+    94.0
+    """
+    return UPDATE_COPIES_SHARE * opt_bytes
+
+
+def dot_f32_copies(graph: Any, node: Any, strategy: Any, mshape: Sequence[int],
+                   weights: Any) -> tuple[float, float] | None:
+    """Bytes per device of the float32 copies XLA's CPU backend makes for the backward of forward matmul ``node``
+    (run with ``strategy`` on a mesh of shape ``mshape``), as (the part that grows with the microbatch, the part of
+    weights, ``weights``: the ids of weight-derived tensors); None for a matmul computed as it is traced (float32,
+    or bfloat16 operands into a float32 result, which the backend computes without copies).
+
+    XLA on CPU converts each half-precision operand to float32, multiplies, and converts the float32 result back.
+    The backward of y = x @ W runs two such matmuls (dy x W into dx, x x dy into dW), whose operands and results
+    are x-, W- and y-sized: ``4 x (x + W + y)`` elements' bytes at their sharding, each half-precision tensor's
+    copy counted (empirical: :data:`EMPIRICAL`; measured 0.68-1.47 of it over five shapes, 0.97 at a vocabulary
+    matmul's, where W dominates).
+    """
+    names = [str(graph.tensor(t).dtype) for t in (*node.inputs[:2], node.outputs[0])]
+    if not any(n in _HALF for n in names) or (names[2] == "float32" and all(n == "bfloat16" for n in names[:2])):
+        return None
+    act = weight = 0.0
+    specs = (*strategy.in_specs[:2], strategy.out_specs[0])
+    for t, spec, name in zip((*node.inputs[:2], node.outputs[0]), specs, names):
+        if name not in _HALF:
+            continue
+        info = graph.tensor(t)
+        f32 = spec.bytes_per_device(info.shape, info.dtype, mshape) * 4 / _HALF[name]
+        if t in weights or info.kind == PARAM:
+            weight += f32
+        else:
+            act += f32
+    return act, weight
 
 
 # --- tasks and hosts --------------------------------------------------------------------------------------------------

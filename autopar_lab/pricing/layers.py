@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..backends import buffer_share, kernel_share, read_again_s, task_array_s
+from ..backends import buffer_share, dot_f32_copies, kernel_share, read_again_s, task_array_s
 from ..graph.attention import attention_internals, dots_recomputed
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
@@ -63,7 +63,11 @@ class LayerCost:
     Backend terms (:mod:`autopar_lab.backends`; 0 on a GPU or TPU): ``task_arrays_s``, what each forward and
     backward task pays to take the layer's state arrays; ``reread_s``, what one later layer of the same backward
     program pays a step to read the layer's output again (a backward program over layers a..b pays
-    ``sum over k of (b - k) x reread_s[k]``: :func:`~autopar_lab.backends.program_rereads_s`).
+    ``sum over k of (b - k) x reread_s[k]``: :func:`~autopar_lab.backends.program_rereads_s`);
+    ``f32_copies_act_bytes``/``f32_copies_weight_bytes``, the float32 copies of the layer's largest half-precision
+    matmul's backward (:func:`~autopar_lab.backends.dot_f32_copies`), the part that grows with the microbatch (per
+    step at the full batch) and the weights' part: a stage's backward holds its largest layer's at once
+    (:func:`~autopar_lab.pricing.stage.stage_cost`, the layers' maximum, not their sum).
     """
 
     fwd_s: float
@@ -102,6 +106,8 @@ class LayerCost:
     collectives_bwd: int = 0
     task_arrays_s: float = 0.0
     reread_s: float = 0.0
+    f32_copies_act_bytes: float = 0.0
+    f32_copies_weight_bytes: float = 0.0
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -124,7 +130,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     acc: list[dict[str, Any]] = [
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
-             latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0,
+             latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0, f32=(0.0, 0.0),
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -189,6 +195,10 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
             else:
                 a["hb"] += casts
                 a["lb"] += casts * launch
+        if fwd:
+            copies = dot_f32_copies(plan.mesh, graph, node, s, view.weight_derived)
+            if copies is not None and sum(copies) > sum(a["f32"]):
+                a["f32"] = copies  # the layer's largest matmul's: the backend reuses the buffers of the others
         again = read_again_s(plan.mesh, graph, node, (s,))
         if again is not None:
             a["reread"] += again[0]
@@ -259,7 +269,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              dots_act_bytes=a["dots_act"], dots_fwd_s=a["dots_fwd"], dots_launch_s=a["dots_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
-                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"]))
+                             collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"],
+                             f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1]))
     return out
 
 

@@ -27,7 +27,7 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, makespan_floor, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import hidden_comm_s, prefix_sums, recompute_s, recomputed_kernels
+from .stage import hidden_comm_s, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 from .overlap import overlap_layer_costs
 from .zero import zero_layer_costs
@@ -249,7 +249,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         # interleaved: each chunk is priced as a stage of its own).
         hid_sync = hid_gather = launches = colls = latency = 0.0
         for first, last in ranges[j]:
-            span = {f: run[last + 1] - run[first] for f, run in sums.items()}
+            span = {f: run[last + 1] - run[first] for f, run in sums.items() if is_running_sum(f)}
             sync, gather = hidden_comm_s(span, microbatches)
             hid_sync, hid_gather = hid_sync + sync, hid_gather + gather
             again = span["heavy_fwd"] if is_full(spec.remat) else recomputed_kernels(span, cluster, spec.remat) \

@@ -44,23 +44,68 @@ SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "dots_act_bytes", "dots_fwd_s",
               "dots_launch_s", "latency_fwd_s", "latency_bwd_s",
-              "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s")
+              "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s", "opt_bytes")
+
+#: The layer-cost fields a stage takes the largest of over its layers, not the sum (:func:`range_max`): the
+#: backend's float32 copies of a matmul, whose buffers the next matmul reuses.
+MAX_FIELDS = ("f32_copies_act_bytes", "f32_copies_weight_bytes")
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     """Running sums of each :data:`SUM_FIELDS` field over a list of LayerCosts: ``sums[f][b + 1] - sums[f][a]`` is
     the total over layers ``a..b``; also of ``k x reread_s`` of layer k (``reread_rank_s``, for
-    :func:`~autopar_lab.backends.program_rereads_s`)."""
-    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "reread_rank_s")}
+    :func:`~autopar_lab.backends.program_rereads_s`). Each of :data:`MAX_FIELDS` is kept as it is, not summed, under
+    ``"max:" + field`` (layer k at index k + 1, aligned with the sums): :func:`range_max` reads it."""
+    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "reread_rank_s", *_MAX_KEYS)}
     for k, c in enumerate(costs):
         for f in SUM_FIELDS:
             sums[f].append(sums[f][-1] + getattr(c, f))
         sums["reread_rank_s"].append(sums["reread_rank_s"][-1] + k * c.reread_s)
+        for f, key in zip(MAX_FIELDS, _MAX_KEYS):
+            sums[key].append(getattr(c, f))
     return sums
+
+
+_MAX_KEYS = tuple(f"max:{f}" for f in MAX_FIELDS)
+
+
+def is_running_sum(key: str) -> bool:
+    """Whether ``key`` of :func:`prefix_sums`'s dict is a running sum (a range's total is a difference)."""
+    return not key.startswith("max:")
+
+
+def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
+    """Each of :data:`MAX_FIELDS`' largest value over layers ``start..end`` from :func:`prefix_sums`'s dict: ints,
+    or integer arrays broadcastable against each other (the stage DP's blocks: ``rows[:, None]``, ``cols[None, :]``;
+    0 where ``end < start``).
+
+    >>> s = {"max:f32_copies_act_bytes": [0.0, 1.0, 5.0, 2.0], "max:f32_copies_weight_bytes": [0.0, 0.0, 0.0, 3.0]}
+    >>> range_max(s, 0, 1), range_max(s, 2, 2)
+    ({'f32_copies_act_bytes': 5.0, 'f32_copies_weight_bytes': 0.0}, {'f32_copies_act_bytes': 2.0, \
+'f32_copies_weight_bytes': 3.0})
+    """
+    out: dict[str, Any] = {}
+    for f, key in zip(MAX_FIELDS, _MAX_KEYS):
+        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
+        if not (isinstance(start, np.ndarray) or isinstance(end, np.ndarray)):
+            out[f] = float(per[int(start):int(end) + 1].max()) if end >= start else 0.0
+            continue
+        a, b = np.broadcast_arrays(np.asarray(start), np.asarray(end))
+        best = np.zeros(a.shape)
+        for first in np.unique(a):
+            running = np.maximum.accumulate(per[first:])  # the largest over first..first + i
+            here = (a == first) & (b >= first)
+            best[here] = running[b[here] - first]
+        out[f] = best
+    return out
 
 
 def _minimum(a: Any, b: Any) -> Any:
     return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def _maximum(a: Any, b: Any) -> Any:
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
 
 
 def hidden_comm_s(totals: Mapping[str, Any], microbatches: int) -> tuple[Any, Any]:
@@ -91,6 +136,12 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     ``entry_bytes``, ``devices``: kept for callers of the earlier formula (a rematerialised stage now keeps every
     layer's input as sharded, ``ckpt_bytes``); ``task_s``: the per-task overhead (:func:`task_overhead_s`). Floats
     give one stage; numpy arrays (broadcastable) give many at once, with the same float operations.
+
+    The backend's memory (:mod:`autopar_lab.backends`, set by the caller; 0 but on the CPU): ``f32_copies_*_bytes``
+    (:func:`range_max` of the layers') are held during the backward beside its other transients; a stage's update
+    program holds its state and ``update_copies_bytes``, once the microbatches' activations are gone (a stage with
+    tasks: ``arrays``), so the static bytes are at least that less one microbatch's activations (the stage's peak,
+    static bytes plus its microbatches in flight, holds at least one).
 
     ``rereads_s`` (:func:`~autopar_lab.backends.program_rereads_s`, set by the caller, who has the running sums):
     what the backward program pays a step to read its layers' outputs again, paid by every microbatch's backward.
@@ -157,6 +208,11 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     # step (one more task), spread over the microbatches as the update's work is. Each task also takes its state
     # arrays (measured on 8 CPU devices: a pipeline's tasks ran 3-5 ms a step slower than priced without it).
     args = totals.get("task_arrays_s", 0.0) * arrays
+    copies = totals.get("f32_copies_act_bytes", 0.0) / B + totals.get("f32_copies_weight_bytes", 0.0)
+    static = static + copies
+    update = totals.get("update_copies_bytes", 0.0) * arrays
+    if isinstance(update, np.ndarray) or update:
+        static = _maximum(static, totals["static_bytes"] + update - act)
     return fwd + task_s + args, bwd + task_s + task_s / B + 3 * args, static, act
 
 

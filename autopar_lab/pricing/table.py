@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..backends import one_program_share, program_rereads_s
+from ..backends import one_program_share, program_rereads_s, update_copies_bytes
 from ..cluster.values import NodeLimit
 from ..graph.capture import deferred_trace
 from ..graph.fusion import attach_kernel_roles
@@ -40,7 +40,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
+from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
@@ -373,7 +373,7 @@ class CostTable:
         L = len(self.layer_names)
         entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
         sums = self.prefix_arrays(sub, shape)
-        single = {f: v[1:] - v[:-1] for f, v in sums.items()}  # layer k alone
+        single = {f: v[1:] - v[:-1] for f, v in sums.items() if is_running_sum(f)}  # layer k alone
         task = self.task_overhead_s(sub)
         least = np.full(L, np.inf)
         for remat in (False, True):
@@ -523,8 +523,9 @@ class CostTable:
         key = (self.key(submesh, shape, solution), rows.tobytes(), cols.tobytes())
         if key not in self._totals:
             sums = self.prefix_arrays(submesh, shape, solution)
-            totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()}  # sums[b+1] - sums[a]
-            totals["rereads_s"] = program_rereads_s(self.cluster, sums, rows[:, None], cols[None, :])
+            totals = {f: v[None, cols + 1] - v[rows, None] for f, v in sums.items()  # sums[b+1] - sums[a]
+                      if is_running_sum(f)}
+            self.backend_totals(totals, sums, rows[:, None], cols[None, :])
             self._totals[key] = totals
         return self._totals[key]
 
@@ -567,13 +568,22 @@ class CostTable:
             return task * share, 0.0
         return task, 1.0
 
+    def backend_totals(self, totals: dict, sums, start, end) -> None:
+        """Add to ``totals`` (a range's sums, layers ``start..end``: ints or broadcastable arrays) the backend's terms
+        (:mod:`autopar_lab.backends`; 0 but on the CPU): the backward programs' re-reads (``rereads_s``), the update
+        program's copies of the optimizer state (``update_copies_bytes``) and the largest of the layers' float32
+        matmul copies (:func:`~autopar_lab.pricing.stage.range_max`)."""
+        totals["rereads_s"] = program_rereads_s(self.cluster, sums, start, end)
+        totals["update_copies_bytes"] = update_copies_bytes(self.cluster, totals["opt_bytes"])
+        totals.update(range_max(sums, start, end))
+
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None, solution: str = "fast") -> StageCandidate:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
-        totals = {f: v[end + 1] - v[start] for f, v in sums.items()}
-        totals["rereads_s"] = program_rereads_s(self.cluster, sums, start, end)
+        totals = {f: v[end + 1] - v[start] for f, v in sums.items() if is_running_sum(f)}
+        self.backend_totals(totals, sums, start, end)
         task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
                                            task, arrays)

@@ -1,0 +1,95 @@
+"""The CPU backend's memory terms (issue 31 item 4: autopar_lab.backends.cpu, fitted to XLA's memory analysis).
+
+- a half-precision matmul's float32 copies: priced by hand's formula (x + W + y at 4 bytes, per device) and held
+  against the temporaries XLA's CPU backend allocates for the backward of the same matmul; none for float32, and none
+  on a GPU;
+- a pipeline stage's update program: its temporaries as XLA compiles them against the priced share of the stage's
+  optimizer state;
+- a deep model (24 layers, planned on its shallow copy): a stage holds its largest layer's copies, not their sum, and
+  an H100 plan's memory does not move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autopar_lab as al
+from autopar_lab.backends import cpu
+from autopar_lab.pricing.memory import memory_breakdown
+from autopar_lab.pricing.stage import prefix_sums
+from autopar_lab.runtime.local import synthetic_batch
+
+FAST = {"xla_backend_optimization_level": 0}
+CPU = al.Cluster.preset("cpu", hosts=1)
+
+
+def _backward_temp_bytes(m: int, k: int, n: int, dtype) -> int:
+    """XLA's temporaries for the backward of y = x @ W (x m x k, W k x n), as the CPU backend compiles it."""
+    x, w, dy = (jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (m, n)))
+
+    def bwd(x, w, dy):
+        return jax.vjp(lambda a, b: a @ b, x, w)[1](dy)
+
+    return int(jax.jit(bwd).lower(x, w, dy).compile().memory_analysis().temp_size_in_bytes)
+
+
+@pytest.fixture(scope="module")
+def fp16_head():
+    """A float16 gpt whose vocabulary matmul is its largest, tensor-parallel over 8 CPU devices: per device the
+    head multiplies x (batch x sequence, hidden) by its 1/8 of the vocabulary."""
+    model = al.models.get("gpt-tiny", dtype="float16", batch_size=8, hidden_size=64, vocab_size=4096, num_layers=2)
+    return model, al.megatron_plan(model, CPU, dp=1, tp=8, pp=1)
+
+
+def test_half_precision_matmul_copies_priced_as_xla_allocates_them(fp16_head):
+    model, plan = fp16_head
+    head = plan.stages[0].layer_costs[-1]
+    m, k, n = 8 * model.config.seq_len, 64, 4096 // 8
+    # by hand: float32 copies of x and y (they grow with the batch) and of W, per device
+    assert head.f32_copies_act_bytes == 4 * (m * k + m * n)
+    assert head.f32_copies_weight_bytes == 4 * k * n
+    priced = head.f32_copies_act_bytes + head.f32_copies_weight_bytes
+    assert abs(_backward_temp_bytes(m, k, n, jnp.float16) / priced - 1) <= 0.05
+    # the same matmul in float32 needs no copies, and none is priced
+    assert _backward_temp_bytes(m, k, n, jnp.float32) == 0
+    f32 = al.megatron_plan(al.models.get("gpt-tiny", dtype="float32", batch_size=8, hidden_size=64, vocab_size=4096,
+                                         num_layers=2), CPU, dp=1, tp=8, pp=1)
+    assert f32.stages[0].layer_costs[-1].f32_copies_act_bytes == 0.0
+    # bfloat16 operands into a float32 result: computed without copies, and none priced
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    mixed = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32)).lower(x, w).compile()
+    assert mixed.memory_analysis().temp_size_in_bytes == 0
+
+
+def test_the_copies_are_priced_only_on_the_cpu(fp16_head):
+    model, _ = fp16_head
+    gpu = al.megatron_plan(model, al.Cluster.preset("dgx-h100"), dp=1, tp=8, pp=1)
+    assert all(c.f32_copies_act_bytes == c.f32_copies_weight_bytes == 0.0 for c in gpu.stages[0].layer_costs)
+
+
+@pytest.mark.slow  # builds and compiles a two-stage pipeline's programs: 12-15 s on this shared machine
+def test_a_pipeline_update_program_takes_the_priced_copies():
+    """The update program of each stage of a dp4 x pp2 pipeline, compiled as the runner runs it: its temporaries
+    are the priced share of the stage's Adam state (two float32 arrays a parameter) within 10%."""
+    model = al.models.get("gpt-tiny", batch_size=16, num_layers=2)
+    plan = al.megatron_plan(model, CPU, dp=4, tp=1, pp=2, microbatches=2)
+    runner = al.execute(plan, model, compiler_options=FAST, timing=False)
+    programs = []
+    runner.staged.probe = lambda devices, fn, args: programs.append((fn, args))
+    runner.step(synthetic_batch(model, 1))
+    # each stage's update runs after every forward and backward
+    updates = [int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes) for fn, args in programs[-2:]]
+    for k, got in enumerate(updates):
+        # the stage's state on one of its devices, counted from its arrays: float32 parameters and Adam's two
+        # moments of each (and a step count), replicated over the stage's 4 devices
+        device = runner.staged.mesh(k).devices.flat[0]
+        held = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(runner._state[k]) for s in x.addressable_shards
+                   if s.device == device)
+        moments = 2 * held / 3
+        assert abs(got / cpu.update_copies_bytes(moments) - 1) <= 0.10, (k, got, moments)
+        assert abs(memory_breakdown(plan)[k]["optimizer_bytes"] / moments - 1) <= 0.03
