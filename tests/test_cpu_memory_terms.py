@@ -93,3 +93,45 @@ def test_a_pipeline_update_program_takes_the_priced_copies():
         moments = 2 * held / 3
         assert abs(got / cpu.update_copies_bytes(moments) - 1) <= 0.10, (k, got, moments)
         assert abs(memory_breakdown(plan)[k]["optimizer_bytes"] / moments - 1) <= 0.03
+
+
+@pytest.fixture(scope="module")
+def deep_fp16():
+    """gpt-tiny's blocks 24 deep in float16 (a vocabulary of 4,096 so that the head is the largest matmul)."""
+    return al.models.get("gpt-tiny", dtype="float16", batch_size=8, hidden_size=64, vocab_size=4096, num_layers=24)
+
+
+def test_a_deep_stage_holds_its_largest_layers_copies_not_their_sum(deep_fp16):
+    plan = al.megatron_plan(deep_fp16, CPU, dp=1, tp=4, pp=2)
+    assert plan.table.solve_graph is not plan.graph  # planned on its shallow copy, as a deep model is
+    table, B = plan.table, plan.microbatches
+    for st in plan.stages:
+        a, b = st.layers
+        costs = list(st.layer_costs)
+        mine = costs[a:b + 1]
+        copies = [c.f32_copies_act_bytes / B + c.f32_copies_weight_bytes for c in mine]
+        assert len(mine) >= 12 and sum(copies) > 2 * max(copies) > 0
+        bare = [dataclasses.replace(c, f32_copies_act_bytes=0.0, f32_copies_weight_bytes=0.0) for c in costs]
+        without = table.stage_from_sums(prefix_sums(bare), a, b, st.submesh, st.logical_mesh, B, st.remat)
+        # the copies of one matmul at a time: the stage's largest layer's, on top of what it held without them
+        assert st.static_bytes - without.static_bytes == pytest.approx(max(copies), rel=1e-9)
+    # the last stage's largest is the vocabulary matmul's: x, W and y of the head, per device (tp 4), at 4 bytes
+    m, k, n = 8 * deep_fp16.config.seq_len, 64, 4096 // 4
+    last = plan.stages[-1].layer_costs[-1]
+    assert last.f32_copies_act_bytes + last.f32_copies_weight_bytes == 4 * (m * k + k * n + m * n)
+
+
+def test_an_h100_plan_never_reaches_the_cpu_module(deep_fp16, fp16_head, monkeypatch):
+    """GPU memory as before: pricing a plan on H100s never asks backends.cpu for its memory terms (and so gives the
+    figures tests/test_golden.py holds to the bit)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a GPU plan asked the CPU module")
+
+    monkeypatch.setattr(cpu, "update_copies_bytes", refuse)
+    monkeypatch.setattr(cpu, "dot_f32_copies", refuse)
+    plan = al.megatron_plan(deep_fp16, al.Cluster.preset("dgx-h100"), dp=1, tp=4, pp=2)
+    rows = memory_breakdown(plan)
+    assert all(r["total_bytes"] == st.peak_mem_bytes > 0 for r, st in zip(rows, plan.stages))
+    assert all(c.f32_copies_act_bytes == c.f32_copies_weight_bytes == 0.0 for c in plan.stages[0].layer_costs)
+    with pytest.raises(AssertionError, match="asked the CPU module"):  # where a CPU plan does
+        al.megatron_plan(fp16_head[0], CPU, dp=1, tp=8, pp=1)
