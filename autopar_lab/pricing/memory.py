@@ -18,7 +18,10 @@ and :func:`memory_breakdown` splits the same sums:
 * ``fp8_copies_bytes``: an FP8 format's FP8 copies of the weights its FP8 matmuls read (and their transposed copies
   and block scales; 0 otherwise);
 * ``buffers_bytes``: the backward's transient buffers: the stage's (average) layer's largest tensor written and not
-  kept, and the cotangents of one layer's activations (as large as its activations) while its backward runs;
+  kept, and the cotangents of one layer's activations (as large as its activations) while its backward runs; on the
+  CPU also the backend's own (:mod:`autopar_lab.backends`): the float32 copies of the stage's largest half-precision
+  matmul, and, where a pipeline stage's update program holds more than its backward (its state and the copies it
+  makes of its optimizer state), what it holds beyond;
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
   schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
