@@ -12,15 +12,17 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autopar_lab as al
 from autopar_lab.backends import cpu
 from autopar_lab.pricing.memory import memory_breakdown
-from autopar_lab.pricing.stage import prefix_sums
+from autopar_lab.pricing.stage import prefix_sums, range_max
 from autopar_lab.runtime.local import synthetic_batch
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -135,3 +137,20 @@ def test_an_h100_plan_never_reaches_the_cpu_module(deep_fp16, fp16_head, monkeyp
     assert all(c.f32_copies_act_bytes == c.f32_copies_weight_bytes == 0.0 for c in plan.stages[0].layer_costs)
     with pytest.raises(AssertionError, match="asked the CPU module"):  # where a CPU plan does
         al.megatron_plan(fp16_head[0], CPU, dp=1, tp=8, pp=1)
+
+
+def test_range_max_against_brute_force():
+    """The stage DP's blocks read each range's largest layer copies at once (a sparse table): every range of a few
+    depths, on a grid of some first and last layers too, against Python's max over the slice."""
+    rng = np.random.default_rng(0)
+    for layers in (1, 2, 3, 5, 8, 13, 33):
+        per = rng.random(layers) * (rng.random(layers) > 0.3)
+        sums = {"max:f32_copies_act_bytes": [0.0, *per], "max:f32_copies_weight_bytes": [0.0] * (layers + 1)}
+        grids = ((np.arange(layers), np.arange(layers)), (np.arange(0, layers, 2), np.arange(layers - 1, -1, -3)))
+        for rows, cols in grids:
+            got = range_max(sums, rows[:, None], cols[None, :])
+            assert not got["f32_copies_weight_bytes"].any()
+            for (i, a), (j, b) in itertools.product(enumerate(rows), enumerate(cols)):
+                want = max(per[a:b + 1]) if b >= a else 0.0
+                assert got["f32_copies_act_bytes"][i, j] == want
+                assert range_max(sums, int(a), int(b))["f32_copies_act_bytes"] == want

@@ -85,18 +85,29 @@ def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
 'f32_copies_weight_bytes': 3.0})
     """
     out: dict[str, Any] = {}
+    arrays = isinstance(start, np.ndarray) or isinstance(end, np.ndarray)
     for f, key in zip(MAX_FIELDS, _MAX_KEYS):
         per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
-        if not (isinstance(start, np.ndarray) or isinstance(end, np.ndarray)):
+        if not arrays:
             out[f] = float(per[int(start):int(end) + 1].max()) if end >= start else 0.0
             continue
         a, b = np.broadcast_arrays(np.asarray(start), np.asarray(end))
-        best = np.zeros(a.shape)
-        for first in np.unique(a):
-            running = np.maximum.accumulate(per[first:])  # the largest over first..first + i
-            here = (a == first) & (b >= first)
-            best[here] = running[b[here] - first]
-        out[f] = best
+        if not per.any():  # every GPU and TPU, and a CPU model without half-precision matmuls
+            out[f] = np.zeros(a.shape)
+            continue
+        # a sparse table: level j holds the largest of 2^j layers from each, so any range is two overlapping reads
+        levels = [per]
+        while 2 ** len(levels) <= len(per):
+            half = 2 ** (len(levels) - 1)
+            levels.append(np.maximum(levels[-1][:-half], levels[-1][half:]))
+        table = np.zeros((len(levels), len(per)))
+        for j, level in enumerate(levels):
+            table[j, :len(level)] = level
+        valid = b >= a
+        width = np.where(valid, b - a + 1, 1)
+        j = np.floor(np.log2(width)).astype(np.int64)
+        last = np.where(valid, b, a) - (2 ** j) + 1
+        out[f] = np.where(valid, np.maximum(table[j, a], table[j, last]), 0.0)
     return out
 
 
