@@ -195,7 +195,9 @@ def cmd_plan(args) -> dict:
     if (args.remat or args.selective_remat) and args.method == "auto":
         raise UsageError("--remat applies to --method megatron or data; the auto plan chooses rematerialisation per "
                          "stage itself")
-    given = [f"--{k}" for k in ("dp", "tp", "pp") if getattr(args, k) is not None]
+    given = [f"--{k}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(args, k) is not None]
+    given += [flag for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                                    ("--micro-batch-size", args.micro_batch_size is not None)) if on]
     if given and args.method != "megatron":
         raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
                          f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
@@ -217,12 +219,17 @@ def cmd_plan(args) -> dict:
     elif args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
             raise UsageError("--method megatron needs --dp, --tp and --pp")
-        plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp,
-                                     microbatches=1 if mb == "auto" else mb, remat=remat, schedule=schedule,
-                                     virtual_stages=virtual, precision=fmt)
+        if args.micro_batch_size is not None and args.microbatches is not None:
+            raise UsageError("--micro-batch-size and --microbatches both set the microbatch count (the batch over "
+                             "dp x micro-batch size); give one")
+        plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp or 1,
+                                     ep=args.ep or 1, microbatches=None if mb == "auto" else mb,
+                                     micro_batch_size=args.micro_batch_size, remat=remat, schedule=schedule,
+                                     virtual_stages=virtual, precision=fmt, zero=args.zero,
+                                     sequence_parallel=args.sequence_parallel)
     else:
         plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat,
-                                          precision=fmt)
+                                          precision=fmt, zero=args.zero)
     if schedule not in (plan.schedule, "auto"):
         try:
             plan = plan.with_schedule(schedule, virtual)
@@ -258,6 +265,10 @@ def _plan_from_config(args) -> dict:
 
     clash = [flag for flag, given in (("--method", args.method != "auto"), ("--dp", args.dp is not None),
                                       ("--tp", args.tp is not None), ("--pp", args.pp is not None),
+                                      ("--cp", args.cp is not None), ("--ep", args.ep is not None),
+                                      ("--zero", args.zero is not None),
+                                      ("--sequence-parallel", args.sequence_parallel),
+                                      ("--micro-batch-size", args.micro_batch_size is not None),
                                       ("--remat", args.remat), ("--selective-remat", args.selective_remat),
                                       ("--microbatches", args.microbatches is not None),
                                       ("--schedule", args.schedule is not None),
@@ -603,6 +614,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dp", type=int)
     sp.add_argument("--tp", type=int)
     sp.add_argument("--pp", type=int)
+    sp.add_argument("--cp", type=int, help="with --method megatron: context parallelism (sequence split over N)")
+    sp.add_argument("--ep", type=int, help="with --method megatron: expert parallelism (MoE models)")
+    sp.add_argument("--zero", type=int, choices=range(4), metavar="{0,1,2,3}",
+                    help="the ZeRO stage: optimizer state (1), gradients (2) and weights (3) split over the "
+                         "data-parallel group (default: left to the planner, stored at its least where a stage would "
+                         "not fit)")
+    sp.add_argument("--sequence-parallel", action="store_true", dest="sequence_parallel",
+                    help="with --method megatron: Megatron-LM's sequence parallelism (needs --tp 2 or more)")
+    sp.add_argument("--micro-batch-size", type=int, dest="micro_batch_size",
+                    help="with --method megatron: sequences a microbatch (the microbatch count is the batch over "
+                         "dp x this), instead of --microbatches")
     sp.add_argument("--remat", action="store_true",
                     help="with --method megatron or data: recompute activations in the backward")
     sp.add_argument("--selective-remat", action="store_true", dest="selective_remat",

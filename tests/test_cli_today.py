@@ -65,3 +65,51 @@ def test_a_model_flag_the_model_does_not_have_is_one_sentence(tmp_path):
     assert out.returncode == 2 and "--kv-heads" in out.stderr and "Traceback" not in out.stderr
     out = _cli("graph", "llama3-tiny", "--kv-heads", "3", cwd=tmp_path)
     assert out.returncode == 2 and "num_kv_heads" in out.stderr and "Traceback" not in out.stderr
+
+
+MEGATRON_8B = ["--batch", "16", "--seq-len", "2048", "--precision", "bf16", "--method", "megatron", "--dp", "2",
+               "--tp", "4", "--pp", "1"]
+
+
+@pytest.mark.slow
+def test_megatron_layout_flags_price_what_megatron_plan_prices(tmp_path):
+    """Llama 3 8B (32 layers, planned on its copy) on one DGX H100 as an engineer writes Megatron-LM's layout on the
+    command line: ZeRO-1, sequence parallelism, one sequence a microbatch. The CLI prices what al.megatron_plan
+    prices, and each flag moves the plan as it should (ZeRO-1 stores less optimizer state than ZeRO-0)."""
+    import autopar_lab as al
+
+    flags = [*MEGATRON_8B, "--zero", "1", "--sequence-parallel", "--micro-batch-size", "1", "--json"]
+    out = _cli("plan", "llama3-8b", "--cluster", "dgx-h100:1", *flags, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    model = al.models.get("llama3-8b", batch_size=16, seq_len=2048)
+    direct = al.megatron_plan(model, al.Cluster.parse("dgx-h100:1"), dp=2, tp=4, pp=1, zero=1,
+                              sequence_parallel=True, micro_batch_size=1, precision="bf16")
+    assert got["method"].startswith("megatron(dp=2,tp=4,pp=1,sp,zero=1")
+    assert got["microbatches"] == 8                                   # 16 sequences over dp 2 x 1 a microbatch
+    assert got["step_time_s"] == direct.cost.step_time_s
+    assert got["peak_mem_bytes"] == list(direct.cost.peak_mem_bytes)
+    zero0 = json.loads(_cli("plan", "llama3-8b", "--cluster", "dgx-h100:1", *MEGATRON_8B, "--zero", "0",
+                            "--sequence-parallel", "--micro-batch-size", "1", "--json", cwd=tmp_path).stdout)
+    optimizer = [s["optimizer_bytes"] for s in got["memory"]], [s["optimizer_bytes"] for s in zero0["memory"]]
+    assert all(b / a == pytest.approx(2, rel=1e-6) for a, b in zip(*optimizer))  # split over 2 data-parallel ranks
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--method", "auto", "--sequence-parallel"], "--sequence-parallel"),
+    (["--method", "data", "--ep", "2"], "--ep"),
+    (["--method", "megatron", "--dp", "8", "--tp", "1", "--pp", "1", "--micro-batch-size", "1", "--microbatches", "2"],
+     "--micro-batch-size and --microbatches"),
+    (["--method", "megatron", "--dp", "8", "--tp", "1", "--pp", "1", "--zero", "4"], "--zero"),
+    (["--from-config", "megatron.sh", "--zero", "1"], "--zero conflicts with --from-config"),
+])
+def test_a_megatron_layout_flag_out_of_place_is_one_sentence(capsys, flags, says):
+    """In process (the subprocess path is the slow test above): exit 2, the flag named, no traceback."""
+    from autopar_lab import cli
+
+    try:
+        code = cli.main(["plan", "gpt-tiny", "--cluster", "dgx-h100:1", *flags])
+    except SystemExit as e:  # argparse's own check of --zero's choices
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err

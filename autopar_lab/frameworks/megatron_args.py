@@ -22,6 +22,10 @@ records the commit they were checked against):
   ``--untie-embeddings-and-output-weights``, ``--num-experts``, ``--moe-router-topk``: a Llama-style model (zoo
   family ``llama``) when any of SwiGLU, RMSNorm, RoPE, grouped-query attention or untied embeddings is set, else GPT
   (zoo family ``gpt``: LayerNorm, GELU, learned positions, tied embeddings).
+
+The activations are priced as Megatron-LM's kernels keep them (``megatron_plan(library_kernels=True)``: each fused
+kernel keeps its inputs), as ``bench/bench_fidelity.py`` prices its Megatron-LM rows; a cost table passed in keeps its
+own setting, and a note says when that is JAX's autodiff's.
 """
 
 from __future__ import annotations
@@ -237,13 +241,20 @@ def plan_from(imp: Imported, model, cluster, **planner):
         imp = imp.with_note("no --bf16, --fp16 or --fp8-format: priced in fp32, as Megatron-LM trains without them")
     if imp.get("--fp8-format") == "hybrid":
         imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
+    # Megatron-LM's layers run its own kernels (Transformer Engine's, or its fused bias-GeLU/SwiGLU and norms), each
+    # keeping its inputs: priced so unless a cost table was built otherwise (then the table's, said in a note).
+    kernels = True if table is None else None
+    if table is not None and not table.cluster.device.efficiency.library_kernels:
+        imp = imp.with_note("the cost table prices the activations JAX's autodiff keeps, not those Megatron-LM's "
+                            "kernels keep; build it on cluster.with_(library_kernels=True) to price those")
     plan = megatron_plan(model if table is None else None, cluster, dp=dp, tp=tp, pp=pp,
                          cp=cp, ep=ep, micro_batch_size=mbs, remat=_remat(imp),
                          zero=1 if imp.get("--use-distributed-optimizer") else 0,
                          sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec,
                          overlap_grad_reduce=bool(imp.get("--overlap-grad-reduce")),
                          overlap_param_gather=bool(imp.get("--overlap-param-gather")),
-                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")), **kw, **planner)
+                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")), library_kernels=kernels, **kw,
+                         **planner)
     return plan, imp
 
 
