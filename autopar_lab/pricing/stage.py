@@ -105,9 +105,9 @@ def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
             table[j, :len(level)] = level
         valid = b >= a
         width = np.where(valid, b - a + 1, 1)
-        j = np.floor(np.log2(width)).astype(np.int64)
-        last = np.where(valid, b, a) - (2 ** j) + 1
-        out[f] = np.where(valid, np.maximum(table[j, a], table[j, last]), 0.0)
+        level_of = np.floor(np.log2(width)).astype(np.int64)
+        last = np.where(valid, b, a) - (2 ** level_of) + 1
+        out[f] = np.where(valid, np.maximum(table[level_of, a], table[level_of, last]), 0.0)
     return out
 
 
