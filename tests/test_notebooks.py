@@ -169,12 +169,19 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
 
 def test_running_examples_are_todays_hardware():
     """Issue 34 item 5: 02 runs on DGX H100s and 07 prices its MFU section there in bf16, with the H200 and B200
-    presets beside; 03 keeps Alpa's V100 testbed and says why."""
+    presets beside; 03 keeps Alpa's V100 testbed and says why; 01's and 04's small models are bf16."""
     assert 'Cluster.preset("dgx-h100", hosts=2)' in _code("02_concepts")
     assert "p3.16xlarge" not in _code("02_concepts")
     seven = _code("07_rooflines_mfu")
     assert all(f'"dgx-{gpu}"' in seven for gpu in ("h100", "h200", "b200")) and 'peak("bfloat16")' in seven
     assert "On Alpa's testbed, on purpose" in _text("03_alpa_walkthrough")
+    # the workbench notebooks' small models: traced in bfloat16 and planned in the bf16 recipe, every model they plan
+    for stem in ("01_tour", "04_overrides"):
+        code = _code(stem)
+        gets = re.findall(r'al\.models\.get\("(?:gpt-tiny|mlp)"[^)]*\)', code)
+        plans = re.findall(r"al\.(?:compare|auto_plan|megatron_plan)\((?:[^()]|\([^()]*\))*\)", code)
+        assert gets and all('dtype="bfloat16"' in g for g in gets), stem
+        assert plans and all('precision="bf16"' in p for p in plans), stem
 
 
 def _run_until(stem: str, heading: str) -> dict:
