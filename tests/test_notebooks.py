@@ -1,10 +1,13 @@
 """Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
 import ast
+import json
 import math
+import os
 import pathlib
 import pkgutil
 import re
+import time
 
 import nbformat
 import pytest
@@ -28,10 +31,33 @@ def _output_text(nb) -> str:
     return "\n".join(parts)
 
 
+# A last cell, run only in the test: the kernel's CPU seconds (its own and its reaped children's), for the record.
+CPU_CELL = ("import resource as _r\n_s, _c = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
+            "print('kernel cpu s', _s.ru_utime + _s.ru_stime + _c.ru_utime + _c.ru_stime)")
+#: Where test_notebook_runs appends each notebook's run time as a JSON line (bench/bench_notebooks.py sets it).
+TIMES_ENV = "AUTOPAR_NOTEBOOK_TIMES"
+
+
+def _record_time(path, nb, wall_s: float, load: tuple[float, float], record_property) -> None:
+    """Issue 34 asks each notebook to run in under a minute: a figure to record (bench/RESULTS.md's notebook-times
+    table), not a timed assertion (a shared machine's load decides the wall time)."""
+    text = "".join(o.get("text", "") for o in nb.cells[-1].get("outputs", []))
+    cpu = re.search(r"kernel cpu s ([\d.]+)", text)
+    row = {"notebook": path.stem, "wall_s": round(wall_s, 1), "kernel_cpu_s": cpu and round(float(cpu.group(1)), 1),
+           "load": [round(x, 1) for x in load]}
+    record_property("notebook_time", row)
+    if os.environ.get(TIMES_ENV):
+        with open(os.environ[TIMES_ENV], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, record_property):
     nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(CPU_CELL))
+    load, start = os.getloadavg()[0], time.perf_counter()
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    _record_time(path, nb, time.perf_counter() - start, (load, os.getloadavg()[0]), record_property)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     text = _output_text(nb)
