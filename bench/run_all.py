@@ -35,6 +35,7 @@ BENCHMARKS = {
     "ui": (["gpt-tiny", "--repeat", "3"], []),
     "validate": (["mlp"], []),
     "execute": (["--steps", "5"], []),
+    "notebooks": (["-k", "02"], []),
 }
 
 

@@ -1,10 +1,13 @@
 """Every notebook runs top to bottom, headless, and checks at least one prediction exercise."""
 
 import ast
+import json
 import math
+import os
 import pathlib
 import pkgutil
 import re
+import time
 
 import nbformat
 import pytest
@@ -28,10 +31,33 @@ def _output_text(nb) -> str:
     return "\n".join(parts)
 
 
+# A last cell, run only in the test: the kernel's CPU seconds (its own and its reaped children's), for the record.
+CPU_CELL = ("import resource as _r\n_s, _c = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
+            "print('kernel cpu s', _s.ru_utime + _s.ru_stime + _c.ru_utime + _c.ru_stime)")
+#: Where test_notebook_runs appends each notebook's run time as a JSON line (bench/bench_notebooks.py sets it).
+TIMES_ENV = "AUTOPAR_NOTEBOOK_TIMES"
+
+
+def _record_time(path, nb, wall_s: float, load: tuple[float, float], record_property) -> None:
+    """Issue 34 asks each notebook to run in under a minute: a figure to record (bench/RESULTS.md's notebook-times
+    table), not a timed assertion (a shared machine's load decides the wall time)."""
+    text = "".join(o.get("text", "") for o in nb.cells[-1].get("outputs", []))
+    cpu = re.search(r"kernel cpu s ([\d.]+)", text)
+    row = {"notebook": path.stem, "wall_s": round(wall_s, 1), "kernel_cpu_s": cpu and round(float(cpu.group(1)), 1),
+           "load": [round(x, 1) for x in load]}
+    record_property("notebook_time", row)
+    if os.environ.get(TIMES_ENV):
+        with open(os.environ[TIMES_ENV], "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, record_property):
     nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(CPU_CELL))
+    load, start = os.getloadavg()[0], time.perf_counter()
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    _record_time(path, nb, time.perf_counter() - start, (load, os.getloadavg()[0]), record_property)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     text = _output_text(nb)
@@ -169,12 +195,19 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
 
 def test_running_examples_are_todays_hardware():
     """Issue 34 item 5: 02 runs on DGX H100s and 07 prices its MFU section there in bf16, with the H200 and B200
-    presets beside; 03 keeps Alpa's V100 testbed and says why."""
+    presets beside; 03 keeps Alpa's V100 testbed and says why; 01's and 04's small models are bf16."""
     assert 'Cluster.preset("dgx-h100", hosts=2)' in _code("02_concepts")
     assert "p3.16xlarge" not in _code("02_concepts")
     seven = _code("07_rooflines_mfu")
     assert all(f'"dgx-{gpu}"' in seven for gpu in ("h100", "h200", "b200")) and 'peak("bfloat16")' in seven
     assert "On Alpa's testbed, on purpose" in _text("03_alpa_walkthrough")
+    # the workbench notebooks' small models: traced in bfloat16 and planned in the bf16 recipe, every model they plan
+    for stem in ("01_tour", "04_overrides"):
+        code = _code(stem)
+        gets = re.findall(r'al\.models\.get\("(?:gpt-tiny|mlp)"[^)]*\)', code)
+        plans = re.findall(r"al\.(?:compare|auto_plan|megatron_plan)\((?:[^()]|\([^()]*\))*\)", code)
+        assert gets and all('dtype="bfloat16"' in g for g in gets), stem
+        assert plans and all('precision="bf16"' in p for p in plans), stem
 
 
 def _run_until(stem: str, heading: str) -> dict:
