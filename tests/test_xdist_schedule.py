@@ -69,6 +69,7 @@ def group_of(nodeid):
 
 def pytest_configure(config):
     config.stash[xdist_schedule.GROUP_OF_TEST] = group_of
+    config.option.loadscopereorder = False  # collection order, as tests/conftest.py sets it: d's tests first
 """
 
 
