@@ -45,8 +45,9 @@ js:
 	elif [ ! -d node_modules ] && ! npm ci --no-audit --no-fund; then echo "npm ci failed: JS tests skipped"; \
 	else npm run --silent build && npm test --silent; fi
 
-# Two pytest-xdist workers on 2 cores (at most 4 on bigger machines); tests/conftest.py groups the tests by file, keeps
-# the files that start Ray on one worker and sends the longest groups first. `make test XDIST=` runs them in one process.
+# Two pytest-xdist workers on 2 cores (at most 4 on bigger machines); tests/conftest.py groups the tests by file (each
+# notebook run and browser test alone), keeps the files that start Ray on one worker and sends the longest groups first.
+# `make test XDIST=` runs them in one process. (3 workers on 2 cores measured no faster on 4 slow files, load 9-12.)
 test: $(VENV)/.installed-test browser js
 	$(BIN)/python -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 

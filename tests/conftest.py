@@ -41,26 +41,43 @@ os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.spl
 # that start a Ray head share one group, so only one of them runs at a time: two Ray clusters (each a handful of
 # processes) would starve a 2-core machine and make their start-up timeouts flaky. (test_launch_remote stops only
 # the head it started, by its temp directory, not with `ray stop --force`: test_ring_execute and test_gallery start
-# an embedded Ray beside this group.) test_browser (one JupyterLab and one Chromium, no Ray) and
-# test_training_panel (no Ray: a fake job) are groups of their own, beside it.
+# an embedded Ray beside this group.) test_training_panel (no Ray: a fake job) is a group of its own, beside it.
 SERIAL_GROUP = "ray"
 SERIAL_FILES = frozenset({
     "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
     "test_ray_lifecycle", "test_readme",
 })
 
+# The tests that are each a group of their own, by file and test function (every parameter): each runs in processes
+# of its own (a notebook kernel; JupyterLab, its kernel and Chromium, no Ray) and shares no fixture or in-process
+# cache with the rest of its file, and each takes 15 s to 2 min. As one group per file, the ten notebooks (~230 s)
+# and the four browser tests (~300 s) ran one after another on one worker, while the other could have taken half.
+OWN_GROUP_TESTS: dict[str, frozenset[str]] = {
+    "test_notebooks": frozenset({"test_notebook_runs"}),
+    "test_browser": frozenset({"test_deep_workbench_in_chromium", "test_views_name_modules_in_chromium",
+                               "test_graph_and_charts_read_clearly_in_chromium",
+                               "test_framework_config_in_and_out_in_chromium"}),
+}
+
 # The groups that take longest, longest first: the workers start on these, so that no long group is left for the end
 # while the other worker has nothing to do (xdist's own order, most tests first, put test_browser's 4 tests and
 # test_runtime_buffers' 4 near the end). The order follows the seconds each group's tests took on the workers of a
-# fresh clone's `make test` (session 29's --durations=300 summed by file, session 32's --durations=40 where more);
-# the groups not named here follow, most tests first.
+# fresh clone's `make test` (session 29's --durations=300 summed by file, session 32's --durations=60 where more);
+# the groups not named here follow, most tests first. A test of OWN_GROUP_TESTS is named by its file and id.
 LONGEST_FIRST = (
-    SERIAL_GROUP, "test_notebooks", "test_browser", "test_ring_execute", "test_virtual_share", "test_table_scale",
-    "test_gallery", "test_runtime_buffers", "test_execute", "test_moe", "test_models_deepseek", "test_lean",
-    "test_update_sharding", "test_frameworks", "test_precision", "test_memory_measured", "test_gradient_chain",
-    "test_layouts", "test_models_llama", "test_deepmap", "test_golden", "test_cli_today", "test_fsdp",
-    "test_presets_today", "test_widgets", "test_models", "test_selective_remat", "test_calibrate", "test_intra",
-    "test_cluster", "test_workbench_fixes", "test_scale_space", "test_deep_overrides", "test_bench_published",
+    SERIAL_GROUP, "test_ring_execute", "test_browser::test_deep_workbench_in_chromium",
+    "test_browser::test_views_name_modules_in_chromium", "test_virtual_share", "test_table_scale",
+    "test_notebooks::test_notebook_runs[05_bring_your_own_model]", "test_gallery", "test_runtime_buffers",
+    "test_execute", "test_browser::test_graph_and_charts_read_clearly_in_chromium",
+    "test_notebooks::test_notebook_runs[08_modern_schedules_and_hardware]", "test_moe",
+    "test_browser::test_framework_config_in_and_out_in_chromium", "test_models_deepseek", "test_lean",
+    "test_notebooks::test_notebook_runs[06_open_questions]", "test_notebooks::test_notebook_runs[09_memory_anatomy]",
+    "test_update_sharding", "test_frameworks", "test_precision", "test_memory_measured",
+    "test_notebooks::test_notebook_runs[10_capstone_llama3_70b]", "test_gradient_chain", "test_layouts",
+    "test_models_llama", "test_deepmap", "test_golden", "test_cli_today", "test_fsdp",
+    "test_notebooks::test_notebook_runs[01_tour]", "test_presets_today", "test_widgets", "test_models",
+    "test_selective_remat", "test_calibrate", "test_intra", "test_cluster", "test_workbench_fixes", "test_scale_space",
+    "test_deep_overrides", "test_bench_published",
 )
 
 # `make test-fast` leaves these out (`-m "not slow and not notebook and not browser"`): a notebook or a browser test
@@ -430,7 +447,7 @@ def pytest_configure(config):
         import xdist_schedule
 
         config.pluginmanager.register(xdist_schedule, "crash-safe-loadgroup")
-        config.stash[xdist_schedule.GROUP_OF_FILE] = lambda path: group_of(pathlib.PurePath(path).stem)
+        config.stash[xdist_schedule.GROUP_OF_TEST] = group_of
         # The groups run in the order the tests are collected in (pytest_collection_modifyitems sorts them), not
         # xdist's default of the group with most tests first.
         config.option.loadscopereorder = False
@@ -440,31 +457,38 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives a real browser")
 
 
-def group_of(stem: str) -> str:
-    """The xdist group of the tests of file ``stem`` (see SERIAL_FILES)."""
-    return SERIAL_GROUP if stem in SERIAL_FILES else stem
+def group_of(nodeid: str) -> str:
+    """The xdist group of the test ``nodeid`` ("tests/test_x.py::test_y[p]"): the Ray group for SERIAL_FILES, the
+    test's own ("test_x::test_y[p]") for OWN_GROUP_TESTS, its file's stem otherwise."""
+    path, _, test = nodeid.partition("::")
+    stem = pathlib.PurePath(path).stem
+    if stem in SERIAL_FILES:
+        return SERIAL_GROUP
+    if test.split("[", 1)[0] in OWN_GROUP_TESTS.get(stem, ()):
+        return f"{stem}::{test}"
+    return stem
 
 
-def longest_first(stems: list[str]) -> dict[str, int]:
-    """Each group's place in the run, for the files ``stems`` (one entry per test): LONGEST_FIRST's groups in its
-    order, then the others by their number of tests, most first (pytest-xdist's own order), ties by first test."""
+def longest_first(nodeids: list[str]) -> dict[str, int]:
+    """Each group's place in the run, for the tests ``nodeids``: LONGEST_FIRST's groups in its order, then the others
+    by their number of tests, most first (pytest-xdist's own order), ties by first test."""
     count: dict[str, int] = {}
-    for stem in stems:
-        count[group_of(stem)] = count.get(group_of(stem), 0) + 1
+    for nodeid in nodeids:
+        count[group_of(nodeid)] = count.get(group_of(nodeid), 0) + 1
     rest = sorted((g for g in count if g not in LONGEST_FIRST), key=lambda g: -count[g])  # stable: first test first
     return {g: i for i, g in enumerate([g for g in LONGEST_FIRST if g in count] + rest)}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Puts every test in its file's xdist group (see SERIAL_FILES; without xdist those marks do nothing) and the
-    groups in the order they are to run (see LONGEST_FIRST), marks the tests of SLOW_TESTS slow, and the notebook and
-    browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
-    rank = longest_first([item.path.stem for item in items])
-    items.sort(key=lambda item: rank[group_of(item.path.stem)])  # stable: each file's tests keep their order
+    """Puts every test in its xdist group (see SERIAL_FILES and OWN_GROUP_TESTS; without xdist those marks do nothing)
+    and the groups in the order they are to run (see LONGEST_FIRST), marks the tests of SLOW_TESTS slow, and the
+    notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
+    rank = longest_first([item.nodeid for item in items])
+    items.sort(key=lambda item: rank[group_of(item.nodeid)])  # stable: each group's tests keep their order
     for item in items:
         stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group_of(stem)))
+        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
         if getattr(item, "originalname", None) in SLOW_TESTS.get(stem, ()):
             item.add_marker(pytest.mark.slow)
         if stem in NOTEBOOK_FILES:

@@ -1,5 +1,6 @@
 """`make test`'s scheduler (tests/xdist_schedule.py) finishes a run in which a worker dies, running every other test
-once, and runs each group of tests whole on one worker: small suites run with two xdist workers."""
+once, and runs each group of tests whole on one worker, a group being what the conftest maps a test's node id to:
+small suites run with two xdist workers."""
 
 from __future__ import annotations
 
@@ -53,22 +54,30 @@ def test_a_crashed_worker_fails_its_test_and_the_rest_run_once(tmp_path):
                               "test_d.py::test_d1"], text
 
 
-# Files e and f are one group (as tests/conftest.py puts the Ray files in one), g and h a group each.
+# Files e and f are one group (as tests/conftest.py puts the Ray files in one), g and h a group each, and each test
+# of file d a group of its own (as conftest's OWN_GROUP_TESTS): the scheduler gets the test's node id.
 GROUPING_CONFTEST = """import pathlib
 
 import xdist_schedule
 
 
+def group_of(nodeid):
+    path, _, test = nodeid.partition("::")
+    stem = pathlib.PurePath(path).stem
+    return "ef" if stem in ("test_e", "test_f") else nodeid if stem == "test_d" else path
+
+
 def pytest_configure(config):
-    config.stash[xdist_schedule.GROUP_OF_FILE] = lambda path: (
-        "ef" if pathlib.PurePath(path).stem in ("test_e", "test_f") else path)
+    config.stash[xdist_schedule.GROUP_OF_TEST] = group_of
+    config.option.loadscopereorder = False  # collection order, as tests/conftest.py sets it: d's tests first
 """
 
 
 def test_each_group_runs_whole_on_one_worker(tmp_path):
     """pytest-xdist's own group marks do not reach its scheduler under pytest 9 (each test was its own group, spread
-    over the workers); the scheduler groups the tests by file, or as the conftest maps the files."""
-    for x in "efgh":
+    over the workers); the scheduler groups the tests by file, as the conftest maps the files, or test by test where
+    the conftest makes a test a group of its own."""
+    for x in "defgh":
         (tmp_path / f"test_{x}.py").write_text("".join(f"def test_{x}{i}(): pass\n" for i in range(4)))
     (tmp_path / "conftest.py").write_text(GROUPING_CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -80,6 +89,8 @@ def test_each_group_runs_whole_on_one_worker(tmp_path):
     workers: dict[str, set[str]] = {}
     for worker, stem in re.findall(r"^\[(gw\d+)\] \[\s*\d+%\] PASSED (test_\w)\.py::", out.stdout, re.M):
         workers.setdefault(stem, set()).add(worker)
-    assert sorted(workers) == ["test_e", "test_f", "test_g", "test_h"], out.stdout
-    assert all(len(w) == 1 for w in workers.values()), workers  # each file on one worker
+    assert sorted(workers) == ["test_d", "test_e", "test_f", "test_g", "test_h"], out.stdout
+    assert all(len(workers[s]) == 1 for s in ("test_e", "test_f", "test_g", "test_h")), workers  # a file: one worker
     assert workers["test_e"] == workers["test_f"], workers  # one group: one worker
+    # d's four one-test groups come first and are dealt out before any test runs (two to each worker at the start).
+    assert workers["test_d"] == {"gw0", "gw1"}, workers

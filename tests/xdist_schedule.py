@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 from xdist.scheduler import LoadGroupScheduling
 
-# The group of a test file's path (its part of the node id before "::"), set by tests/conftest.py in
-# pytest_configure; without it each file is one group.
-GROUP_OF_FILE = pytest.StashKey[object]()
+# The group of a test's node id ("tests/test_x.py::test_y[param]"), set by tests/conftest.py in pytest_configure;
+# without it each file is one group.
+GROUP_OF_TEST = pytest.StashKey[object]()
 
 
 class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
@@ -28,14 +28,13 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
         """The group of the test ``nodeid``. pytest-xdist 3.8.0 marks a test's group by appending "@group" to its
         node id on the worker, which pytest 9 ignores (Node.nodeid is read from another attribute): under pytest 9
         the ids come without it and every test would be a group of its own, so that a file's module fixtures were
-        built on each worker and the files meant to run one at a time ran side by side. Then the group is the test
-        file's, as tests/conftest.py maps it (GROUP_OF_FILE), or the file itself."""
+        built on each worker and the files meant to run one at a time ran side by side. Then the group is the one
+        tests/conftest.py gives the test (GROUP_OF_TEST: its file's, or the test's own), or the test's file."""
         scope = super()._split_scope(nodeid)
         if scope != nodeid:  # xdist's own suffix (pytest before 9)
             return scope
-        path = nodeid.split("::", 1)[0]
-        group_of = self.config.stash.get(GROUP_OF_FILE, None)
-        return group_of(path) if group_of else path
+        group_of = self.config.stash.get(GROUP_OF_TEST, None)
+        return group_of(nodeid) if group_of else nodeid.split("::", 1)[0]
 
     def remove_node(self, node):
         workload = self.assigned_work.pop(node)
