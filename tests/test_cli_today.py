@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,22 +33,26 @@ def _fits_with_breakdown(out) -> dict:
 
 @pytest.mark.slow
 def test_llama3_70b_on_64_h100s_by_name_and_by_config_json(tmp_path):
+    """By zoo name (--json) and by config.json (the text a user reads): one model, one plan. Two runs, not three:
+    the text run is the config.json one, so its plan is checked against the JSON's stage by stage."""
     by_name = _cli("plan", "llama3-70b", "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, "--json", cwd=tmp_path)
     assert by_name.returncode == 0, by_name.stderr[-2000:]
     plan = json.loads(by_name.stdout)
     assert plan["precision"] == "bf16" and plan["hosts"] == 8
     assert max(plan["peak_mem_bytes"]) <= plan["mem_limit_bytes"]          # a plan that fits 80 GB
-    text = _fits_with_breakdown(_cli("plan", "llama3-70b", "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, cwd=tmp_path))
-    assert "does not fit" not in text["text"]
     folder = tmp_path / "Meta-Llama-3-70B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(LLAMA3_70B))
-    by_file = _cli("plan", str(folder / "config.json"), "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, "--json",
-                   cwd=tmp_path)
-    assert by_file.returncode == 0, by_file.stderr[-2000:]
-    same = json.loads(by_file.stdout)
-    assert same["model"] == "meta-llama-3-70b"
-    assert same["step_time_s"] == plan["step_time_s"] and same["stages"] == plan["stages"]   # the same model
+    by_file = _cli("plan", str(folder / "config.json"), "--cluster", "dgx-h100:8", *LLAMA_70B_RUN, cwd=tmp_path)
+    text = _fits_with_breakdown(by_file)["text"]
+    assert "does not fit" not in text
+    head = text.strip().splitlines()[0]
+    assert head.startswith("meta-llama-3-70b on dgx-h100:8")               # the model the file names
+    step = float(re.search(r"step ([0-9.e+-]+) s", head).group(1))
+    assert step == pytest.approx(plan["step_time_s"], rel=1e-3)            # the same plan as by name
+    stages = re.findall(r"stage (\d+): layers (\d+)-(\d+) .* on submesh (\d+)x(\d+) as (\d+)x(\d+)", text)
+    assert [tuple(map(int, st)) for st in stages] == [
+        (k, *st["layers"], *st["submesh"], *st["logical_mesh"]) for k, st in enumerate(plan["stages"])]
 
 
 @pytest.mark.slow
