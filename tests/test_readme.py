@@ -58,9 +58,9 @@ def test_readme_ray_launch_block_runs(tmp_path, monkeypatch):
     try:
         exec(compile(launch, "README.md launch block", "exec"), scope)
         job = scope["job"]
-        assert job.status() == "done" and len(job.losses) == 100
+        assert job.status() == "done" and len(job.losses) == 20
         assert [r["stage"] for r in job.stage_times()] == [0, 1]
-        assert json.loads((tmp_path / "ckpt" / "job.json").read_text())["step"] == 100
+        assert json.loads((tmp_path / "ckpt" / "job.json").read_text())["step"] == 20
     finally:
         shutdown_local_ray()
 
