@@ -43,7 +43,7 @@ from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
-from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
+from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -447,7 +447,9 @@ class CostTable:
         the other). Worker processes start only for at least ``POOL_MIN_MESHES`` meshes (starting one costs an
         import of the library, a few seconds). ``on_progress`` sees each mesh as it finishes, with the count done and
         the total; the same numbers as solving each on first use. ``follow``: as in :meth:`collect`, with worker
-        processes only. Returns how many were solved (or collected from :meth:`build`'s workers)."""
+        processes only; but where it asks for every lean solution (:func:`lean_everywhere`) each mesh's lean ILP is
+        solved right after its fast one, on the same StrategyCache, here or in a worker. Returns how many were
+        solved (or collected from :meth:`build`'s workers)."""
         collected = self.collect(follow)
         todo = [k for k in (self.planned_meshes() if keys is None else [mesh_key(k) for k in keys])
                 if k not in self._mesh]
@@ -456,23 +458,32 @@ class CostTable:
         collected += ahead - len(todo)
         workers = default_workers() if workers is None else max(1, int(workers))
         if workers == 1 or len(todo) < POOL_MIN_MESHES:
-            for n, key in enumerate(todo, 1):
-                t0 = time.perf_counter()
-                small, plan, choice = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
-                self._store(key, small, plan)
-                self._choices[key] = choice
-                self.solve_s += time.perf_counter() - t0
-                self._report(key, n, len(todo))
-            return collected + len(todo)
+            keys = self._with_lean(todo, follow)
+            n = 0
+            for task in mesh_tasks(keys):  # a mesh's fast and lean solutions share its StrategyCache
+                cache = StrategyCache(self.cluster.logical_mesh(task[0][0], task[0][1]))
+                for key in task:
+                    n += 1
+                    t0 = time.perf_counter()
+                    small, plan, choice = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo, cache)
+                    self._store(key, small, plan)
+                    self._choices[key] = choice
+                    self.solve_s += time.perf_counter() - t0
+                    self._report(key, n, len(keys))
+            return collected + len(keys)
         # Largest meshes first (they take longest), so that the workers finish together.
         todo.sort(key=lambda k: -k[0][0] * k[0][1])
-        keys = todo
-        if follow is not None and lean_everywhere(self.cluster, self.space, self.lean):
-            # follow asks for every fast mesh's lean solution: solved with it, on one StrategyCache
-            keys = [k for key in todo for k in ((key, mesh_key((*key, LEAN))) if len(key) == 2 else (key,))
-                    if k == key or (k not in self._mesh and not self._take_spare(k))]
-        pool = MeshPool(self.solve_graph, self.cluster, self.solver, keys, min(workers, len(todo)))
+        pool = MeshPool(self.solve_graph, self.cluster, self.solver, self._with_lean(todo, follow),
+                        min(workers, len(todo)))
         return collected + self._drain(pool, follow, asked=todo)
+
+    def _with_lean(self, todo: list[tuple], follow: FollowFn | None) -> list[tuple]:
+        """``todo`` and, where ``follow`` will ask for every fast mesh's lean solution (:func:`lean_everywhere`),
+        each one's lean key right after it (not solved yet), to solve on the fast one's StrategyCache."""
+        if follow is None or not lean_everywhere(self.cluster, self.space, self.lean):
+            return todo
+        return [k for key in todo for k in ((key, mesh_key((*key, LEAN))) if len(key) == 2 else (key,))
+                if k == key or (k not in self._mesh and not self._take_spare(k))]
 
     def for_cluster(self, cluster: Cluster) -> CostTable:
         """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
