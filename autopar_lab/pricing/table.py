@@ -42,7 +42,7 @@ from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import pareto, prefix_sums, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
-from .space import SPACES, distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
+from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
 
 if TYPE_CHECKING:
@@ -64,13 +64,6 @@ SOLUTIONS = ("fast", LEAN)
 #: When a table solves lean solutions (:attr:`CostTable.lean`): "auto" (where the fast solution cannot hold one of
 #: the model's layers, and everywhere when the DP finds no plan without them), "all" (every planned mesh), "off".
 LEAN_MODES = ("auto", "all", "off")
-
-
-def lean_everywhere(cluster: Cluster, space: str, lean: str) -> bool:
-    """Whether a table with ``lean`` (:data:`LEAN_MODES`) in ``space`` wants every planned mesh's lean solution
-    whatever the fast ones cost ("all", or "auto" in the scale space: see :meth:`CostTable.lean_wanted`): its
-    workers then solve a mesh's lean ILP with its fast one, on one StrategyCache (``table_pool.mesh_tasks``)."""
-    return lean == "all" or (lean == "auto" and scale_space(cluster, space))
 
 
 def planned_on_copies(model) -> bool:
