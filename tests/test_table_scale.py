@@ -375,3 +375,38 @@ def test_the_workers_of_a_table_never_collected_stop_with_it():
     gc.collect()
     for p in procs:
         p.wait(timeout=30)  # raises if a worker is still running
+
+
+@pytest.mark.slow
+def test_a_mesh_s_fast_and_lean_ilps_solved_together_equal_the_two_solved_apart():
+    """Where every lean solution is wanted (``lean="all"``; "auto" in the scale space), a worker solves a mesh's
+    lean ILP right after its fast one on one StrategyCache: build's workers solve them ahead, kept aside until asked
+    (collecting alone adds no lean solution), and solve_planned pairs them too, in its pool or here. Layer costs,
+    strategy indices and solutions equal the in-process solves, one fresh cache each, to the bit."""
+    import autopar_lab.pricing.table as table_module
+
+    model = al.models.get("gpt-tiny", num_layers=8)
+    ref = CostTable.build(model, SMALL, lean="all")
+    ref.solve_meshes(workers=1)
+    ref.solve_lean(workers=1)
+    keys = ref.planned_meshes()
+    old = table_module.POOL_MIN_MESHES
+    table_module.POOL_MIN_MESHES = 1
+    try:
+        ahead = CostTable.build(model, SMALL, workers=2, lean="all")
+        assert ahead._ahead is not None and len(ahead._ahead.keys) == 2 * len(keys)  # fast and lean, paired
+        ahead.collect()
+        assert ahead.lean_solved() == []  # solved, but not asked for yet
+        later, here = CostTable.build(model, SMALL, lean="all"), CostTable.build(model, SMALL, lean="all")
+        counts = [t.solve_planned(1e30, 1, workers=w) for t, w in ((ahead, 2), (later, 2), (here, 1))]
+    finally:
+        table_module.POOL_MIN_MESHES = old
+    assert counts == [len(keys), 2 * len(keys), 2 * len(keys)]  # ahead: its fast solutions were collected before
+    for t in (ahead, later, here):
+        assert sorted(t.lean_solved()) == sorted(keys)
+        for sub, shape in keys:
+            assert t.solutions(sub, shape) == ref.solutions(sub, shape)
+            for sol in ("fast", LEAN):
+                key = ref.key(sub, shape, sol)
+                assert t.mesh_costs(sub, shape, sol)[0] == ref.mesh_costs(sub, shape, sol)[0]
+                assert (t._choices[key] == ref._choices[key]).all()

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
 
 __all__ = ["SPACES", "FULL_SPACE_MAX_HOSTS", "SCALE_SPACE_MIN_HOSTS", "mesh_signature", "distinct_mesh_shapes",
-           "planning_submeshes", "scale_space"]
+           "planning_submeshes", "scale_space", "lean_everywhere"]
 
 #: Planning spaces: "full" (every Alpa submesh shape), "divisors" (see :func:`planning_submeshes`), "scale" (see
 #: :func:`scale_space`), "auto" (full up to ``FULL_SPACE_MAX_HOSTS`` hosts, divisors above, scale from
@@ -41,6 +41,19 @@ def scale_space(cluster: Cluster, space: str) -> bool:
     """
     n = cluster.hosts
     return space == "scale" or (space == "auto" and n >= SCALE_SPACE_MIN_HOSTS and n & (n - 1) == 0)
+
+
+def lean_everywhere(cluster: Cluster, space: str, lean: str) -> bool:
+    """Whether a cost table with ``lean`` ("auto", "all" or "off": ``table.LEAN_MODES``) in ``space`` wants every
+    planned mesh's lean solution whatever the fast ones cost: "all", or "auto" in the scale space (see
+    ``CostTable.lean_wanted``). Its ILPs then solve a mesh's lean solution right after its fast one, on one
+    StrategyCache (``table_pool.mesh_tasks``).
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> [lean_everywhere(Cluster.preset("h800", hosts=256), "auto", m) for m in ("auto", "all", "off")]
+    [True, True, False]
+    """
+    return lean == "all" or (lean == "auto" and scale_space(cluster, space))
 
 
 def mesh_signature(mesh: LogicalMesh) -> tuple:

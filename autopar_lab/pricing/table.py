@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,8 +42,8 @@ from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
 from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
-from .space import SPACES, distinct_mesh_shapes, mesh_signature, planning_submeshes, scale_space
-from .table_pool import LEAN, MeshPool, default_workers, mesh_key, solve_one
+from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
+from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -176,6 +176,7 @@ class CostTable:
         self._memo_space: dict[str, list] = {}
         self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
         self._ahead: MeshPool | None = None  # meshes being solved since build (workers=), not collected yet
+        self._spare: dict[tuple, tuple] = {}  # lean solutions solved ahead, not asked for yet (see _drain)
         #: The mesh keys :meth:`for_cluster` carried over from the table it was made from (empty otherwise).
         self.kept_meshes: frozenset[tuple] = frozenset()
 
@@ -219,7 +220,7 @@ class CostTable:
             if fit is not None:
                 small = fit(small)
                 check_device(precision_of(small), cluster.device)  # before any worker starts
-            pool = cls._start_pool(small, cluster, solver, space, workers) if workers > 1 else None
+            pool = cls._start_pool(small, cluster, solver, space, workers, lean) if workers > 1 else None
             try:
                 graph, deep = deferred_graph(model, small, fit) if trace == "auto" else \
                     (model.trace() if fit is None else fit(model.trace()), None)
@@ -251,13 +252,18 @@ class CostTable:
             return cls(graph, cluster, **kw), True
 
     @staticmethod
-    def _start_pool(small: OpGraph, cluster: Cluster, solver: str, space: str, workers: int) -> MeshPool | None:
-        """Worker processes solving every planned mesh of the copy ``small`` (None below ``POOL_MIN_MESHES``)."""
+    def _start_pool(small: OpGraph, cluster: Cluster, solver: str, space: str, workers: int,
+                    lean: str) -> MeshPool | None:
+        """Worker processes solving every planned mesh of the copy ``small`` (None below ``POOL_MIN_MESHES``), and
+        each one's lean solution with it where the table will want them all (:func:`lean_everywhere`; kept aside
+        until asked for, :meth:`_drain`)."""
         keys = [(sub, shape) for sub in planning_submeshes(cluster, batch_size(small), space)
                 for shape in distinct_mesh_shapes(cluster, sub, space)]
         if len(keys) < POOL_MIN_MESHES:
             return None
         keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
+        if lean_everywhere(cluster, space, lean):
+            keys = [k for key in keys for k in (mesh_key(key), mesh_key((*key, LEAN)))]
         return MeshPool(small, cluster, solver, keys, workers)
 
     def collect(self, follow: FollowFn | None = None) -> int:
@@ -270,15 +276,24 @@ class CostTable:
             return 0
         return self._drain(pool, follow)
 
-    def _drain(self, pool: MeshPool, follow: FollowFn | None) -> int:
-        """Store every mesh ``pool`` solves as it arrives, handing it the keys ``follow`` asks for; close it."""
+    def _drain(self, pool: MeshPool, follow: FollowFn | None, asked: Iterable[tuple] = ()) -> int:
+        """Store every mesh ``pool`` solves as it arrives, handing it the keys ``follow`` asks for; close it. A lean
+        solution neither in ``asked`` nor asked by ``follow`` (solved ahead beside its fast one) is kept aside
+        until it is (:meth:`_take_spare`): the table holds the solutions it was asked for, as without workers."""
         t0, n = time.perf_counter(), 0
+        asked = set(asked)
         try:
             for n, (key, small, choice, _s) in enumerate(pool.results(), 1):
-                if key not in self._mesh:
+                if key in self._mesh:
+                    pass
+                elif len(key) > 2 and key not in asked:
+                    self._spare[key] = (small, choice)
+                else:
                     self._store(key, small, None)
                     self._choices[key] = choice
-                    more = [k for k in follow(key) if k not in self._mesh and k not in pool.keys] if follow else []
+                    more = [k for k in follow(key) if k not in self._mesh] if follow else []
+                    asked.update(more)
+                    more = [k for k in more if not self._take_spare(k) and k not in pool.keys]
                     if more:
                         pool.add(more)
                 self._report(key, n, len(pool.keys))
@@ -286,6 +301,15 @@ class CostTable:
             pool.close()
             self.solve_s += time.perf_counter() - t0
         return n
+
+    def _take_spare(self, key) -> bool:
+        """Store the solution ``key`` if a worker solved it ahead (:meth:`_drain`); whether it did."""
+        got = self._spare.pop(key, None)
+        if got is None:
+            return False
+        self._store(key, got[0], None)
+        self._choices[key] = got[1]
+        return True
 
     # The session hands a solve's progress hook to the table for the time of that solve.
     @property
@@ -314,7 +338,7 @@ class CostTable:
         key = self.key(submesh, shape, solution)
         if key not in self._mesh and self._ahead is not None and key in self._ahead.keys:
             self.collect()
-        if key not in self._mesh:
+        if key not in self._mesh and not self._take_spare(key):
             t0 = time.perf_counter()
             small, plan, self._choices[key] = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
             self._store(key, small, plan)
@@ -364,7 +388,7 @@ class CostTable:
         alone (solved on first use), so a table can decide as each mesh's fast ILP arrives."""
         if self.lean != "auto":
             return self.lean == "all"
-        if scale_space(self.cluster, self.space):
+        if lean_everywhere(self.cluster, self.space, self.lean):
             # At this size every layer alone fits somewhere fast, but the ranges a pipeline needs do not: Llama 3
             # 405B on 2,048 DGX H100 hosts solved no lean ILP by the rule below, and the one plan that fitted was a
             # single stage on 16,384 devices, 1,000 times slower than a pipeline (issue 36). Every mesh, then.
@@ -416,24 +440,43 @@ class CostTable:
         the other). Worker processes start only for at least ``POOL_MIN_MESHES`` meshes (starting one costs an
         import of the library, a few seconds). ``on_progress`` sees each mesh as it finishes, with the count done and
         the total; the same numbers as solving each on first use. ``follow``: as in :meth:`collect`, with worker
-        processes only. Returns how many were solved (or collected from :meth:`build`'s workers)."""
+        processes only; but where it asks for every lean solution (:func:`lean_everywhere`) each mesh's lean ILP is
+        solved right after its fast one, on the same StrategyCache, here or in a worker. Returns how many were
+        solved (or collected from :meth:`build`'s workers)."""
         collected = self.collect(follow)
         todo = [k for k in (self.planned_meshes() if keys is None else [mesh_key(k) for k in keys])
                 if k not in self._mesh]
+        ahead = len(todo)
+        todo = [k for k in todo if not self._take_spare(k)]
+        collected += ahead - len(todo)
         workers = default_workers() if workers is None else max(1, int(workers))
         if workers == 1 or len(todo) < POOL_MIN_MESHES:
-            for n, key in enumerate(todo, 1):
-                t0 = time.perf_counter()
-                small, plan, choice = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo)
-                self._store(key, small, plan)
-                self._choices[key] = choice
-                self.solve_s += time.perf_counter() - t0
-                self._report(key, n, len(todo))
-            return collected + len(todo)
+            keys = self._with_lean(todo, follow)
+            n = 0
+            for task in mesh_tasks(keys):  # a mesh's fast and lean solutions share its StrategyCache
+                cache = StrategyCache(self.cluster.logical_mesh(task[0][0], task[0][1]))
+                for key in task:
+                    n += 1
+                    t0 = time.perf_counter()
+                    small, plan, choice = solve_one(self.solve_graph, self.cluster, key, self.solver, self._memo, cache)
+                    self._store(key, small, plan)
+                    self._choices[key] = choice
+                    self.solve_s += time.perf_counter() - t0
+                    self._report(key, n, len(keys))
+            return collected + len(keys)
         # Largest meshes first (they take longest), so that the workers finish together.
         todo.sort(key=lambda k: -k[0][0] * k[0][1])
-        pool = MeshPool(self.solve_graph, self.cluster, self.solver, todo, min(workers, len(todo)))
-        return collected + self._drain(pool, follow)
+        pool = MeshPool(self.solve_graph, self.cluster, self.solver, self._with_lean(todo, follow),
+                        min(workers, len(todo)))
+        return collected + self._drain(pool, follow, asked=todo)
+
+    def _with_lean(self, todo: list[tuple], follow: FollowFn | None) -> list[tuple]:
+        """``todo`` and, where ``follow`` will ask for every fast mesh's lean solution (:func:`lean_everywhere`),
+        each one's lean key right after it (not solved yet), to solve on the fast one's StrategyCache."""
+        if follow is None or not lean_everywhere(self.cluster, self.space, self.lean):
+            return todo
+        return [k for key in todo for k in ((key, mesh_key((*key, LEAN))) if len(key) == 2 else (key,))
+                if k == key or (k not in self._mesh and not self._take_spare(k))]
 
     def for_cluster(self, cluster: Cluster) -> CostTable:
         """The same model's table on another cluster (a what-if): the traces, the operator map and the cut bytes are
@@ -469,6 +512,7 @@ class CostTable:
         new.kept_meshes = frozenset(keep)
         new._mesh = {k: (self._mesh[k][0], None) for k in keep}
         new._choices = {k: self._choices[k] for k in keep}
+        new._spare = {k: v for k, v in self._spare.items() if k[0] in subs and unchanged(k)}
         new._sums = {k: v for k, v in self._sums.items() if k in new._mesh}
         new._arrays = {k: v for k, v in self._arrays.items() if k in new._mesh}
         # Which views of a submesh are distinct depends on the links, and which are searched on the host count

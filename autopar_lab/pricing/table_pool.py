@@ -76,13 +76,16 @@ def default_workers() -> int:
     return max(1, min(4, cores))
 
 
-def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict) -> tuple[list[LayerCost], IntraPlan,
-                                                                                         np.ndarray]:
+def solve_one(graph: OpGraph, cluster: Cluster, key, solver: str, memo: dict, cache: StrategyCache | None = None
+              ) -> tuple[list[LayerCost], IntraPlan, np.ndarray]:
     """One mesh's ILP as the table solves it: (the solve graph's layer costs, the IntraPlan, strategy indices).
-    A key with :data:`LEAN` gets the memory-lean solution (:func:`lean_pins`)."""
+    A key with :data:`LEAN` gets the memory-lean solution (:func:`lean_pins`). ``cache``: a StrategyCache of this
+    very mesh to share (a mesh's fast and lean solves price the same strategies and edges: a third of the lean
+    solve's time); a fresh one by default. Either way the same numbers: the cache only remembers."""
     submesh, shape = key[0], key[1]
-    mesh = cluster.logical_mesh(submesh, shape)
-    cache = StrategyCache(mesh)
+    if cache is None:
+        cache = StrategyCache(cluster.logical_mesh(submesh, shape))
+    mesh = cache.mesh
     pins = lean_pins(graph, cache) if len(key) > 2 and key[2] == LEAN else {}
     plan = solve_intra(graph, mesh, pins=pins, options=IntraOptions(solver=solver, rounds=1), cache=cache, memo=memo)
     costs = layer_costs(graph, plan, list(graph.layers) or [""], cache=cache)
@@ -124,10 +127,11 @@ class _Worker:
                 batch = self.tasks.get()  # waits: the pool may be handed more meshes (MeshPool.add)
                 if batch is None:  # the pool is closing
                     break
-                for key in batch:
-                    pickle.dump(key, stdin)
+                for task in batch:  # the solutions of one mesh (see MeshPool.add): a result for each
+                    pickle.dump(task, stdin)
                     stdin.flush()
-                    self.results.put(pickle.load(stdout))
+                    for _ in task:
+                        self.results.put(pickle.load(stdout))
         except (EOFError, OSError, pickle.UnpicklingError) as e:  # the worker died (or was stopped)
             self.results.put(RuntimeError(f"an ILP worker process stopped: {type(e).__name__}: {e}"))
             return
@@ -143,25 +147,39 @@ class _Worker:
         self.proc.wait()
 
 
+def mesh_tasks(keys: Sequence) -> list[tuple]:
+    """``keys`` as a worker's tasks: the solutions of one mesh asked together (its fast and lean ones) are one task,
+    solved one after the other on one StrategyCache (see :func:`solve_one`), in the order first asked.
+
+    >>> mesh_tasks([((1, 8), (1, 8)), ((1, 8), (2, 4)), ((1, 8), (1, 8), "lean")])
+    [(((1, 8), (1, 8)), ((1, 8), (1, 8), 'lean')), (((1, 8), (2, 4)),)]
+    """
+    tasks: dict = {}
+    for key in keys:
+        key = mesh_key(key)
+        tasks.setdefault(key[:2], []).append(key)
+    return [tuple(t) for t in tasks.values()]
+
+
 def first_pass_batches(cluster: Cluster, keys: Sequence) -> list[list]:
-    """``keys`` in batches that one worker solves in turn: meshes with both axes split whose axis 0 has the same
-    size and link share the sequential solve's first pass (see ``memo`` in
+    """``keys`` in batches of tasks (:func:`mesh_tasks`) that one worker solves in turn: meshes with both axes split
+    whose axis 0 has the same size and link share the sequential solve's first pass (see ``memo`` in
     :func:`~autopar_lab.solve.intra.solve_intra`), which a worker remembers, so they go to the same worker and that
     pass runs once in all; every other mesh is a batch of its own. Batches keep the order of their first mesh.
 
     >>> from autopar_lab.cluster import Cluster
     >>> c = Cluster.preset("dgx-a100", hosts=4)   # (2, 16) on 4 hosts and (2, 8) on 2: pairs 16 and 8 devices apart
     >>> first_pass_batches(c, [((4, 8), (2, 16)), ((4, 8), (1, 32)), ((2, 8), (2, 8)), ((4, 8), (4, 8))])
-    [[((4, 8), (2, 16)), ((2, 8), (2, 8))], [((4, 8), (1, 32))], [((4, 8), (4, 8))]]
+    [[(((4, 8), (2, 16)),), (((2, 8), (2, 8)),)], [(((4, 8), (1, 32)),)], [(((4, 8), (4, 8)),)]]
     """
     batches: dict = {}
-    for n, key in enumerate(keys):
-        sub, shape = key[0], key[1]
+    for n, task in enumerate(mesh_tasks(keys)):
+        sub, shape = task[0][0], task[0][1]
         group: tuple = ("alone", n)
         if shape[0] > 1 and shape[1] > 1:
             link = cluster.logical_mesh(sub, shape).axis_link(0)
             group = (shape[0], float(link.bandwidth), float(link.latency))
-        batches.setdefault(group, []).append(mesh_key(key))
+        batches.setdefault(group, []).append(task)
     return list(batches.values())
 
 
@@ -178,11 +196,13 @@ class MeshPool:
         self._left = 0
         self.add(keys)
         setup = pickle.dumps((graph, cluster.to_dict(), solver))
-        self._pool = [_Worker(setup, self._tasks, self._results) for _ in range(max(1, min(workers, len(keys))))]
+        meshes = len({k[:2] for k in self.keys})
+        self._pool = [_Worker(setup, self._tasks, self._results) for _ in range(max(1, min(workers, meshes)))]
 
     def add(self, keys: Sequence) -> None:
         """Hand the workers more meshes, after those already queued (a table queues a mesh's lean ILP as its fast
-        one arrives, so the same workers go on to it: no second pool to start). :meth:`results` yields them too."""
+        one arrives, so the same workers go on to it: no second pool to start). :meth:`results` yields them too.
+        A mesh's fast and lean keys handed over in one call are solved together (:func:`mesh_tasks`)."""
         keys = [mesh_key(k) for k in keys]
         self.keys.extend(keys)
         self._left += len(keys)
@@ -227,11 +247,15 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     memo: dict[Any, Any] = {}
     while True:
         try:
-            key = pickle.load(stdin)
+            task = pickle.load(stdin)
         except EOFError:
             return
-        t0 = time.perf_counter()
-        costs, _plan, choice = solve_one(graph, cluster, key, solver, memo)
-        pickle.dump((key, costs, choice, time.perf_counter() - t0), stdout)
-        stdout.flush()
+        cache = None  # one mesh's solutions share its strategies and edge matrices
+        for key in task:
+            t0 = time.perf_counter()
+            if cache is None:
+                cache = StrategyCache(cluster.logical_mesh(key[0], key[1]))
+            costs, _plan, choice = solve_one(graph, cluster, key, solver, memo, cache)
+            pickle.dump((key, costs, choice, time.perf_counter() - t0), stdout)
+            stdout.flush()
 
