@@ -69,7 +69,8 @@ def check_report(plan) -> None:
         B * sum(c.latency_fwd_s + c.latency_bwd_s for c in part), rel=1e-12)
     # The stage's per-microbatch times pay the latency in full: the stage cost with the latency fields zeroed, plus
     # the latency's other B - 1 shares (the layer costs count it once a step, 1/B of it a microbatch).
-    sums = {f: sum(getattr(c, f) for c in part) for f in part[0].__dataclass_fields__}
+    sums = {f: sum(getattr(c, f) for c in part) for f in part[0].__dataclass_fields__
+            if f != "shared"}  # the shared weights' entries are not a number (no latency of their own)
     task = plan.table.task_overhead_s(st.submesh)
     fwd, bwd, _, _ = stage_cost(sums, 0.0, B, 1, st.remat, task)
     quiet = dict(sums, latency_fwd_s=0.0, latency_bwd_s=0.0)

@@ -126,10 +126,11 @@ def test_gpt350m_shape_trains_on_8_devices_within_a_memory_bound(capfd):
     """gpt-350m's layers, hidden size and vocabulary (4 layers; sequence 256 and batch 2, scaled from 1024 x 16 to run
     beside other jobs), tp4 x pp2 on the ``cpu`` preset: two steps train, every device's live state between steps is
     its stage's parameters and optimizer state as the plan prices them, and the step's peak per device stays within
-    the bound below: the first stage, whose peak is its update program (it copies its Adam state: priced by
-    backends.cpu), within 20% of its prediction; the last within 1.7x (its vocabulary matmuls' float32 copies are
-    priced, but not the tied embedding it receives from the first stage nor that weight's float32 gradient it
-    returns, 75 MiB a device: see bench/RESULTS.md; 2.25x before the CPU's terms were priced)."""
+    the bound below: each stage within 20% of its prediction: the first, whose peak is its update program (it copies
+    its Adam state: priced by backends.cpu); the last, whose peak is its backward: its vocabulary matmuls' float32
+    copies (backends.cpu) and the tied embedding it receives from the first stage with that weight's float32
+    gradient it returns (75 MiB a device, pricing.layers.shared_weights), 1.18x (1.54x before the tied weight was
+    priced, 2.25x before the CPU's terms; see bench/JOURNAL.md)."""
     model = al.models.get("gpt-350m", batch_size=2, num_layers=4, seq_len=256)
     plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=1, tp=4, pp=2)
     runner = al.execute(plan, model, timing=False)
@@ -146,7 +147,7 @@ def test_gpt350m_shape_trains_on_8_devices_within_a_memory_bound(capfd):
             assert abs(live[d] / state - 1) <= 0.05, (k, d, live[d], state)
     mem = runner.measure_memory()
     ratios = [s["measured_bytes"] / s["predicted_bytes"] for s in mem["stages"]]
-    assert abs(ratios[0] - 1) <= 0.20 and 1 <= ratios[1] <= 1.7, ratios
+    assert all(abs(r - 1) <= 0.20 for r in ratios), ratios
     # The step's own growth of the process (a test worker holds earlier tests' caches too, so not its total): at most
     # a few GiB for every device's peak together.
     grown = mem["process_rss_peak_bytes"] - mem["process_rss_start_bytes"]

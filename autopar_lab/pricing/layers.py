@@ -68,6 +68,11 @@ class LayerCost:
     matmul's backward (:func:`~autopar_lab.backends.dot_f32_copies`), the part that grows with the microbatch (per
     step at the full batch) and the weights' part: a stage's backward holds its largest layer's at once
     (:func:`~autopar_lab.pricing.stage.stage_cost`, the layers' maximum, not their sum).
+
+    A parameter read in more than one layer (GPT's tied token embedding: the lookup in the first layer, the logits
+    in the last): ``shared``, one ``(parameter, home, bytes)`` per such parameter the layer reads, ``home`` True in
+    the layer that holds it (its input's layer); ``bytes`` what a stage that reads it without holding it keeps while
+    its tasks run (:func:`shared_weights`): :func:`~autopar_lab.pricing.stage.shared_weight_bytes` prices it.
     """
 
     fwd_s: float
@@ -108,6 +113,7 @@ class LayerCost:
     reread_s: float = 0.0
     f32_copies_act_bytes: float = 0.0
     f32_copies_weight_bytes: float = 0.0
+    shared: tuple[tuple[int, bool, float], ...] = ()
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -117,6 +123,38 @@ def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
     if kind not in COLLECTIVE_KINDS:
         return 0.0
     return collective_time(mesh, kind, 0.0, axis)
+
+
+def shared_weights(graph: OpGraph, plan: IntraPlan, index: dict[str | None, int]) -> dict[int, list]:
+    """layer index -> its ``(parameter, home, bytes)`` entries for :attr:`LayerCost.shared`: each parameter whose
+    forward readers (its own operators or its compute copy's cast) lie in a layer other than its input's.
+
+    A stage that reads such a parameter without holding it receives it, and returns its gradient, every microbatch
+    (:mod:`autopar_lab.runtime.partition`: the earliest reader owns a step input; a later stage receives it from the
+    owner's forward, and its backward's gradient of that input is summed with the owner's); Megatron-LM likewise
+    keeps a copy of the word embedding on the last stage and all-reduces its gradient with the first's. While its
+    backward runs the stage holds the weight as its layers compute with it (the ``param`` term of
+    :func:`~autopar_lab.solve.memterms.memory_terms`: the compute copy of an fp32 master) and that input's gradient
+    as stored (its own bytes as sharded: float32 for a master weight; measured on gpt-350m's tp4 x pp2 last stage,
+    8 CPU devices: 25 MiB of float16 weight and 50 MiB of float32 gradient a device)."""
+    last = len(index) - 1
+    out: dict[int, list] = {}
+    for op in plan.ops:
+        node = graph.op(op)
+        if node.primitive != INPUT_PRIMITIVE or graph.tensor(node.outputs[0]).kind != PARAM:
+            continue
+        t = node.outputs[0]
+        home = index.get(node.layer, last)
+        readers = {index.get(graph.op(c).layer, last) for c in graph.consumers.get(t, ())
+                   if graph.op(c).role == FORWARD}
+        if not readers - {home}:
+            continue
+        s = plan.strategies[op]
+        weight = sum(b for kind, b in memory_terms(graph, node, s, tuple(plan.mesh.shape)) if kind == "param")
+        nbytes = float(weight + s.mem_bytes)
+        for k in readers | {home}:
+            out.setdefault(k, []).append((int(t), k == home, nbytes))
+    return out
 
 
 def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
@@ -147,6 +185,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     inside = set(plan.ops)
     internals = attention_internals(graph)
     elementwise = dots_recomputed(graph)
+    shared = shared_weights(graph, plan, index)
 
     def slot(op):
         return acc[index.get(graph.op(op).layer, last)]
@@ -258,7 +297,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 count(a, graph.op(v).role == FORWARD,
                       ((kind, axis) for kind, axis, _n in cache.reshard_collectives(src, dst, t.shape, t.dtype)))
     out = []
-    for a in acc:
+    for layer, a in enumerate(acc):
         static = sum(a[k] for k in STATIC_KINDS)
         out.append(LayerCost(a["fwd"], a["bwd"], a["compute"], a["comm"], a["reshard"], static, a["act"], a["hf"],
                              a["hb"], fwd_compute_s=a["fc"], bwd_compute_s=a["bc"], sync_s=a["sync"],
@@ -270,7 +309,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              dots_act_bytes=a["dots_act"], dots_fwd_s=a["dots_fwd"], dots_launch_s=a["dots_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"],
-                             f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1]))
+                             f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1],
+                             shared=tuple(shared.get(layer, ()))))
     return out
 
 

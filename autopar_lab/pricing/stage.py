@@ -63,7 +63,44 @@ def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
         sums["reread_rank_s"].append(sums["reread_rank_s"][-1] + k * c.reread_s)
         for f, key in zip(MAX_FIELDS, _MAX_KEYS):
             sums[key].append(getattr(c, f))
+    shared = {t for c in costs for t, _home, _b in getattr(c, "shared", ())}
+    for t in sorted(shared):
+        # per shared parameter, running sums: layers holding it, layers reading it, and those readers' bytes
+        home, reads, nbytes = [0.0], [0.0], [0.0]
+        for c in costs:
+            mine = [(h, b) for u, h, b in getattr(c, "shared", ()) if u == t]
+            home.append(home[-1] + sum(1.0 for h, _b in mine if h))
+            reads.append(reads[-1] + len(mine))
+            nbytes.append(nbytes[-1] + sum(b for _h, b in mine))
+        sums[f"{SHARED}home:{t}"], sums[f"{SHARED}reads:{t}"], sums[f"{SHARED}bytes:{t}"] = home, reads, nbytes
     return sums
+
+
+#: The prefix of :func:`prefix_sums`' running sums for a parameter read in more than one layer
+#: (:attr:`~autopar_lab.pricing.layers.LayerCost.shared`): ``home:t``, ``reads:t``, ``bytes:t``.
+SHARED = "shared:"
+
+
+def shared_weight_bytes(totals: Mapping[str, Any]) -> Any:
+    """Bytes per device a stage holds, while its tasks run, of the parameters it reads but another stage holds
+    (each one's weight and gradient, :func:`~autopar_lab.pricing.layers.shared_weights`), from a range's totals of
+    :func:`prefix_sums`' ``shared:`` sums: a parameter counts once where some layer of the range reads it and none
+    holds it (floats or broadcastable arrays).
+
+    >>> t = {"shared:home:7": 0.0, "shared:reads:7": 1.0, "shared:bytes:7": 75.0}
+    >>> shared_weight_bytes(t), shared_weight_bytes({**t, "shared:home:7": 1.0})   # the last stage; the first
+    (75.0, 0.0)
+    """
+    out: Any = 0.0
+    for key in totals:
+        if not key.startswith(f"{SHARED}home:"):
+            continue
+        t = key[len(f"{SHARED}home:"):]
+        home, reads = totals[key], totals[f"{SHARED}reads:{t}"]
+        # every reading layer carries the same bytes (the parameter's one sharding on the mesh): bytes / reads
+        each = totals[f"{SHARED}bytes:{t}"] / np.maximum(reads, 1.0)
+        out = out + np.where((home == 0) & (reads > 0), each, 0.0)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 _MAX_KEYS = tuple(f"max:{f}" for f in MAX_FIELDS)
@@ -154,6 +191,10 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     tasks: ``arrays``), so the static bytes are at least that less one microbatch's activations (the stage's peak,
     static bytes plus its microbatches in flight, holds at least one).
 
+    A parameter the stage reads but another stage holds (a tied embedding's head): its weight and gradient are held
+    beside the backward's working set (:func:`shared_weight_bytes`, from ``totals``' ``shared:`` sums; not during
+    the update, which the holder runs).
+
     ``rereads_s`` (:func:`~autopar_lab.backends.program_rereads_s`, set by the caller, who has the running sums):
     what the backward program pays a step to read its layers' outputs again, paid by every microbatch's backward.
     ``task_arrays_s`` (the CPU, :mod:`autopar_lab.backends`): what one task pays to take the stage's parameter
@@ -220,7 +261,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     # arrays (measured on 8 CPU devices: a pipeline's tasks ran 3-5 ms a step slower than priced without it).
     args = totals.get("task_arrays_s", 0.0) * arrays
     copies = totals.get("f32_copies_act_bytes", 0.0) / B + totals.get("f32_copies_weight_bytes", 0.0)
-    static = static + copies
+    # A parameter the stage reads but another holds (a tied embedding): its weight and gradient while tasks run.
+    static = static + copies + shared_weight_bytes(totals)
     update = totals.get("update_copies_bytes", 0.0) * arrays
     if isinstance(update, np.ndarray) or update:
         static = _maximum(static, totals["static_bytes"] + update - act)
