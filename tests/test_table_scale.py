@@ -287,7 +287,7 @@ def test_the_blocks_pareto_mask_is_pareto_on_random_options_with_ties():
     import numpy as np
 
     from autopar_lab.pricing.stage import pareto
-    from autopar_lab.pricing.table import pareto_mask
+    from autopar_lab.pricing.stage import pareto_mask
     from autopar_lab.solve.inter import StageCandidate
 
     rng = np.random.default_rng(7)
@@ -307,7 +307,7 @@ def test_the_pareto_mask_among_options_that_fit_equals_the_full_mask_cut_to_them
     and an ``alive`` that is not closed upwards can differ (so the test can tell the two apart)."""
     import numpy as np
 
-    from autopar_lab.pricing.table import pareto_mask
+    from autopar_lab.pricing.stage import pareto_mask
 
     rng = np.random.default_rng(11)
     for _ in range(60):

@@ -40,7 +40,7 @@ from ..solve.intra import IntraPlan, StrategyCache
 from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
+from .stage import is_running_sum, pareto, pareto_mask, prefix_sums, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
@@ -674,43 +674,6 @@ class CostTable:
         (a layer grid's blocks, see ``planner.layer_grid``), the blocks' arrays indexed by their positions there.
         """
         return StageCandidates(self, microbatches, mem_limit_bytes, grid)
-
-
-def pareto_mask(fields: Sequence[np.ndarray], alive: np.ndarray | None = None) -> np.ndarray:
-    """``keep[k, p]``: option k is Pareto-optimal at position p over ``fields`` (each (K, P), lower is better),
-    as :func:`~autopar_lab.pricing.stage.pareto` decides: an option no worse on every field than another, and
-    better on one or equal on all and later, is dropped. One option against all at a time: (K, P) temporaries
-    rather than (K, K, P), a quarter faster for the 1T table's blocks.
-
-    ``alive`` (bool, (K, P)): only these options are compared and kept (``keep`` is False elsewhere). It must be
-    closed upwards under dominance (an option no worse than an alive one on every field is alive), as "fits in the
-    memory limit" is: then a dead option can dominate no alive one, so comparing the alive ones among themselves
-    gives ``pareto_mask(fields) & alive`` exactly, and only at the positions and against the options alive (1T on
-    3,072 GPUs: most layer ranges fit on no option)."""
-    K, P = fields[0].shape
-    if alive is None:
-        alive = np.ones((K, P), dtype=bool)
-    keep = np.zeros((K, P), dtype=bool)
-    cols = np.flatnonzero(alive.any(axis=0))
-    if cols.size == 0:
-        return keep
-    vals = [v[:, cols] for v in fields]
-    live = alive[:, cols]
-    dominated = np.zeros(live.shape, dtype=bool)
-    later = np.arange(K)[:, None]
-    for j in range(K):
-        at = np.flatnonzero(live[j])  # where option j is alive: only there can it dominate
-        if at.size == 0:
-            continue
-        le = np.ones((K, at.size), dtype=bool)  # option j is <= option i on every field
-        eq = np.ones_like(le)
-        for v in vals:
-            vj, vi = v[j, at], v[:, at]
-            le &= vj <= vi
-            eq &= vj == vi
-        dominated[:, at] |= le & (~eq | (later > j)) & (later != j)
-    keep[:, cols] = live & ~dominated
-    return keep
 
 
 class StageCandidates:
