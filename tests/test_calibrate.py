@@ -228,10 +228,13 @@ def test_planner_charges_the_task_overhead_once_per_task():
     table = CostTable(graph, base)
     B = 4
     for virtual in (False, True):
+        # the same device with and without the overhead: a device sharing cores also holds the CPU backend's memory
+        # terms (backends.cpu), which the overhead must not move
+        without = base.with_(device=dataclasses.replace(base.device, shares_cores=virtual))
         with_overhead = base.with_(device=dataclasses.replace(base.device, task_overhead_s=t, shares_cores=virtual))
         for submesh, shape, devices in (((1, 2), (1, 2), 2), ((1, 8), (1, 8), 8)):
             factor = devices if virtual else 1
-            table.cluster = base
+            table.cluster = without
             plain = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
             table.cluster = with_overhead
             charged = [table.stage(0, 2, submesh, shape, B, r) for r in (False, True)]
