@@ -80,7 +80,8 @@ MEGATRON_8B = ["--batch", "16", "--seq-len", "2048", "--precision", "bf16", "--m
 def test_megatron_layout_flags_price_what_megatron_plan_prices(tmp_path):
     """Llama 3 8B (32 layers, planned on its copy) on one DGX H100 as an engineer writes Megatron-LM's layout on the
     command line: ZeRO-1, sequence parallelism, one sequence a microbatch. The CLI prices what al.megatron_plan
-    prices, and each flag moves the plan as it should (ZeRO-1 stores less optimizer state than ZeRO-0)."""
+    prices, and each flag moves the plan as it should (ZeRO-1 stores less optimizer state than ZeRO-0; with no
+    microbatch flag the micro-batch size is searched)."""
     import autopar_lab as al
 
     flags = [*MEGATRON_8B, "--zero", "1", "--sequence-parallel", "--micro-batch-size", "1", "--json"]
@@ -94,8 +95,11 @@ def test_megatron_layout_flags_price_what_megatron_plan_prices(tmp_path):
     assert got["microbatches"] == 8                                   # 16 sequences over dp 2 x 1 a microbatch
     assert got["step_time_s"] == direct.cost.step_time_s
     assert got["peak_mem_bytes"] == list(direct.cost.peak_mem_bytes)
+    # no microbatch count nor size: the micro-batch sizes 1, 2, 4 and 8 priced, the fastest that fits kept
     zero0 = json.loads(_cli("plan", "llama3-8b", "--cluster", "dgx-h100:1", *MEGATRON_8B, "--zero", "0",
-                            "--sequence-parallel", "--micro-batch-size", "1", "--json", cwd=tmp_path).stdout)
+                            "--sequence-parallel", "--json", cwd=tmp_path).stdout)
+    auto = [n for n in zero0["notes"] if n.startswith("microbatches auto:")]
+    assert zero0["microbatches"] in (8, 4, 2, 1) and auto and "of 1, 2, 4, 8 priced" in auto[0] and zero0["fits"]
     optimizer = [s["optimizer_bytes"] for s in got["memory"]], [s["optimizer_bytes"] for s in zero0["memory"]]
     assert all(b / a == pytest.approx(2, rel=1e-6) for a, b in zip(*optimizer))  # split over 2 data-parallel ranks
 

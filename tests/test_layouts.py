@@ -236,6 +236,33 @@ def test_a_deep_llama_in_megatrons_pipeline_splits_the_blocks_evenly():
     assert weight_spec(forward_matmuls(plan, "layer_1")["attn/q_proj"]) == "RS1"
 
 
+def test_microbatches_auto_keeps_the_fastest_micro_batch_size_that_fits():
+    """``microbatches="auto"`` on a deep model (24 blocks, planned on a copy): each micro-batch size of 1, 2, 4, 8
+    priced on the same table, the fastest that fits kept, equal to that size asked for; under a tighter memory limit
+    a smaller size; on both planners that take a micro-batch size."""
+    model = al.models.get("llama3-8b", num_layers=24, batch_size=32, seq_len=512)
+    cluster = al.Cluster.preset("dgx-h100", hosts=2)
+    kw = dict(dp=2, tp=4, pp=2, zero=1, precision="bf16")
+    auto = al.megatron_plan(model, cluster, microbatches="auto", **kw)
+    each = {m: al.megatron_plan(table=auto.table, micro_batch_size=m, **kw) for m in (1, 2, 4, 8)}
+    fits = {m: p for m, p in each.items() if p.cost.fits}
+    best = min(fits, key=lambda m: fits[m].cost.step_time_s)
+    assert auto.microbatches == 32 // (2 * best) and auto.cost == each[best].cost
+    assert any(n.startswith(f"microbatches auto: {auto.microbatches} microbatches (micro-batch size {best})")
+               for n in auto.notes)
+    # a limit the kept size's activations overflow: auto moves to a smaller size, never to one that overflows
+    peaks = {m: max(p.cost.peak_mem_bytes) for m, p in each.items()}
+    assert best > 1 and peaks[1] < peaks[best]
+    limit = (peaks[1] + peaks[best]) / 2
+    tight = al.megatron_plan(table=auto.table, microbatches="auto", mem_limit_bytes=limit, **kw)
+    assert tight.cost.fits and max(tight.cost.peak_mem_bytes) <= limit and tight.microbatches > auto.microbatches
+    fsdp = al.fsdp_plan(table=auto.table, tp=4, pp=2, microbatches="auto")
+    assert fsdp.cost == min((al.fsdp_plan(table=auto.table, tp=4, pp=2, local_batch_size=m) for m in (1, 2, 4, 8)),
+                            key=lambda p: (not p.cost.fits, p.cost.step_time_s)).cost
+    with pytest.raises(ValueError, match="not both"):
+        al.megatron_plan(table=auto.table, microbatches="auto", micro_batch_size=2, **kw)
+
+
 def test_fsdp_plan_prices_torchtitans_llama3_8b_on_8_h100s():
     """torchtitan's Llama 3.1 8B row: FSDP over 8 H100s, local batch 2 of 8,192 tokens, bf16, with full
     recomputation and with the row's selective (op-level) checkpointing, priced as "dots" since issue 31: it fits

@@ -39,12 +39,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, NamedTuple
 
+from ..layouts.engine import MICRO_BATCH_SIZES, micro_batch_sizes
 from .common import FRAMEWORK_NAMES, block_count, sequence_length
 
 __all__ = ["CP_MIN_TOKENS", "GridBest", "best_in_grid", "context_degrees", "grid"]
 
-#: The largest per-rank microbatch (sequences) the grids try.
-MAX_MICRO = 8
 #: The fewest tokens of a sequence a context-parallel rank keeps in the grids (module docstring: Llama 3's 131,072
 #: tokens over CP 16).
 CP_MIN_TOKENS = 8192
@@ -102,10 +101,6 @@ def _expert_degrees(table, group: int) -> list[int]:
     return [1, group]
 
 
-def _micro(batch: int, dp: int) -> list[int]:
-    return [m for m in _powers(MAX_MICRO) if batch % dp == 0 and (batch // dp) % m == 0]
-
-
 def grid(framework: str, table) -> Iterator[tuple[Callable, dict[str, Any]]]:
     """(layout function, its keywords) for every layout of ``framework``'s grid on ``table`` (module docstring)."""
     from ..layouts import fsdp_plan, megatron_plan
@@ -117,7 +112,7 @@ def grid(framework: str, table) -> Iterator[tuple[Callable, dict[str, Any]]]:
         return
     for tp, cp, pp, scheds in _pipelines(table):
         dp = n // (tp * cp * pp)
-        for mbs in _micro(batch, dp):
+        for mbs in micro_batch_sizes(batch, dp):
             for schedule, v in scheds:
                 for ep in _expert_degrees(table, dp * cp):
                     sched = dict(schedule=schedule, virtual_stages=v, ep=ep, cp=cp)
@@ -154,7 +149,7 @@ def _maxtext(table) -> Iterator[tuple[Callable, dict[str, Any]]]:
                 ici = dict(ici_tensor=tensor, ici_sequence=seq, ici_expert=ep)
                 for dcn in across:
                     pp = dcn.get("dcn_pipeline", 1)
-                    counts = [pp * k for k in (1, 2, 4)] if pp > 1 else _powers(MAX_MICRO)
+                    counts = [pp * k for k in (1, 2, 4)] if pp > 1 else list(MICRO_BATCH_SIZES)
                     for mb in counts:
                         if batch % mb == 0:
                             yield maxtext_plan, dict(per_device_batch_size=batch // n, microbatches=mb, **ici,

@@ -30,6 +30,7 @@ from .. import checks
 from ..plan import Plan
 from ..planning import planning_times
 from ..plan import price_plan
+from ..pricing.price import StepAbove
 from ..pricing.table_pool import LEAN as TABLE_LEAN
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.intra import IntraOptions, solve_intra
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
     from ..pricing import CostTable, LayerCost
     from ..solve.intra import IntraPlan
 
-__all__ = ["Layout", "Solution", "check_experts", "layout_solution", "microbatches_for", "price_layout",
+__all__ = ["MICRO_BATCH_SIZES", "Layout", "Solution", "check_experts", "layout_solution", "micro_batch_sizes",
+           "microbatch_counts", "microbatches_for", "price_fastest", "price_layout",
            "stage_bounds", "stage_submesh"]
 
 
@@ -184,6 +186,70 @@ def microbatches_for(batch: int, dp: int, microbatches: int | None, micro_batch_
         raise ValueError(f"microbatches={microbatches} disagrees with micro_batch_size={mbs} (the global batch "
                          f"{batch} / (dp {dp} x {mbs}) = {n} microbatches); pass one of the two")
     return n
+
+
+#: The micro-batch sizes (sequences a data-parallel rank takes a microbatch) that ``microbatches="auto"`` and the
+#: frameworks' grids try: Megatron-LM's and torchtitan's usual ``--micro-batch-size`` / ``local_batch_size``.
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def micro_batch_sizes(batch: int, dp: int) -> list[int]:
+    """Those of :data:`MICRO_BATCH_SIZES` that split each of ``dp`` replicas' share of the global ``batch``.
+
+    >>> micro_batch_sizes(512, 4), micro_batch_sizes(12, 4), micro_batch_sizes(10, 4)
+    ([1, 2, 4, 8], [1], [])
+    """
+    return [m for m in MICRO_BATCH_SIZES if batch % dp == 0 and (batch // dp) % m == 0]
+
+
+def microbatch_counts(batch: int, dp: int, microbatches: int | str | None,
+                      micro_batch_size: int | None) -> list[int]:
+    """The microbatch counts a layout is priced at: the one :func:`microbatches_for` gives, or with
+    ``microbatches="auto"`` one for each of :func:`micro_batch_sizes` (the global batch over ``dp`` x that size),
+    fewest first.
+
+    >>> microbatch_counts(512, 4, "auto", None), microbatch_counts(512, 4, 16, None)
+    ([16, 32, 64, 128], [16])
+    """
+    if microbatches != "auto":
+        return [microbatches_for(batch, dp, microbatches, micro_batch_size)]  # type: ignore[arg-type]
+    if micro_batch_size is not None:
+        raise ValueError("microbatches='auto' searches the micro-batch size: pass micro_batch_size or "
+                         "microbatches='auto', not both")
+    sizes = micro_batch_sizes(batch, dp)
+    if not sizes:
+        raise ValueError(f"the global batch of {batch} does not split into dp={dp} equal replicas; pick a batch or a "
+                         "dp that divides it")
+    return [batch // (dp * m) for m in reversed(sizes)]
+
+
+def price_fastest(table: CostTable, layouts: list[Layout], dp: int, **kw) -> Plan:
+    """:func:`price_layout` of the one layout, or of several (one layout at several microbatch counts:
+    ``microbatches="auto"``) the fastest plan that fits, else the one that needs least memory; its notes say which
+    count was kept of which (and its micro-batch size: the global batch over ``dp`` x the count). ``kw``:
+    :func:`price_layout`'s keywords (a layout whose step cannot beat ``skip_above`` is left out; all of them:
+    :class:`~autopar_lab.pricing.price.StepAbove`)."""
+    if len(layouts) == 1:
+        return price_layout(table, layouts[0], **kw)
+    plans: list[Plan] = []
+    above: StepAbove | None = None
+    for layout in layouts:
+        try:
+            plans.append(price_layout(table, layout, **kw))
+        except StepAbove as e:
+            above = e
+    if not plans:
+        assert above is not None
+        raise above
+    fitting = [p for p in plans if p.cost.fits]
+    best = min(fitting, key=lambda p: p.cost.step_time_s) if fitting else \
+        min(plans, key=lambda p: max(p.cost.peak_mem_bytes))
+    why = "the fastest that fits" if fitting else "none fits: the one needing least memory"
+    mbs = table.batch_size // (dp * best.microbatches)
+    count = f"{best.microbatches} microbatch{'' if best.microbatches == 1 else 'es'}"
+    note = (f"microbatches auto: {count} (micro-batch size {mbs}) of "
+            f"{', '.join(str(p.microbatches) for p in plans)} priced, {why}")
+    return dataclasses.replace(best, notes=(*best.notes, note))
 
 
 def check_experts(table: CostTable, ep: int) -> None:

@@ -38,7 +38,7 @@ from ..rematmode import DOTS, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, cluster_running, microbatches_for, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, microbatch_counts, price_fastest, stage_submesh
 from .megatron import megatron_mesh
 
 if TYPE_CHECKING:
@@ -50,15 +50,17 @@ __all__ = ["fsdp_plan"]
 
 def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1,
               pp: int = 1, cp: int = 1, ep: int = 1, reshard_after_forward: bool = True, zero: int | None = None,
-              microbatches: int | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
+              microbatches: int | str | None = None, local_batch_size: int | None = None, schedule: str = "1f1b",
               virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
               mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
               precision: str | Precision | None = None, skip_above: float = math.inf,
               compile: bool | None = None) -> Plan:
     """torchtitan's layout (see the module docstring). ``dp_shard``: the FSDP group (-1: every device the other
     degrees leave, torchtitan's default); ``zero``: the ZeRO stage to price instead of FSDP's (3, or 2 with
-    ``reshard_after_forward=False``); ``microbatches`` or ``local_batch_size`` (sequences per data-parallel rank per
-    microbatch; the global batch is ``dp_replicate x dp_shard x local_batch_size x microbatches``); ``schedule``,
+    ``reshard_after_forward=False``); ``microbatches`` (a count, or ``"auto"``: the fastest that fits
+    of each micro-batch size of :data:`~autopar_lab.layouts.engine.MICRO_BATCH_SIZES`) or ``local_batch_size``
+    (sequences per data-parallel rank per microbatch; the global batch is ``dp_replicate x dp_shard x
+    local_batch_size x microbatches``); ``schedule``,
     ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
     "1f1b", "interleaved", "zb-h1"); ``ep``: the expert-parallel degree (module docstring);
     ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1). ``compile``: torchtitan's switch
@@ -102,8 +104,9 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     if sp and tp == 1:
         raise ValueError("sequence_parallel splits the norms between tensor-parallel matmuls; it needs tp > 1")
     dp = dp_replicate * dp_shard
-    mb = microbatches_for(table.batch_size, dp, microbatches, local_batch_size)
-    microbatch_choices(table.batch_size, mb)
+    counts = microbatch_counts(table.batch_size, dp, microbatches, local_batch_size)
+    for mb in counts:
+        microbatch_choices(table.batch_size, mb)
     check_experts(table, ep)
     if dp_replicate > 1:
         mesh = MeshRoles((dp_replicate, dp_shard), batch=(0, 1), zero=(1,), experts=_hsdp_experts(ep, dp_replicate,
@@ -116,10 +119,11 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     name += ("" if zero == 3 else ",no-reshard" if zero == 2 and not reshard_after_forward else f",zero={zero}")
     name += ("" if remat is False else f",{remat_label(remat)}") + (",sp" if sp else "")
     name += f",v={virtual_stages})" if schedule == "interleaved" else ")"
-    layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, mb, remat, schedule, virtual_stages, zero,
-                    sp, mesh.notes)
-    return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
-                        solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
+    layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, counts[0], remat, schedule,
+                    virtual_stages, zero, sp, mesh.notes)
+    return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
+                         mem_limit_bytes=mem_limit_bytes, solver=solver,
+                         solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
 
 
 def _hsdp_experts(ep: int, replicate: int, shard: int) -> tuple[int, ...]:

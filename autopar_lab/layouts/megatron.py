@@ -26,7 +26,7 @@ from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, cluster_running, microbatches_for, price_layout, stage_submesh
+from .engine import Layout, check_experts, cluster_running, microbatch_counts, price_fastest, stage_submesh
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -75,7 +75,7 @@ def megatron_mesh(par: Parallelism) -> MeshRoles:
 
 
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int,
-                  microbatches: int | None = None, schedule: str = "1f1b", remat: bool | str = False,
+                  microbatches: int | str | None = None, schedule: str = "1f1b", remat: bool | str = False,
                   mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
                   virtual_stages: int | None = None, precision: str | Precision | None = None,
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
@@ -98,6 +98,10 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     None: the storage of weights and optimizer state left to the planner, stored at its least in any stage that
     overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
     would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
+    ``microbatches``: the count (default 1), or ``"auto"``: the layout priced at each micro-batch size of
+    :data:`~autopar_lab.layouts.engine.MICRO_BATCH_SIZES` that splits the batch, the fastest that fits kept (its notes
+    say which); ``micro_batch_size``: Megatron-LM's ``--micro-batch-size`` instead (the count is the batch over dp x
+    it).
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search).
 
@@ -149,8 +153,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if pp > L:
         raise ValueError(f"pp={pp} stages but the model has only {L} layers")
     check_experts(table, ep)
-    mb = microbatches_for(table.batch_size, dp, microbatches, micro_batch_size)
-    microbatch_choices(table.batch_size, mb)
+    counts = microbatch_counts(table.batch_size, dp, microbatches, micro_batch_size)
+    for mb in counts:
+        microbatch_choices(table.batch_size, mb)
     tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
     extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
     extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
@@ -160,8 +165,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if schedule == "interleaved":
         name = f"{name[:-1]},v={virtual_stages})"
     mesh = megatron_mesh(par)
-    layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, mb, remat, schedule,
+    layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, counts[0], remat, schedule,
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
                     lean=checks.flag(lean, "lean"), overlap=overlap)
-    return price_layout(table, layout, mem_limit_bytes=mem_limit_bytes, solver=solver,
-                        solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
+    return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
+                         mem_limit_bytes=mem_limit_bytes, solver=solver,
+                         solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
