@@ -46,7 +46,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   no torch.compile) on ``dgx-h100`` with the run's H100 (96 GB HBM2e at 2.4 TB/s);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
-  recomputation, two microbatches of 4 sequences;
+  recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
+  (``mesh_peers=3``: 2 of its GPUs talk over a third of a GPU's NVLink);
 * DeepSeek-V3 on 256 H100 (``--deepseek``: the slowest row to price): ``deepseek-v3``, ``megatron_plan(dp=64, pp=4,
   ep=64, zero=3, remat=True)`` (NeMo Automodel's config checkpoints every block);
 * MaxText on TPU v5p: MaxText's ``global_parameter_scale`` 32 and 128 models (``configs/base.yml`` scaled as its
@@ -243,9 +244,12 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
                  dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
                  dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True), n, tokens_all / n,
                  "tokens_per_device",
-                 cluster_kw=dict(devices_per_host=n), mem_gib=mem_gb * 1e9 / GIB, group="kempnerforge",
+                 cluster_kw=dict(devices_per_host=n, mesh_peers=3), mem_gib=mem_gb * 1e9 / GIB,
+                 group="kempnerforge",
                  assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
-                         "tokens a microbatch, 2 microbatches")
+                         "tokens a microbatch, 2 microbatches; the node's 4 H200s an HGX 4-GPU board, NVLink as a "
+                         "full mesh without NVSwitch (mesh_peers=3: a pair of GPUs talks over a third of a GPU's "
+                         "links)")
 
 
 def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:

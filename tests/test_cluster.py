@@ -545,3 +545,26 @@ def test_axis_link_counts_the_groups_sharing_a_host_as_by_its_definition():
                             assert got == by_sets(mesh, axis), (hosts, per_host, sub, shape, first, axis)
                             seen.add(got.bandwidth)
     assert len(seen) > 4  # shared NICs: several bandwidths, not only the two links
+
+
+def test_a_fully_connected_board_gives_a_group_only_the_links_between_its_devices():
+    # an HGX 4-GPU board: each GPU's NVLink split evenly over its 3 peers, no switch
+    board = toy(hosts=1, m=4, mesh_peers=3)
+    bw = board.intra_host.bandwidth
+    assert board.logical_mesh((1, 4), (1, 4)).axis_link(1) == board.intra_host  # all 4: every link
+    pairs = board.logical_mesh((1, 4), (2, 2))
+    assert pairs.axis_link(0).bandwidth == pairs.axis_link(1).bandwidth == pytest.approx(bw / 3)
+    assert pairs.all_gather(1e9, 1) > toy(hosts=1, m=4).logical_mesh((1, 4), (2, 2)).all_gather(1e9, 1)
+    assert board.p2p_link([0], [1]).bandwidth == pytest.approx(bw / 3)
+    # two GPUs of the board, planned as a cluster of their own, still talk over a third of the links
+    half = toy(hosts=1, m=2, mesh_peers=3)
+    assert half.logical_mesh((1, 2), (1, 2)).axis_link(1).bandwidth == pytest.approx(bw / 3)
+    # a switched fabric (the default) is unchanged, and the field survives the JSON form
+    assert toy(hosts=1, m=4).scale_up_link(2) == toy(hosts=1, m=4).intra_host
+    assert Cluster.from_json(board.to_json()) == board and "mesh_peers" not in toy().to_dict()
+
+
+@pytest.mark.parametrize("peers", [1, -1, 2.5])
+def test_mesh_peers_must_connect_every_device_of_the_host(peers):
+    with pytest.raises(ValueError, match="mesh_peers"):
+        toy(hosts=1, m=4, mesh_peers=peers)

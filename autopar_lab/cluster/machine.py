@@ -53,6 +53,14 @@ class Cluster:
     that crosses domains ``inter_host``; so does a stage-to-stage transfer. ``torus``: the ICI torus of one host
     when the hosts are TPU slices (:class:`~autopar_lab.cluster.torus.Torus`; None for switched fabrics).
 
+    ``mesh_peers``: 0 where the scale-up links go through a switch (NVSwitch: every group of a host's devices talks
+    at the full ``intra_host`` bandwidth); else the devices of a board are joined pairwise by links of their own, a
+    full mesh in which each device's ``intra_host`` bandwidth is split evenly over its ``mesh_peers`` peers (an HGX
+    H100 / H200 4-GPU board: 3, six of a GPU's 18 NVLink4 links to each other GPU, no NVSwitch). A collective among
+    k devices of the board then uses only the links between them, ``(k - 1) / mesh_peers`` of a device's bandwidth
+    (NCCL's rings over a full mesh), and a transfer to one device ``1 / mesh_peers`` (:meth:`scale_up_link`). A
+    cluster may hold only part of such a board (``devices_per_host`` up to ``mesh_peers + 1``).
+
     ``moe_routing``: the node limit of the model's expert routing, where the model declares one and the dispatcher
     sends one copy per node (:class:`~autopar_lab.cluster.values.NodeLimit`; DeepSeek-V3 with DeepEP): its token
     exchanges are priced by :meth:`LogicalMesh.routed_all_to_all`. A property of the model run on the cluster, so
@@ -74,6 +82,7 @@ class Cluster:
     domain_hosts: int = 1
     torus: Torus | None = None
     moe_routing: NodeLimit | None = None
+    mesh_peers: int = 0
 
     def __post_init__(self) -> None:
         for field, value, most in (("hosts", self.hosts, MAX_HOSTS),
@@ -103,6 +112,13 @@ class Cluster:
         if self.moe_routing is not None and not isinstance(self.moe_routing, NodeLimit):
             raise ValueError(f"moe_routing must be a NodeLimit or None, got {type(self.moe_routing).__name__}; "
                              "build one with NodeLimit(num_experts, top_k, n_group, topk_group).")
+        if not is_whole(self.mesh_peers) or self.mesh_peers < 0 or \
+                (self.mesh_peers and (self.mesh_peers < self.devices_per_host - 1 or self.domain_hosts != 1
+                                      or self.torus is not None)):
+            raise ValueError(f"mesh_peers must be 0 (a switched scale-up fabric) or the peers each device of a "
+                             f"fully connected board links to, at least devices_per_host - 1 = "
+                             f"{self.devices_per_host - 1} and with domain_hosts=1 and no torus; got "
+                             f"{self.mesh_peers!r}.")
         if self.torus is not None:
             torus = Torus.from_dict(self.torus)
             object.__setattr__(self, "torus", torus)
@@ -230,6 +246,7 @@ class Cluster:
             # Only where set: the files of every cluster without a domain or a torus stay as they were.
             **({"domain_hosts": self.domain_hosts} if self.domain_hosts != 1 else {}),
             **({"torus": self.torus.to_dict()} if self.torus is not None else {}),
+            **({"mesh_peers": self.mesh_peers} if self.mesh_peers else {}),
         }
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -254,8 +271,9 @@ class Cluster:
              "inter_host": {"bandwidth": 3.125e9, "latency": 5e-5}}
 
         ``inter_host.bandwidth`` is the whole host's network bandwidth. ``name`` and ``version`` are optional, and
-        so are ``domain_hosts`` (default 1: each host its own scale-up domain) and ``torus`` (``{"dims": [4, 4, 8],
-        "wrap": [true, true, true]}``: the hosts are TPU slices on that ICI torus).
+        so are ``domain_hosts`` (default 1: each host its own scale-up domain), ``torus`` (``{"dims": [4, 4, 8],
+        "wrap": [true, true, true]}``: the hosts are TPU slices on that ICI torus) and ``mesh_peers`` (default 0:
+        a switched scale-up fabric; see :class:`Cluster`).
         """
         from ..safeio import loads_json, read_text_file
 
@@ -318,6 +336,7 @@ class Cluster:
             name=str(data.get("name", "custom")),
             domain_hosts=data.get("domain_hosts", 1),
             torus=data.get("torus"),
+            mesh_peers=data.get("mesh_peers", 0),
             intra_host=links["intra_host"],
             inter_host=links["inter_host"],
         )
@@ -481,7 +500,19 @@ class Cluster:
         if bad:
             raise ValueError(f"device indices {bad} are outside this cluster's 0..{self.num_devices - 1}; use indices "
                              "in that range.")
-        return self.intra_host if len({self.domain_of(d) for d in devs}) <= 1 else self.inter_host
+        return self.scale_up_link(2) if len({self.domain_of(d) for d in devs}) <= 1 else self.inter_host
+
+    def scale_up_link(self, devices: int) -> Link:
+        """The link of a collective among ``devices`` devices of one scale-up domain (2: a transfer between two):
+        ``intra_host``, or on a fully connected board (``mesh_peers``) the links to the group's other devices only,
+        ``(devices - 1) / mesh_peers`` of its bandwidth.
+
+        >>> c = Cluster.preset("dgx-h200").with_(devices_per_host=4, mesh_peers=3)
+        >>> [round(c.scale_up_link(k).bandwidth / c.intra_host.bandwidth, 3) for k in (2, 3, 4)]
+        [0.333, 0.667, 1.0]
+        """
+        share = min(max(int(devices) - 1, 1) / self.mesh_peers, 1.0) if self.mesh_peers else 1.0
+        return self.intra_host if share >= 1.0 else Link(self.intra_host.bandwidth * share, self.intra_host.latency)
 
     def send_recv(self, nbytes: float, src_devices: Sequence[int], dst_devices: Sequence[int]) -> float:
         """Time to move ``nbytes`` between two device sets over :meth:`p2p_link`."""

@@ -114,7 +114,8 @@ class LogicalMesh:
         """The link a collective along ``axis`` uses.
 
         Inside one scale-up domain (every group in one host, or in the hosts sharing one NVLink fabric): the
-        cluster's ``intra_host`` link; on a TPU slice, one ICI link with the bandwidth of every torus dimension the
+        cluster's ``intra_host`` link (on a fully connected board, :meth:`Cluster.scale_up_link` of the group's
+        size); on a TPU slice, one ICI link with the bandwidth of every torus dimension the
         axis runs along (:attr:`TorusAxis.bandwidth`). Otherwise ``inter_host``, with its bandwidth divided by the
         number of groups that cross the network from one host at the same time (they share that host's NICs):
         logical (2, 8) on 2 p3 hosts has 8 axis-0 pairs per host, so each gets 25/8 Gb/s.
@@ -127,7 +128,9 @@ class LogicalMesh:
         domains = hosts // self.cluster.domain_hosts
         if (domains == domains[:, :1]).all():
             torus = self.torus_axis(axis)
-            return self.cluster.intra_host if torus is None else Link(torus.bandwidth, torus.link.latency)
+            if torus is None:
+                return self.cluster.scale_up_link(groups.shape[1])
+            return Link(torus.bandwidth, torus.link.latency)
         # How many crossing groups each host is in, the most of them: each row's distinct hosts (sorted, the
         # first of each run), counted over the rows that span more than one domain.
         ordered = np.sort(hosts, axis=1)
@@ -316,7 +319,7 @@ class LogicalMesh:
         if k == 1:
             return latency + self._bandwidth_s(nbytes, axis, (n - 1) / (n * n))
         h = n // self.axis_hosts(axis)
-        inside = (g - 1) * nbytes / (n * n) / self.cluster.intra_host.bandwidth
+        inside = (g - 1) * nbytes / (n * n) / self.cluster.scale_up_link(g).bandwidth
         beyond = self._bandwidth_s(nbytes, axis, h * (n - g) / (n * n) * beyond_share)
         return latency + max(inside, beyond)
 

@@ -92,7 +92,7 @@ def stage_transfers(table: CostTable, stages: Sequence[Any], microbatches: int) 
     for k in range(1, len(stages)):
         nbytes = table.cut_bytes[stages[k].layers[0] - 1] / microbatches
         if offsets[k] % cluster.devices_per_domain:
-            out.append(transfer_s(nbytes, cluster.intra_host))
+            out.append(transfer_s(nbytes, cluster.scale_up_link(2)))
         else:
             out.append(transfer_s(nbytes / scale_out_hosts(cluster, stages[k - 1], stages[k]), cluster.inter_host))
     return out
@@ -112,7 +112,7 @@ def chunk_transfers(table: CostTable, stages: Sequence[Any], chunks: Sequence[Se
         nbytes = table.cut_bytes[order[c][0] - 1] / microbatches
         inside = offsets[k] % cluster.devices_per_domain if k else last_device < cluster.devices_per_domain
         if inside:
-            out.append(transfer_s(nbytes, cluster.intra_host))
+            out.append(transfer_s(nbytes, cluster.scale_up_link(2)))
         else:
             out.append(transfer_s(nbytes / scale_out_hosts(cluster, stages[k - 1], stages[k]), cluster.inter_host))
     return out

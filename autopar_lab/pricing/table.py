@@ -497,7 +497,8 @@ class CostTable:
         same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
                 and cluster.inter_host == self.cluster.inter_host
                 and cluster.devices_per_host == self.cluster.devices_per_host
-                and (cluster.domain_hosts, cluster.torus) == (self.cluster.domain_hosts, self.cluster.torus))
+                and (cluster.domain_hosts, cluster.torus, cluster.mesh_peers)
+                == (self.cluster.domain_hosts, self.cluster.torus, self.cluster.mesh_peers))
         subs = {tuple(s) for s in cluster.submesh_shapes()}
         sigs: dict[tuple, bool] = {}  # (submesh, shape) -> the mesh's ILP is the same problem on both clusters
 

@@ -166,7 +166,7 @@ def global_optimum(model=None, cluster: Cluster | None = None, *, microbatches="
     # between stages of `sizes` devices (across hosts: over the links of the hosts both span, as the pricing does).
     def send_s(k: int, o: int, B: int, sizes: tuple[int, int]) -> float:
         if o % cluster.devices_per_domain:
-            return transfer_s(table.cut_bytes[k - 1] / B, cluster.intra_host)
+            return transfer_s(table.cut_bytes[k - 1] / B, cluster.scale_up_link(2))
         hosts = max(1, min(sizes) // cluster.devices_per_host)
         return transfer_s(table.cut_bytes[k - 1] / B / hosts, cluster.inter_host)
 

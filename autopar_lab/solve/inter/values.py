@@ -260,7 +260,8 @@ class StageProblem:
         its scale-up link for cuts inside a host and ``cluster.host_boundary_link`` for cuts between hosts, and
         ``serial_stages`` where its stages share one compute resource (:func:`autopar_lab.backends.runs_serially`)."""
         return cls(num_layers=num_layers, hosts=cluster.hosts, devices_per_host=cluster.devices_per_host,
-                   microbatches=microbatches, intra_link=cluster.intra_host, inter_link=cluster.host_boundary_link,
+                   microbatches=microbatches, intra_link=cluster.scale_up_link(2),
+                   inter_link=cluster.host_boundary_link,
                    serial_stages=runs_serially(cluster))
 
     def with_microbatches(self, microbatches: int, cut_bytes: Sequence[float] | None = None) -> StageProblem:
