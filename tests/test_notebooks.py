@@ -196,7 +196,7 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
 def test_running_examples_are_todays_hardware():
     """Issue 34 item 5: 02 runs on DGX H100s and 07 prices its MFU section there in bf16, with the H200 and B200
     presets beside; 03 keeps Alpa's V100 testbed and says why; 01's and 04's small models are bf16; 09's memory
-    anatomy is GPT-1.3B/6.7B in bf16 on DGX H100s."""
+    anatomy is Llama 3 8B in bf16 on DGX H100s, no GPT in its running example."""
     assert 'Cluster.preset("dgx-h100", hosts=2)' in _code("02_concepts")
     assert "p3.16xlarge" not in _code("02_concepts")
     seven = _code("07_rooflines_mfu")
@@ -216,6 +216,7 @@ def test_running_examples_are_todays_hardware():
     assert gets and all('dtype="bfloat16"' in g for g in gets)
     assert len(plans) >= 5 and all('precision="bf16"' in p for p in plans)
     assert 'al.Cluster.preset("dgx-h100"' in nine and "a100" not in nine.lower()
+    assert 'MODEL = "llama3-8b"' in nine and "gpt-" not in nine.lower()
 
 
 def _run_until(stem: str, heading: str) -> dict:
