@@ -196,7 +196,8 @@ def test_modern_notebook_prices_zero_and_the_global_batch():
 def test_running_examples_are_todays_hardware():
     """Issue 34 item 5: 02 runs on DGX H100s and 07 prices its MFU section there in bf16, with the H200 and B200
     presets beside; 03 keeps Alpa's V100 testbed and says why; 01's and 04's small models are bf16; 09's memory
-    anatomy is GPT-1.3B/6.7B in bf16 on DGX H100s."""
+    anatomy is Llama 3 8B in bf16 on DGX H100s, no GPT in its running example; 07 names the A100 only for
+    Megatron-LM's published runs."""
     assert 'Cluster.preset("dgx-h100", hosts=2)' in _code("02_concepts")
     assert "p3.16xlarge" not in _code("02_concepts")
     seven = _code("07_rooflines_mfu")
@@ -216,6 +217,14 @@ def test_running_examples_are_todays_hardware():
     assert gets and all('dtype="bfloat16"' in g for g in gets)
     assert len(plans) >= 5 and all('precision="bf16"' in p for p in plans)
     assert 'al.Cluster.preset("dgx-h100"' in nine and "a100" not in nine.lower()
+    assert 'MODEL = "llama3-8b"' in nine and "gpt-" not in nine.lower()
+    # 07: the A100 only where it is Megatron-LM's published 2021 runs (Narayanan et al., SC21): every paragraph and
+    # code cell that names it cites them
+    nb7 = nbformat.read(NOTEBOOKS[0].parent / "07_rooflines_mfu.ipynb", as_version=4)
+    blocks = [b for cell in nb7.cells for b in (cell.source.split("\n\n") if cell.cell_type == "markdown"
+                                                 else [cell.source])]
+    a100 = [b for b in blocks if "a100" in b.lower()]
+    assert a100 and all("SC21" in b for b in a100), [b[:80] for b in a100 if "SC21" not in b]
 
 
 def _run_until(stem: str, heading: str) -> dict:
