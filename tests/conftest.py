@@ -39,14 +39,25 @@ os.environ["XLA_FLAGS"] = " ".join([_FLAGS] + [f for f in _FAST_COMPILE if f.spl
 # with group_of itself: under pytest 9, pytest-xdist 3.8's xdist_group marks never reach its scheduler, and every
 # test was a group of its own until it did (module fixtures built on both workers, Ray files side by side). The files
 # that start a Ray head share one group, so only one of them runs at a time: two Ray clusters (each a handful of
-# processes) would starve a 2-core machine and make their start-up timeouts flaky. (test_launch_remote stops only
-# the head it started, by its temp directory, not with `ray stop --force`: test_ring_execute and test_gallery start
-# an embedded Ray beside this group.) test_training_panel (no Ray: a fake job) is a group of its own, beside it.
+# processes) would starve a 2-core machine and make their start-up timeouts flaky. The tests of other files that train
+# on the embedded Ray in this process (SERIAL_TESTS) join that group, to run on the shared head (see shared_ray).
+# (test_launch_remote stops only the head it started, by its temp directory, not with `ray stop --force`: test_gallery
+# starts an embedded Ray in a process of its own beside this group.) test_training_panel (no Ray: a fake job) is a
+# group of its own, beside it.
 SERIAL_GROUP = "ray"
 SERIAL_FILES = frozenset({
     "test_browser_ray", "test_execute_schedules", "test_hostile", "test_launch", "test_launch_remote",
     "test_ray_lifecycle", "test_readme",
 })
+SERIAL_TESTS: dict[str, frozenset[str]] = {
+    "test_ring_execute": frozenset({"test_the_two_stage_ring_pipeline_trains_on_ray"}),
+}
+
+# The files whose tests train on the shared embedded Ray (the shared_ray fixture), in the order the Ray group runs
+# them: the first file's other tests, then its tests on Ray, the next files' tests on Ray, the last file's tests on
+# Ray, then the last file's other tests and the middle files' others. The head then starts once for all of them (it
+# is stopped before any test that does not ask for it: see pytest_runtest_teardown), where each file started its own.
+SHARED_RAY_CHAIN = ("test_execute_schedules", "test_ring_execute", "test_readme", "test_launch")
 
 # The tests that are each a group of their own, by file and test function (every parameter): each runs in processes
 # of its own (a notebook kernel; JupyterLab, its kernel and Chromium, no Ray) and shares no fixture or in-process
@@ -458,11 +469,11 @@ def pytest_configure(config):
 
 
 def group_of(nodeid: str) -> str:
-    """The xdist group of the test ``nodeid`` ("tests/test_x.py::test_y[p]"): the Ray group for SERIAL_FILES, the
-    test's own ("test_x::test_y[p]") for OWN_GROUP_TESTS, its file's stem otherwise."""
+    """The xdist group of the test ``nodeid`` ("tests/test_x.py::test_y[p]"): the Ray group for SERIAL_FILES and
+    SERIAL_TESTS, the test's own ("test_x::test_y[p]") for OWN_GROUP_TESTS, its file's stem otherwise."""
     path, _, test = nodeid.partition("::")
     stem = pathlib.PurePath(path).stem
-    if stem in SERIAL_FILES:
+    if stem in SERIAL_FILES or test.split("[", 1)[0] in SERIAL_TESTS.get(stem, ()):
         return SERIAL_GROUP
     if test.split("[", 1)[0] in OWN_GROUP_TESTS.get(stem, ()):
         return f"{stem}::{test}"
@@ -479,13 +490,31 @@ def longest_first(nodeids: list[str]) -> dict[str, int]:
     return {g: i for i, g in enumerate([g for g in LONGEST_FIRST if g in count] + rest)}
 
 
+def shared_ray_place(item) -> int:
+    """Where the test ``item`` runs within its file's group: 0 but in the Ray group, where the tests of
+    SHARED_RAY_CHAIN's files are placed so that those on the shared Ray (the shared_ray_head fixture) run one after
+    another (first file: others 1, on Ray 2; middle files: on Ray 2 + i; last file: on Ray 2 + n, others 3 + n;
+    middle files' others 4 + n, n the last file's index)."""
+    stem = item.path.stem
+    if stem not in SHARED_RAY_CHAIN or group_of(item.nodeid) != SERIAL_GROUP:
+        return 0
+    i, n = SHARED_RAY_CHAIN.index(stem), len(SHARED_RAY_CHAIN) - 1
+    on_ray = "shared_ray_head" in getattr(item, "fixturenames", ())
+    if i == 0:
+        return 2 if on_ray else 1
+    if i == n:
+        return 2 + n if on_ray else 3 + n
+    return 2 + i if on_ray else 4 + n
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Puts every test in its xdist group (see SERIAL_FILES and OWN_GROUP_TESTS; without xdist those marks do nothing)
-    and the groups in the order they are to run (see LONGEST_FIRST), marks the tests of SLOW_TESTS slow, and the
-    notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
+    and the groups in the order they are to run (see LONGEST_FIRST; within the Ray group, SHARED_RAY_CHAIN), marks the
+    tests of SLOW_TESTS slow, and the notebook and browser files' tests (see NOTEBOOK_FILES, BROWSER_FILES)."""
     rank = longest_first([item.nodeid for item in items])
-    items.sort(key=lambda item: rank[group_of(item.nodeid)])  # stable: each group's tests keep their order
+    # stable: each group's tests keep their order, but for the Ray group's (see SHARED_RAY_CHAIN)
+    items.sort(key=lambda item: (rank[group_of(item.nodeid)], shared_ray_place(item)))
     for item in items:
         stem = item.path.stem
         item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
@@ -566,3 +595,103 @@ class _RunAtOnce:
 def run_at_once():
     """Wraps a stage worker so that ``worker.method.remote(...)`` runs it now (see :class:`_RunAtOnce`)."""
     return _RunAtOnce
+
+
+class SharedRay:
+    """One embedded Ray head for the tests that train on Ray in this process (the shared_ray_head fixture): started
+    by the first such test, kept while the next test asks for it too, stopped (and checked to leave nothing) before
+    any test that does not, so that no other test sees a Ray it did not start. Token authentication with a throwaway
+    token, set here on purpose and put back as it was when the head stops. Four heads were started before (one per
+    file of SHARED_RAY_CHAIN), each `ray start` eight processes (GCS, raylet, dashboard, two agents, monitor, log
+    monitor, client server) and a stop; on the shared machine at load 9-15 (2026-12-07 02:13-02:56) no head came up:
+    each attempt failed after ~70 s (the raylet waits 15 s for the dashboard agent's port file), 3 attempts ~240 s a
+    head, per file. With one head (03:00-03:11, load 6-10, nice -10) the 17 tests of the four files that use it or
+    sit beside it passed in 620 s, 424 CPU-s. A failed start is not tried again until the run of tests on the head
+    ends."""
+
+    def __init__(self):
+        self.saved: dict | None = None
+        self.temp_dir: str | None = None
+        self.failed: str | None = None  # why the head did not start, for the rest of this run of tests on it
+
+    @property
+    def running(self) -> bool:
+        return self.saved is not None
+
+    def start(self):
+        """The ``ray`` module, connected to the shared head (started now if it is not running)."""
+        import secrets
+        import sys
+
+        from autopar_lab.runtime.launch import _LOCAL, start_local_ray
+
+        if self.running and not sys.modules["ray"].is_initialized():  # stopped behind its back: start afresh
+            self.stop()
+        if self.failed is not None:  # as a module fixture's error: not three more attempts for each test
+            raise RuntimeError(f"the shared Ray did not start for an earlier test: {self.failed}")
+        if not self.running:
+            self.saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+            os.environ["RAY_AUTH_MODE"] = "token"  # explicit: token authentication with a throwaway token
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+            try:
+                ray = start_local_ray(num_cpus=2)
+            except RuntimeError as e:
+                self._restore()
+                self.failed = str(e)
+                raise
+            except BaseException:
+                self._restore()
+                raise
+            self.temp_dir = _LOCAL["temp_dir"]
+            return ray
+        return sys.modules["ray"]
+
+    def stop(self) -> None:
+        """Stops the head; its temporary directory (and the token in it) must be gone after. The next test that asks
+        for it starts it afresh, even after a start that failed."""
+        self.failed = None
+        if not self.running:
+            return
+        from autopar_lab.runtime.launch import shutdown_local_ray
+
+        temp_dir = self.temp_dir
+        try:
+            shutdown_local_ray()
+        finally:
+            self._restore()
+        assert temp_dir is None or not os.path.exists(temp_dir), f"the shared Ray left {temp_dir}"
+
+    def _restore(self) -> None:
+        for k, v in (self.saved or {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.saved, self.temp_dir = None, None
+
+
+SHARED_RAY = SharedRay()
+
+
+@pytest.fixture(scope="session")
+def shared_ray_head():
+    """The shared embedded Ray (:class:`SharedRay`): a test or fixture calls ``.start()`` for the connected ``ray``
+    module. Asking for this fixture (directly or through another) is what keeps the head running into the test."""
+    yield SHARED_RAY
+    SHARED_RAY.stop()
+
+
+@pytest.fixture
+def shared_ray(shared_ray_head):
+    """The ``ray`` module, connected to the shared embedded Ray (see :class:`SharedRay`)."""
+    return shared_ray_head.start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own teardown: stops the shared Ray unless the next test asks for it (see SharedRay)."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or "shared_ray_head" not in nextitem.fixturenames:
+            SHARED_RAY.stop()

@@ -129,27 +129,8 @@ def test_stage_workers_run_zero_bubble_and_checkpoint(model, plan, reference, tm
     _close(losses, reference[0])
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import os
-    import secrets
-
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ["RAY_AUTH_MODE"] = "token"  # explicit: token authentication with a throwaway token
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
-    from autopar_lab.runtime.launch import shutdown_local_ray, start_local_ray
-
-    yield start_local_ray(num_cpus=2)
-    shutdown_local_ray()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.mark.slow  # starts Ray and two stage actors
-def test_interleaved_plan_on_ray_trains_like_one_device(model, plan, reference, local_ray, tmp_path):
+@pytest.mark.slow  # two stage actors on the shared embedded Ray (conftest's shared_ray)
+def test_interleaved_plan_on_ray_trains_like_one_device(model, plan, reference, shared_ray, tmp_path):
     """Two actors, each running its plan stage's two chunks in the interleaved order the driver submits; a
     checkpoint holds each actor's chunks."""
     from autopar_lab.runtime.checkpoint import steps_of

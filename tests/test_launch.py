@@ -1,14 +1,13 @@
 """Training on Ray: embedded local cluster, stage actors, progress, cancel, kill-and-resume, errors, CLI.
 
-The Ray tests (marked slow: Ray's start and each job's actor start dominate) share one embedded Ray (module fixture;
-token auth with a throwaway token, loopback only) and one
-2-stage plan of a small GPT on 8 CPU devices (2 actors x 4 devices); their losses are checked against the
-single-process execution of the same plan (:func:`autopar_lab.runtime.local.execute`).
+The Ray tests (marked slow: Ray's start and each job's actor start dominate) share one embedded Ray, conftest's
+shared_ray (token auth with a throwaway token, loopback only), with the Ray tests of test_execute_schedules,
+test_ring_execute and test_readme, and one 2-stage plan of a small GPT on 8 CPU devices (2 actors x 4 devices); their
+losses are checked against the single-process execution of the same plan (:func:`autopar_lab.runtime.local.execute`).
 """
 
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -163,35 +162,17 @@ def test_stage_workers_follow_the_schedule_and_checkpoint_without_ray(setup, ref
 # ---------------------------------------------------------------------------------------------- on Ray
 
 @pytest.fixture(scope="module")
-def local_ray():
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ["RAY_AUTH_MODE"] = "token"  # explicit: token authentication with a throwaway token
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
-    from autopar_lab.runtime.launch import _LOCAL, shutdown_local_ray, start_local_ray
-
-    ray = start_local_ray(num_cpus=2)
-    temp_dir = _LOCAL["temp_dir"]
-    yield ray
-    shutdown_local_ray()
-    assert not os.path.exists(temp_dir)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
 def reference(setup):
     model, plan = setup
     return al.execute(plan, model, compiler_options=OPTS).train(STEPS)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(setup, local_ray, tmp_path_factory):
+def uninterrupted(setup, shared_ray_head, tmp_path_factory):
     from autopar_lab.runtime.launch import launch
 
     model, plan = setup
+    shared_ray_head.start()
     events = []
     ck = tmp_path_factory.mktemp("ck_a")
     options = al.RunOptions(compiler_options=OPTS).with_checkpoints(ck, every=2)
@@ -200,14 +181,14 @@ def uninterrupted(setup, local_ray, tmp_path_factory):
     return job, result, events
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_embedded_cluster_is_loopback_only(local_ray):
-    nodes = [n for n in local_ray.nodes() if n["Alive"]]
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_embedded_cluster_is_loopback_only(shared_ray):
+    nodes = [n for n in shared_ray.nodes() if n["Alive"]]
     assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
-    assert local_ray.cluster_resources()["CPU"] == 2
+    assert shared_ray.cluster_resources()["CPU"] == 2
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
 def test_two_stage_plan_on_ray_equals_single_process(setup, uninterrupted, reference):
     model, plan = setup
     job, result, events = uninterrupted
@@ -231,8 +212,8 @@ def test_two_stage_plan_on_ray_equals_single_process(setup, uninterrupted, refer
     assert result["step_time_s"] > 0
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_ray_stage_actor_holds_only_its_stage(setup, local_ray):
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_ray_stage_actor_holds_only_its_stage(setup, shared_ray):
     """Each actor's live arrays are its stage's parameters and optimizer state and nothing else: it made only its
     own part of the model (issue 35: one actor held the whole of gpt-350m's 4-layer copy, 9.7 GB)."""
     from autopar_lab.runtime.actors import actor_options, remote_class
@@ -240,26 +221,26 @@ def test_ray_stage_actor_holds_only_its_stage(setup, local_ray):
 
     model, plan = setup
     spec = job_spec(plan, model, 1, options=al.RunOptions(compiler_options=OPTS))
-    cls = remote_class(local_ray)
+    cls = remote_class(shared_ray)
     actors = [cls.options(**actor_options(spec, k)).remote(spec, k) for k in range(2)]
     try:
-        mem = local_ray.get([a.memory.remote() for a in actors], timeout=600)
+        mem = shared_ray.get([a.memory.remote() for a in actors], timeout=600)
     finally:
         for a in actors:
-            local_ray.kill(a)
+            shared_ray.kill(a)
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.abstract_args[:2]))
     for m in mem:
         assert m["live_bytes"] == m["state_bytes"] > 0
         assert m["state_bytes"] < whole * 4  # its share over its 4 devices, not the model on each of them
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_killed_stage_actor_resumes_from_checkpoint_with_the_same_losses(setup, uninterrupted, tmp_path):
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_killed_stage_actor_resumes_from_checkpoint_with_the_same_losses(setup, uninterrupted, shared_ray, tmp_path):
     from autopar_lab.runtime.checkpoint import steps_of
     from autopar_lab.runtime.launch import launch
 
     model, plan = setup
-    ray = sys.modules["ray"]
+    ray = shared_ray
     killed = []
     holder = {}
 
@@ -281,8 +262,8 @@ def test_killed_stage_actor_resumes_from_checkpoint_with_the_same_losses(setup, 
     assert steps_of(tmp_path, 0) == steps_of(tmp_path, 1) == [2, 4]
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_cancel_stops_the_job_cleanly(setup, local_ray):
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_cancel_stops_the_job_cleanly(setup, shared_ray):
     from autopar_lab.runtime.launch import launch
 
     model, plan = setup
@@ -301,8 +282,8 @@ def test_cancel_stops_the_job_cleanly(setup, local_ray):
     assert job.progress[-1].kind == "cancelled"
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_cluster_without_enough_devices_is_refused(setup, local_ray):
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_cluster_without_enough_devices_is_refused(setup, shared_ray):
     from autopar_lab.runtime.launch import launch
 
     model, plan = setup
@@ -310,8 +291,8 @@ def test_cluster_without_enough_devices_is_refused(setup, local_ray):
         launch(plan, model, 2, options=al.RunOptions(device_kind="gpu"))
 
 
-@pytest.mark.slow  # starts Ray (once per file) and stage actors
-def test_cli_train_json_prints_losses_and_step_time(setup, local_ray, tmp_path, capsys, reference):
+@pytest.mark.slow  # stage actors on the shared embedded Ray (started once for the Ray group's files)
+def test_cli_train_json_prints_losses_and_step_time(setup, shared_ray, tmp_path, capsys, reference):
     from autopar_lab.cli import main
 
     model, plan = setup

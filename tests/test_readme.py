@@ -43,26 +43,24 @@ def test_readme_examples_run(tmp_path, monkeypatch):
     assert len(scope["runner"].train(1)) == 1  # the pipeline the last block built keeps training
 
 
-@pytest.mark.slow  # starts the embedded Ray and trains 100 steps
-def test_readme_ray_launch_block_runs(tmp_path, monkeypatch):
-    from autopar_lab.runtime.launch import shutdown_local_ray
+@pytest.mark.slow  # trains 20 steps on the shared embedded Ray (conftest's shared_ray), which the block's launch uses
+def test_readme_ray_launch_block_runs(tmp_path, monkeypatch, shared_ray):
+    from autopar_lab.runtime.checkpoint import steps_of
 
     blocks = python_blocks()
     launch = next(b for b in blocks if "al.launch(" in b)
     builds = next(b for b in blocks if "al.execute(" in b)  # the block that makes `plan` and `model`
     monkeypatch.chdir(tmp_path)  # the launch writes ckpt/
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # explicit: the embedded Ray's token auth, throwaway token
     scope: dict = {"al": __import__("autopar_lab")}
     exec(compile(builds.replace("runner.train(3)", "").replace("runner.stage_times()", ""), "README.md", "exec"),
          scope)
-    try:
-        exec(compile(launch, "README.md launch block", "exec"), scope)
-        job = scope["job"]
-        assert job.status() == "done" and len(job.losses) == 20
-        assert [r["stage"] for r in job.stage_times()] == [0, 1]
-        assert json.loads((tmp_path / "ckpt" / "job.json").read_text())["step"] == 20
-    finally:
-        shutdown_local_ray()
+    exec(compile(launch, "README.md launch block", "exec"), scope)
+    job = scope["job"]
+    assert job.status() == "done" and len(job.losses) == 20
+    assert [r["stage"] for r in job.stage_times()] == [0, 1]
+    assert json.loads((tmp_path / "ckpt" / "job.json").read_text())["step"] == 20
+    # the stage actors wrote here too, though the shared head was started from another directory
+    assert steps_of(tmp_path / "ckpt", 0) == steps_of(tmp_path / "ckpt", 1) == [5, 10, 15, 20]
 
 
 @pytest.mark.slow  # plans, then trains on the embedded Ray, as separate processes

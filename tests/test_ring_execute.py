@@ -262,26 +262,19 @@ def test_the_cli_plans_a_long_sequence_gpt_with_rings(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_two_stage_ring_pipeline_trains_on_ray(cpu, monkeypatch):
-    """A 2-stage ring plan on an embedded Ray (each stage an actor process running its rings). The actors find the
-    plan's strategies by name under the library's threshold, so this model's sequence is RING_MIN_SEQ."""
-    import secrets
-
-    from autopar_lab.runtime import launch as L
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
+def test_the_two_stage_ring_pipeline_trains_on_ray(cpu, shared_ray_head):
+    """A 2-stage ring plan on the embedded Ray (each stage an actor process running its rings): the head conftest's
+    shared_ray starts for the Ray group's tests, in whose xdist group this test runs. The actors find the plan's
+    strategies by name under the library's threshold, so this model's sequence is RING_MIN_SEQ."""
     model = _long_gpt(RING_MIN_SEQ)
     plan = al.auto_plan(model, cpu, microbatches=1).with_stages(boundaries=[2], submeshes=[(1, 4), (1, 4)])
     assert all(context_parallel(plan)[k] for k in (0, 1))
     try:
-        job = al.launch(plan, model, 2, options=al.RunOptions(compiler_options=FAST))
+        shared_ray_head.start()
     except RuntimeError as e:  # an embedded head that cannot start (a loaded machine) says so; not a ring question
         pytest.skip(f"Ray could not start here: {e}")
-    try:
-        result = job.wait(timeout=1200)
-    finally:
-        L.shutdown_local_ray()
+    job = al.launch(plan, model, 2, options=al.RunOptions(compiler_options=FAST))
+    result = job.wait(timeout=1200)
     assert result["status"] == "done"
     ref, _ = one_device_training(model, 2, compiler_options=FAST, device=jax.devices()[0])
     np.testing.assert_allclose(result["losses"], ref, rtol=1e-5, atol=1e-7)

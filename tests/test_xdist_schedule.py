@@ -94,3 +94,56 @@ def test_each_group_runs_whole_on_one_worker(tmp_path):
     assert workers["test_e"] == workers["test_f"], workers  # one group: one worker
     # d's four one-test groups come first and are dealt out before any test runs (two to each worker at the start).
     assert workers["test_d"] == {"gw0", "gw1"}, workers
+
+
+def _item(stem: str, name: str, on_ray: bool):
+    """A collected test as conftest's ordering and teardown hooks read it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(path=pathlib.Path(f"tests/{stem}.py"), nodeid=f"tests/{stem}.py::{name}",
+                           fixturenames=["shared_ray_head"] if on_ray else ["tmp_path"])
+
+
+def test_the_tests_on_the_shared_ray_run_one_after_another():
+    """conftest puts the tests that train on the shared embedded Ray (shared_ray_head) one after another in the Ray
+    group, so the head starts once for them all, and keeps the first and last file's other tests beside their own."""
+    import conftest
+
+    ring = "test_the_two_stage_ring_pipeline_trains_on_ray"
+    assert conftest.group_of(f"tests/test_ring_execute.py::{ring}") == conftest.SERIAL_GROUP
+    assert conftest.group_of("tests/test_ring_execute.py::test_a_ring_plan_trains_like_one_device") != "ray"
+    items = []
+    for stem in sorted(conftest.SHARED_RAY_CHAIN):  # in file order, as collected
+        if stem == "test_ring_execute":
+            items.append(_item(stem, ring, True))
+        else:
+            items += [_item(stem, "test_before", False), _item(stem, "test_on_ray", True),
+                      _item(stem, "test_after", False)]
+    items.sort(key=conftest.shared_ray_place)
+    on_ray = [k for k, it in enumerate(items) if "shared_ray_head" in it.fixturenames]
+    assert on_ray == list(range(on_ray[0], on_ray[0] + len(on_ray)))  # one run of tests on the head
+    stems = [it.path.stem for it in items]
+    first, last = conftest.SHARED_RAY_CHAIN[0], conftest.SHARED_RAY_CHAIN[-1]
+    assert stems[:on_ray[0] + 1] == [first] * (on_ray[0] + 1)  # the first file's others lead into its test on Ray
+    assert stems[on_ray[-1]:on_ray[-1] + 3] == [last] * 3  # the last file's others follow its test on Ray
+
+
+def test_the_shared_ray_stops_before_a_test_that_does_not_ask_for_it(monkeypatch):
+    import conftest
+
+    class Head:
+        stops = 0
+
+        def stop(self):
+            self.stops += 1
+
+    head = Head()
+    monkeypatch.setattr(conftest, "SHARED_RAY", head)
+    this = _item("test_launch", "test_on_ray", True)
+    for nextitem, stops in [(_item("test_launch", "test_on_ray_too", True), 0),
+                            (_item("test_launch", "test_without_ray", False), 1), (None, 2)]:
+        hook = conftest.pytest_runtest_teardown(this, nextitem)
+        next(hook)  # the test's own teardown runs here
+        with pytest.raises(StopIteration):
+            hook.send(None)
+        assert head.stops == stops

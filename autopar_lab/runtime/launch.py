@@ -475,6 +475,10 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, options: 
         if spec["checkpoint_dir"]:  # refuse a directory that is not ours to write before Ray starts
             from .checkpoint import claim
 
+            # The stage actors work in the directory the head was started from, which need not be this one (a
+            # notebook that changed directory since, a head another launch started): a relative path means here.
+            spec["checkpoint_dir"] = os.path.abspath(spec["checkpoint_dir"])
+
             spec["run_id"], _ = claim(spec["checkpoint_dir"], spec["run_id"], resume=spec["resume"],
                                       overwrite=spec["overwrite"])
         S = len(spec["plan"]["stages"])
