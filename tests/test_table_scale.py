@@ -142,6 +142,34 @@ def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_f
         [sorted((o, s.name) for o, s in a.intra.strategies.items()) for a in fresh.stages]
 
 
+@pytest.mark.parametrize("what_if", list(WHAT_IFS))
+def test_a_moved_table_takes_over_the_stage_blocks_it_would_build_the_same(planned_small_table, what_if):
+    """The stage blocks the auto plan left on the table (one per submesh and microbatch count) that a what-if's table
+    takes over are those whose every mesh carried over, each equal to the block the moved table builds itself
+    (options and arrays, to the bit), its candidates priced with the moved table's IntraPlans."""
+    import numpy as np
+
+    from autopar_lab.pricing.blocks import StageBlock
+
+    base = planned_small_table
+    assert base.stage_blocks  # the auto plan's searches kept theirs
+    moved = base.for_cluster(SMALL.with_(**WHAT_IFS[what_if]))
+    for key, block in base.stage_blocks.items():
+        meshes = {base.key(block.submesh, shape, sol) for shape, sol, _ in block.options}
+        assert (key in moved.stage_blocks) == (key[0] in moved.submeshes() and meshes <= moved.kept_meshes)
+    if what_if == "hosts-3":  # every submesh of 2 hosts is one of 3 hosts', every mesh kept: every block
+        assert len(moved.stage_blocks) == len(base.stage_blocks)
+    if what_if == "inter-bw-0.1x":  # the one-host submeshes' blocks, not the two-host one's
+        assert 0 < len(moved.stage_blocks) < len(base.stage_blocks)
+    for (sub, B, mem, grid), block in moved.stage_blocks.items():
+        fresh = StageBlock(moved, sub, B, mem, grid=grid)
+        assert block.options == fresh.options and block.table is moved
+        for a, b in zip([*block.keys, block.keep], [*fresh.keys, fresh.keep]):
+            np.testing.assert_array_equal(a, b)
+        k, row, col = (int(x[0]) for x in np.nonzero(block.keep))
+        assert block.make(k, row, col).payload is moved.mesh_costs(sub, block.options[k][0], block.options[k][1])[1]
+
+
 def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
     from autopar_lab.widgets.session import Session
 

@@ -37,10 +37,11 @@ from ..rematmode import REMAT_CHOICES
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.inter import StageCandidate
 from ..solve.intra import IntraPlan, StrategyCache
+from .blocks import StageBlock, StageCandidates, carried_blocks
 from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import is_running_sum, pareto, pareto_mask, prefix_sums, range_max, stage_cost, task_overhead_s
+from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
@@ -177,6 +178,8 @@ class CostTable:
         self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
         self._ahead: MeshPool | None = None  # meshes being solved since build (workers=), not collected yet
         self._spare: dict[tuple, tuple] = {}  # lean solutions solved ahead, not asked for yet (see _drain)
+        #: Stage blocks kept for later searches, by (submesh, microbatches, memory limit, grid) (blocks.cached_block).
+        self.stage_blocks: dict[tuple, StageBlock] = {}
         #: The mesh keys :meth:`for_cluster` carried over from the table it was made from (empty otherwise).
         self.kept_meshes: frozenset[tuple] = frozenset()
 
@@ -522,6 +525,8 @@ class CostTable:
         new._shapes = {k: v for k, v in self._shapes.items() if k in subs} if same_views else {}
         # First passes are keyed by axis 0's collective profile, not by the device: kept with the same device.
         new._memo = dict(self._memo) if cluster.device == self.cluster.device else {}
+        # The stage blocks of submeshes whose meshes all carried over (the same numbers, blocks.carried_blocks).
+        new.stage_blocks = carried_blocks(self, new)
         return new
 
     def _store(self, key, small: list[LayerCost], plan: IntraPlan | None) -> None:
@@ -675,98 +680,3 @@ class CostTable:
         (a layer grid's blocks, see ``planner.layer_grid``), the blocks' arrays indexed by their positions there.
         """
         return StageCandidates(self, microbatches, mem_limit_bytes, grid)
-
-
-class StageCandidates:
-    """The stage candidates of a table at one microbatch count: callable as ``(start, end, submesh)`` (a list), and
-    ``block(submesh)`` (a :class:`StageBlock`, every range at once); blocks are built on first use and kept."""
-
-    def __init__(self, table: CostTable, microbatches: int, mem_limit_bytes: float | None,
-                 grid: tuple[Sequence[int], Sequence[int]] | None = None):
-        self.table, self.microbatches, self.mem_limit_bytes = table, microbatches, mem_limit_bytes
-        self.grid = grid
-        self._blocks: dict[tuple, StageBlock] = {}
-
-    def block(self, submesh) -> StageBlock | None:
-        """The submesh's candidates as arrays; None for a submesh outside the table's planning space."""
-        sub = (int(submesh[0]), int(submesh[1]))
-        if sub not in self.table.submeshes():
-            return None
-        if sub not in self._blocks:
-            self._blocks[sub] = StageBlock(self.table, sub, self.microbatches, self.mem_limit_bytes, grid=self.grid)
-        return self._blocks[sub]
-
-    def __call__(self, start: int, end: int, submesh) -> list[StageCandidate]:
-        block = self.block(submesh)
-        return [] if block is None else block.candidates(start, end)
-
-
-class StageBlock:
-    """Every stage candidate of one submesh at one microbatch count, as arrays over (start, end) layers.
-
-    ``keys[f][k, a, b]``: field f (forward s, backward s, static bytes, activation bytes) of the k-th (logical
-    mesh, solution (:meth:`CostTable.solutions`), remat) option for layers a..b, from
-    :func:`~autopar_lab.pricing.stage.stage_cost` on arrays (the same float operations as :meth:`CostTable.stage`);
-    ``keep[k, a, b]``: the option is Pareto-optimal there (as :func:`pareto` decides, ties to the first) and, when
-    a memory limit is given, fits in it while holding one microbatch (a candidate that cannot is never usable: a
-    stage holds at least one microbatch and its memory only grows with more).
-
-    ``grid``: (first layers, last layers) of the ranges priced, ``a`` and ``b`` then index them (``starts``,
-    ``ends``; default every layer): a deep model's layer grid prices only its blocks' ranges, with the same numbers.
-    """
-
-    def __init__(self, table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
-                 remat=REMAT_CHOICES, grid: tuple[Sequence[int], Sequence[int]] | None = None):
-        L, B = len(table.layer_names), microbatches
-        self.table = table
-        self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
-        self.starts = np.arange(L) if grid is None else np.asarray(grid[0], dtype=np.int64)
-        self.ends = np.arange(L) if grid is None else np.asarray(grid[1], dtype=np.int64)
-        self.options = [(shape, sol, r) for shape in table.mesh_shapes(submesh)
-                        for sol in table.solutions(submesh, shape) for r in remat]
-        rows, cols = self.starts, self.ends
-        upper = rows[:, None] <= cols[None, :]  # start <= end
-        entry = np.array([0.0] + list(table.cut_bytes), dtype=float)[:L][rows]  # bytes entering layer a
-        task: Any = table.task_overhead_s(submesh)
-        arrays: Any = 1.0
-        if table.one_program(0, L - 1, submesh, B) and rows[0] == 0 and cols[-1] == L - 1:
-            task = np.full((len(rows), len(cols)), task)
-            task[0, -1] *= one_program_share(table.cluster)  # the whole step on the whole cluster: one program
-            arrays = np.ones((len(rows), len(cols)))
-            arrays[0, -1] = 0.0  # ... which takes its arrays once, in the update (layer costs' buffer_s)
-        dims = (len(self.options), len(rows), len(cols))
-        keys = [np.full(dims, np.inf) for _ in range(4)]  # (K, rows, cols) each
-        totals: dict[str, np.ndarray] = {}
-        for k, (shape, sol, r) in enumerate(self.options):
-            if k == 0 or self.options[k - 1][:2] != (shape, sol):  # the remat options of a mesh share the sums
-                totals = table.range_totals(submesh, shape, sol, rows, cols)
-            costs = stage_cost(totals, entry[:, None], B, shape[0] * shape[1], r, task, arrays)
-            for out, v in zip(keys, costs):
-                np.copyto(out[k], np.broadcast_to(v, dims[1:]), where=upper)
-        keep = np.zeros(keys[0].shape, dtype=bool)
-        starts, ends = np.nonzero(upper)
-        # Fitting is closed upwards under dominance (less static and activation memory sums to less, rounding
-        # included), so the Pareto filter need compare only the options that fit (see pareto_mask's ``alive``).
-        alive = None if mem_limit_bytes is None else \
-            keys[2][:, starts, ends] + keys[3][:, starts, ends] <= mem_limit_bytes
-        keep[:, starts, ends] = pareto_mask([v[:, starts, ends] for v in keys], alive)
-        self.keys, self.keep = keys, keep
-        # The arrays as the stage DP reads them (see solve.inter.CandidateBlock).
-        self.fwd_s, self.bwd_s, self.static_bytes, self.act_bytes = keys
-        self.usable = keep
-
-    def make(self, k: int, row: int, col: int) -> StageCandidate:
-        """Option k for layers ``starts[row]..ends[col]`` (without a grid: row..col) as a StageCandidate (its
-        IntraPlan as the payload)."""
-        shape, sol, r = self.options[k]
-        _, plan = self.table.mesh_costs(self.submesh, shape, sol)
-        f, b, st, a = (float(v[k, row, col]) for v in self.keys)
-        return StageCandidate((int(self.starts[row]), int(self.ends[col])), self.submesh, shape, r, f, b, st, a,
-                              payload=plan, solution=sol)
-
-    def candidates(self, start: int, end: int) -> list[StageCandidate]:
-        """The candidates for layers start..end (none for a range off the grid)."""
-        row, col = np.flatnonzero(self.starts == start), np.flatnonzero(self.ends == end)
-        if not row.size or not col.size:
-            return []
-        return [self.make(int(k), int(row[0]), int(col[0])) for k in np.flatnonzero(self.keep[:, row[0], col[0]])]

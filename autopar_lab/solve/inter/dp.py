@@ -29,11 +29,11 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
     with F[0][L, 0] = 0 (all layers placed, every device used exactly).
     ``combine`` is np.add (latency) or np.maximum (bottleneck memory); stage costs above
     ``t_max`` count as inf.
-    Returns the list of F tables and of argmin tables (flat index i * SH + sh, the first of
-    equal minima). Each shape is evaluated only at the d where it can be placed (a host-sized
-    submesh only on host boundaries), which is most of the saving on large clusters. ``stop_at[s - 1]``
-    (with np.add): a lower bound on F[s'][0, N*M] for every s' > s; the tables stop growing at the first s
-    where the smallest F[.][0, N*M] so far is at most it (no more stages can give a smaller one).
+    Returns the list of F tables' first rows, ``F[s][0, :]`` (every layer placed, what a plan reads), and of
+    argmin tables (flat index i * SH + sh, the first of equal minima). Each shape is evaluated only at the d where
+    it can be placed (a host-sized submesh only on host boundaries), which is most of the saving on large clusters.
+    ``stop_at[s - 1]`` (with np.add): a lower bound on F[s'][0, N*M] for every s' > s; the tables stop growing at
+    the first s where the smallest F[.][0, N*M] so far is at most it (no more stages can give a smaller one).
     """
     L, NM, SH = p.num_layers, p.columns, len(p.shapes)
     S = p.max_stages
@@ -43,18 +43,23 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
     costs = stage_cost.transpose(3, 2, 0, 1)  # [s - 1, sh, k, i]: candidate_tables lays best_time out so
     if not costs.flags.c_contiguous:  # (a table laid out otherwise: copied once)
         costs = np.ascontiguousarray(costs)
-    F_prev = np.full((L + 1, NM + 1), np.inf)
+    # Two F tables, the previous stage count's and this one's, reused: only the argmin tables and each F's first row
+    # are kept. (A fresh (L + 1) x (N*M + 1) table per s was a quarter of the DP at 4,096 hosts, most of it the
+    # kernel mapping the new pages.)
+    F_prev, F_next = np.full((L + 1, NM + 1), np.inf), np.empty((L + 1, NM + 1))
     F_prev[L, 0] = 0.0
-    Fs, args = [F_prev], [None]  # type: list[Any], list[Any]
+    Fs, args = [F_prev[0].copy()], [None]  # type: list[Any], list[Any]
     d_idx = np.arange(NM + 1)
     places = [np.flatnonzero(valid[sh] & (d_idx >= size[sh])) for sh in range(SH)]
     for s in range(1, S + 1):
-        F = np.full((L + 1, NM + 1), np.inf)
-        arg = np.zeros((L, NM + 1), dtype=np.int32)  # flat indices i * SH + sh: far below 2**31
         # s stages need s layers: only start layers k <= L - s can have a plan, and a stage ending at i leaves
-        # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s.
+        # i + 1 <= L - s + 1 for the s - 1 after it, so k and i both range over 0..L-s; the rows from L - s + 1
+        # on are inf and never read (the next s reads rows 1..L - s).
         n = L - s + 1
+        F = F_next
         best = F[:n]
+        best.fill(np.inf)
+        arg = np.zeros((L, NM + 1), dtype=np.int32)  # flat indices i * SH + sh: far below 2**31
         # Device counts the s - 1 stages after this one can fill at all: a stage is placed only where it leaves one.
         reachable = np.asarray(np.isfinite(F_prev[1:n + 1]).any(axis=0))
         cost_s = costs[s - 1, :, :n, :n]  # [sh, k, i]
@@ -69,6 +74,13 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
             ds = all_ds[reachable[all_ds - size[sh]]] if all_ds.size else all_ds
             if ds.size == 0:
                 continue
+            # A run of consecutive columns (most stage counts at thousands of hosts: every count of free hosts is
+            # reachable) is read and written as a slice, a view, not gathered and scattered: the same values.
+            cols: Any = ds
+            src: Any = ds - size[sh]
+            if int(ds[-1]) - int(ds[0]) + 1 == ds.size:
+                cols = slice(int(ds[0]), int(ds[-1]) + 1)
+                src = slice(int(ds[0]) - int(size[sh]), int(ds[-1]) + 1 - int(size[sh]))
             # Start layers k0..k1-1 (a row between without a stage is all inf: it never takes, as in the min).
             k0, k1 = int(rows.argmax()), n - int(rows[::-1].argmax())
             k_fin, i_fin = np.nonzero(fin_all[sh, k0:k1])
@@ -77,24 +89,24 @@ def layered_dp(p, stage_cost, cut, valid, size, combine, t_max: float = math.inf
             i_of = np.arange(k0, k1)[:, None] + np.arange(w)  # (row, r) -> end layer k + r
             ends = np.minimum(i_of, n - 1)
             band = np.where(i_of < n, cost_s[sh][np.arange(k0, k1)[:, None], ends], np.inf)
-            here = band[:, :, None] + cut[k0:k1, ds][:, None, :]  # (row, r, d)
-            total = combine(here, F_prev[1:n + 1, ds - size[sh]][ends])  # next stage starts at layer i + 1
+            total = band[:, :, None] + cut[k0:k1, cols][:, None, :]  # (row, r, d)
+            combine(total, F_prev[1:n + 1, src][ends], out=total)  # next stage starts at layer i + 1
             r_best = np.argmin(total, axis=1)
             v = total.min(axis=1)
             flat = (r_best + np.arange(k0, k1)[:, None]) * SH + sh
-            cur_v, cur_f = best[k0:k1, ds], arg[k0:k1, ds]
+            cur_v, cur_f = best[k0:k1, cols], arg[k0:k1, cols]
             take = (v < cur_v) | ((v == cur_v) & (flat < cur_f))
-            best[k0:k1, ds] = np.where(take, v, cur_v)
-            arg[k0:k1, ds] = np.where(take, flat, cur_f)
-        Fs.append(F)
+            best[k0:k1, cols] = np.where(take, v, cur_v)
+            arg[k0:k1, cols] = np.where(take, flat, cur_f)
+        Fs.append(F[0].copy())
         args.append(arg)
-        F_prev = F
+        F_prev, F_next = F, F_prev
         lowest = min(lowest, F[0, NM])
         if stop_at is not None and lowest <= stop_at[s - 1]:
             break
-        if not np.isfinite(F).any():  # no s-stage suffix fits anywhere: none with more stages can either
+        if not np.isfinite(best).any():  # no s-stage suffix fits anywhere: none with more stages can either
             for _ in range(s + 1, S + 1):
-                Fs.append(F)
+                Fs.append(Fs[-1])
                 args.append(arg)
             break
     return Fs, args
@@ -105,8 +117,8 @@ def min_memory(p: Problem, min_req, valid, size) -> float:
     zero_cut = np.zeros((p.num_layers, p.columns + 1))
     Fs, _ = layered_dp(p, min_req, zero_cut, valid, size, np.maximum)
     if p.fixed_stages is not None:
-        return float(Fs[p.fixed_stages][0, p.columns])
-    return float(min(F[0, p.columns] for F in Fs[1:]))
+        return float(Fs[p.fixed_stages][p.columns])
+    return float(min(F[p.columns] for F in Fs[1:]))
 
 def sweep_dp(p, stage_cost, cut, valid, size):
     """The same recurrence without the stage count, for when it does not matter (memory
@@ -318,7 +330,7 @@ def solve_one(p: Problem, t_max_search: str, upper_bound: float, prune: bool, t0
         else:
             Fs, args = layered_dp(p, best_time, cut, valid, size, np.add, t_max=t_max, stop_at=stop)
             stage_counts.append(len(Fs) - 1)
-            totals = [Fs[s][0, NM] for s in range(1, len(Fs))]
+            totals = [Fs[s][NM] for s in range(1, len(Fs))]
             s_best = int(np.argmin(totals)) + 1 if p.fixed_stages is None else p.fixed_stages
             f = totals[s_best - 1]
             chooser = lambda s, k, d: int(args[s][k, d])  # noqa: E731
