@@ -49,7 +49,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
   (``mesh_peers=3``: 2 of its GPUs talk over a third of a GPU's NVLink);
 * DeepSeek-V3 on 256 H100 (``--deepseek``: the slowest row to price): ``deepseek-v3``, ``megatron_plan(dp=64, pp=4,
-  ep=64, zero=3, remat=True)`` (NeMo Automodel's config checkpoints every block);
+  ep=64, zero=3, remat=True, overlap_moe_comm=True)`` (NeMo Automodel's config checkpoints every block; the
+  expert all-to-alls behind the other microbatch's compute, as DualPipe and Megatron-Core's combined 1F1B run them);
 * MaxText on TPU v5p: MaxText's ``global_parameter_scale`` 32 and 128 models (``configs/base.yml`` scaled as its
   ``pyconfig.get_individual_scales`` does) as Llama-shaped models, ``al.maxtext_plan(ici_fsdp=-1, ici_tensor,
   per_device_batch_size, remat="minimal", attention="flash")`` on one slice.
@@ -296,14 +297,18 @@ TODAY = {r.name: r for r in [
     Today("deepseek-v3", "NeMo Automodel performance summary", "megatron", "deepseek-v3",
           dict(seq_len=4096, batch_size=512), "dgx-h100", 32,
           dict(dp=64, tp=1, pp=4, ep=64, zero=3, micro_batch_size=1, precision="bf16", overlap_grad_reduce=True,
-               overlap_param_gather=True, remat=True, schedule="interleaved", virtual_stages=2), 256, 8.18, "step_s",
+               overlap_param_gather=True, overlap_moe_comm=True, remat=True, schedule="interleaved",
+               virtual_stages=2), 256, 8.18, "step_s",
           assumed="full recomputation of every block (the run's config, examples/benchmark/configs/"
                   "deepseek_v3_te_deepep.yaml: activation_checkpointing true, a checkpoint wrapper per block); "
                   "the interleaved schedule with the run's 8 virtual stages, 2 chunks on each of the 4 pipeline "
                   "ranks (61 layers: chunks of 7 and 8, split as evenly as they go), FSDP as ZeRO-3 "
                   "(the config keeps parameters gathered after the forward, reshard_after_forward false: ZeRO-2 "
                   "prices 12.93 s and 62.9 GiB), its reduce-scatter and all-gather overlapped with compute (FSDP2's "
-                  "default prefetching); node-limited routing (4 of 8 groups) with DeepEP's one copy a node"),
+                  "default prefetching); node-limited routing (4 of 8 groups) with DeepEP's one copy a node; "
+                  "the expert-parallel all-to-alls overlapped with the other microbatch's compute "
+                  "(overlap_moe_comm: DualPipe's defining feature, Megatron-Core's "
+                  "--overlap-moe-expert-parallel-comm; the Automodel summary does not say how its run overlaps)"),
     Today("maxtext-32b", "MaxText configs/tpu/v5p README", "maxtext", "llama3-8b",
           dict(seq_len=2048, hidden_size=8192, num_layers=32, num_heads=64, num_kv_heads=64, head_dim=128,
                ffn_hidden=28672, vocab_size=32000, batch_size=6 * 128), "tpu-v5p", 128,

@@ -124,3 +124,81 @@ def test_the_backward_gathers_the_sequence_shard_again(table):
     hidden = min(sum(c.sync_s for c in lc), sum(c.bwd_compute_s for c in lc) / MB * (1 - 1 / len(lc)))
     assert hidden > 0
     assert off.cost.step_time_s - own.cost.step_time_s == pytest.approx(blocks * 2 * ag + hidden, rel=1e-9)
+
+
+# --- the expert-parallel all-to-alls behind the other microbatch's compute (overlap_moe_comm) -------------------
+
+@pytest.fixture(scope="module")
+def moe_table():
+    """A deep DeepSeek-style MoE (6 blocks, the first dense; planned on its shallow copy) on 4 A100s, wide enough
+    that the ILP exchanges the tokens by all-to-alls with the experts split over the 4 devices."""
+    m = al.models.get("deepseek-tiny", num_layers=6, first_dense_layers=1, batch_size=32, seq_len=512,
+                      hidden_size=256, ffn_hidden=512, moe_ffn_hidden=128, dtype="bfloat16")
+    return al.CostTable.build(m, Cluster.preset("dgx-a100").with_(devices_per_host=4), precision="bf16")
+
+
+def moe_plan(table, **kw):
+    return al.megatron_plan(table=table, dp=4, tp=1, pp=1, ep=4, zero=0, microbatches=4, **kw)
+
+
+def test_the_moe_all_to_alls_hide_behind_the_other_microbatchs_compute(moe_table):
+    """``overlap_moe_comm`` (``--overlap-moe-expert-parallel-comm``): off by default; on, each MoE layer's forward
+    all-to-alls hide behind its backward compute and its backward all-to-alls behind its forward compute, each up to
+    that compute, on the share of forwards the combined 1F1B pairs with another microbatch's backward (without
+    pipelining, all but the first of 4: 3/4). The dense block has no all-to-all and hides nothing."""
+    from autopar_lab.pricing.overlap import paired_share
+
+    table = moe_table
+    off, on = moe_plan(table), moe_plan(table, overlap_moe_comm=True)
+    assert off.stage_pins["overlap"] == () and on.stage_pins["overlap"] == ("moe_comm",)
+    assert on.method == "megatron(dp=4,tp=1,pp=1,ep=4,zero=0,omc)"
+    st = off.stages[0]
+    g = table.solve_graph
+    names = list(g.layers)
+    terms = overlap_terms(g, st.intra, names, 0)
+    moe_blocks = [terms[names.index(f"layer_{k}")] for k in range(1, 4)]
+    assert terms[names.index("layer_0")]["a2a_fwd"] == terms[names.index("layer_0")]["a2a_bwd"] == 0
+    assert all(t["a2a_fwd"] > 0 for t in moe_blocks)
+    paired = paired_share("1f1b", 1, 0, 4)
+    assert paired == 0.75
+    hidden = paired * sum(min(terms[table.layer_map[k]]["a2a_fwd"], c.bwd_compute_s)
+                          + min(terms[table.layer_map[k]]["a2a_bwd"], c.fwd_compute_s)
+                          for k, c in enumerate(st.layer_costs))
+    a2a = sum(terms[table.layer_map[k]]["a2a_fwd"] + terms[table.layer_map[k]]["a2a_bwd"]
+              for k in range(len(st.layer_costs)))
+    assert 0 < hidden <= paired * a2a
+    assert off.cost.step_time_s - on.cost.step_time_s == pytest.approx(hidden, rel=1e-9)
+    # the hidden seconds leave the resharding they were charged as
+    assert sum(c.reshard_s for c in off.stages[0].layer_costs) - sum(c.reshard_s for c in on.stages[0].layer_costs) \
+        == pytest.approx(hidden, rel=1e-9)
+
+
+def test_the_moe_overlap_hides_no_more_than_the_compute_it_runs_behind(moe_table):
+    """Where the other pass's compute is shorter than the all-to-alls, only that compute's worth hides."""
+    import dataclasses
+
+    from autopar_lab.pricing.overlap import overlap_layer_costs
+
+    table = moe_table
+    st = moe_plan(table).stages[0]
+    names = list(table.solve_graph.layers)
+    terms = overlap_terms(table.solve_graph, st.intra, names, 0)
+    k = next(k for k in range(len(st.layer_costs)) if terms[table.layer_map[k]]["a2a_fwd"] > 0)
+    a2a_f = terms[table.layer_map[k]]["a2a_fwd"]
+    short = [dataclasses.replace(c, bwd_compute_s=a2a_f / 4) if j == k else c for j, c in enumerate(st.layer_costs)]
+    out = overlap_layer_costs(table, st.intra, short, ["moe_comm"], 0)
+    assert short[k].fwd_s - out[k].fwd_s == pytest.approx(a2a_f / 4, rel=1e-12)
+    half = overlap_layer_costs(table, st.intra, st.layer_costs, ["moe_comm"], 0, paired=0.5)
+    assert st.layer_costs[k].fwd_s - half[k].fwd_s == pytest.approx(0.5 * min(a2a_f, st.layer_costs[k].bwd_compute_s),
+                                                                    rel=1e-12)
+
+
+def test_the_moe_overlap_needs_expert_parallelism_and_round_trips_megatrons_flag(moe_table):
+    with pytest.raises(ValueError, match="pass ep of 2 or more"):
+        al.megatron_plan(table=moe_table, dp=4, tp=1, pp=1, zero=0, microbatches=4, overlap_moe_comm=True)
+    on = moe_plan(moe_table, overlap_moe_comm=True)
+    text = al.export_config(on, "megatron")
+    assert "--overlap-moe-expert-parallel-comm" in text
+    back = al.import_config(text, framework="megatron", table=moe_table)
+    assert back.stage_pins["overlap"] == ("moe_comm",)
+    assert "--overlap-moe-expert-parallel-comm" not in al.export_config(moe_plan(moe_table), "megatron")

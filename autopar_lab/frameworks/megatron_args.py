@@ -9,9 +9,10 @@ records the commit they were checked against):
   ``--expert-model-parallel-size`` (the data-parallel size is what the cluster's devices leave, as Megatron-LM
   computes it), ``--num-layers-per-virtual-pipeline-stage`` (the interleaved schedule), ``--sequence-parallel``,
   ``--use-distributed-optimizer`` (ZeRO-1; without it the optimizer state is whole on every rank: ZeRO-0);
-* communication overlapped with compute: ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--tp-comm-overlap``
-  (:func:`~autopar_lab.layouts.megatron_plan`'s ``overlap_grad_reduce``, ``overlap_param_gather``,
-  ``tp_comm_overlap``; each off without its switch, as in Megatron-LM);
+* communication overlapped with compute: ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--tp-comm-overlap``,
+  ``--overlap-moe-expert-parallel-comm`` (:func:`~autopar_lab.layouts.megatron_plan`'s ``overlap_grad_reduce``,
+  ``overlap_param_gather``, ``tp_comm_overlap``, ``overlap_moe_comm``; each off without its switch, as in
+  Megatron-LM);
 * recomputation: ``--recompute-granularity full|selective``, ``--recompute-activations`` (selective),
   ``--checkpoint-activations`` (full, the older name);
 * batch: ``--micro-batch-size``, ``--global-batch-size`` (default ``micro-batch-size x data-parallel size``);
@@ -51,12 +52,14 @@ VALUED = {
 #: Switches (no value).
 SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--checkpoint-activations",
             "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
-            "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap")
+            "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
+            "--overlap-moe-expert-parallel-comm")
 
 #: Megatron-LM's overlap switches -> (megatron_plan's keyword, the overlap's name in pricing.overlap).
 OVERLAP_SWITCHES = {"--overlap-grad-reduce": ("overlap_grad_reduce", "grad_reduce"),
                     "--overlap-param-gather": ("overlap_param_gather", "param_gather"),
-                    "--tp-comm-overlap": ("tp_comm_overlap", "tp_comm")}
+                    "--tp-comm-overlap": ("tp_comm_overlap", "tp_comm"),
+                    "--overlap-moe-expert-parallel-comm": ("overlap_moe_comm", "moe_comm")}
 #: Every flag read.
 FLAGS = (*VALUED, *SWITCHES)
 #: Flags that mark a Llama-style model.
@@ -253,7 +256,9 @@ def plan_from(imp: Imported, model, cluster, **planner):
                          sequence_parallel=bool(imp.get("--sequence-parallel")), precision=prec,
                          overlap_grad_reduce=bool(imp.get("--overlap-grad-reduce")),
                          overlap_param_gather=bool(imp.get("--overlap-param-gather")),
-                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")), library_kernels=kernels, **kw,
+                         tp_comm_overlap=bool(imp.get("--tp-comm-overlap")),
+                         overlap_moe_comm=bool(imp.get("--overlap-moe-expert-parallel-comm")),
+                         library_kernels=kernels, **kw,
                          **planner)
     return plan, imp
 

@@ -38,8 +38,9 @@ __all__ = ["SHARDINGS", "megatron_mesh", "megatron_plan"]
 SHARDINGS = ("megatron", "ilp")
 
 # overlap name (pricing.overlap) -> megatron_plan's keyword, and the plan name's tag when it is on
-_FLAGS = {"grad_reduce": "overlap_grad_reduce", "param_gather": "overlap_param_gather", "tp_comm": "tp_comm_overlap"}
-_TAGS = {"grad_reduce": "ogr", "param_gather": "opg", "tp_comm": "tpo"}
+_FLAGS = {"grad_reduce": "overlap_grad_reduce", "param_gather": "overlap_param_gather", "tp_comm": "tp_comm_overlap",
+          "moe_comm": "overlap_moe_comm"}
+_TAGS = {"grad_reduce": "ogr", "param_gather": "opg", "tp_comm": "tpo", "moe_comm": "omc"}
 
 
 def megatron_mesh(par: Parallelism) -> MeshRoles:
@@ -81,7 +82,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   zero: int | None = None, sequence_parallel: bool = False, cp: int = 1, ep: int = 1,
                   micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                  tp_comm_overlap: bool = False, library_kernels: bool | None = None,
+                  tp_comm_overlap: bool = False, overlap_moe_comm: bool = False,
+                  library_kernels: bool | None = None,
                   skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
@@ -113,7 +115,10 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     all-gather behind the next step's first forward, up to its compute less one layer's; off, it follows the update),
     ``tp_comm_overlap`` (``--tp-comm-overlap``, with ``sequence_parallel``: each layer's tensor-parallel all-gathers
     and reduce-scatters, the backward's re-gather of the stored sequence shard included, hidden behind that layer's
-    matmuls of the same pass, ``min(collectives, matmuls)``; off, on the critical path).
+    matmuls of the same pass, ``min(collectives, matmuls)``; off, on the critical path), ``overlap_moe_comm``
+    (``--overlap-moe-expert-parallel-comm``, with ``ep`` > 1; DeepSeek-V3's DualPipe: each MoE layer's
+    expert-parallel all-to-alls behind the other microbatch's compute of the other pass, ``min(all-to-alls,
+    compute)`` per pass; off, on the critical path).
 
     ``library_kernels``: True prices the activations Megatron-LM's fused kernels keep (Transformer Engine, fused
     bias-GeLU / SwiGLU and norms: each kernel keeps its inputs and recomputes what it computes inside; a GPT layer
@@ -128,13 +133,17 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
         raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r:.40}")
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
     overlap = tuple(name for name, on in (("grad_reduce", overlap_grad_reduce), ("param_gather", overlap_param_gather),
-                                          ("tp_comm", tp_comm_overlap)) if checks.flag(on, f"{_FLAGS[name]}"))
+                                          ("tp_comm", tp_comm_overlap), ("moe_comm", overlap_moe_comm))
+                    if checks.flag(on, f"{_FLAGS[name]}"))
     if overlap_param_gather and not (zero is not None and zero >= 1 and overlap_grad_reduce):
         raise ValueError("overlap_param_gather overlaps the distributed optimizer's gather of the updated weights: "
                          "pass zero=1 (or 2, 3) and overlap_grad_reduce=True with it, as Megatron-LM requires")
     if tp_comm_overlap and not sequence_parallel:
         raise ValueError("tp_comm_overlap overlaps the sequence-parallel all-gathers and reduce-scatters with the "
                          "matmuls; pass sequence_parallel=True with it, as Megatron-LM requires")
+    if overlap_moe_comm and ep == 1:
+        raise ValueError("overlap_moe_comm overlaps the expert-parallel all-to-alls with the other microbatch's "
+                         "compute; pass ep of 2 or more with it, as Megatron-LM requires")
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
                          "group; it needs tp of 2 or more")

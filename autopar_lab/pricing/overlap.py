@@ -23,6 +23,21 @@ by default there, each one name here (:data:`OVERLAPS`):
   matmuls (``dot_general``) on that layer; ``fwd_s`` and ``bwd_s`` lose ``hidden`` (collective latency, paid per
   microbatch, is not hidden). Without it these collectives stay on the critical path.
 
+* ``"moe_comm"`` (``--overlap-moe-expert-parallel-comm``, with expert parallelism; DeepSeek-V3's DualPipe does the
+  same): Megatron-Core's combined 1F1B step (``pipeline_parallel/combined_1f1b.py``) runs the forward of one
+  microbatch and the backward of another together, layer by layer on two streams, so the expert-parallel
+  all-to-alls (dispatch and combine) of each pass run behind the *other* microbatch's compute: the forward's behind
+  the backward's, the backward's behind the forward's. Priced per MoE layer (a layer holding expert matmuls,
+  :func:`~autopar_lab.sharding.experts.expert_matmuls`): ``hidden_f = min(A_f, C_b)`` and ``hidden_b = min(A_b,
+  C_f)``, where ``A_f``/``A_b`` are the seconds of the layer's all-to-all resharding in each pass (the token
+  exchanges, wherever in dispatch and combine the plan placed them) and ``C_f``/``C_b`` the layer's compute in each
+  pass. Only the steady state pairs a forward with another microbatch's backward: the warm-up forwards and the
+  cool-down backwards run alone and hide nothing, so a stage hides ``paired x (hidden_f + hidden_b)`` a layer, with
+  ``paired`` its share of forwards run in the steady state (:func:`paired_share`, from the schedule's warm-up count
+  as Megatron-Core computes it); ``fwd_s`` and ``bwd_s`` lose their part of it, spread over every microbatch (the
+  stage's mean, as the simulator takes one time a pass). DualPipe also pairs much of the fill (not priced). Without
+  the switch the all-to-alls stay on the critical path.
+
 A plan with the key is priced as Megatron-LM runs, each switch on or off. One more difference from the cost model's
 own resharding: an activation the forward all-gathers (sequence parallelism's, before a column GEMM) that the
 backward reads too (the weight gradient's input) is kept only as its shard, so the backward gathers it again
@@ -43,6 +58,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ..graph.fusion import kernel_view
 from ..graph.opgraph import FORWARD, PARAM, UPDATE, dtype_size
+from ..sharding.experts import expert_matmuls
 from ..sharding.reshard import collective_time
 from ..solve.intra import StrategyCache, conversions, weight_gradient_ops
 from .zero import compute_dtype, updated_param
@@ -52,10 +68,10 @@ if TYPE_CHECKING:
     from .layers import LayerCost
     from .table import CostTable
 
-__all__ = ["OVERLAPS", "TENSOR_AXIS", "check_overlap", "overlap_layer_costs", "overlap_terms"]
+__all__ = ["OVERLAPS", "TENSOR_AXIS", "check_overlap", "overlap_layer_costs", "overlap_terms", "paired_share"]
 
 #: The communication a plan may name as overlapped (see the module docstring).
-OVERLAPS = ("grad_reduce", "param_gather", "tp_comm")
+OVERLAPS = ("grad_reduce", "moe_comm", "param_gather", "tp_comm")
 #: The logical mesh axis ``"tp_comm"`` hides the collectives of (the layouts' tensor-parallel axis).
 TENSOR_AXIS = 1
 
@@ -95,15 +111,17 @@ def overlap_terms(graph, intra: IntraPlan, layer_names: Sequence[str], zero: int
     docstring); ``mm_fwd``/``mm_bwd``, matmul compute in each pass; ``update_gather``, the gathers of the updated
     weights (in the compute dtype under a ZeRO stage, as :func:`~autopar_lab.pricing.zero.zero_gather_deltas`);
     ``regather``, the backward's gathers again of activations the forward gathered (see the module docstring),
-    counted in ``tp_bwd`` too where they cross the tensor axis."""
+    counted in ``tp_bwd`` too where they cross the tensor axis; ``a2a_fwd``/``a2a_bwd``, the all-to-all resharding
+    into the operators of an MoE layer (one holding expert matmuls) in each pass."""
     index = {name: k for k, name in enumerate(layer_names)}
     last = len(layer_names) - 1
-    out = [dict(tp_fwd=0.0, tp_bwd=0.0, mm_fwd=0.0, mm_bwd=0.0, update_gather=0.0, regather=0.0)
-           for _ in layer_names]
+    out = [dict(tp_fwd=0.0, tp_bwd=0.0, mm_fwd=0.0, mm_bwd=0.0, update_gather=0.0, regather=0.0, a2a_fwd=0.0,
+                a2a_bwd=0.0) for _ in layer_names]
     cache = cache or StrategyCache(intra.mesh)
     mesh = intra.mesh
     tensor = len(mesh.shape) > TENSOR_AXIS and mesh.shape[TENSOR_AXIS] > 1
     grads = weight_gradient_ops(graph, intra.ops)
+    moe = {graph.op(op).layer for op in expert_matmuls(graph) if op in intra.strategies}
     for op in intra.ops:
         node, s = graph.op(op), intra.strategies[op]
         if node.role == UPDATE:
@@ -131,6 +149,11 @@ def overlap_terms(graph, intra: IntraPlan, layer_names: Sequence[str], zero: int
         on_axis = min(cost, sum(collective_time(mesh, kind, n, axis) for kind, axis, n in cols
                                 if _on_tensor_axis(axis, kind))) if tensor else 0.0
         slot["tp_fwd" if vn.role == FORWARD else "tp_bwd"] += on_axis
+        if vn.layer in moe and any(k == "all_to_all" for k, _a, _n in cols):
+            # an MoE layer's token exchange: the whole conversion where it is all-to-alls alone, else their share
+            a2a = cost if all(k == "all_to_all" for k, _a, _n in cols) else min(cost, sum(
+                collective_time(mesh, k, n, a) for k, a, n in cols if k == "all_to_all"))
+            slot["a2a_fwd" if vn.role == FORWARD else "a2a_bwd"] += a2a
         if vn.role == FORWARD and cols and all(k == "all_gather" for k, _a, _n in cols) and \
                 _read_again(graph, intra, t.id, dst):
             # the backward reads the gathered copy too: Megatron-LM keeps the shard and gathers it again (an
@@ -151,11 +174,34 @@ def _read_again(graph, intra: IntraPlan, tensor: int, spec) -> bool:
     return False
 
 
+def paired_share(schedule: str, stages: int, stage: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The share of stage ``stage``'s forward passes (of ``stages``) that Megatron-Core's combined 1F1B runs beside
+    another microbatch's backward (``"moe_comm"``): the rest are its warm-up. Megatron-Core's warm-up
+    (``pipeline_parallel/schedules.py``): ``stages - stage - 1`` forwards in 1F1B (ZB-H1 alike), ``(stages - stage
+    - 1) x 2 + (v - 1) x stages`` of the ``microbatches x v`` chunk forwards interleaved (a microbatch group of
+    ``stages``), and one more with the combined schedule, whose forward pairs with an *earlier* microbatch's
+    backward (the last stage's 1F1B would pair a microbatch's forward with its own backward); without pipelining,
+    the first forward alone. GPipe runs every forward before any backward: nothing pairs.
+
+    >>> paired_share("interleaved", 4, 1, 8, 2)   # 16 chunk forwards, 2 x 2 + 4 + 1 = 9 of them warm-up
+    0.4375
+    >>> paired_share("1f1b", 1, 0, 8), paired_share("gpipe", 4, 3, 8)
+    (0.875, 0.0)
+    """
+    if schedule == "gpipe" or microbatches < 1:
+        return 0.0
+    v = virtual_stages if schedule == "interleaved" else 1
+    n = microbatches * v
+    warm = (stages - stage - 1) * (2 if v > 1 else 1) + (v - 1) * stages + 1
+    return max(n - warm, 0) / n
+
+
 def overlap_layer_costs(table: CostTable, intra: IntraPlan, costs: Sequence[LayerCost], overlap: Iterable[str],
-                        zero: int | None = None) -> list[LayerCost]:
+                        zero: int | None = None, paired: float = 1.0) -> list[LayerCost]:
     """``costs`` (full-graph layer costs of ``intra``, after :func:`~autopar_lab.pricing.zero.zero_layer_costs`
     where the plan names a ZeRO stage ``zero``) priced with the communication ``overlap`` names hidden as the module
-    docstring says, the rest on the critical path."""
+    docstring says, the rest on the critical path; ``paired``: the stage's share of forwards run beside another
+    microbatch's backward (:func:`paired_share`), the share of the MoE all-to-alls ``"moe_comm"`` may hide."""
     overlap = check_overlap(overlap)
     memo = _MEMO.setdefault(table, {})
     key = (id(intra), zero)
@@ -184,6 +230,11 @@ def overlap_layer_costs(table: CostTable, intra: IntraPlan, costs: Sequence[Laye
             cut = min(hf + hb, comm + reshard)
             from_comm = min(cut, max(comm - sync, 0.0))
             comm, reshard = comm - from_comm, max(reshard - (cut - from_comm), 0.0)
+        if "moe_comm" in overlap and t["a2a_fwd"] + t["a2a_bwd"] > 0:
+            # each pass's token exchanges behind the other microbatch's compute of the other pass (combined 1F1B)
+            hf, hb = paired * min(t["a2a_fwd"], c.bwd_compute_s), paired * min(t["a2a_bwd"], c.fwd_compute_s)
+            hf, hb = min(hf, fwd), min(hb, bwd)
+            fwd, bwd, reshard = fwd - hf, bwd - hb, max(reshard - hf - hb, 0.0)
         if (fwd, bwd, gather, comm, reshard, sync) == (c.fwd_s, c.bwd_s, c.gather_s, c.comm_s, c.reshard_s,
                                                          c.sync_s):
             out.append(c)

@@ -29,7 +29,7 @@ from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
 from .stage import hidden_comm_s, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
-from .overlap import overlap_layer_costs
+from .overlap import overlap_layer_costs, paired_share
 from .zero import zero_layer_costs
 
 if TYPE_CHECKING:
@@ -192,7 +192,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     IntraPlan chose.
     ``overlap``: the communication hidden behind compute (a plan's ``stage_pins["overlap"]``, names of
     :data:`~autopar_lab.pricing.overlap.OVERLAPS`: Megatron-Core's ``--overlap-grad-reduce``,
-    ``--overlap-param-gather`` and ``--tp-comm-overlap``; :mod:`~autopar_lab.pricing.overlap` says how each is
+    ``--overlap-param-gather``, ``--tp-comm-overlap`` and ``--overlap-moe-expert-parallel-comm``;
+    :mod:`~autopar_lab.pricing.overlap` says how each is
     priced); None: the layer costs as they are (the weight-gradient collectives hidden, nothing else).
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
@@ -233,7 +234,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             costs = zero_layer_costs(table, intra, costs, zero)
             sums = prefix_sums(costs)
         if overlap is not None:  # what the plan's framework overlaps (pricing.overlap)
-            costs = overlap_layer_costs(table, intra, costs, overlap, zero)
+            costs = overlap_layer_costs(table, intra, costs, overlap, zero,
+                                        paired_share(schedule, len(specs), j, microbatches, v))
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
