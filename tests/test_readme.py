@@ -21,10 +21,10 @@ def python_blocks() -> list[str]:
 
 
 def bash_commands() -> list[list[str]]:
-    """Each `.venv/bin/autopar-lab ...` line of the README's bash blocks, as argv (comments dropped)."""
+    """Each `.venv/bin/autopar-lab ...` command of the README's bash blocks, as argv (comments dropped)."""
     out = []
     for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # a command continued with a backslash is one line
             if line.startswith(".venv/bin/autopar-lab "):
                 out.append(shlex.split(line, comments=True)[1:])
     return out

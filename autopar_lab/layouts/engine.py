@@ -206,10 +206,12 @@ def microbatch_counts(batch: int, dp: int, microbatches: int | str | None,
                       micro_batch_size: int | None) -> list[int]:
     """The microbatch counts a layout is priced at: the one :func:`microbatches_for` gives, or with
     ``microbatches="auto"`` one for each of :func:`micro_batch_sizes` (the global batch over ``dp`` x that size),
-    fewest first.
+    fewest first (one microbatch where no size splits the replicas' share).
 
     >>> microbatch_counts(512, 4, "auto", None), microbatch_counts(512, 4, 16, None)
     ([16, 32, 64, 128], [16])
+    >>> microbatch_counts(4, 8, "auto", None)
+    [1]
     """
     if microbatches != "auto":
         return [microbatches_for(batch, dp, microbatches, micro_batch_size)]  # type: ignore[arg-type]
@@ -217,9 +219,8 @@ def microbatch_counts(batch: int, dp: int, microbatches: int | str | None,
         raise ValueError("microbatches='auto' searches the micro-batch size: pass micro_batch_size or "
                          "microbatches='auto', not both")
     sizes = micro_batch_sizes(batch, dp)
-    if not sizes:
-        raise ValueError(f"the global batch of {batch} does not split into dp={dp} equal replicas; pick a batch or a "
-                         "dp that divides it")
+    if not sizes:  # the batch does not split evenly over the replicas: one microbatch, as without "auto"
+        return [1]
     return [batch // (dp * m) for m in reversed(sizes)]
 
 

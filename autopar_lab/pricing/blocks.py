@@ -47,12 +47,12 @@ def _key(submesh, microbatches: int, mem_limit_bytes: float | None, grid: Grid |
 def cached_block(table: CostTable, submesh, microbatches: int, mem_limit_bytes: float | None,
                  grid: Grid | None = None) -> StageBlock:
     """The submesh's :class:`StageBlock` at this count and limit: the one the table keeps when its options are still
-    the table's (a lean solution solved since adds options), else built (and kept while the table's blocks stay
-    under :data:`BLOCK_CACHE_BYTES`). A kept block holds the numbers a new one would: the same layer costs and
-    formulas."""
+    the table's (a lean solution solved since adds options) and it was priced on the table's cluster, else built (and
+    kept while the table's blocks stay under :data:`BLOCK_CACHE_BYTES`). A kept block holds the numbers a new one
+    would: the same layer costs and formulas."""
     key = _key(submesh, microbatches, mem_limit_bytes, grid)
     kept = table.stage_blocks.get(key)
-    if kept is not None and kept.options == block_options(table, key[0]):
+    if kept is not None and kept.cluster is table.cluster and kept.options == block_options(table, key[0]):
         return kept
     block = StageBlock(table, key[0], microbatches, mem_limit_bytes, grid=grid)
     if kept is not None:
@@ -124,6 +124,8 @@ class StageBlock:
                  remat=REMAT_CHOICES, grid: Grid | None = None):
         L, B = len(table.layer_names), microbatches
         self.table = table
+        # the cluster its numbers were priced on: a table whose cluster is swapped (a what-if, a test) builds anew
+        self.cluster = table.cluster
         self.submesh: tuple[int, int] = (int(submesh[0]), int(submesh[1]))
         self.starts = np.arange(L) if grid is None else np.asarray(grid[0], dtype=np.int64)
         self.ends = np.arange(L) if grid is None else np.asarray(grid[1], dtype=np.int64)
@@ -167,7 +169,7 @@ class StageBlock:
     def bound_to(self, table: CostTable) -> StageBlock:
         """The same block (its arrays shared, never written) making its candidates from ``table``'s meshes."""
         out = copy.copy(self)
-        out.table = table
+        out.table, out.cluster = table, table.cluster
         return out
 
     def make(self, k: int, row: int, col: int) -> StageCandidate:
