@@ -96,6 +96,30 @@ def test_views_sit_in_a_grid_that_fits_the_width(wb):
     assert wb.timeline.figure.layout.width == 1226 and wb.training.loss_fig.layout.width == 1226
 
 
+def test_every_figure_reaches_the_browser_whole_in_its_first_message(graph, plan, monkeypatch):
+    """A figure's browser view draws what its comm opened with: plotly's FigureWidget opens empty and sends its
+    traces and layout after, and a view drawn in between stays an empty 700-px plot (a CI failure). Each of the
+    workbench's figures must open with its width and its traces."""
+    import comm
+
+    opened = []
+    real = comm.create_comm
+
+    def record(**kw):
+        opened.append(kw["data"]["state"])
+        return real(**kw)
+
+    monkeypatch.setattr(comm, "create_comm", record)
+    wb = Workbench(graph, plan.cluster, plan=plan)
+    figures_opened = [s for s in opened if "_widget_layout" in s]
+    side = (wb.cost.cost_fig, wb.cost.mem_fig, wb.layout.figure)
+    assert len(figures_opened) >= len(side)
+    for fig in side:
+        state = next(s for s in figures_opened if s["_widget_layout"].get("width") == fig.layout.width
+                     and len(s["_widget_data"]) == len(fig.data))
+        assert state["_widget_data"] and state["_widget_layout"]["width"] <= COLUMN_PX - 10
+
+
 def test_dropdown_change_overrides_and_updates_table_and_cost_panel(wb, plan):
     op = _dot(wb)
     wb.table.rows_select.value = op  # a click on the row

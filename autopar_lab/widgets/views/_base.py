@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import ipywidgets as w
+import plotly.graph_objects as go
 
 from .fmt import fmt_bytes, fmt_flops, fmt_s  # noqa: F401 - the views' number format, re-exported
 
@@ -58,6 +59,26 @@ class View:
 
 def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+class LiveFigure(go.FigureWidget):
+    """A plotly ``FigureWidget`` whose comm opens with its traces and layout in it.
+
+    plotly's ``FigureWidget`` opens its comm with an empty figure and sends the traces and layout in two update
+    messages right after. Its browser view reads them once, when it first draws: a view drawn before the front end
+    applied those updates shows empty axes at plotly's default 700 px and never redraws. Under load that happened in
+    the deep workbench's browser test (CI of 2026-12-06: the cost panel showed an empty 700-px plot in its 603-px
+    column for 90 s). Holding the comm until the figure is complete leaves no such window."""
+
+    def __init__(self, *args, **kwargs):
+        self._complete = False  # before the base class opens the comm
+        super().__init__(*args, **kwargs)
+        self._complete = True
+        self.open()
+
+    def open(self) -> None:
+        if self._complete:
+            super().open()
 
 
 def sync_figure(widget, fresh, layout: dict | None = None) -> None:

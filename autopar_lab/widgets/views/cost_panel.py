@@ -23,7 +23,7 @@ import ipywidgets as w
 
 from ...memory import memory_breakdown
 from . import figures
-from ._base import View, sync_figure
+from ._base import LiveFigure, View, sync_figure
 from .fmt import fmt_bytes, fmt_delta_bytes, fmt_delta_s, fmt_pct, fmt_rate, fmt_ratio, fmt_s
 from .utilisation import utilisation, utilisation_html
 
@@ -111,7 +111,6 @@ class CostPanel(View):
 
     def __init__(self, session):
         super().__init__(session)
-        import plotly.graph_objects as go
 
         plan = session.plan
         self.before = session.previous  # the plan before the last change (None at the start)
@@ -120,8 +119,8 @@ class CostPanel(View):
         self.utilisation = w.HTML("")
         self.memory = w.HTML("")
         self.measured = w.HTML("")  # measured / predicted stage times, once a training run measured them
-        self.cost_fig = go.FigureWidget(figures.cost_figure(None, cost_terms(plan.cost)))
-        self.mem_fig = go.FigureWidget(figures.memory_figure(memory_breakdown(plan), None,
+        self.cost_fig = LiveFigure(figures.cost_figure(None, cost_terms(plan.cost)))
+        self.mem_fig = LiveFigure(figures.memory_figure(memory_breakdown(plan), None,
                                                              plan.cost.mem_limit_bytes))
         self.last_refresh: float | None = None
         self.refresh()

@@ -24,7 +24,7 @@ from ...pins import PinIndex, stage_runs
 from ...rematmode import REMAT_CHOICES, is_full, is_selective, remat_label, remat_value
 from ...schedules import SCHEDULES
 from . import figures
-from ._base import USER_ERRORS, View, sync_figure
+from ._base import USER_ERRORS, LiveFigure, View, sync_figure
 from .run_settings import microbatch_choices, pending_plan, run_preview_html
 from .fmt import fmt_bytes, fmt_delta_s, fmt_pct, fmt_s
 
@@ -200,12 +200,11 @@ class StageLayout(View):
 
     def __init__(self, session):
         super().__init__(session)
-        import plotly.graph_objects as go
 
         plan = session.plan
         c = plan.cluster
         self.stage = 0
-        self.figure = go.FigureWidget(figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), 0,
+        self.figure = LiveFigure(figures.mesh_grid_figure(c.hosts, c.devices_per_host, stage_blocks(plan), 0,
                                                                width=figures.SIDE_WIDTH, legend=False))
         self.figure.data[0].on_click(self._plotly_click)
         self.summary = w.HTML("")
