@@ -273,7 +273,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
         internals = sum(totals[f"{key}_act_bytes"] for key in keys) / B
         static = static + internals / layers
         act = act - internals
-        bwd = bwd + sum(totals[f"{key}_fwd_s"] / B + totals[f"{key}_launch_s"] for key in keys)
+        for key in keys:  # summed one key at a time: one key's float operations as they always were
+            bwd = bwd + totals[f"{key}_fwd_s"] / B + totals[f"{key}_launch_s"]
     elif is_full(remat):
         # Each layer's input is kept; in the backward one layer's forward runs again at a time (gathered parameters
         # are kept, so it gathers nothing again), its activations the working set.
@@ -300,8 +301,10 @@ def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: i
     if is_full(stage.remat):
         return stage.fwd_s - task_s
     a, b = stage.layers
-    return sum((sums[f"{key}_fwd_s"][b + 1] - sums[f"{key}_fwd_s"][a]) / microbatches
-               + sums[f"{key}_launch_s"][b + 1] - sums[f"{key}_launch_s"][a] for key in partial_keys(stage.remat))
+    # 0.0 for none; one key's float operations as they always were
+    return sum(((sums[f"{key}_fwd_s"][b + 1] - sums[f"{key}_fwd_s"][a]) / microbatches
+                + sums[f"{key}_launch_s"][b + 1] - sums[f"{key}_launch_s"][a] for key in partial_keys(stage.remat)),
+               0.0)
 
 
 def recomputed_kernels(span: Mapping[str, float], cluster: Cluster, remat: Any = "selective") -> float:
