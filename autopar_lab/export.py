@@ -11,10 +11,11 @@
 - ``activation_specs`` and ``constrain(x, key)``: the sharding constraints of the stage's forward matmuls (the
   activations users put ``jax.lax.with_sharding_constraint`` on), keyed by layer, scope and shape, e.g.
   ``"layer_0/attn dot_general#2 -> (8, 16, 96)"``; ``constrain(x, key)`` applies one inside the user's step;
-- ``remat`` (the stage's recomputation: ``"none"``, ``"selective"``, ``"dots"`` or ``"full"``) and
+- ``remat`` (the stage's recomputation: ``"none"``, ``"selective"``, ``"dots"``, ``"selective-op"`` or ``"full"``) and
   ``checkpointed(fn)``: ``fn`` under ``jax.checkpoint`` as the plan recomputes it (full: everything; selective: a
   policy that saves every value the backward reads but the attention internals, the batched matmuls and what reads
-  the scores; dots: JAX's ``dots_saveable`` policy).
+  the scores; dots: JAX's ``dots_saveable`` policy; selective-op: the same, which keeps the outputs of the matmuls
+  torchtitan's policy recomputes too).
 
 Its header comment names the plan's number format (:mod:`autopar_lab.precision`); the code sets shardings only.
 
@@ -252,7 +253,9 @@ def _remat_lines(plan, stage: int) -> list[str]:
         "        return jax.checkpoint(fn)",
         "    if remat == 'selective':",
         "        return jax.checkpoint(fn, policy=_selective_policy)",
-        "    if remat == 'dots':  # keep the matmuls' outputs, recompute the rest",
+        "    # selective-op (torchtitan's op SAC) keeps every other matmul's output; JAX's stateless policies cannot",
+        "    # count matmuls: it is written as the dots policy (every matmul's output kept)",
+        "    if remat in ('dots', 'selective-op'):  # keep the matmuls' outputs, recompute the rest",
         "        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)",
         "    return fn",
         "",

@@ -46,7 +46,7 @@ from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as 
 from .planvalues import LAYER, Pin
 from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
-from .rematmode import DOTS, REMAT_NAMES, is_dots, is_selective, remat_value
+from .rematmode import REMAT_STRINGS, is_full, remat_label, remat_value
 from .safeio import write_atomic
 from .schedules import SCHEDULES
 
@@ -54,8 +54,10 @@ _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
 
 def remat_json(value) -> bool | str:
-    """A remat value as a plan file holds it: true/false as always (full/none), "selective" or "dots" for those."""
-    return "selective" if is_selective(value) else DOTS if is_dots(value) else bool(value)
+    """A remat value as a plan file holds it: true/false as always (full/none), its name for the others
+    ("selective", "dots", "selective-op")."""
+    label = remat_label(value)
+    return is_full(value) if label in ("none", "full") else label
 
 
 def plan_to_dict(plan) -> dict:
@@ -122,7 +124,7 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if not isinstance(value, list) or len(value) != num_stages:
                 raise ValueError(f"stage_pins[{key!r}] must list one entry per stage ({num_stages})")
             if key == "remat":
-                if any(v is not None and not isinstance(v, bool) and v not in (*REMAT_NAMES, DOTS) for v in value):
+                if any(v is not None and not isinstance(v, bool) and v not in REMAT_STRINGS for v in value):
                     raise ValueError("stage_pins['remat'] entries must be true, false, \"selective\" or null")
                 out[key] = tuple(None if v is None else remat_value(v) for v in value)
             else:

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping
 
 from .safeio import read_json_file
-from .rematmode import REMAT_CHOICES
+from .rematmode import REMAT_CHOICES, REMAT_STRINGS
 from .schedules import MAX_VIRTUAL_STAGES, SCHEDULES
 
 VERSION = 4  # the plan-file version save_plan writes: pins by operator of the model's own graph, with their scope
@@ -198,9 +198,9 @@ def check_form(data: Mapping, where: str) -> None:
         _int(layers[1], f"stage {k}'s last layer", where, 0, 1 << 20)
         _pair(st["submesh"], f"stage {k}'s submesh", where)
         _pair(st["logical_mesh"], f"stage {k}'s logical_mesh", where)
-        if not isinstance(st["remat"], bool) and st["remat"] not in ("none", "selective", "dots", "full"):
-            raise bad(where, f"stage {k}'s remat must be true or false (full or none) or \"selective\", "
-                             f"got {st['remat']!r:.40}")
+        if not isinstance(st["remat"], bool) and st["remat"] not in REMAT_STRINGS:
+            raise bad(where, f"stage {k}'s remat must be true or false (full or none) or one of "
+                             f"{', '.join(map(repr, REMAT_STRINGS))}, got {st['remat']!r:.40}")
         if not isinstance(st["devices"], list):
             raise bad(where, f"stage {k}'s devices must be a list of device indices")
         for d in st["devices"]:

@@ -43,7 +43,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
   sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
 * torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False)`` (eager:
-  no torch.compile) on ``dgx-h100`` with the run's H100 (96 GB HBM2e at 2.4 TB/s);
+  no torch.compile; torchtitan's selective is its op-level policy, ``"selective-op"``) on ``dgx-h100`` with the
+  run's H100 (96 GB HBM2e at 2.4 TB/s);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
@@ -259,9 +260,9 @@ def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
                  dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False), gpus, tokens,
                  "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
                  mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
-                                          "output and every other mm's, recomputing the rest) priced as 'dots' "
-                                          "(every matmul's output kept: about 0.11 s a step of recomputed mms "
-                                          "not priced); no torch.compile: eager (compile=False, every "
+                                          "output and every other mm's, recomputing the rest) priced as such "
+                                          "(remat 'selective-op': wk, wo and w3 run again in the backward); no "
+                                          "torch.compile: eager (compile=False, every "
                                           "elementwise op a kernel through HBM); the 500 W cap (peak between the "
                                           "SXM's and the NVL's, torchtitan's note) not modelled")
 

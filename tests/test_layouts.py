@@ -265,8 +265,9 @@ def test_microbatches_auto_keeps_the_fastest_micro_batch_size_that_fits():
 
 def test_fsdp_plan_prices_torchtitans_llama3_8b_on_8_h100s():
     """torchtitan's Llama 3.1 8B row: FSDP over 8 H100s, local batch 2 of 8,192 tokens, bf16, with full
-    recomputation and with the row's selective (op-level) checkpointing, priced as "dots" since issue 31: it fits
-    (with Megatron-LM's selective recomputation, which saves nothing with flash attention, it read 147 GiB). On the
+    recomputation and with the row's selective (op-level) checkpointing, priced as "selective-op" (its policy as
+    written): it fits (with Megatron-LM's selective recomputation, which saves nothing with flash attention, it read
+    147 GiB). On the
     run's parts: H100s of 96 GB HBM2e at 2.4 TB/s (it peaked at 82.4 GiB, more than an 80 GB H100 holds)."""
     model = al.models.get("llama3-8b", batch_size=16, seq_len=8192)
     cluster = al.Cluster.preset("dgx-h100").with_(memory_bytes=96 * 2**30, memory_bandwidth=2.4e12)
@@ -282,9 +283,9 @@ def test_fsdp_plan_prices_torchtitans_llama3_8b_on_8_h100s():
     assert nrf.stage_pins["zero"] == 2 and "no-reshard" in nrf.method
     assert memory_breakdown(nrf)[0]["params_bytes"] == pytest.approx(2 * psi, rel=1e-3)
     sac = al.fsdp_plan(table=plan.table, local_batch_size=2, remat="selective")
-    assert sac.cost.fits and sac.stages[0].remat == "dots"
+    assert sac.cost.fits and sac.stages[0].remat == "selective-op"
     plain = al.fsdp_plan(table=plan.table, local_batch_size=2)
-    # a block keeps its matmuls' outputs, 11.5 h values a token of the 29.5 h JAX's residuals hold
+    # a block keeps SDPA's output and every other matmul's, of the 29.5 h values a token JAX's residuals hold
     assert memory_breakdown(sac)[0]["activations_bytes"] < 0.5 * memory_breakdown(plain)[0]["activations_bytes"]
 
 

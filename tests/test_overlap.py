@@ -202,3 +202,20 @@ def test_the_moe_overlap_needs_expert_parallelism_and_round_trips_megatrons_flag
     back = al.import_config(text, framework="megatron", table=moe_table)
     assert back.stage_pins["overlap"] == ("moe_comm",)
     assert "--overlap-moe-expert-parallel-comm" not in al.export_config(moe_plan(moe_table), "megatron")
+
+
+def test_megatrons_grid_overlaps_the_expert_all_to_alls_where_it_splits_the_experts(moe_table):
+    """The frameworks' grid turns ``--overlap-moe-expert-parallel-comm`` on with ``ep`` > 1 (Megatron-Core's combined
+    1F1B, as its DeepSeek-V3 runs use it) and off without: its EP layout is the one priced above with the switch,
+    faster than the same layout without it, and the layout without experts split has nothing to overlap."""
+    from autopar_lab.frameworks.grid import grid
+
+    layouts = [kw for fn, kw in grid("megatron", moe_table)]
+    assert all(kw["overlap_moe_comm"] == (kw["ep"] > 1) for kw in layouts)
+    kw = next(kw for kw in layouts if kw["ep"] == 4 and kw["pp"] == 1 and kw["tp"] == 1 and kw["zero"] == 0
+              and kw["micro_batch_size"] == 2)
+    on = al.megatron_plan(table=moe_table, **kw)
+    off = al.megatron_plan(table=moe_table, **dict(kw, overlap_moe_comm=False))
+    assert on.microbatches == 4 and on.stage_pins["overlap"][-1] == "moe_comm"
+    assert on.cost.step_time_s < off.cost.step_time_s
+    assert on.cost.step_time_s == moe_plan(moe_table, overlap_moe_comm=True, overlap_grad_reduce=True).cost.step_time_s

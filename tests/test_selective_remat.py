@@ -14,8 +14,9 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.graph.fusion import kernel_view
-from autopar_lab.graph.attention import attention_internals, dots_recomputed
-from autopar_lab.pricing.stage import SUM_FIELDS, stage_cost
+from autopar_lab.graph.attention import alternate_matmuls, attention_internals, dots_recomputed
+from autopar_lab.pricing.memory import memory_breakdown
+from autopar_lab.pricing.stage import SUM_FIELDS, partial_keys, stage_cost
 from autopar_lab.pricing.table import CostTable
 from autopar_lab.rematmode import REMAT_CHOICES, remat_value
 from autopar_lab.solve.exhaustive import OptimumSearch, global_optimum
@@ -167,11 +168,11 @@ def test_export_checkpoints_with_the_selective_policy(plan):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs JAX_NUM_CPU_DEVICES=8")
-@pytest.mark.parametrize("mode", ["selective", "dots"])
+@pytest.mark.parametrize("mode", ["selective", "dots", "selective-op"])
 def test_selective_stage_trains_like_one_device(model, reference, mode):
-    """gpt-tiny as a 2-stage pipeline on 8 CPU devices, stage 0 selective (or "dots"): the same losses as one device,
-    and the stage's backward recomputes only attention internals (the blocks' operators but their matmuls); its
-    forward keeps the rest."""
+    """gpt-tiny as a 2-stage pipeline on 8 CPU devices, stage 0 selective (or "dots", "selective-op"): the same losses
+    as one device, and the stage's backward recomputes only attention internals (the blocks' operators but their
+    matmuls; and every other matmul of a block); its forward keeps the rest."""
     from autopar_lab.runtime.partition import split_stages
 
     cpu = al.Cluster.preset("cpu", hosts=1)
@@ -186,6 +187,9 @@ def test_selective_stage_trains_like_one_device(model, reference, mode):
     cheap = {i for i, r in roles.items() if r.kind in ("inline", "free")}
     again = set(sm.task_ops(0, "fwd")) & set(sm.task_ops(0, "bwd"))
     internals = attention_internals(plan.graph) if mode == "selective" else dots_recomputed(plan.graph)
+    if mode == "selective-op":
+        internals = internals | alternate_matmuls(plan.graph)
+        assert again & alternate_matmuls(plan.graph)  # a matmul runs again (the attention projection, fc2)
     assert again - cheap and again <= internals | cheap
     assert set(sm.task_ops(1, "fwd")) & set(sm.task_ops(1, "bwd")) <= cheap  # stage 1 keeps what kernels write
     mb = sm.split_batch(model.init(0)[2])[0]
@@ -262,9 +266,87 @@ def test_dots_keeps_every_matmul_output_of_a_block_and_nothing_else():
     assert dots[3] == kept and dots[1] == pytest.approx(none[1] + block.dots_fwd_s + block.dots_launch_s, rel=1e-12)
 
 
-def test_torchtitans_and_maxtexts_selective_policies_are_priced_as_dots():
+def test_maxtexts_minimal_is_dots_and_torchtitans_selective_is_its_op_policy():
     model = al.models.get("llama3-tiny", num_layers=2, batch_size=8, dtype="bfloat16")
     h100 = al.Cluster.preset("dgx-h100")
     plan = al.fsdp_plan(model, h100, local_batch_size=1, remat="selective", precision="bf16")
-    assert [st.remat for st in plan.stages] == ["dots"] and plan.method.endswith(",dots)")
-    assert remat_value("dots") == "dots" and plan.to_jax_code(0).count("dots_saveable") == 1
+    assert [st.remat for st in plan.stages] == ["selective-op"] and plan.method.endswith(",selective-op)")
+    dots = al.fsdp_plan(table=plan.table, local_batch_size=1, remat="dots")  # still there by name
+    assert [st.remat for st in dots.stages] == ["dots"] and dots.method.endswith(",dots)")
+    assert remat_value("dots") == "dots" and dots.to_jax_code(0).count("dots_saveable") == 1
+    assert remat_value("Selective-Op") == "selective-op"
+    mt = al.maxtext_plan(table=plan.table, per_device_batch_size=1, remat="minimal")
+    assert [st.remat for st in mt.stages] == ["dots"]
+
+
+# --- "selective-op": torchtitan's op-level SAC as written: "dots" less every other matmul's output -----------------
+
+_LLAMA = dict(seq_len=64, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, batch_size=2, vocab_size=64,
+              dtype="bfloat16")
+
+
+def _recomputed_mm_flops(tokens: int, h: int, heads: int, kv: int, hd: int, ffn: int) -> int:
+    """The formula: torchtitan's policy counts a Llama block's mms (wq, wk, wv, wo, w1, w3, w2) and recomputes the
+    2nd, 4th and 6th: wk [h, kv hd], wo [heads hd, h], w3 [h, ffn], 2 FLOPs a multiply-add."""
+    return 2 * tokens * (h * kv * hd + heads * hd * h + h * ffn)
+
+
+def test_selective_op_recomputes_k_o_and_up_of_a_small_block_as_the_formula_says():
+    """On a 2-block Llama: the recomputed matmuls are k, o and up in each block (not the embedding's or the head's);
+    their FLOPs are the formula's; a block drops their outputs beyond what "dots" drops (2 hd + h + ffn values a token
+    in bf16) and its backward runs their forward again (their priced forward time, and their kernels' launches)."""
+    h100 = al.Cluster.preset("dgx-h100").with_(devices_per_host=1)
+    model = al.models.get("llama3-tiny", num_layers=2, **_LLAMA)
+    g = model.trace()
+    again = alternate_matmuls(g)
+    assert sorted((g.op(o).layer, g.op(o).scope.rsplit("/", 1)[-1]) for o in again) == \
+        [(f"layer_{k}", s) for k in (0, 1) for s in ("k_proj", "o_proj", "up")]
+    tokens, hd = 2 * 64, 16
+    for k in (0, 1):
+        flops = sum(g.op(o).flops for o in again if g.op(o).layer == f"layer_{k}")
+        assert flops == _recomputed_mm_flops(tokens, 64, 4, 2, hd, 128)
+    costs, _ = CostTable.build(model, h100).mesh_costs((1, 1), (1, 1))
+    block = costs[1]
+    assert block.op_act_bytes == tokens * 2 * (2 * hd + 64 + 128)
+    assert costs[0].op_act_bytes == costs[0].op_fwd_s == 0  # the embedding is no block
+    assert block.op_fwd_s > 0 and block.op_launch_s == 3 * h100.device.efficiency.kernel_launch_s
+    totals = {f: getattr(block, f) for f in SUM_FIELDS}
+    dots, op = stage_cost(totals, 0.0, 1, 1, "dots", 0.0), stage_cost(totals, 0.0, 1, 1, "selective-op", 0.0)
+    assert op[3] == dots[3] - block.op_act_bytes  # kept: q, v, the attention's output, gate and down
+    assert op[3] == tokens * 2 * (4 * hd + 2 * hd + 4 * hd + 128 + 64)
+    assert op[1] == pytest.approx(dots[1] + block.op_fwd_s + block.op_launch_s, rel=1e-12)
+    assert op[2] == pytest.approx(dots[2] + block.op_act_bytes, rel=1e-12)  # one layer's recomputed working set
+    assert partial_keys("selective-op") == ("dots", "op") and partial_keys(False) == partial_keys(True) == ()
+
+
+def test_selective_op_counts_matmuls_per_block_on_a_deep_model():
+    """Llama 3 8B's shape (32 blocks): every block recomputes its own 2nd, 4th and 6th matmul (the policy's counter
+    starts again in each checkpointed block; a counter over the whole step would, with 7 mms a block, flip the parity
+    every other block), 36.5% of a block's matmul FLOPs, and drops wk's, wo's and w3's outputs."""
+    h100 = al.Cluster.preset("dgx-h100").with_(devices_per_host=1)
+    model = al.models.get("llama3-8b", seq_len=256, batch_size=1, vocab_size=1024)
+    table = CostTable.build(model, h100, precision="bf16")
+    costs, _ = table.mesh_costs((1, 1), (1, 1))
+    blocks = costs[1:-1]
+    assert len(blocks) == 32 and costs[0].op_act_bytes == costs[-1].op_act_bytes == 0
+    h, ffn, kv_width = 4096, 14336, 8 * 128
+    assert all(c.op_act_bytes == 256 * 2 * (kv_width + h + ffn) for c in blocks)
+    g = table.graph
+    again = alternate_matmuls(g)
+    per_layer: dict = {}
+    for o in again:
+        per_layer.setdefault(g.op(o).layer, []).append(g.op(o))
+    assert len(per_layer) == 32 and all(len(v) == 3 for v in per_layer.values())
+    for ops in per_layer.values():
+        assert sum(n.flops for n in ops) == _recomputed_mm_flops(256, h, 32, 8, 128, ffn)
+    whole = 2 * 256 * (h * (h + 2 * kv_width + h) + 3 * h * ffn)
+    assert _recomputed_mm_flops(256, h, 32, 8, 128, ffn) / whole == pytest.approx(0.3654, abs=1e-4)
+    # priced: the stage's backward runs those matmuls again, in the recomputation's seconds
+    none = al.fsdp_plan(table=table, local_batch_size=1)
+    dots = al.fsdp_plan(table=table, local_batch_size=1, remat="dots")
+    op = al.fsdp_plan(table=table, local_batch_size=1, remat="selective")
+    extra = sum(c.op_fwd_s + c.op_launch_s for c in costs)
+    assert op.stages[0].bwd_s == pytest.approx(dots.stages[0].bwd_s + extra, rel=1e-9)
+    assert none.stages[0].act_bytes > dots.stages[0].act_bytes > op.stages[0].act_bytes
+    assert dots.stages[0].act_bytes - op.stages[0].act_bytes == pytest.approx(32 * blocks[0].op_act_bytes, rel=1e-9)
+    assert memory_breakdown(op)[0]["remat_mode"] == "selective-op"

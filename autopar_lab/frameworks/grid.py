@@ -10,8 +10,10 @@ The grids (``n`` devices, ``M`` a host, ``D`` a scale-up domain, ``L`` transform
   recomputation (none, selective, full) x ``--micro-batch-size`` (powers up to 8 dividing ``B / dp``) x schedule
   (1F1B; interleaved with 2 chunks a stage where ``2 pp`` divides ``L``); sequence parallelism on with ``tp`` > 1
   (it only saves memory), and Megatron-Core's overlap switches on where they apply (``--overlap-grad-reduce``;
-  ``--overlap-param-gather`` with the distributed optimizer; ``--tp-comm-overlap`` with ``tp`` > 1: they only hide
-  communication, as the H100 runs used them). Recomputation is tried in the order none, selective, full, and a
+  ``--overlap-param-gather`` with the distributed optimizer; ``--tp-comm-overlap`` with ``tp`` > 1;
+  ``--overlap-moe-expert-parallel-comm`` with ``ep`` > 1, the expert all-to-alls behind the other microbatch's
+  compute as Megatron-Core's combined 1F1B runs them for DeepSeek-V3: they only hide communication, as the H100 runs
+  used them). Recomputation is tried in the order none, selective, full, and a
   layout stops at the first that fits: recomputing adds compute to the backward and changes nothing else the layout
   prices, so a layout that fits without it is not faster with it.
 * torchtitan: the same ``tp`` x ``cp`` x ``pp`` x FSDP over the rest (ZeRO-3, or ZeRO-2 kept gathered after the
@@ -121,7 +123,7 @@ def grid(framework: str, table) -> Iterator[tuple[Callable, dict[str, Any]]]:
                             yield megatron_plan, dict(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=tp > 1,
                                                       micro_batch_size=mbs, overlap_grad_reduce=True,
                                                       overlap_param_gather=zero == 1, tp_comm_overlap=tp > 1,
-                                                      **sched)
+                                                      overlap_moe_comm=ep > 1, **sched)
                     else:
                         hsdp = tp == 1 and cp == 1 and pp == 1 and cluster.hosts > 1
                         for rep in [1] + ([cluster.hosts] if hsdp else []):

@@ -158,7 +158,7 @@ def _layout(plan, fw: str, base: dict, n0: int, n1: int) -> FrameworkLayout:
     if kind == "fsdp":
         zero = num.get("zero", 2 if "no-reshard" in flags else 3)
         remat = True if "full" in flags else "selective" if "selective" in flags else "dots" if "dots" in flags \
-            else False  # fsdp_plan names torchtitan's op-level SAC "dots" (rematmode.DOTS)
+            else "selective-op" if "selective-op" in flags else False  # fsdp_plan names torchtitan's op SAC so
         rep = num.get("dp_replicate", 1)
         return FrameworkLayout("fsdp", dp=rep * num["dp_shard"], dp_replicate=rep, tp=num.get("tp", 1),
                                cp=num.get("cp", 1), ep=num.get("ep", 1), zero=zero, sequence_parallel="sp" in flags,

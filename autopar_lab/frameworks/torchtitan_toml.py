@@ -158,7 +158,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
     option = str(imp.get("activation_checkpoint.selective_ac_option", "2"))
     if remat == "selective" and option != "op":
         imp = imp.with_note(f"selective_ac_option {option} (every {option}th layer recomputed in full) priced as "
-                            "selective recomputation of the attention internals on every layer")
+                            "the op-level policy (selective-op) on every layer")
     prec = _precision(imp)
     name, flavor = imp.get("model.name", "llama3"), imp.get("model.flavor")
     zoo = FLAVORS.get(str(flavor)) if name == "llama3" else None
@@ -276,7 +276,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
     seq = getattr(getattr(model, "config", None), "seq_len", None)
     if seq is not None:
         training["seq_len"] = seq
-    mode = {True: "full", "selective": "selective", "dots": "selective"}.get(lay.remat, "none")  # op SAC: dots
+    mode = {True: "full", "selective": "selective", "dots": "selective", "selective-op": "selective"}.get(
+        lay.remat, "none")  # op SAC: selective-op (or dots, its nearest)
     ac: dict[str, Any] = {"mode": mode}
     if mode == "selective":
         ac["selective_ac_option"] = "op"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .fusion import kernel_view
 from .opgraph import FORWARD, OpGraph
 
-__all__ = ["attention_internals", "dots_recomputed"]
+__all__ = ["attention_internals", "dots_recomputed", "alternate_matmuls"]
 
 
 def attention_internals(graph: OpGraph) -> frozenset[int]:
@@ -58,3 +58,35 @@ def dots_recomputed(graph: OpGraph) -> frozenset[int]:
             o for o in graph.ops if graph.op(o).role == FORWARD and graph.op(o).layer in blocks
             and graph.op(o).primitive not in ("dot_general", "parameter"))
     return memo["_dots_recomputed"]
+
+
+def alternate_matmuls(graph: OpGraph) -> frozenset[int]:
+    """The matmuls torchtitan's op-level selective checkpointing recomputes (remat ``"selective-op"``,
+    :mod:`autopar_lab.rematmode`): in each transformer block (a layer that holds an attention), the forward's
+    unbatched matmuls (``aten.mm``: the linear layers; attention's batched matmuls are SDPA's, whose output the policy
+    keeps) counted in the order the forward runs them, every second one. Its policy counts ``mm`` calls per block
+    and saves the output of each but the even-numbered; on a Llama block (q, k, v, o, gate, up, down) that is k, o
+    and up.
+
+    >>> import autopar_lab as al
+    >>> g = al.models.get("llama3-tiny").trace()
+    >>> sorted({g.op(o).scope.rsplit("/", 1)[-1] for o in alternate_matmuls(g)})
+    ['k_proj', 'o_proj', 'up']
+    """
+    memo = graph.__dict__
+    if "_alternate_matmuls" not in memo:
+        blocks = {graph.op(o).layer for o in attention_internals(graph)}
+        seen: dict[str | None, int] = {}
+        out = set()
+        for o in sorted(graph.ops):
+            node = graph.op(o)
+            if node.role != FORWARD or node.layer not in blocks or node.primitive != "dot_general":
+                continue
+            (_contract, (lhs_batch, _rhs_batch)) = node.params.get("dimension_numbers", (((), ()), ((), ())))
+            if lhs_batch:
+                continue  # a batched matmul: attention's (SDPA's), not an mm
+            seen[node.layer] = seen.get(node.layer, 0) + 1
+            if seen[node.layer] % 2 == 0:
+                out.add(o)
+        memo["_alternate_matmuls"] = frozenset(out)
+    return memo["_alternate_matmuls"]

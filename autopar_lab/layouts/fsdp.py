@@ -15,10 +15,11 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
 * expert parallelism ``ep`` (torchtitan's ``expert_parallel_degree``, which borrows its devices from the FSDP group):
   the routed experts split over the ``dp_shard`` axis (``ep == dp_shard``, or ``dp_shard x cp`` with tensor
   parallelism) or over the whole stage, the tokens exchanged by all-to-all;
-* activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC keeps the outputs of
-  every other matmul and of SDPA and recomputes the rest: priced as ``"dots"``, every matmul's output kept, see
-  :mod:`autopar_lab.rematmode`; Megatron-LM's selective recomputation, which recomputes only the attention core,
-  would save nothing with flash attention) or ``full``;
+* activation checkpointing ``remat``: torchtitan's ``none``, ``selective`` (its op-level SAC,
+  ``selective_ac_option = "op"``: keeps SDPA's output and every matmul's but every second one of a block, and
+  recomputes the rest: priced as ``"selective-op"``, :mod:`autopar_lab.rematmode`; ``"selective-op"`` may be passed
+  by name, and ``"dots"``, every matmul's output kept, as the nearest policy JAX has; Megatron-LM's selective
+  recomputation, which recomputes only the attention core, would save nothing with flash attention) or ``full``;
 * ``compile``: torchtitan's ``compile`` switch (``[training] compile``, later ``[compile] enable``; off by default
   there): False prices eager PyTorch (the cluster's ``kernel_fusion`` off: every elementwise operator, norm and cast
   a kernel of its own through memory, attention SDPA's flash kernel), True ``torch.compile``'s fused kernels (as
@@ -34,7 +35,7 @@ from .. import checks
 from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
-from ..rematmode import DOTS, is_selective, remat_label, remat_value
+from ..rematmode import SELECTIVE_OP, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
@@ -70,7 +71,7 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
     remat = remat_value(remat)
     if is_selective(remat):
-        remat = DOTS  # torchtitan's selective is op-level SAC (module docstring)
+        remat = SELECTIVE_OP  # torchtitan's selective is its op-level SAC (module docstring)
     reshard_after_forward = checks.flag(reshard_after_forward, "reshard_after_forward")
     zero = check_zero(zero)
     if zero is None:

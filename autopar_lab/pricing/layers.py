@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..backends import buffer_share, dot_f32_copies, kernel_share, read_again_s, task_array_s
-from ..graph.attention import attention_internals, dots_recomputed
+from ..graph.attention import alternate_matmuls, attention_internals, dots_recomputed
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
@@ -52,7 +52,10 @@ class LayerCost:
     microbatch. Keeping only the matmuls' outputs (remat ``"dots"``, :func:`~autopar_lab.graph.attention.
     dots_recomputed`): ``dots_act_bytes``, ``dots_fwd_s``, ``dots_launch_s``, the same for every other forward
     operator of a transformer block, net of the matmul outputs that only a recomputed operator reads (q before its
-    rotary embedding), which the policy keeps for the recomputation.
+    rotary embedding), which the policy keeps for the recomputation. torchtitan's op-level policy (remat
+    ``"selective-op"``, :func:`~autopar_lab.graph.attention.alternate_matmuls`) drops, beyond "dots", every other
+    matmul of a block: ``op_act_bytes`` (those matmuls' outputs that "dots" keeps), ``op_fwd_s`` (their forward,
+    which the backward runs again), ``op_launch_s`` (their kernels' launches per microbatch).
 
     Collective latency: ``collectives_fwd``/``collectives_bwd``, the collectives a microbatch issues in each pass
     (tensor-parallel all-reduces, activation resharding: every collective but the once-a-step ones, the weight-gradient
@@ -105,6 +108,9 @@ class LayerCost:
     dots_act_bytes: float = 0.0
     dots_fwd_s: float = 0.0
     dots_launch_s: float = 0.0
+    op_act_bytes: float = 0.0
+    op_fwd_s: float = 0.0
+    op_launch_s: float = 0.0
     latency_fwd_s: float = 0.0
     latency_bwd_s: float = 0.0
     collectives_fwd: int = 0
@@ -169,6 +175,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
              latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0, f32=(0.0, 0.0),
+             op_act=0.0, op_fwd=0.0, op_lf=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -185,6 +192,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     inside = set(plan.ops)
     internals = attention_internals(graph)
     elementwise = dots_recomputed(graph)
+    alternate = alternate_matmuls(graph)
     shared = shared_weights(graph, plan, index)
 
     def slot(op):
@@ -241,8 +249,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         again = read_again_s(plan.mesh, graph, node, (s,))
         if again is not None:
             a["reread"] += again[0]
-        internal, recomputed = op in internals, op in elementwise
-        for key, inside_set in (("attn", internal), ("dots", recomputed)):
+        internal, recomputed, matmul_again = op in internals, op in elementwise, op in alternate
+        for key, inside_set in (("attn", internal), ("dots", recomputed), ("op", matmul_again)):
             if inside_set:
                 a[f"{key}_fwd"] += s.cost
                 if role is not None and role.root:
@@ -253,6 +261,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 a["attn_act"] += nbytes
             if recomputed and kind == "act":
                 a["dots_act"] += nbytes
+            if matmul_again and kind == "act":
+                a["op_act"] += nbytes
         if fwd and elementwise and node.primitive == "dot_general" and not internal:
             # A matmul output only a recomputed operator reads (q before its rotary embedding, a projection before
             # the residual add): the policy keeps it for the recomputation, so it saves that much less. (Not the
@@ -261,6 +271,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 if t not in keeps and any(c in elementwise for c in graph.consumers.get(t, ())):
                     info = graph.tensor(t)
                     a["dots_act"] -= kept.bytes_per_device(info.shape, info.dtype, mshape)
+                    if matmul_again:  # recomputed itself under "selective-op": not kept for the recomputation
+                        a["op_act"] += kept.bytes_per_device(info.shape, info.dtype, mshape)
 
         if role is not None and role.kind != "dead":
             written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in keeps
@@ -307,6 +319,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              fp8_bytes=a["fp8"],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              dots_act_bytes=a["dots_act"], dots_fwd_s=a["dots_fwd"], dots_launch_s=a["dots_lf"],
+                             op_act_bytes=a["op_act"], op_fwd_s=a["op_fwd"], op_launch_s=a["op_lf"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"],
                              f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1],

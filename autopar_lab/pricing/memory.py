@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..rematmode import is_dots, is_full, is_selective, recomputes, remat_label
+from ..rematmode import is_full, recomputes, remat_label
+from .stage import partial_keys
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -59,8 +60,8 @@ _STATIC = (("param_bytes", "params_bytes"), ("grad_bytes", "grads_bytes"), ("mas
 def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool | str) -> dict[str, float]:
     """The static parts of a stage of layers ``layers`` (first, last) from its mesh's layer costs (per device):
     what :func:`~autopar_lab.pricing.stage.stage_cost` adds up as static bytes, split; plus the activation bytes
-    it keeps per microbatch without and with (full) remat. ``remat``: False, True (full) or "selective" (its working
-    set is one layer's attention internals)."""
+    it keeps per microbatch without and with (full) remat. ``remat``: False, True (full), or a partial policy (its
+    working set is one layer's dropped part: :func:`~autopar_lab.pricing.stage.partial_keys`)."""
     part = list(costs[layers[0]:layers[1] + 1])
     n = max(len(part), 1)
     out = {name: float(sum(getattr(c, field) for c in part)) for field, name in _STATIC}
@@ -68,10 +69,9 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     # the backward's transients: the average layer's largest temporary and one layer's activation cotangents
     # (the same float operations as stage_cost's, so the parts add up to its static bytes)
     out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n + act / n
-    internals = sum(c.attn_act_bytes for c in part) / microbatches
-    elementwise = sum(c.dots_act_bytes for c in part) / microbatches
-    out["recompute_bytes"] = act / n if is_full(remat) else internals / n if is_selective(remat) else \
-        elementwise / n if is_dots(remat) else 0.0
+    # the working set of recomputing one layer's dropped part (stage_cost's sum over the same keys)
+    dropped = sum(getattr(c, f"{key}_act_bytes") for key in partial_keys(remat) for c in part) / microbatches
+    out["recompute_bytes"] = act / n if is_full(remat) else dropped / n
     out["plain_act_per_microbatch_bytes"] = act
     out["remat_act_per_microbatch_bytes"] = sum(c.ckpt_bytes for c in part) / microbatches
     return out

@@ -15,7 +15,9 @@ layer's activations are its working set), and runs its forward pass twice. With 
 (Korthikanti et al. 2022) it keeps every activation but the attention internals (``attn_act_bytes``: the scores and
 the softmax, s^2 per head), recomputes those one layer at a time in the backward and runs their forward again
 (``attn_fwd_s``). Keeping only the matmuls' outputs (``"dots"``: MaxText's ``minimal``, torchtitan's op-level
-selective checkpointing) is priced the same way over every other forward operator of the blocks (``dots_*``).
+selective checkpointing) is priced the same way over every other forward operator of the blocks (``dots_*``);
+torchtitan's op-level policy as written (``"selective-op"``) drops every other matmul's output of a block besides and
+runs those matmuls' forward again too (``dots_*`` plus ``op_*``: :func:`partial_keys`).
 
 :func:`stage_cost` is the one place this is written: the cost table calls it with floats for one stage
 (:meth:`~autopar_lab.pricing.table.CostTable.stage`) and with numpy arrays for every layer range of a submesh at
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from ..backends import task_devices
-from ..rematmode import is_dots, is_full, is_selective
+from ..rematmode import is_dots, is_full, is_selective, is_selective_op
 from ..solve.inter import StageCandidate
 
 if TYPE_CHECKING:
@@ -43,12 +45,30 @@ LAUNCH_OVERHEAD_S = 5e-6
 SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy_bwd", "fwd_compute_s",
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "dots_act_bytes", "dots_fwd_s",
-              "dots_launch_s", "latency_fwd_s", "latency_bwd_s",
+              "dots_launch_s", "op_act_bytes", "op_fwd_s", "op_launch_s", "latency_fwd_s", "latency_bwd_s",
               "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s", "opt_bytes")
 
 #: The layer-cost fields a stage takes the largest of over its layers, not the sum (:func:`range_max`): the
 #: backend's float32 copies of a matmul, whose buffers the next matmul reuses.
 MAX_FIELDS = ("f32_copies_act_bytes", "f32_copies_weight_bytes")
+
+
+def partial_keys(remat: Any) -> tuple[str, ...]:
+    """The layer-cost field prefixes (``<key>_act_bytes``, ``<key>_fwd_s``, ``<key>_launch_s``) whose sum a stage that
+    recomputes part of its forward drops from its activations and runs again in its backward: ``("attn",)``
+    (selective), ``("dots",)``, ``("dots", "op")`` (selective-op: the elementwise operators and every other matmul);
+    ``()`` for none and full.
+
+    >>> partial_keys("selective-op"), partial_keys(True)
+    (('dots', 'op'), ())
+    """
+    if is_selective(remat):
+        return ("attn",)
+    if is_dots(remat):
+        return ("dots",)
+    if is_selective_op(remat):
+        return ("dots", "op")
+    return ()
 
 
 def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
@@ -206,7 +226,7 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     working set: the stage's average layer's largest temporary tensor, the cotangents of one layer's activations
     (the backward's), and, with remat, one layer's activations recomputed (selective: one layer's attention
     internals; "dots": one layer's tensors other than the matmuls' outputs).
-    ``remat``: False (none), True (full), "selective" or "dots".
+    ``remat``: False (none), True (full), "selective", "dots" or "selective-op" (:func:`partial_keys`).
 
     >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
     ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
@@ -221,6 +241,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     >>> t.update(dots_act_bytes=5.0, dots_fwd_s=0.5, dots_launch_s=1e-5)
     >>> stage_cost(t, 0.0, 2, 1, "dots", 0.0)   # keeps the matmuls' outputs (1 of 6), recomputes the rest (0.5 s)
     (2.00001, 3.50003, 12.75, 0.5)
+    >>> t.update(op_act_bytes=0.5, op_fwd_s=0.5, op_launch_s=0.0)
+    >>> stage_cost(t, 0.0, 2, 1, "selective-op", 0.0)   # and every other matmul: 0.5 more dropped, 0.25 s again
+    (2.00001, 3.75003, 12.875, 0.25)
     >>> t.update(latency_fwd_s=0.5, latency_bwd_s=1.0)   # 0.5 s of forward latency once a step: 0.5 s a microbatch
     >>> stage_cost(t, 0.0, 2, 1, False, 0.0)
     (2.25001, 3.75002, 11.5, 3.0)
@@ -242,14 +265,16 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     # 147 KiB of activations a layer; bench/RESULTS.md, execute-memory).
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers + totals["act_bytes"] / B / layers
     act = totals["act_bytes"] / B
-    if is_selective(remat) or is_dots(remat):
-        # The attention internals (selective) or everything but the matmuls' outputs (dots) are dropped; in the
-        # backward one layer's are recomputed at a time (the working set), for their forward time again.
-        key = "attn" if is_selective(remat) else "dots"
-        internals = totals[f"{key}_act_bytes"] / B
+    keys = partial_keys(remat)
+    if keys:
+        # The attention internals (selective), everything but the matmuls' outputs (dots) or that and every other
+        # matmul's output (selective-op) are dropped; in the backward one layer's are recomputed at a time (the
+        # working set), for their forward time again.
+        internals = sum(totals[f"{key}_act_bytes"] for key in keys) / B
         static = static + internals / layers
         act = act - internals
-        bwd = bwd + totals[f"{key}_fwd_s"] / B + totals[f"{key}_launch_s"]
+        for key in keys:  # summed one key at a time: one key's float operations as they always were
+            bwd = bwd + totals[f"{key}_fwd_s"] / B + totals[f"{key}_launch_s"]
     elif is_full(remat):
         # Each layer's input is kept; in the backward one layer's forward runs again at a time (gathered parameters
         # are kept, so it gathers nothing again), its activations the working set.
@@ -275,20 +300,20 @@ def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: i
     the running sums ``sums`` of its mesh's layer costs), or 0."""
     if is_full(stage.remat):
         return stage.fwd_s - task_s
-    if is_selective(stage.remat) or is_dots(stage.remat):
-        a, b = stage.layers
-        key = "attn" if is_selective(stage.remat) else "dots"
-        return ((sums[f"{key}_fwd_s"][b + 1] - sums[f"{key}_fwd_s"][a]) / microbatches
-                + sums[f"{key}_launch_s"][b + 1] - sums[f"{key}_launch_s"][a])
-    return 0.0
+    a, b = stage.layers
+    # 0.0 for none; one key's float operations as they always were
+    return sum(((sums[f"{key}_fwd_s"][b + 1] - sums[f"{key}_fwd_s"][a]) / microbatches
+                + sums[f"{key}_launch_s"][b + 1] - sums[f"{key}_launch_s"][a] for key in partial_keys(stage.remat)),
+               0.0)
 
 
 def recomputed_kernels(span: Mapping[str, float], cluster: Cluster, remat: Any = "selective") -> float:
-    """Kernels a selective (or "dots") stage launches again per microbatch (its attention internals', or its
-    tensors' but the matmuls'), from the span's summed ``attn_launch_s`` (``dots_launch_s``)."""
+    """Kernels a selective (or "dots", "selective-op") stage launches again per microbatch (its attention
+    internals', or its tensors' but the matmuls', and every other matmul's), from the span's summed
+    ``attn_launch_s`` (``dots_launch_s``, ``op_launch_s``)."""
     launch = cluster.device.efficiency.kernel_launch_s
-    key = "dots_launch_s" if is_dots(remat) else "attn_launch_s"
-    return span[key] / launch if launch > 0 else 0.0
+    again = sum(span[f"{key}_launch_s"] for key in partial_keys(remat) or ("attn",))
+    return again / launch if launch > 0 else 0.0
 
 
 def task_overhead_s(cluster: Cluster, submesh: Sequence[int]) -> float:

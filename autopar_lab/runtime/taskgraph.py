@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from ..graph.attention import attention_internals, dots_recomputed
+from ..graph.attention import alternate_matmuls, attention_internals, dots_recomputed
 from ..graph.fusion import kernel_view
 from ..graph.opgraph import BACKWARD, BATCH, CONST, FORWARD, INPUT_PRIMITIVE, OUTPUT_PRIMITIVE, UPDATE
 from ..pricing.wgrad import input_grad_ops, upstream
-from ..rematmode import is_dots, is_selective, recomputes, remat_value
+from ..rematmode import is_dots, is_selective, is_selective_op, recomputes, remat_value
 
 __all__ = ["Task", "StageUpdate", "TaskGraph", "task_graph", "virtual_plan", "is_inexact"]
 
@@ -175,9 +175,11 @@ class TaskGraph:
                  for k in range(S) for kd in self.kinds}
         self.remat = [remat_value(st.remat) for st in self.plan.stages]
         # selective: only the attention internals are recomputed (the plan's graph numbers operators as this one);
-        # dots: every forward operator of the blocks but the matmuls
+        # dots: every forward operator of the blocks but the matmuls; selective-op: those and every other matmul
         internals = attention_internals(self.plan.graph) if any(map(is_selective, self.remat)) else frozenset()
-        elementwise = dots_recomputed(self.plan.graph) if any(map(is_dots, self.remat)) else frozenset()
+        partial = [is_dots(r) or is_selective_op(r) for r in self.remat]
+        elementwise = dots_recomputed(self.plan.graph) if any(partial) else frozenset()
+        alternate = alternate_matmuls(self.plan.graph) if any(map(is_selective_op, self.remat)) else frozenset()
         for k in range(S):
             if recomputes(self.remat[k]):  # the backward recomputes what it reads of its stage's forward
                 fwd_ops = set(tasks[(k, "fwd")].ops)
@@ -185,6 +187,8 @@ class TaskGraph:
                     fwd_ops &= internals  # the rest it reads from the forward's stash, as without remat
                 elif is_dots(self.remat[k]):
                     fwd_ops &= elementwise
+                elif is_selective_op(self.remat[k]):
+                    fwd_ops &= elementwise | alternate
                 need, todo = set(), [t for i in tasks[(k, "bwd")].ops for t in g.op(i).inputs]
                 while todo:
                     p = producer.get(todo.pop())
