@@ -10,11 +10,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import autopar_lab as al
+from autopar_lab.runtime.rayhead import announce_agent_listen_port
 
 
 def _stop_head(temp: Path) -> None:
@@ -58,36 +60,61 @@ def test_remote_job_on_a_token_protected_head_matches_local_execution(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "JAX_PLATFORMS": "cpu",
            # the job's entrypoint runs `python` from PATH on the head: this venv's, as on a cluster set up for it
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash, listen = _free_port(), _free_port(), _free_port()
     temp = Path("/tmp") / f"autopar-ray-{secrets.token_hex(4)}"  # Ray's socket paths must stay short
     start = [str(ray_bin), "start", "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
              "--include-dashboard=true", "--num-cpus=4", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-             f"--temp-dir={temp}", f"--dashboard-agent-listen-port={_free_port()}",
-             f"--ray-client-server-port={_free_port()}"]  # free of any other Ray here (Ray's defaults are fixed)
-    proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=240)
+             f"--temp-dir={temp}", f"--dashboard-agent-listen-port={listen}",
+             f"--ray-client-server-port={_free_port()}",  # free of any other Ray here (Ray's defaults are fixed)
+             # given, so that the raylet does not wait on the agents' port files (a fixed 15 s, ray-project/ray#65983)
+             f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+             f"--runtime-env-agent-port={_free_port()}"]
+    proc = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # The HTTP port the raylet still reads from the agent's file: written as the library does for its own head,
+        # or a loaded machine (the agent loads every dashboard module first) fails the start.
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            announce_agent_listen_port(str(temp), listen)
+            time.sleep(0.2)
+        try:
+            _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"ray start did not finish in 240 s: {err[-2000:]}")
         if proc.returncode != 0:
-            pytest.fail(f"ray start failed: {proc.stderr[-2000:]}")
+            pytest.fail(f"ray start failed: {err[-2000:]}")
         model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
         plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=2, tp=2, pp=2, microbatches=2)
         al.save_plan(plan, tmp_path / "plan.json")
         # The client runs in its own process, as a user's would: Ray keeps the first auth token a process loads.
-        train = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2", "--batch",
-                                "8", "--plan", str(tmp_path / "plan.json"), "--steps", "2",
-                                "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
-                               env=env, capture_output=True, text=True, timeout=600)
-        assert train.returncode == 0, train.stderr[-2000:]
-        losses = json.loads(train.stdout)["losses"]
-        ref = al.execute(plan, model).train(2)
-        assert losses == pytest.approx(ref, rel=1e-6)
+        # The two clients (with and without the token) and the local reference run side by side: each mostly
+        # waits (on its interpreter's start, the job's polling, the head), one after another they took ~130 s.
+        train = subprocess.Popen([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2", "--batch",
+                                  "8", "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+                                  "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # Without the token the cluster refuses the client, and the CLI says so in one sentence.
         no_token = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
         no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
-        refused = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2", "--batch",
-                                  "8", "--plan", str(tmp_path / "plan.json"), "--steps", "1",
-                                  "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
-                                 env=no_token, capture_output=True, text=True, timeout=300)
-        assert refused.returncode == 2 and "token" in refused.stderr and "Traceback" not in refused.stderr
+        refused = subprocess.Popen([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", "--layers", "2",
+                                    "--batch", "8", "--plan", str(tmp_path / "plan.json"), "--steps", "1",
+                                    "--ray-address", f"http://127.0.0.1:{dash}", "--json"],
+                                   env=no_token, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            ref = al.execute(plan, model).train(2)
+            train_out, train_err = train.communicate(timeout=600)
+            _, refused_err = refused.communicate(timeout=300)
+        finally:
+            for p in (train, refused):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert train.returncode == 0, train_err[-2000:]
+        losses = json.loads(train_out)["losses"]
+        assert losses == pytest.approx(ref, rel=1e-6)
+        assert refused.returncode == 2 and "token" in refused_err and "Traceback" not in refused_err
     finally:
         _stop_head(temp)
         shutil.rmtree(temp, ignore_errors=True)

@@ -103,6 +103,51 @@ def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(tok
     assert _ray_default_sessions() == before
 
 
+def _group_processes(pgid: int) -> dict[int, list[str]]:
+    """The command lines of the processes of process group ``pgid``."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                out[proc.pid] = proc.cmdline()
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return out
+
+
+def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_dashboard_ui_or_monitors(token_auth):
+    """What keeps the start robust on a busy machine (issue 32): the raylet takes the agents' ports from the library
+    (so it does not wait on their port files), and Ray starts no dashboard UI, autoscaler monitor or log monitor."""
+    from autopar_lab.runtime import launch as L
+    from autopar_lab.runtime.rayhead import HEAD_ENV_DEFAULTS
+
+    ray = L.start_local_ray(num_cpus=1)
+    head = L.local_ray_head()
+    try:
+        flags = dict(a[2:].split("=", 1) for a in head.args if a.startswith("--") and "=" in a)
+        node = ray._private.worker._global_node  # the node as the GCS registered it
+        assert node.dashboard_agent_listen_port == int(flags["dashboard-agent-listen-port"])
+        assert node.metrics_agent_port == int(flags["dashboard-agent-grpc-port"])
+        assert node.metrics_export_port == int(flags["metrics-export-port"])
+        assert node.runtime_env_agent_port == int(flags["runtime-env-agent-port"])
+        procs = _group_processes(head.ray_group)
+        lines = [" ".join(c) for c in procs.values()]
+        assert not [c for c in lines if "autoscaler/_private/monitor.py" in c or "log_monitor.py" in c], lines
+        # Ray always runs its API server (dashboard.py); without the dashboard it serves no page, one module
+        api = [c for c in lines if "dashboard/dashboard.py" in c]
+        assert len(api) == 1 and "--disable-frontend" in api[0] and "--modules-to-load=UsageStatsHead" in api[0]
+        raylet = next(pid for pid, c in procs.items() if c and c[0].endswith("/raylet"))
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{raylet}/environ").read_text().split("\0") if "=" in kv)
+        assert {k: env.get(k) for k in HEAD_ENV_DEFAULTS} == HEAD_ENV_DEFAULTS
+        assert env["RAY_AUTH_MODE"] == "token"  # as the caller set it
+        assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42  # and it runs tasks
+    finally:
+        L.shutdown_local_ray()
+    assert not _group_alive(head.ray_group)
+
+
 def test_a_head_whose_owner_dies_is_stopped_and_its_token_removed(token_auth, tmp_path):
     """A SIGKILLed notebook kernel cannot clean up: the head notices its owner is gone and removes itself."""
     code = ("import os, sys, time\n"
@@ -152,8 +197,11 @@ def plan_file(tmp_path):
     return path
 
 
-def test_ctrl_c_during_train_stops_cleanly_keeps_a_checkpoint_and_resumes(token_auth, plan_file, tmp_path):
+def test_ctrl_c_during_train_stops_cleanly_keeps_a_checkpoint_and_resumes(token_auth, plan_file, tmp_path, capsys,
+                                                                         monkeypatch):
     """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group, Ray's processes included."""
+    from autopar_lab.cli import main
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
     before = _ray_default_sessions()
     common = ["--batch", "8", "--layers", "2", "--plan", str(plan_file), "--fast-compile", "--checkpoint-dir", "ck"]
@@ -172,10 +220,14 @@ def test_ctrl_c_during_train_stops_cleanly_keeps_a_checkpoint_and_resumes(token_
     record = json.loads((tmp_path / "ck" / "job.json").read_text())
     assert record["step"] == stopped and len(record["losses"]) == stopped  # the final checkpoint, never configured
     assert _ray_default_sessions() == before  # no second head behind the user's back
-    # a new run may not overwrite it; --resume goes on from where Ctrl-C stopped it
-    r = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *common, "--steps", "4"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "holds the checkpoints of run" in r.stderr and "--resume" in r.stderr
+    # a new run may not overwrite it (refused before Ray starts: the CLI in this process, not a third interpreter
+    # start); --resume goes on from where Ctrl-C stopped it
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["train", "gpt-tiny", *common, "--steps", "4"]) == 2
+    refused = capsys.readouterr().err
+    assert "holds the checkpoints of run" in refused and "--resume" in refused
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     r = subprocess.run([sys.executable, "-m", "autopar_lab", "train", "gpt-tiny", *common, "--steps",
                         str(stopped + 1), "--resume", "--json"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=600)

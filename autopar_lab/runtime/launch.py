@@ -110,8 +110,8 @@ def start_local_ray(num_cpus: int | None = None, object_store_memory: int | None
                     head = RayHead.start(temp_dir, num_cpus=num_cpus, object_store_memory=object_store_memory,
                                          timeout_s=timeout_s)
                 except HeadFailed as e:
-                    # On a loaded machine Ray's agents can start slower than the raylet's hard-coded wait for them
-                    # (ray-project/ray#65983); a fresh attempt often gets through.
+                    # The raylet's fixed wait for its agents (ray-project/ray#65983) is taken out of the start
+                    # (rayhead.head_args); other start failures on a loaded machine often pass on a fresh attempt.
                     last = e
                     continue
                 _LOCAL["head"] = head

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 
-__all__ = ["RayHead", "HeadFailed", "main"]
+__all__ = ["RayHead", "HeadFailed", "HEAD_ENV_DEFAULTS", "head_args", "head_env", "announce_agent_listen_port",
+           "main"]
 
 READY = "Ray runtime started."  # what `ray start` prints once the head is up (its log is ours to read)
 
@@ -46,9 +47,82 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Environment defaults for the head's processes (each is kept when the caller's environment sets it). Ray's own
+# defaults are sized for an idle machine; on a shared one at load 7-15 the head timed out (issue 32).
+HEAD_ENV_DEFAULTS = {
+    # the raylet's wait for an agent to register, and the drivers' wait for the GCS port: Ray's 30 s, 4x
+    "RAY_agent_register_timeout_ms": "120000",
+    "RAY_gcs_server_port_wait_time_s": "120",
+    # nobody reads the metrics of a head without a dashboard: no metrics reporting from every worker and the raylet
+    "RAY_enable_metrics_collection": "0",
+}
+
+
+def head_args(port: int, ray_temp_dir: str, *, num_cpus: int | None = None,
+              object_store_memory: int | None = None) -> list[str]:
+    """The ``ray start`` arguments of an embedded head listening on 127.0.0.1:``port`` with its files in
+    ``ray_temp_dir``: single-machine, no dashboard, no autoscaler monitor, no log monitor, every agent port chosen
+    here."""
+    # Every agent port is chosen here, free, for two reasons. Ray's defaults are fixed (52365 for the Jobs API's
+    # agent, 10001 for Ray Client) even with the dashboard off: an embedded head holding them leaves a head the user
+    # starts on this machine with no job agent ("No available agent to submit job"). And a port left to an agent
+    # (Ray's 0) makes the raylet wait a fixed 15 s for the agent's port file, then abort: on a loaded machine the
+    # agent's imports take longer (ray-project/ray#65983). Given here, the raylet takes the metrics agent's ports from
+    # its command line and the runtime-env agent's too; the HTTP port it still reads from a file, which
+    # :func:`announce_agent_listen_port` writes.
+    args = ["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_temp_dir}",
+            "--min-worker-port=0", "--max-worker-port=0",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            # A fixed single-machine cluster needs no autoscaler; drivers connect with log_to_driver=False, so
+            # nobody reads the log monitor's stream: two Python processes fewer to start on a busy machine.
+            "--no-monitor", "--include-log-monitor=false"]
+    if num_cpus is not None:
+        args.append(f"--num-cpus={int(num_cpus)}")
+    if object_store_memory is not None:
+        args.append(f"--object-store-memory={int(object_store_memory)}")
+    return args
+
+
+def head_env(base) -> dict[str, str]:
+    """The environment of the head's processes: ``base`` with single-machine mode, no RAY_ADDRESS (this head is
+    new), and :data:`HEAD_ENV_DEFAULTS` where ``base`` does not set them (RAY_AUTH_MODE and the token as given)."""
+    env = {**HEAD_ENV_DEFAULTS, **dict(base)}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-machine mode: services on the loopback address
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def announce_agent_listen_port(ray_temp_dir: str, port: int) -> bool:
+    """Write the dashboard agent's HTTP port file for the head whose files are in ``ray_temp_dir``, once its GCS has
+    named the node (True then, and when the file is already there; False while the GCS has not).
+
+    Why: Ray 2.60's raylet reads this port from a file the agent writes once all its modules are loaded, and waits a
+    fixed 15 s for it (the port given to ``ray start`` never reaches the raylet), then aborts: the head failed at load
+    7-15 on this 2-core machine (ray-project/ray#65983). The port is chosen here (:func:`head_args`), so the file can
+    say it at once; the agent writes the same number when it is up (or -1 if its HTTP server fails, as Ray does)."""
+    session = os.path.join(ray_temp_dir, "session_latest")
+    try:
+        names = os.listdir(session)
+    except OSError:
+        return False
+    node = next((n[len("gcs_server_port_"):] for n in names if n.startswith("gcs_server_port_")), None)
+    if node is None:
+        return False
+    path = os.path.join(session, f"dashboard_agent_listen_port_{node}")
+    if not os.path.exists(path):
+        tmp = f"{path}.autopar"
+        with open(tmp, "w") as f:
+            f.write(str(int(port)))
+        os.replace(tmp, path)  # whole or absent: the raylet polls for it
+    return True
+
+
 class RayHead:
     """A running head: ``address`` (``127.0.0.1:PORT``), ``head_dir`` (its files), ``pid`` (the watcher, also its
-    process group), :meth:`alive`, :meth:`stop`."""
+    process group), ``args`` (its ``ray start`` arguments), :meth:`alive`, :meth:`stop`."""
 
     def __init__(self, proc: subprocess.Popen, address: str, head_dir: str, log_path: str):
         self.proc = proc
@@ -57,6 +131,7 @@ class RayHead:
         self.ray_group: int | None = None  # the process group (session) of `ray start` and Ray's processes
         self.log_path = log_path
         self.pid = proc.pid
+        self.args: list[str] = []  # the `ray start` arguments (head_args), for inspection
 
     @classmethod
     def start(cls, temp_dir: str, *, num_cpus: int | None = None, object_store_memory: int | None = None,
@@ -67,29 +142,23 @@ class RayHead:
 
         head_dir = tempfile.mkdtemp(prefix="head-", dir=temp_dir)
         port = _free_port()
-        # Ray's node agent listens on fixed default ports (52365 for the Jobs API's agent, 10001 for Ray Client) even
-        # with the dashboard off: an embedded head holding them leaves a head the user starts on this machine with
-        # no job agent ("No available agent to submit job"), so this one takes free ports.
-        args = ["start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={os.path.join(head_dir, 'ray')}",
-                "--min-worker-port=0", "--max-worker-port=0", f"--dashboard-agent-listen-port={_free_port()}",
-                f"--ray-client-server-port={_free_port()}"]
-        if num_cpus is not None:
-            args.append(f"--num-cpus={int(num_cpus)}")
-        if object_store_memory is not None:
-            args.append(f"--object-store-memory={int(object_store_memory)}")
-        env = dict(os.environ if env is None else env)
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # single-machine mode: services on the loopback address
-        env.pop("RAY_ADDRESS", None)
+        args = head_args(port, os.path.join(head_dir, "ray"), num_cpus=num_cpus,
+                         object_store_memory=object_store_memory)
+        env = head_env(os.environ if env is None else env)
         log_path = os.path.join(head_dir, "head.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "autopar_lab.runtime.rayhead", head_dir, temp_dir, *args],
                                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, close_fds=True)
         head = cls(proc, f"127.0.0.1:{port}", head_dir, log_path)
+        head.args = args
         deadline = time.monotonic() + timeout_s
+        listen_port = int(next(a for a in args if a.startswith("--dashboard-agent-listen-port=")).split("=")[1])
+        announced = False
         try:
             while True:
+                if not announced:
+                    announced = announce_agent_listen_port(os.path.join(head_dir, "ray"), listen_port)
                 if proc.poll() is not None:
                     raise HeadFailed(f"the Ray head exited with status {proc.returncode}: {head.log_tail()}")
                 if READY in head.log_tail(4000):
