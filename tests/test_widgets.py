@@ -98,8 +98,8 @@ def test_views_sit_in_a_grid_that_fits_the_width(wb):
 
 def test_every_figure_reaches_the_browser_whole_in_its_first_message(graph, plan, monkeypatch):
     """A figure's browser view draws what its comm opened with: plotly's FigureWidget opens empty and sends its
-    traces and layout after, and a view drawn in between stays an empty 700-px plot (a CI failure). Each of the
-    workbench's figures must open with its width and its traces."""
+    traces and layout after, and a view drawn in between stays an empty 700-px plot (a CI failure). The side
+    column's figures, built whole, must open with their width and their traces."""
     import comm
 
     opened = []

@@ -62,13 +62,14 @@ def _escape(text: str) -> str:
 
 
 class LiveFigure(go.FigureWidget):
-    """A plotly ``FigureWidget`` whose comm opens with its traces and layout in it.
+    """A plotly ``FigureWidget`` whose comm opens with its traces and layout in it: for a figure built whole.
 
-    plotly's ``FigureWidget`` opens its comm with an empty figure and sends the traces and layout in two update
-    messages right after. Its browser view reads them once, when it first draws: a view drawn before the front end
-    applied those updates shows empty axes at plotly's default 700 px and never redraws. Under load that happened in
-    the deep workbench's browser test (CI of 2026-12-06: the cost panel showed an empty 700-px plot in its 603-px
-    column for 90 s). Holding the comm until the figure is complete leaves no such window."""
+    Measured in Chromium (JupyterLab 4, plotly 7's anywidget front end): a figure's browser view draws the state
+    its comm opened with, then applies the edits (restyle, add traces, ...) that arrive after it drew; state sent
+    later, and edits sent before the view drew, are not drawn. plotly's ``FigureWidget`` opens its comm empty and
+    sends its traces and layout after, so a view could stay an empty plot at plotly's default 700 px until the next
+    edit (the cost panel in CI of 2026-12-06, and the stage layout here, each 700 px in a 603-px column). Holding the
+    comm until the figure is complete draws it whole; the side column's figures, built whole, use it."""
 
     def __init__(self, *args, **kwargs):
         self._complete = False  # before the base class opens the comm

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from . import figures
-from ._base import LiveFigure, View, sync_figure
+from ._base import View, sync_figure
 from .fmt import fmt_pct, fmt_s
 
 # Each of an interleaved stage's chunks is drawn in its kind's colour, a shade further from it per chunk.
@@ -91,8 +91,9 @@ class TimelineView(View):
 
     def __init__(self, session):
         super().__init__(session)
+        import plotly.graph_objects as go
 
-        self.figure = LiveFigure()
+        self.figure = go.FigureWidget()
         self.caption = w.HTML("")
         self.window = w.Dropdown(description="show", layout=w.Layout(width="260px"))
         self.window.observe(lambda ch: None if self._quiet else self.zoom(ch["new"] or None), names="value")
