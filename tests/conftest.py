@@ -604,7 +604,8 @@ class SharedRay:
     token, set here on purpose and put back as it was when the head stops. Four heads were started before (one per
     file of SHARED_RAY_CHAIN), each `ray start` eight processes (GCS, raylet, dashboard, two agents, monitor, log
     monitor, client server) and a stop; on the shared machine at load 9-15 (2026-12-07 02:13-02:56) no head came up:
-    each attempt failed after ~70 s (the raylet waits 15 s for the dashboard agent's port file), 3 attempts ~240 s a
+    each attempt failed after ~70 s (the raylet waited 15 s for the dashboard agent's port file; since 13b8e1e the
+    library gives the agents their ports and writes that file, and heads start at load 19-24), 3 attempts ~240 s a
     head, per file. With one head (03:00-03:11, load 6-10, nice -10) the 17 tests of the four files that use it or
     sit beside it passed in 620 s, 424 CPU-s. A failed start is not tried again until the run of tests on the head
     ends."""
