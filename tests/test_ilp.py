@@ -464,3 +464,85 @@ def test_restrict_is_the_submatrix_of_the_domains(data):
     r = restrict(m, du, dv)
     assert np.array_equal(r, m[np.ix_(du, dv)])
     assert (r is m) == (du.size == rows and dv.size == cols)
+
+
+def _old_domains(p: IntraProblem, edges) -> list[list[int]] | None:
+    """Arc consistency as it was before the solver skipped edges with every pair allowed: every edge walked on every
+    pass (memory rows left out: the problems below have none)."""
+    mask = [np.isfinite(c) for c in p.node_costs]
+    for v, q in p.pins.items():
+        m = np.zeros_like(mask[v])
+        m[q] = mask[v][q]
+        mask[v] = m
+    changed = True
+    while changed:
+        changed = False
+        if any(not m.any() for m in mask):
+            return None
+        for (u, v), r in edges.items():
+            f = np.isfinite(r)
+            mu, mv = mask[u] & f[:, mask[v]].any(axis=1), mask[v] & f[mask[u], :].any(axis=0)
+            if (mu != mask[u]).any() or (mv != mask[v]).any():
+                mask[u], mask[v], changed = mu, mv, True
+                if not mu.any() or not mv.any():
+                    return None
+    return [np.flatnonzero(m).tolist() for m in mask]
+
+
+@FAST
+@given(p=problems(memory=False), data=st.data())
+def test_shared_read_only_arrays_build_the_model_of_copies(p, data):
+    """The intra-op pass hands one read-only array to many nodes and edges (one per strategy list, per pair of
+    lists), and the model builder remembers per array what it found (its maximum, whether it is additive), as the
+    problem keeps it unchecked after the first time. The same problem with every array a fresh copy builds the
+    same model, array for array, and the same plan; and the domains are those of arc consistency walking every
+    edge (the builder skips edges with every pair allowed)."""
+    from autopar_lab.solve.ilp import highs_direct
+    from autopar_lab.solve.ilp.reduce import combined_edges, reductions
+
+    pool: dict[tuple, np.ndarray] = {}  # one read-only matrix per shape, drawn once: edges of a shape share it
+    mats = []
+    for (u, v), m in zip(p.edges, p.edge_costs):
+        if m.shape not in pool or data.draw(st.booleans()):
+            pool[m.shape] = np.array(m)
+            pool[m.shape].setflags(write=False)
+        mats.append(pool[m.shape])
+    vecs: dict[int, np.ndarray] = {}
+    costs = []
+    for c in p.node_costs:
+        if c.size not in vecs or data.draw(st.booleans()):
+            vecs[c.size] = np.array(c)
+            vecs[c.size].setflags(write=False)
+        costs.append(vecs[c.size])
+    shared = IntraProblem(tuple(costs), p.edges, tuple(mats), pins=p.pins)
+    copies = IntraProblem(tuple(np.array(c) for c in costs), p.edges, tuple(np.array(m) for m in mats), pins=p.pins)
+    assert all(a is b for a, b in zip(shared.node_costs, costs))  # kept, not copied
+    a, b = highs_direct.build(shared, min_memory=False), highs_direct.build(copies, min_memory=False)
+    assert (a is None) == (b is None)
+    want = _old_domains(copies, combined_edges(copies))
+    got = reductions(shared, min_memory=False)
+    assert (got is None) == (want is None)
+    if a is None:
+        return
+    assert [d.tolist() for d in got[2]] == want
+    for f in ("cost", "lower", "upper", "integer", "start", "index", "value", "row_lower", "row_upper"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.scale == b.scale
+    assert solve_ilp(shared, solver="highs").choice == solve_ilp(copies, solver="highs").choice
+
+
+def test_read_only_node_costs_are_kept_checked_and_others_copied():
+    shared = np.array([1.0, 2.0])
+    shared.setflags(write=False)
+    mine = np.array([3.0, 4.0])
+    p = IntraProblem((shared, mine, shared))
+    assert p.node_costs[0] is shared and p.node_costs[2] is shared
+    assert p.node_costs[1] is not mine and not p.node_costs[1].flags.writeable
+    bad = np.array([0.0, np.nan])
+    bad.setflags(write=False)
+    with pytest.raises(ValueError, match=r"node_costs\[1\] contains NaN"):
+        IntraProblem((shared, bad))
+    empty = np.zeros(0)
+    empty.setflags(write=False)
+    with pytest.raises(ValueError, match=r"node_costs\[0\] is empty"):
+        IntraProblem((empty,))

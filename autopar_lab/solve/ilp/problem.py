@@ -36,6 +36,17 @@ def _frozen_vec(x, what: str) -> np.ndarray:
     return a
 
 
+def _kept_vec(x, what: str, seen: dict[int, np.ndarray]) -> np.ndarray:
+    """``_frozen_vec(x)``, but a 1-D read-only float64 array (and every array it views) is itself the result, remembered
+    in ``seen`` once checked."""
+    if not (_frozen_float(x) and x.ndim == 1):
+        return _frozen_vec(x, what)
+    if x.size == 0 or np.isnan(x).any() or np.isneginf(x).any():
+        return _frozen_vec(x, what)  # its error
+    seen[id(x)] = x
+    return x
+
+
 def _frozen_float(m) -> bool:
     """Is ``m`` a float64 array that nobody can write, through itself or the arrays it views?"""
     if not isinstance(m, np.ndarray) or m.dtype != np.float64:
@@ -86,7 +97,11 @@ class IntraProblem:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        costs = tuple(_frozen_vec(c, f"node_costs[{i}]") for i, c in enumerate(self.node_costs))
+        # A read-only float vector (the intra-op pass hands one per strategy list, shared by every operator of that
+        # signature) is kept as it is and checked once, as the edge matrices below.
+        seen: dict[int, np.ndarray] = {}
+        costs = tuple(c if seen.get(id(c)) is c else _kept_vec(c, f"node_costs[{i}]", seen)
+                      for i, c in enumerate(self.node_costs))
         n = len(costs)
         set_("node_costs", costs)
         sizes = [c.size for c in costs]

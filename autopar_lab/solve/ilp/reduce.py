@@ -72,7 +72,9 @@ def _domains(problem: IntraProblem, edges, rows, limit: float) -> list[np.ndarra
         m = np.zeros_like(mask[v])
         m[q] = mask[v][q]
         mask[v] = m
-    finite = {k: np.isfinite(m) for k, m in edges.items()}
+    # An edge whose every pair is allowed never removes a strategy: while both sides keep one (checked on every
+    # change below), each strategy of one side has a partner on the other. Only the others are walked.
+    finite = {k: f for k, f in ((k, np.isfinite(m)) for k, m in edges.items()) if not f.all()}
     tol_limit = limit * (1 + MEM_RTOL)
     changed = True
     while changed:
@@ -127,13 +129,16 @@ def reductions(problem: IntraProblem, *, min_memory: bool):
     # Objective scale: costs are seconds (1e-6 .. 1e2); solvers' absolute tolerances are
     # ~1e-7, so bring the largest coefficient to ~1.
     finite_costs = [float(np.abs(c[d]).max()) for c, d in zip(problem.node_costs, dom)]
+    seen: dict[int, tuple[np.ndarray, float | None]] = {}  # a matrix shared by many edges, whole: its maximum once
     for (u, v), m in edges.items():
         r = restrict(m, dom[u], dom[v])
-        fin = np.isfinite(r)
-        if fin.all():
-            finite_costs.append(float(np.abs(r).max()))
-        elif fin.any():
-            finite_costs.append(float(np.abs(r[fin]).max()))
+        hit = seen.get(id(r))
+        if hit is None or hit[0] is not r:
+            fin = np.isfinite(r)
+            top = float(np.abs(r).max()) if fin.all() else float(np.abs(r[fin]).max()) if fin.any() else None
+            hit = seen[id(r)] = (r, top)
+        if hit[1] is not None:
+            finite_costs.append(hit[1])
     return edges, rows, dom, max(max(finite_costs, default=1.0), 1e-300)
 
 
@@ -171,6 +176,7 @@ def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
     An edge between two decided nodes is a constant (evaluate() adds it back); with one side decided it is a linear
     term on the other; an additive matrix is two linear terms. When minimising memory only the forbidden pairs
     matter (their costs are dropped)."""
+    additive: dict[int, tuple] = {}  # is_additive per matrix object: identical layers' edges share their matrices
     for (u, v), m in edges.items():
         du, dv = dom[u], dom[v]
         if du.size == 1 and dv.size == 1:
@@ -186,7 +192,10 @@ def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
         if dv.size == 1:
             lin[u] += r[:, 0]
             continue
-        ab = is_additive(r)
+        hit = additive.get(id(r))
+        if hit is None or hit[0] is not r:
+            hit = additive[id(r)] = (r, is_additive(r))
+        ab = hit[1]
         if ab is not None:
             lin[u] += ab[0]
             lin[v] += ab[1]
