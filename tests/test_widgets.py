@@ -118,6 +118,10 @@ def test_every_figure_reaches_the_browser_whole_in_its_first_message(graph, plan
         state = next(s for s in figures_opened if s["_widget_layout"].get("width") == fig.layout.width
                      and len(s["_widget_data"]) == len(fig.data))
         assert state["_widget_data"] and state["_widget_layout"]["width"] <= COLUMN_PX - 10
+    # The timeline (full width) opens with its bars and its title, not empty.
+    title = wb.timeline.figure.layout.title.text
+    assert any(s["_widget_layout"].get("title", {}).get("text") == title
+               and len(s["_widget_data"]) == len(wb.timeline.figure.data) > 0 for s in figures_opened)
 
 
 def test_dropdown_change_overrides_and_updates_table_and_cost_panel(wb, plan):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from . import figures
-from ._base import View, sync_figure
+from ._base import LiveFigure, View, sync_figure
 from .fmt import fmt_pct, fmt_s
 
 # Each of an interleaved stage's chunks is drawn in its kind's colour, a shade further from it per chunk.
@@ -91,15 +91,14 @@ class TimelineView(View):
 
     def __init__(self, session):
         super().__init__(session)
-        import plotly.graph_objects as go
-
-        self.figure = go.FigureWidget()
         self.caption = w.HTML("")
         self.window = w.Dropdown(description="show", layout=w.Layout(width="260px"))
         self.window.observe(lambda ch: None if self._quiet else self.zoom(ch["new"] or None), names="value")
         self._quiet = False
         self.first: int | None = None  # the microbatches the window shows (None: the whole step)
-        self.refresh()
+        fresh, view = self._draw(keep_window=False)
+        fresh.update_layout({k.replace(".", "_"): v for k, v in view.items()})
+        self.figure = LiveFigure(fresh)  # built whole, its comm opened with its traces (LiveFigure says why)
         self._finish(w.VBox([w.HBox([self.caption, self.window], layout=w.Layout(flex_flow="row wrap",
                                                                                  align_items="center")),
                              self.figure, self.message], layout=w.Layout(min_width="0")))
@@ -111,6 +110,12 @@ class TimelineView(View):
         self.refresh(keep_window=True)
 
     def refresh(self, keep_window: bool = False) -> None:
+        fresh, view = self._draw(keep_window)
+        sync_figure(self.figure, fresh, view)
+
+    def _draw(self, keep_window: bool):
+        """Set the window's choices and the caption for the current plan; return its figure and the layout
+        properties a redraw sets."""
         plan = self.session.plan
         B = plan.microbatches
         if not keep_window:
@@ -132,11 +137,8 @@ class TimelineView(View):
         fresh = figures.timeline_figure(rows, makespan, label_upto=label, series=series,
                                         title=f"{sched} pipeline, {len(plan.stages)} stage(s), "
                                               f"{B} microbatch(es)")
-        if not self.figure.data:
-            self.figure.layout = fresh.layout
-        sync_figure(self.figure, fresh, {"title.text": fresh.layout.title.text,
-                                         "xaxis.range": [0, end if end > 0 else 1],
-                                         "yaxis.categoryarray": fresh.layout.yaxis.categoryarray})
+        view = {"title.text": fresh.layout.title.text, "xaxis.range": [0, end if end > 0 else 1],
+                "yaxis.categoryarray": fresh.layout.yaxis.categoryarray}
         tl = plan.cost.timeline
         frac = tl.bubble_fraction if tl is not None else 0.0
         more = f"; {cut} later tasks not drawn" if cut else ""
@@ -145,6 +147,7 @@ class TimelineView(View):
                "zb-h1": "; each backward split into B (input gradients, passed on at once) and W (weight gradients, "
                         "deferred into the bubbles)"}.get(plan.schedule, "")
         self.caption.value = f"makespan {fmt_s(makespan)}, bubble {fmt_pct(frac)} of it{more}{shown}{how}"
+        return fresh, view
 
     def on_plan(self, event) -> None:
         self.refresh()
