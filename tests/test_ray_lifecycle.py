@@ -117,10 +117,12 @@ def _group_processes(pgid: int) -> dict[int, list[str]]:
     return out
 
 
-def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_dashboard_ui_or_monitors(token_auth):
+def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_ui_monitors_or_client_server(token_auth):
     """What keeps the start robust on a busy machine (issue 32): the raylet takes the agents' ports from the library
-    (so it does not wait on their port files), and Ray starts no dashboard UI, autoscaler monitor or log monitor."""
+    (so it does not wait on their port files), and Ray starts no dashboard UI, autoscaler monitor, log monitor or
+    client server."""
     from autopar_lab.runtime import launch as L
+    from autopar_lab.runtime import rayhead
     from autopar_lab.runtime.rayhead import HEAD_ENV_DEFAULTS
 
     ray = L.start_local_ray(num_cpus=1)
@@ -135,6 +137,10 @@ def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_dashboard_
         procs = _group_processes(head.ray_group)
         lines = [" ".join(c) for c in procs.values()]
         assert not [c for c in lines if "autoscaler/_private/monitor.py" in c or "log_monitor.py" in c], lines
+        # nor a Ray Client server (drivers connect to the GCS), and the watcher runs without importing the package
+        assert not [c for c in lines if "ray.util.client.server" in c], lines
+        watcher = _group_processes(head.pid)[head.pid]
+        assert watcher[1:3] == ["-I", str(Path(rayhead.__file__).resolve())], watcher
         # Ray always runs its API server (dashboard.py); without the dashboard it serves no page, one module
         api = [c for c in lines if "dashboard/dashboard.py" in c]
         assert len(api) == 1 and "--disable-frontend" in api[0] and "--modules-to-load=UsageStatsHead" in api[0]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import socket
 
-from autopar_lab.runtime.rayhead import HEAD_ENV_DEFAULTS, announce_agent_listen_port, head_args, head_env
+from autopar_lab.runtime.rayhead import (HEAD_ENV_DEFAULTS, RAY_START_CODE, announce_agent_listen_port, head_args,
+                                        head_env)
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -55,3 +56,24 @@ def test_the_agent_port_file_is_written_once_the_gcs_names_the_node(tmp_path):
     (session / "dashboard_agent_listen_port_abc123").write_text("-1")  # the agent's own word stands
     assert announce_agent_listen_port(str(ray_dir), 41234) is True
     assert (session / "dashboard_agent_listen_port_abc123").read_text() == "-1"
+
+
+def test_the_head_starts_with_no_prestarted_workers():
+    # the stage actors need workers of their own runtime_env: idle prestarted ones only took CPU from their start
+    assert head_env({})["RAY_prestart_worker_first_driver"] == "0"
+    assert head_env({"RAY_prestart_worker_first_driver": "1"})["RAY_prestart_worker_first_driver"] == "1"
+
+
+def test_ray_start_code_leaves_out_the_client_server_and_then_runs_ray_start(monkeypatch):
+    """RAY_START_CODE replaces a method of Ray's private Node class; if this Ray lacks it, the head would quietly start
+    the client server again: this test is what notices."""
+    import ray.scripts.scripts as scripts
+    from ray._private.node import Node
+
+    assert callable(getattr(Node, "start_ray_client_server", None))
+    monkeypatch.setattr(Node, "start_ray_client_server", Node.start_ray_client_server)  # put back after the test
+    ran = []
+    monkeypatch.setattr(scripts, "main", lambda: ran.append(True))
+    exec(RAY_START_CODE, {})
+    assert ran == [True]  # `ray start` itself runs, after the patch
+    assert Node.start_ray_client_server(object()) is None  # a no-op: no client server process

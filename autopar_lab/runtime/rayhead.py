@@ -32,7 +32,7 @@ import threading
 import time
 
 __all__ = ["RayHead", "HeadFailed", "HEAD_ENV_DEFAULTS", "head_args", "head_env", "announce_agent_listen_port",
-           "main"]
+           "RAY_START_CODE", "main"]
 
 READY = "Ray runtime started."  # what `ray start` prints once the head is up (its log is ours to read)
 
@@ -55,7 +55,25 @@ HEAD_ENV_DEFAULTS = {
     "RAY_gcs_server_port_wait_time_s": "120",
     # nobody reads the metrics of a head without a dashboard: no metrics reporting from every worker and the raylet
     "RAY_enable_metrics_collection": "0",
+    # no idle workers started for the first driver: the stage actors each need a worker of their own runtime_env
+    # (JAX_NUM_CPU_DEVICES), which a prestarted one is not, so those num_cpus Python processes only took CPU from
+    # the actors' start (on 2 cores: notebook 05's Ray cell, bench/JOURNAL.md 2026-12-07)
+    "RAY_prestart_worker_first_driver": "0",
 }
+
+# How the watcher runs `ray start`: Ray's own command line, minus the Ray Client server (``ray://`` addresses) that a
+# head starts whenever the ``ray[client]`` extra is installed, with no option to leave it out (port 0 is refused).
+# Drivers of the embedded head connect to its GCS, never through the client server, which cost a Python process of
+# ~4.5 CPU-s at every start. If Ray moves the method, the server simply starts again.
+RAY_START_CODE = """
+try:
+    from ray._private.node import Node
+    Node.start_ray_client_server = lambda self: None
+except ImportError:
+    pass
+from ray.scripts.scripts import main
+main()
+"""
 
 
 def head_args(port: int, ray_temp_dir: str, *, num_cpus: int | None = None,
@@ -147,7 +165,9 @@ class RayHead:
         env = head_env(os.environ if env is None else env)
         log_path = os.path.join(head_dir, "head.log")
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "autopar_lab.runtime.rayhead", head_dir, temp_dir, *args],
+            # The watcher runs this file by path, isolated (-I): it needs only the standard library, and as
+            # `-m autopar_lab.runtime.rayhead` it imported the package (jax with it), ~1.5 CPU-s of every start.
+            proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), head_dir, temp_dir, *args],
                                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, close_fds=True)
         head = cls(proc, f"127.0.0.1:{port}", head_dir, log_path)
@@ -260,14 +280,14 @@ def kill_group(group: int, wait_s: float = 10.0) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m autopar_lab.runtime.rayhead HEAD_DIR OWNER_DIR RAY_START_ARGS...``: run ``ray start`` until stdin
+    """``python -I rayhead.py HEAD_DIR OWNER_DIR RAY_START_ARGS...`` (this file, by path): run ``ray start`` until stdin
     closes (see the module doc)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     head_dir, owner_dir, ray_args = argv[0], argv[1], argv[2:]
     owner = os.getppid()
     heard: list[bytes] = []
     # A session of its own: Ray's shutdown signals its whole process group, which must not include this watcher.
-    child = subprocess.Popen([sys.executable, "-c", "from ray.scripts.scripts import main; main()", *ray_args],
+    child = subprocess.Popen([sys.executable, "-c", RAY_START_CODE, *ray_args],
                              stdin=subprocess.DEVNULL, start_new_session=True)
     with open(os.path.join(head_dir, "ray.pgid"), "w") as f:
         f.write(str(child.pid))
