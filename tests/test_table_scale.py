@@ -350,6 +350,30 @@ def test_the_pareto_mask_among_options_that_fit_equals_the_full_mask_cut_to_them
     assert pareto_mask(fields, alive)[1, 0] and not pareto_mask(fields)[1, 0]
 
 
+def test_the_workers_take_the_two_pass_meshes_first_and_solve_as_in_place(model, monkeypatch):
+    """The pool's order (table_pool.longest_first): every mesh with both axes split (two ILP passes) before the
+    one-axis meshes, more devices first within each; the order changes when a mesh arrives, not what it is: layer
+    costs and strategy indices equal the serial solve's to the bit."""
+    import autopar_lab.pricing.table as table_module
+
+    monkeypatch.setattr(table_module, "POOL_MIN_MESHES", 1)
+    here = CostTable.build(model, SMALL)
+    here.solve_meshes(workers=1)
+    ahead = CostTable.build(model, SMALL, workers=2)
+    assert ahead._ahead is not None
+    order = list(ahead._ahead.keys)
+    assert sorted(order) == sorted(here.planned_meshes())
+    two = [k[1][0] > 1 and k[1][1] > 1 for k in order]
+    assert any(two) and not all(two) and two == sorted(two, reverse=True)
+    for group in (True, False):
+        sizes = [k[0][0] * k[0][1] for k, t in zip(order, two) if t == group]
+        assert sizes == sorted(sizes, reverse=True)
+    assert ahead.solve_meshes(workers=1) == len(order)
+    for key in here.planned_meshes():
+        assert ahead.mesh_costs(*key)[0] == here.mesh_costs(*key)[0]
+        assert (ahead._choices[key] == here._choices[key]).all()
+
+
 def test_one_pool_solves_the_fast_and_then_the_lean_ilps_as_the_two_calls_do():
     """``solve_planned``: the workers that ``build`` starts go on to each mesh's lean ILP as its fast one arrives.
     At a memory limit where some meshes but not all need a lean solution, the same meshes are solved, fast and

@@ -44,7 +44,7 @@ from .opmap import OpMap
 from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
-from .table_pool import LEAN, MeshPool, default_workers, mesh_key, mesh_tasks, solve_one
+from .table_pool import LEAN, MeshPool, default_workers, longest_first, mesh_key, mesh_tasks, solve_one
 
 if TYPE_CHECKING:
     from ..cluster import Cluster, LogicalMesh
@@ -264,7 +264,7 @@ class CostTable:
                 for shape in distinct_mesh_shapes(cluster, sub, space)]
         if len(keys) < POOL_MIN_MESHES:
             return None
-        keys.sort(key=lambda k: -k[0][0] * k[0][1])  # largest first, as solve_meshes does
+        keys = longest_first(keys)  # as solve_meshes does
         if lean_everywhere(cluster, space, lean):
             keys = [k for key in keys for k in (mesh_key(key), mesh_key((*key, LEAN)))]
         return MeshPool(small, cluster, solver, keys, workers)
@@ -467,8 +467,7 @@ class CostTable:
                     self.solve_s += time.perf_counter() - t0
                     self._report(key, n, len(keys))
             return collected + len(keys)
-        # Largest meshes first (they take longest), so that the workers finish together.
-        todo.sort(key=lambda k: -k[0][0] * k[0][1])
+        todo = longest_first(todo)  # so that the workers finish together
         pool = MeshPool(self.solve_graph, self.cluster, self.solver, self._with_lean(todo, follow),
                         min(workers, len(todo)))
         return collected + self._drain(pool, follow, asked=todo)

@@ -161,6 +161,23 @@ def mesh_tasks(keys: Sequence) -> list[tuple]:
     return [tuple(t) for t in tasks.values()]
 
 
+def longest_first(keys: Sequence) -> list[tuple]:
+    """``keys`` in the order the workers should take them, longest ILP first, so that they finish together: every
+    mesh with both axes split before the others (its sequential solve runs two ILP passes, the first on axis 0
+    alone: DeepSeek-V3 on 256 H800 hosts, 2.2 CPU-s a two-axis mesh's fast and lean solves against 1.3 a one-axis
+    one's, whatever the device count), then more devices first; the sort is stable. Which worker solves a mesh
+    changes no number (each task starts a fresh StrategyCache; the memos only remember), only when it arrives.
+
+    >>> longest_first([((1, 8), (1, 8)), ((4, 8), (1, 32)), ((1, 8), (2, 4)), ((4, 8), (4, 8))])
+    [((4, 8), (4, 8)), ((1, 8), (2, 4)), ((4, 8), (1, 32)), ((1, 8), (1, 8))]
+    """
+    def weight(key) -> tuple[int, int]:
+        shape = key[1]
+        return (-(shape[0] > 1 and shape[1] > 1), -key[0][0] * key[0][1])
+
+    return sorted(keys, key=weight)
+
+
 def first_pass_batches(cluster: Cluster, keys: Sequence) -> list[list]:
     """``keys`` in batches of tasks (:func:`mesh_tasks`) that one worker solves in turn: meshes with both axes split
     whose axis 0 has the same size and link share the sequential solve's first pass (see ``memo`` in
