@@ -342,7 +342,10 @@ def _print_plan(out: dict) -> None:
         print(f"  number format: {out['precision_text']}")
     print(f"  compute {out['compute_s']:.4g} s + collectives {out['comm_s']:.4g} s (latency "
           f"{out.get('collective_latency_s', 0.0):.4g} s of {out.get('collectives', 0):,} a step) + resharding "
-          f"{out['reshard_s']:.4g} s + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
+          f"{out['reshard_s']:.4g} s"
+          + (f" + host {out['host_s']:.4g} s (eager launches, {out['host_launch_s'] * 1e6:.3g} us a kernel)"
+             if "host_s" in out else "")
+          + f" + bubble {out['bubble_s']:.4g} s (stage transfers {out['stage_comm_s']:.4g} s; "
           f"{out.get('hidden_comm_s', 0.0):.4g} s of communication hidden behind compute; "
           f"{out.get('kernels', 0):,} kernels a step on the busiest stage"
           + cost_note(out) + ")")

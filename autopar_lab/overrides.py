@@ -91,7 +91,8 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
     priced = price_stages(table_of(plan), specs, intras=intras, layer_costs=layer_costs, microbatches=microbatches,
                           schedule=schedule, virtual_stages=v, solutions=solutions,
                           mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins),
-                          zero=stage_pins.get("zero"), overlap=stage_pins.get("overlap"))
+                          zero=stage_pins.get("zero"), overlap=stage_pins.get("overlap"),
+                          host=stage_pins.get("host"))
     return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 

@@ -44,6 +44,7 @@ import os
 from . import operators, planschema
 from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .planvalues import LAYER, Pin
+from .backends.eager import HOSTS
 from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_STRINGS, is_full, remat_label, remat_value
@@ -155,6 +156,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if not isinstance(value, list) or any(v not in OVERLAPS for v in value):
                 raise ValueError(f"stage_pins['overlap'] must list names among {', '.join(map(repr, OVERLAPS))}")
             out[key] = check_overlap(value)
+        elif key == "host":  # how the framework launches its kernels (backends.eager)
+            if value not in HOSTS:
+                raise ValueError(f"stage_pins['host'] must be one of {', '.join(map(repr, HOSTS))}")
+            out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

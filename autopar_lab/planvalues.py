@@ -5,13 +5,15 @@ step time as a sum of named terms) are plain data: the pricing layer builds them
 and the plans layer puts them into a ``Plan``, whose behaviour (overrides, alternatives, export) lives above
 pricing (:mod:`autopar_lab.plan`). A cost report's step time splits as
 
-    step_time_s = compute_s + comm_s + reshard_s + bubble_s
+    step_time_s = compute_s + comm_s + reshard_s + host_s + bubble_s
 
 where the first three are the work of the pipeline's busiest stage over one step (its kernels' roofline time, the
 collectives they run, the resharding between them, as far as they are not hidden behind compute: ``hidden_comm_s``
-says how much is) and ``bubble_s`` is the time that stage waits (pipeline fill and drain, and transfers between
-stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the makespan of the event-level
-pipeline simulation (:mod:`autopar_lab.simulate`).
+says how much is), ``host_s`` the time that stage's GPU waits on a host launching each kernel from Python (a plan
+run by eager PyTorch, ``stage_pins["host"]``: a microbatch lasts at least its kernels x
+``host_launch_s``; 0 for every other plan) and ``bubble_s`` is the time that stage waits (pipeline fill and drain,
+and transfers between stages: ``stage_comm_s`` says how much those cost in all). The step time itself is the
+makespan of the event-level pipeline simulation (:mod:`autopar_lab.simulate`).
 """
 
 from __future__ import annotations
@@ -154,6 +156,11 @@ class CostReport:
     # What was stored sharded to make the plan fit (the memory-lean solution of a stage), or which part of which stage
     # overflows by how much (autopar_lab.layouts.fit); "" when there is nothing to say.
     fit_note: str = field(default="", compare=False)
+    # A plan whose framework launches each kernel from Python (stage_pins["host"] = "eager"): the fitted host seconds
+    # per kernel (backends.eager.host_launch_s; 0: a compiled program) and what waiting on that host adds to the
+    # busiest stage's busy time a step (0 where the GPU is the bound).
+    host_launch_s: float = 0.0
+    host_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -177,8 +184,21 @@ class CostReport:
             "flash_attention": self.flash_attention,
             "collectives": self.collectives,
             "collective_latency_s": self.collective_latency_s,
+            **({"host_s": self.host_s, "host_launch_s": self.host_launch_s} if self.host_launch_s else {}),
             **(self.cpu.to_dict() if self.cpu is not None else {}),
         }
+
+    def host_note(self) -> str:
+        """explain()'s host term: what waiting on an eager host adds (the formula with its figures), "" for a plan
+        whose framework runs compiled programs."""
+        if not self.host_launch_s:
+            return ""
+        launched = self.kernels * self.host_launch_s
+        bound = ("the host is the bound: the GPU waits on it" if self.host_s > 0 else
+                 "under the GPU's time: hidden")
+        return (f"+ host {self.host_s:.4g} s (eager launches, each microbatch at least its kernels x "
+                f"{self.host_launch_s * 1e6:.3g} us of host time: {self.kernels:,} kernels a step = "
+                f"{launched:.4g} s, {bound}) ")
 
     def explain(self) -> str:
         """The step time as the sum of its terms, with what each one is."""
@@ -200,7 +220,8 @@ class CostReport:
             f"{self.comm_s:.4g} s (of which latency {self.collective_latency_s:.4g} s: {self.collectives:,} "
             f"collectives a step, each microbatch pays its own) + resharding {self.reshard_s:.4g} s (over all "
             f"microbatches, what is not hidden) "
-            f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers"
+            + self.host_note()
+            + f"+ bubble {self.bubble_s:.4g} s (that stage idle: pipeline fill/drain and waiting for transfers"
             f"{shared}"
             f"; stage transfers cost {self.stage_comm_s:.4g} s per microbatch round trip in all){how}; besides, "
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "

@@ -56,6 +56,11 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   ``pyconfig.get_individual_scales`` does) as Llama-shaped models, ``al.maxtext_plan(ici_fsdp=-1, ici_tensor,
   per_device_batch_size, remat="minimal", attention="flash")`` on one slice.
 
+The eager host (``autopar_lab.backends.eager``): Megatron-LM's rows priced with its own stack (``library_kernels``,
+Transformer Engine's modules, no CUDA graphs) and torchtitan's eager rows have each stage's microbatch last at least
+its kernels times the host's time a kernel (fitted on mlm-h100-1.7B alone: 64 us through TE; 24 us through PyTorch's
+modules, not fitted); ``host_s`` in a row is what it adds to the step.
+
 Throughput is compared as step times: a row published as tokens/s gives its step as tokens / rate; one published as
 TFLOP/s per device as F / (rate x devices) with F the publishers' count (:func:`model_flops`: 6 x tokens x the
 matmul weights, plus 12 x tokens x layers x sequence x attention width; no recomputation, attention counted whole as
@@ -372,7 +377,8 @@ def today_row(r: Today) -> dict:
             "mem_ratio": peak["total_bytes"] / GIB / r.mem_gib if r.mem_gib else None, "fits": plan.cost.fits,
             "limit_gib": plan.cost.mem_limit_bytes / GIB, "peak_parts_gib": {p: peak[p] / GIB for p in PARTS},
             "group": r.group, "compute_s": plan.cost.compute_s, "comm_s": plan.cost.comm_s,
-            "reshard_s": plan.cost.reshard_s, "bubble_s": plan.cost.bubble_s, "assumed": r.assumed,
+            "reshard_s": plan.cost.reshard_s, "bubble_s": plan.cost.bubble_s, "host_s": plan.cost.host_s,
+            "assumed": r.assumed,
             "seconds": time.perf_counter() - t0}
 
 

@@ -17,17 +17,21 @@ the measurement that fitted it. No GPU or TPU path reaches that module.
   pipeline stage's update program; a half-precision matmul computed in float32).
 - :func:`cpu_cost`, :func:`cost_note`: the CPU's own terms of a cost report; their clause in the CLI;
   :func:`plan_note`, how the CPU prices a plan's stages (the cost panel).
+
+One hook answers for a framework's runtime, not the device: :func:`host_launch_s`, the host time per kernel of a
+plan whose framework launches each kernel from Python (``stage_pins["host"] = "eager"``; fitted in
+:mod:`autopar_lab.backends.eager`; 0 for every other plan).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from . import cpu
+from . import cpu, eager
 
 __all__ = ["on_cpu", "kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share",
            "runs_serially", "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
-           "dot_f32_copies", "cpu_cost", "cost_note", "plan_note"]
+           "dot_f32_copies", "cpu_cost", "cost_note", "plan_note", "host_launch_s"]
 
 
 def on_cpu(cluster: Any) -> bool:
@@ -124,3 +128,9 @@ def plan_note(cluster: Any, stage_devices: Sequence[int], microbatches: int, pct
     """How the CPU prices a plan's stages (:func:`autopar_lab.backends.cpu.plan_note`), for the cost panel; "" on a
     GPU or TPU."""
     return cpu.plan_note(cluster, stage_devices, microbatches, pct) if on_cpu(cluster) else ""
+
+
+def host_launch_s(host: str | None) -> float:
+    """Seconds of host time per kernel a plan's framework pays to launch it (``stage_pins["host"]``: "eager",
+    "eager-te" or None): :func:`autopar_lab.backends.eager.host_launch_s` (fitted), 0 for None."""
+    return eager.host_launch_s(host)

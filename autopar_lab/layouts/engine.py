@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from .. import checks
+from ..backends import on_cpu
 from ..plan import Plan
 from ..planning import planning_times
 from ..plan import price_plan
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from ..pricing import CostTable, LayerCost
     from ..solve.intra import IntraPlan
 
-__all__ = ["MICRO_BATCH_SIZES", "Layout", "Solution", "check_experts", "layout_solution", "micro_batch_sizes",
+__all__ = ["MICRO_BATCH_SIZES", "Layout", "Solution", "check_experts", "eager_host", "layout_solution",
+           "micro_batch_sizes",
            "microbatch_counts", "microbatches_for", "price_fastest", "price_layout",
            "stage_bounds", "stage_submesh"]
 
@@ -57,7 +59,8 @@ class Layout:
     ``pin_roles``: False leaves every operator's sharding to the ILP (only the storage a ZeRO stage names is
     pinned); ``lean``: False keeps the storage as the ILP chose it where it overflows (what the layout would need)
     instead of the memory-lean solution; ``overlap``: the communication the framework hides behind compute
-    (:mod:`~autopar_lab.pricing.overlap`; None: the pricing's default)."""
+    (:mod:`~autopar_lab.pricing.overlap`; None: the pricing's default); ``host``: "eager" where the framework
+    launches each kernel from Python (:mod:`autopar_lab.backends.eager`), None for compiled programs."""
 
     method: str
     stages: int
@@ -73,6 +76,7 @@ class Layout:
     pin_roles: bool = True
     lean: bool = True
     overlap: tuple[str, ...] | None = None
+    host: str | None = None
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -156,6 +160,18 @@ def cluster_running(cluster, table, field: str, value: bool | None, what: str):
     if not isinstance(cluster, Cluster):
         cluster = Cluster.parse(cluster)
     return cluster.with_(**{field: bool(value)})
+
+
+def eager_host(cluster: Cluster, host: str, eager: bool) -> str | None:
+    """A layout's ``host`` (:class:`Layout`): ``host`` ("eager" or "eager-te", :mod:`autopar_lab.backends.eager`)
+    where the framework runs ``eager`` on a GPU, None where it runs compiled programs or the plan runs on the CPU's
+    devices (this library's JAX runtime, whose dispatch the CPU's calibration prices).
+
+    >>> from autopar_lab.cluster import Cluster
+    >>> eager_host(Cluster.preset("dgx-h100"), "eager", True), eager_host(Cluster.preset("cpu"), "eager", True)
+    ('eager', None)
+    """
+    return host if eager and not on_cpu(cluster) else None
 
 
 def stage_submesh(cluster: Cluster, devices: int) -> tuple[int, int]:
@@ -304,6 +320,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
     stage_pins: dict = {"zero": layout.zero} if layout.zero is not None else {}
     if layout.overlap is not None:
         stage_pins["overlap"] = layout.overlap
+    if layout.host is not None:
+        stage_pins["host"] = layout.host
 
     def priced(sol_list) -> Plan:
         times = dict(solve_s or {})

@@ -39,7 +39,8 @@ from ..rematmode import SELECTIVE_OP, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, cluster_running, microbatch_counts, price_fastest, stage_submesh
+from .engine import (Layout, check_experts, cluster_running, eager_host, microbatch_counts, price_fastest,
+                     stage_submesh)
 from .megatron import megatron_mesh
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     ``virtual_stages``: the pipeline schedule (torchtitan's ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble`` as
     "1f1b", "interleaved", "zb-h1"); ``ep``: the expert-parallel degree (module docstring);
     ``sequence_parallel``: None for torchtitan's default (on with ``tp`` > 1). ``compile``: torchtitan's switch
-    (module docstring; a ``table`` given was built with its cluster's kernels, which ``compile`` must match).
+    (module docstring; a ``table`` given was built with its cluster's kernels, which ``compile`` must match); eager
+    (``compile=False``, or a cluster without ``kernel_fusion``) also prices the host that launches every kernel from
+    Python (:mod:`autopar_lab.backends.eager`; explain()'s host term).
     ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
@@ -121,7 +124,8 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     name += ("" if remat is False else f",{remat_label(remat)}") + (",sp" if sp else "")
     name += f",v={virtual_stages})" if schedule == "interleaved" else ")"
     layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, counts[0], remat, schedule,
-                    virtual_stages, zero, sp, mesh.notes)
+                    virtual_stages, zero, sp, mesh.notes,
+                    host=eager_host(cluster, "eager", not cluster.device.efficiency.kernel_fusion))
     return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
                          mem_limit_bytes=mem_limit_bytes, solver=solver,
                          solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

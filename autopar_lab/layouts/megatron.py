@@ -26,7 +26,8 @@ from ..rematmode import is_full, is_selective, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
-from .engine import Layout, check_experts, cluster_running, microbatch_counts, price_fastest, stage_submesh
+from .engine import (Layout, check_experts, cluster_running, eager_host, microbatch_counts, price_fastest,
+                     stage_submesh)
 
 if TYPE_CHECKING:
     from ..cluster import Cluster
@@ -83,7 +84,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   micro_batch_size: int | None = None, sharding: str = "megatron", lean: bool = True,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   tp_comm_overlap: bool = False, overlap_moe_comm: bool = False,
-                  library_kernels: bool | None = None,
+                  library_kernels: bool | None = None, cuda_graphs: bool = False,
                   skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
@@ -124,7 +125,14 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     bias-GeLU / SwiGLU and norms: each kernel keeps its inputs and recomputes what it computes inside; a GPT layer
     keeps Korthikanti et al.'s 34 bytes a token and hidden unit less the dropout masks), False what JAX's autodiff
     keeps, None the cluster's (``table``'s) own :class:`~autopar_lab.cluster.Efficiency` setting (False on every
-    preset: a plan the library runs keeps what autodiff keeps)."""
+    preset: a plan the library runs keeps what autodiff keeps).
+
+    With ``library_kernels`` (Megatron-LM's own stack priced, not the library's XLA programs) on a GPU, Megatron's
+    eager host is priced too: it launches every kernel from Python through Transformer Engine's modules, so a
+    stage's microbatch lasts at least its kernels times the fitted host time per kernel
+    (:mod:`autopar_lab.backends.eager`; explain()'s host term). ``cuda_graphs``: True (``--enable-cuda-graph``: the
+    step's kernels replayed from a graph) prices the GPU's time alone; without ``library_kernels`` the plan is the
+    layout as this library runs it (XLA executables: no host term either way)."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -176,7 +184,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, counts[0], remat, schedule,
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
-                    lean=checks.flag(lean, "lean"), overlap=overlap)
+                    lean=checks.flag(lean, "lean"), overlap=overlap,
+                    host=eager_host(cluster, "eager-te", cluster.device.efficiency.library_kernels
+                                    and not checks.flag(cuda_graphs, "cuda_graphs")))
     return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
                          mem_limit_bytes=mem_limit_bytes, solver=solver,
                          solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

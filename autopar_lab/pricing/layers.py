@@ -55,7 +55,9 @@ class LayerCost:
     rotary embedding), which the policy keeps for the recomputation. torchtitan's op-level policy (remat
     ``"selective-op"``, :func:`~autopar_lab.graph.attention.alternate_matmuls`) drops, beyond "dots", every other
     matmul of a block: ``op_act_bytes`` (those matmuls' outputs that "dots" keeps), ``op_fwd_s`` (their forward,
-    which the backward runs again), ``op_launch_s`` (their kernels' launches per microbatch).
+    which the backward runs again), ``op_launch_s`` (their kernels' launches per microbatch). ``attn_kernels``,
+    ``dots_kernels``, ``op_kernels``: those kernels' counts per microbatch (what a host launching each kernel pays
+    for again: :func:`~autopar_lab.pricing.stage.host_stretch`).
 
     Collective latency: ``collectives_fwd``/``collectives_bwd``, the collectives a microbatch issues in each pass
     (tensor-parallel all-reduces, activation resharding: every collective but the once-a-step ones, the weight-gradient
@@ -111,6 +113,9 @@ class LayerCost:
     op_act_bytes: float = 0.0
     op_fwd_s: float = 0.0
     op_launch_s: float = 0.0
+    attn_kernels: int = 0
+    dots_kernels: int = 0
+    op_kernels: int = 0
     latency_fwd_s: float = 0.0
     latency_bwd_s: float = 0.0
     collectives_fwd: int = 0
@@ -175,7 +180,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
              latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0, f32=(0.0, 0.0),
-             op_act=0.0, op_fwd=0.0, op_lf=0.0,
+             op_act=0.0, op_fwd=0.0, op_lf=0.0, attn_k=0, dots_k=0, op_k=0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -255,6 +260,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 a[f"{key}_fwd"] += s.cost
                 if role is not None and role.root:
                     a[f"{key}_lf"] += launch
+                    a[f"{key}_k"] += 1
         for kind, nbytes in memory_terms(graph, node, s, mshape, fused, library_kernels=library):
             a[kind] += nbytes
             if internal and kind == "act":
@@ -320,6 +326,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              attn_act_bytes=a["attn_act"], attn_fwd_s=a["attn_fwd"], attn_launch_s=a["attn_lf"],
                              dots_act_bytes=a["dots_act"], dots_fwd_s=a["dots_fwd"], dots_launch_s=a["dots_lf"],
                              op_act_bytes=a["op_act"], op_fwd_s=a["op_fwd"], op_launch_s=a["op_lf"],
+                             attn_kernels=a["attn_k"], dots_kernels=a["dots_k"], op_kernels=a["op_k"],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"],
                              f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1],

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
-from ..backends import cpu_cost, host_of_stages, program_rereads_s
+from ..backends import cpu_cost, host_launch_s, host_of_stages, program_rereads_s
 from ..planvalues import CostReport, Stage
 from ..precision import precision_note
 from ..rematmode import is_full, recomputes, remat_value
@@ -27,12 +27,13 @@ from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, makespan_floor, simulate
 from ..solve.inter import transfer_s
 from .incremental import split_layer_costs
-from .stage import hidden_comm_s, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
+from .stage import hidden_comm_s, host_stretch, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 from .overlap import overlap_layer_costs, paired_share
 from .zero import zero_layer_costs
 
 if TYPE_CHECKING:
+    from ..solve.inter import StageCandidate
     from ..solve.intra import IntraPlan
     from .layers import LayerCost
     from .table import CostTable
@@ -174,7 +175,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
                  zero: int | None = None, skip_above: float = math.inf,
-                 overlap: Sequence[str] | None = None) -> Priced:
+                 overlap: Sequence[str] | None = None, host: str | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -195,6 +196,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     ``--overlap-param-gather``, ``--tp-comm-overlap`` and ``--overlap-moe-expert-parallel-comm``;
     :mod:`~autopar_lab.pricing.overlap` says how each is
     priced); None: the layer costs as they are (the weight-gradient collectives hidden, nothing else).
+    ``host``: how the plan's framework launches its kernels (a plan's ``stage_pins["host"]``): "eager", each from
+    Python (:mod:`autopar_lab.backends.eager`: a stage's microbatch lasts at least its kernels times the fitted host
+    time per kernel, :func:`~autopar_lab.pricing.stage.host_stretch`; the cost report's ``host_s`` is what that
+    adds to the busiest stage); None: a compiled program, the GPU's time alone.
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
     raised (the planner's ranking of several plans by simulation).
@@ -211,6 +216,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
+    per_kernel = host_launch_s(host)
     priced, per_stage, stage_sums, hidden = [], [], [], []
     chosen: list[str] = []  # each stage's solution
     # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
@@ -247,6 +253,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                     sums = prefix_sums(costs)
         priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
                                             microbatches, spec.remat, intra))
+        if per_kernel:
+            priced[-1] = hosted(priced[-1], sums, (spec.layers[0], spec.layers[1]), per_kernel)
         # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
         # interleaved: each chunk is priced as a stage of its own).
         hid_sync = hid_gather = launches = colls = latency = 0.0
@@ -280,8 +288,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     wgrad = [0.0] * p
     if v > 1:
         # Every chunk is priced as a stage of its own on its stage's mesh (its own tasks, overheads and entry).
-        parts = [[table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh, microbatches, st.remat,
-                                        st.payload) for a, b in chunks[k]] for k, st in enumerate(priced)]
+        parts = [[hosted(table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh, microbatches,
+                                               st.remat, st.payload), stage_sums[k], (a, b), per_kernel)
+                  for a, b in chunks[k]] for k, st in enumerate(priced)]
         order = [parts[c % p][c // p] for c in range(p * v)]
         sim = dict(fwd=[c.fwd_s for c in order], bwd=[c.bwd_s for c in order], act=[c.act_bytes for c in order],
                    static=[c.static_bytes for c in order])
@@ -324,6 +333,16 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                                  chunks=tuple(chunks[k]) if v > 1 else (), wgrad_s=wgrad[k], solution=chosen[k]))
     b = plan_stages[busiest]
     busy = tl.busy_s[busiest]
+    host_s = 0.0
+    if per_kernel:
+        # What the host adds to the busiest stage's busy time: each of its chunks' microbatch stretched to its
+        # kernels' host time, less the same chunk priced on the GPU's time alone.
+        st = priced[busiest]
+        for first, last in chunks[busiest]:
+            gpu = table.stage_from_sums(stage_sums[busiest], first, last, st.submesh, st.logical_mesh, microbatches,
+                                        st.remat, st.payload)
+            both = hosted(gpu, stage_sums[busiest], (first, last), per_kernel)
+            host_s += microbatches * (both.fwd_s + both.bwd_s - gpu.fwd_s - gpu.bwd_s)
     # Communication hidden behind compute is not in the busy time: only what shows is split.
     hid_sync, hid_gather, kernels, colls, latency, tasks_s, rereads_s = hidden[busiest]
     # The stage's comm_s counts each per-microbatch collective's latency once a step; its busy time pays it every
@@ -333,8 +352,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     comm = max(b.comm_s - hid_sync, 0.0) + max(latency - once, 0.0)
     reshard = max(b.reshard_s - hid_gather, 0.0)
     work = b.compute_s + comm + reshard
-    # The busiest stage's busy time, split in proportion to its terms (launch overheads and recomputation included).
-    scale = busy / work if work > 0 else 0.0
+    # The busiest stage's busy time less its host wait, split in proportion to its terms (launch overheads and
+    # recomputation included).
+    scale = (busy - host_s) / work if work > 0 else 0.0
     cost = CostReport(
         step_time_s=tl.makespan,
         compute_s=b.compute_s * scale,
@@ -342,6 +362,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         reshard_s=reshard * scale,
         stage_comm_s=sum(sends) + sum(sends),
         bubble_s=tl.makespan - busy,
+        host_s=host_s,
+        host_launch_s=per_kernel,
         peak_mem_bytes=tuple(tl.peak_mem_bytes),
         mem_limit_bytes=mem,
         samples_per_s=table.batch_size / tl.makespan if tl.makespan > 0 else math.inf,
@@ -357,6 +379,20 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         precision=precision_note(table.solve_graph),
     )
     return Priced(tuple(plan_stages), cost, schedule, v)
+
+
+def hosted(cand: StageCandidate, sums: Mapping[str, Sequence[float]], layers: tuple[int, int],
+           per_kernel: float) -> StageCandidate:
+    """``cand`` (layers ``layers`` priced from running sums ``sums``) as an eager host runs it: its forward and
+    backward stretched until they last as long as the host takes to launch their kernels, ``per_kernel`` seconds
+    each (:func:`~autopar_lab.pricing.stage.host_stretch`); ``cand`` itself where ``per_kernel`` is 0."""
+    if not per_kernel:
+        return cand
+    first, last = layers
+    span: dict[str, Any] = {f: run[last + 1] - run[first] for f, run in sums.items() if is_running_sum(f)}
+    span["host_launch_s"] = per_kernel
+    stretch = host_stretch(span, cand.fwd_s, cand.bwd_s, cand.remat)
+    return dataclasses.replace(cand, fwd_s=cand.fwd_s * stretch, bwd_s=cand.bwd_s * stretch)
 
 
 def table_of(plan: Any) -> CostTable:

@@ -46,7 +46,8 @@ SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy
               "bwd_compute_s", "sync_s", "gather_s", "launch_fwd_s", "launch_bwd_s", "ckpt_bytes", "temp_bytes",
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "dots_act_bytes", "dots_fwd_s",
               "dots_launch_s", "op_act_bytes", "op_fwd_s", "op_launch_s", "latency_fwd_s", "latency_bwd_s",
-              "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s", "opt_bytes")
+              "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s", "opt_bytes", "attn_kernels",
+              "dots_kernels", "op_kernels")
 
 #: The layer-cost fields a stage takes the largest of over its layers, not the sum (:func:`range_max`): the
 #: backend's float32 copies of a matmul, whose buffers the next matmul reuses.
@@ -228,6 +229,9 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     internals; "dots": one layer's tensors other than the matmuls' outputs).
     ``remat``: False (none), True (full), "selective", "dots" or "selective-op" (:func:`partial_keys`).
 
+    A plan whose framework launches every kernel from an eager host has these times stretched afterwards
+    (:func:`host_stretch`, by :func:`~autopar_lab.pricing.price.price_stages`).
+
     >>> t = dict(fwd_s=4.0, bwd_s=8.0, static_bytes=10.0, act_bytes=6.0, heavy_fwd=2, heavy_bwd=4,
     ...          fwd_compute_s=4.0, bwd_compute_s=6.0, sync_s=2.0, gather_s=0.0, launch_fwd_s=1e-5,
     ...          launch_bwd_s=2e-5, ckpt_bytes=2.0, temp_bytes=0.0, layers=2)
@@ -292,6 +296,39 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     if isinstance(update, np.ndarray) or update:
         static = _maximum(static, totals["static_bytes"] + update - act)
     return fwd + task_s + args, bwd + task_s + task_s / B + 3 * args, static, act
+
+
+def host_kernels(totals: Mapping[str, Any], remat: Any) -> Any:
+    """Kernels a stage's host launches per microbatch (its forward's, its backward's and what the backward
+    recomputes: the whole forward again (full), or the attention internals', "dots"' or "selective-op"'s kernels),
+    from a range's totals of :data:`SUM_FIELDS` (floats or broadcastable arrays). The optimizer's update, once a
+    step in a few fused multi-tensor kernels, is left out.
+
+    >>> host_kernels(dict(heavy_fwd=10, heavy_bwd=20, attn_kernels=3), "selective"), host_kernels(dict(heavy_fwd=10,
+    ...     heavy_bwd=20), True)
+    (33, 40)
+    """
+    again = totals["heavy_fwd"] if is_full(remat) else sum((totals[f"{key}_kernels"] for key in partial_keys(remat)),
+                                                           0)
+    return totals["heavy_fwd"] + totals["heavy_bwd"] + again
+
+
+def host_stretch(totals: Mapping[str, Any], fwd_s: Any, bwd_s: Any, remat: Any) -> Any:
+    """How much a stage's forward and backward of one microbatch stretch when a host launches each of their kernels
+    one by one (eager PyTorch; ``totals["host_launch_s"]`` seconds a kernel, 0: never host-bound): the host runs
+    ahead of the GPU as far as the kernels let it (a microbatch's forward and backward are launched without waiting
+    for the GPU), so the pair takes ``max(fwd_s + bwd_s, kernels x host_launch_s)`` (:func:`host_kernels`), each
+    task stretched by the same factor (1: the GPU is the bound).
+
+    >>> t = dict(heavy_fwd=100, heavy_bwd=200, host_launch_s=1e-4)
+    >>> host_stretch(t, 0.015, 0.03, False), host_stretch(t, 0.001, 0.002, False)   # 45 ms of GPU time; 3 ms
+    (1.0, 10.0)
+    """
+    host = host_kernels(totals, remat) * totals["host_launch_s"]
+    pair = fwd_s + bwd_s
+    if isinstance(pair, np.ndarray) or isinstance(host, np.ndarray):
+        return np.where(pair > 0, np.maximum(host / np.where(pair > 0, pair, 1.0), 1.0), 1.0)
+    return max(host / pair, 1.0) if pair > 0 else 1.0
 
 
 def recompute_s(stage: Any, sums: Mapping[str, Sequence[float]], microbatches: int, task_s: float) -> float:

@@ -28,8 +28,9 @@ from .fmt import fmt_bytes, fmt_delta_bytes, fmt_delta_s, fmt_pct, fmt_rate, fmt
 from .utilisation import utilisation, utilisation_html
 
 def cost_terms(cost) -> dict[str, float]:
-    """The four terms that add up to the step time."""
-    return {"compute": cost.compute_s, "collectives": cost.comm_s, "resharding": cost.reshard_s,
+    """The terms that add up to the step time (the host's wait only for a plan run by an eager host)."""
+    host = {"host": cost.host_s} if getattr(cost, "host_launch_s", 0.0) else {}
+    return {"compute": cost.compute_s, "collectives": cost.comm_s, "resharding": cost.reshard_s, **host,
             "bubble": cost.bubble_s}
 
 
@@ -65,7 +66,11 @@ def explain_text(cost) -> str:
             f"collectives {fmt_s(cost.comm_s)} (including the latency of {getattr(cost, 'collectives', 0):,} "
             f"collectives a step, {fmt_s(getattr(cost, 'collective_latency_s', 0.0))}: each microbatch pays its "
             f"own) + resharding {fmt_s(cost.reshard_s)} (over all microbatches, what is "
-            f"not hidden) + bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, waiting for "
+            f"not hidden) "
+            + (f"+ host {fmt_s(cost.host_s)} (the GPU waiting on an eager host: {getattr(cost, 'kernels', 0):,} "
+               f"kernels a step x {cost.host_launch_s * 1e6:.3g} us launched from Python) "
+               if getattr(cost, "host_launch_s", 0.0) else "")
+            + f"+ bubble {fmt_s(cost.bubble_s)} (that stage idle: pipeline fill and drain, waiting for "
             f"transfers); stage transfers cost {fmt_s(cost.stage_comm_s)} per microbatch round trip in all; "
             f"{fmt_s(getattr(cost, 'hidden_comm_s', 0.0))} of communication runs hidden behind compute (gradient "
             "reduction behind the last backward, parameter gathers behind the forward)")
@@ -77,6 +82,8 @@ def breakdown_html(before, after) -> str:
     terms = [("compute", "compute_s"), ("collectives", "comm_s"),
              ("of which collective latency (every microbatch)", "collective_latency_s"), ("resharding", "reshard_s"),
              ("bubble", "bubble_s"),
+             *([("waiting on the eager host (kernels x host time a kernel)", "host_s")]
+               if getattr(after, "host_launch_s", 0.0) else []),
              ("stage transfers (overlapped, inside the bubble)", "stage_comm_s"),
              ("communication hidden behind compute (not in the step)", "hidden_comm_s"), ("step time", "step_time_s")]
     rows = [(label, f, getattr(after, f), getattr(before, f) if before is not None else None) for label, f in terms]
