@@ -135,6 +135,7 @@ def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_dashboard_
         procs = _group_processes(head.ray_group)
         lines = [" ".join(c) for c in procs.values()]
         assert not [c for c in lines if "autoscaler/_private/monitor.py" in c or "log_monitor.py" in c], lines
+        assert not [c for c in lines if "ray.util.client.server" in c], lines  # no Ray Client server (rayhead)
         # Ray always runs its API server (dashboard.py); without the dashboard it serves no page, one module
         api = [c for c in lines if "dashboard/dashboard.py" in c]
         assert len(api) == 1 and "--disable-frontend" in api[0] and "--modules-to-load=UsageStatsHead" in api[0]

@@ -23,8 +23,9 @@ def test_head_args_choose_every_agent_port_and_start_no_dashboard_nor_monitors(t
     assert _flag(args, "include-log-monitor") == "false"
     assert _flag(args, "num-cpus") == "2" and _flag(args, "object-store-memory") == str(10**8)
     ports = [int(_flag(args, n)) for n in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                           "metrics-export-port", "runtime-env-agent-port", "ray-client-server-port")]
+                                           "metrics-export-port", "runtime-env-agent-port")]
     assert all(p > 0 for p in ports) and not set(ports) & {52365, 10001, 8265}  # none of Ray's fixed defaults
+    assert not [a for a in args if a.startswith("--ray-client-server-port")]  # no Ray Client server to place
     for p in ports:  # free when chosen
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))

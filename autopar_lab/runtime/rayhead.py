@@ -36,6 +36,16 @@ __all__ = ["RayHead", "HeadFailed", "HEAD_ENV_DEFAULTS", "head_args", "head_env"
 
 READY = "Ray runtime started."  # what `ray start` prints once the head is up (its log is ours to read)
 
+# `ray start` as the watcher runs it: without Ray Client's server. `ray start` has no flag for that: it starts the
+# server whenever Ray Client's packages are installed (on port 10001 unless told another, and port 0 is refused),
+# though the library's drivers connect to the GCS and nothing here uses ray://. The server is a Python process that
+# imports all of Ray: measured on the shared 2-core machine (load 5-6), 5.0 CPU-s of a head's 17.7 while it starts.
+# Told that the client's packages are missing, `ray start` leaves it out. (A Ray that renamed the check would start
+# it on 10001 again: tests/test_ray_lifecycle.py asserts that the head leaves Ray's default ports free.)
+RAY_START = ("import ray.scripts.scripts as s\n"
+             "s.get_ray_client_dependency_error = lambda: 'the embedded head runs no Ray Client server'\n"
+             "s.main()")
+
 
 class HeadFailed(RuntimeError):
     """The head did not start (it exited, or did not come up in time); the message carries its last log lines."""
@@ -75,9 +85,9 @@ def head_args(port: int, ray_temp_dir: str, *, num_cpus: int | None = None,
             "--min-worker-port=0", "--max-worker-port=0",
             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}",
             # A fixed single-machine cluster needs no autoscaler; drivers connect with log_to_driver=False, so
-            # nobody reads the log monitor's stream: two Python processes fewer to start on a busy machine.
+            # nobody reads the log monitor's stream: two Python processes fewer to start on a busy machine. No Ray
+            # Client server either (RAY_START: drivers connect to the GCS, never through ray://).
             "--no-monitor", "--include-log-monitor=false"]
     if num_cpus is not None:
         args.append(f"--num-cpus={int(num_cpus)}")
@@ -267,7 +277,7 @@ def main(argv=None) -> int:
     owner = os.getppid()
     heard: list[bytes] = []
     # A session of its own: Ray's shutdown signals its whole process group, which must not include this watcher.
-    child = subprocess.Popen([sys.executable, "-c", "from ray.scripts.scripts import main; main()", *ray_args],
+    child = subprocess.Popen([sys.executable, "-c", RAY_START, *ray_args],
                              stdin=subprocess.DEVNULL, start_new_session=True)
     with open(os.path.join(head_dir, "ray.pgid"), "w") as f:
         f.write(str(child.pid))
