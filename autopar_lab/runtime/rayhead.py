@@ -40,11 +40,19 @@ READY = "Ray runtime started."  # what `ray start` prints once the head is up (i
 # server whenever Ray Client's packages are installed (on port 10001 unless told another, and port 0 is refused),
 # though the library's drivers connect to the GCS and nothing here uses ray://. The server is a Python process that
 # imports all of Ray: measured on the shared 2-core machine (load 5-6), 5.0 CPU-s of a head's 17.7 while it starts.
-# Told that the client's packages are missing, `ray start` leaves it out. (A Ray that renamed the check would start
-# it on 10001 again: tests/test_ray_lifecycle.py asserts that the head leaves Ray's default ports free.)
-RAY_START = ("import ray.scripts.scripts as s\n"
-             "s.get_ray_client_dependency_error = lambda: 'the embedded head runs no Ray Client server'\n"
-             "s.main()")
+# Told that the client's packages are missing, `ray start` leaves it out. A Ray without that check (Ray 2.60 has it)
+# gets a free port for the server, as before, never Ray's fixed 10001 (tests/test_ray_lifecycle.py asserts that the
+# head leaves Ray's default ports free).
+RAY_START = """import socket, sys
+import ray.scripts.scripts as s
+if hasattr(s, "get_ray_client_dependency_error"):
+    s.get_ray_client_dependency_error = lambda: "the embedded head runs no Ray Client server"
+else:
+    with socket.socket() as k:
+        k.bind(("127.0.0.1", 0))
+        sys.argv.append(f"--ray-client-server-port={k.getsockname()[1]}")
+s.main()
+"""
 
 
 class HeadFailed(RuntimeError):
