@@ -124,17 +124,19 @@ def test_a_stage_holds_only_its_own_state(tiny):
 @pytest.mark.slow
 def test_gpt350m_shape_trains_on_8_devices_within_a_memory_bound(capfd):
     """gpt-350m's layers, hidden size and vocabulary (4 layers; sequence 256 and batch 2, scaled from 1024 x 16 to run
-    beside other jobs), tp4 x pp2 on the ``cpu`` preset: two steps train, every device's live state between steps is
-    its stage's parameters and optimizer state as the plan prices them, and the step's peak per device stays within
-    the bound below: each stage within 20% of its prediction: the first, whose peak is its update program (it copies
-    its Adam state: priced by backends.cpu); the last, whose peak is its backward: its vocabulary matmuls' float32
-    copies (backends.cpu) and the tied embedding it receives from the first stage with that weight's float32
+    beside other jobs), tp4 x pp2 on the ``cpu`` preset: two steps train, every device's live state between them is
+    its stage's parameters and optimizer state as the plan prices them, and the second step's peak per device stays
+    within the bound below: each stage within 20% of its prediction: the first, whose peak is its update program (it
+    copies its Adam state: priced by backends.cpu); the last, whose peak is its backward: its vocabulary matmuls'
+    float32 copies (backends.cpu) and the tied embedding it receives from the first stage with that weight's float32
     gradient it returns (75 MiB a device, pricing.layers.shared_weights), 1.18x (1.54x before the tied weight was
     priced, 2.25x before the CPU's terms; see bench/JOURNAL.md)."""
     model = al.models.get("gpt-350m", batch_size=2, num_layers=4, seq_len=256)
     plan = al.megatron_plan(model, al.Cluster.preset("cpu", hosts=1), dp=1, tp=4, pp=2)
     runner = al.execute(plan, model, timing=False)
-    losses = runner.train(2)
+    # One step, the state checked, then measure_memory's step: two steps, as when two were trained before it (a
+    # third step measured nothing more: the programs are compiled by the first, the state is the same after each).
+    losses = runner.train(1)
     assert all(np.isfinite(losses))
     # the tp4 x pp2 stage programs of issue 35 no longer copy their inputs through full replication
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
@@ -146,6 +148,7 @@ def test_gpt350m_shape_trains_on_8_devices_within_a_memory_bound(capfd):
         for d in st:
             assert abs(live[d] / state - 1) <= 0.05, (k, d, live[d], state)
     mem = runner.measure_memory()
+    assert len(runner.losses) == 2 and np.isfinite(mem["loss"])
     ratios = [s["measured_bytes"] / s["predicted_bytes"] for s in mem["stages"]]
     assert all(abs(r - 1) <= 0.20 for r in ratios), ratios
     # The step's own growth of the process (a test worker holds earlier tests' caches too, so not its total): at most
