@@ -84,7 +84,7 @@ def solve_ilp(problem: IntraProblem, *, solver: str = "cbc", time_limit: float |
 
     Args:
         solver: ``"cbc"`` (PuLP's bundled CBC, as Alpa), ``"highs"`` (HiGHS through highspy, the
-            model built as numpy arrays by :mod:`autopar_lab.solve.highs_direct`: the fast path) or
+            model built as numpy arrays by :mod:`autopar_lab.solve.ilp.highs_direct`: the fast path) or
             ``"highs-pulp"`` (HiGHS through PuLP's model, a reference for the direct build).
         time_limit: seconds; when hit, the best plan found is returned with status
             ``"time_limit"`` and ``gap`` = (objective - bound) / objective, the bound read
