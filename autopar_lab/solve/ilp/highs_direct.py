@@ -82,48 +82,15 @@ class _Rows:
 
     def add(self, cols, vals, lo, hi):
         cols = np.asarray(cols, dtype=np.int32)
-        self.idx.append(cols)
-        self.val.append(np.asarray(vals, dtype=float))
-        self.len.append(np.array([cols.size], dtype=np.int64))
-        self.lo.append(np.array([lo], dtype=float))
-        self.hi.append(np.array([hi], dtype=float))
+        self.add_block(cols, np.asarray(vals, dtype=float), np.array([cols.size], dtype=np.int64),
+                       np.array([lo], dtype=float), np.array([hi], dtype=float))
 
-    def add_groups(self, cols, group, own, count):
-        """``count`` equality rows: row g is sum(cols where group == g) - own[g] = 0 (``group`` sorted; entries
-        with group >= count are left out)."""
-        keep = group < count
-        cols, group = cols[keep], group[keep]
-        sizes = np.bincount(group, minlength=count)
-        ends = np.cumsum(sizes)
-        self.idx.append(np.insert(cols.astype(np.int32), ends, own[:count].astype(np.int32)))
-        self.val.append(np.insert(np.ones(cols.size), ends, -1.0))
-        self.len.append(sizes.astype(np.int64) + 1)
-        self.lo.append(np.zeros(count))
-        self.hi.append(np.zeros(count))
-
-    def add_group_blocks(self, blocks):
-        """:meth:`add_groups` for many blocks ``(cols, group, own, count)`` at once, the rows in the same order and
-        with the same entries (a sort by row, stable, in place of one ``np.insert`` per block: a reduced model has
-        thousands of pair edges)."""
-        rid, col, own_rid, own_col, off = [], [], [], [], 0
-        for cols, group, own, count in blocks:
-            keep = group < count
-            rid.append(group[keep].astype(np.int64) + off)
-            col.append(cols[keep].astype(np.int32))
-            own_rid.append(np.arange(off, off + count, dtype=np.int64))
-            own_col.append(own[:count].astype(np.int32))
-            off += count
-        if not off:
-            return
-        rows = np.concatenate(rid + own_rid)
-        n_in = sum(r.size for r in rid)
-        key = 2 * rows + (np.arange(rows.size) >= n_in)  # a row's own column after its pair columns
-        order = np.argsort(key, kind="stable")
-        self.idx.append(np.concatenate(col + own_col)[order])
-        self.val.append(np.where(order < n_in, 1.0, -1.0))
-        self.len.append(np.bincount(rows, minlength=off).astype(np.int64))
-        self.lo.append(np.zeros(off))
-        self.hi.append(np.zeros(off))
+    def add_block(self, idx, val, lengths, lo, hi):
+        self.idx.append(idx)
+        self.val.append(val)
+        self.len.append(lengths)
+        self.lo.append(lo)
+        self.hi.append(hi)
 
     def csr(self):
         lengths = np.concatenate(self.len) if self.len else np.zeros(0, dtype=np.int64)
@@ -136,6 +103,57 @@ class _Rows:
         return start, index, value, lo, hi
 
 
+class _Pattern:
+    """The pair columns and linking rows of every pair edge whose matrix has one shape and one set of finite
+    entries: ``P``/``Q`` the pair columns' domain indices (row-major, as ``np.nonzero``), and the edge's rows as a
+    template: entry ``k`` is column ``at[k]`` past the edge's first pair column (``side`` 0), past ``x_u[0]`` (1) or
+    past ``x_v[0]`` (2). An edge's rows are then a few array operations shared by all the edges of its pattern,
+    in place of a dozen numpy calls per edge (a DeepSeek-V3 mesh's model has ~700-1,300 pair edges in ~20
+    patterns)."""
+
+    __slots__ = ("P", "Q", "at", "side", "value", "lengths")
+
+    def __init__(self, finite: np.ndarray):
+        du, dv = finite.shape
+        P, Q = np.nonzero(finite)
+        P.setflags(write=False)  # shared by the edges of the pattern in ArrayModel.e
+        Q.setflags(write=False)
+        # Rows sum_q e[p, q] - x_u[p] = 0 for every p (P is sorted), then sum_p e[p, q] - x_v[q] = 0 for every q
+        # but the last (implied by the rows and the others); pair columns in column order, the node's column last.
+        size_u = np.bincount(P, minlength=du)
+        at_u = np.insert(np.arange(P.size), np.cumsum(size_u), np.arange(du))
+        side_u = np.insert(np.zeros(P.size, dtype=np.int64), np.cumsum(size_u), 1)
+        by_q = np.argsort(Q, kind="stable")
+        by_q = by_q[Q[by_q] < dv - 1]
+        size_v = np.bincount(Q[by_q], minlength=dv - 1)
+        at_v = np.insert(by_q, np.cumsum(size_v), np.arange(dv - 1))
+        side_v = np.insert(np.zeros(by_q.size, dtype=np.int64), np.cumsum(size_v), 2)
+        self.P, self.Q = P, Q
+        self.at = np.concatenate([at_u, at_v])
+        self.side = np.concatenate([side_u, side_v])
+        self.value = np.where(self.side == 0, 1.0, -1.0)
+        self.lengths = np.concatenate([size_u, size_v]).astype(np.int64) + 1
+
+
+def _pair_rows(pats: list[_Pattern], pid: np.ndarray, first: np.ndarray):
+    """The linking rows of the pair edges in order, edge ``i`` of pattern ``pats[pid[i]]`` with its first pair
+    column, ``x_u[0]`` and ``x_v[0]`` in ``first[i]``: (column indices, values, row lengths)."""
+    n_ent = np.array([p.at.size for p in pats], dtype=np.int64)[pid]
+    n_row = np.array([p.lengths.size for p in pats], dtype=np.int64)[pid]
+    ent_off = np.cumsum(n_ent) - n_ent
+    row_off = np.cumsum(n_row) - n_row
+    index = np.empty(int(n_ent.sum()), dtype=np.int32)
+    value = np.empty(index.size)
+    lengths = np.empty(int(n_row.sum()), dtype=np.int64)
+    for k, pat in enumerate(pats):
+        es = np.flatnonzero(pid == k)
+        pos = ent_off[es, None] + np.arange(pat.at.size)
+        index[pos] = first[es][:, pat.side] + pat.at
+        value[pos] = pat.value
+        lengths[row_off[es, None] + np.arange(pat.lengths.size)] = pat.lengths
+    return index, value, lengths
+
+
 def build(problem: IntraProblem, *, min_memory: bool) -> ArrayModel | None:
     """The reduced model (see :func:`autopar_lab.solve.ilp.pulp_model.build`, which this mirrors term for term);
     None when the reductions already prove that no plan is allowed."""
@@ -146,42 +164,52 @@ def build(problem: IntraProblem, *, min_memory: bool) -> ArrayModel | None:
     edges, rows, dom, scale = reduced
     limit = math.inf if min_memory else problem.mem_limit
 
-    ncol = 0
-    x: dict[int, np.ndarray] = {}
-    lin: dict[int, np.ndarray] = {}
-    out = _Rows()
-    for v, d in enumerate(dom):
-        if d.size > 1:
-            x[v] = np.arange(ncol, ncol + d.size, dtype=np.int32)
-            ncol += d.size
-            lin[v] = np.zeros(d.size) if min_memory else problem.node_costs[v][d].astype(float)
-            out.add(x[v], np.ones(d.size), 1.0, 1.0)
+    # Columns: each undecided node's binaries (node order), then each pair edge's pair columns (edge order).
+    multi = [v for v, d in enumerate(dom) if d.size > 1]
+    size = np.array([dom[v].size for v in multi], dtype=np.int64)
+    nx = int(size.sum())
+    x0 = np.full(len(dom), -1, dtype=np.int64)  # each node's first column
+    x0[multi] = np.cumsum(size) - size
+    lin: dict[int, np.ndarray] = {
+        v: np.zeros(dom[v].size) if min_memory else problem.node_costs[v][dom[v]].astype(float) for v in multi}
 
-    e_cost: list[np.ndarray] = []
-    e_list = []
-    blocks = []
+    pats: list[_Pattern] = []
+    pat_of: dict[tuple, int] = {}
+    seen: dict[int, tuple] = {}  # per matrix object (identical layers' edges share theirs): its pattern, its costs
+    us, vs, pids, e_cost = [], [], [], []
     for u, v, r in pair_edges(edges, dom, lin, min_memory=min_memory):
-        du, dv = dom[u], dom[v]
-        P, Q = np.nonzero(np.isfinite(r))  # row-major: the PuLP builder's variable order
-        cols = np.arange(ncol, ncol + P.size, dtype=np.int32)
-        ncol += P.size
-        e_cost.append(r[P, Q] / scale)
-        # Rows sum_q e[p, q] - x_u[p] = 0 (P is sorted: np.nonzero walks row-major), then
-        # sum_p e[p, q] - x_v[q] = 0 for every q but the last (implied by the rows and the others).
-        blocks.append((cols, P, x[u], du.size))
-        order = np.argsort(Q, kind="stable")
-        blocks.append((cols[order], Q[order], x[v][:-1], dv.size - 1))
-        e_list.append((u, v, P, Q, cols))
-    out.add_group_blocks(blocks)
+        hit = seen.get(id(r))
+        if hit is None or hit[0] is not r:
+            finite = np.isfinite(r)
+            key = (r.shape, finite.tobytes())
+            k = pat_of.get(key)
+            if k is None:
+                k = pat_of[key] = len(pats)
+                pats.append(_Pattern(finite))
+            hit = seen[id(r)] = (r, k, r[pats[k].P, pats[k].Q])
+        us.append(u)
+        vs.append(v)
+        pids.append(hit[1])
+        e_cost.append(hit[2])
+    pid = np.array(pids, dtype=np.int64)
+    n_pair = np.array([p.P.size for p in pats], dtype=np.int64)[pid]
+    ncol = nx + int(n_pair.sum())
+    first = np.stack([nx + np.cumsum(n_pair) - n_pair, x0[us], x0[vs]], axis=1) if pids else np.zeros((0, 3), int)
+    allcol = np.arange(ncol, dtype=np.int32)
+    x = {v: allcol[s:s + n] for v, s, n in zip(multi, x0[multi].tolist(), size.tolist())}
+    e_list = [(u, v, pats[k].P, pats[k].Q, allcol[s:s + n])
+              for u, v, k, s, n in zip(us, vs, pids, first[:, 0].tolist(), n_pair.tolist())]
 
-    nx = sum(c.size for c in x.values())
+    out = _Rows()
+    out.add_block(allcol[:nx], np.ones(nx), size, np.ones(size.size), np.ones(size.size))  # one-hot rows
+    index, value, lengths = _pair_rows(pats, pid, first)
+    out.add_block(index, value, lengths, np.zeros(lengths.size), np.zeros(lengths.size))
+
     cost = np.zeros(ncol + (1 if min_memory else 0))
-    for v, c in lin.items():
-        cost[x[v]] = c / scale
-    off = nx
-    for c in e_cost:
-        cost[off:off + c.size] = c
-        off += c.size
+    if lin:
+        cost[:nx] = np.concatenate(list(lin.values())) / scale
+    if e_cost:
+        cost[nx:ncol] = np.concatenate(e_cost) / scale
     lower = np.zeros(cost.size)
     upper = np.ones(cost.size)
     integer = np.zeros(cost.size, dtype=bool)

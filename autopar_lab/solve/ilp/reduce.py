@@ -129,16 +129,19 @@ def reductions(problem: IntraProblem, *, min_memory: bool):
     # Objective scale: costs are seconds (1e-6 .. 1e2); solvers' absolute tolerances are
     # ~1e-7, so bring the largest coefficient to ~1.
     finite_costs = [float(np.abs(c[d]).max()) for c, d in zip(problem.node_costs, dom)]
-    seen: dict[int, tuple[np.ndarray, float | None]] = {}  # a matrix shared by many edges, whole: its maximum once
+    # The largest finite |entry| of every edge matrix on the domains: each matrix object once (one shared by many
+    # edges), those of one shape stacked (only the maximum over all of them counts: no per-edge numpy calls).
+    by_shape: dict[tuple, dict[int, np.ndarray]] = {}
     for (u, v), m in edges.items():
         r = restrict(m, dom[u], dom[v])
-        hit = seen.get(id(r))
-        if hit is None or hit[0] is not r:
-            fin = np.isfinite(r)
-            top = float(np.abs(r).max()) if fin.all() else float(np.abs(r[fin]).max()) if fin.any() else None
-            hit = seen[id(r)] = (r, top)
-        if hit[1] is not None:
-            finite_costs.append(hit[1])
+        by_shape.setdefault(r.shape, {}).setdefault(id(r), r)  # held here: ids stay unique
+    for shape, same in by_shape.items():
+        for part in _batches(list(same.values()), shape):
+            a = np.abs(np.stack(part))
+            a[a == np.inf] = -np.inf  # forbidden pairs do not count
+            top = float(a.max())
+            if top != -np.inf:
+                finite_costs.append(top)
     return edges, rows, dom, max(max(finite_costs, default=1.0), 1e-300)
 
 
@@ -168,15 +171,58 @@ def greedy(problem: IntraProblem, dom) -> tuple[int, ...] | None:
     return plan
 
 
+#: Entries per stack of same-shape matrices (32 MB of float64): what stacking them costs in memory stays bounded
+#: whatever the model (a batch of this size is already thousands of small matrices).
+_BATCH_ENTRIES = 1 << 22
+
+
+def _batches(items: list, shape: tuple) -> list[list]:
+    """``items`` (matrices of ``shape``) in runs of at most :data:`_BATCH_ENTRIES` entries (one at least)."""
+    per = max(1, _BATCH_ENTRIES // max(1, math.prod(shape)))
+    return [items[i:i + per] for i in range(0, len(items), per)]
+
+
+def _additive_all(mats: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """:func:`is_additive` of each matrix, the same answers and the same (a, b) (the same operations on each entry):
+    matrices of one shape are checked together, stacked, in place of a dozen numpy calls each (a DeepSeek-V3 mesh
+    has ~1,000 undecided edges, few of which share a matrix)."""
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(mats)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, r in enumerate(mats):
+        by_shape.setdefault(r.shape, []).append(i)
+    for shape, all_ids in by_shape.items():
+        for ids in _batches(all_ids, shape):
+            _additive_batch(mats, ids, out)
+    return out
+
+
+def _additive_batch(mats: list[np.ndarray], ids: list[int], out: list) -> None:
+    """:func:`_additive_all` for ``mats[i]``, ``i`` in ``ids`` (one shape), into ``out[i]``."""
+    R = np.stack([mats[i] for i in ids])
+    fin = np.isfinite(R).all(axis=(1, 2))
+    ids = [i for i, f in zip(ids, fin.tolist()) if f]
+    if not ids:
+        return
+    R = R[fin]
+    a = R[:, :, 0] - R[:, :1, 0]
+    b = R[:, 0, :].copy()  # not a view: the stack goes when this returns
+    scale = np.maximum(np.abs(R).max(axis=(1, 2)), 1e-300)
+    ok = np.all(np.abs(R - (a[:, :, None] + b[:, None, :])) <= 1e-12 * scale[:, None, None], axis=(1, 2))
+    for k, i in enumerate(ids):
+        if ok[k]:
+            out[i] = (a[k], b[k])
+
+
 def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
     """The edges that need Alpa's pair variables, as (u, v, r) with ``r`` the edge's matrix on the nodes' allowed
     strategies; every other edge is folded into ``lin`` (each node's linear cost over its allowed strategies), in
-    place. Both model builders (PuLP and HiGHS direct) take the edges from here, so they build the same model.
+    place, in edge order. Both model builders (PuLP and HiGHS direct) take the edges from here, so they build the
+    same model.
 
     An edge between two decided nodes is a constant (evaluate() adds it back); with one side decided it is a linear
     term on the other; an additive matrix is two linear terms. When minimising memory only the forbidden pairs
     matter (their costs are dropped)."""
-    additive: dict[int, tuple] = {}  # is_additive per matrix object: identical layers' edges share their matrices
+    todo = []  # (u, v, r, is r a matrix to test for additivity)
     for (u, v), m in edges.items():
         du, dv = dom[u], dom[v]
         if du.size == 1 and dv.size == 1:
@@ -186,18 +232,22 @@ def pair_edges(edges, dom, lin: dict[int, np.ndarray], *, min_memory: bool):
             if np.isfinite(r).all():
                 continue
             r = np.where(np.isfinite(r), 0.0, np.inf)
-        if du.size == 1:
+        todo.append((u, v, r, du.size > 1 and dv.size > 1))
+    # Additivity once per matrix object (identical layers' edges may share theirs), all of them at once.
+    index: dict[int, int] = {}
+    mats: list[np.ndarray] = []
+    for *_, r, both in todo:
+        if both and id(r) not in index:
+            index[id(r)] = len(mats)
+            mats.append(r)  # kept alive here: ids stay unique
+    additive = _additive_all(mats)
+    for u, v, r, both in todo:
+        if dom[u].size == 1:
             lin[v] += r[0]  # finite: arc consistency removed partners of inf pairs
-            continue
-        if dv.size == 1:
+        elif dom[v].size == 1:
             lin[u] += r[:, 0]
-            continue
-        hit = additive.get(id(r))
-        if hit is None or hit[0] is not r:
-            hit = additive[id(r)] = (r, is_additive(r))
-        ab = hit[1]
-        if ab is not None:
+        elif (ab := additive[index[id(r)]]) is not None:
             lin[u] += ab[0]
             lin[v] += ab[1]
-            continue
-        yield u, v, r
+        else:
+            yield u, v, r
