@@ -167,6 +167,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_a_given_layer_map_maps_operators_as_the_computed_one",
         "test_a_model_whose_copies_break_the_pattern_is_traced_in_full_with_the_same_table",
         "test_copies_that_break_the_pattern_give_no_derived_values",
+        "test_dense_first_layers_beyond_the_edge_are_read_off_deeper_copies",
         "test_derived_names_layer_map_and_cut_bytes_equal_the_full_trace",
         "test_layer_map_of_signatures_is_the_op_map_s_and_refuses_an_unknown_layer",
         "test_plans_are_the_same_with_and_without_derived_values",
@@ -199,6 +200,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "test_frameworks": {
         "test_a_configuration_file_is_read_by_its_path",
         "test_cli_bad_configuration_exits_2_with_one_sentence",
+        "test_expert_parallelism_round_trips_through_megatron_torchtitan_and_maxtext",
         "test_maxtext_round_trip_circular_pipeline_with_tensor_axis",
         "test_megatron_arguments_round_trip_interleaved_selective_sequence_parallel_zero1",
     },
@@ -271,6 +273,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_fsdp_plan_prices_torchtitans_llama3_8b_on_8_h100s",
         "test_fsdp_plan_with_tensor_and_pipeline_parallelism_is_torchtitans_4d_less_the_replicas",
         "test_maxtext_plan_prices_fsdp_with_tensor_parallelism_on_a_v5p_slice",
+        "test_microbatches_auto_keeps_the_fastest_micro_batch_size_that_fits",
         "test_roles_are_found_by_module_labels_and_dataflow_not_names",
         "test_sequence_parallel_reduce_scatters_what_tensor_parallel_all_reduces",
         "test_with_more_tensor_ranks_than_kv_heads_k_and_v_stay_whole",
@@ -371,6 +374,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_export_checkpoints_with_the_selective_policy",
         "test_megatron_selective_and_its_name",
         "test_resolve_keeps_a_selective_pin",
+        "test_selective_op_counts_matmuls_per_block_on_a_deep_model",
         "test_selective_stage_trains_like_one_device",
     },
     "test_session": {
@@ -386,6 +390,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_one_pool_solves_the_fast_and_then_the_lean_ilps_as_the_two_calls_do",
         "test_the_session_s_host_count_what_if_solves_only_the_new_meshes",
         "test_the_workers_of_a_table_never_collected_stop_with_it",
+        "test_the_workers_take_the_two_pass_meshes_first_and_solve_as_in_place",
     },
     "test_taskgraph": {
         "test_a_deep_model_keeps_every_layer_on_its_stage",
