@@ -582,7 +582,8 @@ COMMANDS: dict[str, tuple[Callable, Callable | None]] = {
 }
 
 
-CLUSTER_HELP = ("PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, dgx-h200, dgx-b200, h800: hosts of 8 GPUs; "
+CLUSTER_HELP = ("PRESET:HOSTS (p3.16xlarge, dgx-a100, dgx-h100, dgx-h200, dgx-b200, h800, "
+                "grand-teton-h100: hosts of 8 GPUs; "
                 "gb200-nvl72: trays of 4 GPUs, 18 a rack; cpu: this machine's JAX devices), "
                 "PRESET:CHIPS (tpu-v5e, tpu-v5p, tpu-v6e) or a JSON cluster file")
 

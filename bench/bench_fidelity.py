@@ -43,8 +43,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
   sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
 * torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False)`` (eager:
-  no torch.compile; torchtitan's selective is its op-level policy, ``"selective-op"``) on ``dgx-h100`` with the
-  run's H100 (96 GB HBM2e at 2.4 TB/s);
+  no torch.compile; torchtitan's selective is its op-level policy, ``"selective-op"``) on ``grand-teton-h100``, the
+  run's H100 (96 GB HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
@@ -261,15 +261,16 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
 
 def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
     return Today(f"torchtitan-8b-{gpus}", "torchtitan llama3_h100_202412", "fsdp", "llama3-8b",
-                 dict(seq_len=8192, batch_size=2 * gpus), "dgx-h100", gpus // 8,
+                 dict(seq_len=8192, batch_size=2 * gpus), "grand-teton-h100", gpus // 8,
                  dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False), gpus, tokens,
-                 "tokens_per_device", cluster_kw=dict(memory_bytes=96 * GIB, memory_bandwidth=2.4e12),
-                 mem_gib=mem_gib, assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
-                                          "output and every other mm's, recomputing the rest) priced as such "
-                                          "(remat 'selective-op': wk, wo and w3 run again in the backward); no "
-                                          "torch.compile: eager (compile=False, every "
-                                          "elementwise op a kernel through HBM); the 500 W cap (peak between the "
-                                          "SXM's and the NVL's, torchtitan's note) not modelled")
+                 "tokens_per_device", mem_gib=mem_gib,
+                 assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
+                         "output and every other mm's, recomputing the rest) priced as such "
+                         "(remat 'selective-op': wk, wo and w3 run again in the backward); no "
+                         "torch.compile: eager (compile=False, every "
+                         "elementwise op a kernel through HBM); the run's H100s as the grand-teton-h100 preset "
+                         "(96 GB HBM2e at 2.4 TB/s; the 500 W cap's peak, 886.8 BF16 TFLOP/s, between the SXM's "
+                         "and the NVL's as torchtitan's note puts it: linear in power between their datasheets)")
 
 
 _MAXTEXT_ASSUMED = ("attention='flash' as the run's script passes it (configs/v5p/32b.sh, 128b.sh); remat 'minimal' "

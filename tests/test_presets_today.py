@@ -141,6 +141,29 @@ def test_new_presets_carry_the_references_datasheet_figures(name):
         assert c.inter_host.bandwidth == 0.94 * 8 * 50 * GB  # IB 50 GB/s per GPU, 8 per node
 
 
+def test_torchtitans_h100_is_the_sxm_part_at_its_500_w_cap():
+    """grand-teton-h100 (torchtitan's benchmark machine): the SXM5 die with 96 GB HBM2e at 2.4 TB/s and a 500 W power
+    limit. Its peak is between the SXM's and the NVL's, as torchtitan's note says: linear in power between NVIDIA's
+    two datasheet ratings of the same 132 SMs (989.4 dense BF16 TFLOP/s at 700 W, 835.5 at the NVL's 400 W), and
+    every compute rate of the dgx-h100 scales by that one clock ratio; links and achievable fractions stay the
+    dgx-h100's."""
+    tt, sxm = Cluster.preset("grand-teton-h100", 16), Cluster.preset("dgx-h100", 16)
+    nvl_bf16, sxm_bf16 = 835.5e12, sxm.device.peak("bfloat16")
+    capped = nvl_bf16 + (sxm_bf16 - nvl_bf16) * (500 - 400) / (700 - 400)
+    assert tt.device.peak("bfloat16") == pytest.approx(capped, abs=0.05e12)
+    assert nvl_bf16 < tt.device.peak("bfloat16") < sxm_bf16
+    clock = capped / sxm_bf16
+    for rates in ("peak_flops", "vector_flops"):
+        ours, theirs = getattr(tt.device, rates), getattr(sxm.device, rates)
+        assert ours.keys() == theirs.keys()
+        assert all(ours[k] == pytest.approx(theirs[k] * clock, abs=0.05e12) for k in ours), rates
+    assert (tt.device.memory_bytes, tt.device.memory_bandwidth) == (96 * GIB, 2.4e12)
+    assert tt.device.efficiency == sxm.device.efficiency
+    assert (tt.intra_host, tt.inter_host, tt.devices_per_host) == (sxm.intra_host, sxm.inter_host, 8)
+    sources = json.loads((PRESET_DIR / "grand-teton-h100.json").read_text())["sources"]
+    assert "llama3_h100_202412_torchtitan" in sources["device.peak_flops"]
+
+
 def test_measured_matmul_rates_and_the_h100s_kept_one():
     mamf = {"dgx-h200": (794.5, 989), "h800": (794.5, 989), "dgx-b200": (1745, 2250), "gb200-nvl72": (1822, 2500)}
     for name, (achieved, peak) in mamf.items():

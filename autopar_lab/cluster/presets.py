@@ -32,7 +32,8 @@ __all__ = ["PRESET_DIR", "PRESETS", "GPU_PRESETS", "TPU_PRESETS", "SPEC_HELP", "
 
 #: Where the preset data files live (shipped in the wheel with the package).
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-GPU_PRESETS = ("p3.16xlarge", "dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "h800", "gb200-nvl72")
+GPU_PRESETS = ("p3.16xlarge", "dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "h800", "gb200-nvl72",
+               "grand-teton-h100")
 TPU_PRESETS = ("tpu-v5e", "tpu-v5p", "tpu-v6e")
 #: The names :meth:`Cluster.preset` and :meth:`Cluster.parse` accept (``cpu``: this machine, see
 #: :mod:`~autopar_lab.cluster.cpuprofile`).
