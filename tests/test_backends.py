@@ -106,14 +106,14 @@ def test_every_hook_of_the_cpu_module_says_what_fitted_it():
     """Each function and figure of backends.cpu that prices something is marked empirical with its measurement."""
     priced = {"kernel_share", "buffer_share", "task_array_s", "task_devices", "ONE_PROGRAM_SHARE", "runs_serially",
               "host_of_stages", "chain_read_s_per_byte", "read_again_s", "chain_pairs", "UPDATE_COPIES_SHARE",
-              "update_copies_bytes", "dot_f32_copies"}
+              "update_copies_bytes", "dot_f32_copies", "one_program_grads_bytes"}
     assert priced <= set(cpu.__all__)
     assert set(cpu.EMPIRICAL) == priced
     assert all(len(why) > 40 for why in cpu.EMPIRICAL.values())
     # the hooks module answers for each of them (no general module calls backends.cpu directly)
     assert {"kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share", "runs_serially",
             "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
-            "dot_f32_copies"} <= set(backends.__all__)
+            "dot_f32_copies", "one_program_grads_bytes"} <= set(backends.__all__)
 
 
 def test_an_old_profile_key_is_read_once(tmp_path):

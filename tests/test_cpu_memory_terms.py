@@ -6,13 +6,16 @@
 - a pipeline stage's update program: its temporaries as XLA compiles them against the priced share of the stage's
   optimizer state;
 - a deep model (24 layers, planned on its shallow copy): a stage holds its largest layer's copies, not their sum, and
-  an H100 plan's memory does not move.
+  an H100 plan's memory does not move;
+- a whole step run as one program (the runtime's "spmd" mode) holds no gradients at its peak: its static bytes less
+  every gradient byte, counted by hand; a pipeline stage, and the same plan on GPUs, keep theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.backends import cpu
-from autopar_lab.pricing.memory import memory_breakdown
+from autopar_lab.pricing.memory import PARTS, memory_breakdown, stage_memory
 from autopar_lab.pricing.stage import prefix_sums, range_max
 from autopar_lab.runtime.local import synthetic_batch
 
@@ -131,6 +134,7 @@ def test_an_h100_plan_never_reaches_the_cpu_module(deep_fp16, fp16_head, monkeyp
 
     monkeypatch.setattr(cpu, "update_copies_bytes", refuse)
     monkeypatch.setattr(cpu, "dot_f32_copies", refuse)
+    monkeypatch.setattr(cpu, "one_program_grads_bytes", refuse)
     plan = al.megatron_plan(deep_fp16, al.Cluster.preset("dgx-h100"), dp=1, tp=4, pp=2)
     rows = memory_breakdown(plan)
     assert all(r["total_bytes"] == st.peak_mem_bytes > 0 for r, st in zip(rows, plan.stages))
@@ -154,3 +158,29 @@ def test_range_max_against_brute_force():
                 want = max(per[a:b + 1]) if b >= a else 0.0
                 assert got["f32_copies_act_bytes"][i, j] == want
                 assert range_max(sums, int(a), int(b))["f32_copies_act_bytes"] == want
+
+
+def _param_bytes(model) -> int:
+    """Bytes of the model's parameters, counted from its arrays' shapes (the step's first argument)."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.abstract_args[0]))
+
+
+def test_a_one_program_step_holds_no_gradients():
+    """Data parallelism on 8 CPU devices with one microbatch runs as one program: every device holds the whole model
+    (float32, replicated), and the stage's peak leaves out its gradients (all of its parameter bytes); its parts
+    still add up to its peak, with no gradients among them. The same stage on H100s, and a pipeline stage on the
+    CPU (its backward task returns its gradient sums), keep theirs."""
+    model = al.models.get("gpt-tiny", batch_size=16, num_layers=2)
+    plan = al.data_parallel_plan(model, CPU)
+    st, grads = plan.stages[0], _param_bytes(model)
+    assert plan.microbatches == 1 and plan.table.one_program(0, len(plan.table.layer_names) - 1, st.submesh, 1)
+    held = stage_memory(st.layer_costs, st.layers, 1, st.remat)
+    assert held["grads_bytes"] == grads == held["params_bytes"]  # float32, replicated: one gradient a parameter
+    parts = sum(held[p] for p in PARTS[:-2])  # everything static the stage formula adds (no remat here)
+    assert st.static_bytes == pytest.approx(parts - grads, rel=1e-12)
+    row = memory_breakdown(plan)[0]
+    assert row["grads_bytes"] == 0.0 and sum(row[p] for p in PARTS) == pytest.approx(st.peak_mem_bytes, rel=1e-12)
+    gpu = al.data_parallel_plan(model, al.Cluster.preset("dgx-h100", hosts=1))
+    assert memory_breakdown(gpu)[0]["grads_bytes"] == grads
+    pipe = al.megatron_plan(model, CPU, dp=4, tp=1, pp=2, microbatches=2, table=plan.table)
+    assert all(r["grads_bytes"] > 0 for r in memory_breakdown(pipe))

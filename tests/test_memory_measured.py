@@ -1,7 +1,7 @@
 """Memory measured against memory predicted (issue 31 item 4, issue 35's stage actors).
 
 - the probe itself, on programs whose bytes are counted by hand;
-- a one-stage plan's measured peak per device within 20% of its prediction, and a pipeline stage's forward keeping
+- a one-stage plan's measured peak per device within 10% of its prediction, and a pipeline stage's forward keeping
   for its backward what the plan prices (the kernels' outputs, not every value ``jax.grad`` saved);
 - a stage (the local runner's, and a Ray stage actor's class run in this process) holds its own parameters and
   optimizer state and nothing of the rest of the model;
@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import autopar_lab as al
-from autopar_lab.pricing.memory import memory_breakdown
+from autopar_lab.pricing.memory import memory_breakdown, stage_memory
 from autopar_lab.runtime.local import synthetic_batch
 from autopar_lab.runtime.memprobe import DeviceMemoryProbe, live_bytes
 from autopar_lab.runtime.partition import split_stages
@@ -62,14 +62,21 @@ def tiny():
     return model, al.Cluster.preset("cpu", hosts=1)
 
 
-def test_one_stage_plan_measured_within_20_percent(tiny):
+def test_one_stage_plan_measured_within_10_percent(tiny):
+    """Data parallelism's one program: measured within 10% of its prediction, which leaves out the gradients (written
+    over the activations the backward frees: backends.cpu.one_program_grads_bytes); priced with them it was 0.82."""
     model, cluster = tiny
     plan = al.data_parallel_plan(model, cluster)
     runner = al.execute(plan, model, compiler_options=FAST)
     mem = runner.measure_memory()
     (st,) = mem["stages"]
     assert len(st["devices"]) == 8 and st["measured_bytes"] > 0
-    assert abs(st["measured_bytes"] / st["predicted_bytes"] - 1) <= 0.20, st
+    assert abs(st["measured_bytes"] / st["predicted_bytes"] - 1) <= 0.10, st
+    # the gradients it does not hold: one float32 copy of the replicated parameters; priced, they would be >10% over
+    s0 = plan.stages[0]
+    grads = stage_memory(s0.layer_costs, s0.layers, 1, s0.remat)["grads_bytes"]
+    assert memory_breakdown(plan)[0]["grads_bytes"] == 0.0 < grads
+    assert st["measured_bytes"] / (st["predicted_bytes"] + grads) < 0.90
     assert mem["process_rss_peak_bytes"] >= mem["process_rss_start_bytes"] > 0
     # another array on the devices (another runner's, a batch the caller keeps) is not this plan's memory
     other = jax.device_put(jnp.ones((1 << 20,), jnp.float32), jax.devices()[0])

@@ -14,7 +14,8 @@ the measurement that fitted it. No GPU or TPU path reaches that module.
 - :func:`runs_serially`, :func:`host_of_stages`: stages that share one compute resource.
 - :func:`read_again_s`, :func:`program_rereads_s`: an operator's output read again by later layers of its program.
 - :func:`update_copies_bytes`, :func:`dot_f32_copies`: memory a program takes beyond the general formulas (a
-  pipeline stage's update program; a half-precision matmul computed in float32).
+  pipeline stage's update program; a half-precision matmul computed in float32); :func:`one_program_grads_bytes`,
+  what it holds less (a whole step run as one program writes its gradients over freed activations).
 - :func:`cpu_cost`, :func:`cost_note`: the CPU's own terms of a cost report; their clause in the CLI;
   :func:`plan_note`, how the CPU prices a plan's stages (the cost panel).
 
@@ -31,7 +32,7 @@ from . import cpu, eager
 
 __all__ = ["on_cpu", "kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share",
            "runs_serially", "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
-           "dot_f32_copies", "cpu_cost", "cost_note", "plan_note", "host_launch_s"]
+           "one_program_grads_bytes", "dot_f32_copies", "cpu_cost", "cost_note", "plan_note", "host_launch_s"]
 
 
 def on_cpu(cluster: Any) -> bool:
@@ -102,6 +103,13 @@ def update_copies_bytes(cluster: Any, opt_bytes: Any) -> Any:
     optimizer state (floats or numpy arrays): 0 but on the CPU
     (:func:`autopar_lab.backends.cpu.update_copies_bytes`)."""
     return cpu.update_copies_bytes(opt_bytes) if on_cpu(cluster) else 0.0
+
+
+def one_program_grads_bytes(cluster: Any, grad_bytes: Any) -> Any:
+    """Bytes per device of ``grad_bytes`` of gradients that a whole step run as one program (the CPU's "spmd" mode,
+    :func:`one_program_share`) does not hold at its peak: 0 but on the CPU
+    (:func:`autopar_lab.backends.cpu.one_program_grads_bytes`)."""
+    return cpu.one_program_grads_bytes(grad_bytes) if on_cpu(cluster) else 0.0
 
 
 def dot_f32_copies(mesh: Any, graph: Any, node: Any, strategy: Any, weights: Any) -> tuple[float, float] | None:

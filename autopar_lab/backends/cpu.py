@@ -23,6 +23,7 @@ The quirks, each behind one function:
 - memory (:func:`update_copies_bytes`, :func:`dot_f32_copies`): a pipeline stage's separate update program copies
   its optimizer state before writing it (:data:`UPDATE_COPIES_SHARE`), and XLA's CPU backend computes a
   half-precision matmul in float32, from float32 copies of its operands into a float32 result.
+  A whole step run as one program holds no gradient buffers at its peak (:func:`one_program_grads_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..graph.fusion import is_chain_link
 from ..graph.opgraph import PARAM
 
 __all__ = ["EMPIRICAL", "ONE_PROGRAM_SHARE", "UPDATE_COPIES_SHARE", "CpuCost", "update_copies_bytes", "dot_f32_copies",
+           "one_program_grads_bytes",
            "kernel_share", "buffer_share", "task_array_s",
            "task_devices", "runs_serially", "host_of_stages", "chain_read_s_per_byte", "read_again_s",
            "chain_pairs", "chain_pair_bytes", "plan_note"]
@@ -73,6 +75,15 @@ EMPIRICAL: Mapping[str, str] = {
                            "(2026-12-06, bench/JOURNAL.md 'CPU-only memory terms priced')",
     "update_copies_bytes": "as UPDATE_COPIES_SHARE: a pipeline stage's update program, not the one-program step "
                            "(whose update XLA fuses into the step: no copies)",
+    "one_program_grads_bytes": "gpt-tiny (4 layers, hidden 32, batch 16, float32) on 8 CPU devices, each plan's "
+                               "one program (the runtime's spmd mode): its temporaries (XLA's compiled memory "
+                               "analysis, per device) were 454.1 KiB under data parallelism against 487.8 priced for "
+                               "activations, buffers and copies without the gradients (0.93; 696.6 with its 208.8 "
+                               "KiB of gradients: 0.65), 1196.4 KiB under dp1 x tp8 against 1113.0 (1.07; 1187.0 "
+                               "with its 74.0: 1.01): the step's peak is where its backward starts, every activation "
+                               "alive, and each gradient is written after its layer's backward frees activations and "
+                               "read at once by the fused update (2026-12-07, bench/JOURNAL.md 'Memory measured: "
+                               "the stage input recomputed, a one-program step's gradients')",
     "dot_f32_copies": "XLA's CPU backend converts a float16 or bfloat16 matmul's operands to float32 and computes "
                       "a float32 result (the compiled HLO: convert, dot, convert); the backward of y = x @ W at "
                       "gpt-350m's tied vocabulary shape (x 512 x 1024, W 1024 x 12800, float16) took 75.0 MiB of "
@@ -216,6 +227,18 @@ def dot_f32_copies(graph: Any, node: Any, strategy: Any, mshape: Sequence[int],
         else:
             act += f32
     return act, weight
+
+
+def one_program_grads_bytes(grad_bytes: Any) -> Any:
+    """Bytes per device of ``grad_bytes`` of gradients that a whole step run as one program does not hold at its
+    peak: all of them. The peak is where the backward starts (every activation alive); XLA writes each gradient
+    once its layer's backward has freed activations, and the update fused into the same program reads it at once
+    (empirical: :data:`EMPIRICAL`). A pipeline stage's backward task returns its gradient sums, which it holds.
+
+    >>> one_program_grads_bytes(100.0)
+    100.0
+    """
+    return grad_bytes
 
 
 # --- tasks and hosts --------------------------------------------------------------------------------------------------

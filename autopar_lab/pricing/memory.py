@@ -8,7 +8,9 @@ and :func:`memory_breakdown` splits the same sums:
 * ``params_bytes``: the parameters as the step computes with them (for a mixed-precision step, their float16 or
   bfloat16 copy), as sharded on the stage's mesh;
 * ``grads_bytes``: their gradients (at the compute precision as JAX traces them; float32 under the ``bf16`` and FP8
-  formats, which accumulate and reduce gradients in float32: :mod:`autopar_lab.precision`);
+  formats, which accumulate and reduce gradients in float32: :mod:`autopar_lab.precision`); on the CPU, none for
+  a whole step run as one program, which writes them over the activations its backward frees
+  (:mod:`autopar_lab.backends`);
 * ``master_bytes``: float32 master weights of a mixed-precision step (0 otherwise);
 * ``optimizer_bytes``: the optimizer state (Adam's two moments, float32 for a mixed-precision step, and its count):
   with the three above, 16 bytes a parameter for Adam in mixed precision, as ZeRO counts (18 with fp32 gradients);
@@ -100,7 +102,12 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
                 saved = max(parts["plain_act_per_microbatch_bytes"] - st.act_bytes, 0.0) * inflight
             # what the formula's float sums leave over (a fraction of a byte) goes to the transient buffers, the
             # one part that is an average (one layer's of the stage's), so the stored state's parts stay exact
-            row["buffers_bytes"] += st.static_bytes - sum(row[p] for p in PARTS[:-1])
+            left = st.static_bytes - sum(row[p] for p in PARTS[:-1])
+            if left < -1.0:  # a whole step run as one program holds no gradients at its peak (on the CPU: backends)
+                cut = min(-left, row["grads_bytes"])
+                row["grads_bytes"] -= cut
+                left += cut
+            row["buffers_bytes"] += left
         else:
             row["params_bytes"] = st.static_bytes
         # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static

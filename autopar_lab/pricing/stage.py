@@ -47,7 +47,7 @@ SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy
               "layers", "attn_act_bytes", "attn_fwd_s", "attn_launch_s", "dots_act_bytes", "dots_fwd_s",
               "dots_launch_s", "op_act_bytes", "op_fwd_s", "op_launch_s", "latency_fwd_s", "latency_bwd_s",
               "collectives_fwd", "collectives_bwd", "task_arrays_s", "reread_s", "opt_bytes", "attn_kernels",
-              "dots_kernels", "op_kernels")
+              "dots_kernels", "op_kernels", "grad_bytes")
 
 #: The layer-cost fields a stage takes the largest of over its layers, not the sum (:func:`range_max`): the
 #: backend's float32 copies of a matmul, whose buffers the next matmul reuses.
@@ -221,7 +221,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     ``task_arrays_s`` (the CPU, :mod:`autopar_lab.backends`): what one task pays to take the stage's parameter
     arrays; the forward task
     takes them once, the backward three times (the parameters, and the running gradient sums in and out). ``arrays``
-    is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1.
+    is 0 for a stage that is the whole step run as one program (no tasks: :meth:`CostTable.one_program`), else 1;
+    such a stage holds ``one_program_grads_bytes`` (the backend's) less.
 
     Static bytes are what the stage holds all step (parameters, gradients, optimizer state) plus its transient
     working set: the stage's average layer's largest temporary tensor, the cotangents of one layer's activations
@@ -295,6 +296,11 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     update = totals.get("update_copies_bytes", 0.0) * arrays
     if isinstance(update, np.ndarray) or update:
         static = _maximum(static, totals["static_bytes"] + update - act)
+    # A whole step run as one program (``arrays`` 0) writes its gradients over the activations its backward frees
+    # (the backend's, 0 but on the CPU; its static bytes still hold the state and the forward's working set).
+    fused = totals.get("one_program_grads_bytes", 0.0) * (1.0 - arrays)
+    if isinstance(fused, np.ndarray) or fused:
+        static = static - fused
     return fwd + task_s + args, bwd + task_s + task_s / B + 3 * args, static, act
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..backends import one_program_share, program_rereads_s, update_copies_bytes
+from ..backends import one_program_grads_bytes, one_program_share, program_rereads_s, update_copies_bytes
 from ..cluster.values import NodeLimit
 from ..graph.capture import deferred_trace
 from ..graph.fusion import attach_kernel_roles
@@ -620,10 +620,12 @@ class CostTable:
     def backend_totals(self, totals: dict, sums, start, end) -> None:
         """Add to ``totals`` (a range's sums, layers ``start..end``: ints or broadcastable arrays) the backend's terms
         (:mod:`autopar_lab.backends`; 0 but on the CPU): the backward programs' re-reads (``rereads_s``), the update
-        program's copies of the optimizer state (``update_copies_bytes``) and the largest of the layers' float32
-        matmul copies (:func:`~autopar_lab.pricing.stage.range_max`)."""
+        program's copies of the optimizer state (``update_copies_bytes``), the gradients a one-program step does not
+        hold at its peak (``one_program_grads_bytes``) and the largest of the layers' float32 matmul copies
+        (:func:`~autopar_lab.pricing.stage.range_max`)."""
         totals["rereads_s"] = program_rereads_s(self.cluster, sums, start, end)
         totals["update_copies_bytes"] = update_copies_bytes(self.cluster, totals["opt_bytes"])
+        totals["one_program_grads_bytes"] = one_program_grads_bytes(self.cluster, totals["grad_bytes"])
         totals.update(range_max(sums, start, end))
 
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
