@@ -111,6 +111,59 @@ def test_megatron_overlap_switches_are_read_priced_and_written_back(tiny):
     assert all(f in out for f in ("--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"))
 
 
+@pytest.fixture(scope="module")
+def small_kernels():
+    """(model, table): a 2-layer GPT of small kernels on one DGX H100, priced with Megatron-LM's kernels (so its
+    eager host is priced too, backends.eager: these kernels are host-bound)."""
+    model = al.models.get("gpt-tiny", seq_len=64, hidden_size=128, num_heads=4, num_layers=2, batch_size=8,
+                          vocab_size=512, dtype="bfloat16")
+    cluster = al.Cluster.preset("dgx-h100", 1).with_(library_kernels=True)
+    return model, CostTable.build(model, cluster, precision="bf16")
+
+
+SMALL_ARGS = ("pretrain_gpt.py --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 "
+              "--global-batch-size 8 --bf16 ")
+
+
+@pytest.mark.parametrize("flags, note", [
+    ("--cuda-graph-impl local", None),
+    ("--cuda-graph-impl transformer_engine", None),
+    ("--enable-cuda-graph", "--enable-cuda-graph (deprecated) read as --cuda-graph-impl local"),
+    ("--external-cuda-graph", "--external-cuda-graph (deprecated) read as --cuda-graph-impl transformer_engine"),
+    ("--cuda-graph-impl none --enable-cuda-graph", "--enable-cuda-graph (deprecated) read as"),
+])
+def test_megatron_cuda_graph_flags_price_no_host_and_round_trip(small_kernels, flags, note):
+    """Each of Megatron-LM's CUDA-graph flags (arguments.py: --cuda-graph-impl, and the deprecated switches it
+    replaces) is megatron_plan(cuda_graphs=True): the kernels replayed from graphs, so the eager host's time per
+    kernel is not paid where, without the flag, it is the step's bound; the export writes --cuda-graph-impl local and
+    reads back as the same plan."""
+    model, table = small_kernels
+    eager = al.import_config(SMALL_ARGS, model, table=table)
+    none = al.import_config(SMALL_ARGS + "--cuda-graph-impl none", model, table=table)
+    assert eager.cost.host_s > 0 and none.cost.host_s == eager.cost.host_s and layout(none) == layout(eager)
+    plan = al.import_config(SMALL_ARGS + flags, model, table=table)
+    direct = al.megatron_plan(table=table, dp=8, tp=1, pp=1, micro_batch_size=1, zero=0, precision="bf16",
+                              cuda_graphs=True)
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert plan.cost.host_s == 0 and "host" not in plan.stage_pins and plan.method.endswith(",graphs)")
+    assert plan.cost.step_time_s < eager.cost.step_time_s
+    assert (note is None) == all("deprecated" not in n for n in plan.notes)
+    assert note is None or any(n.startswith(note) for n in plan.notes)
+    out, again = round_trip(plan, "megatron", model, table)
+    assert "--cuda-graph-impl local" in out and again.cost.host_s == 0
+    assert "--cuda-graph-impl" not in al.export_config(eager, "megatron", model=model)
+
+
+def test_megatron_cuda_graphs_refuse_full_recomputation(small_kernels):
+    """Megatron-LM asserts CUDA graphs run without full recomputation; megatron_plan and the import refuse it too."""
+    model, table = small_kernels
+    with pytest.raises(ValueError, match="Megatron-LM refuses CUDA graphs with --recompute-granularity full"):
+        al.megatron_plan(table=table, dp=8, tp=1, pp=1, precision="bf16", remat=True, cuda_graphs=True)
+    selective = al.megatron_plan(table=table, dp=8, tp=1, pp=1, precision="bf16", remat="selective",
+                                 cuda_graphs=True)
+    assert selective.cost.host_s == 0 and selective.method == "megatron(dp=8,tp=1,pp=1,selective,graphs)"
+
+
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(MEGATRON)
@@ -428,6 +481,13 @@ steps: 20
     ("--recompute-activations --recompute-granularity full --micro-batch-size 1", None, "contradicts"),
     ("--bf16 --fp16 --micro-batch-size 1", "megatron", "exclude each other"),
     ("--micro-batch-size 1 --micro-batch-size 2", "megatron", "given twice"),
+    ("--micro-batch-size 1 --cuda-graph-impl full_iteration", None, "must be none, local or transformer_engine"),
+    ("--micro-batch-size 1 --enable-cuda-graph --external-cuda-graph", None, "exclude each other"),
+    ("--micro-batch-size 1 --external-cuda-graph --cuda-graph-impl local", None,
+     "deprecated spelling of --cuda-graph-impl transformer_engine"),
+    ("--micro-batch-size 1 --cuda-graph-impl local --recompute-granularity full", None,
+     "exclude full recomputation"),
+    ("--micro-batch-size 1 --enable-cuda-graph --checkpoint-activations", None, "exclude full recomputation"),
     ("[parallelism]\ntensor_paralel_degree = 2\n", None, "is not a torchtitan key"),
     ("[training]\nlocal_batch_size = 1\n[activation_checkpoint]\nmode = \"some\"\n", None, "mode must be"),
     ("ici_tensor_transpose_parallelism: 2\nper_device_batch_size: 4\n", None, "not modelled"),
@@ -581,6 +641,26 @@ def test_cli_plans_the_best_layout_torchtitan_can_run_and_exports_it_from_anothe
     back = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "best.toml", "--json", cwd=tmp_path)
     assert back.returncode == 0, back.stderr[-2000:]
     assert json.loads(back.stdout)["method"] == got["method"]
+
+
+@pytest.mark.slow
+def test_cli_imports_megatron_cuda_graphs_and_exports_them_from_another_directory(tmp_path):
+    """A Megatron-LM script with --cuda-graph-impl transformer_engine priced from another directory: no host term
+    (the kernels replayed from graphs), and its export reads back as the same plan."""
+    model = ["gpt-tiny", "--layers", "2", "--batch", "8", "--seq-len", "64", "--hidden", "128", "--heads", "4",
+             "--vocab", "512", "--dtype", "bfloat16"]
+    (tmp_path / "run.sh").write_text(SMALL_ARGS + "--cuda-graph-impl transformer_engine\n")
+    out = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "run.sh", "--export", "megatron", "--json",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["method"] == "megatron(dp=8,tp=1,pp=1,zero=0,graphs)" and "host_s" not in got
+    assert "--cuda-graph-impl local" in got["config_text"]
+    (tmp_path / "back.sh").write_text(got["config_text"])
+    back = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "back.sh", "--json", cwd=tmp_path)
+    assert back.returncode == 0, back.stderr[-2000:]
+    again = json.loads(back.stdout)
+    assert again["method"] == got["method"] and again["step_time_s"] == got["step_time_s"]
 
 
 def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monkeypatch):

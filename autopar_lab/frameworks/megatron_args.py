@@ -14,7 +14,17 @@ records the commit they were checked against):
   ``overlap_param_gather``, ``tp_comm_overlap``, ``overlap_moe_comm``; each off without its switch, as in
   Megatron-LM);
 * recomputation: ``--recompute-granularity full|selective``, ``--recompute-activations`` (selective),
-  ``--checkpoint-activations`` (full, the older name);
+  ``--checkpoint-activations`` (full, the older name: the checked arguments.py still declares it but exits on it,
+  asking for ``--recompute-activations`` or ``--recompute-granularity``);
+* CUDA graphs: ``--cuda-graph-impl local|transformer_engine`` (the step's kernels replayed from graphs:
+  :func:`~autopar_lab.layouts.megatron_plan`'s ``cuda_graphs=True``, so the eager host's time per kernel,
+  :mod:`autopar_lab.backends.eager`, is not paid), ``--cuda-graph-impl none`` (Megatron-LM's default: eager), and
+  the deprecated switches ``--enable-cuda-graph`` (read as ``local``) and ``--external-cuda-graph``
+  (``transformer_engine``), which Megatron-LM refuses beside a ``--cuda-graph-impl`` other than ``none``, or
+  together. Megatron-LM also refuses CUDA graphs with full recomputation; ``--cuda-graph-scope`` is not read (the
+  plan is priced as if every kernel were launched from a graph). The host's time is priced only with Megatron-LM's
+  kernels (below), so a cost table built without them prices both alike. The export writes
+  ``--cuda-graph-impl local`` for a plan with CUDA graphs (the pricing does not tell the implementations apart);
 * batch: ``--micro-batch-size``, ``--global-batch-size`` (default ``micro-batch-size x data-parallel size``);
 * number format: ``--bf16``, ``--fp16``, ``--fp8-format e4m3|hybrid`` (fp32 without any);
 * the model's shape: ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``, ``--num-attention-heads``,
@@ -37,7 +47,8 @@ from typing import Any
 from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_for
 from .planlayout import FrameworkLayout
 
-__all__ = ["FLAGS", "OVERLAP_SWITCHES", "looks_like", "parse", "plan_from", "render"]
+__all__ = ["CUDA_GRAPH_IMPLS", "FLAGS", "OLD_CUDA_GRAPH_SWITCHES", "OVERLAP_SWITCHES", "looks_like", "parse",
+           "plan_from", "render"]
 
 #: Flags taking a value: flag -> what it is (int or str).
 VALUED = {
@@ -47,13 +58,18 @@ VALUED = {
     "--num-layers": int, "--hidden-size": int, "--ffn-hidden-size": int, "--num-attention-heads": int,
     "--num-query-groups": int, "--kv-channels": int, "--seq-length": int, "--max-position-embeddings": int,
     "--vocab-size": int, "--normalization": str, "--position-embedding-type": str, "--num-experts": int,
-    "--moe-router-topk": int, "--recompute-method": str, "--recompute-num-layers": int,
+    "--moe-router-topk": int, "--recompute-method": str, "--recompute-num-layers": int, "--cuda-graph-impl": str,
 }
 #: Switches (no value).
 SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--checkpoint-activations",
             "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
             "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
-            "--overlap-moe-expert-parallel-comm")
+            "--overlap-moe-expert-parallel-comm", "--enable-cuda-graph", "--external-cuda-graph")
+
+#: ``--cuda-graph-impl``'s choices ("none": eager, Megatron-LM's default).
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+#: Megatron-LM's deprecated CUDA-graph switches -> the ``--cuda-graph-impl`` each stands for (its validate_args).
+OLD_CUDA_GRAPH_SWITCHES = {"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"}
 
 #: Megatron-LM's overlap switches -> (megatron_plan's keyword, the overlap's name in pricing.overlap).
 OVERLAP_SWITCHES = {"--overlap-grad-reduce": ("overlap_grad_reduce", "grad_reduce"),
@@ -144,6 +160,31 @@ def _check(imp: Imported) -> None:
         raise ValueError(f"--max-position-embeddings {most} is shorter than --seq-length {seq}; raise it")
     if imp.get("--num-query-groups") is not None and not imp.get("--group-query-attention"):
         raise ValueError("--num-query-groups takes effect only with --group-query-attention; add it")
+    _check_cuda_graphs(imp)
+
+
+def _check_cuda_graphs(imp: Imported) -> None:
+    """Megatron-LM's own checks of its CUDA-graph flags (arguments.py's validate_args)."""
+    impl = imp.get("--cuda-graph-impl")
+    if impl is not None and impl not in CUDA_GRAPH_IMPLS:
+        raise ValueError(f"--cuda-graph-impl must be none, local or transformer_engine, got {impl!r:.30}")
+    old = [f for f in OLD_CUDA_GRAPH_SWITCHES if imp.get(f)]
+    if len(old) > 1:
+        raise ValueError("--enable-cuda-graph and --external-cuda-graph exclude each other; keep one (or write "
+                         "--cuda-graph-impl local or transformer_engine instead)")
+    if old and impl not in (None, "none"):
+        raise ValueError(f"{old[0]} is the deprecated spelling of --cuda-graph-impl {OLD_CUDA_GRAPH_SWITCHES[old[0]]}"
+                         f" and Megatron-LM refuses it beside --cuda-graph-impl {impl}; keep one")
+    if _cuda_graphs(imp) and _remat(imp) is True:
+        raise ValueError("CUDA graphs exclude full recomputation (--recompute-granularity full or "
+                         "--checkpoint-activations), as Megatron-LM asserts; use --recompute-granularity selective "
+                         "or drop the CUDA graphs")
+
+
+def _cuda_graphs(imp: Imported) -> bool:
+    """Whether the flags replay the step's kernels from CUDA graphs (any implementation)."""
+    impl = imp.get("--cuda-graph-impl")
+    return impl not in (None, "none") or any(imp.get(f) for f in OLD_CUDA_GRAPH_SWITCHES)
 
 
 def _remat(imp: Imported):
@@ -242,6 +283,12 @@ def plan_from(imp: Imported, model, cluster, **planner):
                             f"{getattr(model.config, 'vocab_size', '?')} tokens")
     if prec == "fp32":
         imp = imp.with_note("no --bf16, --fp16 or --fp8-format: priced in fp32, as Megatron-LM trains without them")
+    old = next((f for f in OLD_CUDA_GRAPH_SWITCHES if imp.get(f)), None)
+    if old is not None:
+        imp = imp.with_note(f"{old} (deprecated) read as --cuda-graph-impl {OLD_CUDA_GRAPH_SWITCHES[old]}, as "
+                            "Megatron-LM does")
+    if _cuda_graphs(imp) and "--cuda-graph-scope" in imp.ignored:
+        imp = imp.with_note("--cuda-graph-scope not read: priced as if every kernel were launched from a graph")
     if imp.get("--fp8-format") == "hybrid":
         imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
     # Megatron-LM's layers run its own kernels (Transformer Engine's, or its fused bias-GeLU/SwiGLU and norms), each
@@ -258,7 +305,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
                          overlap_param_gather=bool(imp.get("--overlap-param-gather")),
                          tp_comm_overlap=bool(imp.get("--tp-comm-overlap")),
                          overlap_moe_comm=bool(imp.get("--overlap-moe-expert-parallel-comm")),
-                         library_kernels=kernels, **kw,
+                         cuda_graphs=_cuda_graphs(imp), library_kernels=kernels, **kw,
                          **planner)
     return plan, imp
 
@@ -314,6 +361,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
     switches += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp8": ["--bf16"]}.get(lay.precision, [])
     if lay.precision == "fp8":
         args.append(("--fp8-format", "e4m3"))
+    if lay.cuda_graphs:
+        args.append(("--cuda-graph-impl", "local"))  # Megatron-Core's own capture; the pricing does not tell them apart
     lines = [f"# {fw} arguments written by autopar-lab (the data-parallel size is what the GPUs leave: {lay.dp})"]
     lines += [f"# {n}" for n in lay.notes]
     lines += [f"{k} {v} \\" for k, v in args] + [f"{s} \\" for s in switches]

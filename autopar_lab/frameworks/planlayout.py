@@ -32,7 +32,8 @@ class FrameworkLayout:
     ``maxtext_axes`` (``ici_*`` / ``dcn_*`` degrees, for a MaxText plan), ``notes`` (what the export should say) and
     ``overlap`` (the communication overlapped with compute, :data:`~autopar_lab.pricing.overlap.OVERLAPS` names);
     ``kernel_fusion`` (whether the plan was priced with a compiler's fused kernels, its cluster's
-    :class:`~autopar_lab.cluster.Efficiency` field: torchtitan's ``compile``).
+    :class:`~autopar_lab.cluster.Efficiency` field: torchtitan's ``compile``); ``cuda_graphs`` (a Megatron plan's
+    kernels replayed from CUDA graphs, ``megatron_plan(cuda_graphs=True)``: Megatron-LM's ``--cuda-graph-impl``).
     """
 
     origin: str
@@ -55,6 +56,7 @@ class FrameworkLayout:
     notes: tuple[str, ...] = ()
     overlap: tuple[str, ...] = ()
     kernel_fusion: bool = True
+    cuda_graphs: bool = False
 
     @property
     def sample_per_microbatch(self) -> int:
@@ -153,7 +155,7 @@ def _layout(plan, fw: str, base: dict, n0: int, n1: int) -> FrameworkLayout:
         remat = True if "remat" in flags else "selective" if "selective" in flags else False
         return FrameworkLayout("megatron", dp=num["dp"], tp=num["tp"], cp=num.get("cp", 1), ep=num.get("ep", 1),
                                zero=num.get("zero"), sequence_parallel="sp" in flags,
-                               overlap=tuple(plan.stage_pins.get("overlap", ())),
+                               overlap=tuple(plan.stage_pins.get("overlap", ())), cuda_graphs="graphs" in flags,
                                **{**base, "pp": num["pp"], "remat": remat})
     if kind == "fsdp":
         zero = num.get("zero", 2 if "no-reshard" in flags else 3)

@@ -130,9 +130,11 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     With ``library_kernels`` (Megatron-LM's own stack priced, not the library's XLA programs) on a GPU, Megatron's
     eager host is priced too: it launches every kernel from Python through Transformer Engine's modules, so a
     stage's microbatch lasts at least its kernels times the fitted host time per kernel
-    (:mod:`autopar_lab.backends.eager`; explain()'s host term). ``cuda_graphs``: True (``--enable-cuda-graph``: the
-    step's kernels replayed from a graph) prices the GPU's time alone; without ``library_kernels`` the plan is the
-    layout as this library runs it (XLA executables: no host term either way)."""
+    (:mod:`autopar_lab.backends.eager`; explain()'s host term). ``cuda_graphs``: True (``--cuda-graph-impl local``
+    or ``transformer_engine``; the deprecated ``--enable-cuda-graph`` / ``--external-cuda-graph``: the step's kernels
+    replayed from graphs) prices the GPU's time alone and is named in the plan's name (``graphs``, which the export
+    writes back); without ``library_kernels`` the plan is the layout as this library runs it (XLA executables: no
+    host term either way). Megatron-LM refuses CUDA graphs with full recomputation, and so does this."""
     par = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
     remat = remat_value(remat)
     zero = check_zero(zero)
@@ -152,6 +154,10 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if overlap_moe_comm and ep == 1:
         raise ValueError("overlap_moe_comm overlaps the expert-parallel all-to-alls with the other microbatch's "
                          "compute; pass ep of 2 or more with it, as Megatron-LM requires")
+    cuda_graphs = checks.flag(cuda_graphs, "cuda_graphs")
+    if cuda_graphs and is_full(remat):
+        raise ValueError("cuda_graphs with full recomputation (remat=True): Megatron-LM refuses CUDA graphs with "
+                         "--recompute-granularity full; pass remat='selective' or False, or cuda_graphs=False")
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel splits the regions between tensor-parallel matmuls over the tensor "
                          "group; it needs tp of 2 or more")
@@ -177,7 +183,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
     extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
     extra += ",ilp" if sharding == "ilp" else ""
-    extra += "".join(f",{_TAGS[o]}" for o in overlap)
+    extra += "".join(f",{_TAGS[o]}" for o in overlap) + (",graphs" if cuda_graphs else "")
     name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
     if schedule == "interleaved":
         name = f"{name[:-1]},v={virtual_stages})"
@@ -186,7 +192,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
                     lean=checks.flag(lean, "lean"), overlap=overlap,
                     host=eager_host(cluster, "eager-te", cluster.device.efficiency.library_kernels
-                                    and not checks.flag(cuda_graphs, "cuda_graphs")))
+                                    and not cuda_graphs))
     return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
                          mem_limit_bytes=mem_limit_bytes, solver=solver,
                          solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)
