@@ -211,6 +211,17 @@ def test_megatron_llama_shape_flags_build_a_llama():
             assert getattr(want, key) == value, key
 
 
+
+@pytest.mark.parametrize("hidden, swiglu, ffn", [(4096, True, 10880), (32, True, 64), (4096, False, 16384)])
+def test_megatron_llama_without_ffn_size_takes_megatron_s_default(hidden, swiglu, ffn):
+    # Megatron-LM's validate_args: --swiglu without --ffn-hidden-size is int(4h * 2/3 / 64) * 64 (4,096 -> 10,880:
+    # 10,922.7 rounded down to 64s), otherwise 4h.
+    args = megatron_text(1, 1, 1, False, False, None, 4, None) + (
+        f"--num-layers 2 --hidden-size {hidden} --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        f"--vocab-size 64 --normalization RMSNorm" + (" --swiglu" if swiglu else ""))
+    family, fields = megatron_args._shape(megatron_args.parse(args), BATCH)  # noqa: SLF001 - the shape read alone
+    assert family == "llama" and fields["ffn_hidden"] == ffn
+
 # --- torchtitan -----------------------------------------------------------------------------------------------------
 
 def torchtitan_text(rep, tp, pp, cp, reshard, mode, local, schedule, pp_mbs, flavor=None, seq=None):

@@ -227,7 +227,11 @@ def _shape(imp: Imported, batch: int | None) -> tuple[str | None, dict]:
         return "gpt", fields
     kv = imp.get("--num-query-groups", 1) if imp.get("--group-query-attention") else heads
     channels = imp.get("--kv-channels")
-    fields.update(num_kv_heads=kv, ffn_hidden=4 * hidden if ffn is None else ffn,
+    if ffn is None:
+        # Megatron-LM's default without --ffn-hidden-size: 4h, or with --swiglu two thirds of it rounded down to a
+        # multiple of 64 (the gated MLP's three matrices then hold about the parameters of the plain MLP's two).
+        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if imp.get("--swiglu") else 4 * hidden
+    fields.update(num_kv_heads=kv, ffn_hidden=ffn,
                   head_dim=None if channels is None or channels * heads == hidden else channels,
                   tie_embeddings=not imp.get("--untie-embeddings-and-output-weights"))
     if imp.get("--num-experts"):
