@@ -45,6 +45,7 @@ from . import operators, planschema
 from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .planvalues import LAYER, Pin
 from .backends.eager import HOSTS
+from .pricing.accumulate import ACCUMULATIONS
 from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_STRINGS, is_full, remat_label, remat_value
@@ -159,6 +160,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
         elif key == "host":  # how the framework launches its kernels (backends.eager)
             if value not in HOSTS:
                 raise ValueError(f"stage_pins['host'] must be one of {', '.join(map(repr, HOSTS))}")
+            out[key] = value
+        elif key == "accumulate":  # how the framework holds the gradients between microbatches (pricing.accumulate)
+            if value not in ACCUMULATIONS:
+                raise ValueError(f"stage_pins['accumulate'] must be one of {', '.join(map(repr, ACCUMULATIONS))}")
             out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")

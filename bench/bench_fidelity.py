@@ -249,12 +249,18 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
     dp, tp = (n, 1) if layout in ("none", "fsdp") else (1, n)
     return Today(f"kf-{layout}-{n}", "KempnerForge benchmarks/mfu_scaling (H200)", "fsdp", "llama3-8b",
                  dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
-                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True), n, tokens_all / n,
+                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True, accumulate_unsharded=n > 1),
+                 n, tokens_all / n,
                  "tokens_per_device",
-                 cluster_kw=dict(devices_per_host=n, mesh_peers=3), mem_gib=mem_gb * 1e9 / GIB,
+                 cluster_kw=dict(devices_per_host=n, mesh_peers=3), mem_gib=mem_gb,
                  group="kempnerforge",
-                 assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
-                         "tokens a microbatch, 2 microbatches; the node's 4 H200s an HGX 4-GPU board, NVLink as a "
+                 assumed="pure bf16 state (8 bytes a parameter with Adam), 4 x 4,096 "
+                         "tokens a microbatch, 2 microbatches; the memory its \"GB\" are GiB of "
+                         "torch.cuda.max_memory_allocated (kempnerforge/metrics/memory.py divides by 1024**3); with "
+                         "more than one GPU FSDP2 wraps the model (a group of one under TP: "
+                         "kempnerforge/distributed/setup.py) and skips the gradient sync but on the last microbatch "
+                         "(training/grad.py maybe_no_sync): float32 gradients held unsharded (accumulate_unsharded); "
+                         "the node's 4 H200s an HGX 4-GPU board, NVLink as a "
                          "full mesh without NVSwitch (mesh_peers=3: a pair of GPUs talks over a third of a GPU's "
                          "links)")
 

@@ -26,6 +26,7 @@ from ..rematmode import is_full, recomputes, remat_value
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, makespan_floor, simulate
 from ..solve.inter import transfer_s
+from .accumulate import accumulated_layer_costs
 from .incremental import split_layer_costs
 from .stage import hidden_comm_s, host_stretch, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
@@ -175,7 +176,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
                  zero: int | None = None, skip_above: float = math.inf,
-                 overlap: Sequence[str] | None = None, host: str | None = None) -> Priced:
+                 overlap: Sequence[str] | None = None, host: str | None = None,
+                 accumulate: str | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -200,6 +202,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     Python (:mod:`autopar_lab.backends.eager`: a stage's microbatch lasts at least its kernels times the fitted host
     time per kernel, :func:`~autopar_lab.pricing.stage.host_stretch`; the cost report's ``host_s`` is what that
     adds to the busiest stage); None: a compiled program, the GPU's time alone.
+    ``accumulate``: how the plan's framework holds the gradients between microbatches (a plan's
+    ``stage_pins["accumulate"]``): "unsharded", FSDP2 without a gradient sync until the last microbatch, each
+    parameter's float32 gradient gathered over the FSDP group (:mod:`~autopar_lab.pricing.accumulate`); None: as the
+    strategies store them.
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
     raised (the planner's ranking of several plans by simulation).
@@ -242,6 +248,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         if overlap is not None:  # what the plan's framework overlaps (pricing.overlap)
             costs = overlap_layer_costs(table, intra, costs, overlap, zero,
                                         paired_share(schedule, len(specs), j, microbatches, v))
+            sums = prefix_sums(costs)
+        if accumulate is not None and microbatches > 1:  # gradients held unsharded (pricing.accumulate)
+            costs = accumulated_layer_costs(table, intra, costs, accumulate, microbatches)
             sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
