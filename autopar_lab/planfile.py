@@ -165,6 +165,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if value not in ACCUMULATIONS:
                 raise ValueError(f"stage_pins['accumulate'] must be one of {', '.join(map(repr, ACCUMULATIONS))}")
             out[key] = value
+        elif key == "eager_loss":  # bytes of an eager framework's loss a device holds a step (pricing.eagerloss)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError("stage_pins['eager_loss'] must be a number of bytes, 0 or more")
+            out[key] = float(value)
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

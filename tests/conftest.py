@@ -108,6 +108,11 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_bad_values_are_refused",
         "test_kempnerforge_fsdp4_holds_llama3_8b_float32_gradients_whole",
     },
+    "test_eagerloss": {
+        "test_a_stage_without_the_loss_holds_nothing_more",
+        "test_kempnerforge_tp4_holds_four_bf16_logits_of_16k_tokens_at_the_loss",
+        "test_plan_files_carry_the_loss_and_refuse_a_bad_one",
+    },
     "test_auto_schedules": {
         "test_auto_plan_runs_the_schedule_it_searched",
         "test_megatron_grid_with_schedules_is_no_slower_and_says_which",

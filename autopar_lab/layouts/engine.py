@@ -62,7 +62,9 @@ class Layout:
     (:mod:`~autopar_lab.pricing.overlap`; None: the pricing's default); ``host``: "eager" where the framework
     launches each kernel from Python (:mod:`autopar_lab.backends.eager`), None for compiled programs;
     ``accumulate``: "unsharded" where the framework holds the gradients unsharded between microbatches
-    (:mod:`~autopar_lab.pricing.accumulate`), None where it reduces them as the strategies store them."""
+    (:mod:`~autopar_lab.pricing.accumulate`), None where it reduces them as the strategies store them;
+    ``eager_loss``: the bytes a device holds a step of the loss an eager framework computes after the model
+    (:mod:`~autopar_lab.pricing.eagerloss`), None for the traced step's own."""
 
     method: str
     stages: int
@@ -80,6 +82,7 @@ class Layout:
     overlap: tuple[str, ...] | None = None
     host: str | None = None
     accumulate: str | None = None
+    eager_loss: float | None = None
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -327,6 +330,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
         stage_pins["host"] = layout.host
     if layout.accumulate is not None:
         stage_pins["accumulate"] = layout.accumulate
+    if layout.eager_loss is not None:
+        stage_pins["eager_loss"] = layout.eager_loss
 
     def priced(sol_list) -> Plan:
         times = dict(solve_s or {})
