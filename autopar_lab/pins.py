@@ -451,7 +451,8 @@ def resolve(plan: Plan, *, solver: str | None = None, on_progress: Hook | None =
     solve_s = {**dict(plan.solve_s), "resolve": time.perf_counter() - t0}
     kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem,
               layer_pins=pins.layer_pins, virtual_stages=v if v > 1 else None, zero=sp.get("zero"),
-              overlap=sp.get("overlap"), host=sp.get("host"))
+              overlap=sp.get("overlap"), host=sp.get("host"), accumulate=sp.get("accumulate"),
+              eager_loss=sp.get("eager_loss"))
     # the pins as given, recorded where the rules say (a plan made by hand may hold a shared pin on any block)
     fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp,
                   pins=operators.normalised_pins(plan, plan.pins))
@@ -492,6 +493,8 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
                         schedule=plan.schedule, mem_limit_bytes=plan.cost.mem_limit_bytes,
                         layer_pins=layer_scoped(plan.pins), zero=plan.stage_pins.get("zero"),
                         overlap=plan.stage_pins.get("overlap"), host=plan.stage_pins.get("host"),
+                        accumulate=plan.stage_pins.get("accumulate"),
+                        eager_loss=plan.stage_pins.get("eager_loss"),
                         virtual_stages=plan.virtual_stages if plan.virtual_stages > 1 else None).onto(plan)
 
 

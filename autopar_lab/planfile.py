@@ -45,6 +45,7 @@ from . import operators, planschema
 from .planschema import READS, VERSION  # noqa: F401 - READS is offered here as before
 from .planvalues import LAYER, Pin
 from .backends.eager import HOSTS
+from .pricing.accumulate import ACCUMULATIONS
 from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_STRINGS, is_full, remat_label, remat_value
@@ -160,6 +161,14 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if value not in HOSTS:
                 raise ValueError(f"stage_pins['host'] must be one of {', '.join(map(repr, HOSTS))}")
             out[key] = value
+        elif key == "accumulate":  # how the framework holds the gradients between microbatches (pricing.accumulate)
+            if value not in ACCUMULATIONS:
+                raise ValueError(f"stage_pins['accumulate'] must be one of {', '.join(map(repr, ACCUMULATIONS))}")
+            out[key] = value
+        elif key == "eager_loss":  # bytes of an eager framework's loss a device holds a step (pricing.eagerloss)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError("stage_pins['eager_loss'] must be a number of bytes, 0 or more")
+            out[key] = float(value)
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

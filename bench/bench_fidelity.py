@@ -42,13 +42,16 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   Korthikanti et al. count), the pipelined rows interleaved;
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
   sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
-* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False)`` (eager:
-  no torch.compile; torchtitan's selective is its op-level policy, ``"selective-op"``) on ``grand-teton-h100``, the
-  run's H100 (96 GB HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why);
+* torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False,
+  eager_loss="torchtitan")`` (eager: no torch.compile; torchtitan's selective is its op-level policy,
+  ``"selective-op"``; its float32 cross-entropy after the model) on ``grand-teton-h100``, the run's H100 (96 GB
+  HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
-  (``mesh_peers=3``: 2 of its GPUs talk over a third of a GPU's NVLink);
+  (``mesh_peers=3``: 2 of its GPUs talk over a third of a GPU's NVLink); FSDP2's gradients held unsharded in float32
+  between microbatches where it wraps the model (``accumulate_unsharded``), its bf16 cross-entropy on gathered
+  logits (``eager_loss="kempnerforge"``);
 * DeepSeek-V3 on 256 H100 (``--deepseek``: the slowest row to price): ``deepseek-v3``, ``megatron_plan(dp=64, pp=4,
   ep=64, zero=3, remat=True, overlap_moe_comm=True)`` (NeMo Automodel's config checkpoints every block; the
   expert all-to-alls behind the other microbatch's compute, as DualPipe and Megatron-Core's combined 1F1B run them);
@@ -249,12 +252,19 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
     dp, tp = (n, 1) if layout in ("none", "fsdp") else (1, n)
     return Today(f"kf-{layout}-{n}", "KempnerForge benchmarks/mfu_scaling (H200)", "fsdp", "llama3-8b",
                  dict(seq_len=4096, batch_size=8 * dp, mixed_precision=False), "dgx-h200", 1,
-                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True), n, tokens_all / n,
+                 dict(dp_shard=dp, tp=tp, local_batch_size=4, remat=True, compile=True, accumulate_unsharded=n > 1,
+                      eager_loss="kempnerforge"),
+                 n, tokens_all / n,
                  "tokens_per_device",
-                 cluster_kw=dict(devices_per_host=n, mesh_peers=3), mem_gib=mem_gb * 1e9 / GIB,
+                 cluster_kw=dict(devices_per_host=n, mesh_peers=3), mem_gib=mem_gb,
                  group="kempnerforge",
-                 assumed="pure bf16 state (8 bytes a parameter with Adam), memory in GB of 1e9 bytes, 4 x 4,096 "
-                         "tokens a microbatch, 2 microbatches; the node's 4 H200s an HGX 4-GPU board, NVLink as a "
+                 assumed="pure bf16 state (8 bytes a parameter with Adam), 4 x 4,096 "
+                         "tokens a microbatch, 2 microbatches; the memory its \"GB\" are GiB of "
+                         "torch.cuda.max_memory_allocated (kempnerforge/metrics/memory.py divides by 1024**3); with "
+                         "more than one GPU FSDP2 wraps the model (a group of one under TP: "
+                         "kempnerforge/distributed/setup.py) and skips the gradient sync but on the last microbatch "
+                         "(training/grad.py maybe_no_sync): float32 gradients held unsharded (accumulate_unsharded); "
+                         "the node's 4 H200s an HGX 4-GPU board, NVLink as a "
                          "full mesh without NVSwitch (mesh_peers=3: a pair of GPUs talks over a third of a GPU's "
                          "links)")
 
@@ -262,7 +272,8 @@ def _kf(layout: str, n: int, tokens_all: float, mem_gb: float) -> Today:
 def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
     return Today(f"torchtitan-8b-{gpus}", "torchtitan llama3_h100_202412", "fsdp", "llama3-8b",
                  dict(seq_len=8192, batch_size=2 * gpus), "grand-teton-h100", gpus // 8,
-                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False), gpus, tokens,
+                 dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False,
+                      eager_loss="torchtitan"), gpus, tokens,
                  "tokens_per_device", mem_gib=mem_gib,
                  assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
                          "output and every other mm's, recomputing the rest) priced as such "

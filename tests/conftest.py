@@ -102,6 +102,17 @@ BROWSER_FILES = frozenset({"test_browser", "test_browser_ray"})
 # ILP solves. They are end-to-end checks that `make test` keeps. They are marked slow here, by file and test function
 # (every parameter), rather than in each file, so one list says what test-fast leaves out.
 SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
+    "test_accumulate": {
+        "test_every_gradient_is_held_whole_in_float32_over_the_fsdp_group",
+        "test_tensor_parallelism_still_splits_the_unsharded_gradients",
+        "test_bad_values_are_refused",
+        "test_kempnerforge_fsdp4_holds_llama3_8b_float32_gradients_whole",
+    },
+    "test_eagerloss": {
+        "test_a_stage_without_the_loss_holds_nothing_more",
+        "test_kempnerforge_tp4_holds_four_bf16_logits_of_16k_tokens_at_the_loss",
+        "test_plan_files_carry_the_loss_and_refuse_a_bad_one",
+    },
     "test_auto_schedules": {
         "test_auto_plan_runs_the_schedule_it_searched",
         "test_megatron_grid_with_schedules_is_no_slower_and_says_which",

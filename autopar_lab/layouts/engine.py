@@ -60,7 +60,11 @@ class Layout:
     pinned); ``lean``: False keeps the storage as the ILP chose it where it overflows (what the layout would need)
     instead of the memory-lean solution; ``overlap``: the communication the framework hides behind compute
     (:mod:`~autopar_lab.pricing.overlap`; None: the pricing's default); ``host``: "eager" where the framework
-    launches each kernel from Python (:mod:`autopar_lab.backends.eager`), None for compiled programs."""
+    launches each kernel from Python (:mod:`autopar_lab.backends.eager`), None for compiled programs;
+    ``accumulate``: "unsharded" where the framework holds the gradients unsharded between microbatches
+    (:mod:`~autopar_lab.pricing.accumulate`), None where it reduces them as the strategies store them;
+    ``eager_loss``: the bytes a device holds a step of the loss an eager framework computes after the model
+    (:mod:`~autopar_lab.pricing.eagerloss`), None for the traced step's own."""
 
     method: str
     stages: int
@@ -77,6 +81,8 @@ class Layout:
     lean: bool = True
     overlap: tuple[str, ...] | None = None
     host: str | None = None
+    accumulate: str | None = None
+    eager_loss: float | None = None
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -322,6 +328,10 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
         stage_pins["overlap"] = layout.overlap
     if layout.host is not None:
         stage_pins["host"] = layout.host
+    if layout.accumulate is not None:
+        stage_pins["accumulate"] = layout.accumulate
+    if layout.eager_loss is not None:
+        stage_pins["eager_loss"] = layout.eager_loss
 
     def priced(sol_list) -> Plan:
         times = dict(solve_s or {})

@@ -24,6 +24,13 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
   there): False prices eager PyTorch (the cluster's ``kernel_fusion`` off: every elementwise operator, norm and cast
   a kernel of its own through memory, attention SDPA's flash kernel), True ``torch.compile``'s fused kernels (as
   XLA's, :mod:`autopar_lab.graph.fusion`); None (the default) keeps the cluster's own, fused on every preset.
+* gradient accumulation: torchtitan reduce-scatters the gradients after every microbatch (the default);
+  ``accumulate_unsharded=True`` skips that sync but on the last microbatch (FSDP2's
+  ``set_requires_gradient_sync(False)``, KempnerForge's ``maybe_no_sync``), each device then holding every
+  gradient unsharded over the FSDP group in float32 through the step's last microbatch
+  (:mod:`autopar_lab.pricing.accumulate`).
+* the loss: computed op by op after the model (``eager_loss``, torchtitan's float32 cross-entropy or
+  KempnerForge's bf16 one), its logits-sized tensors at its backward priced (:mod:`autopar_lab.pricing.eagerloss`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from .. import checks
 from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
+from ..pricing.eagerloss import LOSSES, eager_loss_bytes, logits_elements
 from ..rematmode import SELECTIVE_OP, is_selective, remat_label, remat_value
 from ..schedules import check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
@@ -56,7 +64,8 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
               virtual_stages: int | None = None, remat: bool | str = False, sequence_parallel: bool | None = None,
               mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
               precision: str | Precision | None = None, skip_above: float = math.inf,
-              compile: bool | None = None) -> Plan:
+              compile: bool | None = None, accumulate_unsharded: bool = False,
+              eager_loss: str | None = None) -> Plan:
     """torchtitan's layout (see the module docstring). ``dp_shard``: the FSDP group (-1: every device the other
     degrees leave, torchtitan's default); ``zero``: the ZeRO stage to price instead of FSDP's (3, or 2 with
     ``reshard_after_forward=False``); ``microbatches`` (a count, or ``"auto"``: the fastest that fits
@@ -69,6 +78,14 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     (module docstring; a ``table`` given was built with its cluster's kernels, which ``compile`` must match); eager
     (``compile=False``, or a cluster without ``kernel_fusion``) also prices the host that launches every kernel from
     Python (:mod:`autopar_lab.backends.eager`; explain()'s host term).
+    ``accumulate_unsharded``: the gradients of every microbatch but the last kept unsharded, in float32, without a
+    reduce-scatter between microbatches (FSDP2's ``set_requires_gradient_sync(False)``, as KempnerForge accumulates;
+    torchtitan, the default False, reduce-scatters every microbatch): their memory priced by
+    :mod:`autopar_lab.pricing.accumulate` where there are several microbatches.
+    ``eager_loss``: the loss as a PyTorch framework computes it after the model, op by op ("torchtitan": float32
+    cross-entropy, vocabulary-parallel under tensor parallelism; "kempnerforge": bf16 cross-entropy on logits
+    gathered whole, held through the backward): its working set at the loss's backward priced
+    (:mod:`autopar_lab.pricing.eagerloss`); None (the default): the traced step's own loss.
     ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search)."""
@@ -76,6 +93,9 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     if is_selective(remat):
         remat = SELECTIVE_OP  # torchtitan's selective is its op-level SAC (module docstring)
     reshard_after_forward = checks.flag(reshard_after_forward, "reshard_after_forward")
+    if eager_loss is not None and eager_loss not in LOSSES:
+        raise ValueError(f"eager_loss must be None or one of {', '.join(map(repr, LOSSES))}, got {eager_loss!r:.60}")
+    accumulate = "unsharded" if checks.flag(accumulate_unsharded, "accumulate_unsharded") else None
     zero = check_zero(zero)
     if zero is None:
         zero = 3 if reshard_after_forward else 2
@@ -108,6 +128,10 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     if sp and tp == 1:
         raise ValueError("sequence_parallel splits the norms between tensor-parallel matmuls; it needs tp > 1")
     dp = dp_replicate * dp_shard
+    loss_bytes = None
+    if eager_loss is not None:
+        g = table.solve_graph
+        loss_bytes = eager_loss_bytes(eager_loss, logits_elements(g, list(g.layers)[-1]), dp * cp, tp)
     counts = microbatch_counts(table.batch_size, dp, microbatches, local_batch_size)
     for mb in counts:
         microbatch_choices(table.batch_size, mb)
@@ -122,10 +146,13 @@ def fsdp_plan(model=None, cluster: Cluster | None = None, *, dp_shard: int = -1,
     name = "fsdp(" + ",".join(f"{k}={v}" for k, v in degrees if v > 1 or k == "dp_shard")
     name += ("" if zero == 3 else ",no-reshard" if zero == 2 and not reshard_after_forward else f",zero={zero}")
     name += ("" if remat is False else f",{remat_label(remat)}") + (",sp" if sp else "")
+    name += ",no-sync" if accumulate else ""
+    name += f",{eager_loss}-loss" if eager_loss else ""
     name += f",v={virtual_stages})" if schedule == "interleaved" else ")"
     layout = Layout(name, pp, stage_submesh(cluster, dp * tp * cp), mesh, counts[0], remat, schedule,
                     virtual_stages, zero, sp, mesh.notes,
-                    host=eager_host(cluster, "eager", not cluster.device.efficiency.kernel_fusion))
+                    host=eager_host(cluster, "eager", not cluster.device.efficiency.kernel_fusion),
+                    accumulate=accumulate, eager_loss=loss_bytes)
     return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
                          mem_limit_bytes=mem_limit_bytes, solver=solver,
                          solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

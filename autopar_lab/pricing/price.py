@@ -26,6 +26,8 @@ from ..rematmode import is_full, recomputes, remat_value
 from ..schedules import check_layout, interleave, schedule_of
 from ..simulate import SimOptions, Timeline, makespan_floor, simulate
 from ..solve.inter import transfer_s
+from .accumulate import accumulated_layer_costs
+from .eagerloss import loss_extra_bytes
 from .incremental import split_layer_costs
 from .stage import hidden_comm_s, host_stretch, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
@@ -175,7 +177,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  layer_costs: Sequence[Sequence[LayerCost] | None] | None = None,
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
                  zero: int | None = None, skip_above: float = math.inf,
-                 overlap: Sequence[str] | None = None, host: str | None = None) -> Priced:
+                 overlap: Sequence[str] | None = None, host: str | None = None,
+                 accumulate: str | None = None, eager_loss: float | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -200,6 +203,14 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     Python (:mod:`autopar_lab.backends.eager`: a stage's microbatch lasts at least its kernels times the fitted host
     time per kernel, :func:`~autopar_lab.pricing.stage.host_stretch`; the cost report's ``host_s`` is what that
     adds to the busiest stage); None: a compiled program, the GPU's time alone.
+    ``accumulate``: how the plan's framework holds the gradients between microbatches (a plan's
+    ``stage_pins["accumulate"]``): "unsharded", FSDP2 without a gradient sync until the last microbatch, each
+    parameter's float32 gradient gathered over the FSDP group (:mod:`~autopar_lab.pricing.accumulate`); None: as the
+    strategies store them.
+    ``eager_loss``: bytes a device holds a step of the loss an eager PyTorch framework computes after its model (a
+    plan's ``stage_pins["eager_loss"]``, :func:`~autopar_lab.pricing.eagerloss.eager_loss_bytes`): the stage
+    computing the loss holds what it needs beyond its average layer's working set at the loss's backward
+    (:mod:`~autopar_lab.pricing.eagerloss`); None: the loss as the traced step computes it.
     ``skip_above``: a step time to beat; when the simulated step cannot (its lower bound,
     :func:`~autopar_lab.simulate.makespan_floor`, is above it), the simulation is skipped and :class:`StepAbove`
     raised (the planner's ranking of several plans by simulation).
@@ -217,6 +228,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     per_kernel = host_launch_s(host)
+    loss_layer = len(table.layer_names) - 1  # the head's: where the loss is computed
     priced, per_stage, stage_sums, hidden = [], [], [], []
     chosen: list[str] = []  # each stage's solution
     # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
@@ -243,6 +255,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             costs = overlap_layer_costs(table, intra, costs, overlap, zero,
                                         paired_share(schedule, len(specs), j, microbatches, v))
             sums = prefix_sums(costs)
+        if accumulate is not None and microbatches > 1:  # gradients held unsharded (pricing.accumulate)
+            costs = accumulated_layer_costs(table, intra, costs, accumulate, microbatches)
+            sums = prefix_sums(costs)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
             for first, last in ranges[j]:
@@ -251,8 +266,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                 if split is not None:
                     costs = split
                     sums = prefix_sums(costs)
-        priced.append(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
-                                            microbatches, spec.remat, intra))
+        priced.append(with_loss(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh,
+                                                      spec.logical_mesh, microbatches, spec.remat, intra),
+                                costs, microbatches, eager_loss, loss_layer))
         if per_kernel:
             priced[-1] = hosted(priced[-1], sums, (spec.layers[0], spec.layers[1]), per_kernel)
         # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
@@ -288,8 +304,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     wgrad = [0.0] * p
     if v > 1:
         # Every chunk is priced as a stage of its own on its stage's mesh (its own tasks, overheads and entry).
-        parts = [[hosted(table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh, microbatches,
-                                               st.remat, st.payload), stage_sums[k], (a, b), per_kernel)
+        parts = [[hosted(with_loss(table.stage_from_sums(stage_sums[k], a, b, st.submesh, st.logical_mesh,
+                                                         microbatches, st.remat, st.payload),
+                                   per_stage[k][0], microbatches, eager_loss, loss_layer),
+                         stage_sums[k], (a, b), per_kernel)
                   for a, b in chunks[k]] for k, st in enumerate(priced)]
         order = [parts[c % p][c // p] for c in range(p * v)]
         sim = dict(fwd=[c.fwd_s for c in order], bwd=[c.bwd_s for c in order], act=[c.act_bytes for c in order],
@@ -379,6 +397,16 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         precision=precision_note(table.solve_graph),
     )
     return Priced(tuple(plan_stages), cost, schedule, v)
+
+
+def with_loss(cand: StageCandidate, costs: Sequence[Any], microbatches: int, loss_bytes: float | None,
+              loss_layer: int) -> StageCandidate:
+    """``cand`` (a stage or a chunk, priced from ``costs``) holding what an eager framework's loss adds at its
+    backward where it computes the loss (:func:`~autopar_lab.pricing.eagerloss.loss_extra_bytes`), else itself."""
+    if not loss_bytes:
+        return cand
+    extra = loss_extra_bytes(costs, cand.layers, microbatches, cand.remat, loss_bytes, loss_layer)
+    return dataclasses.replace(cand, static_bytes=cand.static_bytes + extra) if extra else cand
 
 
 def hosted(cand: StageCandidate, sums: Mapping[str, Sequence[float]], layers: tuple[int, int],
