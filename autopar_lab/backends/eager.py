@@ -49,8 +49,9 @@ FITTED: Mapping[str, str] = {
     "EAGER_LAUNCH_S": "derived, not fitted: TE_LAUNCH_S / 2.7, the ratio of a TE Linear's host time to torch's on "
                       "the same host (90.5 / 33.2 on GH200, 99.7 / 37.1 on GB200: NVIDIA/TransformerEngine issue "
                       "2053), at the top of PyTorch's 5-25 us per eager operator. No row is host-bound at it: "
-                      "torchtitan's 8B rows launch 6,110 kernels a 2.4 s microbatch (their gap to the published "
-                      "step would need 465 us a kernel). Megatron-LM's 2021 rows (plain PyTorch modules, priced "
+                      "torchtitan's 8B rows on their 500 W H100s launch 8,862 kernels a 2.6 s microbatch (0.21 s of "
+                      "host; the published 2.84 s step would need 320 us a kernel). Megatron-LM's 2021 rows (plain "
+                      "PyTorch modules, priced "
                       "without library_kernels and so without a host) launch at most 4,197 kernels a 0.24 s "
                       "microbatch (the 7.5B row, tp=4): 56 us would bind it; with TE_LAUNCH_S it read 0.860 of the "
                       "published throughput instead of 0.985, with EAGER_LAUNCH_S 0.985 (unchanged)",
