@@ -34,6 +34,7 @@ BENCHMARKS = {
     "overrides": (["--repeats", "3"], []),
     "ui": (["gpt-tiny", "--repeat", "3"], []),
     "validate": (["mlp"], []),
+    "propagation": (["--rounds", "5", "--repeats", "1"], ["--rounds", "15", "--repeats", "5"]),
     "execute": (["--steps", "5"], []),
     "notebooks": (["-k", "02"], []),
 }

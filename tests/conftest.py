@@ -413,6 +413,9 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "test_update_sharding": {
         "test_state_keeps_its_sharding_and_no_task_compiles_again",
     },
+    "test_propagation": {
+        "test_the_four_programs_compile_and_compute_the_same_step",
+    },
     "test_validate": {
         "test_data_parallel_plan_all_reduces_the_gradients",
         "test_replay_walk_covers_calls_scans_cond_while",

@@ -15,6 +15,9 @@ Three pieces, one module each (:mod:`~autopar_lab.validate.replay`, :mod:`~autop
 - :func:`xla_moves` (:mod:`~autopar_lab.validate.xlamoves`): the conversions of a plan that XLA's partitioner moves
   across their reader (an elementwise operator computed before its inputs' shared conversion, a reduction before
   its input's), which explain a prediction above what XLA compiled.
+- :func:`propagation_programs` (:mod:`~autopar_lab.validate.propagation`): one step compiled from a few input
+  annotations (sharding propagation) and from the ILP's plan, side by side; :func:`time_programs` times compiled
+  programs in interleaved rounds (notebook 06's question 3, ``bench/bench_propagation.py``).
 - :func:`validate_model` puts the two together on a zoo model: compile the planned step on a mesh, count its
   collectives, run one step sharded and one on a single device, and report predicted against compiled.
 
@@ -35,21 +38,26 @@ Example:
 from .hlo import COLLECTIVE_KINDS, collective_instructions, collectives_in_hlo, total_bytes
 from .replay import (Replay, ReplayError, ReplayOptions, operand_specs_from_strategies, replay_with_shardings,
                      specs_from_strategies)
+from .propagation import PROPAGATION_NAMES, PropagationPrograms, propagation_programs, time_programs
 from .report import SMALL_OVERRIDES, predicted_collectives, summarize_collectives, validate_model, validate_plan
 from .xlamoves import moves_seconds, without_moves, xla_moves
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "PROPAGATION_NAMES",
+    "PropagationPrograms",
     "Replay",
     "ReplayError",
     "ReplayOptions",
     "collective_instructions",
     "collectives_in_hlo",
     "predicted_collectives",
+    "propagation_programs",
     "replay_with_shardings",
     "specs_from_strategies",
     "operand_specs_from_strategies",
     "summarize_collectives",
+    "time_programs",
     "total_bytes",
     "validate_model",
     "validate_plan",
