@@ -369,6 +369,15 @@ def _print_plan(out: dict) -> None:
               f"{st['submesh'][0]}x{st['submesh'][1]} as {st['logical_mesh'][0]}x{st['logical_mesh'][1]}"
               f"{_remat_text(st['remat'])}{_solution_text(st)}, peak {st['peak_mem_bytes'] / scale:.2f} {unit}"
               f"{parts}")
+    gib = 2**30
+    if out.get("unsharded_grad_bytes"):  # the terms explain() gives (CostReport.memory_note)
+        print(f"  gradients held unsharded between microbatches (float32, whole over the FSDP group): stage "
+              f"{out['accumulate_stage']} holds {out['unsharded_grad_bytes'] / gib:.2f} GiB in place of its "
+              f"{out['grad_shard_bytes'] / gib:.2f} GiB shard")
+    if out.get("eager_loss_bytes"):
+        print(f"  eager loss: {out['eager_loss_bytes'] / gib:.2f} GiB of logits-sized tensors a step; stage "
+              f"{out['loss_stage']} holds {out['loss_extra_bytes'] / gib:.2f} GiB more at its backward than its "
+              "average layer's working set")
     for line in out.get("parallelism", []):
         print(f"  {line}")
     for note in out.get("notes", []):

@@ -117,6 +117,11 @@ class Stage:
         return out
 
 
+def _size(nbytes: float) -> str:
+    """Bytes as explain() writes them: GiB from 1 GiB up, MiB below."""
+    return f"{nbytes / 2**30:.4g} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.4g} MiB"
+
+
 @dataclass(frozen=True)
 class CostReport:
     """Every figure of a plan's cost, in seconds per training step and bytes per device."""
@@ -161,6 +166,18 @@ class CostReport:
     # busiest stage's busy time a step (0 where the GPU is the bound).
     host_launch_s: float = 0.0
     host_s: float = 0.0
+    # A plan whose framework holds the gradients unsharded between microbatches (stage_pins["accumulate"],
+    # pricing.accumulate): the stage where that adds most, its float32 gradients held whole over the FSDP group and
+    # the shard they replace (bytes a device; 0: not held so).
+    accumulate_stage: int = 0
+    unsharded_grad_bytes: float = 0.0
+    grad_shard_bytes: float = 0.0
+    # A plan pricing an eager framework's loss (stage_pins["eager_loss"], pricing.eagerloss): its logits-sized bytes
+    # a step, the stage computing it, that stage's microbatches and what the loss adds there at its backward.
+    eager_loss_bytes: float = 0.0
+    loss_stage: int = 0
+    loss_microbatches: int = 1
+    loss_extra_bytes: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -185,6 +202,10 @@ class CostReport:
             "collectives": self.collectives,
             "collective_latency_s": self.collective_latency_s,
             **({"host_s": self.host_s, "host_launch_s": self.host_launch_s} if self.host_launch_s else {}),
+            **({"accumulate_stage": self.accumulate_stage, "unsharded_grad_bytes": self.unsharded_grad_bytes,
+                "grad_shard_bytes": self.grad_shard_bytes} if self.unsharded_grad_bytes else {}),
+            **({"eager_loss_bytes": self.eager_loss_bytes, "loss_stage": self.loss_stage,
+                "loss_extra_bytes": self.loss_extra_bytes} if self.eager_loss_bytes else {}),
             **(self.cpu.to_dict() if self.cpu is not None else {}),
         }
 
@@ -199,6 +220,21 @@ class CostReport:
         return (f"+ host {self.host_s:.4g} s (eager launches, each microbatch at least its kernels x "
                 f"{self.host_launch_s * 1e6:.3g} us of host time: {self.kernels:,} kernels a step = "
                 f"{launched:.4g} s, {bound}) ")
+
+    def memory_note(self) -> str:
+        """explain()'s memory terms a framework adds (each with its formula and figures): the gradients held unsharded
+        between microbatches and an eager loss; "" for a plan with neither."""
+        out = ""
+        if self.unsharded_grad_bytes:
+            out += (f"; memory: gradients held unsharded between microbatches on stage #{self.accumulate_stage}: "
+                    f"{_size(self.unsharded_grad_bytes)} = its parameters' elements / tensor split x 4 B (float32, "
+                    f"whole over the FSDP group) in place of its {_size(self.grad_shard_bytes)} gradient shard, "
+                    f"+{_size(self.unsharded_grad_bytes - self.grad_shard_bytes)}")
+        if self.eager_loss_bytes:
+            out += (f"; memory: eager loss on stage #{self.loss_stage}: +{_size(self.loss_extra_bytes)} = max(0, "
+                    f"({_size(self.eager_loss_bytes)} of logits-sized tensors a step - the head's kept activations) "
+                    f"/ {self.loss_microbatches} microbatches - its average layer's working set)")
+        return out
 
     def explain(self) -> str:
         """The step time as the sum of its terms, with what each one is."""
@@ -227,5 +263,6 @@ class CostReport:
             f"{self.hidden_comm_s:.4g} s of communication runs hidden behind that stage's compute (gradient "
             f"reduction behind the last backward, parameter gathers behind the forward)"
             + (f"; {self.schedule_choice}" if self.schedule_choice else "")
+            + self.memory_note()
             + (f"; {self.fit_note}" if self.fit_note else "")
         )

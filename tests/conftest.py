@@ -112,6 +112,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_a_stage_without_the_loss_holds_nothing_more",
         "test_kempnerforge_tp4_holds_four_bf16_logits_of_16k_tokens_at_the_loss",
         "test_plan_files_carry_the_loss_and_refuse_a_bad_one",
+        "test_a_plan_file_carries_both_pins_and_explain_says_each_term",
     },
     "test_auto_schedules": {
         "test_auto_plan_runs_the_schedule_it_searched",
@@ -211,6 +212,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "test_frameworks": {
         "test_a_configuration_file_is_read_by_its_path",
         "test_cli_bad_configuration_exits_2_with_one_sentence",
+        "test_cli_prices_torchtitan_s_eager_loss_and_shows_its_term_from_another_directory",
         "test_expert_parallelism_round_trips_through_megatron_torchtitan_and_maxtext",
         "test_maxtext_round_trip_circular_pipeline_with_tensor_axis",
         "test_megatron_arguments_round_trip_interleaved_selective_sequence_parallel_zero1",

@@ -81,3 +81,37 @@ def test_plan_files_carry_the_loss_and_refuse_a_bad_one(tiny, tmp_path):
     (tmp_path / "q.json").write_text(text.replace('"eager_loss": 24576.0', '"eager_loss": -1'))
     with pytest.raises(ValueError, match=r"stage_pins\['eager_loss'\] must be a number of bytes"):
         load_plan(tmp_path / "q.json", tiny)
+
+
+def test_a_plan_file_carries_both_pins_and_explain_says_each_term(tmp_path):
+    """A plan with KempnerForge's loss and its gradients held unsharded saves and loads with both pins; explain()
+    and the JSON report give each term with its figures, which are the stage's own: the held gradients are its
+    layers' float32 gradients in place of the shard, the loss adds what its static bytes grew by."""
+    model = al.models.get("llama3-tiny", batch_size=8, vocab_size=65536)  # logits large beside the layers
+    cluster = al.Cluster.preset("dgx-h100", 1).with_(devices_per_host=4)
+    plan = al.fsdp_plan(model, cluster, dp_shard=4, microbatches=2, accumulate_unsharded=True,
+                        eager_loss="kempnerforge")
+    table = plan.table
+    base = al.fsdp_plan(table=table, dp_shard=4, microbatches=2)
+    loss = al.fsdp_plan(table=table, dp_shard=4, microbatches=2, eager_loss="kempnerforge")
+    held = al.fsdp_plan(table=table, dp_shard=4, microbatches=2, accumulate_unsharded=True)
+    cost = plan.cost
+    assert cost.unsharded_grad_bytes == sum(c.grad_bytes for c in held.stages[0].layer_costs)
+    assert cost.grad_shard_bytes == sum(c.grad_bytes for c in base.stages[0].layer_costs)
+    assert cost.unsharded_grad_bytes == pytest.approx(4 * cost.grad_shard_bytes)  # a float32 model: whole over 4
+    assert loss.cost.loss_extra_bytes > 0
+    assert loss.cost.loss_extra_bytes == loss.stages[0].static_bytes - base.stages[0].static_bytes
+    assert cost.eager_loss_bytes == plan.stage_pins["eager_loss"] == 4 * 2 * 8 * 16 * 65536 / 4
+    text = cost.explain()
+    assert "; memory: gradients held unsharded between microbatches on stage #0: " in text
+    assert f"; memory: eager loss on stage #0: +{cost.loss_extra_bytes / 2**20:.4g} MiB = max(0, (16 MiB of " \
+           "logits-sized tensors a step - the head's kept activations) / 2 microbatches" in text
+    assert "memory:" not in base.cost.explain()
+    report = plan.report()
+    assert report["unsharded_grad_bytes"] == cost.unsharded_grad_bytes and report["loss_stage"] == 0
+    assert not {"unsharded_grad_bytes", "eager_loss_bytes"} & set(base.report())
+    save_plan(plan, tmp_path / "both.json")
+    back = load_plan(tmp_path / "both.json", model)
+    assert back.method == plan.method == "fsdp(dp_shard=4,no-sync,kempnerforge-loss)"
+    assert back.stage_pins == plan.stage_pins and back.cost.explain() == text
+    assert back.cost.peak_mem_bytes == pytest.approx(plan.cost.peak_mem_bytes, rel=1e-12)

@@ -9,6 +9,7 @@ expresses is named; the keys are the frameworks' own (``tests/data/framework_key
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -443,25 +444,142 @@ selective_ac_option = "op"
     cluster = al.Cluster.parse("dgx-h100:1")
     plan = al.import_config(toml, cluster=cluster)
     row = al.fsdp_plan(al.models.get("llama3-8b", seq_len=8192, batch_size=16), cluster, local_batch_size=2,
-                       remat="selective", precision="bf16", compile=False)  # the file's compile = false: eager
+                       remat="selective", precision="bf16", compile=False,  # the file's compile = false: eager
+                       eager_loss="torchtitan")  # and its float32 loss computed op by op (components/loss.py)
     assert layout(plan) == layout(row)
-    assert plan.cost.step_time_s == row.cost.step_time_s
+    assert plan.cost.step_time_s == row.cost.step_time_s and plan.cost.peak_mem_bytes == row.cost.peak_mem_bytes
     assert not plan.cluster.device.efficiency.kernel_fusion
 
 
 def test_an_eager_fsdp_plan_exports_compile_false_and_imports_back_eager(tiny):
     """A plan priced without torch.compile (fsdp_plan(compile=False): every elementwise op its own kernel) writes
-    torchtitan's ``compile = false``; the file read back prices the same eager plan. A fused plan writes ``true``."""
+    torchtitan's ``compile = false``; the file read back prices the same eager plan, with torchtitan's eager float32
+    loss, which compile = false brings and the export says this plan did not price. A fused plan writes ``true``."""
     model, table = tiny
     eager = al.fsdp_plan(model, TWO_H100, local_batch_size=4, precision="bf16", compile=False)
     text = al.export_config(eager, "torchtitan", model=model)
     assert "\ncompile = false\n" in text
+    assert "# compile = false also computes torchtitan's float32 loss op by op, which importing this file prices" \
+        in text
     again = al.import_config(text, model, cluster=TWO_H100)
     assert not again.cluster.device.efficiency.kernel_fusion
-    assert layout(again) == layout(eager) and again.cost.step_time_s == eager.cost.step_time_s
+    with_loss = al.fsdp_plan(table=eager.table, local_batch_size=4, precision="bf16", compile=False,
+                             eager_loss="torchtitan")
+    assert layout(again) == layout(with_loss) and again.cost.peak_mem_bytes == with_loss.cost.peak_mem_bytes
+    assert again.cost.step_time_s == eager.cost.step_time_s  # the loss's memory, not its time
     fused = al.fsdp_plan(model, TWO_H100, local_batch_size=4, precision="bf16", table=table)
     assert "\ncompile = true\n" in al.export_config(fused, "torchtitan", model=model)
     assert fused.cost.step_time_s < eager.cost.step_time_s  # the eager kernels read and write more
+
+
+# --- the loss and the gradients between microbatches (issue 31) ------------------------------------------------------
+
+EAGER_TOML = """[training]
+local_batch_size = 2
+global_batch_size = 64
+mixed_precision_param = "bfloat16"
+compile = false
+
+[parallelism]
+data_parallel_shard_degree = 8
+tensor_parallel_degree = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def eager_table(tiny):
+    """The tiny model's cost table with eager PyTorch's kernels (torchtitan's compile = false)."""
+    model, _ = tiny
+    return al.fsdp_plan(model, TWO_H100, dp_shard=8, tp=2, local_batch_size=4, precision="bf16",
+                        compile=False).table
+
+
+def test_torchtitan_compile_false_prices_its_eager_float32_loss_and_round_trips(tiny, eager_table):
+    """torchtitan computes its loss after the model, F.cross_entropy on the logits cast to float32, compiled only
+    with compile = true (components/loss.py, tests/data/framework_keys.json's loss_note): a file that says
+    compile = false is fsdp_plan(eager_loss="torchtitan"), and import -> export -> import prices the same."""
+    from autopar_lab.pricing.eagerloss import eager_loss_bytes
+
+    model, _ = tiny
+    plan = al.import_config(EAGER_TOML, model, table=eager_table)
+    direct = al.fsdp_plan(table=eager_table, dp_shard=8, tp=2, microbatches=4, remat="selective", precision="bf16",
+                          compile=False, eager_loss="torchtitan")
+    assert layout(plan) == layout(direct) and plan.cost.peak_mem_bytes == direct.cost.peak_mem_bytes
+    assert plan.method.endswith(",torchtitan-loss)") and "accumulate" not in plan.stage_pins
+    # float32 log-probabilities and two float32 gradients of the batch's logits, over 8 replicas and 2 vocab shards
+    assert plan.stage_pins["eager_loss"] == eager_loss_bytes("torchtitan", BATCH * 16 * 64, 8, 2)
+    assert any(n.startswith("compile = false: torchtitan computes its float32 cross-entropy") for n in plan.notes)
+    text, again = round_trip(plan, "torchtitan", model, eager_table)
+    assert "\ncompile = false\n" in text and "dropped" not in text
+    assert again.cost.explain() == plan.cost.explain()
+
+
+@pytest.mark.parametrize("extra, loss, note", [
+    ("", None, "compile left out (torchtitan's default is false"),
+    ("[liger_kernel]\nenable_fused_linear_cross_entropy = true\n", None, "the loss is Liger's fused linear"),
+    ("[liger_kernel]\nenable_fused_linear_cross_entropy = false\n", "torchtitan", "compile = false: torchtitan"),
+])
+def test_torchtitan_prices_the_eager_loss_only_where_it_runs(tiny, eager_table, extra, loss, note):
+    """Compile left out keeps the cluster's own kernels and the traced loss (a note says torchtitan's default);
+    Liger's fused linear cross-entropy holds no logits; compile = true compiles the loss: none of these price it."""
+    model, table = tiny
+    toml = (EAGER_TOML if loss or "liger" in extra else EAGER_TOML.replace("compile = false\n", "")) + extra
+    plan = al.import_config(toml, model, table=eager_table if "compile = false" in toml else table)
+    assert plan.stage_pins.get("eager_loss") is not None if loss else "eager_loss" not in plan.stage_pins
+    assert any(n.startswith(note) for n in plan.notes)
+    compiled = al.import_config(EAGER_TOML.replace("compile = false", "compile = true"), model, table=table)
+    assert "eager_loss" not in compiled.stage_pins and not any("loss" in n for n in compiled.notes)
+
+
+def test_liger_with_pipeline_parallelism_is_refused_as_torchtitan_does(tiny):
+    model, table = tiny
+    toml = EAGER_TOML + "pipeline_parallel_degree = 2\n[liger_kernel]\nenable_fused_linear_cross_entropy = true\n"
+    with pytest.raises(ValueError, match="refused by torchtitan with pipeline parallelism"):
+        al.import_config(toml, model, table=table)
+
+
+def test_export_drops_what_a_framework_cannot_express_and_says_so(tiny):
+    """KempnerForge's bf16 loss and gradients held unsharded between microbatches have no torchtitan or MaxText
+    switch: the export writes the rest, says what it dropped, and the file prices the plan without them."""
+    model, table = tiny
+    kf = al.fsdp_plan(table=table, dp_shard=16, microbatches=2, precision="bf16", accumulate_unsharded=True,
+                      eager_loss="kempnerforge")
+    plain = al.fsdp_plan(table=table, dp_shard=16, microbatches=2, precision="bf16")
+    assert kf.method == "fsdp(dp_shard=16,no-sync,kempnerforge-loss)"
+    for fw, own in (("torchtitan", "torchtitan runs its float32 loss"), ("maxtext", "MaxText runs its loss inside")):
+        text = al.export_config(kf, fw, model=model)
+        assert "# not expressible, dropped: KempnerForge's bf16 loss on logits gathered whole" in text
+        assert own in text and "# not expressible, dropped: the gradients held unsharded in float32" in text
+        back = al.import_config(text, model, framework=fw, table=table)
+        assert "eager_loss" not in back.stage_pins and "accumulate" not in back.stage_pins
+    back = al.import_config(al.export_config(kf, "torchtitan", model=model), model, table=table)
+    assert layout(back) == layout(plain) and back.cost.peak_mem_bytes == plain.cost.peak_mem_bytes
+    assert "reduce-scatters the gradients every microbatch" in al.export_config(kf, "torchtitan", model=model)
+    # torchtitan's own loss on fused kernels: its compile = true compiles the loss too
+    fused = al.fsdp_plan(table=table, dp_shard=16, microbatches=2, precision="bf16", eager_loss="torchtitan")
+    assert "with compile = true (the plan's fused kernels) torchtitan compiles its loss too" in \
+        al.export_config(fused, "torchtitan", model=model)
+    assert "dropped" not in al.export_config(plain, "torchtitan", model=model)
+    # Megatron-LM has no switch for either: a Megatron plan carrying the pins says so too
+    meg = al.megatron_plan(table=table, dp=16, tp=1, pp=1, zero=1, microbatches=2, precision="bf16")
+    pinned = dataclasses.replace(meg, stage_pins={**meg.stage_pins, "accumulate": "unsharded", "eager_loss": 1e6})
+    text = al.export_config(pinned, "megatron", model=model)
+    assert "# not expressible, dropped: an eager framework's loss (eager_loss); Megatron-LM runs its own fused" in text
+    assert "Megatron-LM has no switch to hold them so" in text
+    assert "dropped" not in al.export_config(meg, "megatron", model=model)
+
+
+def test_exporting_a_cuda_graph_megatron_plan_elsewhere_says_the_graphs_are_dropped(small_kernels):
+    model, table = small_kernels
+    graphs = al.megatron_plan(table=table, dp=8, tp=1, pp=1, zero=0, precision="bf16", cuda_graphs=True)
+    assert graphs.method.endswith(",graphs)")
+    for fw, name in (("torchtitan", "torchtitan"), ("maxtext", "MaxText")):
+        text = al.export_config(graphs, fw, model=model)
+        assert f"# not expressible, dropped: the plan's CUDA graphs (Megatron-LM's --cuda-graph-impl, every kernel " \
+               f"launched from a graph); {name} has no switch for them" in text
+    assert "dropped" not in al.export_config(graphs, "megatron", model=model)
+    plain = al.megatron_plan(table=table, dp=8, tp=1, pp=1, zero=0, precision="bf16")
+    assert "CUDA graphs" not in al.export_config(plain, "torchtitan", model=model)
 
 
 @pytest.mark.slow
@@ -672,6 +790,23 @@ def test_cli_imports_megatron_cuda_graphs_and_exports_them_from_another_director
     assert back.returncode == 0, back.stderr[-2000:]
     again = json.loads(back.stdout)
     assert again["method"] == got["method"] and again["step_time_s"] == got["step_time_s"]
+
+
+def test_cli_prices_torchtitan_s_eager_loss_and_shows_its_term_from_another_directory(tmp_path):
+    """A torchtitan TOML with compile = false priced by the CLI: its JSON carries the eager loss's term (the pin's
+    bytes, the stage computing it, what it adds there) and the printed plan says it."""
+    (tmp_path / "run.toml").write_text(EAGER_TOML)
+    model = ["llama3-tiny", "--layers", "4", "--batch", str(BATCH), "--dtype", "bfloat16"]
+    out = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["method"].endswith(",torchtitan-loss)") and got["eager_loss_bytes"] > 0
+    assert got["loss_stage"] == 0 and got["loss_extra_bytes"] >= 0 and "unsharded_grad_bytes" not in got
+    assert any(n.startswith("compile = false: torchtitan computes its float32 cross-entropy") for n in got["notes"])
+    shown = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"eager loss: {got['eager_loss_bytes'] / 2**30:.2f} GiB of logits-sized tensors a step; stage 0" in \
+        shown.stdout
 
 
 def test_cli_bad_configuration_exits_2_with_one_sentence(tmp_path, capsys, monkeypatch):

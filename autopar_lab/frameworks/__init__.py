@@ -21,7 +21,7 @@ from types import ModuleType
 from . import maxtext_yaml, megatron_args, torchtitan_toml
 from .common import FRAMEWORK_NAMES, read_source, with_import_notes
 from .grid import best_in_grid
-from .planlayout import FrameworkLayout, layout_of
+from .planlayout import FrameworkLayout, dropped, layout_of
 
 __all__ = ["FRAMEWORKS", "FRAMEWORK_NAMES", "FrameworkLayout", "best_in_grid", "detect_framework", "export_config",
            "import_config", "layout_of"]
@@ -82,12 +82,15 @@ def export_config(plan, framework: str, model=None) -> str:
     """``plan`` as ``framework``'s configuration text ("megatron": the arguments, "torchtitan": a TOML, "maxtext": a
     YAML), the model's shape or name written too when ``model`` (the zoo model planned) is given; a ValueError naming
     the decision that framework cannot express (uneven stages, different meshes per stage, a per-operator pin, a ZeRO
-    stage or schedule it has no switch for)."""
+    stage or schedule it has no switch for). What the plan prices that the framework has no switch for but can run
+    without (CUDA graphs outside Megatron-LM, another framework's eager loss, gradients held unsharded between
+    microbatches) is dropped, and the text's comments say so (:func:`~autopar_lab.frameworks.planlayout.dropped`)."""
     from ..plan import plan_object
 
     plan = plan_object(plan, "plan")
     fw = _framework(framework)
     layout = layout_of(plan, FRAMEWORK_NAMES[fw])
+    layout = layout.with_(notes=(*layout.notes, *dropped(layout, fw)))  # what the configuration cannot say
     if fw == "maxtext":
         return maxtext_yaml.render(layout, model, plan.cluster)
     return FRAMEWORKS[fw].render(layout, model)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..rematmode import remat_label, remat_value
 
-__all__ = ["FrameworkLayout", "layout_of"]
+__all__ = ["FrameworkLayout", "dropped", "layout_of"]
 
 _NAME = re.compile(r"^(megatron|fsdp|maxtext)\((.*)\)$")
 
@@ -33,7 +33,10 @@ class FrameworkLayout:
     ``overlap`` (the communication overlapped with compute, :data:`~autopar_lab.pricing.overlap.OVERLAPS` names);
     ``kernel_fusion`` (whether the plan was priced with a compiler's fused kernels, its cluster's
     :class:`~autopar_lab.cluster.Efficiency` field: torchtitan's ``compile``); ``cuda_graphs`` (a Megatron plan's
-    kernels replayed from CUDA graphs, ``megatron_plan(cuda_graphs=True)``: Megatron-LM's ``--cuda-graph-impl``).
+    kernels replayed from CUDA graphs, ``megatron_plan(cuda_graphs=True)``: Megatron-LM's ``--cuda-graph-impl``);
+    ``eager_loss`` (the framework whose eager loss the plan prices, ``fsdp_plan(eager_loss=...)``: "torchtitan",
+    "kempnerforge", or "eager" for a plan file's bytes of another; None: the traced step's own) and ``accumulate``
+    (the plan's ``stage_pins["accumulate"]``: "unsharded" for gradients held unsharded between microbatches).
     """
 
     origin: str
@@ -57,6 +60,8 @@ class FrameworkLayout:
     overlap: tuple[str, ...] = ()
     kernel_fusion: bool = True
     cuda_graphs: bool = False
+    eager_loss: str | None = None
+    accumulate: str | None = None
 
     @property
     def sample_per_microbatch(self) -> int:
@@ -119,9 +124,56 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
     base = dict(pp=len(plan.stages), remat=remat_value(first.remat), schedule=plan.schedule,
                 virtual_stages=plan.virtual_stages, microbatches=plan.microbatches, batch=plan.table.batch_size,
                 blocks=block_count(plan.table), precision=precision,
-                kernel_fusion=plan.cluster.device.efficiency.kernel_fusion)
+                kernel_fusion=plan.cluster.device.efficiency.kernel_fusion,
+                eager_loss=_eager_loss(plan), accumulate=plan.stage_pins.get("accumulate"))
     layout = _layout(plan, fw, base, n0, n1)
     return layout if written is None else layout.with_(notes=(*layout.notes, written))
+
+
+def _eager_loss(plan) -> str | None:
+    """Whose eager loss ``plan`` prices: the framework its layout's name says (``fsdp_plan``'s ",torchtitan-loss"),
+    "eager" for bytes a plan file pins without one, None for none."""
+    if not plan.stage_pins.get("eager_loss"):
+        return None
+    m = _NAME.match(plan.method)
+    flags = _items(m.group(2))[1] if m else set()
+    return next((f[:-len("-loss")] for f in sorted(flags) if f.endswith("-loss")), "eager")
+
+
+#: What each framework runs in place of a plan's eager loss (an export note's words).
+_OWN_LOSS = {"megatron": "its own fused, vocabulary-parallel cross-entropy",
+             "torchtitan": "its float32 loss, eager with compile = false and compiled with compile = true",
+             "maxtext": "its loss inside the traced, fused step"}
+
+
+def dropped(lay: FrameworkLayout, fw: str) -> tuple[str, ...]:
+    """The export notes for what ``lay`` prices that framework ``fw`` ("megatron", "torchtitan", "maxtext") has no
+    switch for, each dropped from the configuration written (importing it prices the plan without it); for
+    torchtitan, also the eager loss its ``compile = false`` brings that the plan did not price."""
+    name = {"megatron": "Megatron-LM", "torchtitan": "torchtitan", "maxtext": "MaxText"}[fw]
+    notes = []
+    if lay.cuda_graphs and fw != "megatron":
+        notes.append(f"not expressible, dropped: the plan's CUDA graphs (Megatron-LM's --cuda-graph-impl, every "
+                     f"kernel launched from a graph); {name} has no switch for them: import this file to price it "
+                     "without them")
+    expressed = fw == "torchtitan" and lay.eager_loss == "torchtitan" and not lay.kernel_fusion
+    if lay.eager_loss is not None and not expressed:
+        whose = {"torchtitan": "torchtitan's float32 loss computed eagerly",
+                 "kempnerforge": "KempnerForge's bf16 loss on logits gathered whole, held through the backward"}.get(
+            lay.eager_loss, "an eager framework's loss")
+        why = ("with compile = true (the plan's fused kernels) torchtitan compiles its loss too"
+               if lay.eager_loss == "torchtitan" else f"{name} runs {_OWN_LOSS[fw]}")
+        notes.append(f"not expressible, dropped: {whose} (eager_loss); {why}: import this file to price that")
+    if fw == "torchtitan" and lay.eager_loss is None and not lay.kernel_fusion:
+        notes.append("compile = false also computes torchtitan's float32 loss op by op, which importing this file "
+                     "prices (eager_loss='torchtitan') and this plan does not")
+    if lay.accumulate is not None:
+        how = {"torchtitan": "torchtitan reduce-scatters the gradients every microbatch"}.get(
+            fw, f"{name} has no switch to hold them so")
+        notes.append("not expressible, dropped: the gradients held unsharded in float32 between "
+                     f"microbatches (accumulate, FSDP2 without a gradient sync); {how}: import this file to price "
+                     "that")
+    return tuple(notes)
 
 
 def _format_name(fmt) -> tuple[str, str | None]:

@@ -14,7 +14,19 @@ data-parallel rank), ``global_batch_size`` (more than ``local x dp``: gradient a
 ``compile=False``; left out, the cluster's own kernels, fused on every preset; written back as the plan was
 priced: false for an eager plan, true for fused kernels); ``[model]`` ``name``, ``flavor``
 (``llama3`` ``8B``/``70B``/``405B``: the zoo's Llama 3),
-``converters`` (``float8``: FP8 matmuls).
+``converters`` (``float8``: FP8 matmuls); ``[liger_kernel] enable_fused_linear_cross_entropy``.
+
+The loss (issue 31; ``tests/data/framework_keys.json``'s ``loss_note`` says where each was read): torchtitan calls
+the model for its logits, then its cross-entropy on them cast to float32, op by op, ``torch.compile`` wrapping it only
+with ``compile = true`` (``components/loss.py`` ``build_cross_entropy_loss``). A file that says ``compile = false``
+is priced with that eager loss (:func:`~autopar_lab.layouts.fsdp_plan`'s ``eager_loss="torchtitan"``,
+:mod:`autopar_lab.pricing.eagerloss`) unless Liger's fused linear cross-entropy replaces logits and loss; with
+``compile = true`` the compiled loss is priced as the traced step's own (fused); left out, as the kernels are (the
+cluster's own), and a note says so. Its gradient accumulation (``global_batch_size`` over ``local_batch_size`` x the
+data-parallel degree, no key of its own) runs each microbatch's backward with FSDP2's gradient sync on: the gradients
+are reduce-scattered every microbatch, never held unsharded (``accumulate_unsharded`` stays False). The export writes
+``compile = false`` for a plan priced eager, which torchtitan runs with that loss; what the TOML cannot say (another
+framework's loss, gradients held unsharded, CUDA graphs) is dropped with a note.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ KEYS = {
                  "gc_debug", "seed", "deterministic"),
     "activation_checkpoint": ("mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns"),
     "model": ("name", "flavor", "tokenizer_path", "converters", "print_after_conversion"),
+    "liger_kernel": ("enable_fused_linear_cross_entropy",),
 }
 #: The keys the planner models (the rest of :data:`KEYS` is listed as ignored).
 MODELLED = {
@@ -53,6 +66,7 @@ MODELLED = {
     "training": ("local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param", "compile"),
     "activation_checkpoint": ("mode", "selective_ac_option"),
     "model": ("name", "flavor", "converters"),
+    "liger_kernel": ("enable_fused_linear_cross_entropy",),
 }
 #: torchtitan's schedule names -> the planner's (ZBVZeroBubble's V-shaped zero bubble priced as ZB-H1).
 SCHEDULES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved", "GPipe": "gpipe", "ZBVZeroBubble": "zb-h1"}
@@ -190,11 +204,35 @@ def plan_from(imp: Imported, model, cluster, **planner):
                 raise ValueError(f"pipeline_parallel_layers_per_stage {lps} does not split the {layers} layers over "
                                  f"{pp} ranks evenly")
             kw["virtual_stages"] = layers // (pp * lps)
+    compiled = _compile(imp.get("training.compile"))
+    loss, imp = _loss(imp, compiled, pp)
     plan = fsdp_plan(model if table is None else None, cluster, dp_shard=shard,
                      dp_replicate=rep, tp=tp, pp=pp, cp=cp, ep=ep, reshard_after_forward=reshard != "never",
-                     microbatches=microbatches, remat=remat, precision=prec,
-                     compile=_compile(imp.get("training.compile")), **kw, **planner)
+                     microbatches=microbatches, remat=remat, precision=prec, compile=compiled, eager_loss=loss,
+                     **kw, **planner)
     return plan, imp
+
+
+def _loss(imp: Imported, compiled: bool | None, pp: int) -> tuple[str | None, Imported]:
+    """fsdp_plan's ``eager_loss`` for the file (see the module docstring), and the import with a note saying how its
+    loss was priced."""
+    liger = imp.get("liger_kernel.enable_fused_linear_cross_entropy", False)
+    if not isinstance(liger, bool):
+        raise ValueError(f"[liger_kernel] enable_fused_linear_cross_entropy must be true or false, got {liger!r:.20}")
+    if liger and pp > 1:
+        raise ValueError("[liger_kernel] enable_fused_linear_cross_entropy is refused by torchtitan with pipeline "
+                         "parallelism; set it false or pipeline_parallel_degree = 1")
+    if liger:
+        return None, imp.with_note("the loss is Liger's fused linear cross-entropy (no logits held): priced as the "
+                                   "traced step's own fused loss")
+    if compiled is False:
+        return "torchtitan", imp.with_note("compile = false: torchtitan computes its float32 cross-entropy op by op "
+                                           "after the model, priced at its backward (eager_loss='torchtitan')")
+    if compiled is None:
+        return None, imp.with_note("compile left out (torchtitan's default is false, its loss then computed op by "
+                                   "op in float32): priced with the cluster's own kernels and the traced step's "
+                                   "loss; write compile = false to price torchtitan's eager loss")
+    return None, imp
 
 
 def _layers(model, table) -> int:

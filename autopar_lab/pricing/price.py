@@ -230,6 +230,9 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     per_kernel = host_launch_s(host)
     loss_layer = len(table.layer_names) - 1  # the head's: where the loss is computed
     priced, per_stage, stage_sums, hidden = [], [], [], []
+    # per stage: (unsharded gradient bytes, the shard they replace) where held unsharded; what the eager loss adds
+    held: dict[int, tuple[float, float]] = {}
+    loss_extra = [0.0] * len(specs)
     chosen: list[str] = []  # each stage's solution
     # The layer ranges each stage runs: its chunks when interleaved (a stage's layers are then its range in the
     # 1F1B layout), else its layers.
@@ -256,8 +259,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                                         paired_share(schedule, len(specs), j, microbatches, v))
             sums = prefix_sums(costs)
         if accumulate is not None and microbatches > 1:  # gradients held unsharded (pricing.accumulate)
+            shard = sum(c.grad_bytes for a, z in ranges[j] for c in costs[a:z + 1])
             costs = accumulated_layer_costs(table, intra, costs, accumulate, microbatches)
             sums = prefix_sums(costs)
+            held[j] = (sum(c.grad_bytes for a, z in ranges[j] for c in costs[a:z + 1]), shard)
         kept = costs  # what the stage keeps: the costs of its IntraPlan, every layer sharing its solution
         if layer_pins:
             for first, last in ranges[j]:
@@ -266,9 +271,10 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                 if split is not None:
                     costs = split
                     sums = prefix_sums(costs)
-        priced.append(with_loss(table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh,
-                                                      spec.logical_mesh, microbatches, spec.remat, intra),
-                                costs, microbatches, eager_loss, loss_layer))
+        bare = table.stage_from_sums(sums, spec.layers[0], spec.layers[1], spec.submesh, spec.logical_mesh,
+                                     microbatches, spec.remat, intra)
+        priced.append(with_loss(bare, costs, microbatches, eager_loss, loss_layer))
+        loss_extra[j] = priced[-1].static_bytes - bare.static_bytes
         if per_kernel:
             priced[-1] = hosted(priced[-1], sums, (spec.layers[0], spec.layers[1]), per_kernel)
         # What the stage hides behind its compute and the kernels it launches a step (over its chunks when
@@ -373,6 +379,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     # The busiest stage's busy time less its host wait, split in proportion to its terms (launch overheads and
     # recomputation included).
     scale = (busy - host_s) / work if work > 0 else 0.0
+    acc = max(held, key=lambda k: held[k][0] - held[k][1], default=0)  # where holding them adds most
+    lost = max(range(len(loss_extra)), key=lambda k: loss_extra[k])
     cost = CostReport(
         step_time_s=tl.makespan,
         compute_s=b.compute_s * scale,
@@ -395,6 +403,13 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
         cpu=cpu_cost(cluster, shared_host=hosts is not None and len(priced) > 1, task_s=float(tasks_s),
                      rereads_s=float(rereads_s)),
         precision=precision_note(table.solve_graph),
+        accumulate_stage=acc,
+        unsharded_grad_bytes=held.get(acc, (0.0, 0.0))[0],
+        grad_shard_bytes=held.get(acc, (0.0, 0.0))[1],
+        eager_loss_bytes=float(eager_loss or 0.0),
+        loss_stage=lost if loss_extra[lost] else len(specs) - 1,
+        loss_microbatches=microbatches,
+        loss_extra_bytes=loss_extra[lost],
     )
     return Priced(tuple(plan_stages), cost, schedule, v)
 
