@@ -31,6 +31,16 @@ measured on 8 CPU devices, bench/RESULTS.md execute-memory). Only ``static_bytes
 by exactly its stage's ``act_bytes`` (one microbatch) over its layer count: gpt-tiny-cpu's one-layer auto stages by a
 whole layer's activations (651,008 -> 1,049,344 B), the deep gpt-1.3b plans by under 0.2%. No plan, time or choice
 moved: no memory limit here binds within that margin.
+
+Regenerated 2026-12-07 for a pipeline's boundary (``pricing.stage.stage_cost``'s ``recv_bytes``/``sent_act_bytes``:
+the stage receiving a microbatch's input keeps it and writes its gradient, the stage that sent it keeps it no longer;
+measured on 8 CPU devices, bench/JOURNAL.md "the head stage's input"). Only ``act_bytes``, ``static_bytes`` and
+``peak_mem_bytes`` of pipelined plans moved, each by exactly the residual stream's bytes per device of one
+microbatch: a receiving stage's act and static by +b (its peak by b x (in flight + 1)), a sending stage's act by -b
+(its peak by -b x in flight); under full recomputation only the receiver's static (+b: it kept its first layer's
+input already). E.g. gpt-tiny's Megatron dp1 tp2 pp2 (8 x 16 x 32 float32 replicated, 2 microbatches: b = 8,192 B):
+stage 0 peak -16,384, stage 1 +16,384. ``megatron_tried`` peaks are the largest stage's, so some moved by a
+difference of two stages' moves. One-stage plans, every time, choice and stage cut: unchanged.
 """
 
 import hashlib

@@ -10,7 +10,7 @@ from autopar_lab.plan import price_plan
 from autopar_lab.pricing import CostTable, OpMap, stage_cost
 from autopar_lab.pricing.opmap import plain_signature
 from autopar_lab.pricing.price import table_of
-from autopar_lab.pricing.stage import SUM_FIELDS
+from autopar_lab.pricing.stage import EDGE_FIELDS, SUM_FIELDS
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,8 @@ def test_a_plan_priced_again_from_its_decisions_is_the_same_plan(auto):
         costs, _ = t.mesh_costs(st.submesh, st.logical_mesh)
         part = costs[st.layers[0]:st.layers[1] + 1]
         totals = {f: math.fsum(getattr(c, f) for c in part) for f in SUM_FIELDS}
+        # the boundaries: what the first layer receives, what the last sends
+        totals.update({f: getattr(costs[st.layers[0] if f == "recv_bytes" else st.layers[1]], f) for f in EDGE_FIELDS})
         want = stage_cost(totals, t.entry_bytes(st.layers[0]), 2, 2, True, t.task_overhead_s(st.submesh))
         # a weight the stage reads but another stage holds (the tied embedding on the head's stage): held once
         entries: dict[int, list] = {}

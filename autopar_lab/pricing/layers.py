@@ -15,7 +15,7 @@ from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, U
 from ..sharding.reshard import collective_time
 from ..sharding.strategies import COLLECTIVE_KINDS
 from ..solve.intra import StrategyCache, conversions, weight_gradient_ops
-from ..solve.memterms import STATIC_KINDS, held_copies, memory_terms
+from ..solve.memterms import STATIC_KINDS, held_copies, kept_outputs, memory_terms
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -78,6 +78,14 @@ class LayerCost:
     in the last): ``shared``, one ``(parameter, home, bytes)`` per such parameter the layer reads, ``home`` True in
     the layer that holds it (its input's layer); ``bytes`` what a stage that reads it without holding it keeps while
     its tasks run (:func:`shared_weights`): :func:`~autopar_lab.pricing.stage.shared_weight_bytes` prices it.
+
+    A pipeline's boundaries (read at a stage's first and last layer, not summed: :data:`~autopar_lab.pricing.stage.
+    EDGE_FIELDS`): ``recv_bytes``, the forward tensors of earlier layers this layer reads (its ``ckpt_bytes`` less
+    the batch's inputs), at their producers' sharding: what a stage starting here receives, keeps for its backward
+    and writes the gradient of; ``sent_act_bytes``, the part of ``act_bytes`` that only later layers read (the
+    layer's outputs no operator of it or an earlier layer reads again): what a stage ending here sends and does not
+    keep (the receiver does); ``sent_attn_act_bytes``, ``sent_dots_act_bytes``, ``sent_op_act_bytes``: the part of
+    it in ``attn_act_bytes``, ``dots_act_bytes``, ``op_act_bytes`` (dropped anyway by that recomputation).
     """
 
     fwd_s: float
@@ -125,6 +133,11 @@ class LayerCost:
     f32_copies_act_bytes: float = 0.0
     f32_copies_weight_bytes: float = 0.0
     shared: tuple[tuple[int, bool, float], ...] = ()
+    recv_bytes: float = 0.0
+    sent_act_bytes: float = 0.0
+    sent_attn_act_bytes: float = 0.0
+    sent_dots_act_bytes: float = 0.0
+    sent_op_act_bytes: float = 0.0
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -180,7 +193,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         dict(fwd=0.0, bwd=0.0, compute=0.0, comm=0.0, reshard=0.0, act=0.0, hf=0, hb=0, fc=0.0, bc=0.0, sync=0.0,
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
              latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0, f32=(0.0, 0.0),
-             op_act=0.0, op_fwd=0.0, op_lf=0.0, attn_k=0, dots_k=0, op_k=0,
+             op_act=0.0, op_fwd=0.0, op_lf=0.0, attn_k=0, dots_k=0, op_k=0, recv=0.0, sent=0.0, sent_attn=0.0,
+             sent_dots=0.0, sent_op=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -280,6 +294,16 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                     if matmul_again:  # recomputed itself under "selective-op": not kept for the recomputation
                         a["op_act"] += kept.bytes_per_device(info.shape, info.dtype, mshape)
 
+        if fwd:
+            # An output only later layers read: a stage whose last layer this is sends it and keeps it no longer.
+            here = index.get(node.layer, last)
+            for t, kind, nbytes in kept_outputs(graph, node, s, mshape, fused, library_kernels=library):
+                readers = [index.get(graph.op(c).layer, last) for c in graph.consumers.get(t, ())]
+                if kind == "act" and readers and min(readers) > here:
+                    a["sent"] += nbytes
+                    for key, inside_set in (("attn", internal), ("dots", recomputed), ("op", matmul_again)):
+                        if inside_set:
+                            a[f"sent_{key}"] += nbytes
         if role is not None and role.kind != "dead":
             written = [b for w, t, spec in zip(role.writes, node.outputs, s.out_specs) if w and t not in keeps
                        for b in (spec.bytes_per_device(graph.tensor(t).shape, graph.tensor(t).dtype, mshape),)]
@@ -299,7 +323,10 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                     continue
                 seen.add(t)
                 spec = plan.strategies[p].out_specs[pn.outputs.index(t)] if p in inside else None
-                a["ckpt"] += spec.bytes_per_device(info.shape, info.dtype, mshape) if spec is not None else info.nbytes
+                held = spec.bytes_per_device(info.shape, info.dtype, mshape) if spec is not None else info.nbytes
+                a["ckpt"] += held
+                if not from_input:  # received from the stage before, where a stage starts here
+                    a["recv"] += held
     convs = list(conversions(graph, plan.ops, plan.strategies, cache))
     for v, nbytes in held_copies(graph, convs, mshape).values():
         slot(v)["copies"] += nbytes
@@ -330,7 +357,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              latency_fwd_s=a["latf"], latency_bwd_s=a["latb"], collectives_fwd=a["cf"],
                              collectives_bwd=a["cb"], task_arrays_s=a["arrays"], reread_s=a["reread"],
                              f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1],
-                             shared=tuple(shared.get(layer, ()))))
+                             shared=tuple(shared.get(layer, ())), recv_bytes=a["recv"], sent_act_bytes=a["sent"],
+                             sent_attn_act_bytes=a["sent_attn"], sent_dots_act_bytes=a["sent_dots"],
+                             sent_op_act_bytes=a["sent_op"]))
     return out
 
 

@@ -23,7 +23,9 @@ and :func:`memory_breakdown` splits the same sums:
   kept, and the cotangents of one layer's activations (as large as its activations) while its backward runs; on the
   CPU also the backend's own (:mod:`autopar_lab.backends`): the float32 copies of the stage's largest half-precision
   matmul, and, where a pipeline stage's update program holds more than its backward (its state and the copies it
-  makes of its optimizer state), what it holds beyond;
+  makes of its optimizer state), what it holds beyond; on a stage after the first, the gradient of one microbatch's
+  input received from the stage before (the input itself is in its activations, the output it sends in the next
+  stage's: :func:`~autopar_lab.pricing.stage.stage_cost`);
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
   schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
@@ -71,10 +73,14 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     # the backward's transients: the average layer's largest temporary and one layer's activation cotangents
     # (the same float operations as stage_cost's, so the parts add up to its static bytes)
     out["buffers_bytes"] = sum(c.temp_bytes for c in part) / microbatches / n + act / n
+    # a stage after the first writes its received input's gradient, one microbatch's (stage_cost's boundaries)
+    recv = costs[layers[0]].recv_bytes / microbatches
+    out["buffers_bytes"] = out["buffers_bytes"] + recv
     # the working set of recomputing one layer's dropped part (stage_cost's sum over the same keys)
     dropped = sum(getattr(c, f"{key}_act_bytes") for key in partial_keys(remat) for c in part) / microbatches
     out["recompute_bytes"] = act / n if is_full(remat) else dropped / n
-    out["plain_act_per_microbatch_bytes"] = act
+    # without remat it keeps the input it received, not the output it sent
+    out["plain_act_per_microbatch_bytes"] = act + recv - costs[layers[1]].sent_act_bytes / microbatches
     out["remat_act_per_microbatch_bytes"] = sum(c.ckpt_bytes for c in part) / microbatches
     return out
 

@@ -54,6 +54,11 @@ SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy
 MAX_FIELDS = ("f32_copies_act_bytes", "f32_copies_weight_bytes")
 
 
+#: The layer-cost fields read at a stage's boundaries, neither summed nor maximised (:func:`range_edges`): what its
+#: first layer receives, what its last layer sends.
+EDGE_FIELDS = ("recv_bytes", "sent_act_bytes", "sent_attn_act_bytes", "sent_dots_act_bytes", "sent_op_act_bytes")
+
+
 def partial_keys(remat: Any) -> tuple[str, ...]:
     """The layer-cost field prefixes (``<key>_act_bytes``, ``<key>_fwd_s``, ``<key>_launch_s``) whose sum a stage that
     recomputes part of its forward drops from its activations and runs again in its backward: ``("attn",)``
@@ -76,13 +81,14 @@ def prefix_sums(costs: Sequence[Any]) -> dict[str, list[float]]:
     """Running sums of each :data:`SUM_FIELDS` field over a list of LayerCosts: ``sums[f][b + 1] - sums[f][a]`` is
     the total over layers ``a..b``; also of ``k x reread_s`` of layer k (``reread_rank_s``, for
     :func:`~autopar_lab.backends.program_rereads_s`). Each of :data:`MAX_FIELDS` is kept as it is, not summed, under
-    ``"max:" + field`` (layer k at index k + 1, aligned with the sums): :func:`range_max` reads it."""
-    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "reread_rank_s", *_MAX_KEYS)}
+    ``"max:" + field`` (layer k at index k + 1, aligned with the sums): :func:`range_max` reads it; each of
+    :data:`EDGE_FIELDS` so under ``"edge:" + field``: :func:`range_edges` reads it."""
+    sums: dict[str, list[float]] = {f: [0.0] for f in (*SUM_FIELDS, "reread_rank_s", *_MAX_KEYS, *_EDGE_KEYS)}
     for k, c in enumerate(costs):
         for f in SUM_FIELDS:
             sums[f].append(sums[f][-1] + getattr(c, f))
         sums["reread_rank_s"].append(sums["reread_rank_s"][-1] + k * c.reread_s)
-        for f, key in zip(MAX_FIELDS, _MAX_KEYS):
+        for f, key in zip((*MAX_FIELDS, *EDGE_FIELDS), (*_MAX_KEYS, *_EDGE_KEYS)):
             sums[key].append(getattr(c, f))
     shared = {t for c in costs for t, _home, _b in getattr(c, "shared", ())}
     for t in sorted(shared):
@@ -125,11 +131,33 @@ def shared_weight_bytes(totals: Mapping[str, Any]) -> Any:
 
 
 _MAX_KEYS = tuple(f"max:{f}" for f in MAX_FIELDS)
+_EDGE_KEYS = tuple(f"edge:{f}" for f in EDGE_FIELDS)
 
 
 def is_running_sum(key: str) -> bool:
     """Whether ``key`` of :func:`prefix_sums`'s dict is a running sum (a range's total is a difference)."""
-    return not key.startswith("max:")
+    return not key.startswith(("max:", "edge:"))
+
+
+def range_edges(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
+    """A stage's boundary terms from :func:`prefix_sums`'s dict: ``recv_bytes`` of its first layer ``start`` (0 for
+    the first stage) and the ``sent_*`` fields of its last layer ``end`` (0 for the last stage, which sends nothing):
+    ints, or integer arrays broadcastable against each other (the stage DP's blocks).
+
+    >>> s = {"edge:recv_bytes": [0.0, 0.0, 8.0, 8.0], "edge:sent_act_bytes": [0.0, 4.0, 4.0, 0.0]}
+    >>> e = range_edges(s, 1, 1)
+    >>> e["recv_bytes"], e["sent_act_bytes"], range_edges(s, 0, 2)["recv_bytes"]
+    (8.0, 4.0, 0.0)
+    """
+    out: dict[str, Any] = {}
+    for f, key in zip(EDGE_FIELDS, _EDGE_KEYS):
+        if key not in sums:  # running sums made before these fields: no boundary terms
+            out[f] = 0.0
+            continue
+        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
+        at = start if f == "recv_bytes" else end
+        out[f] = float(per[int(at)]) if np.ndim(at) == 0 else per[np.asarray(at, dtype=np.int64)]
+    return out
 
 
 def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
@@ -216,6 +244,15 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     beside the backward's working set (:func:`shared_weight_bytes`, from ``totals``' ``shared:`` sums; not during
     the update, which the holder runs).
 
+    A pipeline's boundaries (``totals``' :data:`EDGE_FIELDS`, :func:`range_edges`, set by the caller; 0 where
+    absent): the stage that receives a microbatch's input keeps it for its backward (``recv_bytes``, at the
+    sharding it arrives in, per microbatch in flight; under full recomputation it is already the first layer's
+    kept input) and writes its gradient there (one microbatch's at a time, in the working set); the stage that sent
+    it keeps it no longer (``sent_act_bytes``, less what a partial recomputation drops anyway; under full
+    recomputation it kept only its layers' inputs). So the boundary is priced where it is held, as on a GPU
+    pipeline (Megatron-LM frees a sent output's data, the receiver keeps its copy), and on JAX's CPU devices
+    (measured: bench/JOURNAL.md, 2026-12-07, the head stage's input).
+
     ``rereads_s`` (:func:`~autopar_lab.backends.program_rereads_s`, set by the caller, who has the running sums):
     what the backward program pays a step to read its layers' outputs again, paid by every microbatch's backward.
     ``task_arrays_s`` (the CPU, :mod:`autopar_lab.backends`): what one task pays to take the stage's parameter
@@ -271,6 +308,15 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     static = totals["static_bytes"] + totals["temp_bytes"] / B / layers + totals["act_bytes"] / B / layers
     act = totals["act_bytes"] / B
     keys = partial_keys(remat)
+    recv = totals.get("recv_bytes", 0.0) / B
+    if not is_full(remat):
+        # The boundaries: the input received is kept here, the output sent is not (that part of it kept so far).
+        sent = totals.get("sent_act_bytes", 0.0)
+        for key in keys:
+            sent = sent - totals.get(f"sent_{key}_act_bytes", 0.0)
+        act = act + recv - sent / B
+    # The received input's gradient, written by the backward one microbatch at a time.
+    static = static + recv
     if keys:
         # The attention internals (selective), everything but the matmuls' outputs (dots) or that and every other
         # matmul's output (selective-op) are dropped; in the backward one layer's are recomputed at a time (the

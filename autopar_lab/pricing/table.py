@@ -41,7 +41,7 @@ from .blocks import StageBlock, StageCandidates, carried_blocks
 from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import is_running_sum, pareto, prefix_sums, range_max, stage_cost, task_overhead_s
+from .stage import is_running_sum, pareto, prefix_sums, range_edges, range_max, stage_cost, task_overhead_s
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, longest_first, mesh_key, mesh_tasks, solve_one
@@ -401,6 +401,7 @@ class CostTable:
         entry = np.array([0.0] + list(self.cut_bytes), dtype=float)[:L]
         sums = self.prefix_arrays(sub, shape)
         single = {f: v[1:] - v[:-1] for f, v in sums.items() if is_running_sum(f)}  # layer k alone
+        single.update(range_edges(sums, np.arange(L), np.arange(L)))
         task = self.task_overhead_s(sub)
         least = np.full(L, np.inf)
         for remat in (False, True):
@@ -622,11 +623,13 @@ class CostTable:
         (:mod:`autopar_lab.backends`; 0 but on the CPU): the backward programs' re-reads (``rereads_s``), the update
         program's copies of the optimizer state (``update_copies_bytes``), the gradients a one-program step does not
         hold at its peak (``one_program_grads_bytes``) and the largest of the layers' float32 matmul copies
-        (:func:`~autopar_lab.pricing.stage.range_max`)."""
+        (:func:`~autopar_lab.pricing.stage.range_max`); and, on every device, the pipeline's boundaries (what the
+        first layer receives, what the last sends: :func:`~autopar_lab.pricing.stage.range_edges`)."""
         totals["rereads_s"] = program_rereads_s(self.cluster, sums, start, end)
         totals["update_copies_bytes"] = update_copies_bytes(self.cluster, totals["opt_bytes"])
         totals["one_program_grads_bytes"] = one_program_grads_bytes(self.cluster, totals["grad_bytes"])
         totals.update(range_max(sums, start, end))
+        totals.update(range_edges(sums, start, end))  # not the backend's: the pipeline's boundaries, on every device
 
     def stage_from_sums(self, sums, start: int, end: int, submesh, shape, microbatches: int, remat: bool | str,
                         intra: IntraPlan | None = None, solution: str = "fast") -> StageCandidate:

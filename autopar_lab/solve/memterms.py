@@ -16,7 +16,7 @@ from ..sharding.fsdp import is_param_input
 from ..sharding.spec import ShardingSpec
 from ..sharding.strategies import Strategy
 
-__all__ = ["STATIC_KINDS", "memory_terms", "gathered_bytes", "held_copies", "memory_totals", "liveness",
+__all__ = ["STATIC_KINDS", "memory_terms", "kept_outputs", "gathered_bytes", "held_copies", "memory_totals", "liveness",
            "gathered_param_terms"]
 
 
@@ -97,7 +97,6 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
     tensors a fused-kernel library keeps instead (:meth:`~autopar_lab.graph.fusion.KernelView.kept`;
     :class:`~autopar_lab.cluster.Efficiency`'s field of that name)."""
     view = kernel_view(graph, fused_attention)
-    kept = view.kept(library_kernels)
     if node.primitive == INPUT_PRIMITIVE:
         t = node.outputs[0]
         kind = graph.tensor(t).kind
@@ -117,8 +116,21 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
         elif kind == OPT_STATE:
             yield "opt", s.mem_bytes
         return
-    if node.role != FORWARD:
+    for _t, kind, nbytes in kept_outputs(graph, node, s, mesh_shape, fused_attention,
+                                         library_kernels=library_kernels):
+        yield kind, nbytes
+
+
+def kept_outputs(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[int, ...],
+                 fused_attention: bool = False, *, library_kernels: bool = False):
+    """``(tensor, kind, bytes)`` of each output of a forward operator that the backward keeps, as
+    :func:`memory_terms` counts it (``act``, or ``copies`` for one computed from parameters alone): the terms of
+    its outputs, tensor by tensor (a stage that sends an output to the next stage prices it there:
+    :func:`~autopar_lab.pricing.layers.layer_costs`' ``sent_act_bytes``)."""
+    if node.role != FORWARD or node.primitive == INPUT_PRIMITIVE:
         return
+    view = kernel_view(graph, fused_attention)
+    kept = view.kept(library_kernels)
     for k, t in enumerate(node.outputs):
         if t not in kept:
             continue
@@ -129,7 +141,7 @@ def memory_terms(graph: OpGraph, node: OpNode, s: Strategy, mesh_shape: tuple[in
         else:
             kind = "act"
         info = graph.tensor(t)
-        yield kind, s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
+        yield t, kind, s.out_specs[k].bytes_per_device(info.shape, info.dtype, mesh_shape)
 
 
 def gathered_bytes(graph: OpGraph, t, src: ShardingSpec, dst: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
