@@ -158,7 +158,7 @@ def test_torchtitan_8b_row_runs_its_op_level_policy_as_written():
     r = fidelity.TODAY["torchtitan-8b-8"]
     op = fidelity.today_plan(r)
     dots = fidelity.today_plan(dataclasses.replace(r, plan_kw={**r.plan_kw, "remat": "dots"}))
-    assert op.stages[0].remat == "selective-op" and op.method == "fsdp(dp_shard=8,selective-op)"
+    assert op.stages[0].remat == "selective-op" and op.method == "fsdp(dp_shard=8,selective-op,torchtitan-loss)"
     tokens, layers = 2 * 8192, 32
     less = layers * tokens * 2 * (1024 + 4096 + 14336)
     assert dots.stages[0].act_bytes - op.stages[0].act_bytes == pytest.approx(less, rel=1e-9)
