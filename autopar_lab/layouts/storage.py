@@ -17,10 +17,9 @@ import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
-from ..graph.opgraph import INPUT_PRIMITIVE, PARAM
 from ..parallelism import data_axes
 from ..plan import price_plan
-from ..pricing.zero import opt_states_of
+from ..pricing.zero import opt_states_of, planned_params
 from ..sharding.fsdp import fsdp_spec
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.intra import IntraOptions, solve_intra
@@ -43,14 +42,8 @@ def zero_storage(graph, intra: IntraPlan, axes: tuple[int, ...], zero: int) -> d
     mshape = tuple(intra.mesh.shape)
     states = opt_states_of(graph)
     out: dict[int, str] = {}
-    for op in graph.ops:
-        node = graph.op(op)
-        if node.primitive != INPUT_PRIMITIVE or op not in intra.strategies:
-            continue
-        info = graph.tensor(node.outputs[0])
-        if info.kind != PARAM or not info.shape:
-            continue
-        own = intra.strategies[op].out_specs[0].without_axes(axes)
+    for op, info, spec in planned_params(graph, intra):
+        own = spec.without_axes(axes)
         sharded = fsdp_spec(own, tuple(info.shape), mshape, axes) or \
             zero_spec_on_split_dim(own, info.shape, mshape, axes)
         out[op] = str(sharded if zero == 3 else own)

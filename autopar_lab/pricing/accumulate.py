@@ -30,8 +30,8 @@ import math
 import weakref
 from typing import TYPE_CHECKING, Sequence
 
-from ..graph.opgraph import INPUT_PRIMITIVE, PARAM, OpGraph
-from .zero import zero_group
+from ..graph.opgraph import OpGraph
+from .zero import planned_params, zero_group
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -70,16 +70,9 @@ def unsharded_grad_bytes(graph: OpGraph, intra: IntraPlan, layer_names: Sequence
     out = [0.0] * len(layer_names)
     mshape = tuple(intra.mesh.shape)
     group = set(zero_group(graph, intra))
-    for op in graph.ops:
-        node = graph.op(op)
-        if node.primitive != INPUT_PRIMITIVE or op not in intra.strategies:
-            continue
-        info = graph.tensor(node.outputs[0])
-        if info.kind != PARAM or not info.shape:
-            continue
-        spec = intra.strategies[op].out_specs[0]
+    for op, info, spec in planned_params(graph, intra):
         split = math.prod(int(mshape[a]) for a in spec.axes if a not in group)
-        out[index.get(node.layer, last)] += math.prod(info.shape) * reduce_bytes / split
+        out[index.get(graph.op(op).layer, last)] += math.prod(info.shape) * reduce_bytes / split
     return out
 
 

@@ -64,6 +64,18 @@ ZERO_STAGES = (0, 1, 2, 3)
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def planned_params(graph: OpGraph, intra: IntraPlan):
+    """Each parameter input of ``graph`` that ``intra`` plans, with a shape: (its input operator, its tensor's
+    info, its planned spec), in the graph's order. Scalars are left out (nothing to shard or accumulate)."""
+    for op in graph.ops:
+        node = graph.op(op)
+        if node.primitive != INPUT_PRIMITIVE or op not in intra.strategies:
+            continue
+        info = graph.tensor(node.outputs[0])
+        if info.kind == PARAM and info.shape:
+            yield op, info, intra.strategies[op].out_specs[0]
+
+
 def opt_states_of(graph: OpGraph) -> dict[int, list[int]]:
     """Parameter input operator -> the optimizer-state inputs that belong to it (Adam's moments): those of its shape
     whose pytree path ends with the parameter's path inside its argument (``args[1][0].mu['layers'][0]['qkv']['w']``
