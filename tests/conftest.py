@@ -114,6 +114,15 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_plan_files_carry_the_loss_and_refuse_a_bad_one",
         "test_a_plan_file_carries_both_pins_and_explain_says_each_term",
     },
+    "test_eager_host": {
+        "test_auto_and_maxtext_plans_pay_no_host",
+    },
+    "test_memory_boundary": {
+        "test_receiving_stage_measured_nearer_its_prediction",
+    },
+    "test_node_limit": {
+        "test_a_plan_prices_the_deepseek_exchange_with_the_limit",
+    },
     "test_auto_schedules": {
         "test_auto_plan_runs_the_schedule_it_searched",
         "test_megatron_grid_with_schedules_is_no_slower_and_says_which",
