@@ -117,7 +117,8 @@ def test_launch_streams_progress_restarts_and_cancel(model, plan, fake_launch):
 
     for k, loss in enumerate([4.0, 3.5, 3.2], start=1):
         _step(job, k, loss)
-    assert panel.progress.value == 3
+    # Steps 2 and 3 came within DRAW_EVERY_S of step 1: they show together once that time is up.
+    assert _wait_for(lambda: panel.progress.value == 3)
     assert list(panel.loss_fig.data[0].y) == [4.0, 3.5, 3.2] and list(panel.loss_fig.data[0].x) == [1, 2, 3]
     text = panel.throughput.value
     assert "step 3/5" in text and "loss 3.2000" in text and "83 samples/s" in text and "30 ms" in text
@@ -126,7 +127,7 @@ def test_launch_streams_progress_restarts_and_cancel(model, plan, fake_launch):
     job.channel.publish(ProgressEvent(kind="restart", step=1, message="stage 1 died"))
     assert list(panel.loss_fig.data[0].y) == [4.0] and panel.progress.value == 1
     _step(job, 2, 3.6)
-    assert list(panel.loss_fig.data[0].y) == [4.0, 3.6] == job.losses
+    assert _wait_for(lambda: list(panel.loss_fig.data[0].y) == [4.0, 3.6] == job.losses)
 
     panel.cancel_button.click()
     assert job.cancel_calls == 1 and job.channel.cancelled
@@ -244,6 +245,37 @@ class FakeRunner:
 
     def report(self):
         return {"losses": list(self.losses), "stage_times": self.stage_times()}
+
+
+def test_fast_steps_are_drawn_together_and_the_last_one_always_shows(model, plan, fake_launch, monkeypatch):
+    # 200 steps arriving at one instant (a fast run): the panel draws the first at once and the rest as one draw,
+    # the latest step and every loss, instead of 200 redraws of the whole curve that left the page too busy to
+    # take a click on cancel.
+    from autopar_lab.widgets.views import training
+
+    class Clock:  # the panel's clock stands still: every step arrives within DRAW_EVERY_S of the first
+        now = 1000.0
+
+        def monotonic(self):
+            return self.now
+
+    monkeypatch.setattr(training, "time", Clock())
+    panel = TrainingPanel(Session(plan, model=model))
+    job = panel.launch(steps=500, background=False)
+    drawn = []
+    panel.progress.observe(lambda change: drawn.append(change["new"]), "value")
+    for k in range(1, 201):
+        _step(job, k, 5.0 - k / 100)
+    assert drawn == [1]  # the first step at once; 199 waiting
+    assert _wait_for(lambda: panel.progress.value == 200)  # the trailing draw, on the timer
+    assert drawn == [1, 200] and "step 200/500" in panel.throughput.value
+    assert list(panel.loss_fig.data[0].x) == list(range(1, 201))
+    assert panel.losses == pytest.approx([5.0 - k / 100 for k in range(1, 201)])
+    # A run's end draws what is waiting at once, before saying how it ended.
+    _step(job, 201, 2.9)
+    job.finish("cancelled")
+    assert drawn == [1, 200, 201] and panel.progress.description == "cancelled"
+    assert list(panel.loss_fig.data[0].y)[-1] == 2.9
 
 
 def test_local_run_in_the_background_cancels_between_steps(model, plan, monkeypatch):

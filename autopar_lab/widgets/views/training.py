@@ -24,6 +24,7 @@ import dataclasses
 
 import html
 import threading
+import time
 
 import ipywidgets as w
 
@@ -33,6 +34,10 @@ from .mismatch import mismatch_note
 from ...runtime.train_entry import RunOptions
 
 _END = ("done", "cancelled", "error")
+#: Steps are drawn at most this often; the latest one always shows within this time. Why: a run of fast steps sent
+#: the browser a whole loss curve, the runs table and the bar at every step (20 a second for gpt-tiny on Ray), and the
+#: page stopped answering clicks; the cancel button could not be pressed (a browser test's CI failure, 2026-12-07).
+DRAW_EVERY_S = 0.25
 AS_PLANNED = "plan"  # "stages on": the devices the plan's cluster has (launch's default device_kind)
 
 
@@ -238,6 +243,10 @@ class TrainingPanel(View):
         self._xs: list[int] = []
         self._ys: list[float] = []
         self._total: int | None = None
+        self._draw_lock = threading.Lock()  # the job's thread and the trailing-draw timer both draw
+        self._shown_at = 0.0  # time.monotonic() of the last step drawn
+        self._pending = None  # the latest step event not drawn yet
+        self._timer: threading.Timer | None = None
         self.can_train = hasattr(session.model, "init") and hasattr(session.model, "step_fn")
         self.note = w.HTML("" if self.can_train else
                            "<small>training needs the model: open the workbench on a zoo ModelSpec "
@@ -270,6 +279,9 @@ class TrainingPanel(View):
 
     def reset(self, total: int | None = None) -> None:
         """Clear the curve and the bar for a new run of ``total`` steps (unknown: the bar grows with the steps)."""
+        with self._draw_lock:
+            self._drop_pending()
+            self._shown_at = 0.0  # a new run's first step shows at once
         self._xs, self._ys = [], []
         self._total = total
         self.progress.max = max(int(total or 1), 1)
@@ -408,17 +420,12 @@ class TrainingPanel(View):
                 self.reset(None)
             self.draw_runs()  # the run before this one joins the overlay
         if ev.kind == "step":
-            if ev.step > self.progress.max:
-                self.progress.max = ev.step
-            self.progress.value = ev.step
-            self.progress.description = "training"
             if ev.loss is not None:
                 self._xs.append(ev.step)
                 self._ys.append(float(ev.loss))
-                self._draw_curve()
-            self.throughput.value = html.escape(progress_text(ev, self._total))
-            self.runs_table.value = runs_table_html(self.session.training.runs, local_platform())
+            self._draw_step(ev)
         elif ev.kind == "restart":
+            self.flush()
             keep = sum(1 for x in self._xs if x <= ev.step)
             del self._xs[keep:], self._ys[keep:]
             self._draw_curve()
@@ -427,6 +434,7 @@ class TrainingPanel(View):
             self.throughput.value = html.escape(f"restarted from step {ev.step}" +
                                                 (f": {ev.message}" if ev.message else ""))
         elif ev.kind in _END:
+            self.flush()
             self.progress.description = ev.kind
             if ev.kind == "error":
                 self.last_error = ev.message
@@ -436,6 +444,44 @@ class TrainingPanel(View):
             if self._thread is None or not self._thread.is_alive() or self.job is not None:
                 self._set_running(False)
             self.draw_runs()
+
+    def _draw_step(self, ev) -> None:
+        """Draw step ``ev`` now if the last draw is :data:`DRAW_EVERY_S` old, else within that time (the latest
+        step wins; the curve keeps every step's loss)."""
+        with self._draw_lock:
+            self._pending = ev
+            wait = self._shown_at + DRAW_EVERY_S - time.monotonic()
+            if wait <= 0 or (self._total is not None and ev.step >= self._total):
+                self._show_pending()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Draw the latest step now if one is waiting (the end of a run, a restart, the trailing timer)."""
+        with self._draw_lock:
+            self._show_pending()
+
+    def _drop_pending(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._pending = None
+
+    def _show_pending(self) -> None:
+        ev = self._pending
+        self._drop_pending()
+        if ev is None:
+            return
+        self._shown_at = time.monotonic()
+        if ev.step > self.progress.max:
+            self.progress.max = ev.step
+        self.progress.value = ev.step
+        self.progress.description = "training"
+        self._draw_curve()
+        self.throughput.value = html.escape(progress_text(ev, self._total))
+        self.runs_table.value = runs_table_html(self.session.training.runs, local_platform())
 
     def refresh_table(self) -> None:
         rows = stage_rows(self.session.plan, self.session.measured)
@@ -451,5 +497,7 @@ class TrainingPanel(View):
             self.refresh_table()
 
     def close(self) -> None:
+        with self._draw_lock:
+            self._drop_pending()
         self.cancel()
         super().close()
