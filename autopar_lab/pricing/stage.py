@@ -26,6 +26,7 @@ once (:class:`~autopar_lab.pricing.table.StageBlock`), so both give the same num
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -119,15 +120,26 @@ def shared_weight_bytes(totals: Mapping[str, Any]) -> Any:
     (75.0, 0.0)
     """
     out: Any = 0.0
-    for key in totals:
-        if not key.startswith(f"{SHARED}home:"):
-            continue
-        t = key[len(f"{SHARED}home:"):]
-        home, reads = totals[key], totals[f"{SHARED}reads:{t}"]
+    for t in shared_names(tuple(totals)):
+        home, reads = totals[f"{SHARED}home:{t}"], totals[f"{SHARED}reads:{t}"]
         # every reading layer carries the same bytes (the parameter's one sharding on the mesh): bytes / reads
         each = totals[f"{SHARED}bytes:{t}"] / np.maximum(reads, 1.0)
         out = out + np.where((home == 0) & (reads > 0), each, 0.0)
     return float(out) if np.ndim(out) == 0 else out
+
+
+@functools.lru_cache(maxsize=256)
+def shared_names(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The parameters with ``shared:`` sums among a sums dict's ``keys`` (one tuple per model and mesh: cached, as
+    the stage DP and brute force ask it of every candidate range)."""
+    home = f"{SHARED}home:"
+    return tuple(k[len(home):] for k in keys if k.startswith(home))
+
+
+@functools.lru_cache(maxsize=256)
+def running_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The running sums among a sums dict's ``keys`` (:func:`is_running_sum`; cached like :func:`shared_names`)."""
+    return tuple(k for k in keys if is_running_sum(k))
 
 
 _MAX_KEYS = tuple(f"max:{f}" for f in MAX_FIELDS)
@@ -154,9 +166,12 @@ def range_edges(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]
         if key not in sums:  # running sums made before these fields: no boundary terms
             out[f] = 0.0
             continue
-        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
         at = start if f == "recv_bytes" else end
-        out[f] = float(per[int(at)]) if np.ndim(at) == 0 else per[np.asarray(at, dtype=np.int64)]
+        if np.ndim(at) == 0:  # one range (no array made: the scalar path runs once per candidate)
+            out[f] = float(sums[key][int(at) + 1])
+            continue
+        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
+        out[f] = per[np.asarray(at, dtype=np.int64)]
     return out
 
 
@@ -173,10 +188,10 @@ def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     arrays = isinstance(start, np.ndarray) or isinstance(end, np.ndarray)
     for f, key in zip(MAX_FIELDS, _MAX_KEYS):
-        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
-        if not arrays:
-            out[f] = float(per[int(start):int(end) + 1].max()) if end >= start else 0.0
+        if not arrays:  # layer k at k + 1
+            out[f] = float(max(sums[key][int(start) + 1:int(end) + 2])) if end >= start else 0.0
             continue
+        per = np.asarray(sums[key], dtype=float)[1:]  # layer k at k
         a, b = np.broadcast_arrays(np.asarray(start), np.asarray(end))
         if not per.any():  # every GPU and TPU, and a CPU model without half-precision matmuls
             out[f] = np.zeros(a.shape)

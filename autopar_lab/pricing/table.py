@@ -41,7 +41,8 @@ from .blocks import StageBlock, StageCandidates, carried_blocks
 from .deepmap import DEEPER, EDGE, SHALLOW, DeepMap, derive
 from .layers import LayerCost, batch_size, cut_bytes, layer_costs
 from .opmap import OpMap
-from .stage import is_running_sum, pareto, prefix_sums, range_edges, range_max, stage_cost, task_overhead_s
+from .stage import (is_running_sum, pareto, prefix_sums, range_edges, range_max, running_keys, stage_cost,
+                    task_overhead_s)
 from .incremental import LazyIntraPlan
 from .space import SPACES, distinct_mesh_shapes, lean_everywhere, mesh_signature, planning_submeshes, scale_space
 from .table_pool import LEAN, MeshPool, default_workers, longest_first, mesh_key, mesh_tasks, solve_one
@@ -636,7 +637,7 @@ class CostTable:
         """The candidate for layers start..end priced from running sums ``sums`` (:func:`prefix_sums`) of some
         layer costs on the ``shape`` view of ``submesh``; ``intra`` rides along as its payload, ``solution`` (which
         of the mesh's solutions it is, :meth:`solutions`) is recorded with it."""
-        totals = {f: v[end + 1] - v[start] for f, v in sums.items() if is_running_sum(f)}
+        totals = {f: sums[f][end + 1] - sums[f][start] for f in running_keys(tuple(sums))}
         self.backend_totals(totals, sums, start, end)
         task, arrays = self.task_charge(start, end, submesh, microbatches)
         fwd, bwd, static, act = stage_cost(totals, self.entry_bytes(start), microbatches, shape[0] * shape[1], remat,
