@@ -155,6 +155,50 @@ def test_megatron_cuda_graph_flags_price_no_host_and_round_trip(small_kernels, f
     assert "--cuda-graph-impl" not in al.export_config(eager, "megatron", model=model)
 
 
+@pytest.mark.parametrize("flags, graphs, note", [
+    ("--cuda-graph-impl local --cuda-graph-scope full_iteration", True, None),
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn mlp", True, None),
+    ("--cuda-graph-impl=local --cuda-graph-scope=full_iteration", True, None),
+    ("--cuda-graph-impl transformer_engine --cuda-graph-scope attn", True,
+     "not expressible, dropped: --cuda-graph-scope attn (the rest of each layer launched by the eager host)"),
+    ("--external-cuda-graph --cuda-graph-scope mlp moe_router", True,
+     "not expressible, dropped: --cuda-graph-scope mlp moe_router"),
+    ("--cuda-graph-scope attn mlp", False, "--cuda-graph-scope attn mlp dropped: it has no effect without"),
+    ("--cuda-graph-impl none --cuda-graph-scope full_iteration", False, "--cuda-graph-scope full_iteration dropped"),
+])
+def test_megatron_cuda_graph_scope_is_read_where_the_plan_expresses_it(small_kernels, flags, graphs, note):
+    """--cuda-graph-scope (Megatron-LM's arguments.py: one or more of attn, mlp, moe, moe_router, moe_preprocess,
+    mamba, full_iteration; none: each whole layer captured): a whole iteration, or scopes covering each whole layer,
+    are the plan with CUDA graphs (no host time per kernel) and export back as it; a scope leaving part of each layer
+    to the eager host is not expressible, dropped with a note (priced as the graphs plan); without CUDA graphs it has
+    no effect and is dropped with a note (priced eager). The flag is read, never listed as ignored."""
+    model, table = small_kernels
+    plan = al.import_config(SMALL_ARGS + flags + " --bf16", model, table=table)
+    direct = al.megatron_plan(table=table, dp=8, tp=1, pp=1, micro_batch_size=1, zero=0, precision="bf16",
+                              cuda_graphs=graphs)
+    assert layout(plan) == layout(direct) and plan.cost.step_time_s == direct.cost.step_time_s
+    assert (plan.cost.host_s == 0) == graphs
+    assert all("--cuda-graph-scope" not in n or n.startswith(("not expressible", "--cuda-graph-scope"))
+               for n in plan.notes)
+    assert not any("ignored" in n and "--cuda-graph-scope" in n for n in plan.notes)
+    scoped = [n for n in plan.notes if "--cuda-graph-scope" in n]
+    assert (scoped == []) == (note is None) and (note is None or scoped[0].startswith(note))
+    out, again = round_trip(plan, "megatron", model, table)
+    assert ("--cuda-graph-impl local" in out) == graphs and "--cuda-graph-scope" not in out
+
+
+def test_megatron_cuda_graph_scope_of_a_model_with_experts_covers_its_layers_with_moe():
+    """On a model with experts a layer is its attention and its MoE block: attn with moe is the whole layer (read as
+    the plan with CUDA graphs, no note), attn with mlp is not (mlp captures a dense layer's MLP only)."""
+    imp = megatron_args.parse(SMALL_ARGS + "--cuda-graph-impl transformer_engine --cuda-graph-scope attn moe "
+                              "--num-experts 4")
+    assert imp.get("--cuda-graph-scope") == ("attn", "moe")
+    assert megatron_args.scope_note(imp, None).notes == ()
+    dense = megatron_args.parse(SMALL_ARGS + "--cuda-graph-impl transformer_engine --cuda-graph-scope attn mlp "
+                                "--num-experts 4")
+    assert megatron_args.scope_note(dense, None).notes[-1].startswith("not expressible, dropped")
+
+
 def test_megatron_cuda_graphs_refuse_full_recomputation(small_kernels):
     """Megatron-LM asserts CUDA graphs run without full recomputation; megatron_plan and the import refuse it too."""
     model, table = small_kernels
@@ -617,6 +661,13 @@ steps: 20
     ("--micro-batch-size 1 --cuda-graph-impl local --recompute-granularity full", None,
      "exclude full recomputation"),
     ("--micro-batch-size 1 --enable-cuda-graph --checkpoint-activations", None, "exclude full recomputation"),
+    ("--micro-batch-size 1 --cuda-graph-impl local --cuda-graph-scope layer", None,
+     "--cuda-graph-scope takes attn, mlp, moe"),
+    ("--micro-batch-size 1 --cuda-graph-impl transformer_engine --cuda-graph-scope full_iteration", None,
+     "full_iteration needs --cuda-graph-impl local"),
+    ("--micro-batch-size 1 --cuda-graph-impl local --cuda-graph-scope", None, "needs one or more values"),
+    ("--micro-batch-size 1 --cuda-graph-scope attn --cuda-graph-scope mlp", None, "given twice"),
+    ("--micro-batch-size 1 --cuda-graph-scope=attn mlp", None, "'mlp' is not a flag"),
     ("[parallelism]\ntensor_paralel_degree = 2\n", None, "is not a torchtitan key"),
     ("[training]\nlocal_batch_size = 1\n[activation_checkpoint]\nmode = \"some\"\n", None, "mode must be"),
     ("ici_tensor_transpose_parallelism: 2\nper_device_batch_size: 4\n", None, "not modelled"),

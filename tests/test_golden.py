@@ -41,6 +41,17 @@ microbatch: a receiving stage's act and static by +b (its peak by b x (in flight
 input already). E.g. gpt-tiny's Megatron dp1 tp2 pp2 (8 x 16 x 32 float32 replicated, 2 microbatches: b = 8,192 B):
 stage 0 peak -16,384, stage 1 +16,384. ``megatron_tried`` peaks are the largest stage's, so some moved by a
 difference of two stages' moves. One-stage plans, every time, choice and stage cut: unchanged.
+
+Regenerated 2026-12-07 for the backward's resharding buffers (``pricing.stage.stage_cost``: a stage's static bytes add
+the destination buffers of its largest layer's backward reshardings of one microbatch, activations over the count,
+weights once; ``LayerCost.reshard_dst_*_bytes``, ``solve.memterms.reshard_buffer_bytes``; measured on 8 CPU devices,
+mixed dp2 x tp2 x pp2 1.17 / 1.19 -> 1.06 / 1.04 of its prediction). Only ``peak_mem_bytes`` (and ``static_bytes``
+where a stage is recorded) moved, each by exactly those bytes: gpt-tiny's ``megatron_tried`` dp2 x tp2 x pp1 layouts
+(entries 36-47), whose layers' backward reads fc1's output [8, 16, 128] and the attention's output [8, 16, 32] float32
+gathered over the data axis (40,960 B a step), by 40,960 / microbatches (1, 2, 4, 8: +40,960 ... +5,120); moe-tiny's
+Megatron dp1 tp2 pp2 stage 1, whose last block reshards its residual gradient [2, 32, 32] float32 whole (8,192 B a
+step), by 4,096 (2 microbatches). Reductions of a gathered input (XLA reduces each shard and all-reduces) and gathered
+weights held all step (already ``copies_bytes``) add nothing, so no other plan moved; no time, choice or cut moved.
 """
 
 import hashlib

@@ -21,10 +21,17 @@ records the commit they were checked against):
   :mod:`autopar_lab.backends.eager`, is not paid), ``--cuda-graph-impl none`` (Megatron-LM's default: eager), and
   the deprecated switches ``--enable-cuda-graph`` (read as ``local``) and ``--external-cuda-graph``
   (``transformer_engine``), which Megatron-LM refuses beside a ``--cuda-graph-impl`` other than ``none``, or
-  together. Megatron-LM also refuses CUDA graphs with full recomputation; ``--cuda-graph-scope`` is not read (the
-  plan is priced as if every kernel were launched from a graph). The host's time is priced only with Megatron-LM's
-  kernels (below), so a cost table built without them prices both alike. The export writes
-  ``--cuda-graph-impl local`` for a plan with CUDA graphs (the pricing does not tell the implementations apart);
+  together. Megatron-LM also refuses CUDA graphs with full recomputation. ``--cuda-graph-scope`` (one or more of
+  :data:`CUDA_GRAPH_SCOPES`; none: each whole transformer layer captured, Megatron-LM's default) is read where the
+  plan expresses it: no scope, ``full_iteration`` (the whole forward and backward as one graph; ``local`` only, as
+  Megatron-LM asserts), or scopes that cover each whole layer (``attn`` with ``mlp``, with ``moe`` for a model with
+  experts) are the plan with CUDA graphs, priced with no host time per kernel; a scope that leaves part of each layer
+  to the eager host (``attn`` alone, ``mlp``, ``moe_router``, ``moe_preprocess``, ``mamba``) is not expressible (the
+  host's time is priced per stage's kernels, not per part of a layer) and is dropped with a note, priced as every
+  kernel replayed; without CUDA graphs a scope has no effect (as Megatron-LM warns) and is dropped with a note. The
+  host's time is priced only with Megatron-LM's kernels (below), so a cost table built without them prices both
+  alike. The export writes ``--cuda-graph-impl local`` for a plan with CUDA graphs and no scope (each layer
+  captured: what the plan prices; the pricing does not tell the implementations apart);
 * batch: ``--micro-batch-size``, ``--global-batch-size`` (default ``micro-batch-size x data-parallel size``);
 * number format: ``--bf16``, ``--fp16``, ``--fp8-format e4m3|hybrid`` (fp32 without any);
 * the model's shape: ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``, ``--num-attention-heads``,
@@ -44,11 +51,11 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_for
+from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_config_value, model_for
 from .planlayout import FrameworkLayout
 
-__all__ = ["CUDA_GRAPH_IMPLS", "FLAGS", "OLD_CUDA_GRAPH_SWITCHES", "OVERLAP_SWITCHES", "looks_like", "parse",
-           "plan_from", "render"]
+__all__ = ["CUDA_GRAPH_IMPLS", "CUDA_GRAPH_SCOPES", "FLAGS", "OLD_CUDA_GRAPH_SWITCHES", "OVERLAP_SWITCHES",
+           "looks_like", "parse", "plan_from", "render", "scope_note"]
 
 #: Flags taking a value: flag -> what it is (int or str).
 VALUED = {
@@ -60,6 +67,8 @@ VALUED = {
     "--vocab-size": int, "--normalization": str, "--position-embedding-type": str, "--num-experts": int,
     "--moe-router-topk": int, "--recompute-method": str, "--recompute-num-layers": int, "--cuda-graph-impl": str,
 }
+#: Flags taking one or more values (argparse's nargs='+'): flag -> what each value is.
+LISTED = {"--cuda-graph-scope": str}
 #: Switches (no value).
 SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-activations", "--checkpoint-activations",
             "--bf16", "--fp16", "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
@@ -68,6 +77,8 @@ SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--recompute-a
 
 #: ``--cuda-graph-impl``'s choices ("none": eager, Megatron-LM's default).
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+#: ``--cuda-graph-scope``'s values (its help text; none given: each whole transformer layer is captured).
+CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration")
 #: Megatron-LM's deprecated CUDA-graph switches -> the ``--cuda-graph-impl`` each stands for (its validate_args).
 OLD_CUDA_GRAPH_SWITCHES = {"--enable-cuda-graph": "local", "--external-cuda-graph": "transformer_engine"}
 
@@ -77,7 +88,7 @@ OVERLAP_SWITCHES = {"--overlap-grad-reduce": ("overlap_grad_reduce", "grad_reduc
                     "--tp-comm-overlap": ("tp_comm_overlap", "tp_comm"),
                     "--overlap-moe-expert-parallel-comm": ("overlap_moe_comm", "moe_comm")}
 #: Every flag read.
-FLAGS = (*VALUED, *SWITCHES)
+FLAGS = (*VALUED, *LISTED, *SWITCHES)
 #: Flags that mark a Llama-style model.
 LLAMA_MARKS = ("--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights")
 
@@ -125,6 +136,16 @@ def parse(text: str) -> Imported:
             if flag in values:
                 raise ValueError(f"{flag} is given twice ({values[flag]} and {given}); keep one")
             values[flag] = integer(given, flag) if VALUED[flag] is int else given
+        elif flag in LISTED:
+            given_all = [given] if eq else []  # --flag=a takes that one value, as argparse does
+            while not eq and k < len(tokens) and not tokens[k].startswith("--"):
+                given_all.append(tokens[k])
+                k += 1
+            if not given_all:
+                raise ValueError(f"{flag} needs one or more values")
+            if flag in values:
+                raise ValueError(f"{flag} is given twice; give its values once")
+            values[flag] = tuple(given_all)
         else:
             close_to(flag, FLAGS, "Megatron-LM flag")
             ignored.append(flag)
@@ -175,6 +196,13 @@ def _check_cuda_graphs(imp: Imported) -> None:
     if old and impl not in (None, "none"):
         raise ValueError(f"{old[0]} is the deprecated spelling of --cuda-graph-impl {OLD_CUDA_GRAPH_SWITCHES[old[0]]}"
                          f" and Megatron-LM refuses it beside --cuda-graph-impl {impl}; keep one")
+    scope = imp.get("--cuda-graph-scope") or ()
+    unknown = [v for v in scope if v not in CUDA_GRAPH_SCOPES]
+    if unknown:
+        raise ValueError(f"--cuda-graph-scope takes {', '.join(CUDA_GRAPH_SCOPES)}; got {unknown[0]!r:.30}")
+    if "full_iteration" in scope and (impl == "transformer_engine" or imp.get("--external-cuda-graph")):
+        raise ValueError("--cuda-graph-scope full_iteration needs --cuda-graph-impl local (Megatron-LM asserts "
+                         "transformer_engine does not capture a whole iteration); change one")
     if _cuda_graphs(imp) and _remat(imp) is True:
         raise ValueError("CUDA graphs exclude full recomputation (--recompute-granularity full or "
                          "--checkpoint-activations), as Megatron-LM asserts; use --recompute-granularity selective "
@@ -291,8 +319,7 @@ def plan_from(imp: Imported, model, cluster, **planner):
     if old is not None:
         imp = imp.with_note(f"{old} (deprecated) read as --cuda-graph-impl {OLD_CUDA_GRAPH_SWITCHES[old]}, as "
                             "Megatron-LM does")
-    if _cuda_graphs(imp) and "--cuda-graph-scope" in imp.ignored:
-        imp = imp.with_note("--cuda-graph-scope not read: priced as if every kernel were launched from a graph")
+    imp = scope_note(imp, model)
     if imp.get("--fp8-format") == "hybrid":
         imp = imp.with_note("--fp8-format hybrid (E4M3 forward, E5M2 gradients) priced as FP8 E4M3 matmuls")
     # Megatron-LM's layers run its own kernels (Transformer Engine's, or its fused bias-GeLU/SwiGLU and norms), each
@@ -314,8 +341,27 @@ def plan_from(imp: Imported, model, cluster, **planner):
     return plan, imp
 
 
+def scope_note(imp: Imported, model) -> Imported:
+    """``imp`` with a note where its ``--cuda-graph-scope`` is not what the plan prices (see the module docstring):
+    a scope without CUDA graphs, or one that leaves part of each layer to the eager host."""
+    scope = imp.get("--cuda-graph-scope")
+    if not scope:
+        return imp
+    given = " ".join(scope)
+    if not _cuda_graphs(imp):
+        return imp.with_note(f"--cuda-graph-scope {given} dropped: it has no effect without --cuda-graph-impl local "
+                             "or transformer_engine, as Megatron-LM warns")
+    experts = bool(imp.get("--num-experts") or model_config_value(model, "num_experts"))
+    whole_layer = {"attn", "moe"} if experts else {"attn", "mlp"}
+    if "full_iteration" in scope or whole_layer <= set(scope):
+        return imp
+    return imp.with_note(f"not expressible, dropped: --cuda-graph-scope {given} (the rest of each layer launched by "
+                         "the eager host); the host's time is priced per stage's kernels, not per part of a layer, so "
+                         "it is priced as every kernel replayed from a graph")
+
+
 def _model_layers(model, table) -> int:
-    from .common import block_count, model_config_value
+    from .common import block_count
 
     layers = model_config_value(model, "num_layers")
     if layers is not None:
@@ -366,7 +412,9 @@ def render(lay: FrameworkLayout, model=None) -> str:
     if lay.precision == "fp8":
         args.append(("--fp8-format", "e4m3"))
     if lay.cuda_graphs:
-        args.append(("--cuda-graph-impl", "local"))  # Megatron-Core's own capture; the pricing does not tell them apart
+        # Megatron-Core's own capture (the pricing does not tell the implementations apart), with Megatron-LM's
+        # default scope, each whole layer: what the plan prices (a whole iteration, full_iteration, prices the same)
+        args.append(("--cuda-graph-impl", "local"))
     lines = [f"# {fw} arguments written by autopar-lab (the data-parallel size is what the GPUs leave: {lay.dp})"]
     lines += [f"# {n}" for n in lay.notes]
     lines += [f"{k} {v} \\" for k, v in args] + [f"{s} \\" for s in switches]

@@ -15,7 +15,7 @@ from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, U
 from ..sharding.reshard import collective_time
 from ..sharding.strategies import COLLECTIVE_KINDS
 from ..solve.intra import StrategyCache, conversions, weight_gradient_ops
-from ..solve.memterms import STATIC_KINDS, held_copies, kept_outputs, memory_terms
+from ..solve.memterms import STATIC_KINDS, held_copies, kept_outputs, memory_terms, reshard_buffer_bytes
 
 if TYPE_CHECKING:
     from ..solve.intra import IntraPlan
@@ -73,6 +73,14 @@ class LayerCost:
     matmul's backward (:func:`~autopar_lab.backends.dot_f32_copies`), the part that grows with the microbatch (per
     step at the full batch) and the weights' part: a stage's backward holds its largest layer's at once
     (:func:`~autopar_lab.pricing.stage.stage_cost`, the layers' maximum, not their sum).
+
+    Resharding buffers: ``reshard_dst_act_bytes`` / ``reshard_dst_weight_bytes``, the destination buffers
+    (:func:`~autopar_lab.solve.memterms.reshard_buffer_bytes`) of the layer's backward reshardings of activations (per
+    step at the full batch: a microbatch's is that over the count) and of weights (once). They are live beside their
+    sources in the backward's working set, the layer's together (XLA issues a layer's collectives ahead of the
+    operators reading them), which no other term counts; a stage holds its largest layer's
+    (:func:`~autopar_lab.pricing.stage.range_max`). The forward's are not held into the backward: a stage's stash
+    keeps each tensor as its producer wrote it and the backward reshards it again (one of its own).
 
     A parameter read in more than one layer (GPT's tied token embedding: the lookup in the first layer, the logits
     in the last): ``shared``, one ``(parameter, home, bytes)`` per such parameter the layer reads, ``home`` True in
@@ -138,6 +146,8 @@ class LayerCost:
     sent_attn_act_bytes: float = 0.0
     sent_dots_act_bytes: float = 0.0
     sent_op_act_bytes: float = 0.0
+    reshard_dst_act_bytes: float = 0.0
+    reshard_dst_weight_bytes: float = 0.0
 
 
 def collective_latency_s(mesh: Any, kind: str, axis: Any) -> float:
@@ -194,7 +204,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
              gather=0.0, lf=0.0, lb=0.0, ckpt=0.0, temp=0.0, attn_act=0.0, attn_fwd=0.0, attn_lf=0.0, latf=0.0,
              latb=0.0, cf=0, cb=0, arrays=0.0, reread=0.0, dots_act=0.0, dots_fwd=0.0, dots_lf=0.0, f32=(0.0, 0.0),
              op_act=0.0, op_fwd=0.0, op_lf=0.0, attn_k=0, dots_k=0, op_k=0, recv=0.0, sent=0.0, sent_attn=0.0,
-             sent_dots=0.0, sent_op=0.0,
+             sent_dots=0.0, sent_op=0.0, rs_act=0.0, rs_weight=0.0,
              **{k: 0.0 for k in STATIC_KINDS})
         for _ in layer_names]
     cache = cache or StrategyCache(plan.mesh)
@@ -336,6 +346,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
         if not is_alias:
             weight = t.kind == PARAM or t.id in view.weight_derived
+            if graph.op(v).role not in (FORWARD, UPDATE):  # the backward's copy, beside its source
+                a["rs_weight" if weight else "rs_act"] += reshard_buffer_bytes(graph, v, t, src, dst, mshape)
             if graph.op(v).role == FORWARD and weight:
                 a["gather"] += c  # a parameter's gather for the forward: prefetchable behind earlier layers
             elif not weight and graph.op(v).role != UPDATE:  # gathered weights are kept: gathered once a step
@@ -359,7 +371,8 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                              f32_copies_act_bytes=a["f32"][0], f32_copies_weight_bytes=a["f32"][1],
                              shared=tuple(shared.get(layer, ())), recv_bytes=a["recv"], sent_act_bytes=a["sent"],
                              sent_attn_act_bytes=a["sent_attn"], sent_dots_act_bytes=a["sent_dots"],
-                             sent_op_act_bytes=a["sent_op"]))
+                             sent_op_act_bytes=a["sent_op"], reshard_dst_act_bytes=a["rs_act"],
+                             reshard_dst_weight_bytes=a["rs_weight"]))
     return out
 
 

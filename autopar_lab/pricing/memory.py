@@ -25,7 +25,9 @@ and :func:`memory_breakdown` splits the same sums:
   matmul, and, where a pipeline stage's update program holds more than its backward (its state and the copies it
   makes of its optimizer state), what it holds beyond; on a stage after the first, the gradient of one microbatch's
   input received from the stage before (the input itself is in its activations, the output it sends in the next
-  stage's: :func:`~autopar_lab.pricing.stage.stage_cost`);
+  stage's: :func:`~autopar_lab.pricing.stage.stage_cost`); and the destination buffers of its largest layer's
+  backward reshardings of one microbatch (live beside their sources; :class:`~autopar_lab.pricing.layers.LayerCost`'s
+  ``reshard_dst_*_bytes``);
 * ``recompute_bytes``: with rematerialisation, the working set of recomputing one layer's forward (its activations);
 * ``activations_bytes``: ``act_per_microbatch_bytes`` x ``microbatches_in_flight`` (the most microbatches the
   schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
@@ -76,6 +78,9 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     # a stage after the first writes its received input's gradient, one microbatch's (stage_cost's boundaries)
     recv = costs[layers[0]].recv_bytes / microbatches
     out["buffers_bytes"] = out["buffers_bytes"] + recv
+    # the largest layer's backward resharding buffers (stage_cost's range_max of them)
+    out["buffers_bytes"] = out["buffers_bytes"] + max(c.reshard_dst_act_bytes for c in part) / microbatches \
+        + max(c.reshard_dst_weight_bytes for c in part)
     # the working set of recomputing one layer's dropped part (stage_cost's sum over the same keys)
     dropped = sum(getattr(c, f"{key}_act_bytes") for key in partial_keys(remat) for c in part) / microbatches
     out["recompute_bytes"] = act / n if is_full(remat) else dropped / n

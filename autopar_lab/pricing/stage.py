@@ -51,8 +51,9 @@ SUM_FIELDS = ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "heavy_fwd", "heavy
               "dots_kernels", "op_kernels", "grad_bytes")
 
 #: The layer-cost fields a stage takes the largest of over its layers, not the sum (:func:`range_max`): the
-#: backend's float32 copies of a matmul, whose buffers the next matmul reuses.
-MAX_FIELDS = ("f32_copies_act_bytes", "f32_copies_weight_bytes")
+#: backend's float32 copies of a matmul, whose buffers the next matmul reuses; a layer's backward resharding buffers,
+#: freed before the next layer's backward.
+MAX_FIELDS = ("f32_copies_act_bytes", "f32_copies_weight_bytes", "reshard_dst_act_bytes", "reshard_dst_weight_bytes")
 
 
 #: The layer-cost fields read at a stage's boundaries, neither summed nor maximised (:func:`range_edges`): what its
@@ -188,6 +189,8 @@ def range_max(sums: Mapping[str, Any], start: Any, end: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     arrays = isinstance(start, np.ndarray) or isinstance(end, np.ndarray)
     for f, key in zip(MAX_FIELDS, _MAX_KEYS):
+        if key not in sums:  # running sums made without this field: left out (stage_cost reads it as 0)
+            continue
         if not arrays:  # layer k at k + 1
             out[f] = float(max(sums[key][int(start) + 1:int(end) + 2])) if end >= start else 0.0
             continue
@@ -254,6 +257,12 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     program holds its state and ``update_copies_bytes``, once the microbatches' activations are gone (a stage with
     tasks: ``arrays``), so the static bytes are at least that less one microbatch's activations (the stage's peak,
     static bytes plus its microbatches in flight, holds at least one).
+
+    The destination buffers of a layer's backward reshardings (``reshard_dst_act_bytes``, per step: one microbatch's
+    is that over B, and ``reshard_dst_weight_bytes``; :func:`range_max` of the layers', set by the caller, 0 where
+    absent) are live beside their sources in the backward's working set: the static bytes add the largest layer's
+    (measured on 8 CPU devices: at the peak of gpt-tiny's dp2 x tp2 x pp2 stage backward, 152 KiB of collectives'
+    outputs were live, a layer's reshardings of one microbatch being 132 KiB).
 
     A parameter the stage reads but another stage holds (a tied embedding's head): its weight and gradient are held
     beside the backward's working set (:func:`shared_weight_bytes`, from ``totals``' ``shared:`` sums; not during
@@ -354,6 +363,8 @@ def stage_cost(totals: Mapping[str, Any], entry_bytes: Any, microbatches: int, d
     copies = totals.get("f32_copies_act_bytes", 0.0) / B + totals.get("f32_copies_weight_bytes", 0.0)
     # A parameter the stage reads but another holds (a tied embedding): its weight and gradient while tasks run.
     static = static + copies + shared_weight_bytes(totals)
+    # The largest layer's backward resharding buffers, beside their sources (one microbatch's; weights once).
+    static = static + totals.get("reshard_dst_act_bytes", 0.0) / B + totals.get("reshard_dst_weight_bytes", 0.0)
     update = totals.get("update_copies_bytes", 0.0) * arrays
     if isinstance(update, np.ndarray) or update:
         static = _maximum(static, totals["static_bytes"] + update - act)
