@@ -242,6 +242,8 @@ def schedule_keywords(plan: Plan, schedule: str | None = None) -> dict[str, Any]
     kw: dict[str, Any] = {"schedule": name}
     if name == "interleaved":
         kw["virtual_stages"] = v
+        if sp.get("microbatch_group") is not None:  # the DP holds the grouped warm-up and runs the counts it allows
+            kw["microbatch_group"] = sp["microbatch_group"]
     elif name == "zb-h1":
         kw["wgrad_share"] = stagesearch.wgrad_share(table_of(plan))
     return kw

@@ -134,6 +134,14 @@ def test_group_is_checked_where_the_plan_is_made(table):
         plan.with_microbatches(4)
 
 
+def test_resolve_keeps_the_group_and_the_stage_dp_holds_its_warmup(table):
+    plan = al.megatron_plan(table=table, microbatch_group=8, **KW)
+    res = al.resolve(plan)
+    S, M = len(res.stages), res.microbatches
+    assert res.stage_pins["microbatch_group"] == 8 and S <= 8 <= M and not 0 < M % 8 < S  # a layout N = 8 runs
+    assert list(res.cost.timeline.peak_inflight) == [warmup_chunks(k, S, M, 2, 8) for k in range(S)]
+
+
 def test_a_saved_plan_keeps_its_group(tiny, tmp_path):
     model, table = tiny
     plan = al.megatron_plan(table=table, microbatch_group=8, **KW)
