@@ -197,7 +197,8 @@ def cmd_plan(args) -> dict:
                          "stage itself")
     given = [f"--{k}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(args, k) is not None]
     given += [flag for flag, on in (("--sequence-parallel", args.sequence_parallel),
-                                    ("--micro-batch-size", args.micro_batch_size is not None)) if on]
+                                    ("--micro-batch-size", args.micro_batch_size is not None),
+                                    ("--microbatch-group", args.microbatch_group is not None)) if on]
     if given and args.method != "megatron":
         raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --method megatron only; the "
                          f"{args.method} method chooses its own layout (drop {given[0]} or add --method megatron)")
@@ -205,6 +206,9 @@ def cmd_plan(args) -> dict:
         raise UsageError(f"--expressible-in applies to --method auto (the best plan {args.expressible_in} can run); "
                          f"the {args.method} method's layout is fixed: drop one")
     schedule, virtual = _schedule(args)
+    if args.microbatch_group is not None and schedule != "interleaved":
+        raise UsageError("--microbatch-group orders the interleaved schedule's microbatches; add --schedule "
+                         "interleaved or drop --microbatch-group")
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     fmt = _precision(args)
@@ -227,7 +231,8 @@ def cmd_plan(args) -> dict:
                                      microbatches=None if args.micro_batch_size is not None else mb,
                                      micro_batch_size=args.micro_batch_size, remat=remat, schedule=schedule,
                                      virtual_stages=virtual, precision=fmt, zero=args.zero,
-                                     sequence_parallel=args.sequence_parallel)
+                                     sequence_parallel=args.sequence_parallel,
+                                     microbatch_group=args.microbatch_group)
     else:
         plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat,
                                           precision=fmt, zero=args.zero)
@@ -653,6 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--method auto) plans 1f1b, interleaved (2 and 4 chunks) and zb-h1 and keeps the fastest")
     sp.add_argument("--virtual-stages", dest="virtual_stages", type=int,
                     help="with --schedule interleaved: model chunks per stage (default 2)")
+    sp.add_argument("--microbatch-group", dest="microbatch_group", type=int, metavar="N",
+                    help="with --method megatron --schedule interleaved: microbatches each chunk runs in a row "
+                         "(Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage; default --pp)")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
     sp.add_argument("--from-config", dest="from_config", metavar="FILE",
                     help="price a framework's configuration: Megatron-LM arguments, a torchtitan TOML or a MaxText "

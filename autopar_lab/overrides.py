@@ -93,7 +93,8 @@ def reprice(plan: Plan, intras: Sequence[IntraPlan | None], microbatches: int, p
                           mem_limit_bytes=plan.cost.mem_limit_bytes, layer_pins=layer_scoped(pins),
                           zero=stage_pins.get("zero"), overlap=stage_pins.get("overlap"),
                           host=stage_pins.get("host"), accumulate=stage_pins.get("accumulate"),
-                          eager_loss=stage_pins.get("eager_loss"))
+                          eager_loss=stage_pins.get("eager_loss"),
+                          microbatch_group=stage_pins.get("microbatch_group"))
     return priced.onto(plan, microbatches=microbatches, pins=dict(pins), stage_pins=dict(stage_pins))
 
 

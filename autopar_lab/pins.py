@@ -242,6 +242,8 @@ def schedule_keywords(plan: Plan, schedule: str | None = None) -> dict[str, Any]
     kw: dict[str, Any] = {"schedule": name}
     if name == "interleaved":
         kw["virtual_stages"] = v
+        if sp.get("microbatch_group") is not None:  # the DP holds the grouped warm-up and runs the counts it allows
+            kw["microbatch_group"] = sp["microbatch_group"]
     elif name == "zb-h1":
         kw["wgrad_share"] = stagesearch.wgrad_share(table_of(plan))
     return kw
@@ -452,7 +454,7 @@ def resolve(plan: Plan, *, solver: str | None = None, on_progress: Hook | None =
     kw = dict(microbatches=res.microbatches, schedule=sched["schedule"], mem_limit_bytes=mem,
               layer_pins=pins.layer_pins, virtual_stages=v if v > 1 else None, zero=sp.get("zero"),
               overlap=sp.get("overlap"), host=sp.get("host"), accumulate=sp.get("accumulate"),
-              eager_loss=sp.get("eager_loss"))
+              eager_loss=sp.get("eager_loss"), microbatch_group=sp.get("microbatch_group"))
     # the pins as given, recorded where the rules say (a plan made by hand may hold a shared pin on any block)
     fields = dict(microbatches=res.microbatches, solve_s=solve_s, stage_pins=sp,
                   pins=operators.normalised_pins(plan, plan.pins))
@@ -495,6 +497,7 @@ def solve_intra_around_pins(plan: Plan, *, solver: str | None = None, on_progres
                         overlap=plan.stage_pins.get("overlap"), host=plan.stage_pins.get("host"),
                         accumulate=plan.stage_pins.get("accumulate"),
                         eager_loss=plan.stage_pins.get("eager_loss"),
+                        microbatch_group=plan.stage_pins.get("microbatch_group"),
                         virtual_stages=plan.virtual_stages if plan.virtual_stages > 1 else None).onto(plan)
 
 

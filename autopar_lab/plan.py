@@ -224,7 +224,8 @@ def price_plan(table: CostTable, stages: Sequence[Any], *, microbatches: int, sc
                           zero=(stage_pins or {}).get("zero"), skip_above=skip_above,
                           overlap=(stage_pins or {}).get("overlap"), host=(stage_pins or {}).get("host"),
                           accumulate=(stage_pins or {}).get("accumulate"),
-                          eager_loss=(stage_pins or {}).get("eager_loss"))
+                          eager_loss=(stage_pins or {}).get("eager_loss"),
+                          microbatch_group=(stage_pins or {}).get("microbatch_group"))
     return Plan(table.graph, table.cluster, method, tuple(table.layer_names), priced.stages, microbatches,
                 priced.schedule, stage_comm, priced.cost, dict(solve_s or {}), tuple(notes), pins=given,
                 stage_pins=dict(stage_pins or {}), table=table, virtual_stages=priced.virtual_stages)

@@ -169,6 +169,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError("stage_pins['eager_loss'] must be a number of bytes, 0 or more")
             out[key] = float(value)
+        elif key == "microbatch_group":  # the interleaved schedule's microbatches per chunk in a row (schedules)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError("stage_pins['microbatch_group'] must be a whole number of microbatches, 1 or more")
+            out[key] = value
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

@@ -14,6 +14,14 @@ An interleaved plan keeps each stage's layer *count* and submesh (``Stage.layers
 order and stage ``k`` runs chunks ``k, k + p, k + 2p, ...``, so stage 0 still starts the model and the last stage
 still ends it.
 
+The interleaved order runs the microbatches in groups of ``N`` per chunk (Megatron-LM's
+``--microbatch-group-size-per-virtual-pipeline-stage``, Llama 3's tunable schedule, Dubey et al. 2024, 3.3.2): a
+stage runs the forwards of ``N`` microbatches through its first chunk, the same ``N`` through its second, ...,
+then the next ``N``. ``N = p`` (the default, Narayanan et al.'s depth-first order) holds the fewest microbatches;
+``N = M`` is the breadth-first order. Megatron-LM asks ``p <= N <= M`` (a group smaller than the stage count would
+wait on its own first microbatch coming round the pipeline) and a last group of 0 or at least ``p`` microbatches
+(:func:`check_group`); stage ``i``'s warm-up is ``2(p - 1 - i) + (v - 1)N`` chunk forwards (:func:`warmup_chunks`).
+
     >>> interleave([(0, 3), (4, 7)], 2)
     [((0, 1), (4, 5)), ((2, 3), (6, 7))]
 """
@@ -22,7 +30,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "interleave", "schedule_of"]
+__all__ = ["SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "check_group", "group_order",
+           "interleave", "schedule_of", "warmup_chunks"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 #: Virtual stages per stage of an interleaved plan when none are given (Megatron-LM's published runs use 2-4).
@@ -63,17 +72,21 @@ def schedule_of(schedule, virtual_stages=None, stage_pins: Mapping | None = None
     return check_schedule(schedule, virtual_stages)
 
 
-def check_layout(schedule: str, virtual_stages: int, layer_counts: Sequence[int], microbatches: int) -> None:
+def check_layout(schedule: str, virtual_stages: int, layer_counts: Sequence[int], microbatches: int,
+                 group: int | None = None) -> None:
     """A ValueError unless a plan whose stages hold ``layer_counts`` layers can run ``schedule``: interleaving needs
     2 or more stages, a microbatch count that is a multiple of the stage count (each stage cycles through its chunks
-    in groups of that many microbatches), and at least ``virtual_stages`` layers on every stage."""
+    in groups of that many microbatches) or, with a microbatch ``group`` size, one :func:`check_group` accepts, and
+    at least ``virtual_stages`` layers on every stage."""
     if schedule != "interleaved":
         return
     p, v = len(layer_counts), virtual_stages
     if p < 2:
         raise ValueError("the interleaved schedule needs at least 2 pipeline stages; this plan has 1 (use '1f1b', or "
                          "split the layers into stages first).")
-    if microbatches % p:
+    if group is not None:
+        check_group(group, p, microbatches)
+    elif microbatches % p:
         raise ValueError(f"the interleaved schedule runs the microbatches in groups of the stage count ({p}); "
                          f"{microbatches} microbatch(es) is not a multiple of it: choose a multiple of {p} "
                          "(plan.with_microbatches) or another number of stages first.")
@@ -82,6 +95,61 @@ def check_layout(schedule: str, virtual_stages: int, layer_counts: Sequence[int]
         k = short[0]
         raise ValueError(f"stage {k} holds {layer_counts[k]} layer(s), fewer than the {v} virtual stages (chunks) each "
                          f"stage runs; use virtual_stages={min(layer_counts)} or fewer, or give stage {k} more layers.")
+
+
+def check_group(group, num_stages: int, microbatches: int, name: str = "microbatch_group=") -> int:
+    """The interleaved schedule's microbatch group size ``N`` (None: the stage count ``p``, Megatron-LM's default)
+    checked as Megatron-LM checks ``--microbatch-group-size-per-virtual-pipeline-stage``: a whole number with
+    ``p <= N <= M`` (``M`` microbatches), and ``M mod N`` either 0 or at least ``p`` (a shorter last group would
+    wait on its own microbatches coming round the pipeline). ``name``: how the messages name the setting.
+
+    >>> check_group(None, 4, 8), check_group(8, 4, 8), check_group(6, 4, 10)
+    (4, 8, 6)
+    """
+    p, m = int(num_stages), int(microbatches)
+    if group is None:
+        return p
+    n = group
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"{name.rstrip('= ')} must be a whole number of microbatches, got {n!r:.40}.")
+    if not p <= n <= m:
+        raise ValueError(f"{name}{n}: the interleaved schedule's group of contiguous microbatches per "
+                         f"chunk must be between the stage count ({p}) and the microbatch count ({m}), as Megatron-LM "
+                         f"requires; pass {name.rstrip('= ')} between {p} and {m}, or leave it out for {p}.")
+    if 0 < m % n < p:
+        fits = [k for k in range(p, m + 1) if m % k == 0 or m % k >= p]
+        raise ValueError(f"{name}{n} leaves a last group of {m % n} of the {m} microbatches, fewer than the "
+                         f"{p} stages (Megatron-LM refuses the dependency bubbles that makes); pass one of "
+                         f"{', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''}.")
+    return n
+
+
+def warmup_chunks(stage: int, num_stages: int, microbatches: int, virtual_stages: int,
+                  group: int | None = None) -> int:
+    """Chunk forwards stage ``stage`` (of ``p = num_stages``) runs before its first backward under the interleaved
+    schedule with ``v`` chunks and microbatch groups of ``N`` (None: ``p``): Megatron-LM's warm-up
+    ``2(p - 1 - stage) + (v - 1)N`` plus the steady state's first forward, at most all ``M v`` of them (and all of
+    them when ``M == p``, as Megatron-LM's schedule of that case ran). The most chunk-microbatches it holds at once.
+
+    >>> warmup_chunks(1, 4, 8, 2), warmup_chunks(1, 4, 8, 2, group=8)     # 2 * 2 + 4 + 1; 2 * 2 + 8 + 1
+    (9, 13)
+    """
+    p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
+    n = check_group(group, p, m)
+    total = m * v
+    return total if m == p else min(2 * (p - 1 - stage) + (v - 1) * n + 1, total)
+
+
+def group_order(microbatches: int, virtual_stages: int, group: int) -> list[tuple[int, int]]:
+    """The interleaved schedule's forward order on every stage as ``(chunk round, microbatch)``: the microbatches
+    in groups of ``group``, each group through round 0, then round 1, ... (the last group: what is left). The
+    backward runs the same order with the rounds reversed.
+
+    >>> group_order(5, 2, 3)
+    [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (0, 3), (0, 4), (1, 3), (1, 4)]
+    """
+    m, v, n = int(microbatches), int(virtual_stages), int(group)
+    return [(r, j) for g in range(0, m, n) for r in range(v) for j in range(g, min(g + n, m))]
 
 
 def interleave(ranges: Sequence[Sequence[int]], virtual_stages: int) -> list[tuple[tuple[int, int], ...]]:

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .schedules import SCHEDULES, check_layout, check_schedule
+from .schedules import SCHEDULES, check_group, check_layout, check_schedule, group_order, warmup_chunks
 
 __all__ = ["SCHEDULES", "COMPUTE_KINDS", "ScheduleStuck", "SimOptions", "Task", "Timeline", "issue_order",
            "simulate", "makespan_floor", "stage_order", "task_order"]
@@ -147,18 +147,19 @@ def _zb_h1(stage: int, s: int, b: int) -> list[tuple[str, int]]:
     return order
 
 
-def _interleaved(stage: int, p: int, b: int, v: int) -> list[tuple[str, int, int]]:
-    # Narayanan et al.'s schedule (Megatron-LM's): the stage's m*v chunk-microbatches in groups of p microbatches,
-    # the forwards through chunks 0..v-1 and the backwards through v-1..0; a warm-up of 2(p-1-i) + (v-1)p + 1
-    # forwards (all of them when b == p), then one backward and one forward in turn.
+def _interleaved(stage: int, p: int, b: int, v: int, group: int | None = None) -> list[tuple[str, int, int]]:
+    # Narayanan et al.'s schedule (Megatron-LM's): the stage's m*v chunk-microbatches in groups of N microbatches
+    # (default p; schedules.group_order), the forwards through chunks 0..v-1 and the backwards through v-1..0; a
+    # warm-up of 2(p-1-i) + (v-1)N + 1 forwards (schedules.warmup_chunks), then one backward and one forward in turn.
     total = b * v
+    table = group_order(b, v, check_group(group, p, b))
 
     def item(k: int, kind: str) -> tuple[str, int, int]:
-        r = (k // p) % v
+        r, j = table[k]
         r = r if kind == "fwd" else v - 1 - r
-        return kind, r * p + stage, (k // (p * v)) * p + k % p
+        return kind, r * p + stage, j
 
-    warm = total if b == p else min(2 * (p - 1 - stage) + (v - 1) * p + 1, total)
+    warm = warmup_chunks(stage, p, b, v, group)
     order = [item(k, "fwd") for k in range(warm)]
     for k in range(total - warm):
         order += [item(k, "bwd"), item(warm + k, "fwd")]
@@ -166,14 +167,15 @@ def _interleaved(stage: int, p: int, b: int, v: int) -> list[tuple[str, int, int
 
 
 def task_order(stage: int, num_stages: int, microbatches: int, schedule: str = "1f1b", warmup: int | None = None,
-               virtual_stages: int | None = None) -> list[tuple[str, int, int]]:
+               virtual_stages: int | None = None, group: int | None = None) -> list[tuple[str, int, int]]:
     """The order in which one stage runs its compute tasks, as ``(kind, chunk, microbatch)``.
 
     ``chunk`` is the virtual stage (``r * num_stages + stage`` for the stage's ``r``-th chunk; the stage itself
     unless interleaved). GPipe: every fwd, then every bwd. 1F1B: ``min(S - i, B)`` warm-up fwds (``min(warmup, B)``
     when given: a deeper warm-up hides slow transfers at the price of more microbatches in flight), then one bwd
     and one fwd in turn, then the remaining bwds. ZB-H1 and interleaved: see :func:`_zb_h1` and
-    :func:`_interleaved` (the papers' schedules; interleaved needs ``B`` a multiple of ``S``).
+    :func:`_interleaved` (the papers' schedules; interleaved needs ``B`` a multiple of ``S``, or with ``group``,
+    its microbatches in groups of that many, a count :func:`~autopar_lab.schedules.check_group` accepts).
 
     >>> task_order(0, 2, 2, "interleaved", virtual_stages=2)
     [('fwd', 0, 0), ('fwd', 0, 1), ('fwd', 2, 0), ('fwd', 2, 1), ('bwd', 2, 0), ('bwd', 2, 1), ('bwd', 0, 0), \
@@ -184,8 +186,8 @@ def task_order(stage: int, num_stages: int, microbatches: int, schedule: str = "
     schedule, v = check_schedule(schedule, virtual_stages)
     s, b = num_stages, microbatches
     if schedule == "interleaved":
-        check_layout(schedule, v, [v] * s, b)
-        return _interleaved(stage, s, b, v)
+        check_layout(schedule, v, [v] * s, b, group)
+        return _interleaved(stage, s, b, v, group)
     if schedule == "gpipe":
         pairs = [("fwd", j) for j in range(b)] + [("bwd", j) for j in range(b)]
     elif schedule == "zb-h1":
@@ -266,7 +268,9 @@ class SimOptions:
     backward under 1F1B (default: the schedule's own). ``hosts[i]``: the compute resource stage ``i`` shares with
     the stages of the same value (the CPU's devices: one machine's cores and driver run every stage on it, one task
     at a time; default: each stage its own). Interleaved: ``act_bytes`` and ``static_bytes`` per virtual stage, like
-    the times. Immutable: change one with a ``with_*`` method or :func:`dataclasses.replace`.
+    the times; ``microbatch_group``: the microbatches each chunk runs in a row (None: the stage count;
+    :func:`~autopar_lab.schedules.check_group`). Immutable: change one with a ``with_*`` method or
+    :func:`dataclasses.replace`.
 
     >>> SimOptions().with_memory([1.0, 2.0], [0.0, 0.0]).act_bytes
     (1.0, 2.0)
@@ -276,6 +280,7 @@ class SimOptions:
     static_bytes: Sequence[float] | None = None
     warmup: Sequence[int] | None = None
     hosts: Sequence[int] | None = None
+    microbatch_group: int | None = None
 
     def with_memory(self, act_bytes: Sequence[float], static_bytes: Sequence[float]) -> SimOptions:
         return dataclasses.replace(self, act_bytes=tuple(act_bytes), static_bytes=tuple(static_bytes))
@@ -329,7 +334,8 @@ def simulate(
     if C % v:
         raise ValueError(f"fwd_s has {C} entries, not a multiple of the {v} virtual stages per stage.")
     S, B = C // v, microbatches
-    check_layout(schedule, v, [v] * S, B)
+    group = options.microbatch_group if schedule == "interleaved" else None
+    check_layout(schedule, v, [v] * S, B, group)
     fwd = _check_vector("fwd_s", fwd_s, C)
     bwd = _check_vector("bwd_s", bwd_s, C)
     zeros_cut = [0.0] * (C - 1)
@@ -345,7 +351,7 @@ def simulate(
 
     if warmup is not None and len(warmup) != S:
         raise ValueError(f"warmup has {len(warmup)} entries but {S} are needed.")
-    orders = [task_order(i, S, B, schedule, None if warmup is None else warmup[i], v) for i in range(S)]
+    orders = [task_order(i, S, B, schedule, None if warmup is None else warmup[i], v, group) for i in range(S)]
     if hosts is not None and len(hosts) != S:
         raise ValueError(f"hosts has {len(hosts)} entries but {S} are needed (one per stage).")
     resource = list(range(S)) if hosts is None else [int(h) for h in hosts]

@@ -117,6 +117,10 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "test_eager_host": {
         "test_auto_and_maxtext_plans_pay_no_host",
     },
+    "test_microbatch_group": {
+        "test_cli_microbatch_group_from_another_directory",
+        "test_llama3_405b_first_row_priced_with_every_group_megatron_accepts",
+    },
     "test_memory_boundary": {
         "test_receiving_stage_measured_nearer_its_prediction",
     },

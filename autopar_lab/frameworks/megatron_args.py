@@ -7,7 +7,10 @@ records the commit they were checked against):
 
 * parallelism: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
   ``--expert-model-parallel-size`` (the data-parallel size is what the cluster's devices leave, as Megatron-LM
-  computes it), ``--num-layers-per-virtual-pipeline-stage`` (the interleaved schedule), ``--sequence-parallel``,
+  computes it), ``--num-layers-per-virtual-pipeline-stage`` (the interleaved schedule) with
+  ``--microbatch-group-size-per-virtual-pipeline-stage`` (its microbatches per chunk in a row, default the pipeline
+  size: :func:`~autopar_lab.layouts.megatron_plan`'s ``microbatch_group``; read only with interleaving, which alone
+  uses it), ``--sequence-parallel``,
   ``--use-distributed-optimizer`` (ZeRO-1; without it the optimizer state is whole on every rank: ZeRO-0);
 * communication overlapped with compute: ``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--tp-comm-overlap``,
   ``--overlap-moe-expert-parallel-comm`` (:func:`~autopar_lab.layouts.megatron_plan`'s ``overlap_grad_reduce``,
@@ -51,6 +54,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from ..schedules import check_group
 from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_config_value, model_for
 from .planlayout import FrameworkLayout
 
@@ -66,6 +70,7 @@ VALUED = {
     "--num-query-groups": int, "--kv-channels": int, "--seq-length": int, "--max-position-embeddings": int,
     "--vocab-size": int, "--normalization": str, "--position-embedding-type": str, "--num-experts": int,
     "--moe-router-topk": int, "--recompute-method": str, "--recompute-num-layers": int, "--cuda-graph-impl": str,
+    "--microbatch-group-size-per-virtual-pipeline-stage": int,
 }
 #: Flags taking one or more values (argparse's nargs='+'): flag -> what each value is.
 LISTED = {"--cuda-graph-scope": str}
@@ -305,6 +310,14 @@ def plan_from(imp: Imported, model, cluster, **planner):
         v = layers // (pp * per_stage)
         if v > 1:
             kw.update(schedule="interleaved", virtual_stages=v)
+    group = imp.get("--microbatch-group-size-per-virtual-pipeline-stage")
+    if group is not None and "virtual_stages" in kw:
+        if batch % (dp * mbs) == 0:  # else megatron_plan says the batch does not split
+            check_group(group, pp, batch // (dp * mbs), "--microbatch-group-size-per-virtual-pipeline-stage ")
+        kw["microbatch_group"] = group
+    elif group is not None:
+        imp = imp.with_note(f"--microbatch-group-size-per-virtual-pipeline-stage {group} not read: it orders the "
+                            "interleaved schedule's microbatches only, and these arguments do not interleave")
     prec = _precision(imp)
     method, count = imp.get("--recompute-method"), imp.get("--recompute-num-layers")
     if _remat(imp) is True and (method, count) not in ((None, None), ("uniform", 1)):
@@ -393,6 +406,8 @@ def render(lay: FrameworkLayout, model=None) -> str:
             raise ValueError(f"{lay.virtual_stages} model chunks per stage do not split {lay.blocks} layers over "
                              f"{lay.pp} stages evenly, which {fw}'s --num-layers-per-virtual-pipeline-stage needs")
         args.append(("--num-layers-per-virtual-pipeline-stage", lay.blocks // (lay.pp * lay.virtual_stages)))
+        if lay.microbatch_group is not None:
+            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", lay.microbatch_group))
     args += [(k, v) for k, v in (("--context-parallel-size", lay.cp), ("--expert-model-parallel-size", lay.ep))
              if v > 1]
     switches = []

@@ -36,7 +36,9 @@ class FrameworkLayout:
     kernels replayed from CUDA graphs, ``megatron_plan(cuda_graphs=True)``: Megatron-LM's ``--cuda-graph-impl``);
     ``eager_loss`` (the framework whose eager loss the plan prices, ``fsdp_plan(eager_loss=...)``: "torchtitan",
     "kempnerforge", or "eager" for a plan file's bytes of another; None: the traced step's own) and ``accumulate``
-    (the plan's ``stage_pins["accumulate"]``: "unsharded" for gradients held unsharded between microbatches).
+    (the plan's ``stage_pins["accumulate"]``: "unsharded" for gradients held unsharded between microbatches);
+    ``microbatch_group`` (the interleaved schedule's microbatches per chunk in a row, ``stage_pins
+    ["microbatch_group"]``: Megatron-LM's ``--microbatch-group-size-per-virtual-pipeline-stage``; None: its default).
     """
 
     origin: str
@@ -62,6 +64,7 @@ class FrameworkLayout:
     cuda_graphs: bool = False
     eager_loss: str | None = None
     accumulate: str | None = None
+    microbatch_group: int | None = None
 
     @property
     def sample_per_microbatch(self) -> int:
@@ -125,7 +128,8 @@ def layout_of(plan, fw: str) -> FrameworkLayout:
                 virtual_stages=plan.virtual_stages, microbatches=plan.microbatches, batch=plan.table.batch_size,
                 blocks=block_count(plan.table), precision=precision,
                 kernel_fusion=plan.cluster.device.efficiency.kernel_fusion,
-                eager_loss=_eager_loss(plan), accumulate=plan.stage_pins.get("accumulate"))
+                eager_loss=_eager_loss(plan), accumulate=plan.stage_pins.get("accumulate"),
+                microbatch_group=plan.stage_pins.get("microbatch_group") if plan.schedule == "interleaved" else None)
     layout = _layout(plan, fw, base, n0, n1)
     return layout if written is None else layout.with_(notes=(*layout.notes, written))
 
@@ -167,6 +171,10 @@ def dropped(lay: FrameworkLayout, fw: str) -> tuple[str, ...]:
     if fw == "torchtitan" and lay.eager_loss is None and not lay.kernel_fusion:
         notes.append("compile = false also computes torchtitan's float32 loss op by op, which importing this file "
                      "prices (eager_loss='torchtitan') and this plan does not")
+    if lay.microbatch_group is not None and fw != "megatron":
+        notes.append(f"not expressible, dropped: the interleaved schedule's microbatch groups of "
+                     f"{lay.microbatch_group} (Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage); "
+                     f"{name} has no switch for them: import this file to price the default order")
     if lay.accumulate is not None:
         how = {"torchtitan": "torchtitan reduce-scatters the gradients every microbatch"}.get(
             fw, f"{name} has no switch to hold them so")

@@ -64,7 +64,9 @@ class Layout:
     ``accumulate``: "unsharded" where the framework holds the gradients unsharded between microbatches
     (:mod:`~autopar_lab.pricing.accumulate`), None where it reduces them as the strategies store them;
     ``eager_loss``: the bytes a device holds a step of the loss an eager framework computes after the model
-    (:mod:`~autopar_lab.pricing.eagerloss`), None for the traced step's own."""
+    (:mod:`~autopar_lab.pricing.eagerloss`), None for the traced step's own; ``microbatch_group``: the interleaved
+    schedule's microbatches per chunk in a row (:func:`~autopar_lab.schedules.check_group`), None for the stage
+    count."""
 
     method: str
     stages: int
@@ -83,6 +85,7 @@ class Layout:
     host: str | None = None
     accumulate: str | None = None
     eager_loss: float | None = None
+    microbatch_group: int | None = None
 
     def with_(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
@@ -332,6 +335,8 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
         stage_pins["accumulate"] = layout.accumulate
     if layout.eager_loss is not None:
         stage_pins["eager_loss"] = layout.eager_loss
+    if layout.microbatch_group is not None and layout.schedule == "interleaved":
+        stage_pins["microbatch_group"] = layout.microbatch_group
 
     def priced(sol_list) -> Plan:
         times = dict(solve_s or {})

@@ -23,7 +23,7 @@ from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
 from ..rematmode import is_full, is_selective, remat_value
-from ..schedules import check_schedule
+from ..schedules import check_group, check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
 from .engine import (Layout, check_experts, cluster_running, eager_host, microbatch_counts, price_fastest,
@@ -76,6 +76,25 @@ def megatron_mesh(par: Parallelism) -> MeshRoles:
     return roles.with_(experts=experts)
 
 
+def group_counts(group: int, stages: int, counts: list[int]) -> list[int]:
+    """The microbatch counts of ``counts`` that the interleaved schedule can run in groups of ``group`` over
+    ``stages`` stages (:func:`~autopar_lab.schedules.check_group`); the first count's ValueError when none can.
+
+    >>> group_counts(8, 4, [4, 8, 16])
+    [8, 16]
+    """
+    ok = []
+    for mb in counts:
+        try:
+            check_group(group, stages, mb)
+        except ValueError:
+            continue
+        ok.append(mb)
+    if not ok:
+        check_group(group, stages, counts[0])
+    return ok
+
+
 def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: int, pp: int,
                   microbatches: int | str | None = None, schedule: str = "1f1b", remat: bool | str = False,
                   mem_limit_bytes: float | None = None, solver: str = DEFAULT_SOLVER, table: CostTable | None = None,
@@ -85,7 +104,7 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   tp_comm_overlap: bool = False, overlap_moe_comm: bool = False,
                   library_kernels: bool | None = None, cuda_graphs: bool = False,
-                  skip_above: float = math.inf) -> Plan:
+                  microbatch_group: int | None = None, skip_above: float = math.inf) -> Plan:
     """Megatron-LM's layout: ``pp`` stages of equal runs of transformer blocks, each on ``dp x tp x cp`` devices
     viewed as a (dp, tp) logical mesh with the tensor-parallel axis inside a scale-up domain (a host, or the hosts
     of one NVLink fabric); Megatron-LM's sharding pinned on the operators the graph's transformer blocks hold and
@@ -97,14 +116,18 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     or only its attention internals (``"selective"``: ``--recompute-activations``).
 
     ``schedule``: "1f1b", "gpipe", "interleaved" (``virtual_stages`` model chunks per stage, default 2: Megatron-LM's
-    ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``zero``: the ZeRO stage (1: the distributed optimizer;
-    None: the storage of weights and optimizer state left to the planner, stored at its least in any stage that
-    overflows, which explain() then says; ``lean=False`` keeps the ILP's storage there, to see what the layout
-    would need). ``table``, ``precision``, ``solver``: as for :func:`~autopar_lab.planner.auto_plan`.
-    ``microbatches``: the count (default 1), or ``"auto"``: the layout priced at each micro-batch size of
-    :data:`~autopar_lab.layouts.engine.MICRO_BATCH_SIZES` that splits the batch, the fastest that fits kept (its notes
-    say which); ``micro_batch_size``: Megatron-LM's ``--micro-batch-size`` instead (the count is the batch over dp x
-    it).
+    ``--num-layers-per-virtual-pipeline-stage``) or "zb-h1". ``microbatch_group`` (interleaved only): the
+    microbatches each model chunk runs in a row, Megatron-LM's ``--microbatch-group-size-per-virtual-pipeline-stage``
+    and Llama 3's tunable ``N``; None is Megatron-LM's default, ``pp``, the fewest microbatches in flight (each
+    stage's warm-up is ``2(pp - 1 - rank) + (v - 1)N`` chunk forwards, :func:`~autopar_lab.schedules.warmup_chunks`);
+    Megatron-LM asks ``pp <= N <= microbatches`` with a last group of 0 or at least ``pp`` microbatches.
+    ``zero``: the ZeRO stage (1: the distributed optimizer; None: the storage of weights and optimizer state left to
+    the planner, stored at its least in any stage that overflows, which explain() then says; ``lean=False`` keeps the
+    ILP's storage there, to see what the layout would need). ``table``, ``precision``, ``solver``: as for
+    :func:`~autopar_lab.planner.auto_plan`. ``microbatches``: the count (default 1), or ``"auto"``: the layout
+    priced at each micro-batch size of :data:`~autopar_lab.layouts.engine.MICRO_BATCH_SIZES` that splits the batch,
+    the fastest that fits kept (its notes say which; with ``microbatch_group``, the counts that group can run);
+    ``micro_batch_size``: Megatron-LM's ``--micro-batch-size`` instead (the count is the batch over dp x it).
     ``skip_above``: a step time to beat; a layout whose step provably cannot beat it (its lower bound
     is above) raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated (how the frameworks' grids search).
 
@@ -142,6 +165,10 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r:.40}")
     schedule, virtual_stages = check_schedule(schedule, virtual_stages)
+    if microbatch_group is not None and schedule != "interleaved":
+        raise ValueError(f"microbatch_group applies to the interleaved schedule only (Megatron-LM's "
+                         f"--microbatch-group-size-per-virtual-pipeline-stage); pass schedule='interleaved' or leave "
+                         f"microbatch_group out for {schedule!r}")
     overlap = tuple(name for name, on in (("grad_reduce", overlap_grad_reduce), ("param_gather", overlap_param_gather),
                                           ("tp_comm", tp_comm_overlap), ("moe_comm", overlap_moe_comm))
                     if checks.flag(on, f"{_FLAGS[name]}"))
@@ -179,6 +206,8 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     counts = microbatch_counts(table.batch_size, dp, microbatches, micro_batch_size)
     for mb in counts:
         microbatch_choices(table.batch_size, mb)
+    if microbatch_group is not None:
+        counts = group_counts(microbatch_group, pp, counts)
     tag = ",remat" if is_full(remat) else ",selective" if is_selective(remat) else ""
     extra = "".join(f",{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1)
     extra += (",sp" if sequence_parallel else "") + (f",zero={zero}" if zero is not None else "")
@@ -186,13 +215,13 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     extra += "".join(f",{_TAGS[o]}" for o in overlap) + (",graphs" if cuda_graphs else "")
     name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
     if schedule == "interleaved":
-        name = f"{name[:-1]},v={virtual_stages})"
+        name = f"{name[:-1]},v={virtual_stages}{'' if microbatch_group is None else f',group={microbatch_group}'})"
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, counts[0], remat, schedule,
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",
                     lean=checks.flag(lean, "lean"), overlap=overlap,
                     host=eager_host(cluster, "eager-te", cluster.device.efficiency.library_kernels
-                                    and not cuda_graphs))
+                                    and not cuda_graphs), microbatch_group=microbatch_group)
     return price_fastest(table, [layout.with_(microbatches=mb) for mb in counts], dp,
                          mem_limit_bytes=mem_limit_bytes, solver=solver,
                          solve_s={} if trace_s is None else {"trace": trace_s}, skip_above=skip_above)

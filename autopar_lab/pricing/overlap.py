@@ -174,14 +174,15 @@ def _read_again(graph, intra: IntraPlan, tensor: int, spec) -> bool:
     return False
 
 
-def paired_share(schedule: str, stages: int, stage: int, microbatches: int, virtual_stages: int = 1) -> float:
+def paired_share(schedule: str, stages: int, stage: int, microbatches: int, virtual_stages: int = 1,
+                 group: int | None = None) -> float:
     """The share of stage ``stage``'s forward passes (of ``stages``) that Megatron-Core's combined 1F1B runs beside
     another microbatch's backward (``"moe_comm"``): the rest are its warm-up. Megatron-Core's warm-up
     (``pipeline_parallel/schedules.py``): ``stages - stage - 1`` forwards in 1F1B (ZB-H1 alike), ``(stages - stage
-    - 1) x 2 + (v - 1) x stages`` of the ``microbatches x v`` chunk forwards interleaved (a microbatch group of
-    ``stages``), and one more with the combined schedule, whose forward pairs with an *earlier* microbatch's
-    backward (the last stage's 1F1B would pair a microbatch's forward with its own backward); without pipelining,
-    the first forward alone. GPipe runs every forward before any backward: nothing pairs.
+    - 1) x 2 + (v - 1) x N`` of the ``microbatches x v`` chunk forwards interleaved (a microbatch group of ``N``,
+    ``group``, default ``stages``), and one more with the combined schedule, whose forward pairs with an *earlier*
+    microbatch's backward (the last stage's 1F1B would pair a microbatch's forward with its own backward); without
+    pipelining, the first forward alone. GPipe runs every forward before any backward: nothing pairs.
 
     >>> paired_share("interleaved", 4, 1, 8, 2)   # 16 chunk forwards, 2 x 2 + 4 + 1 = 9 of them warm-up
     0.4375
@@ -192,7 +193,8 @@ def paired_share(schedule: str, stages: int, stage: int, microbatches: int, virt
         return 0.0
     v = virtual_stages if schedule == "interleaved" else 1
     n = microbatches * v
-    warm = (stages - stage - 1) * (2 if v > 1 else 1) + (v - 1) * stages + 1
+    size = stages if group is None or v == 1 else group
+    warm = (stages - stage - 1) * (2 if v > 1 else 1) + (v - 1) * size + 1
     return max(n - warm, 0) / n
 
 

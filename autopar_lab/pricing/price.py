@@ -178,7 +178,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                  layer_pins: Mapping[int, str] | None = None, solutions: Sequence[str] | None = None,
                  zero: int | None = None, skip_above: float = math.inf,
                  overlap: Sequence[str] | None = None, host: str | None = None,
-                 accumulate: str | None = None, eager_loss: float | None = None) -> Priced:
+                 accumulate: str | None = None, eager_loss: float | None = None,
+                 microbatch_group: int | None = None) -> Priced:
     """The price of these decisions by ``table``: each stage's times and memory and the cost report (:class:`Priced`).
 
     ``stages``: one entry per stage, (layers, submesh, logical_mesh, remat) or anything with those attributes
@@ -218,13 +219,18 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     ``schedule``: "1f1b", "gpipe", "interleaved" or "zb-h1" (see :mod:`autopar_lab.schedules`). Interleaved: each
     stage runs ``virtual_stages`` chunks (default 2; :func:`~autopar_lab.schedules.schedule_of` reads a plan's pinned
     count), each chunk priced by
-    the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks.
+    the stage-cost formula as a stage of its own on the stage's mesh, with a transfer at every cut between chunks;
+    ``microbatch_group``: the microbatches each chunk runs in a row (a plan's ``stage_pins["microbatch_group"]``,
+    Megatron-LM's ``--microbatch-group-size-per-virtual-pipeline-stage``; None: the stage count, Megatron-LM's
+    default), which sets each stage's warm-up and so the chunk-microbatches it holds
+    (:func:`~autopar_lab.schedules.warmup_chunks`); ignored by the other schedules.
     ZB-H1: each stage's backward is priced as two tasks, B and W, split by
     :func:`~autopar_lab.pricing.wgrad.weight_grad_fraction` (W pays its own per-task overhead).
     """
     specs = [stage_spec(st) for st in stages]
     schedule, v = schedule_of(schedule, virtual_stages, None)
-    check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches)
+    group = microbatch_group if schedule == "interleaved" else None
+    check_layout(schedule, v, [s.layers[1] - s.layers[0] + 1 for s in specs], microbatches, group)
     cluster = table.cluster
     mem = float(cluster.device.memory_bytes if mem_limit_bytes is None else mem_limit_bytes)
     per_kernel = host_launch_s(host)
@@ -256,7 +262,7 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
             sums = prefix_sums(costs)
         if overlap is not None:  # what the plan's framework overlaps (pricing.overlap)
             costs = overlap_layer_costs(table, intra, costs, overlap, zero,
-                                        paired_share(schedule, len(specs), j, microbatches, v))
+                                        paired_share(schedule, len(specs), j, microbatches, v, group))
             sums = prefix_sums(costs)
         if accumulate is not None and microbatches > 1:  # gradients held unsharded (pricing.accumulate)
             shard = sum(c.grad_bytes for a, z in ranges[j] for c in costs[a:z + 1])
@@ -343,7 +349,8 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
     hosts = host_of_stages(cluster, stage_offsets(priced))
     tl = simulate_pipeline(sim["fwd"], sim["bwd"], microbatches, schedule, sends, mem,
                            wgrad_s=wgrad if schedule == "zb-h1" else None, virtual_stages=v,
-                           options=SimOptions(hosts=hosts).with_memory(sim["act"], sim["static"]))
+                           options=SimOptions(hosts=hosts, microbatch_group=group).with_memory(sim["act"],
+                                                                                                sim["static"]))
     busiest = max(range(len(priced)), key=lambda i: tl.busy_s[i])
     plan_stages = []
     for k, (st, off, peak, (costs, intra, kept)) in enumerate(zip(priced, stage_offsets(priced), tl.peak_mem_bytes,

@@ -173,7 +173,9 @@ class Runner:
         S, B = sm.num_stages, sm.microbatches
         mbs = sm.split_batch(batch, B)
         P, v = len(plan.stages), plan.virtual_stages
-        orders = [task_order(d, P, B, plan.schedule, virtual_stages=v) for d in range(P)]  # chunks c of stage c % P
+        group = plan.stage_pins.get("microbatch_group") if plan.schedule == "interleaved" else None
+        orders = [task_order(d, P, B, plan.schedule, virtual_stages=v, group=group)  # chunks c of stage c % P
+                  for d in range(P)]
         tasks = [(k, kind) for k in range(S) for kind in sm.kinds]
         readers = {t: sum(t in sm.sources(*r) for r in tasks) for t in tasks}
         stash_from = {(k, kind): [e for e in sm.kinds if kind in sm.stash_readers(k, e)] for k, kind in tasks}

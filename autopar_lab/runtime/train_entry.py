@@ -251,12 +251,13 @@ class _Routes:
                 raise JobFailed(f"stage {k}'s forward reads {self.sources[(k, 'fwd')]}; values must flow forward.")
 
 
-def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str, virtual_stages: int = 1):
+def _submit_step(actors, routes: _Routes, step: int, S: int, B: int, schedule: str, virtual_stages: int = 1,
+                 group: int | None = None):
     """Submit one step's tasks in the schedule's order; the refs of every stage's ``finish_step`` (its measured
     times, and the step's loss from the stage that holds it)."""
     from ..simulate import ScheduleStuck, issue_order, task_order
 
-    orders = [task_order(d, S, B, schedule, virtual_stages=virtual_stages) for d in range(S)]
+    orders = [task_order(d, S, B, schedule, virtual_stages=virtual_stages, group=group) for d in range(S)]
     refs: dict[Any, Any] = {}
 
     def ready(_d, kind, c, j):  # a task is submitted once the refs it takes exist (Ray waits for their values)
@@ -373,6 +374,8 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     stages = job["plan"]["stages"]
     S, B, schedule = len(stages), int(job["plan"]["microbatches"]), job["plan"]["schedule"]
     virtual = int(job["plan"].get("virtual_stages", 1))
+    # the interleaved schedule's microbatches per chunk in a row (a plan file's stage pin; None: the stage count)
+    group = job["plan"].get("stage_pins", {}).get("microbatch_group") if schedule == "interleaved" else None
     steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
     check_resources(ray, job)
     t_start = time.perf_counter()
@@ -437,7 +440,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                         on_actors(list(actors.handles))
                     routes = _Routes(actors.infos)
                 t0 = time.perf_counter()
-                rows = ray.get(_submit_step(actors.handles, routes, step, S, B, schedule, virtual))
+                rows = ray.get(_submit_step(actors.handles, routes, step, S, B, schedule, virtual, group))
             except ray.exceptions.RayError as e:
                 if actors is None or not (_is_actor_death(ray, e) or _dead(ray, actors.handles)):
                     raise JobFailed(f"step {step + 1} failed: {_short(e)}") from None

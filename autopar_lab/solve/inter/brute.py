@@ -59,7 +59,7 @@ def brute_force_stages(problem: StageProblem,
         S = len(parts)
         if p.fixed_stages is not None and S != p.fixed_stages:
             continue
-        if p.schedule == "interleaved" and (S < 2 or p.microbatches % S or any(p.short(k, i) for k, i in parts)):
+        if p.schedule == "interleaved" and (S < 2 or not p.runs_interleaved(S) or any(p.short(k, i) for k, i in parts)):
             continue  # the layouts interleaving cannot run (schedules.check_layout)
         q = dataclasses.replace(p, total_stages=S) if p.schedule in BY_STAGE_COUNT else p
         for shapes, offsets in shape_sequences(p, S):

@@ -215,7 +215,10 @@ def stage_dp(problem: StageProblem, candidates: Any, options: DPOptions = DPOpti
         if p.schedule == "interleaved" and not stage_counts(p):
             raise NoFeasiblePlanError(
                 f"the interleaved schedule needs 2 or more stages of {p.virtual_stages} layers or more each, their "
-                f"count dividing the {p.microbatches} microbatch(es); none is possible here.", math.inf)
+                f"count dividing the {p.microbatches} microbatch(es)"
+                + ("" if p.microbatch_group is None else f" (with microbatch groups of {p.microbatch_group}: at "
+                   "most that many stages, and a last group of 0 or at least the stage count)")
+                + "; none is possible here.", math.inf)
         raise infeasible(least_mem, p.mem_limit, p.constraints is not None)
     best.diagnostics["stage_counts_tried"] = stage_counts(p)
     best.diagnostics["solve_s"] = time.perf_counter() - t0
@@ -271,7 +274,7 @@ def stage_counts(p: Problem) -> list[int]:
     else:
         counts = list(range(1, p.max_stages + 1))
     if p.schedule == "interleaved":
-        counts = [S for S in counts if S >= 2 and p.microbatches % S == 0 and S * p.virtual_stages <= p.num_layers]
+        counts = [S for S in counts if S >= 2 and p.runs_interleaved(S) and S * p.virtual_stages <= p.num_layers]
     return counts
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ...schedules import warmup_chunks
+
 __all__ = ["SCHEDULES", "BY_STAGE_COUNT", "DEFAULT_WGRAD_SHARE", "STAGE_COMM", "submesh_shapes", "placement_fits",
            "cut_link", "held_microbatches", "coefficients", "schedule_latency", "serial_latency", "pipeline_latency",
            "transfer_s"]
@@ -61,20 +63,23 @@ def cut_link(offset: int, devices_per_host: int) -> str:
 
 
 def held_microbatches(stages_from_here: int, microbatches: int, schedule: str, num_stages: int | None = None,
-                      virtual_stages: int = 1) -> float:
+                      virtual_stages: int = 1, group: int | None = None) -> float:
     """Microbatches a stage keeps alive at once, in units of a whole stage's activations per microbatch: 1F1B
     ``min(s, B)`` where ``s`` counts the stages from this one to the last (inclusive); GPipe ``B``. These two need
     only ``s``; the others need the total stage count ``num_stages = p`` too (as the simulator shows them):
 
     - ZB-H1: ``min(p, B)`` on every stage (a microbatch lives from its F to its W, which waits ``p - 1`` steps);
     - interleaved with ``v`` chunks: ``n / v`` where ``n`` counts chunk-microbatches (each holds a chunk's share,
-      ``1 / v``, of the stage's activations): Megatron's warm-up ``2(s - 1) + (v - 1)p + 1`` of them, or all
-      ``B v`` when ``B == p`` or fewer are left.
+      ``1 / v``, of the stage's activations): Megatron's warm-up ``2(s - 1) + (v - 1)N + 1`` of them, or all
+      ``B v`` when ``B == p`` or fewer are left (``N = group``, the microbatches each chunk runs in a row, default
+      ``p``: :func:`~autopar_lab.schedules.warmup_chunks`).
 
     >>> held_microbatches(3, 8, "1f1b"), held_microbatches(3, 8, "gpipe"), held_microbatches(1, 8, "zb-h1", 3)
     (3, 8, 3)
     >>> held_microbatches(2, 8, "interleaved", 4, 2)    # (2 + 4 + 1) chunk-microbatches of half a stage each
     3.5
+    >>> held_microbatches(2, 8, "interleaved", 4, 2, group=8)    # (2 + 8 + 1) of them
+    5.5
     """
     if schedule == "1f1b":
         return min(stages_from_here, microbatches)
@@ -85,9 +90,7 @@ def held_microbatches(stages_from_here: int, microbatches: int, schedule: str, n
     if schedule == "zb-h1":
         return min(num_stages, microbatches)
     v = int(virtual_stages)
-    chunks = microbatches * v if microbatches == num_stages else min(
-        2 * (stages_from_here - 1) + (v - 1) * num_stages + 1, microbatches * v)
-    return chunks / v
+    return warmup_chunks(num_stages - stages_from_here, num_stages, microbatches, v, group) / v
 
 
 def coefficients(schedule: str, microbatches: int, virtual_stages: int,

@@ -69,6 +69,7 @@ class Problem:
     total_stages: int | None = None  # the stage count this problem is solved for (the schedules of BY_STAGE_COUNT)
     serial: bool = False  # the stages share one compute resource (StageProblem.serial_stages): one task at a time
     unit: int = 1  # devices per column of the DP's tables (devices_per_host: counted in hosts, see by_hosts)
+    microbatch_group: int | None = None  # the interleaved order's microbatches per chunk in a row (None: the stages)
 
     @property
     def fixed_stages(self) -> int | None:
@@ -79,7 +80,16 @@ class Problem:
 
     def held(self, s: int) -> float:
         """Microbatches a stage with ``s`` stages from it to the last holds (:func:`held_microbatches`)."""
-        return held_microbatches(s, self.microbatches, self.schedule, self.total_stages, self.virtual_stages)
+        return held_microbatches(s, self.microbatches, self.schedule, self.total_stages, self.virtual_stages,
+                                 self.microbatch_group)
+
+    def runs_interleaved(self, stages: int) -> bool:
+        """Whether the interleaved schedule can run ``stages`` stages with this problem's microbatches (a multiple
+        of the stage count, or what its microbatch group accepts: :func:`~autopar_lab.schedules.check_group`)."""
+        if self.microbatch_group is None:
+            return self.microbatches % stages == 0
+        n, m = self.microbatch_group, self.microbatches
+        return stages <= n <= m and not 0 < m % n < stages
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -144,7 +154,7 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     if not isinstance(problem, StageProblem):
         raise ValueError(f"the stage problem must be a StageProblem, got {type(problem).__name__}.")
     (num_layers, hosts, devices_per_host, microbatches, mem_limit_bytes, cut_bytes, intra_link, inter_link,
-     stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share, serial_stages) = (
+     stage_comm, max_stages, schedule, constraints, virtual_stages, wgrad_share, serial_stages, group) = (
         getattr(problem, f.name) for f in dataclasses.fields(StageProblem))
     L = positive_int(num_layers, "num_layers")
     N = positive_int(hosts, "hosts")
@@ -157,6 +167,8 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     if schedule == "interleaved" and chunks < 2:
         raise ValueError("the interleaved schedule needs virtual_stages of 2 or more.")
     w = DEFAULT_WGRAD_SHARE if wgrad_share is None else float(wgrad_share)
+    if group is not None:
+        group = positive_int(group, "microbatch_group") if schedule == "interleaved" else None
     if not 0.0 <= w < 1.0:
         raise ValueError(f"wgrad_share must be a share of a stage's time in [0, 1), got {wgrad_share!r}.")
     if stage_comm not in STAGE_COMM:
@@ -225,7 +237,7 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
     # Shapes without any candidate can never be placed: the DP's tables leave them out (at thousands of devices most
     # submesh shapes have none), which keeps the order of the others and so every tie-break.
     return Problem(L, N, M, B, schedule, stage_comm, mem, smax, used, cands, cut_cost, constraints, blocks, chunks, w,
-                   serial=bool(serial_stages))
+                   serial=bool(serial_stages), microbatch_group=group)
 
 
 def by_hosts(p: Problem) -> Problem:

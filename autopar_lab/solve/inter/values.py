@@ -227,7 +227,9 @@ class StageProblem:
     :data:`~autopar_lab.solve.inter.DEFAULT_WGRAD_SHARE`). ``constraints``: the pins a solve keeps.
     ``serial_stages``: the stages share one compute resource (the CPU's stages of one host:
     :func:`autopar_lab.backends.runs_serially`): they run one task at a time, so every schedule's step is
-    :func:`~autopar_lab.solve.inter.serial_latency`.
+    :func:`~autopar_lab.solve.inter.serial_latency`. ``microbatch_group`` (interleaved): the microbatches each chunk
+    runs in a row (None: the stage count; :func:`~autopar_lab.schedules.check_group`), which sets each stage's
+    warm-up and so its memory, and the stage counts the microbatches allow.
 
     The size comes first, the rest by keyword; the fields are checked when the problem is solved (one ValueError
     naming the field). Immutable: change one with a ``with_*`` method or :func:`dataclasses.replace`.
@@ -253,6 +255,7 @@ class StageProblem:
     virtual_stages: int | None = None
     wgrad_share: float | None = None
     serial_stages: bool = False
+    microbatch_group: int | None = None
 
     @classmethod
     def on(cls, cluster: Any, *, num_layers: int, microbatches: int = 1) -> StageProblem:
