@@ -27,11 +27,21 @@ CLUSTER = al.Cluster.preset("p3.16xlarge", hosts=2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _full_values(model):
-    """(layer names, layer map onto the 4-layer copy, cut bytes) read off the model's full trace."""
+def _full_values(model, small):
+    """(layer names, layer map onto the 4-layer copy ``small``, cut bytes) read off the model's full trace."""
     full = model.trace()
     names = list(full.layers)
-    return names, OpMap(full, solve_graph_for(model)).layer_map, cut_bytes(full, names)
+    return names, OpMap(full, small).layer_map, cut_bytes(full, names)
+
+
+@pytest.fixture(scope="module")
+def traced_24():
+    """(model, table, plan): a 24-layer gpt-tiny's table on CLUSTER traced in full (trace="full") and its auto plan,
+    built once: the reference three tests compare the derived table, its plan and the CLI's plan with (they read it
+    only; each traced and planned its own before)."""
+    model = al.models.get("gpt-tiny", num_layers=24)
+    traced = CostTable.build(model, CLUSTER, trace="full")
+    return model, traced, al.auto_plan(traced.graph, CLUSTER, table=traced)
 
 
 @pytest.mark.parametrize("name, layers, overrides", [
@@ -47,7 +57,7 @@ def test_derived_names_layer_map_and_cut_bytes_equal_the_full_trace(name, layers
     small = solve_graph_for(model)
     deep = derive(layers, small, lambda: model.with_layers(6).trace())
     assert deep is not None
-    names, layer_map, cuts = _full_values(model)
+    names, layer_map, cuts = _full_values(model, small)
     assert list(deep.layer_names) == names and len(names) > layers
     assert list(deep.layer_map) == layer_map
     assert list(deep.cut_bytes) == cuts and len(cuts) == len(names) - 1 and min(cuts) > 0
@@ -96,10 +106,9 @@ def test_a_model_whose_copies_break_the_pattern_is_traced_in_full_with_the_same_
     assert (auto.layer_names, auto.layer_map, auto.cut_bytes) == (full.layer_names, full.layer_map, full.cut_bytes)
 
 
-def test_a_deep_table_does_not_trace_the_full_graph_until_read():
-    model = al.models.get("gpt-tiny", num_layers=24)
+def test_a_deep_table_does_not_trace_the_full_graph_until_read(traced_24):
+    model, full, _ = traced_24
     table = CostTable.build(model, CLUSTER)
-    full = CostTable.build(model, CLUSTER, trace="full")
     assert isinstance(table.graph, Lazy) and not table.graph.is_filled
     assert not isinstance(full.graph, Lazy)
     assert (table.layer_names, table.layer_map, table.cut_bytes, table.batch_size) == \
@@ -117,12 +126,10 @@ def test_a_deep_table_does_not_trace_the_full_graph_until_read():
     assert dict(table.op_map.items()) == dict(full.op_map.items())
 
 
-def test_plans_are_the_same_with_and_without_derived_values():
-    model = al.models.get("gpt-tiny", num_layers=24)
+def test_plans_are_the_same_with_and_without_derived_values(traced_24):
+    model, _, b = traced_24
     derived = CostTable.build(model, CLUSTER)
-    traced = CostTable.build(model, CLUSTER, trace="full")
     a = al.auto_plan(derived.graph, CLUSTER, table=derived)
-    b = al.auto_plan(traced.graph, CLUSTER, table=traced)
     assert not derived.graph.is_filled  # planning reads no operator of the full graph
     assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in a.stages] == \
         [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in b.stages]
@@ -130,7 +137,7 @@ def test_plans_are_the_same_with_and_without_derived_values():
     assert len(a.stages) > 1
 
 
-def test_the_cli_plans_a_deep_model_and_writes_a_plan_file_that_loads(tmp_path):
+def test_the_cli_plans_a_deep_model_and_writes_a_plan_file_that_loads(tmp_path, traced_24):
     """The way a user runs it: the CLI from another directory, the plan file written (which reads the full graph)
     and loaded back; the same plan as a table traced in full."""
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
@@ -140,9 +147,7 @@ def test_the_cli_plans_a_deep_model_and_writes_a_plan_file_that_loads(tmp_path):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
-    model = al.models.get("gpt-tiny", num_layers=24)
-    traced = CostTable.build(model, CLUSTER, trace="full")
-    plan = al.auto_plan(traced.graph, CLUSTER, table=traced)
+    model, _, plan = traced_24
     assert (len(report["stages"]), report["microbatches"]) == (len(plan.stages), plan.microbatches)
     loaded = al.load_plan(out, model)
     assert [s.layers for s in loaded.stages] == [s.layers for s in plan.stages]
@@ -236,7 +241,7 @@ def test_dense_first_layers_beyond_the_edge_are_read_off_deeper_copies(dense):
         return
     assert derive(9, small, lambda: model.with_layers(6).trace()) is None  # the plain copies disagree
     assert deep is not None and isinstance(graph, Lazy) and not graph.is_filled
-    names, layer_map, cuts = _full_values(model)
+    names, layer_map, cuts = _full_values(model, small)
     assert list(deep.layer_names) == names and len(names) == 11  # embedding, 9 layers, head
     assert list(deep.layer_map) == layer_map and len(set(layer_map)) >= 4  # dense and MoE layers told apart
     assert list(deep.cut_bytes) == cuts

@@ -23,6 +23,29 @@ def model():
     return al.models.get("gpt-1.3b", batch_size=8, seq_len=32)
 
 
+@pytest.fixture(scope="module")
+def solved_small(model):
+    """(table, plan): GPT-1.3B's table on SMALL with every planned mesh solved here, in this process, and the auto
+    plan on it (which adds the lean solutions and stage blocks it wants). Built once: the in-place solve and the fresh
+    plan several tests below compare to (each of them solved its own, ~10 CPU-s apiece); they only read it."""
+    table = CostTable.build(model, SMALL)
+    assert table.solve_meshes(workers=1) == len(table.planned_meshes())
+    return table, al.auto_plan(table.graph, SMALL, table=table)
+
+
+@pytest.fixture(scope="module")
+def fresh_plan(model, solved_small):
+    """``fresh_plan(cluster)``: GPT-1.3B's auto plan of ``cluster`` from a table built for it, each cluster planned
+    once for the module (SMALL's is solved_small's)."""
+    plans = {SMALL: solved_small[1]}
+
+    def get(cluster):
+        if cluster not in plans:
+            plans[cluster] = al.auto_plan(model, cluster)
+        return plans[cluster]
+    return get
+
+
 def _same_plan(a, b):
     return ({o: s.name for o, s in a.strategies.items()} == {o: s.name for o, s in b.strategies.items()}
             and (a.compute_s, a.comm_s, a.reshard_s, a.static_bytes, a.act_bytes, dict(a.role_s), a.sync_s)
@@ -30,13 +53,12 @@ def _same_plan(a, b):
 
 
 @pytest.mark.slow
-def test_meshes_solved_in_workers_equal_meshes_solved_here(model):
+def test_meshes_solved_in_workers_equal_meshes_solved_here(model, solved_small):
     """Two worker processes (the pool's threshold lowered to this small table): every layer cost and every
     IntraPlan rebuilt from the workers' strategy indices equal the in-process solve to the bit, and so do the plans."""
-    here, there = CostTable.build(model, SMALL), CostTable.build(model, SMALL)
+    here, there = solved_small[0], CostTable.build(model, SMALL)  # here: solved in this process (the fixture)
     seen = []
     there.on_progress = lambda msg, done, total: seen.append((done, total))
-    assert here.solve_meshes(workers=1) == len(here.planned_meshes())
     import autopar_lab.pricing.table as table_module
     old = table_module.POOL_MIN_MESHES
     table_module.POOL_MIN_MESHES = 1
@@ -71,16 +93,17 @@ def test_divisor_space_keeps_what_splits_the_batch_or_tiles_the_cluster():
         planning_submeshes(c, 1536, "some")
 
 
-def test_a_table_moved_to_more_hosts_reuses_every_mesh_and_plans_as_a_fresh_one(model):
+def test_a_table_moved_to_more_hosts_reuses_every_mesh_and_plans_as_a_fresh_one(model, fresh_plan):
     small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
     bigger = small.with_(hosts=2)
+    assert bigger == SMALL  # so the fresh plan of it is the module's
     table = CostTable.build(model, small)
     table.solve_meshes(workers=1)
     moved = table.for_cluster(bigger)
     assert moved.graph is table.graph and moved.trace_s == 0.0
     new = set(moved.planned_meshes()) - set(table.planned_meshes())
     assert new and moved.solve_meshes(workers=1) == len(new)  # only the two-host submeshes' ILPs run
-    fresh = al.auto_plan(model, bigger)
+    fresh = fresh_plan(bigger)
     again = al.auto_plan(table.graph, bigger, table=moved)
     assert again.cost.to_dict() == fresh.cost.to_dict()
     assert [(s.layers, s.submesh, s.logical_mesh, s.remat) for s in again.stages] == \
@@ -102,17 +125,15 @@ WHAT_IFS = {"hosts-3": dict(hosts=3), "hosts-1": dict(hosts=1),
 
 
 @pytest.fixture(scope="module")
-def planned_small_table(model):
+def planned_small_table(solved_small):
     """GPT-1.3B's table on SMALL after an auto plan solved its meshes: built once for every what-if below
     (for_cluster copies what it keeps, so moving it leaves it as it was)."""
-    base = CostTable.build(model, SMALL)
-    al.auto_plan(base.graph, SMALL, table=base)
-    return base
+    return solved_small[0]
 
 
 @pytest.mark.parametrize("what_if", list(WHAT_IFS))
 def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_fresh_one(planned_small_table, model,
-                                                                                         what_if):
+                                                                                         fresh_plan, what_if):
     """GPT-1.3B's 24 layers (planned on its shallow copy) on 2 hosts of 4, moved by each what-if of the sliders:
     the meshes carried over are exactly those whose mesh_signature is unchanged (an inter-host change keeps the
     one-host meshes, an intra-host one the meshes whose split axes all cross hosts), each equal to the fresh
@@ -130,7 +151,7 @@ def test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_f
     if what_if.startswith(("hosts", "inter-bw")):  # every mesh inside one host survives a change between hosts
         assert {k for k in unchanged if k[0][0] == 1} == {k for k in solved if k[0][0] == 1}
     assert what_if == "hosts-3" or len(unchanged) < len(solved)  # something re-solves
-    fresh = al.auto_plan(model, new)
+    fresh = fresh_plan(new)
     again = al.auto_plan(moved.graph, new, table=moved)
     for key in moved.kept_meshes:
         (ca, pa), (cb, pb) = moved.mesh_costs(*key), fresh.table.mesh_costs(*key)
@@ -170,17 +191,17 @@ def test_a_moved_table_takes_over_the_stage_blocks_it_would_build_the_same(plann
         assert block.make(k, row, col).payload is moved.mesh_costs(sub, block.options[k][0], block.options[k][1])[1]
 
 
-def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model):
+def test_the_session_s_host_count_what_if_solves_only_the_new_meshes(model, fresh_plan):
     from autopar_lab.widgets.session import Session
 
     small = al.Cluster.preset("p3.16xlarge", hosts=1).with_(devices_per_host=4)
-    session = Session(al.auto_plan(model, small), model=model)
+    session = Session(fresh_plan(small), model=model)
     seen = []
     plan = session.set_cluster(hosts=2, on_progress=lambda msg, frac: seen.append(msg))
     assert plan.cluster.hosts == 2 and session.plan is plan
     solved = [m for m in seen if m.startswith("intra-op")]
     assert solved and all(m.startswith("intra-op 2x4") for m in solved)  # the one new submesh, nothing else
-    assert plan.cost.step_time_s == al.auto_plan(model, small.with_(hosts=2)).cost.step_time_s
+    assert plan.cost.step_time_s == fresh_plan(small.with_(hosts=2)).cost.step_time_s
 
 
 def test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts():
@@ -253,15 +274,14 @@ def test_axis_links_are_remembered_per_mesh_and_equal_the_counted_ones():
 
 
 @pytest.mark.slow
-def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, monkeypatch):
+def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, solved_small, monkeypatch):
     """CostTable.build(workers=2) starts the shallow copy's ILPs before tracing the full model: solve_meshes then
     collects them (progress: each mesh once, with the total) and every layer cost equals the table solved in place;
     a progress hook that raises stops the workers, and the meshes left are solved when asked, with the same numbers."""
     import autopar_lab.pricing.table as table_module
 
     monkeypatch.setattr(table_module, "POOL_MIN_MESHES", 1)
-    here = CostTable.build(model, SMALL)
-    here.solve_meshes(workers=1)
+    here = solved_small[0]  # every mesh solved in this process
     seen = []
     ahead = CostTable.build(model, SMALL, workers=2, on_progress=lambda m, done, total: seen.append((done, total)))
     n = len(ahead.planned_meshes())
@@ -281,7 +301,7 @@ def test_meshes_solved_while_the_model_traces_equal_meshes_solved_later(model, m
         assert cancelled.mesh_costs(*key)[0] == here.mesh_costs(*key)[0]
 
 
-def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(model):
+def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(solved_small):
     """A mesh solved elsewhere comes back as strategy indices; its LazyIntraPlan.from_choice is plan_from_choice's plan
     (which is the solve's own, to the bit), built only when a field is read, and pickles (a plain IntraPlan does
     not) as what rebuilds it."""
@@ -290,7 +310,7 @@ def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(mod
     from autopar_lab.pricing.incremental import LazyIntraPlan
     from autopar_lab.pricing.table_pool import plan_from_choice, solve_one
 
-    table = CostTable.build(model, SMALL)
+    table, planned = solved_small  # solve_one below solves on its own memo: the table's solutions play no part
     key = next(k for k in table.planned_meshes() if k[1][0] > 1 and k[1][1] > 1)
     _, solved, choice = solve_one(table.solve_graph, SMALL, key, table.solver, {})
     deferred = LazyIntraPlan.from_choice(table.solve_graph, SMALL, key, choice)
@@ -302,11 +322,10 @@ def test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles(mod
     with pytest.raises(AttributeError):
         deferred.no_such_field  # noqa: B018 - not a field: nothing to build it from
     # A table moved to another cluster hands out deferred plans; planning with it reads none of its stages' plans.
-    table.solve_meshes(workers=1)
     moved = table.for_cluster(SMALL)
     plan = al.auto_plan(moved.graph, SMALL, table=moved)
     assert all(isinstance(s.intra, LazyIntraPlan) and not s.intra.is_filled for s in plan.stages)
-    assert plan.cost.to_dict() == al.auto_plan(table.graph, SMALL, table=table).cost.to_dict()
+    assert plan.cost.to_dict() == planned.cost.to_dict()
 
 
 def test_the_blocks_pareto_mask_is_pareto_on_random_options_with_ties():
@@ -350,15 +369,14 @@ def test_the_pareto_mask_among_options_that_fit_equals_the_full_mask_cut_to_them
     assert pareto_mask(fields, alive)[1, 0] and not pareto_mask(fields)[1, 0]
 
 
-def test_the_workers_take_the_two_pass_meshes_first_and_solve_as_in_place(model, monkeypatch):
+def test_the_workers_take_the_two_pass_meshes_first_and_solve_as_in_place(model, solved_small, monkeypatch):
     """The pool's order (table_pool.longest_first): every mesh with both axes split (two ILP passes) before the
     one-axis meshes, more devices first within each; the order changes when a mesh arrives, not what it is: layer
     costs and strategy indices equal the serial solve's to the bit."""
     import autopar_lab.pricing.table as table_module
 
     monkeypatch.setattr(table_module, "POOL_MIN_MESHES", 1)
-    here = CostTable.build(model, SMALL)
-    here.solve_meshes(workers=1)
+    here = solved_small[0]  # every mesh solved in this process
     ahead = CostTable.build(model, SMALL, workers=2)
     assert ahead._ahead is not None
     order = list(ahead._ahead.keys)
@@ -383,7 +401,7 @@ def test_one_pool_solves_the_fast_and_then_the_lean_ilps_as_the_two_calls_do():
 
     # Activations large enough that a layer's least memory differs from mesh to mesh (split by data parallelism).
     model = al.models.get("gpt-tiny", num_layers=24, hidden_size=64, batch_size=64, seq_len=128)
-    cluster = al.Cluster.preset("p3.16xlarge", hosts=2)
+    cluster = SMALL  # 7 meshes to solve (2 hosts of 8 GPUs: 11), each fast and lean, here and in the pool
     ref = CostTable.build(model, cluster)
     ref.solve_meshes(workers=1)
     keys = ref.planned_meshes()
