@@ -191,12 +191,18 @@ def test_cli_plans_with_a_profile_file_from_another_directory(tmp_path):
     assert "cpu profile" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_deep_model_auto_on_the_fresh_share_is_never_worse_than_data_parallel():
+@pytest.fixture(scope="module")
+def deep_dp():
+    """A 24-layer gpt-tiny (batch 16) and its data-parallel plan on the cpu preset, for the two tests that plan it."""
+    model = al.models.get("gpt-tiny", num_layers=24, batch_size=16)
+    return model, al.data_parallel_plan(model, Cluster.preset("cpu"))
+
+
+def test_deep_model_auto_on_the_fresh_share_is_never_worse_than_data_parallel(deep_dp):
     """A 24-layer gpt-tiny planned on the cpu preset: the auto plan the share lets the stage DP find (stages on few
     devices) is predicted no slower than data parallelism, and its stages use every device once."""
-    model = al.models.get("gpt-tiny", num_layers=24, batch_size=16)
+    model, dp = deep_dp
     c = Cluster.preset("cpu")
-    dp = al.data_parallel_plan(model, c)
     auto = al.auto_plan(model, c, table=dp.table)
     assert auto.cost.step_time_s <= dp.cost.step_time_s * (1 + 1e-9)
     assert sum(s.submesh[0] * s.submesh[1] for s in auto.stages) <= c.num_devices
@@ -258,14 +264,14 @@ def test_the_programs_fixed_cost_is_reported_everywhere(tmp_path):
     assert text.returncode == 0 and "its programs' fixed cost" in text.stdout
 
 
-def test_a_deep_model_planned_on_a_copy_is_not_one_program():
+def test_a_deep_model_planned_on_a_copy_is_not_one_program(deep_dp):
     """The runtime replays a one-stage, one-microbatch plan as one program only when its strategies are per operator
     of the model's own graph; a 24-layer model planned on a shallower copy runs as a one-stage pipeline (measured),
     so its plan pays three tasks and their arrays, and the executed runner says so."""
     from autopar_lab.pricing import task_overhead_s
 
     c = Cluster.preset("cpu")
-    deep = al.data_parallel_plan(al.models.get("gpt-tiny", batch_size=16, num_layers=24), c)
+    model, deep = deep_dp
     assert deep.table.solve_graph is not deep.graph  # planned on a copy
     assert not deep.table.one_program(0, len(deep.layer_names) - 1, (1, 8), 1)
     args = sum(lc.task_arrays_s for lc in deep.stages[0].layer_costs)
@@ -274,7 +280,7 @@ def test_a_deep_model_planned_on_a_copy_is_not_one_program():
     shallow = al.data_parallel_plan(al.models.get("gpt-tiny", batch_size=16, num_layers=4), c)
     assert shallow.table.one_program(0, len(shallow.layer_names) - 1, (1, 8), 1)
     if _devices() >= 8:
-        runner = al.execute(deep, al.models.get("gpt-tiny", batch_size=16, num_layers=24), timing=False)
+        runner = al.execute(deep, model, timing=False)
         assert runner.mode == "pipeline"
 
 
