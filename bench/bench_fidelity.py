@@ -129,17 +129,23 @@ def published_plan(name: str, *, flash: bool = False, micro: int = 1, table=None
     model = al.models.get("gpt-tiny", seq_len=SEQ, hidden_size=h, num_layers=l, num_heads=a, vocab_size=VOCAB,
                           batch_size=B, dtype="float16")
     cluster = al.Cluster.preset("dgx-a100", hosts=gpus // 8).with_(flash_attention=flash)
-    table = table or CostTable.build(model, cluster)
+    if table is None:
+        table = CostTable.build(model, cluster)
+    elif (table.cluster, table.batch_size, len(table.layer_names)) != (cluster, B, l + 2):
+        raise ValueError(f"the cost table given for row {name} was built for another cluster, batch or depth; build "
+                         "it with CostTable.build on the row's model and cluster, or leave table out")
     sched = dict(schedule="interleaved", virtual_stages=virtual_stages(l // p)) if p > 1 and interleave else {}
     plan = al.megatron_plan(table=table, dp=d, tp=t, pp=p, micro_batch_size=micro, remat=True, zero=0, **sched)
     return plan, model, gpus, pub, published_flops(B, SEQ, l, h, VOCAB)
 
 
-def row(name: str, flash: bool = False, micro: int = 1, interleave: bool = True) -> dict:
+def row(name: str, flash: bool = False, micro: int = 1, interleave: bool = True, table=None) -> dict:
+    """One row's prediction beside its published figures; ``table``: a cost table already built for the row's model
+    and cluster (as :func:`published_plan` builds it), to price on instead of building one."""
     from autopar_lab.pricing.memory import PARTS, memory_breakdown
 
     t0 = time.perf_counter()
-    plan, model, gpus, pub, F = published_plan(name, flash=flash, micro=micro, interleave=interleave)
+    plan, model, gpus, pub, F = published_plan(name, flash=flash, micro=micro, interleave=interleave, table=table)
     step = plan.cost.step_time_s
     tflops = F / (step * gpus) / 1e12
     mem = memory_breakdown(plan)

@@ -98,6 +98,14 @@ def test_megatron_pins_a_llama_column_then_row_with_vocabulary_parallel_ends(lla
     assert stored(llama_tp, "['embed']") == "S1R" and stored(llama_tp, "['lm_head']") == "RS1"
 
 
+@pytest.fixture(scope="module")
+def gpt16():
+    """gpt-tiny (batch 16, fp16) and its cost table on the 8 A100s, what ``al.megatron_plan(model, A100, ...)`` builds:
+    one table for this file's layouts of it, so each layout's pinned ILP is solved once (the tests only price)."""
+    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
+    return model, al.CostTable.build(model, A100)
+
+
 def test_with_more_tensor_ranks_than_kv_heads_k_and_v_stay_whole():
     model = al.models.get("llama3-tiny", num_heads=8, num_kv_heads=2, batch_size=16, dtype="bfloat16")
     plan = al.megatron_plan(model, A100, dp=2, tp=4, pp=1, zero=0, precision="bf16")
@@ -109,9 +117,9 @@ def test_with_more_tensor_ranks_than_kv_heads_k_and_v_stay_whole():
     assert any("attn/q_proj" in n for n in plan.notes)  # Q's heads sit under the 2 KV heads: left to the ILP
 
 
-def test_sequence_parallel_reduce_scatters_what_tensor_parallel_all_reduces():
-    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
-    plain, sp = (al.megatron_plan(model, A100, dp=2, tp=4, pp=1, zero=0, sequence_parallel=s) for s in (False, True))
+def test_sequence_parallel_reduce_scatters_what_tensor_parallel_all_reduces(gpt16):
+    _, table = gpt16
+    plain, sp = (al.megatron_plan(table=table, dp=2, tp=4, pp=1, zero=0, sequence_parallel=s) for s in (False, True))
     b, s, h = 16, 16, 32
     nbytes = b // 2 * s * h * 2  # the projection's output on one data-parallel replica, fp16
     ((k0, a0, n0),) = forward_matmuls(plain)["proj"].collectives
@@ -138,7 +146,8 @@ def test_context_parallel_runs_attention_as_a_ring_passing_key_blocks():
 def test_expert_parallel_splits_the_experts_and_the_tokens_reach_them_by_an_all_to_all():
     cluster = A100.with_(devices_per_host=4)
     model = al.models.get("moe-tiny", batch_size=16, dtype="bfloat16")
-    one, four = (al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=ep, zero=0) for ep in (1, 4))
+    one = al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=1, zero=0)
+    four = al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=4, zero=0, table=one.table)  # one table for both
     assert parallelism.expert_degree(one) == 1 and parallelism.expert_degree(four) == 4
     (layer,) = [e for e in parallelism.expert_parallel(four)[0] if e.axes]
     cf, tokens, hidden = 2.0, 16 * 16, 32  # GShard's buffer: capacity x tokens x hidden, bf16
@@ -146,9 +155,9 @@ def test_expert_parallel_splits_the_experts_and_the_tokens_reach_them_by_an_all_
     # each device stores 1 of the 4 experts: the experts' weights a quarter of the replicated ones'
     assert stored(four, "['experts']['w1']") == "S0RR" and stored(one, "['experts']['w1']") == "RRR"
     with pytest.raises(ValueError, match="ep=3 does not divide the model's 4 experts"):
-        al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=3)
+        al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=3, table=one.table)
     with pytest.raises(ValueError, match="ep=2 does not fit the 2-D mesh"):
-        al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=2)
+        al.megatron_plan(model, cluster, dp=4, tp=1, pp=1, ep=2, table=one.table)
 
 
 # --- ZeRO's memory: the formula to the byte ---------------------------------------------------------------------
@@ -163,10 +172,10 @@ def gpt_tiny_elements(t):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_zero_memory_per_device_is_the_zero_formula_to_the_byte(zero):
+def test_zero_memory_per_device_is_the_zero_formula_to_the_byte(zero, gpt16):
     d, t = 4, 2
-    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")  # fp32 master weights: 16 bytes a parameter
-    plan = al.megatron_plan(model, A100, dp=d, tp=t, pp=1, zero=zero)
+    model, table = gpt16  # fp16 with fp32 master weights: 16 bytes a parameter
+    plan = al.megatron_plan(model, A100, dp=d, tp=t, pp=1, zero=zero, table=table)
     row = memory_breakdown(plan)[0]
     psi = gpt_tiny_elements(t)
     # (fp16 params, fp16 grads, fp32 master, Adam's two fp32 moments) per parameter, as ZeRO divides them over d
@@ -183,15 +192,17 @@ def test_zero_in_bf16_counts_fp32_gradients_18_bytes_a_parameter():
     H, F, V, kv = 32, 64, 64, 16
     layer = (2 * H * H + 2 * H * kv + 3 * H * F) / t + 2 * H  # q, o; k, v; gate, up, down; two norms
     psi = 2 * layer + 2 * V * H / t + H
+    table = None  # the first plan's, for the others (one table, each stage's ILP on it)
     for zero, per in ((1, 2 + 4 + 12 / d), (2, 2 + 16 / d), (3, 18 / d)):
-        plan = al.megatron_plan(model, A100, dp=d, tp=t, pp=1, zero=zero, precision="bf16")
+        plan = al.megatron_plan(model, A100, dp=d, tp=t, pp=1, zero=zero, precision="bf16", table=table)
+        table = plan.table
         row = memory_breakdown(plan)[0]
         assert sum(row[p] for p in STATE) == pytest.approx(per * psi + 4, abs=2), zero
 
 
-def test_a_zero_plan_keeps_its_zero_through_the_plan_file(tmp_path):
-    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
-    plan = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=1)
+def test_a_zero_plan_keeps_its_zero_through_the_plan_file(tmp_path, gpt16):
+    model, table = gpt16
+    plan = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=1, table=table)
     save_plan(plan, tmp_path / "p.json")
     back = load_plan(tmp_path / "p.json", plan.graph, A100, model=model)
     assert back.stage_pins["zero"] == 1
@@ -202,10 +213,10 @@ def test_zero_on_every_planner():
     model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
     cluster = A100.with_(devices_per_host=4)
     base = al.data_parallel_plan(model, cluster)
-    z1 = al.data_parallel_plan(model, cluster, zero=1)
+    z1 = al.data_parallel_plan(model, cluster, zero=1, table=base.table)
     rows = [memory_breakdown(p)[0] for p in (base, z1)]
     assert rows[1]["optimizer_bytes"] < rows[0]["optimizer_bytes"] and z1.stage_pins["zero"] == 1
-    auto = al.auto_plan(model, cluster, zero=3)
+    auto = al.auto_plan(model, cluster, zero=3, table=base.table)
     assert auto.stage_pins["zero"] == 3 and any("ZeRO-3" in n for n in auto.notes)
     for bad in (4, -1, True, "1"):
         with pytest.raises(ValueError, match="zero"):
@@ -224,26 +235,33 @@ def test_microbatch_size_is_megatrons():
         al.megatron_plan(model, A100, dp=8, tp=1, pp=1, sequence_parallel=True)
 
 
-def test_a_deep_llama_in_megatrons_pipeline_splits_the_blocks_evenly():
-    """24 blocks planned on the 4-layer copy: 12 a stage, the embedding with the first and the head with the last;
-    interleaved with 2 chunks a stage; the distributed optimizer."""
+@pytest.fixture(scope="module")
+def deep_llama():
+    """Llama 3 8B at 24 blocks (batch 32, 512 tokens) on 2 DGX H100s, and its bf16 cost table (planned on the 4-layer
+    copy): the table ``al.megatron_plan(model, cluster, precision="bf16")`` builds, built once for the two tests."""
     model = al.models.get("llama3-8b", num_layers=24, batch_size=32, seq_len=512)
     cluster = al.Cluster.preset("dgx-h100", hosts=2)
+    return model, cluster, al.CostTable.build(model, cluster, precision="bf16")
+
+
+def test_a_deep_llama_in_megatrons_pipeline_splits_the_blocks_evenly(deep_llama):
+    """24 blocks planned on the 4-layer copy: 12 a stage, the embedding with the first and the head with the last;
+    interleaved with 2 chunks a stage; the distributed optimizer."""
+    model, cluster, table = deep_llama
     plan = al.megatron_plan(model, cluster, dp=2, tp=4, pp=2, zero=1, micro_batch_size=1, remat="selective",
-                            schedule="interleaved", virtual_stages=2, precision="bf16")
+                            schedule="interleaved", virtual_stages=2, precision="bf16", table=table)
     assert [st.layers for st in plan.stages] == [(0, 12), (13, 25)]
     assert plan.microbatches == 16 and plan.virtual_stages == 2 and plan.cost.fits
     assert weight_spec(forward_matmuls(plan, "layer_1")["attn/q_proj"]) == "RS1"
 
 
-def test_microbatches_auto_keeps_the_fastest_micro_batch_size_that_fits():
+def test_microbatches_auto_keeps_the_fastest_micro_batch_size_that_fits(deep_llama):
     """``microbatches="auto"`` on a deep model (24 blocks, planned on a copy): each micro-batch size of 1, 2, 4, 8
     priced on the same table, the fastest that fits kept, equal to that size asked for; under a tighter memory limit
     a smaller size; on both planners that take a micro-batch size."""
-    model = al.models.get("llama3-8b", num_layers=24, batch_size=32, seq_len=512)
-    cluster = al.Cluster.preset("dgx-h100", hosts=2)
+    model, cluster, table = deep_llama
     kw = dict(dp=2, tp=4, pp=2, zero=1, precision="bf16")
-    auto = al.megatron_plan(model, cluster, microbatches="auto", **kw)
+    auto = al.megatron_plan(model, cluster, microbatches="auto", table=table, **kw)
     each = {m: al.megatron_plan(table=auto.table, micro_batch_size=m, **kw) for m in (1, 2, 4, 8)}
     fits = {m: p for m, p in each.items() if p.cost.fits}
     best = min(fits, key=lambda m: fits[m].cost.step_time_s)
@@ -351,26 +369,26 @@ def test_maxtext_plan_keeps_the_activations_split_over_tensor_and_runs_its_flash
 
 # --- no silent "does not fit" --------------------------------------------------------------------------------------
 
-def test_a_stage_that_overflows_with_open_storage_is_stored_at_its_least_and_says_so():
-    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
-    fast = al.megatron_plan(model, A100, dp=4, tp=2, pp=1)
+def test_a_stage_that_overflows_with_open_storage_is_stored_at_its_least_and_says_so(gpt16):
+    model, table = gpt16
+    fast = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, table=table)
     limit = fast.cost.peak_mem_bytes[0] * 0.75
-    lean = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, mem_limit_bytes=limit)
+    lean = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, mem_limit_bytes=limit, table=table)
     assert lean.cost.fits and lean.stages[0].solution == "lean"
     assert stored(lean, "['layers'][0]['fc1']['w']") == "S0S1"  # split over the data-parallel axis too
     text = lean.cost.explain()
     assert "to fit in memory" in text and "ZeRO-3 storage" in text
     assert f"stage 0: {fast.cost.peak_mem_bytes[0] / GIB:.3g} -> {lean.cost.peak_mem_bytes[0] / GIB:.3g} GiB" in text
     # a stated ZeRO stage is the layout's, and lean=False asks for the ILP's storage: nothing else is tried
-    assert not al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=0, mem_limit_bytes=limit).cost.fits
-    kept = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, mem_limit_bytes=limit, lean=False)
+    assert not al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=0, mem_limit_bytes=limit, table=table).cost.fits
+    kept = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, mem_limit_bytes=limit, lean=False, table=table)
     assert kept.cost.peak_mem_bytes == fast.cost.peak_mem_bytes and kept.cost.fit_note.startswith("does not fit")
 
 
-def test_a_layout_nothing_fits_says_which_part_overflows_by_how_much():
-    model = al.models.get("gpt-tiny", batch_size=16, dtype="float16")
+def test_a_layout_nothing_fits_says_which_part_overflows_by_how_much(gpt16):
+    model, table = gpt16
     limit = 2**17
-    plan = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=0, mem_limit_bytes=limit)
+    plan = al.megatron_plan(model, A100, dp=4, tp=2, pp=1, zero=0, mem_limit_bytes=limit, table=table)
     assert not plan.cost.fits
     row = memory_breakdown(plan)[0]
     parts = {name: sum(row[p] for p in ps) for name, ps in GROUPS.items()}
@@ -417,7 +435,10 @@ def test_the_sc21_rows_priced_through_the_public_api_equal_the_bench_and_fit(nam
     table = al.CostTable.build(model, cluster)
     sched = dict(schedule="interleaved", virtual_stages=fidelity.virtual_stages(l // p)) if p > 1 else {}
     plan = al.megatron_plan(table=table, dp=d, tp=t, pp=p, microbatches=B // d, remat=True, zero=0, **sched)
-    r = fidelity.row(name)
+    # the bench's own layout and pricing, on this table (it refuses a table of another cluster, batch or depth; its
+    # model's sequence and vocabulary are these)
+    assert (fidelity.SEQ, fidelity.VOCAB) == (2048, 51200)
+    r = fidelity.row(name, table=table)
     F = fidelity.published_flops(B, 2048, l, h, 51200)
     assert F / (plan.cost.step_time_s * gpus) / 1e12 == r["predicted_tflops"]
     assert max(plan.cost.peak_mem_bytes) / GIB == r["peak_mem_gib"]
