@@ -44,7 +44,8 @@ difference of two stages' moves. One-stage plans, every time, choice and stage c
 
 Regenerated 2026-12-07 for the backward's resharding buffers (``pricing.stage.stage_cost``: a stage's static bytes add
 the destination buffers of its largest layer's backward reshardings of one microbatch, activations over the count,
-weights once; ``LayerCost.reshard_dst_*_bytes``, ``solve.memterms.reshard_buffer_bytes``; measured on 8 CPU devices,
+weights once; ``LayerCost.reshard_dst_*_bytes``, ``solve.memterms.reshard_buffer_bytes``; priced on CPU devices,
+where it was measured, only: ``backends.reshard_buffers_held``; measured on 8 CPU devices,
 mixed dp2 x tp2 x pp2 1.17 / 1.19 -> 1.06 / 1.04 of its prediction). Only ``peak_mem_bytes`` (and ``static_bytes``
 where a stage is recorded) moved, each by exactly those bytes: gpt-tiny's ``megatron_tried`` dp2 x tp2 x pp1 layouts
 (entries 36-47), whose layers' backward reads fc1's output [8, 16, 128] and the attention's output [8, 16, 32] float32

@@ -32,7 +32,8 @@ from . import cpu, eager
 
 __all__ = ["on_cpu", "kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share",
            "runs_serially", "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
-           "one_program_grads_bytes", "dot_f32_copies", "cpu_cost", "cost_note", "plan_note", "host_launch_s"]
+           "one_program_grads_bytes", "reshard_buffers_held", "dot_f32_copies", "cpu_cost", "cost_note", "plan_note",
+           "host_launch_s"]
 
 
 def on_cpu(cluster: Any) -> bool:
@@ -54,6 +55,15 @@ def kernel_share(mesh: Any) -> float:
 def buffer_share(mesh: Any) -> float:
     """What ``mesh`` pays of ``Efficiency.buffer_s`` per state array: 1, or on the CPU its share of the host."""
     return cpu.buffer_share(mesh) if on_cpu(mesh.cluster) else 1.0
+
+
+def reshard_buffers_held(cluster: Any) -> bool:
+    """Whether a layer's backward resharding copies are all live together beside their sources, to be priced in a
+    stage's peak (``LayerCost.reshard_dst_*_bytes``): on the CPU, where XLA issues a layer's collectives ahead of
+    their readers (:data:`autopar_lab.backends.cpu.RESHARD_BUFFERS_HELD`, measured). Not elsewhere: unmeasured there,
+    and MaxText's v5p-128 row, which ran in 95 GiB, reads 96.7 GiB with them (a memory-aware scheduler, or
+    Megatron's one global gather buffer, does not hold them together)."""
+    return cpu.RESHARD_BUFFERS_HELD if on_cpu(cluster) else False
 
 
 def task_array_s(cluster: Any, per_buffer: float, kind: str) -> float:

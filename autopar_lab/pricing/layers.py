@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..backends import buffer_share, dot_f32_copies, kernel_share, read_again_s, task_array_s
+from ..backends import buffer_share, dot_f32_copies, kernel_share, read_again_s, reshard_buffers_held, task_array_s
 from ..graph.attention import alternate_matmuls, attention_internals, dots_recomputed
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
@@ -77,8 +77,9 @@ class LayerCost:
     Resharding buffers: ``reshard_dst_act_bytes`` / ``reshard_dst_weight_bytes``, the destination buffers
     (:func:`~autopar_lab.solve.memterms.reshard_buffer_bytes`) of the layer's backward reshardings of activations (per
     step at the full batch: a microbatch's is that over the count) and of weights (once). They are live beside their
-    sources in the backward's working set, the layer's together (XLA issues a layer's collectives ahead of the
-    operators reading them), which no other term counts; a stage holds its largest layer's
+    sources in the backward's working set, the layer's together where XLA:CPU issues a layer's collectives ahead of
+    the operators reading them (priced on the CPU only: :func:`~autopar_lab.backends.reshard_buffers_held`; 0
+    elsewhere), which no other term counts; a stage holds its largest layer's
     (:func:`~autopar_lab.pricing.stage.range_max`). The forward's are not held into the backward: a stage's stash
     keeps each tensor as its producer wrote it and the backward reshards it again (one of its own).
 
@@ -338,6 +339,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                 if not from_input:  # received from the stage before, where a stage starts here
                     a["recv"] += held
     convs = list(conversions(graph, plan.ops, plan.strategies, cache))
+    held = reshard_buffers_held(plan.mesh.cluster)  # a layer's backward copies live together (the CPU's XLA)
     for v, nbytes in held_copies(graph, convs, mshape).values():
         slot(v)["copies"] += nbytes
     for _u, v, is_alias, t, src, dst, c in convs:
@@ -346,7 +348,7 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
         a["fwd" if graph.op(v).role == FORWARD and not is_alias else "bwd"] += c
         if not is_alias:
             weight = t.kind == PARAM or t.id in view.weight_derived
-            if graph.op(v).role not in (FORWARD, UPDATE):  # the backward's copy, beside its source
+            if held and graph.op(v).role not in (FORWARD, UPDATE):  # the backward's copy, beside its source
                 a["rs_weight" if weight else "rs_act"] += reshard_buffer_bytes(graph, v, t, src, dst, mshape)
             if graph.op(v).role == FORWARD and weight:
                 a["gather"] += c  # a parameter's gather for the forward: prefetchable behind earlier layers
