@@ -130,6 +130,23 @@ def test_pins_hold_and_the_rest_is_resolved_around_them():
         solve_intra(g, m, pins={first_dot: "S0S1"})
 
 
+def test_a_pinned_operator_carries_its_pinned_strategy_alone_and_the_optimum_is_unchanged():
+    # build_problem gives a pinned operator's node the pinned strategy only; the optimum is the one of the problem
+    # with every strategy kept and the pin as a constraint (brute force over both).
+    g = trace(lambda w, x: jnp.sum(jnp.tanh(x @ w)), sds(16, 16), sds(8, 16), batch_argnums=(1,))
+    m = P3.logical_mesh((1, 4), (2, 2))
+    dot = next(o for o in g.ops if g.op(o).primitive == "dot_general")
+    whole = build_problem(g, m)
+    k = whole.nodes.index(dot)
+    for q, s in enumerate(whole.strats[k]):
+        pinned = build_problem(g, m, pins={dot: s.name})
+        assert [t.name for t in pinned.strats[k]] == [s.name] and dict(pinned.problem.pins) == {k: 0}
+        constrained = ilp.IntraProblem(node_costs=whole.problem.node_costs, edges=whole.problem.edges,
+                                       edge_costs=whole.problem.edge_costs, pins={k: q})
+        assert math.isclose(ilp.brute_force(pinned.problem).objective, ilp.brute_force(constrained).objective,
+                            rel_tol=1e-12, abs_tol=1e-15)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     b=st.sampled_from([4, 8, 64]),

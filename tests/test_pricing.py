@@ -65,6 +65,29 @@ def test_price_plan_takes_other_shardings_and_keeps_what_it_is_given(auto):
     assert list(again.stages[k].layer_costs) == list(q.stages[k].layer_costs)
 
 
+def test_an_intraplan_priced_again_reuses_its_layer_costs(auto, monkeypatch):
+    import autopar_lab.pricing.table as table_module
+
+    g = auto.op_graph
+    op = next(o for o in g.ops if g.op(o).primitive == "dot_general"
+              and any(a.strategy != auto.choice(o).name for a in auto.alternatives(o)))
+    other = next(a.strategy for a in auto.alternatives(op) if a.strategy != auto.choice(op).name)
+    intra = auto.with_choice(op, other).stages[auto.stage_of(op)].intra   # not the table's own solution
+    fresh = CostTable(auto.table.graph, auto.table.cluster).layer_costs_of(intra)
+    table = CostTable(auto.table.graph, auto.table.cluster)
+    calls = []
+    real = table_module.layer_costs
+    monkeypatch.setattr(table_module, "layer_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = table.layer_costs_of(intra)
+    first.append(None)                                  # the caller's list is its own
+    again = table.layer_costs_of(intra)
+    assert len(calls) == 1 and again == first[:-1] == fresh
+    for _ in range(table_module.INTRA_COSTS_KEPT):      # only the most recent plans are kept
+        table.layer_costs_of(auto.with_choice(op, other).stages[auto.stage_of(op)].intra)
+    table.layer_costs_of(intra)
+    assert len(calls) == table_module.INTRA_COSTS_KEPT + 2
+
+
 def test_a_plan_without_a_table_says_so(auto):
     import dataclasses
 

@@ -58,6 +58,8 @@ FollowFn = Callable[[tuple], list]
 #: How :meth:`CostTable.build` gets a deep zoo model's graph: "auto" (derived from shallow copies where they
 #: follow the pattern, :mod:`~autopar_lab.pricing.deepmap`, the full graph traced when first read), "full" (traced).
 TRACE_MODES = ("auto", "full")
+#: :meth:`CostTable.layer_costs_of` keeps the layer costs of this many recent IntraPlans (not the table's own).
+INTRA_COSTS_KEPT = 32
 #: :meth:`CostTable.solve_meshes` starts worker processes only for at least this many meshes.
 POOL_MIN_MESHES = 16
 #: A mesh's solutions the stage DP may choose from: the fastest (the time-only ILP) and the memory-lean one
@@ -175,6 +177,7 @@ class CostTable:
         self._shapes: dict[tuple, list] = {}
         self._memo: dict = {}  # solve_intra's first passes, shared by meshes with the same axis 0
         self._caches: dict[tuple, StrategyCache] = {}
+        self._intra_costs: dict[int, tuple[IntraPlan, list[LayerCost]]] = {}  # layer_costs_of's recent answers
         self._memo_space: dict[str, list] = {}
         self._choices: dict[tuple, np.ndarray] = {}  # every solved mesh's strategy index per operator
         self._ahead: MeshPool | None = None  # meshes being solved since build (workers=), not collected yet
@@ -497,7 +500,7 @@ class CostTable:
         new = copy.copy(self)
         new.cluster = cluster
         new.solve_s, new.trace_s = 0.0, 0.0
-        new._caches, new._memo_space, new._totals = {}, {}, {}
+        new._caches, new._memo_space, new._totals, new._intra_costs = {}, {}, {}, {}
         same = (cluster.device == self.cluster.device and cluster.intra_host == self.cluster.intra_host
                 and cluster.inter_host == self.cluster.inter_host
                 and cluster.devices_per_host == self.cluster.devices_per_host
@@ -554,8 +557,18 @@ class CostTable:
             hit = self.solved_mesh(intra.mesh.submesh, intra.mesh.shape, solution)
             if hit is not None and hit[1] is intra:
                 return hit[0]
-        g = self.solve_graph
-        small = layer_costs(g, intra, list(g.layers) or [""], cache=self.strategy_cache(intra.mesh))
+        # A caller pricing one IntraPlan several times (each stage of a pipeline sharing it, each microbatch count
+        # tried) gets its costs once: kept by identity (the entry holds the plan, so its id stays its own), the
+        # last INTRA_COSTS_KEPT plans only.
+        kept = self._intra_costs.get(id(intra))
+        if kept is not None and kept[0] is intra:
+            small = kept[1]
+        else:
+            g = self.solve_graph
+            small = layer_costs(g, intra, list(g.layers) or [""], cache=self.strategy_cache(intra.mesh))
+            if len(self._intra_costs) >= INTRA_COSTS_KEPT:
+                del self._intra_costs[next(iter(self._intra_costs))]
+            self._intra_costs[id(intra)] = (intra, small)
         return [small[k] for k in self.layer_map]
 
     def prefix_sums(self, submesh, shape, solution: str = "fast") -> dict[str, list[float]]:

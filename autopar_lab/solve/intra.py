@@ -315,7 +315,13 @@ def build_problem(graph: OpGraph, mesh: LogicalMesh, ops: Sequence[int] | None =
     pin_idx = {}
     for op, pin in pins.items():
         if op in index:
-            pin_idx[index[op]] = strategy_index(pin, strats[index[op]], graph.op(op))
+            k = index[op]
+            q = strategy_index(pin, strats[k], graph.op(op))
+            if op in inside:
+                # A pinned operator's other strategies can never be chosen: its node carries the pinned one alone,
+                # so its edges are priced for that strategy only (the reductions would drop the rest anyway).
+                strats[k], q = cache.single(strats[k][q]), 0
+            pin_idx[k] = q
     node_costs = [cache.costs(ss) for ss in strats]
     # Keeping a parameter or optimizer state whole costs no time when its readers slice it locally, but it costs
     # memory: among plans equally fast, prefer the one that stores step inputs sharded (a tie-break, 1e-15 s per byte).
