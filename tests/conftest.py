@@ -119,10 +119,15 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     },
     "test_microbatch_group": {
         "test_cli_microbatch_group_from_another_directory",
+        "test_resolve_keeps_the_group_and_the_stage_dp_holds_its_warmup",
+        "test_a_saved_plan_keeps_its_group",
         "test_llama3_405b_first_row_priced_with_every_group_megatron_accepts",
     },
     "test_memory_boundary": {
         "test_receiving_stage_measured_nearer_its_prediction",
+    },
+    "test_memory_reshard": {
+        "test_a_deep_models_stage_holds_one_layers_resharding_buffers_not_every_layers",
     },
     "test_node_limit": {
         "test_a_plan_prices_the_deepseek_exchange_with_the_limit",
@@ -409,6 +414,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_what_if_replan_keeps_operator_pins",
     },
     "test_table_scale": {
+        "test_a_moved_table_takes_over_the_stage_blocks_it_would_build_the_same",
         "test_a_deferred_plan_is_the_rebuilt_plan_built_on_first_read_and_pickles",
         "test_a_layer_grid_plans_as_the_full_search_restricted_to_its_cuts",
         "test_a_moved_table_keeps_the_meshes_the_change_cannot_alter_and_plans_as_a_fresh_one",
@@ -467,6 +473,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
         "test_what_if_on_a_deep_model_reuses_the_table_shows_progress_and_plans_as_a_fresh_one",
     },
     "test_workbench_fixes": {
+        "test_a_submesh_choice_fills_the_best_logical_mesh_that_holds_the_pins",
         "test_a_refused_draft_names_the_stage_and_the_pin",
         "test_adding_a_stage_keeps_a_pending_submesh_edit",
         "test_cost_panel_says_mfu_and_a_bound_above_it",
