@@ -74,7 +74,7 @@ def test_the_hooks_answer_identity_off_the_cpu_and_the_formula_on_it():
     assert backends.kernel_share(mesh) == 1.0 and backends.buffer_share(mesh) == 1.0
     assert backends.task_array_s(gpu, 1e-5, "param") == 0.0 and backends.task_devices(gpu, (1, 2)) == 1
     assert backends.one_program_share(gpu) is None and backends.runs_serially(gpu) is False
-    assert backends.host_of_stages(gpu, [0, 2]) is None
+    assert backends.host_of_stages(gpu, [0, 2]) is None and backends.reshard_buffers_held(gpu) is False
     assert backends.program_rereads_s(gpu, {}, 0, 3) == 0.0
     assert backends.cpu_cost(gpu, shared_host=True, task_s=1.0, rereads_s=1.0) is None
     assert backends.cost_note({"step_time_s": 1.0}) == "" and backends.plan_note(gpu, [2], 1, str) == ""
@@ -83,7 +83,7 @@ def test_the_hooks_answer_identity_off_the_cpu_and_the_formula_on_it():
                                              efficiency=Efficiency(driver_share=2.0, chain_reads=3.0)))
     c = c.with_(hosts=1, devices_per_host=8)
     m2 = c.logical_mesh((1, 2), (1, 2))
-    assert backends.on_cpu(c)
+    assert backends.on_cpu(c) and backends.reshard_buffers_held(c) is True
     assert backends.kernel_share(m2) == (2 + 2.0) / (8 + 2.0)
     assert backends.buffer_share(m2) == 2 / 8
     assert backends.task_array_s(c, 1e-5, "param") == 1e-5 and backends.task_array_s(c, 1e-5, "opt_state") == 0.0
@@ -106,14 +106,14 @@ def test_every_hook_of_the_cpu_module_says_what_fitted_it():
     """Each function and figure of backends.cpu that prices something is marked empirical with its measurement."""
     priced = {"kernel_share", "buffer_share", "task_array_s", "task_devices", "ONE_PROGRAM_SHARE", "runs_serially",
               "host_of_stages", "chain_read_s_per_byte", "read_again_s", "chain_pairs", "UPDATE_COPIES_SHARE",
-              "update_copies_bytes", "dot_f32_copies", "one_program_grads_bytes"}
+              "update_copies_bytes", "dot_f32_copies", "one_program_grads_bytes", "RESHARD_BUFFERS_HELD"}
     assert priced <= set(cpu.__all__)
     assert set(cpu.EMPIRICAL) == priced
     assert all(len(why) > 40 for why in cpu.EMPIRICAL.values())
     # the hooks module answers for each of them (no general module calls backends.cpu directly)
     assert {"kernel_share", "buffer_share", "task_array_s", "task_devices", "one_program_share", "runs_serially",
             "host_of_stages", "read_again_s", "program_rereads_s", "update_copies_bytes",
-            "dot_f32_copies", "one_program_grads_bytes"} <= set(backends.__all__)
+            "dot_f32_copies", "one_program_grads_bytes", "reshard_buffers_held"} <= set(backends.__all__)
 
 
 def test_an_old_profile_key_is_read_once(tmp_path):

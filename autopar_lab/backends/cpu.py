@@ -36,7 +36,8 @@ import numpy as np
 from ..graph.fusion import is_chain_link
 from ..graph.opgraph import PARAM
 
-__all__ = ["EMPIRICAL", "ONE_PROGRAM_SHARE", "UPDATE_COPIES_SHARE", "CpuCost", "update_copies_bytes", "dot_f32_copies",
+__all__ = ["EMPIRICAL", "ONE_PROGRAM_SHARE", "RESHARD_BUFFERS_HELD", "UPDATE_COPIES_SHARE", "CpuCost",
+           "update_copies_bytes", "dot_f32_copies",
            "one_program_grads_bytes",
            "kernel_share", "buffer_share", "task_array_s",
            "task_devices", "runs_serially", "host_of_stages", "chain_read_s_per_byte", "read_again_s",
@@ -84,6 +85,11 @@ EMPIRICAL: Mapping[str, str] = {
                                "alive, and each gradient is written after its layer's backward frees activations and "
                                "read at once by the fused update (2026-12-07, bench/JOURNAL.md 'Memory measured: "
                                "the stage input recomputed, a one-program step's gradients')",
+    "RESHARD_BUFFERS_HELD": "gpt-tiny's dp2 x tp2 x pp2 stages on 8 CPU devices (bench_execute's mixed plan): the "
+                            "compiled backward programs' buffer assignment held 152 KiB of collective outputs live "
+                            "at stage 1's peak, one layer's backward reshardings of a microbatch 132 KiB; measured / "
+                            "predicted 1.17 / 1.19 without them, 1.06 / 1.04 with (2026-12-07, bench/RESULTS.md "
+                            "execute-memory)",
     "dot_f32_copies": "XLA's CPU backend converts a float16 or bfloat16 matmul's operands to float32 and computes "
                       "a float32 result (the compiled HLO: convert, dot, convert); the backward of y = x @ W at "
                       "gpt-350m's tied vocabulary shape (x 512 x 1024, W 1024 x 12800, float16) took 75.0 MiB of "
@@ -160,9 +166,7 @@ class CpuCost:
 
 
 #: XLA:CPU issues a layer's backward collectives ahead of the operators that read them, so the layer's resharded
-#: copies are live together at the backward's peak (measured: gpt-tiny's dp2 x tp2 x pp2 stages on 8 CPU devices,
-#: compiled buffer assignment: 152 KiB of collective outputs live at stage 1's backward peak, one layer's reshardings
-#: of a microbatch 132 KiB; bench_execute's mixed plan 1.17 / 1.19 of its prediction without them, 1.06 / 1.04 with).
+#: copies are live together at the backward's peak (empirical: :data:`EMPIRICAL`).
 RESHARD_BUFFERS_HELD = True
 
 
