@@ -59,6 +59,7 @@ _LAZY = {
     # module of that name would shadow the function once imported.
     "simulate_pipeline": ("autopar_lab.simulate", "simulate"),
     "SimOptions": ("autopar_lab.simulate", "SimOptions"),
+    "FlexibleGroup": ("autopar_lab.schedules", "FlexibleGroup"),
     "timeline_figure": ("autopar_lab.widgets.views.figures", "timeline_figure"),
     "timeline_series": ("autopar_lab.widgets.views.timeline", "timeline_series"),
     # The sharding strategies of one operator on a logical mesh, the ILP's problem and its solvers.

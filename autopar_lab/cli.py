@@ -14,7 +14,7 @@ import threading
 from typing import Callable, Sequence
 
 from .rematmode import remat_label, remat_value
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, FlexibleGroup
 
 
 #: What ``plan --export`` writes.
@@ -209,6 +209,10 @@ def cmd_plan(args) -> dict:
     if args.microbatch_group is not None and schedule != "interleaved":
         raise UsageError("--microbatch-group orders the interleaved schedule's microbatches; add --schedule "
                          "interleaved or drop --microbatch-group")
+    if args.flexible_group and args.microbatch_group is None:
+        raise UsageError("--flexible-group marks the --microbatch-group N as Llama 3's flexible schedule's; add "
+                         "--microbatch-group N or drop --flexible-group")
+    group = FlexibleGroup(args.microbatch_group) if args.flexible_group else args.microbatch_group
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
     fmt = _precision(args)
@@ -232,7 +236,7 @@ def cmd_plan(args) -> dict:
                                      micro_batch_size=args.micro_batch_size, remat=remat, schedule=schedule,
                                      virtual_stages=virtual, precision=fmt, zero=args.zero,
                                      sequence_parallel=args.sequence_parallel,
-                                     microbatch_group=args.microbatch_group)
+                                     microbatch_group=group)
     else:
         plan = planner.data_parallel_plan(model, cluster, microbatches=1 if mb == "auto" else mb, remat=remat,
                                           precision=fmt, zero=args.zero)
@@ -661,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--microbatch-group", dest="microbatch_group", type=int, metavar="N",
                     help="with --method megatron --schedule interleaved: microbatches each chunk runs in a row "
                          "(Megatron-LM's --microbatch-group-size-per-virtual-pipeline-stage; default --pp)")
+    sp.add_argument("--flexible-group", dest="flexible_group", action="store_true",
+                    help="with --microbatch-group N: Llama 3's flexible schedule, which also runs one group of fewer "
+                         "microbatches than stages (N = the microbatches < --pp); Megatron-LM cannot run that")
     sp.add_argument("--out", help="also write the plan file (for `train --plan` and al.load_plan) to this path")
     sp.add_argument("--from-config", dest="from_config", metavar="FILE",
                     help="price a framework's configuration: Megatron-LM arguments, a torchtitan TOML or a MaxText "

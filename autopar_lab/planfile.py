@@ -50,7 +50,7 @@ from .pricing.overlap import OVERLAPS, check_overlap
 from .precision import precision_from_json, precision_to_json, retype
 from .rematmode import REMAT_STRINGS, is_full, remat_label, remat_value
 from .safeio import write_atomic
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, FlexibleGroup
 
 _STAGE_KEYS = ("layers", "submesh", "logical_mesh", "remat", "devices")
 
@@ -111,6 +111,8 @@ def _stage_pins_to_json(stage_pins) -> dict:
             out[key] = [None if v is None else remat_json(v) for v in value]
         elif key == "overlap":
             out[key] = list(value)
+        elif key == "microbatch_group" and isinstance(value, FlexibleGroup):
+            out[key], out["flexible_group"] = int(value), True  # Llama 3's schedule, not Megatron-LM's
         else:
             out[key] = value
     return out
@@ -172,7 +174,10 @@ def _stage_pins_from_json(data, num_stages: int) -> dict:
         elif key == "microbatch_group":  # the interleaved schedule's microbatches per chunk in a row (schedules)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError("stage_pins['microbatch_group'] must be a whole number of microbatches, 1 or more")
-            out[key] = value
+            out[key] = FlexibleGroup(value) if data.get("flexible_group") is True else value
+        elif key == "flexible_group":  # the group is Llama 3's flexible schedule's (schedules.FlexibleGroup)
+            if value is not True or "microbatch_group" not in data:
+                raise ValueError("stage_pins['flexible_group'] must be true, beside a microbatch_group")
         else:
             raise ValueError(f"stage_pins has an unknown key {key!r}")
     return out

@@ -22,6 +22,13 @@ then the next ``N``. ``N = p`` (the default, Narayanan et al.'s depth-first orde
 wait on its own first microbatch coming round the pipeline) and a last group of 0 or at least ``p`` microbatches
 (:func:`check_group`); stage ``i``'s warm-up is ``2(p - 1 - i) + (v - 1)N`` chunk forwards (:func:`warmup_chunks`).
 
+Llama 3's schedule sets ``N`` flexibly (Dubey et al. 2024, 3.3.2, Figure 6), to run fewer microbatches than
+stages (its case 1) or more in a row to hide transfers: :class:`FlexibleGroup`, which Megatron-LM cannot run below
+``p`` (its export refuses one its checks would). Below ``p`` it is one group of all ``M < p`` microbatches, as
+PyTorch's ``ScheduleInterleaved1F1B`` runs them, with the same warm-up formula: a group below ``p`` beside others
+(``N < p <= M``) stalls this order for good unless a stage runs nearly all its forwards first (more in flight than
+``N = p``, not less: ``tests/test_microbatch_group.py`` finds the warm-up it would need), and is refused.
+
     >>> interleave([(0, 3), (4, 7)], 2)
     [((0, 1), (4, 5)), ((2, 3), (6, 7))]
 """
@@ -30,8 +37,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "check_schedule", "check_layout", "check_group", "group_order",
-           "interleave", "schedule_of", "warmup_chunks"]
+__all__ = ["SCHEDULES", "DEFAULT_VIRTUAL_STAGES", "FlexibleGroup", "check_schedule", "check_layout", "check_group",
+           "group_fits", "group_order", "interleave", "schedule_of", "warmup_chunks"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 #: Virtual stages per stage of an interleaved plan when none are given (Megatron-LM's published runs use 2-4).
@@ -97,14 +104,31 @@ def check_layout(schedule: str, virtual_stages: int, layer_counts: Sequence[int]
                          f"stage runs; use virtual_stages={min(layer_counts)} or fewer, or give stage {k} more layers.")
 
 
+class FlexibleGroup(int):
+    """A microbatch group ``N`` of Llama 3's flexible interleaved schedule (the module docstring): what Megatron-LM
+    accepts, or one group of all ``M`` microbatches below the stage count. An ``int`` (it travels wherever a group
+    does); a plan keeps it in ``stage_pins["microbatch_group"]`` and its file says so (``"flexible_group": true``).
+
+    >>> FlexibleGroup(2) + 1, repr(FlexibleGroup(2))
+    (3, 'FlexibleGroup(2)')
+    """
+
+    def __repr__(self) -> str:
+        return f"FlexibleGroup({int(self)})"
+
+    def __str__(self) -> str:  # the count, as in messages and plan names
+        return str(int(self))
+
+
 def check_group(group, num_stages: int, microbatches: int, name: str = "microbatch_group=") -> int:
     """The interleaved schedule's microbatch group size ``N`` (None: the stage count ``p``, Megatron-LM's default)
     checked as Megatron-LM checks ``--microbatch-group-size-per-virtual-pipeline-stage``: a whole number with
     ``p <= N <= M`` (``M`` microbatches), and ``M mod N`` either 0 or at least ``p`` (a shorter last group would
-    wait on its own microbatches coming round the pipeline). ``name``: how the messages name the setting.
+    wait on its own microbatches coming round the pipeline). A :class:`FlexibleGroup` (Llama 3's schedule) may also
+    be ``N = M`` below ``p``: one group of fewer microbatches than stages. ``name``: how the messages name it.
 
-    >>> check_group(None, 4, 8), check_group(8, 4, 8), check_group(6, 4, 10)
-    (4, 8, 6)
+    >>> check_group(None, 4, 8), check_group(8, 4, 8), check_group(6, 4, 10), check_group(FlexibleGroup(3), 4, 3)
+    (4, 8, 6, FlexibleGroup(3))
     """
     p, m = int(num_stages), int(microbatches)
     if group is None:
@@ -112,10 +136,19 @@ def check_group(group, num_stages: int, microbatches: int, name: str = "microbat
     n = group
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"{name.rstrip('= ')} must be a whole number of microbatches, got {n!r:.40}.")
+    if isinstance(n, FlexibleGroup) and 1 <= n == m:
+        return n  # one group of every microbatch (below the stage count: Llama 3's fewer microbatches than stages)
+    if isinstance(n, FlexibleGroup) and 1 <= n < p:
+        raise ValueError(f"{name}{int(n)} below the stage count ({p}) runs only as one group of all the microbatches "
+                         f"(pass {name.rstrip('= ')}={m} with {m} < {p} microbatches); beside other groups the "
+                         f"interleaved order stalls unless nearly every forward runs first, holding more than {p}.")
+    # Llama 3's schedule runs it (Megatron-LM cannot): say how to ask for that one
+    hint = (f" (with {m} < {p} microbatches, FlexibleGroup({m}) or --flexible-group runs them as one group: Llama "
+            "3's schedule, which Megatron-LM cannot run)" if 1 <= n <= m < p else "")
     if not p <= n <= m:
         raise ValueError(f"{name}{n}: the interleaved schedule's group of contiguous microbatches per "
                          f"chunk must be between the stage count ({p}) and the microbatch count ({m}), as Megatron-LM "
-                         f"requires; pass {name.rstrip('= ')} between {p} and {m}, or leave it out for {p}.")
+                         f"requires; pass {name.rstrip('= ')} between {p} and {m}, or leave it out for {p}{hint}.")
     if 0 < m % n < p:
         fits = [k for k in range(p, m + 1) if m % k == 0 or m % k >= p]
         raise ValueError(f"{name}{n} leaves a last group of {m % n} of the {m} microbatches, fewer than the "
@@ -124,20 +157,36 @@ def check_group(group, num_stages: int, microbatches: int, name: str = "microbat
     return n
 
 
+def group_fits(group, num_stages: int, microbatches: int) -> bool:
+    """Whether :func:`check_group` accepts ``group`` for ``num_stages`` stages and ``microbatches`` microbatches.
+
+    >>> group_fits(8, 4, 8), group_fits(2, 4, 2), group_fits(FlexibleGroup(2), 4, 2), group_fits(FlexibleGroup(2), 4, 8)
+    (True, False, True, False)
+    """
+    try:
+        check_group(group, num_stages, microbatches)
+    except ValueError:
+        return False
+    return True
+
+
 def warmup_chunks(stage: int, num_stages: int, microbatches: int, virtual_stages: int,
                   group: int | None = None) -> int:
     """Chunk forwards stage ``stage`` (of ``p = num_stages``) runs before its first backward under the interleaved
     schedule with ``v`` chunks and microbatch groups of ``N`` (None: ``p``): Megatron-LM's warm-up
     ``2(p - 1 - stage) + (v - 1)N`` plus the steady state's first forward, at most all ``M v`` of them (and all of
-    them when ``M == p``, as Megatron-LM's schedule of that case ran). The most chunk-microbatches it holds at once.
+    them when ``M == N == p``, as Megatron-LM's schedule of that case ran). The most chunk-microbatches it holds at
+    once. A :class:`FlexibleGroup` below ``p`` runs the same formula (PyTorch's ``ScheduleInterleaved1F1B``'s).
 
     >>> warmup_chunks(1, 4, 8, 2), warmup_chunks(1, 4, 8, 2, group=8)     # 2 * 2 + 4 + 1; 2 * 2 + 8 + 1
     (9, 13)
+    >>> warmup_chunks(1, 4, 2, 2, group=FlexibleGroup(2))                 # 2 * 2 + 2 + 1 of the 4 there are
+    4
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
     n = check_group(group, p, m)
     total = m * v
-    return total if m == p else min(2 * (p - 1 - stage) + (v - 1) * n + 1, total)
+    return total if m == p == n else min(2 * (p - 1 - stage) + (v - 1) * n + 1, total)
 
 
 def group_order(microbatches: int, virtual_stages: int, group: int) -> list[tuple[int, int]]:

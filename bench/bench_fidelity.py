@@ -41,7 +41,8 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   precision="bf16", library_kernels=True)`` on ``dgx-h100`` (Transformer Engine's kernels: the activations
   Korthikanti et al. count), the pipelined rows interleaved;
 * Llama 3 405B's first row: ``llama3-405b`` at sequence 8,192, ``megatron_plan(dp=64, tp=8, pp=16, zero=2,
-  sequence_parallel=True, schedule="interleaved")`` on 1,024 ``dgx-h100`` hosts, no recomputation;
+  sequence_parallel=True, schedule="interleaved", virtual_stages=8)`` on 1,024 ``dgx-h100`` hosts, no
+  recomputation (one layer a chunk, as the paper's first chunk holding only the embedding implies);
 * torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False,
   eager_loss="torchtitan")`` (eager: no torch.compile; torchtitan's selective is its op-level policy,
   ``"selective-op"``; its float32 cross-entropy after the model) on ``grand-teton-h100``, the run's H100 (96 GB
@@ -304,15 +305,20 @@ TODAY = {r.name: r for r in [
     Today("llama3-405b", "Llama 3 paper, Table 4, first row", "megatron", "llama3-405b",
           dict(seq_len=8192, batch_size=2048), "dgx-h100", 1024,
           dict(dp=64, tp=8, pp=16, micro_batch_size=1, zero=2, sequence_parallel=True, precision="bf16",
-               schedule="interleaved", virtual_stages=2, overlap_grad_reduce=True, overlap_param_gather=True,
+               schedule="interleaved", virtual_stages=8, overlap_grad_reduce=True, overlap_param_gather=True,
                library_kernels=True),
           8192, 430.0, "tflops",
-          assumed="micro-batch 1, 2 virtual stages, fused kernels keeping what Megatron-LM's do (library_kernels), "
+          assumed="micro-batch 1; 8 virtual stages, one layer a chunk (the paper's 3.3.2: with one layer fewer on "
+                  "the first and last stages, 'the first model chunk on the first stage has only the embedding': "
+                  "126 layers, the embedding and the head in 128 one-layer chunks over 16 stages); fused kernels "
+                  "keeping what Megatron-LM's do (library_kernels), "
                   "sequence parallelism with TP, ZeRO-2 for FSDP without "
                   "resharding, FSDP's reduce-scatter and all-gather overlapped with compute (as FSDP does; the "
                   "paper does not say), TP communication not overlapped (not stated), the interleaved schedule's "
-                  "microbatch groups at Megatron-LM's default N = pp = 16 (the paper's tunable N is not given for "
-                  "this run; of 32 microbatches Megatron-LM runs only N = 16 or 32, and 32 holds more in flight)"),
+                  "microbatch groups at N = pp = 16, Megatron-LM's default (the paper's tunable N is not given for "
+                  "this run; of its 32 microbatches N = 16 or 32 run, 32 holds more in flight, and Llama 3's "
+                  "flexible N below the stage count runs only fewer microbatches than stages: schedules."
+                  "FlexibleGroup)"),
     _tt(8, 5762, 82.4),
     _tt(128, 5605, 67.0),
     _kf("none", 1, 10471, 80.7),

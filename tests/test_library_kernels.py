@@ -4,14 +4,19 @@ JAX's autodiff keeps every value its backward reads; Megatron-LM's Transformer E
 norm kernels keep each kernel's inputs and recompute what they compute inside. Counted by hand per token and hidden
 unit (bytes, bf16/fp16, flash attention, no dropout) for one transformer layer:
 
-- GPT: norm outputs read by the QKV and first MLP matmuls (2 + 2), Q, K, V (6), attention's output (2), the output
-  projection's output from which the residual is recomputed (2), the first MLP matmul's output (8, GeLU's input),
-  GeLU's output (8, the second matmul's input), the second matmul's output (2): 32, Korthikanti et al.'s 34 less
-  the two dropout masks the zoo's GPT does not have. Autodiff also keeps GeLU's tanh (8), the norms' normalised
-  copies and the residual sums: 44.
-- Llama (GQA with a quarter of the heads for K and V, SwiGLU of 3.5 h): norm outputs (2 + 2), Q (2), K and V
-  (0.5 + 0.5), attention's output (2), the output projection's (2); gate and up (7 + 7), their product (7), the
-  down projection's (2): 34. Autodiff also keeps the sigmoid and SiLU (7 + 7) and the normalised copies: 59.
+- GPT: the norms' inputs, the residual sums (2 + 2: Transformer Engine's norm keeps its input for its backward),
+  norm outputs read by the QKV and first MLP matmuls (2 + 2), Q, K, V (6), attention's output (2), the first MLP
+  matmul's output (8, GeLU's input), GeLU's output (8, the second matmul's input): 32, Korthikanti et al.'s 34
+  less the two dropout masks the zoo's GPT does not have. Autodiff also keeps GeLU's tanh (8) and the norms'
+  normalised copies: 44.
+- Llama (GQA with a quarter of the heads for K and V, SwiGLU of 3.5 h): the norms' inputs (2 + 2), their outputs
+  (2 + 2), Q (2), K and V (0.5 + 0.5), attention's output (2); gate and up (7 + 7), their product (7): 34.
+  Autodiff also keeps the sigmoid and SiLU (7 + 7) and the normalised copies: 59.
+
+A layer's second residual sum is the next layer's first norm input: the last layer of a pipeline stage (or chunk)
+sends it and does not keep it, the next stage keeps it as received. So a stage of ``k`` layers keeps ``k`` layers'
+worth plus its received input less its sent output: exactly ``k`` layers' (a chunk of one layer too), where keeping
+the projections' outputs to recompute the sums from held one residual more per chunk.
 """
 
 from __future__ import annotations
@@ -79,3 +84,24 @@ def test_megatron_plan_with_library_kernels_keeps_less_and_runs_as_fast():
     with pytest.raises(ValueError) as e:
         al.megatron_plan(model, table=plain.table, library_kernels=True, **kw)
     assert "library_kernels" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pipeline_chunk_keeps_its_layers_and_not_its_sent_output():
+    """Llama 3 405B's row shape on its shallow copy (tp 8 with sequence parallelism, pp 4, interleaved v = 2):
+    with Transformer Engine's kernels a middle stage holds, per microbatch, its layers' kept tensors and nothing
+    else (the received input is its first norm's input, the sent output no one's), the hand count per layer and
+    token over the tensor group: norms' inputs and outputs 8, Q 2, K and V 2 x 2 / 16, attention's output 2,
+    gate, up and their product 3 x 2 x 3.25 = 19.5 (bf16), besides attention's and the norms' float32 statistics."""
+    model = al.models.get("llama3-405b", seq_len=2048, batch_size=64, num_layers=14)
+    plan = al.megatron_plan(model, al.Cluster.preset("dgx-h100", 8), dp=2, tp=8, pp=4, micro_batch_size=1,
+                            sequence_parallel=True, precision="bf16", schedule="interleaved", virtual_stages=2,
+                            library_kernels=True)
+    c = model.config
+    unit = c.seq_len * c.hidden_size / 8  # one token x hidden unit over the tensor group, a byte each
+    hand = 8 + 2 + 2 * 2 * c.num_kv_heads / c.num_heads + 2 + 3 * 2 * c.ffn_hidden / c.hidden_size
+    stats = 4 * c.num_heads / c.hidden_size + 2 * 4 / c.hidden_size  # attention's log-sum-exp, the norms' sums
+    assert hand == pytest.approx(31.75)
+    st = plan.stages[1]
+    layers = st.layers[1] - st.layers[0] + 1
+    assert layers == 4 and len(st.chunks) == 2
+    assert st.act_bytes / unit / layers == pytest.approx(hand + stats, rel=1e-6)

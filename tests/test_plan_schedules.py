@@ -12,6 +12,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.graph.opgraph import BACKWARD
+from autopar_lab.pricing.memory import transient_bytes
 from autopar_lab.pricing.price import stage_transfers
 from autopar_lab.pricing.wgrad import input_grad_ops, weight_grad_fraction
 from autopar_lab.schedules import interleave
@@ -49,10 +50,14 @@ def test_interleaved_plan_is_priced_chunk_by_chunk(plan):
     sends = [transfer_s(table.cut_bytes[order[c].layers[0] - 1] / B, plan.cluster.intra_host)
              for c in range(1, p * v)]
     # the cpu preset's devices share one machine's cores: both stages share one host
+    # a stage runs one chunk's backward at a time: of its chunks' transients it holds the largest one's
+    spare = [[transient_bytes(st.layer_costs, rng, B, st.remat) for rng in chunks[k]] for k, st in enumerate(q.stages)]
+    top = [s.index(max(s)) for s in spare]
+    static = [order[c].static_bytes - (0.0 if c // p == top[c % p] else spare[c % p][c // p]) for c in range(p * v)]
+    assert all(x > 0 for s in spare for x in s)
     want = simulate([c.fwd_s for c in order], [c.bwd_s for c in order], B, "interleaved", send_fwd_s=sends,
                     send_bwd_s=sends, virtual_stages=v,
-                    options=SimOptions(act_bytes=[c.act_bytes for c in order],
-                                       static_bytes=[c.static_bytes for c in order], hosts=[0] * p))
+                    options=SimOptions(act_bytes=[c.act_bytes for c in order], static_bytes=static, hosts=[0] * p))
     assert q.cost.step_time_s == want.makespan
     assert q.cost.peak_mem_bytes == want.peak_mem_bytes
     assert q.cost.stage_comm_s == pytest.approx(2 * sum(sends))

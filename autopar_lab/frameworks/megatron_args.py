@@ -54,7 +54,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from ..schedules import check_group
+from ..schedules import FlexibleGroup, check_group
 from .common import FRAMEWORK_NAMES, Imported, close_to, integer, model_config_value, model_for
 from .planlayout import FrameworkLayout
 
@@ -407,7 +407,12 @@ def render(lay: FrameworkLayout, model=None) -> str:
                              f"{lay.pp} stages evenly, which {fw}'s --num-layers-per-virtual-pipeline-stage needs")
         args.append(("--num-layers-per-virtual-pipeline-stage", lay.blocks // (lay.pp * lay.virtual_stages)))
         if lay.microbatch_group is not None:
-            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", lay.microbatch_group))
+            if isinstance(lay.microbatch_group, FlexibleGroup) and lay.microbatch_group < lay.pp:
+                raise ValueError(f"microbatch group {int(lay.microbatch_group)} is below the {lay.pp} pipeline stages: "
+                                 f"Llama 3's flexible schedule, which {fw} cannot run (it asks "
+                                 "--microbatch-group-size-per-virtual-pipeline-stage of at least the pipeline size); "
+                                 "export a plan with as many microbatches as stages or more")
+            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", int(lay.microbatch_group)))
     args += [(k, v) for k, v in (("--context-parallel-size", lay.cp), ("--expert-model-parallel-size", lay.ep))
              if v > 1]
     switches = []

@@ -631,8 +631,10 @@ def kernel_saved(graph: OpGraph, kernels, roles: Mapping[int, OpKernel], saved: 
 
     A library's kernel boundaries are not XLA's: each matmul, attention and norm is a kernel that keeps its own
     input, and the elementwise work between them one fused kernel that keeps its inputs. So a tensor of ``saved`` is
-    dropped when elementwise work computes it and no forward matmul, attention, library call or reduction reads it
-    (what those read, their kernels keep), and it can be recomputed from values that stay kept: walking back
+    dropped when elementwise work computes it and no forward matmul, attention, library call or reduction reads it,
+    directly or through values its kernel recomputes inline (what those read, their kernels keep: a norm keeps its
+    input, the residual sum, so a pipeline stage's last layer keeps nothing to recompute the output it sends),
+    and it can be recomputed from values that stay kept: walking back
     through elementwise work and free layout changes to kept tensors, parameters, step inputs, values computed from
     parameters alone, or the output of a matmul, attention or reduction, which is kept instead (the fused kernel's
     input).
@@ -652,8 +654,22 @@ def kernel_saved(graph: OpGraph, kernels, roles: Mapping[int, OpKernel], saved: 
     library = {op for op, c in cat.items() if c in (_GEMM_CAT, _LIBRARY_CAT, _REDUCE_CAT)} | {
         op for k in kernels if k.kind == "attention" for op in k.ops}
 
+    def read_by_library(t: int, seen: set[int]) -> bool:
+        # through the operators a kernel recomputes inline (a norm's fp32 convert and square before its reduction:
+        # a norm kernel keeps its input, the residual sum, as Transformer Engine's norms do)
+        for c in graph.consumers.get(t, ()):
+            if graph.op(c).role != FORWARD or c in seen:
+                continue
+            seen.add(c)
+            if c in library:
+                return True
+            r = roles.get(c)
+            if r is not None and r.kind == "inline" and any(read_by_library(u, seen) for u in graph.op(c).outputs):
+                return True
+        return False
+
     def recomputed(t: int) -> bool:
-        return not any(graph.op(c).role == FORWARD and c in library for c in graph.consumers.get(t, ()))
+        return not read_by_library(t, set())
 
     drop = {t for t in saved if (p := graph.tensor(t).producer) is not None and p in elementwise and
             p not in library and recomputed(t)}

@@ -23,7 +23,7 @@ from ..plan import Plan
 from ..planning import microbatch_choices, table_for
 from ..precision import Precision
 from ..rematmode import is_full, is_selective, remat_value
-from ..schedules import check_group, check_schedule
+from ..schedules import FlexibleGroup, check_group, check_schedule
 from ..solve.ilp import DEFAULT_SOLVER
 from .config import MeshRoles, Parallelism, check_zero
 from .engine import (Layout, check_experts, cluster_running, eager_host, microbatch_counts, price_fastest,
@@ -120,7 +120,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     microbatches each model chunk runs in a row, Megatron-LM's ``--microbatch-group-size-per-virtual-pipeline-stage``
     and Llama 3's tunable ``N``; None is Megatron-LM's default, ``pp``, the fewest microbatches in flight (each
     stage's warm-up is ``2(pp - 1 - rank) + (v - 1)N`` chunk forwards, :func:`~autopar_lab.schedules.warmup_chunks`);
-    Megatron-LM asks ``pp <= N <= microbatches`` with a last group of 0 or at least ``pp`` microbatches.
+    Megatron-LM asks ``pp <= N <= microbatches`` with a last group of 0 or at least ``pp`` microbatches; Llama 3's
+    schedule (``microbatch_group=FlexibleGroup(N)``, :class:`~autopar_lab.schedules.FlexibleGroup`) also runs one
+    group of fewer microbatches than stages, which Megatron-LM cannot (its export refuses it).
     ``zero``: the ZeRO stage (1: the distributed optimizer; None: the storage of weights and optimizer state left to
     the planner, stored at its least in any stage that overflows, which explain() then says; ``lean=False`` keeps the
     ILP's storage there, to see what the layout would need). ``table``, ``precision``, ``solver``: as for
@@ -215,7 +217,9 @@ def megatron_plan(model=None, cluster: Cluster | None = None, *, dp: int, tp: in
     extra += "".join(f",{_TAGS[o]}" for o in overlap) + (",graphs" if cuda_graphs else "")
     name = f"megatron(dp={dp},tp={tp},pp={pp}{tag}{extra})"
     if schedule == "interleaved":
-        name = f"{name[:-1]},v={virtual_stages}{'' if microbatch_group is None else f',group={microbatch_group}'})"
+        flex = ",flexible" if isinstance(microbatch_group, FlexibleGroup) else ""
+        group = "" if microbatch_group is None else f",group={microbatch_group}{flex}"
+        name = f"{name[:-1]},v={virtual_stages}{group})"
     mesh = megatron_mesh(par)
     layout = Layout(name, pp, stage_submesh(cluster, par.stage_devices), mesh, counts[0], remat, schedule,
                     virtual_stages, zero, sequence_parallel, mesh.notes, pin_roles=sharding == "megatron",

@@ -90,6 +90,13 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     return out
 
 
+def transient_bytes(costs, layers: tuple[int, int], microbatches: int, remat: bool | str) -> float:
+    """The part of :func:`stage_memory`'s static bytes a stage holds only while it runs a backward (its buffers and
+    the recomputation's working set): an interleaved stage holds its largest chunk's, not the sum of its chunks'."""
+    mem = stage_memory(costs, layers, microbatches, remat)
+    return mem["buffers_bytes"] + mem["recompute_bytes"]
+
+
 def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
     """Per stage of ``plan``: ``{stage, <each of PARTS>, act_per_microbatch_bytes, microbatches_in_flight, remat,
     remat_mode, remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage
@@ -104,9 +111,12 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"stage": k, **{p: 0.0 for p in PARTS}}
         saved = 0.0
         if st.layer_costs is not None:
-            # an interleaved stage runs its chunks, each priced as a stage of its own: their parts add up
+            # an interleaved stage runs its chunks, each priced as a stage of its own: their held parts add up, the
+            # transients of one backward at a time are the largest chunk's (pricing.price)
             chunks = [stage_memory(st.layer_costs, rng, plan.microbatches, st.remat) for rng in st.layer_ranges]
             parts = {key: sum(c[key] for c in chunks) for key in chunks[0]}
+            k = max(range(len(chunks)), key=lambda i: chunks[i]["buffers_bytes"] + chunks[i]["recompute_bytes"])
+            parts["buffers_bytes"], parts["recompute_bytes"] = chunks[k]["buffers_bytes"], chunks[k]["recompute_bytes"]
             for p in PARTS[:-1]:
                 row[p] = parts[p]
             if recomputes(st.remat):

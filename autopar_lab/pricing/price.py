@@ -29,6 +29,7 @@ from ..solve.inter import transfer_s
 from .accumulate import accumulated_layer_costs
 from .eagerloss import loss_extra_bytes
 from .incremental import split_layer_costs
+from .memory import transient_bytes
 from .stage import hidden_comm_s, host_stretch, is_running_sum, prefix_sums, recompute_s, recomputed_kernels
 from .wgrad import weight_grad_fraction
 from .overlap import overlap_layer_costs, paired_share
@@ -321,6 +322,13 @@ def price_stages(table: CostTable, stages: Sequence[Any], *, microbatches: int, 
                                    per_stage[k][0], microbatches, eager_loss, loss_layer),
                          stage_sums[k], (a, b), per_kernel)
                   for a, b in chunks[k]] for k, st in enumerate(priced)]
+        # A stage runs one chunk's task at a time: the backward's transients (its buffers, a recomputed layer's
+        # activations: pricing.memory.stage_memory), in each chunk's static bytes, are held for one chunk, not all v.
+        for k, st in enumerate(priced):
+            spare = [transient_bytes(per_stage[k][0], rng, microbatches, st.remat) for rng in chunks[k]]
+            top = spare.index(max(spare))
+            parts[k] = [dataclasses.replace(c, static_bytes=c.static_bytes - (0.0 if i == top else w))
+                        for i, (c, w) in enumerate(zip(parts[k], spare))]
         order = [parts[c % p][c // p] for c in range(p * v)]
         sim = dict(fwd=[c.fwd_s for c in order], bwd=[c.bwd_s for c in order], act=[c.act_bytes for c in order],
                    static=[c.static_bytes for c in order])

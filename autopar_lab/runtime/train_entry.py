@@ -375,7 +375,11 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
     S, B, schedule = len(stages), int(job["plan"]["microbatches"]), job["plan"]["schedule"]
     virtual = int(job["plan"].get("virtual_stages", 1))
     # the interleaved schedule's microbatches per chunk in a row (a plan file's stage pin; None: the stage count)
-    group = job["plan"].get("stage_pins", {}).get("microbatch_group") if schedule == "interleaved" else None
+    pins = job["plan"].get("stage_pins", {})
+    group = pins.get("microbatch_group") if schedule == "interleaved" else None
+    if group is not None and pins.get("flexible_group") is True:  # the plan file's mark (planfile)
+        from ..schedules import FlexibleGroup
+        group = FlexibleGroup(group)
     steps, ck_dir, ck_every = int(job["steps"]), job.get("checkpoint_dir"), int(job.get("checkpoint_every", 0))
     check_resources(ray, job)
     t_start = time.perf_counter()

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ...schedules import group_fits
 from .formulas import (BY_STAGE_COUNT, DEFAULT_WGRAD_SHARE, SCHEDULES, STAGE_COMM, coefficients, cut_link,
                        held_microbatches, placement_fits, schedule_latency, serial_latency, submesh_shapes,
                        transfer_s)
@@ -88,8 +89,7 @@ class Problem:
         of the stage count, or what its microbatch group accepts: :func:`~autopar_lab.schedules.check_group`)."""
         if self.microbatch_group is None:
             return self.microbatches % stages == 0
-        n, m = self.microbatch_group, self.microbatches
-        return stages <= n <= m and not 0 < m % n < stages
+        return group_fits(self.microbatch_group, stages, self.microbatches)
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -168,7 +168,9 @@ def build_problem(problem: StageProblem, candidates: Any) -> Problem:
         raise ValueError("the interleaved schedule needs virtual_stages of 2 or more.")
     w = DEFAULT_WGRAD_SHARE if wgrad_share is None else float(wgrad_share)
     if group is not None:
-        group = positive_int(group, "microbatch_group") if schedule == "interleaved" else None
+        # keeps a FlexibleGroup's kind (Llama 3's schedule): the group's rule goes with its count
+        group = (group if positive_int(group, "microbatch_group") == group else None) if schedule == "interleaved" \
+            else None
     if not 0.0 <= w < 1.0:
         raise ValueError(f"wgrad_share must be a share of a stage's time in [0, 1), got {wgrad_share!r}.")
     if stage_comm not in STAGE_COMM:
