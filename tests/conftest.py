@@ -604,6 +604,19 @@ def small_plan(graph):
     return al.megatron_plan(graph, c2, dp=1, tp=2, pp=1, sharding="ilp")  # the ILP's own choices
 
 
+@pytest.fixture(scope="session")
+def deep_gpt24_megatron():
+    """gpt-tiny 24 layers deep (GPT-1.3B's depth, planned on its shallow copy; hidden 64, 32 tokens, batch 16) on 2
+    hosts of 4 devices, Megatron's two stages of one host each (tp 4, 4 microbatches): ``(model, plan)``. The same
+    in tests/test_widgets.py and tests/test_workbench_fixes.py, whose ``deep`` it is: session-scoped, so that two
+    files run by one process plan it once (each planned it, 20-35 s on the shared machine). A plan is never changed
+    in place (every edit makes a new one); what it caches (its traced graph, its cost table's solved meshes) gives the
+    same values to whichever test reads it first."""
+    model = al.models.get("gpt-tiny", num_layers=24, batch_size=16, hidden_size=64, seq_len=32, vocab_size=128)
+    cluster = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
+    return model, al.megatron_plan(model, cluster, dp=1, tp=4, pp=2, microbatches=4)
+
+
 @pytest.fixture(scope="module")
 def reference(model):
     """The module's ``model`` trained 3 steps by its own step_fn, jitted on one device (XLA's CPU optimisation off,

@@ -151,16 +151,31 @@ def cell_errors(page) -> list[str]:
         " return out; }")
 
 
+# Each plotly figure's drawn size and number of drawn traces, as one string: it stops changing when the figures have
+# taken their grid cells' widths and drawn their data.
+_PLOT_SIZES = ("(scope) => [...document.querySelectorAll(scope + ' .js-plotly-plot')].map(p => {"
+               " const r = p.getBoundingClientRect(); return [r.width, r.height,"
+               " p.querySelectorAll('.trace, .hm, .imagelayer image').length].join(','); }).join(';')")
+
+
 def wait_for_plots(page, scope: str = "body", timeout_s: float = 30) -> None:
     """Give plotly figures under ``scope`` time to (re)draw before a screenshot: a figure widget first shows empty
-    axes and draws its data when the front end has it. Waits until each figure has data and drawn traces, at most
-    ``timeout_s``; never fails by itself (a figure may legitimately be empty)."""
+    axes and draws its data when the front end has it, at its default width, then takes its grid cell's. Waits until
+    each figure has data and drawn traces, then until their sizes hold still for half a second (it waited a fixed
+    second before: ~15 s of the deep test), at most ``timeout_s``; never fails by itself (a figure may legitimately
+    be empty)."""
+    deadline = time.monotonic() + timeout_s
     with contextlib.suppress(Exception):
         page.wait_for_function(
             "(scope) => [...document.querySelectorAll(scope + ' .js-plotly-plot')].every(p =>"
             " p._fullData && p._fullData.length > 0 && p.querySelector('.trace, .hm, .imagelayer image'))",
             arg=scope, timeout=int(timeout_s * 1000), polling=250)
-    page.wait_for_timeout(1000)  # plotly's transitions
+    sizes, still = page.evaluate(_PLOT_SIZES, scope), 0
+    while still < 2 and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+        now = page.evaluate(_PLOT_SIZES, scope)
+        still = still + 1 if now == sizes else 0
+        sizes = now
 
 
 def _shots_dirs(tmp_path: pathlib.Path) -> list[pathlib.Path]:
@@ -191,15 +206,29 @@ def sideways_scrolls(page) -> list:
         " return out; }", list(VIEWS))
 
 
+# Whether the kernel has handled every message the page sent it: none waits to be sent, every request sent (a widget's
+# comm message is one) has had its reply and the kernel's idle status for it, and the kernel is idle. A request not
+# yet answered is a kernel future without JupyterLab's KernelFutureFlag.IsDone (4); the output areas keep their
+# cells' finished execute requests, so the futures are not simply counted.
+_KERNEL_DONE = ("() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+                " const open = [...(k._futures || new Map()).values()].some(f => !(f._status & 4));"
+                " return k.status === 'idle' && !open && !(k._pendingMessages || []).length; }")
+_KNOWS_FUTURES = ("() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+                  " return k._futures instanceof Map && Array.isArray(k._pendingMessages); }")
+_TWO_FRAMES = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+
+
 def settle(page, timeout_s: float = 600) -> None:
     """Wait until the kernel has handled every message the page sent it (a widget callback may price plans for a
-    while; the page shows its result only after)."""
-    page.wait_for_timeout(300)
-    page.wait_for_function(
-        "() => { const w = window.jupyterapp.shell.currentWidget;"
-        " return w.sessionContext.session.kernel.status === 'idle'; }",
-        timeout=int(timeout_s * 1000), polling=200)
-    page.wait_for_timeout(300)  # the last messages' effects reach the page
+    while; the page shows its result only after), and the page has drawn what it answered. Twice: what the page
+    drew may send the kernel a message of its own. (It slept 0.3 s before and after waiting for an idle kernel:
+    ~20 s of the deep test's 35 calls.)"""
+    knows = page.evaluate(_KNOWS_FUTURES)
+    for _ in range(2):
+        if not knows:  # a JupyterLab whose kernel connection lacks those fields: give the message time to arrive
+            page.wait_for_timeout(300)
+        page.wait_for_function(_KERNEL_DONE, timeout=int(timeout_s * 1000), polling=100)
+        page.evaluate(_TWO_FRAMES)
 
 
 def assert_fits(page, timeout_s: float = 90) -> None:
@@ -273,8 +302,7 @@ def test_deep_workbench_in_chromium(tmp_path):
             page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
-        wait_for_plots(page, ".autopar-workbench")
-        page.wait_for_timeout(1500)  # the figures fit their grid cells after the first resize
+        wait_for_plots(page, ".autopar-workbench")  # drawn, and fit their grid cells (the first resize)
         header = text_of(page, ".autopar-header")
         assert "2 stages on 8 devices" in header and "peak memory" in header and "operator pins" in header
         assert_fits(page)
@@ -553,8 +581,7 @@ def test_views_name_modules_in_chromium(tmp_path):
         page.wait_for_selector(".autopar-sharding-table", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
-        wait_for_plots(page, ".autopar-workbench")
-        page.wait_for_timeout(1500)  # the figures fit their grid cells after the first resize
+        wait_for_plots(page, ".autopar-workbench")  # drawn, and fit their grid cells (the first resize)
         settle(page)
 
         # --- the table: layer LAYER's rows name their module, with shapes -------------------------------------------
@@ -661,8 +688,7 @@ def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
             page.wait_for_selector(f".{cls}", state="visible", timeout=300_000)
         wait_until_idle(page, timeout_s=300)
         assert not cell_errors(page), cell_errors(page)
-        wait_for_plots(page, ".autopar-workbench")
-        page.wait_for_timeout(1500)
+        wait_for_plots(page, ".autopar-workbench")  # drawn, and fit their grid cells (the first resize)
         settle(page)
 
         # --- the graph: a layer opened; its caption above the drawing, at the opening view and after "fit" --------

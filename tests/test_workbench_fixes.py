@@ -30,11 +30,10 @@ def plan(graph):
 
 
 @pytest.fixture(scope="module")
-def deep():
-    """24 layers (the depth of GPT-1.3B, planned on its shallow copy) on 2 hosts of 4 devices, two stages."""
-    model = al.models.get("gpt-tiny", num_layers=24, batch_size=16, hidden_size=64, seq_len=32, vocab_size=128)
-    cluster = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
-    return model, al.megatron_plan(model, cluster, dp=1, tp=4, pp=2, microbatches=4)
+def deep(deep_gpt24_megatron):
+    """24 layers (the depth of GPT-1.3B, planned on its shallow copy) on 2 hosts of 4 devices, two stages
+    (conftest's, shared with tests/test_widgets.py)."""
+    return deep_gpt24_megatron
 
 
 # --- item 1: the cost panel's utilisation agrees with the plan ------------------------------------------------------
