@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import importlib
 
-from .graph import OpGraph, OpNode, TraceError, trace
-
 __version__ = "0.1.0"
 
 # Heavier parts load on first use, so `import autopar_lab` stays quick and a missing optional piece
 # (plotting, Ray) never breaks the engine.
 _LAZY = {
+    # The graph loads JAX (a second of CPU): the command line's usage errors answer before it (python -m autopar_lab
+    # imports this package first).
+    "OpGraph": ("autopar_lab.graph", "OpGraph"),
+    "OpNode": ("autopar_lab.graph", "OpNode"),
+    "TraceError": ("autopar_lab.graph", "TraceError"),
+    "trace": ("autopar_lab.graph", "trace"),
     "models": ("autopar_lab.models", None),
     "ModelSpec": ("autopar_lab.models.base", "ModelSpec"),
     "Cluster": ("autopar_lab.cluster", "Cluster"),
@@ -99,4 +103,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autopar_lab' has no attribute {name!r}")
 
 
-__all__ = ["OpGraph", "OpNode", "TraceError", "trace", *_LAZY]
+__all__ = [*_LAZY]

@@ -183,8 +183,6 @@ def _remat_text(value) -> str:
 def cmd_plan(args) -> dict:
     """Plan a model on a cluster: Alpa's auto plan, a Megatron-style or data-parallel baseline, or a framework's
     configuration (``--from-config``); ``--export`` adds the plan as a framework's configuration."""
-    from . import planner
-
     if args.from_config:
         return _plan_from_config(args)
     if args.model is None:
@@ -215,9 +213,20 @@ def cmd_plan(args) -> dict:
     group = FlexibleGroup(args.microbatch_group) if args.flexible_group else args.microbatch_group
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
-    fmt = _precision(args)
-    model, cluster = _model(args), _cluster(args)
+    # The checks that need no model come first: the planner, the precision's formats and the model load JAX (about
+    # 2 CPU-s), which a usage error should not cost.
     mb = _microbatches(args.microbatches)
+    if args.method == "megatron":
+        if None in (args.dp, args.tp, args.pp):
+            raise UsageError("--method megatron needs --dp, --tp and --pp")
+        if args.micro_batch_size is not None and args.microbatches is not None:
+            raise UsageError("--micro-batch-size and --microbatches both set the microbatch count (the batch over "
+                             "dp x micro-batch size); give one")
+    cluster = _cluster(args)
+    fmt = _precision(args)
+    model = _model(args)
+    from . import planner
+
     notes: list[str] = []
     if args.method == "auto":
         # The stage DP prices each schedule with its own formula; "auto" plans each and keeps the fastest.
@@ -225,11 +234,6 @@ def cmd_plan(args) -> dict:
                                  schedule=schedule, virtual_stages=virtual if schedule == "interleaved" else None,
                                  on_progress=_progress(args), precision=fmt, expressible_in=args.expressible_in)
     elif args.method == "megatron":
-        if None in (args.dp, args.tp, args.pp):
-            raise UsageError("--method megatron needs --dp, --tp and --pp")
-        if args.micro_batch_size is not None and args.microbatches is not None:
-            raise UsageError("--micro-batch-size and --microbatches both set the microbatch count (the batch over "
-                             "dp x micro-batch size); give one")
         plan = planner.megatron_plan(model, cluster, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp or 1,
                                      ep=args.ep or 1,
                                      microbatches=None if args.micro_batch_size is not None else mb,

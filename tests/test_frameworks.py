@@ -788,8 +788,22 @@ def _cli(*args, cwd):
                           env=env, timeout=900)
 
 
+def _cli_here(capsys, monkeypatch, *args, cwd):
+    """The same command through ``cli.main`` in this process, run in ``cwd``: a round trip's second run, whose first
+    ran as the user runs it (``_cli``: a process of its own, from another directory). It spares the interpreter's
+    start and the imports (2-3 CPU-s a run); what is printed and the exit status are main's, as in a process."""
+    from autopar_lab.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, printed.out, printed.err)
+
+
 @pytest.mark.slow
-def test_cli_imports_a_torchtitan_toml_and_exports_maxtext_yaml_from_another_directory(tmp_path):
+def test_cli_imports_a_torchtitan_toml_and_exports_maxtext_yaml_from_another_directory(tmp_path, capsys,
+                                                                                       monkeypatch):
     (tmp_path / "run.toml").write_text(torchtitan_text(1, 2, 1, 1, "default", "full", 2, "1F1B", 1, seq=16))
     model = ["llama3-tiny", "--layers", "4", "--batch", str(BATCH), "--dtype", "bfloat16"]
     out = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml", "--export", "maxtext",
@@ -799,14 +813,19 @@ def test_cli_imports_a_torchtitan_toml_and_exports_maxtext_yaml_from_another_dir
     assert got["method"] == "fsdp(dp_shard=8,tp=2,full,sp)" and got["microbatches"] == BATCH // (8 * 2)
     assert "ici_tensor_parallelism: 2" in got["config_text"] and "remat_policy: 'full'" in got["config_text"]
     (tmp_path / "run.yaml").write_text(got["config_text"])
-    back = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.yaml", "--json", cwd=tmp_path)
+    back = _cli_here(capsys, monkeypatch, "plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.yaml",
+                     "--json", cwd=tmp_path)
     assert back.returncode == 0, back.stderr[-2000:]
     assert json.loads(back.stdout)["method"].startswith("maxtext(ici_fsdp=4,ici_tensor=2,dcn_fsdp=2")
 
 
 @pytest.mark.slow
-def test_cli_plans_the_best_layout_torchtitan_can_run_and_exports_it_from_another_directory(tmp_path):
-    model = ["llama3-tiny", "--layers", "4", "--batch", "32", "--dtype", "bfloat16"]
+def test_cli_plans_the_best_layout_torchtitan_can_run_and_exports_it_from_another_directory(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """The CLI's wiring of --expressible-in and --export, on the smallest model whose grid still pipelines (2 layers,
+    batch 16: 48 layouts, 21 CPU-s; the 4-layer batch-32 grid took 39 CPU-s, 325 s wall under load). The search itself
+    is checked on the 4-layer model in process (test_auto_plan_expressible_in_megatron_is_the_grid_best_...)."""
+    model = ["llama3-tiny", "--layers", "2", "--batch", "16", "--dtype", "bfloat16"]
     out = _cli("plan", *model, "--cluster", "dgx-h100:1", "--expressible-in", "torchtitan", "--export",
                "torchtitan", "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -818,13 +837,14 @@ def test_cli_plans_the_best_layout_torchtitan_can_run_and_exports_it_from_anothe
     # the model's own bfloat16 step (no --precision) is written as torchtitan's bf16 mixed precision, and says so
     assert 'mixed_precision_param = "bfloat16"' in text and "bfloat16 step written as the framework's bf16" in text
     (tmp_path / "best.toml").write_text(text)
-    back = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "best.toml", "--json", cwd=tmp_path)
+    back = _cli_here(capsys, monkeypatch, "plan", *model, "--cluster", "dgx-h100:1", "--from-config", "best.toml",
+                     "--json", cwd=tmp_path)
     assert back.returncode == 0, back.stderr[-2000:]
     assert json.loads(back.stdout)["method"] == got["method"]
 
 
 @pytest.mark.slow
-def test_cli_imports_megatron_cuda_graphs_and_exports_them_from_another_directory(tmp_path):
+def test_cli_imports_megatron_cuda_graphs_and_exports_them_from_another_directory(tmp_path, capsys, monkeypatch):
     """A Megatron-LM script with --cuda-graph-impl transformer_engine priced from another directory: no host term
     (the kernels replayed from graphs), and its export reads back as the same plan."""
     model = ["gpt-tiny", "--layers", "2", "--batch", "8", "--seq-len", "64", "--hidden", "128", "--heads", "4",
@@ -837,13 +857,14 @@ def test_cli_imports_megatron_cuda_graphs_and_exports_them_from_another_director
     assert got["method"] == "megatron(dp=8,tp=1,pp=1,zero=0,graphs)" and "host_s" not in got
     assert "--cuda-graph-impl local" in got["config_text"]
     (tmp_path / "back.sh").write_text(got["config_text"])
-    back = _cli("plan", *model, "--cluster", "dgx-h100:1", "--from-config", "back.sh", "--json", cwd=tmp_path)
+    back = _cli_here(capsys, monkeypatch, "plan", *model, "--cluster", "dgx-h100:1", "--from-config", "back.sh",
+                     "--json", cwd=tmp_path)
     assert back.returncode == 0, back.stderr[-2000:]
     again = json.loads(back.stdout)
     assert again["method"] == got["method"] and again["step_time_s"] == got["step_time_s"]
 
 
-def test_cli_prices_torchtitan_s_eager_loss_and_shows_its_term_from_another_directory(tmp_path):
+def test_cli_prices_torchtitan_s_eager_loss_and_shows_its_term_from_another_directory(tmp_path, capsys, monkeypatch):
     """A torchtitan TOML with compile = false priced by the CLI: its JSON carries the eager loss's term (the pin's
     bytes, the stage computing it, what it adds there) and the printed plan says it."""
     (tmp_path / "run.toml").write_text(EAGER_TOML)
@@ -854,7 +875,8 @@ def test_cli_prices_torchtitan_s_eager_loss_and_shows_its_term_from_another_dire
     assert got["method"].endswith(",torchtitan-loss)") and got["eager_loss_bytes"] > 0
     assert got["loss_stage"] == 0 and got["loss_extra_bytes"] >= 0 and "unsharded_grad_bytes" not in got
     assert any(n.startswith("compile = false: torchtitan computes its float32 cross-entropy") for n in got["notes"])
-    shown = _cli("plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml", cwd=tmp_path)
+    shown = _cli_here(capsys, monkeypatch, "plan", *model, "--cluster", "dgx-h100:2", "--from-config", "run.toml",
+                      cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert f"eager loss: {got['eager_loss_bytes'] / 2**30:.2f} GiB of logits-sized tensors a step; stage 0" in \
         shown.stdout
