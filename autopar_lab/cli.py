@@ -213,8 +213,7 @@ def cmd_plan(args) -> dict:
     group = FlexibleGroup(args.microbatch_group) if args.flexible_group else args.microbatch_group
     if args.out:
         check_writable_file(args.out, "--out")  # before planning: a bad path must not cost the user the plan
-    # The checks that need no model come first: the planner, the precision's formats and the model load JAX (about
-    # 2 CPU-s), which a usage error should not cost.
+    # Checks that need no model first: a usage error should not pay for loading JAX (~2 CPU-s).
     mb = _microbatches(args.microbatches)
     if args.method == "megatron":
         if None in (args.dp, args.tp, args.pp):
@@ -223,8 +222,7 @@ def cmd_plan(args) -> dict:
             raise UsageError("--micro-batch-size and --microbatches both set the microbatch count (the batch over "
                              "dp x micro-batch size); give one")
     cluster = _cluster(args)
-    fmt = _precision(args)
-    model = _model(args)
+    fmt, model = _precision(args), _model(args)
     from . import planner
 
     notes: list[str] = []

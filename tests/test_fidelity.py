@@ -140,12 +140,19 @@ def test_maxtext_32b_row_keeps_its_matmul_outputs_split_over_tensor_and_fits():
 def test_megatron_h100_314b_row_fits_with_the_activations_its_kernels_keep():
     """Megatron-Core's 314B row (tp 8 x pp 8 with sequence parallelism, 12 of 96 layers a stage, interleaved v=2)
     ran on 80 GB: priced with Transformer Engine's fused kernels (library_kernels) a layer keeps 32 bytes a token and
-    hidden unit over the tensor group, not JAX autodiff's 44, and the layout fits; the step is the same either way."""
+    hidden unit over the tensor group, not JAX autodiff's 44, and the layout fits; the step is the same either way.
+    (Autodiff's count read 'does not fit' until a stage held one interleaved chunk's transients, not v; it now reads
+    80.0 GiB, at the limit, so the test compares the activations themselves.)"""
     row = fidelity.today_row(fidelity.TODAY["mlm-h100-314B"])
     assert row["fits"] and row["peak_mem_gib"] < 80
     r = fidelity.TODAY["mlm-h100-314B"]
     plain = fidelity.today_plan(dataclasses.replace(r, plan_kw={**r.plan_kw, "library_kernels": False}))
-    assert not plain.cost.fits and plain.cost.step_time_s == pytest.approx(row["step_s"], rel=1e-12)
+    assert plain.cost.step_time_s == pytest.approx(row["step_s"], rel=1e-12)
+    kept = [m["activations_bytes"] for m in memory_breakdown(fidelity.today_plan(r))]
+    autodiff = [m["activations_bytes"] for m in memory_breakdown(plain)]
+    for a, b in zip(autodiff, kept):
+        assert 40 / 32 <= a / b <= 48 / 32, (a / 2**30, b / 2**30)
+    assert max(plain.cost.peak_mem_bytes) > row["peak_mem_gib"] * 2**30 * 1.1
 
 
 @pytest.mark.slow
