@@ -23,11 +23,13 @@ from ..models.base import FAST_CPU_COMPILE
 
 __all__ = ["init_leaves", "init_batch"]
 
-# model -> {(leaf indices, shardings): jitted program}; weak, so a spec that goes away takes its programs with it
+# model -> {(leaf indices, shardings): jitted program, _EAGER: whether its init refuses a traced seed}; weak, so a
+# spec that goes away takes its programs with it
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _UNTRACEABLE = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                 jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError, TypeError,
                 ValueError)  # flax.nnx and keras refuse a traced seed with a ValueError: their init runs whole
+_EAGER = "eager"
 
 
 def _program(model, index: tuple[int, ...], shardings: tuple | None):
@@ -44,6 +46,15 @@ def _program(model, index: tuple[int, ...], shardings: tuple | None):
     return programs[key]
 
 
+def _traces(model) -> bool:
+    """Whether ``model.init`` runs with a traced seed (shapes only, nothing compiled)."""
+    try:
+        jax.eval_shape(model.init, jax.ShapeDtypeStruct((), "int32"))
+    except _UNTRACEABLE:
+        return False
+    return True
+
+
 def init_leaves(model, seed: int, index: Sequence[int], shardings: Sequence | None = None) -> list[Any]:
     """Leaves ``index`` (positions in ``jax.tree_util.tree_leaves(model.init(seed))``) of ``model.init(seed)``,
     each computed alone and placed with ``shardings`` (one per leaf; None: where the program leaves them)."""
@@ -51,12 +62,16 @@ def init_leaves(model, seed: int, index: Sequence[int], shardings: Sequence | No
     if not index:
         return []
     sh = None if shardings is None else tuple(shardings)
-    try:
-        return list(_program(model, index, sh)(seed))  # traced as the zoo's jitted init traces it
-    except _UNTRACEABLE:
-        leaves = jax.tree_util.tree_leaves(model.init(seed))
-        picked = [leaves[i] for i in index]
-        return picked if sh is None else [jax.device_put(x, s) for x, s in zip(picked, sh)]
+    if not _PROGRAMS.get(model, {}).get(_EAGER):
+        try:
+            return list(_program(model, index, sh)(seed))  # traced as the zoo's jitted init traces it
+        except _UNTRACEABLE:
+            # Remembered once the init itself is seen to refuse a traced seed: every later call (each stage's state,
+            # each step's batch) traced it again up to the same error before running it eagerly.
+            _PROGRAMS.setdefault(model, {})[_EAGER] = not _traces(model)
+    leaves = jax.tree_util.tree_leaves(model.init(seed))
+    picked = [leaves[i] for i in index]
+    return picked if sh is None else [jax.device_put(x, s) for x, s in zip(picked, sh)]
 
 
 def init_batch(model, seed: int):
