@@ -175,3 +175,57 @@ def test_stage_workers_keep_only_the_state_and_compile_once(model, cluster):
     assert _floating_bytes(on_stage) == _model_state_bytes(model)
     local = al.execute(plan, model, compiler_options=FAST).train(steps)
     np.testing.assert_allclose(losses, local, rtol=1e-6)
+
+
+def test_plans_of_one_model_and_microbatch_count_share_one_captured_step(cluster, monkeypatch):
+    """The split captures the step once per model and microbatch count: another stage layout of the same model cuts
+    the same program (a deep model's trace took seconds for each new layout); another count captures its own."""
+    import autopar_lab.runtime.partition as partition
+
+    captured = []
+    real = partition.capture_program
+    monkeypatch.setattr(partition, "capture_program", lambda *a, **k: captured.append(a[1:]) or real(*a, **k))
+    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)  # a fresh object: nothing captured for it yet
+    tp = al.megatron_plan(model, cluster, dp=2, tp=2, pp=2, microbatches=2)
+    dp = al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=2, table=tp.table)
+    four = al.megatron_plan(model, cluster, dp=4, tp=1, pp=2, microbatches=4, table=tp.table)
+    a, b, c = (partition.split_stages(model, p, compiler_options=FAST, cache=False) for p in (tp, dp, four))
+    assert len(captured) == 2 and a._prog is b._prog and c._prog is not a._prog
+    assert [st.layers for st in a.plan.stages] == [st.layers for st in b.plan.stages]
+    assert a.op_shardings(0) != b.op_shardings(0)  # the same program, cut and laid out by each plan
+    # each microbatch count's own shapes: the batch leaves are 4 and 2 rows
+    assert {x.shape[0] for x in jax.tree_util.tree_leaves(captured[0][2])} == {4}
+    assert {x.shape[0] for x in jax.tree_util.tree_leaves(captured[1][2])} == {2}
+
+
+def test_an_init_that_needs_a_python_seed_is_traced_once():
+    """A model whose init uses the seed as a Python int runs it eagerly; that is found out once, not by tracing the
+    init up to the same error again for every stage's state and every step's batch."""
+    import optax
+
+    from autopar_lab.runtime.initpart import init_batch, init_leaves
+
+    opt = optax.sgd(0.1)
+    calls = []
+
+    def step(w, s, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        u, s = opt.update(g, s, w)
+        return optax.apply_updates(w, u), s, loss
+
+    def init(seed):
+        calls.append(seed)
+        w = jax.random.normal(jax.random.key(int(seed)), (4, 2))  # int(): refuses a traced seed
+        return w, opt.init(w), jnp.full((8, 4), float(int(seed)))
+
+    spec = al.ModelSpec.from_step(step, init, batch_argnums=(2,), name="python-seed")
+    start = len(calls)
+    first = init_leaves(spec, 1, [0])
+    assert len(calls) - start == 3  # the jitted attempt and the shape check, both refused; then the eager init
+    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(spec.init(1)[0]))
+    before = len(calls)
+    batch = init_batch(spec, 3)
+    again = init_leaves(spec, 2, [0])
+    assert len(calls) - before == 2  # the eager init alone, once each
+    np.testing.assert_array_equal(np.asarray(batch), np.full((8, 4), 3.0))
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(spec.init(2)[0]))

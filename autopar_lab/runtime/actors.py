@@ -39,7 +39,23 @@ def build_model(job: dict):
         return job["model_spec"]
     from .. import models
 
-    return models.get(job["model"], **dict(job.get("config") or {}))
+    config = dict(job.get("config") or {})
+    try:
+        key = (job["model"], tuple(sorted(config.items())))
+        hash(key)
+    except TypeError:  # a config value that is not hashable (a list): built anew
+        return models.get(job["model"], **config)
+    # One object per zoo model and config in a process: the stage workers of one job built here (the in-process
+    # workers the tests and run-at-once drivers make) share it, and with it the step captured for the split and the
+    # init programs (both kept per model object), where each worker traced and lowered them again.
+    if key not in _MODELS:
+        if len(_MODELS) >= 4:
+            _MODELS.pop(next(iter(_MODELS)))
+        _MODELS[key] = models.get(job["model"], **config)
+    return _MODELS[key]
+
+
+_MODELS: dict = {}
 
 
 def build_plan(job: dict, model):

@@ -70,6 +70,7 @@ Example (2 stages of gpt-tiny on 8 CPU devices):
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -114,8 +115,7 @@ class StagedModel:
         #: :class:`~autopar_lab.runtime.memprobe.DeviceMemoryProbe` measures each device's peak memory with it
         self.probe = None
         self._split_inputs(model, M)
-        prog = capture_program(model.step_fn, *self._mb_args, batch_argnums=model.batch_argnums,
-                               param_argnums=model.param_argnums, opt_state_argnums=self._opt_argnums)
+        prog = _step_program(model, self._mb_args, self._opt_argnums, M)
         self._check_same_program(prog.graph, plan.graph)
         self._prog = prog
         self._g = prog.graph
@@ -494,6 +494,21 @@ class StagedModel:
         blocks = self.layouts.blocks
         return [row | {"devices": None if blocks[k] is None else [str(d) for d in blocks[k]]}
                 for k, row in enumerate(self.tasks.describe())]
+
+
+# model -> {microbatches: StepProgram}; weak, so a spec that goes away takes its programs with it
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_program(model, mb_args, opt_argnums, microbatches: int):
+    """``model``'s step captured on one microbatch's shapes, once per model and microbatch count: every plan of the
+    model with that count cuts the same program (the capture reads no plan; its graph, functions and constants are
+    only read), where each new stage layout traced the whole step again (a deep model's trace, seconds each)."""
+    programs = _PROGRAMS.setdefault(model, {})
+    if microbatches not in programs:
+        programs[microbatches] = capture_program(model.step_fn, *mb_args, batch_argnums=model.batch_argnums,
+                                                 param_argnums=model.param_argnums, opt_state_argnums=opt_argnums)
+    return programs[microbatches]
 
 
 def _cache_key(model, plan, devices, compiler_options):
