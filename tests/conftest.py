@@ -608,8 +608,9 @@ def small_plan(graph):
 def deep_gpt24_megatron():
     """gpt-tiny 24 layers deep (GPT-1.3B's depth, planned on its shallow copy; hidden 64, 32 tokens, batch 16) on 2
     hosts of 4 devices, Megatron's two stages of one host each (tp 4, 4 microbatches): ``(model, plan)``. The same
-    in tests/test_widgets.py and tests/test_workbench_fixes.py, whose ``deep`` it is: session-scoped, so that two
-    files run by one process plan it once (each planned it, 20-35 s on the shared machine). A plan is never changed
+    in tests/test_widgets.py, tests/test_workbench_fixes.py and tests/test_deep_overrides.py, whose ``deep`` it is:
+    session-scoped, so that the files one process runs plan it once (each planned it, 20-35 s on the shared
+    machine). A plan is never changed
     in place (every edit makes a new one); what it caches (its traced graph, its cost table's solved meshes) gives the
     same values to whichever test reads it first."""
     model = al.models.get("gpt-tiny", num_layers=24, batch_size=16, hidden_size=64, seq_len=32, vocab_size=128)

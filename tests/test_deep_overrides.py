@@ -21,11 +21,10 @@ from autopar_lab.pricing.layers import layer_costs
 
 
 @pytest.fixture(scope="module")
-def deep():
-    """24 blocks (GPT-1.3B's depth) on 2 hosts x 4 devices: layers 0..12 on stage 0, 13..25 on stage 1."""
-    model = al.models.get("gpt-tiny", num_layers=24, batch_size=16, hidden_size=64, seq_len=32, vocab_size=128)
-    cluster = al.Cluster.preset("p3.16xlarge", hosts=2).with_(devices_per_host=4)
-    plan = al.megatron_plan(model, cluster, dp=1, tp=4, pp=2, microbatches=4)
+def deep(deep_gpt24_megatron):
+    """24 blocks (GPT-1.3B's depth) on 2 hosts x 4 devices: layers 0..12 on stage 0, 13..25 on stage 1 (conftest's
+    plan, shared with the widget tests a worker runs)."""
+    model, plan = deep_gpt24_megatron
     assert plan.table.solve_graph is not plan.graph and len(plan.layer_names) == 26
     return model, plan
 
