@@ -193,10 +193,16 @@ def sub_jaxpr(params: dict):
     return None, None
 
 
+_PLAIN_TYPES = frozenset([int, float, bool, str, type(None)])
+
+
 def _plain_params(params: dict) -> dict:
     """The primitive's parameters without sub-jaxprs (which the graph has inlined or summarised)."""
     out = {}
     for k, v in params.items():
+        if type(v) in _PLAIN_TYPES or (type(v) is tuple and all(type(x) in _PLAIN_TYPES for x in v)):
+            out[k] = v  # most parameters (axes, sizes, flags): no sub-jaxpr, no primitive; skip the probing below
+            continue
         if hasattr(v, "eqns") or hasattr(v, "jaxpr") or callable(v):
             continue
         if isinstance(v, (tuple, list)) and any(hasattr(x, "eqns") or hasattr(x, "jaxpr") for x in v):
@@ -563,7 +569,14 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
     roles: list[str] = [FORWARD] * n
     layers: list[str | None] = [None] * n
     after_backward = [False] * n
-    paths = [scope_path_and_role(node["scope"]) for node in raw]
+    by_scope: dict[str, tuple] = {}  # operators share scopes (a layer's hundreds): parse each once
+    paths = []
+    for node in raw:
+        scope = node["scope"]
+        hit = by_scope.get(scope)
+        if hit is None:
+            hit = by_scope[scope] = scope_path_and_role(scope)
+        paths.append(hit)
     depth = layer_depth([p for p, _ in paths if p])
     for node in raw:
         i = node["id"]
