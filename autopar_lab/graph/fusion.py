@@ -192,6 +192,7 @@ class _Builder:
         self.work: dict[int, float] = {}  # attention group -> work scale
         self.recompute_flops: dict[int, float] = {}  # backward attention group -> forward matmul FLOPs it redoes
         self._sources: dict[int, dict[int, int]] = {}
+        self._backward_by_layer: dict[str | None, list[OpNode]] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def nbytes(self, t: int) -> int:
@@ -372,7 +373,13 @@ class _Builder:
         def scoreish(shape) -> bool:
             return tuple(sorted(shape)) == score
 
-        region = {n.id for n in g if n.role == BACKWARD and n.layer == layer and n.primitive != OUTPUT_PRIMITIVE and
+        if self._backward_by_layer is None:  # once per view, not once per attention (a scan of the whole graph)
+            self._backward_by_layer = {}
+            for n in g:
+                if n.role == BACKWARD:
+                    self._backward_by_layer.setdefault(n.layer, []).append(n)
+        mine = self._backward_by_layer.get(layer, [])  # graph order, as the scans below need
+        region = {n.id for n in mine if n.role == BACKWARD and n.layer == layer and n.primitive != OUTPUT_PRIMITIVE and
                   self.cat[n.id] != _FREE and (any(scoreish(s) for s in n.out_shapes) or
                                                any(scoreish(s) for s in n.in_shapes))}
         if not region:
@@ -380,7 +387,7 @@ class _Builder:
         # row statistics of the softmax backward: read from the region and feeding back into it
         for _ in range(4):
             grown = False
-            for n in g:
+            for n in mine:
                 if n.id in region or n.role != BACKWARD or n.layer != layer or self.cat[n.id] in (_FREE, _GEMM_CAT,
                                                                                                    _LIBRARY_CAT):
                     continue
