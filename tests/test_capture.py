@@ -223,6 +223,27 @@ def test_roles_layers_and_input_kinds_of_a_training_step():
     assert outs[-1].params["alias_of"] is None  # the loss
 
 
+def test_operator_records_agree_with_their_tensors():
+    # The capture keeps shapes, dtypes and bytes per tensor id instead of asking TensorInfo each time: every
+    # operator's record must still be what its tensors say (mixed dtypes: bf16 compute, fp32 masters, int labels).
+    from autopar_lab.graph import opcost
+
+    g = al.models.get("gpt-tiny", num_layers=2, dtype="bfloat16").trace()
+    dtypes = {g.tensor(t).dtype for t in g.tensors}
+    assert {"bfloat16", "float32", "int32"} <= dtypes
+    for node in g:
+        ins = [g.tensor(t) for t in node.inputs]
+        outs = [g.tensor(t) for t in node.outputs]
+        assert node.in_shapes == tuple(t.shape for t in ins) and node.out_shapes == tuple(t.shape for t in outs)
+        assert node.in_dtypes == tuple(t.dtype for t in ins) and node.out_dtypes == tuple(t.dtype for t in outs)
+        assert node.input_kinds == tuple(t.kind for t in ins)
+        assert (node.bytes_read, node.bytes_written) == opcost.op_bytes(
+            node.primitive, [t.nbytes for t in ins], [t.nbytes for t in outs])
+        assert all(t.producer == node.id for t in outs)
+    assert all(g.tensor(t).kind in ("param", "opt_state", "batch") and g.tensor(t).path.startswith("args[")
+               for t in g.inputs)
+
+
 def test_graph_structure_and_summary():
     step, args = _train_step()
     g = al.trace(step, *args, batch_argnums=(2,), opt_state_argnums=(1,), name="toy")

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 import time
 import warnings
 from collections import Counter
@@ -52,6 +53,7 @@ from .opgraph import (
     OpGraph,
     OpNode,
     TensorInfo,
+    dtype_size,
 )
 
 # Call-like primitives whose body is inlined (the capture and the replay inline the same), and the parameter that
@@ -105,14 +107,37 @@ class _Builder:
     fns: list = field(default_factory=list)
     const_values: dict = field(default_factory=dict)
 
+    # Per tensor id (ids are dense, 0..n-1): its shape, dtype and bytes, read by every operator that touches it
+    # (TensorInfo.nbytes costs a numpy reduction; an operator reads each of its tensors' sizes once).
+    shapes: list = field(default_factory=list)
+    dtypes: list = field(default_factory=list)
+    nbytes: list = field(default_factory=list)
+    kinds: list = field(default_factory=list)
+    # aval dtype object -> (its name, bytes per element): str() of a numpy dtype is slow and every tensor needs it.
+    dtype_names: dict = field(default_factory=dict)
+
     def new_tensor(self, aval, kind: str, producer: int | None, path: str = "", value: Any = None) -> int:
-        tid = len(self.tensors)
-        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = str(getattr(aval, "dtype", "opaque"))
+        tid = len(self.shapes)
+        shape = tuple(map(int, getattr(aval, "shape", ())))
+        dt = getattr(aval, "dtype", "opaque")
+        known = self.dtype_names.get(dt)
+        if known is None:
+            name = str(dt)
+            known = self.dtype_names[dt] = (name, dtype_size(name))
+        dtype, itemsize = known
         self.tensors[tid] = TensorInfo(tid, shape, dtype, kind, producer, path)
+        self.shapes.append(shape)
+        self.dtypes.append(dtype)
+        self.nbytes.append(math.prod(shape) * itemsize)  # == TensorInfo.nbytes
+        self.kinds.append(kind)
         if self.keep_program and kind == CONST:
             self.const_values[tid] = value
         return tid
+
+    def set_input(self, tid: int, kind: str, producer: int, path: str) -> None:
+        """Re-mark tensor ``tid`` as a step input of ``kind`` (the pytree ``path`` says which leaf)."""
+        self.tensors[tid] = TensorInfo(tid, self.shapes[tid], self.dtypes[tid], kind, producer, path)
+        self.kinds[tid] = kind
 
     def add_op(self, primitive: str, inputs: Sequence[int], out_avals: Sequence[Any], params: dict, where: OpPlace,
                flops: float | None = None, opaque: bool = False, out_kind: str = ACTIVATION,
@@ -122,13 +147,12 @@ class _Builder:
         if self.keep_program:
             self.fns.append(fn)
         outs = [self.new_tensor(a, out_kind, op_id) for a in out_avals]
-        in_t = [self.tensors[t] for t in inputs]
-        out_t = [self.tensors[t] for t in outs]
-        in_shapes = tuple(t.shape for t in in_t)
-        out_shapes = tuple(t.shape for t in out_t)
+        shapes, dtypes, nbytes = self.shapes, self.dtypes, self.nbytes
+        in_shapes = tuple([shapes[t] for t in inputs])
+        out_shapes = tuple([shapes[t] for t in outs])
         if flops is None:
             flops = opcost.op_flops(primitive, in_shapes, out_shapes, params)
-        read, written = opcost.op_bytes(primitive, [t.nbytes for t in in_t], [t.nbytes for t in out_t])
+        read, written = opcost.op_bytes(primitive, [nbytes[t] for t in inputs], [nbytes[t] for t in outs])
         self.nodes.append(
             dict(
                 id=op_id,
@@ -137,9 +161,9 @@ class _Builder:
                 inputs=tuple(inputs),
                 outputs=tuple(outs),
                 in_shapes=in_shapes,
-                in_dtypes=tuple(t.dtype for t in in_t),
+                in_dtypes=tuple([dtypes[t] for t in inputs]),
                 out_shapes=out_shapes,
-                out_dtypes=tuple(t.dtype for t in out_t),
+                out_dtypes=tuple([dtypes[t] for t in outs]),
                 flops=float(flops),
                 bytes_read=read,
                 bytes_written=written,
@@ -169,10 +193,16 @@ def sub_jaxpr(params: dict):
     return None, None
 
 
+_PLAIN_TYPES = frozenset([int, float, bool, str, type(None)])
+
+
 def _plain_params(params: dict) -> dict:
     """The primitive's parameters without sub-jaxprs (which the graph has inlined or summarised)."""
     out = {}
     for k, v in params.items():
+        if type(v) in _PLAIN_TYPES or (type(v) is tuple and all(type(x) in _PLAIN_TYPES for x in v)):
+            out[k] = v  # most parameters (axes, sizes, flags): no sub-jaxpr, no primitive; skip the probing below
+            continue
         if hasattr(v, "eqns") or hasattr(v, "jaxpr") or callable(v):
             continue
         if isinstance(v, (tuple, list)) and any(hasattr(x, "eqns") or hasattr(x, "jaxpr") for x in v):
@@ -456,8 +486,7 @@ def _capture(step_fn, args, batch_argnums, param_argnums, opt_state_argnums, nam
             op_id = len(b.nodes)
             (t,) = b.add_op(INPUT_PRIMITIVE, [], [var.aval], {"argnum": i, "path": jax.tree_util.keystr(path)},
                             OpPlace("", None), out_kind=kind)
-            b.tensors[t] = TensorInfo(t, b.tensors[t].shape, b.tensors[t].dtype, kind, op_id,
-                                      f"args[{i}]{jax.tree_util.keystr(path)}")
+            b.set_input(t, kind, op_id, f"args[{i}]{jax.tree_util.keystr(path)}")
             env[var] = t
             input_tensors.append(t)
     for cv, c in zip(closed.jaxpr.constvars, closed.consts):
@@ -536,19 +565,30 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
     raw = b.nodes
     n = len(raw)
     producer = {tid: t.producer for tid, t in b.tensors.items()}
+    kinds = b.kinds
     roles: list[str] = [FORWARD] * n
     layers: list[str | None] = [None] * n
     after_backward = [False] * n
-    paths = [scope_path_and_role(node["scope"]) for node in raw]
+    by_scope: dict[str, tuple] = {}  # operators share scopes (a layer's hundreds): parse each once
+    paths = []
+    for node in raw:
+        scope = node["scope"]
+        hit = by_scope.get(scope)
+        if hit is None:
+            hit = by_scope[scope] = scope_path_and_role(scope)
+        paths.append(hit)
     depth = layer_depth([p for p, _ in paths if p])
     for node in raw:
         i = node["id"]
         path, role = paths[i]
         layer = path[depth] if len(path) > depth else None
-        preds = [producer[t] for t in node["inputs"] if producer.get(t) is not None]
         # Optimizer arithmetic reads gradients (after backward) or optimizer state (its step count, moments).
-        dep_back = any(roles[p] == BACKWARD or after_backward[p] for p in preds) or any(
-            b.tensors[t].kind == OPT_STATE for t in node["inputs"])
+        dep_back = False
+        for t in node["inputs"]:
+            p = producer[t]
+            if (p is not None and (after_backward[p] or roles[p] == BACKWARD)) or kinds[t] == OPT_STATE:
+                dep_back = True
+                break
         after_backward[i] = dep_back
         if role is None:
             role = UPDATE if dep_back and node["primitive"] != INPUT_PRIMITIVE else FORWARD
@@ -562,11 +602,10 @@ def _finish_nodes(b: _Builder) -> list[OpNode]:
                     if node["primitive"] == OUTPUT_PRIMITIVE and node["params"].get("alias_of") is not None}
     layers = propagate_layers([node["primitive"] for node in raw], [node["inputs"] for node in raw],
                               [node["outputs"] for node in raw], producer, alias_output, layers)
-    kinds = {tid: t.kind for tid, t in b.tensors.items()}
     out = []
     for node in raw:
         i = node["id"]
-        input_kinds = tuple(kinds[t] for t in node["inputs"])
+        input_kinds = tuple([kinds[t] for t in node["inputs"]])
         out.append(
             OpNode(
                 id=i,

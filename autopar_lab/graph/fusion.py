@@ -163,18 +163,20 @@ def _category(node: OpNode) -> int:
     return _LIBRARY_CAT
 
 
-def _nbytes(graph: OpGraph, t: int) -> int:
-    return graph.tensor(t).nbytes
-
-
 class _Builder:
     """Groups a graph's operators into kernels (see the module docstring); one use per view."""
 
-    def __init__(self, graph: OpGraph, fused_attention: bool, eager: bool = False):
+    def __init__(self, graph: OpGraph, fused_attention: bool, eager: bool = False,
+                 categories: list[int] | None = None):
         self.g = graph
         self.fused = fused_attention
         self.eager = eager
-        self.cat = [_category(n) for n in graph]
+        self.cat = list(categories) if categories is not None else [_category(n) for n in graph]
+        self.step_outputs = frozenset(graph.outputs)
+        # tensor -> bytes, and dtype name -> bytes per element: read many times per tensor (sources, traffic), and
+        # TensorInfo.nbytes costs a numpy reduction each time
+        self._nbytes: dict[int, int] = {}
+        self._itemsize: dict[str, int] = {}
         # Operators no output depends on (the jvp's leftovers): the compiler removes them; they cost nothing.
         self.live = _live_ops(graph)
         for op in graph.ops:
@@ -190,8 +192,20 @@ class _Builder:
         self.work: dict[int, float] = {}  # attention group -> work scale
         self.recompute_flops: dict[int, float] = {}  # backward attention group -> forward matmul FLOPs it redoes
         self._sources: dict[int, dict[int, int]] = {}
+        self._backward_by_layer: dict[str | None, list[OpNode]] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------------
+    def nbytes(self, t: int) -> int:
+        """Bytes of tensor ``t`` (its TensorInfo.nbytes)."""
+        v = self._nbytes.get(t)
+        if v is None:
+            info = self.g.tensor(t)
+            size = self._itemsize.get(info.dtype)
+            if size is None:
+                size = self._itemsize[info.dtype] = dtype_size(info.dtype)
+            v = self._nbytes[t] = math.prod(info.shape) * size
+        return v
+
     def consumers(self, t: int, through_inline: bool = True) -> list[int]:
         """The live operators that read ``t``, looking through operators recomputed in place (all of them, or with
         ``through_inline=False`` only the free ones: broadcasts, reshapes)."""
@@ -221,7 +235,7 @@ class _Builder:
         if p is None:
             pass  # a literal: folded into the kernel
         elif p not in self.inline:
-            out = {t: _nbytes(g, t)}
+            out = {t: self.nbytes(t)}
         else:
             node = g.op(p)
             ins = [x for x in node.inputs if g.tensor(x).producer is not None]
@@ -229,7 +243,7 @@ class _Builder:
                 # reads only what it returns of its first operand (the rest of its operands are indices)
                 first = self.sources(ins[0])
                 total = sum(first.values()) or 1
-                share = min(sum(_nbytes(g, o) for o in node.outputs) / total, 1.0)
+                share = min(sum(self.nbytes(o) for o in node.outputs) / total, 1.0)
                 out = {k: int(v * share) for k, v in first.items()}
                 ins = ins[1:]
             elif self.cat[p] == _CHEAP_CAT:
@@ -359,7 +373,13 @@ class _Builder:
         def scoreish(shape) -> bool:
             return tuple(sorted(shape)) == score
 
-        region = {n.id for n in g if n.role == BACKWARD and n.layer == layer and n.primitive != OUTPUT_PRIMITIVE and
+        if self._backward_by_layer is None:  # once per view, not once per attention (a scan of the whole graph)
+            self._backward_by_layer = {}
+            for n in g:
+                if n.role == BACKWARD:
+                    self._backward_by_layer.setdefault(n.layer, []).append(n)
+        mine = self._backward_by_layer.get(layer, [])  # graph order, as the scans below need
+        region = {n.id for n in mine if n.role == BACKWARD and n.layer == layer and n.primitive != OUTPUT_PRIMITIVE and
                   self.cat[n.id] != _FREE and (any(scoreish(s) for s in n.out_shapes) or
                                                any(scoreish(s) for s in n.in_shapes))}
         if not region:
@@ -367,7 +387,7 @@ class _Builder:
         # row statistics of the softmax backward: read from the region and feeding back into it
         for _ in range(4):
             grown = False
-            for n in g:
+            for n in mine:
                 if n.id in region or n.role != BACKWARD or n.layer != layer or self.cat[n.id] in (_FREE, _GEMM_CAT,
                                                                                                    _LIBRARY_CAT):
                     continue
@@ -400,12 +420,12 @@ class _Builder:
             cons = [x for t in node.outputs for x in self.consumers(t)]
             groups = {self.group.get(x) for x in cons}
             external = not cons or None in groups or any(self.cat[x] == _FREE for x in cons) or \
-                any(t in g.outputs for t in node.outputs)
+                any(t in self.step_outputs for t in node.outputs)
             if c == _DUP_CAT and not external and \
                     all(self.fusible_consumer(x, t) for t in node.outputs for x in self.consumers(t)):
                 read = sum(v for x in node.inputs for v in self.sources(x).values()) if node.primitive not in \
-                    _SLICING else sum(_nbytes(g, t) for t in node.outputs)
-                if read <= _DUP_READ_RATIO * sum(_nbytes(g, t) for t in node.outputs):
+                    _SLICING else sum(self.nbytes(t) for t in node.outputs)
+                if read <= _DUP_READ_RATIO * sum(self.nbytes(t) for t in node.outputs):
                     self.inline.add(op)
                     for t in node.outputs:
                         self._sources.pop(t, None)
@@ -435,9 +455,9 @@ class _Builder:
             node = g.op(op)
             reads = []
             for k, t in enumerate(node.inputs):
-                own = _nbytes(g, t)
+                own = self.nbytes(t)
                 if node.primitive in _SLICING and k == 0:
-                    src = {x: min(v, sum(_nbytes(g, o) for o in node.outputs)) for x, v in self.sources(t).items()}
+                    src = {x: min(v, sum(self.nbytes(o) for o in node.outputs)) for x, v in self.sources(t).items()}
                 elif node.primitive in _SLICING:
                     src = {}  # indices
                 else:
@@ -449,7 +469,7 @@ class _Builder:
             writes = []
             for t in node.outputs:
                 cons = self.consumers(t)
-                leaves = any(self.group.get(c) != gid or self.cat[c] == _FREE for c in cons) or t in g.outputs
+                leaves = any(self.group.get(c) != gid or self.cat[c] == _FREE for c in cons) or t in self.step_outputs
                 writes.append(1.0 if leaves and t not in self.recomputed else 0.0)
             out[op] = (tuple(reads), tuple(writes))
         return out
@@ -476,14 +496,14 @@ class _Builder:
                         mm += node.flops
                     else:
                         vec += node.flops
-                    nbytes += sum(f * _nbytes(g, t) for f, t in zip(reads, node.inputs))
-                    nbytes += sum(f * _nbytes(g, t) for f, t in zip(writes, node.outputs))
+                    nbytes += sum(f * self.nbytes(t) for f, t in zip(reads, node.inputs))
+                    nbytes += sum(f * self.nbytes(t) for f, t in zip(writes, node.outputs))
                     roles[op] = OpKernel(new, kind, False, True, tuple(0.0 for _ in reads),
                                          tuple(0.0 for _ in writes))
                 mm += self.recompute_flops.get(gid, 0.0)
                 vec = 0.0  # absorbed operators price their own elementwise work (a flash kernel's is in its efficiency)
                 own_flops = rnode.flops or 1.0
-                own_out = sum(_nbytes(g, t) for t in rnode.outputs) or 1
+                own_out = sum(self.nbytes(t) for t in rnode.outputs) or 1
                 reads, writes = raw[root]
                 roles[root] = OpKernel(new, kind, True, False, reads, writes, extra_mm=mm / own_flops,
                                        extra_vec=vec / own_flops, extra_bytes=nbytes / own_out,
@@ -605,7 +625,11 @@ def kernel_view(graph: OpGraph, fused_attention: bool = False, eager: bool = Fal
     memo = graph.__dict__.setdefault("_kernel_views", {})
     key: bool | tuple[bool, str] = bool(fused_attention) if not eager else (bool(fused_attention), "eager")
     if key not in memo:
-        b = _Builder(graph, bool(fused_attention), bool(eager))
+        # the operators' categories do not depend on the view: computed once for the (up to four) views of a graph
+        categories = memo.get("categories")
+        if categories is None:
+            categories = memo["categories"] = [_category(n) for n in graph]
+        b = _Builder(graph, bool(fused_attention), bool(eager), categories)
         if fused_attention:
             b.attention()
         b.fuse()
@@ -649,7 +673,8 @@ def kernel_saved(graph: OpGraph, kernels, roles: Mapping[int, OpKernel], saved: 
     >>> sorted(g.op(g.tensor(t).producer).primitive for t in v.saved - v.kernel_saved)
     ['tanh']
     """
-    cat = {op: _category(graph.op(op)) for op in roles}
+    known = graph.__dict__.get("_kernel_views", {}).get("categories")  # kernel_view's, when it made them
+    cat = {op: known[op] if known is not None else _category(graph.op(op)) for op in roles}
     elementwise = {op for op, c in cat.items() if c in (_DUP_CAT, _LOOP_CAT)}
     library = {op for op, c in cat.items() if c in (_GEMM_CAT, _LIBRARY_CAT, _REDUCE_CAT)} | {
         op for k in kernels if k.kind == "attention" for op in k.ops}
