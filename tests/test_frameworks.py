@@ -967,6 +967,49 @@ def test_the_bounded_grid_search_finds_the_exhaustive_grids_best(framework):
     assert found.skipped > 0 and found.priced - found.skipped < priced
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan", "maxtext"])
+def test_the_floor_checked_before_a_layouts_ilp_is_below_its_priced_step_on_every_layout(framework):
+    """The grids skip a layout before solving its ILP where its floor (the least compute any sharding gives, its
+    launches and task overheads: layouts.engine.compute_floor) is above the best so far: that floor is never above
+    the step the layout is priced at, for every layout of the grid and every recomputation, brute force."""
+    from autopar_lab.frameworks.grid import grid
+    from autopar_lab.pricing.price import StepAbove
+
+    model = al.models.get("llama3-tiny", num_layers=2, batch_size=8, dtype="bfloat16")
+    table = CostTable.build(model, al.Cluster.parse("dgx-h100:1"), precision="bf16")
+    ladder = ("none", "minimal", "full") if framework == "maxtext" else (False, "selective", True)
+    ratios = []
+    for fn, kw in grid(framework, table):
+        for remat in ladder:
+            try:
+                plan = fn(table=table, remat=remat, **kw)
+            except ValueError:
+                break
+            with pytest.raises(StepAbove) as above:  # any step to beat below the floor: raised before the ILP
+                fn(table=table, remat=remat, skip_above=0.0, **kw)
+            assert 0 < above.value.floor <= plan.cost.step_time_s, (kw, remat)
+            ratios.append(above.value.floor / plan.cost.step_time_s)
+    assert len(ratios) > 20 and max(ratios) > 0.5  # every layout checked, and the floor is not a vacuous one
+
+
+@pytest.mark.slow
+def test_the_bounded_grid_search_finds_the_exhaustive_best_on_a_deep_model():
+    """On 24 layers (planned on the shallow copy, pipelines of up to 8 stages and their bubbles) the search that
+    skips layouts before their ILPs still finds what pricing every layout in full finds, to the bit (torchtitan's
+    grid: Megatron-LM's runs the same search, checked on 4 layers above)."""
+    from autopar_lab.frameworks.grid import best_in_grid
+
+    framework = "torchtitan"
+    model = al.models.get("llama3-tiny", num_layers=24, batch_size=16, dtype="bfloat16")
+    table = CostTable.build(model, al.Cluster.parse("dgx-h100:1"), precision="bf16")
+    found = best_in_grid(framework, table)
+    best, priced = exhaustive_best(framework, table)
+    assert found.best is not None and layout(found.best) == layout(best)
+    assert found.best.cost.step_time_s == best.cost.step_time_s
+    assert found.skipped > 0
+
+
 def test_the_grids_try_context_parallelism_at_long_sequences_and_maxtext_pipelines_across_slices():
     from autopar_lab.frameworks.grid import CP_MIN_TOKENS, context_degrees, grid
 

@@ -33,7 +33,10 @@ torchtitan's ``expert_parallel_degree`` borrowing the FSDP ranks; MaxText's ``ic
 chips) where that divides the expert count.
 
 The search prices each layout against the best so far (``skip_above``): a layout whose step provably cannot beat it
-is not simulated (the result is the exhaustive grid's best; tests/test_frameworks.py checks it).
+is not simulated, and one whose floor before any ILP (the least compute any sharding of its meshes gives, its
+launches and task overheads, through the pipeline's floor: :func:`~autopar_lab.layouts.engine.compute_floor`) cannot
+beat it has no ILP solved (the result is the exhaustive grid's best; tests/test_frameworks.py checks it, and that
+the floor is below every layout's priced step).
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ class GridBest(NamedTuple):
 def best_in_grid(framework: str, table, *, mem_limit_bytes: float | None = None,
                  solver: str | None = None) -> GridBest:
     """The fastest plan of ``framework``'s grid that fits (:class:`GridBest`). Each layout is priced against the
-    best so far (``skip_above``): one whose step provably cannot beat it is not simulated, nor are its
+    best so far (``skip_above``): one whose step provably cannot beat it is not simulated (nor its ILP solved where
+    its compute floor already cannot, :func:`~autopar_lab.layouts.engine.compute_floor`), nor are its
     more-recomputing variants (recomputation only lengthens the backward); nor are they where the layout's stored
     state alone overflows a device (recomputation only saves activations)."""
     from ..pricing.price import StepAbove

@@ -28,11 +28,16 @@ from typing import TYPE_CHECKING, Mapping
 
 from .. import checks
 from ..backends import on_cpu
+from ..backends import kernel_share
+from ..graph.fusion import attach_kernel_roles, kernel_view
+from ..graph.opgraph import FORWARD, UPDATE, cast_kernels
 from ..plan import Plan
 from ..planning import planning_times
 from ..plan import price_plan
 from ..pricing.price import StepAbove
 from ..pricing.table_pool import LEAN as TABLE_LEAN
+from ..schedules import interleave
+from ..simulate import makespan_floor
 from ..solve.ilp import DEFAULT_SOLVER
 from ..solve.intra import IntraOptions, solve_intra
 from .config import MeshRoles
@@ -45,8 +50,8 @@ if TYPE_CHECKING:
     from ..pricing import CostTable, LayerCost
     from ..solve.intra import IntraPlan
 
-__all__ = ["MICRO_BATCH_SIZES", "Layout", "Solution", "check_experts", "eager_host", "layout_solution",
-           "micro_batch_sizes",
+__all__ = ["MICRO_BATCH_SIZES", "Layout", "Solution", "check_experts", "compute_floor", "eager_host",
+           "layout_solution", "least_compute", "micro_batch_sizes",
            "microbatch_counts", "microbatches_for", "price_fastest", "price_layout",
            "stage_bounds", "stage_submesh"]
 
@@ -106,6 +111,8 @@ class Solution:
 
 # table -> {(submesh, mesh key, storage, sequence parallel, solver): Solution}
 _SOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# table -> {(submesh, mesh shape): (forward, backward) least compute seconds of each full-graph layer}
+_LEAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # table -> the sequential solve's first passes (shared by the meshes whose axis 0 is the same)
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -143,6 +150,66 @@ def layout_solution(table: CostTable, submesh: tuple[int, int], mesh: MeshRoles,
         out = Solution(intra, tuple(costs), pinned.free, time.perf_counter() - t0)
     memo[key] = out
     return out
+
+
+def least_compute(table: CostTable, submesh: tuple[int, int], shape) -> tuple[list[float], ...]:
+    """Each full-graph layer's least (forward, backward) seconds a step over every sharding of ``submesh`` viewed as
+    ``shape``, and its kernel launches' seconds a microbatch (forward, backward), counted in its layer as
+    :func:`~autopar_lab.pricing.layers.layer_costs` counts them: every operator at its cheapest strategy's
+    ``compute_s`` (an operator's compute depends on its own strategy alone; the update with the backward, its
+    kernels launched once a step), and each kernel's launch, which no strategy changes. No ILP: it reads the mesh's
+    strategy lists, which the ILP reads too."""
+    key = (tuple(submesh), tuple(shape))
+    memo = _LEAST.setdefault(table, {})
+    if key not in memo:
+        g = table.solve_graph
+        lmesh = table.cluster.logical_mesh(submesh, shape)
+        device = lmesh.cluster.device
+        eager = not device.efficiency.kernel_fusion
+        attach_kernel_roles(g, eager=eager)
+        view = kernel_view(g, device.efficiency.flash_attention, eager=eager)
+        launch = device.efficiency.kernel_launch_s * kernel_share(lmesh)
+        cache = table.strategy_cache(lmesh)
+        names = list(g.layers) or [""]
+        index: dict[str | None, int] = {name: k for k, name in enumerate(names)}
+        fwd, bwd, lf, lb = ([0.0] * len(names) for _ in range(4))
+        for node in g:
+            k = index.get(node.layer, len(names) - 1)
+            least = min((s.compute_s for s in cache.strategies(node)), default=0.0)
+            role = view.roles.get(node.id)
+            kernels = (1 if role is not None and role.root else 0) + cast_kernels(node)
+            if node.role == FORWARD:
+                fwd[k] += least
+                lf[k] += kernels * launch
+            elif node.role == UPDATE:
+                bwd[k] += least + kernels * launch
+            else:
+                bwd[k] += least
+                lb[k] += kernels * launch
+        memo[key] = tuple([x[k] for k in table.layer_map] for x in (fwd, bwd, lf, lb))
+    return memo[key]
+
+
+def compute_floor(table: CostTable, layout: Layout) -> float:
+    """A lower bound on ``layout``'s priced step (:func:`price_layout`), from :func:`least_compute` alone, before its
+    ILP: each stage's (each chunk's) forward and backward a microbatch at least its layers' least compute over the
+    microbatches, their launches and its tasks' overhead (the priced times add communication, recomputation and the
+    host to those, and hide only communication), through :func:`~autopar_lab.simulate.makespan_floor` with free
+    transfers (the floor only grows with every time it reads). The frameworks' grids skip a layout whose floor cannot
+    beat the best so far without solving its ILP."""
+    fwd, bwd, lf, lb = least_compute(table, layout.submesh, layout.mesh.shape)
+    bounds = stage_bounds(table, layout.stages)
+    ranges = [(bounds[k], bounds[k + 1] - 1) for k in range(layout.stages)]
+    v = layout.virtual_stages if layout.schedule == "interleaved" else 1
+    chunks = interleave(ranges, v) if v > 1 else [(r,) for r in ranges]
+    order = [chunks[c % layout.stages][c // layout.stages] for c in range(layout.stages * v)]
+    B = layout.microbatches
+    f, w = [], []
+    for a, b in order:
+        task, _arrays = table.task_charge(a, b, layout.submesh, B)
+        f.append(sum(fwd[a:b + 1]) / B + sum(lf[a:b + 1]) + task)
+        w.append(sum(bwd[a:b + 1]) / B + sum(lb[a:b + 1]) + task + task / B)
+    return makespan_floor(f, w, B, layout.schedule, virtual_stages=v if v > 1 else None)
 
 
 def cluster_running(cluster, table, field: str, value: bool | None, what: str):
@@ -315,6 +382,10 @@ def price_layout(table: CostTable, layout: Layout, *, mem_limit_bytes: float | N
     raises :class:`~autopar_lab.pricing.price.StepAbove` unsimulated; so does its memory-lean retry, whose gathers
     only add to the step)."""
     t0 = time.perf_counter()
+    if skip_above < math.inf:  # before the ILP: a layout whose compute alone cannot beat the step is not solved
+        floor = compute_floor(table, layout)
+        if floor > skip_above:
+            raise StepAbove(floor)
     p = layout.stages
     bounds = stage_bounds(table, p)
     stages = [((bounds[k], bounds[k + 1] - 1), layout.submesh, layout.mesh.shape, layout.remat) for k in range(p)]
