@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -57,12 +58,22 @@ def cast_kernels(node: "OpNode") -> int:
 
 def dtype_size(dtype: str) -> int:
     """Bytes per element of a dtype given by name (``"float32"`` -> 4); 1 for bool, 0 for opaque types."""
+    try:  # asked per tensor and spec while pricing: np.dtype(name) costs a microsecond, a dict lookup far less
+        return _DTYPE_SIZES[dtype]
+    except (KeyError, TypeError):
+        pass
     try:
-        return int(np.dtype(dtype).itemsize)
+        out = int(np.dtype(dtype).itemsize)
     except TypeError:
         # bfloat16, float8 and friends are not numpy dtypes unless ml_dtypes is imported; read the width from the name.
         digits = "".join(ch for ch in str(dtype) if ch.isdigit())
-        return max(int(digits[:2] or 0) // 8, 1) if digits else 0
+        out = max(int(digits[:2] or 0) // 8, 1) if digits else 0
+    if type(dtype) is str and len(_DTYPE_SIZES) < 1 << 10:
+        _DTYPE_SIZES[dtype] = out
+    return out
+
+
+_DTYPE_SIZES: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,7 @@ class TensorInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return int(math.prod(self.shape))  # exact where np.prod would wrap past 2**63; 1 for a scalar
 
     @property
     def nbytes(self) -> int:

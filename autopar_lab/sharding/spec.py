@@ -43,7 +43,7 @@ Axes = tuple[int, ...]
 _TEXT: dict = {}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ShardingSpec:
     """Per tensor dimension, the mesh axes that split it (see the module docstring).
 
@@ -51,19 +51,34 @@ class ShardingSpec:
     'S01R'
     >>> ShardingSpec.replicated(3)
     ShardingSpec('RRR')
+    >>> ShardingSpec.parse("S0R") is ShardingSpec(((0,), ()))  # one object per layout
+    True
     """
 
     dims: tuple[Axes, ...]
 
-    def __post_init__(self) -> None:
-        # Specs are built by the hundred thousand while the planner enumerates strategies: a spec seen before skips
-        # the checks, and the hash is computed once (dict lookups of specs are the intra-op pass's inner loop).
+    def __new__(cls, dims=None):
+        # Specs are built by the hundred thousand while the planner enumerates strategies, and looked up in dicts
+        # keyed by tuples of them: one object per layout makes those lookups identity checks (no __eq__ call) and
+        # skips the checks for a layout seen before. (No dims: unpickling an old pickle, which sets the state.)
+        if cls is ShardingSpec and dims is not None:
+            try:
+                return _INTERNED[dims]
+            except (KeyError, TypeError):  # new, or given as lists
+                pass
+        return object.__new__(cls)
+
+    def __init__(self, dims) -> None:
+        if "_hash" in self.__dict__:
+            return  # the interned spec of these dims, set up when first made
         try:
-            dims = _CANONICAL[self.dims]
+            dims = _CANONICAL[dims]
         except (KeyError, TypeError):  # new, or given as lists
-            dims = _canonical_dims(self.dims)
+            dims = _canonical_dims(dims)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "_hash", hash(dims))
+        if type(self) is ShardingSpec and len(_INTERNED) < 1 << 16:
+            _INTERNED.setdefault(dims, self)
 
     def __hash__(self) -> int:
         return self._hash
@@ -74,6 +89,9 @@ class ShardingSpec:
         if other.__class__ is not ShardingSpec:
             return NotImplemented
         return self._hash == other._hash and self.dims == other.dims
+
+    def __reduce__(self):
+        return (ShardingSpec, (self.dims,))  # unpickled specs are the interned ones too
 
     def __getstate__(self):
         return {"dims": self.dims}
@@ -161,8 +179,15 @@ class ShardingSpec:
 
     def without_axes(self, axes: Iterable[int]) -> "ShardingSpec":
         """This spec with ``axes`` removed (replicated along them): the layout after an all-gather over them."""
-        drop = set(axes)
-        return ShardingSpec(tuple(tuple(a for a in d if a not in drop) for d in self.dims))
+        key = (self, tuple(axes))
+        out = _WITHOUT.get(key)
+        if out is None:  # remembered: the sequential solve projects every strategy's specs on every mesh
+            drop = set(key[1])
+            out = ShardingSpec(tuple(tuple(a for a in d if a not in drop) for d in self.dims))
+            if len(_WITHOUT) > 1 << 16:
+                _WITHOUT.clear()
+            _WITHOUT[key] = out
+        return out
 
     def __str__(self) -> str:
         text = _TEXT.get(self)
@@ -245,8 +270,10 @@ class ShardingSpec:
 
 
 _CANONICAL: dict[tuple, tuple[Axes, ...]] = {}
+_INTERNED: dict[tuple, ShardingSpec] = {}
 _SHARD_SHAPES: dict[tuple, tuple[int, ...] | None] = {}
 _BYTES: dict[tuple, int] = {}
+_WITHOUT: dict[tuple, "ShardingSpec"] = {}
 
 
 def _canonical_dims(dims) -> tuple[Axes, ...]:

@@ -325,21 +325,7 @@ def _fits(s: Strategy, op: OpNode, mshape: Sequence[int]) -> bool:
 def price(op: OpNode, s: Strategy, mesh, *, alone: bool = False) -> Strategy:
     """``s`` with compute_s, comm_s and mem_bytes filled in (see the module docstring for the formulas); ``alone``:
     the operator priced as a kernel of its own even where its graph has kernel roles (:func:`kernel_time`)."""
-    mshape = mesh_shape(mesh)
-    outs = [spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.out_specs, op.out_shapes, op.out_dtypes)]
-    ins = [spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.in_specs, op.in_shapes, op.in_dtypes)]
-    if op.primitive in ("gather", "dynamic_slice", "scan_slice") and ins:
-        ins[0] = sum(outs)  # they read only the slice they return, not the whole operand
-    compute = 0.0
-    if op.primitive not in ZERO_COST:
-        used = set().union(*(spec.axes for spec in s.out_specs + s.in_specs)) if (s.out_specs or s.in_specs) else set()
-        n_work = math.prod(mshape[a] for a in used)
-        compute = kernel_time(op, s, mesh, ins, outs, n_work, alone=alone)
-        if FP8_CASTS in op.params:
-            compute += cast_time(op, mesh, ins)
-    comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
-               ring_exposed_s(mesh, nbytes, axis, compute) for kind, axis, nbytes in s.collectives)
-    return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
+    return _OpPricer(op, mesh, alone).price(s, _geometry(op, s, mesh_shape(mesh)))
 
 
 def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Sequence[float], n_work: int, *,
@@ -355,38 +341,91 @@ def kernel_time(op: OpNode, s: Strategy, mesh, ins: Sequence[float], outs: Seque
     inputs from memory and writing its outputs back). Launch overheads are counted per kernel elsewhere
     (:mod:`autopar_lab.pricing.layers`).
     """
-    device = mesh.cluster.device
-    role = None if alone else kernel_role(op, device.efficiency.flash_attention, not device.efficiency.kernel_fusion)
-    dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
-    flops = op.flops / n_work
-    bw = device.achievable_bandwidth
-    share = kernel_share(mesh)  # 1 but on the CPU, calibrated with all of a host's devices busy (backends)
-    if role is not None and role.kind in ("free", "dead"):
-        return 0.0  # folded into the kernels that read it (a layout change, a scalar), or removed
-    if role is None:
-        traffic = float(sum(ins) + sum(outs))
-        extra_mm = extra_vec = 0.0
-        work = 1.0
-    elif role.absorbed:
-        # Its traffic is its kernel root's; its own elementwise work it does where its spec puts it (so an epilogue
-        # computed on a shard costs less than one replicated). A flash-attention step's work is the root's.
-        return 0.0 if role.kind in ("attention", "dead") else flops / device.vector_rate(dtype) * share
-    else:
-        traffic = float(sum(f * b for f, b in zip(role.reads, ins)) + sum(f * b for f, b in zip(role.writes, outs)))
-        traffic += role.extra_bytes * float(sum(outs))
-        extra_mm, extra_vec, work = role.extra_mm, role.extra_vec, role.work
-    if op.primitive in opcost.CONTRACTIONS:
-        if role is not None and role.kind == "attention":
-            rate = device.attention_rate(dtype)
+    return _OpPricer(op, mesh, alone).kernel_time(s, ins, outs, n_work, None)
+
+
+def _geometry(op: OpNode, s: Strategy, mshape: tuple[int, ...]) -> list:
+    """What pricing ``s`` reads of the operator's shapes only: [bytes per device of each output, of each input, the
+    devices doing distinct work, the GEMM's (batch, m, n, k) or None until first asked]. The same for every operator
+    of one shape on one mesh shape, so :func:`strategies_for` keeps it beside the rule's strategies."""
+    outs = tuple(spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.out_specs, op.out_shapes,
+                                                                                 op.out_dtypes))
+    ins = tuple(spec.bytes_per_device(sh, dt, mshape) for spec, sh, dt in zip(s.in_specs, op.in_shapes, op.in_dtypes))
+    used = set().union(*(spec.axes for spec in s.out_specs + s.in_specs)) if (s.out_specs or s.in_specs) else set()
+    return [outs, ins, math.prod(mshape[a] for a in used), None]
+
+
+class _OpPricer:
+    """:func:`price` and :func:`kernel_time` for one operator on one mesh: what does not depend on the strategy (its
+    kernel role, the device's rates, the CPU share) looked up once for all of the operator's strategies."""
+
+    def __init__(self, op: OpNode, mesh, alone: bool):
+        device = mesh.cluster.device
+        self.op, self.mesh, self.device = op, mesh, device
+        self.role = None if alone else kernel_role(op, device.efficiency.flash_attention,
+                                                   not device.efficiency.kernel_fusion)
+        self.dtype = op.in_dtypes[0] if op.in_dtypes else (op.out_dtypes[0] if op.out_dtypes else "float32")
+        self.share = kernel_share(mesh)  # 1 but on the CPU, calibrated with all of a host's devices busy (backends)
+        self.slice_read = op.primitive in ("gather", "dynamic_slice", "scan_slice")
+        self.zero = op.primitive in ZERO_COST
+        self._vector_rate = None
+
+    def vector_rate(self) -> float:
+        if self._vector_rate is None:
+            self._vector_rate = self.device.vector_rate(self.dtype)
+        return self._vector_rate
+
+    def price(self, s: Strategy, geom: list) -> Strategy:
+        op, mesh = self.op, self.mesh
+        outs, ins = geom[0], geom[1]
+        if self.slice_read and ins:
+            ins = (sum(outs),) + ins[1:]  # they read only the slice they return, not the whole operand
+        compute = 0.0
+        if not self.zero:
+            compute = self.kernel_time(s, ins, outs, geom[2], geom)
+            if FP8_CASTS in op.params:
+                compute += cast_time(op, mesh, ins)
+        comm = sum(collective_time(mesh, kind, nbytes, axis) if kind != RING_KIND else
+                   ring_exposed_s(mesh, nbytes, axis, compute) for kind, axis, nbytes in s.collectives)
+        return Strategy(s.name, s.out_specs, s.in_specs, s.collectives, compute, comm, float(sum(outs)))
+
+    def kernel_time(self, s: Strategy, ins: Sequence[float], outs: Sequence[float], n_work: int,
+                    geom: list | None) -> float:
+        op, device, role, share = self.op, self.device, self.role, self.share
+        flops = op.flops / n_work
+        if role is not None and role.kind in ("free", "dead"):
+            return 0.0  # folded into the kernels that read it (a layout change, a scalar), or removed
+        if role is None:
+            traffic = float(sum(ins) + sum(outs))
+            extra_mm = extra_vec = 0.0
+            work = 1.0
+        elif role.absorbed:
+            # Its traffic is its kernel root's; its own elementwise work it does where its spec puts it (so an
+            # epilogue computed on a shard costs less than one replicated). A flash-attention step's work is the
+            # root's.
+            return 0.0 if role.kind in ("attention", "dead") else flops / self.vector_rate() * share
         else:
-            local_in = [spec.shard_shape(sh, mesh_shape(mesh)) for spec, sh in zip(s.in_specs, op.in_shapes)]
-            local_out = [spec.shard_shape(sh, mesh_shape(mesh)) for spec, sh in zip(s.out_specs, op.out_shapes)]
-            batch, m, n, k = opcost.gemm_dims(op.primitive, local_in, local_out, op.params)
-            rate = device.matmul_rate(dtype, m, n, k, batch)
-        t = flops * (1.0 + extra_mm) * work / rate + flops * extra_vec / device.vector_rate(dtype)
-    else:
-        t = flops * (1.0 + extra_vec) / device.vector_rate(dtype)
-    return max(t, traffic / bw) * share
+            traffic = float(sum(f * b for f, b in zip(role.reads, ins)) + sum(f * b for f, b in zip(role.writes, outs)))
+            traffic += role.extra_bytes * float(sum(outs))
+            extra_mm, extra_vec, work = role.extra_mm, role.extra_vec, role.work
+        if op.primitive in opcost.CONTRACTIONS:
+            if role is not None and role.kind == "attention":
+                rate = device.attention_rate(self.dtype)
+            else:
+                dims = geom[3] if geom is not None else None
+                if dims is None:
+                    mshape = mesh_shape(self.mesh)
+                    local_in = [spec.shard_shape(sh, mshape) for spec, sh in zip(s.in_specs, op.in_shapes)]
+                    local_out = [spec.shard_shape(sh, mshape) for spec, sh in zip(s.out_specs, op.out_shapes)]
+                    dims = opcost.gemm_dims(op.primitive, local_in, local_out, op.params)
+                    if geom is not None:
+                        geom[3] = dims
+                batch, m, n, k = dims
+                rate = device.matmul_rate(self.dtype, m, n, k, batch)
+            t = flops * (1.0 + extra_mm) * work / rate + flops * extra_vec / self.vector_rate()
+        else:
+            t = flops * (1.0 + extra_vec) / self.vector_rate()
+        return max(t, traffic / device.achievable_bandwidth) * share
 
 
 def cast_time(op: OpNode, mesh, ins: Sequence[float]) -> float:
@@ -409,10 +448,17 @@ def strategies_for(op: OpNode, mesh) -> list[Strategy]:
     mshape = mesh_shape(mesh)
     rule = _RULES.get(op.primitive)
     best: dict[tuple, Strategy] = {}
-    for s in _valid_strategies(op, rule, mesh, mshape):
-        p = price(op, s, mesh)
-        if p.key not in best or p.cost < best[p.key].cost:
-            best[p.key] = p
+    valid, geoms = _valid_strategies(op, rule, mesh, mshape)
+    if valid:
+        pricer = _OpPricer(op, mesh, False)
+        for k, s in enumerate(valid):
+            geom = geoms[k]
+            if geom is None:
+                geom = geoms[k] = _geometry(op, s, mshape)
+            p = pricer.price(s, geom)
+            key = p.key
+            if key not in best or p.cost < best[key].cost:
+                best[key] = p
     if not best:
         why = f"no rule for '{op.primitive}'" if rule is None else "no valid split"
         p = price(op, replicated_strategy(op, why), mesh)
@@ -420,26 +466,29 @@ def strategies_for(op: OpNode, mesh) -> list[Strategy]:
     return list(best.values())
 
 
-_VALID: dict[tuple, tuple[Strategy, ...]] = {}
+#: Per (rule, operator signature, mesh shape): the rule's valid strategies, unpriced, and each one's _geometry
+#: (filled as first priced).
+_VALID: dict[tuple, tuple[tuple[Strategy, ...], list]] = {}
 
 
-def _valid_strategies(op: OpNode, rule, mesh, mshape) -> tuple[Strategy, ...]:
-    """The rule's strategies that fit ``op`` on a mesh of shape ``mshape``, unpriced. Remembered per (rule, operator
-    signature, mesh shape): a rule sees the mesh only through its shape (pricing, which reads links, comes after),
-    and the planner asks again on every logical mesh of every submesh."""
+def _valid_strategies(op: OpNode, rule, mesh, mshape) -> tuple[tuple[Strategy, ...], list]:
+    """The rule's strategies that fit ``op`` on a mesh of shape ``mshape``, unpriced, and a list of their geometries
+    (None until computed). Remembered per (rule, operator signature, mesh shape): a rule sees the mesh only through
+    its shape (pricing, which reads links, comes after), and the planner asks again on every logical mesh of every
+    submesh."""
     if rule is None:
-        return ()
+        return (), []
     sig = op_signature(op)
     # A shape-only rule (the built-in ones) reads an operator's primitive, shapes, dtypes and parameters only, not
     # its role or its inputs' kinds: a forward and a backward operator of one shape share the enumeration. Any other
-    # rule may read anything: it keeps the whole signature.
+    # rule may read anything: it keeps the whole signature. Either key holds all the geometry reads (sig[:6]).
     key = (rule, sig[:6] if rule in _SHAPE_ONLY else sig, mshape)
     hit = _VALID.get(key)
     if hit is None:
-        hit = tuple(s for s in rule(op, mesh) if _fits(s, op, mshape))
+        valid = tuple(s for s in rule(op, mesh) if _fits(s, op, mshape))
         if len(_VALID) > 1 << 16:
             _VALID.clear()
-        _VALID[key] = hit
+        hit = _VALID[key] = (valid, [None] * len(valid))
     return hit
 
 

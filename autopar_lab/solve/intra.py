@@ -642,6 +642,8 @@ def conversions(graph: OpGraph, ops: Sequence[int], chosen: Mapping[int, Strateg
             src, dst = chosen[v].in_specs[0], chosen[u].out_specs[0]
         else:
             src, dst = chosen[u].out_specs[i], chosen[v].in_specs[j]
+        if src is dst:  # no conversion (specs are interned: most unconverted edges end here, before any hashing)
+            continue
         # conversion_key(graph, u, v, t.id, src, dst, i == -1), with the parameter test read from the memo
         gathers = param and i != -1 and bool(src.axes - dst.axes)
         key = (t.id, src, dst, i == -1, v if gathers else None)
