@@ -529,8 +529,11 @@ def test_deep_workbench_in_chromium(tmp_path):
         runs = text_of(page, ".autopar-runs")
         assert "local" in runs and "2/2" in runs and "→" in runs
         # The loss curve's last point is a separate message from the "done" text: wait for it, a while under load.
+        # (A figure re-rendered under load shows no trace for a moment: that reads -1, and the wait goes on, where
+        # reading the first trace of an empty figure threw and ended the wait at once: a fresh clone, 2026-12-07.)
         count = ("() => { const p = document.querySelector('.autopar-training .js-plotly-plot');"
-                 " return p && p._fullData ? p._fullData[0].y.length : -1; }")
+                 " return p && p._fullData && p._fullData.length && p._fullData[0].y ?"
+                 " p._fullData[0].y.length : -1; }")
         with contextlib.suppress(Exception):
             page.wait_for_function(f"() => ({count})() >= 2", timeout=60_000, polling=250)
         assert page.evaluate(count) == 2
