@@ -929,19 +929,31 @@ def test_workbench_imports_a_torchtitan_toml_and_exports_maxtext_yaml(tiny):
 
 # --- the grids' search -----------------------------------------------------------------------------------------------
 
-def exhaustive_best(framework, table):
-    """The fastest plan of ``framework``'s grid that fits, each layout priced in full (no bound) and recomputing
-    no more than it must to fit, and how many plans that priced."""
+def priced_grid(framework, table):
+    """Each layout of ``framework``'s grid: (planner, keywords, its plans up the framework's recomputation ladder as
+    (remat, plan), priced lazily and stopping where the planner refuses the layout)."""
     from autopar_lab.frameworks.grid import grid
 
     ladder = ("none", "minimal", "full") if framework == "maxtext" else (False, "selective", True)
-    best, priced = None, 0
-    for fn, kw in grid(framework, table):
+
+    def climb(fn, kw):
         for remat in ladder:
             try:
                 plan = fn(table=table, remat=remat, **kw)
             except ValueError:
-                break
+                return
+            yield remat, plan
+
+    for fn, kw in grid(framework, table):
+        yield fn, kw, climb(fn, kw)
+
+
+def exhaustive_best(framework, table):
+    """The fastest plan of ``framework``'s grid that fits, each layout priced in full (no bound) and recomputing
+    no more than it must to fit, and how many plans that priced."""
+    best, priced = None, 0
+    for _fn, _kw, ladder in priced_grid(framework, table):
+        for _remat, plan in ladder:
             priced += 1
             if plan.cost.fits:
                 if best is None or plan.cost.step_time_s < best.cost.step_time_s:
@@ -973,19 +985,13 @@ def test_the_floor_checked_before_a_layouts_ilp_is_below_its_priced_step_on_ever
     """The grids skip a layout before solving its ILP where its floor (the least compute any sharding gives, its
     launches and task overheads: layouts.engine.compute_floor) is above the best so far: that floor is never above
     the step the layout is priced at, for every layout of the grid and every recomputation, brute force."""
-    from autopar_lab.frameworks.grid import grid
     from autopar_lab.pricing.price import StepAbove
 
     model = al.models.get("llama3-tiny", num_layers=2, batch_size=8, dtype="bfloat16")
     table = CostTable.build(model, al.Cluster.parse("dgx-h100:1"), precision="bf16")
-    ladder = ("none", "minimal", "full") if framework == "maxtext" else (False, "selective", True)
     ratios = []
-    for fn, kw in grid(framework, table):
-        for remat in ladder:
-            try:
-                plan = fn(table=table, remat=remat, **kw)
-            except ValueError:
-                break
+    for fn, kw, ladder in priced_grid(framework, table):
+        for remat, plan in ladder:
             with pytest.raises(StepAbove) as above:  # any step to beat below the floor: raised before the ILP
                 fn(table=table, remat=remat, skip_above=0.0, **kw)
             assert 0 < above.value.floor <= plan.cost.step_time_s, (kw, remat)
