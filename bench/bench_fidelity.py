@@ -46,7 +46,10 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
 * torchtitan's Llama 3.1 8B rows: ``al.fsdp_plan(local_batch_size=2, remat="selective", compile=False,
   eager_loss="torchtitan")`` (eager: no torch.compile; torchtitan's selective is its op-level policy,
   ``"selective-op"``; its float32 cross-entropy after the model) on ``grand-teton-h100``, the run's H100 (96 GB
-  HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why);
+  HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why); their published memory
+  is what torchtitan logs, the caching allocator's max_memory_reserved, compared with the plan's ``reserved_bytes``
+  (the eager host's fitted reserve, ``autopar_lab.backends.eager.ALLOCATOR_RESERVE``: fitted on the 8-GPU row, the
+  128-GPU row out of sample); every other row's with the bytes allocated (KempnerForge logs max_memory_allocated);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
@@ -194,7 +197,10 @@ class Today:
     """One published run of 2022-2026: how to build its model, cluster and plan, and what was published.
 
     ``unit``: "tflops" (per device, the publishers' count :func:`model_flops`), "tokens_per_device" or "step_s";
-    ``mem_gib``: the published peak memory per device (GiB) where there is one; ``group``: rows measured side by side
+    ``mem_gib``: the published peak memory per device (GiB) where there is one; ``mem_logged``: what that figure is,
+    "allocated" (``torch.cuda.max_memory_allocated``: KempnerForge's) or "reserved" (``max_memory_reserved``, the
+    caching allocator's: torchtitan's), compared with the plan's ``total_bytes`` or ``reserved_bytes``
+    (:func:`~autopar_lab.pricing.memory.memory_breakdown`); ``group``: rows measured side by side
     (their order is checked, Spearman); ``assumed``: what the source leaves out and the row assumes."""
 
     name: str
@@ -210,6 +216,7 @@ class Today:
     unit: str
     cluster_kw: dict = field(default_factory=dict)
     mem_gib: float | None = None
+    mem_logged: str = "allocated"
     group: str | None = None
     assumed: str = ""
 
@@ -281,8 +288,11 @@ def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
                  dict(seq_len=8192, batch_size=2 * gpus), "grand-teton-h100", gpus // 8,
                  dict(dp_shard=-1, local_batch_size=2, remat="selective", precision="bf16", compile=False,
                       eager_loss="torchtitan"), gpus, tokens,
-                 "tokens_per_device", mem_gib=mem_gib,
-                 assumed="torchtitan's op-level selective checkpointing (its policy saves SDPA's "
+                 "tokens_per_device", mem_gib=mem_gib, mem_logged="reserved",
+                 assumed="the memory torchtitan logs is torch.cuda's max_memory_reserved (train.py's "
+                         "memory/max_reserved), compared with the plan's reserved figure (the eager host's fitted "
+                         "allocator reserve: autopar_lab.backends.eager.ALLOCATOR_RESERVE, fitted on the 8-GPU row, "
+                         "the 128-GPU row out of sample); torchtitan's op-level selective checkpointing (its policy saves SDPA's "
                          "output and every other mm's, recomputing the rest) priced as such "
                          "(remat 'selective-op': wk, wo and w3 run again in the backward); no "
                          "torch.compile: eager (compile=False, every "
@@ -395,12 +405,15 @@ def today_row(r: Today) -> dict:
     step, pub = plan.cost.step_time_s, r.published_step_s()
     mem = memory_breakdown(plan)
     peak = max(mem, key=lambda m: m["total_bytes"])
+    # the figure the source logs: allocated, or the caching allocator's reserved (Today.mem_logged)
+    logged = peak["reserved_bytes" if r.mem_logged == "reserved" else "total_bytes"] / GIB
     return {"row": r.name, "devices": r.devices, "plan": plan.method, "published": r.published, "unit": r.unit,
             "published_step_s": pub, "step_s": step, "ratio": pub / step,
             "tokens_per_device_s": r.tokens / step / r.devices,
             "published_tokens_per_device_s": r.tokens / pub / r.devices,
-            "peak_mem_gib": peak["total_bytes"] / GIB, "published_mem_gib": r.mem_gib,
-            "mem_ratio": peak["total_bytes"] / GIB / r.mem_gib if r.mem_gib else None, "fits": plan.cost.fits,
+            "peak_mem_gib": peak["total_bytes"] / GIB, "peak_reserved_gib": peak["reserved_bytes"] / GIB,
+            "mem_logged": r.mem_logged, "compared_mem_gib": logged, "published_mem_gib": r.mem_gib,
+            "mem_ratio": logged / r.mem_gib if r.mem_gib else None, "fits": plan.cost.fits,
             "limit_gib": plan.cost.mem_limit_bytes / GIB, "peak_parts_gib": {p: peak[p] / GIB for p in PARTS},
             "group": r.group, "compute_s": plan.cost.compute_s, "comm_s": plan.cost.comm_s,
             "reshard_s": plan.cost.reshard_s, "bubble_s": plan.cost.bubble_s, "host_s": plan.cost.host_s,
@@ -426,14 +439,15 @@ def today_summary(rows: list[dict]) -> dict:
 
 def print_today(rows: list[dict], summ: dict) -> None:
     print("| row | devices | plan | published | pred / pub (throughput) | step s (published) | peak GiB "
-          "(published) | pred / pub (memory) | fits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "allocated | compared GiB (published) | pred / pub (memory) | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         unit = {"tflops": "TFLOP/s a device", "tokens_per_device": "tokens/s a device", "step_s": "s a step"}[r["unit"]]
         pm = "-" if r["published_mem_gib"] is None else f"{r['published_mem_gib']:.1f}"
         mr = "-" if r["mem_ratio"] is None else f"{r['mem_ratio']:.2f}"
+        cmp = "-" if r["published_mem_gib"] is None else f"{r['compared_mem_gib']:.1f} {r['mem_logged']} ({pm})"
         print(f"| {r['row']} | {r['devices']} | {r['plan']} | {r['published']:g} {unit} | {r['ratio']:.3f} | "
-              f"{r['step_s']:.2f} ({r['published_step_s']:.2f}) | {r['peak_mem_gib']:.1f} ({pm}) | {mr} | "
+              f"{r['step_s']:.2f} ({r['published_step_s']:.2f}) | {r['peak_mem_gib']:.1f} | {cmp} | {mr} | "
               f"{'yes' if r['fits'] else 'NO'} |")
     wm = summ["worst_mem_err"]
     print(f"median |pred/pub - 1| = {summ['median_abs_err']:.1%}, worst {summ['worst_abs_err']:.1%} "

@@ -144,3 +144,23 @@ def test_the_cost_panel_and_the_cli_show_the_host_term(table, capsys):
            **plan.cost.to_dict()}
     _print_plan(out)
     assert f"+ host {plan.cost.host_s:.4g} s" in capsys.readouterr().out
+
+
+def test_an_eager_host_reserves_the_fitted_share_of_its_peak_beyond_what_it_allocates():
+    """PyTorch's caching allocator reserves more than it allocates: an eager plan's breakdown gives the reserved
+    figure (what torchtitan logs) as its allocated peak x the fitted ALLOCATOR_RESERVE; a compiled plan's is its
+    allocated peak (not modelled). The figure names the row it was fitted on and the one it was checked on."""
+    model = _tiny()
+    eager_plan = al.fsdp_plan(model, al.Cluster.preset("dgx-h100", 1), compile=False)
+    compiled = al.fsdp_plan(model, al.Cluster.preset("dgx-h100", 1), compile=True)
+    for row in al.memory_breakdown(eager_plan):
+        assert row["reserved_bytes"] == pytest.approx(row["total_bytes"] * eager.ALLOCATOR_RESERVE, rel=1e-12)
+        assert row["reserved_bytes"] > row["total_bytes"]
+    for row in al.memory_breakdown(compiled):
+        assert row["reserved_bytes"] == row["total_bytes"]
+    text = eager.FITTED["ALLOCATOR_RESERVE"]
+    assert "torchtitan-8b-8" in text and "Out of sample" in text and "128-GPU row" in text
+    assert 1.0 < eager.ALLOCATOR_RESERVE < 1.5
+    assert eager.reserved_bytes("eager-te", 100.0) == eager.reserved_bytes("eager", 100.0)
+    with pytest.raises(ValueError, match="eager"):
+        eager.reserved_bytes("lazy", 100.0)

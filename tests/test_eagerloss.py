@@ -9,6 +9,7 @@ import autopar_lab as al
 from autopar_lab.memory import memory_breakdown
 from autopar_lab.planfile import load_plan, save_plan
 from autopar_lab.pricing.eagerloss import LOSSES, eager_loss_bytes, logits_elements, loss_extra_bytes
+from autopar_lab.pricing.memory import PARTS, absent_at_loss
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,48 @@ def test_a_plan_file_carries_both_pins_and_explain_says_each_term(tmp_path):
     assert back.method == plan.method == "fsdp(dp_shard=4,no-sync,kempnerforge-loss)"
     assert back.stage_pins == plan.stage_pins and back.cost.explain() == text
     assert back.cost.peak_mem_bytes == pytest.approx(plan.cost.peak_mem_bytes, rel=1e-12)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fsdp2_holds_no_bf16_shard_and_no_gradient_yet_at_the_loss(microbatches):
+    """At the loss's backward an FSDP2 framework holds its parameters sharded in float32 only (MixedPrecisionPolicy
+    casts them to bf16 into the all-gather's buffer, no bf16 shard of their own), and on a step of one microbatch no
+    gradient yet (zero_grad sets them to None; each layer's is written at its reduce-scatter, after the loss): the
+    loss adds max(0, (loss - head kept) / microbatches - working set - bf16 shard - gradients) by hand, and the
+    breakdown of that stage shows neither."""
+    model = al.models.get("llama3-tiny", batch_size=8, vocab_size=65536, dtype="bfloat16")
+    cluster = al.Cluster.preset("dgx-h100", 1).with_(devices_per_host=4)
+    plan = al.fsdp_plan(model, cluster, dp_shard=4, microbatches=microbatches, eager_loss="torchtitan",
+                        precision="bf16")
+    base = al.fsdp_plan(table=plan.table, dp_shard=4, microbatches=microbatches)
+    costs = base.stages[0].layer_costs
+    row = memory_breakdown(base)[0]
+    working = row["buffers_bytes"] + row["recompute_bytes"]
+    bf16_shard = sum(c.param_bytes for c in costs)
+    grads = sum(c.grad_bytes for c in costs)
+    assert bf16_shard * 2 == pytest.approx(sum(c.master_bytes for c in costs))  # bf16 beside a float32 master
+    loss = 3 * 4 * 8 * 16 * 65536 / 4
+    assert plan.stage_pins["eager_loss"] == loss
+    not_held = bf16_shard + (grads if microbatches == 1 else 0.0)
+    expect = (loss - costs[-1].act_bytes) / microbatches - working - not_held
+    assert expect > 0
+    assert plan.stages[0].peak_mem_bytes - base.stages[0].peak_mem_bytes == pytest.approx(expect, rel=1e-9)
+    at_loss = memory_breakdown(plan)[0]
+    assert at_loss["params_bytes"] == 0.0 and at_loss["recompute_bytes"] == 0.0
+    assert at_loss["grads_bytes"] == (0.0 if microbatches == 1 else pytest.approx(grads))
+    assert at_loss["master_bytes"] == row["master_bytes"] and at_loss["optimizer_bytes"] == row["optimizer_bytes"]
+    assert sum(at_loss[p] for p in PARTS) == pytest.approx(plan.stages[0].peak_mem_bytes, rel=1e-12)
+
+
+def test_a_float32_model_keeps_its_parameters_at_the_loss():
+    """Without master weights the parameters are the shard itself: only the gradients are absent at the loss."""
+    model = al.models.get("llama3-tiny", batch_size=8, vocab_size=65536)
+    cluster = al.Cluster.preset("dgx-h100", 1).with_(devices_per_host=4)
+    plan = al.fsdp_plan(model, cluster, dp_shard=4, microbatches=1, eager_loss="torchtitan")
+    costs = plan.stages[0].layer_costs
+    gone = absent_at_loss(costs, plan.stages[0].layers, 1)
+    assert gone == {"params_bytes": 0.0, "grads_bytes": pytest.approx(sum(c.grad_bytes for c in costs))}
+    assert absent_at_loss(costs, plan.stages[0].layers, 2) == {"params_bytes": 0.0, "grads_bytes": 0.0}
+    row = memory_breakdown(plan)[0]
+    assert row["params_bytes"] > 0
+    assert row["params_bytes"] == pytest.approx(sum(c.param_bytes for c in costs))

@@ -30,7 +30,13 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
   gradient unsharded over the FSDP group in float32 through the step's last microbatch
   (:mod:`autopar_lab.pricing.accumulate`).
 * the loss: computed op by op after the model (``eager_loss``, torchtitan's float32 cross-entropy or
-  KempnerForge's bf16 one), its logits-sized tensors at its backward priced (:mod:`autopar_lab.pricing.eagerloss`).
+  KempnerForge's bf16 one), its logits-sized tensors at its backward priced (:mod:`autopar_lab.pricing.eagerloss`),
+  beside the state FSDP2 holds then: its parameters sharded in float32 only under mixed precision
+  (``MixedPrecisionPolicy`` casts them to bf16 into the all-gather's buffer), and, a step of one microbatch, no
+  gradient yet (:func:`~autopar_lab.pricing.memory.absent_at_loss`);
+* memory as an eager framework logs it: with ``compile=False`` the breakdown's ``reserved_bytes`` is the caching
+  allocator's reserve at the peak (what torchtitan logs, ``max_memory_reserved``), fitted
+  (:data:`~autopar_lab.backends.eager.ALLOCATOR_RESERVE`).
 """
 
 from __future__ import annotations

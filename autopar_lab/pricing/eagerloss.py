@@ -18,8 +18,12 @@ its state and every in-flight activation, and these logits-sized tensors:
 the loss (the graph's last layer) then peaks at ``static + in-flight activations + max(its average layer's working
 set, the loss's)``, the loss's less what its activations already keep of the head a microbatch
 (:func:`loss_extra_bytes`: what a plan whose ``stage_pins["eager_loss"]`` names those bytes adds to the stage's
-static bytes; ``fsdp_plan(eager_loss=...)``). The traced JAX step's own loss is fused by XLA and is what the
-formula prices without the pin.
+static bytes; ``fsdp_plan(eager_loss=...)``). At that moment an FSDP2 framework holds less state than its static
+bytes count (:func:`~autopar_lab.pricing.memory.absent_at_loss`): under ``MixedPrecisionPolicy`` no bf16 shard of the
+parameters (they are sharded in float32 only), and on a step of one microbatch no gradient yet (zero_grad sets them
+to None before the forward; FSDP2 writes each layer's at its reduce-scatter, later in the backward): the loss's
+extra is what it holds beyond the layer moment's peak net of that state. The traced JAX step's own loss is fused by
+XLA and is what the formula prices without the pin.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import math
 from typing import TYPE_CHECKING, Sequence
 
 from ..rematmode import is_full
-from .memory import stage_memory
+from .memory import absent_at_loss, stage_memory
 from .stage import partial_keys
 
 if TYPE_CHECKING:
@@ -68,13 +72,15 @@ def eager_loss_bytes(framework: str, elements: int, data_parallel: int, tensor_p
 def loss_extra_bytes(costs: Sequence[LayerCost], layers: tuple[int, int], microbatches: int, remat: bool | str,
                      loss_bytes: float, loss_layer: int) -> float:
     """What a stage of layers ``layers`` (first, last) holds beyond its static bytes and in-flight activations at the
-    loss's backward, above its average layer's working set: ``max(0, loss - head kept - working set)`` a
-    microbatch, with ``loss_bytes`` a step (:func:`eager_loss_bytes`) and the loss in layer ``loss_layer``; 0 for a
-    stage without it."""
+    loss's backward, above its average layer's working set: ``max(0, loss - head kept - working set - state not yet
+    held)`` a microbatch, with ``loss_bytes`` a step (:func:`eager_loss_bytes`) and the loss in layer ``loss_layer``;
+    0 for a stage without it. The state not held then is FSDP2's (both frameworks' wrapper):
+    :func:`~autopar_lab.pricing.memory.absent_at_loss` (no low-precision parameter shard under mixed precision; with
+    one microbatch, no gradient written yet)."""
     if loss_bytes <= 0 or not layers[0] <= loss_layer <= layers[1]:
         return 0.0
     mem = stage_memory(costs, layers, microbatches, remat)
-    held = mem["buffers_bytes"] + mem["recompute_bytes"]
+    held = mem["buffers_bytes"] + mem["recompute_bytes"] + sum(absent_at_loss(costs, layers, microbatches).values())
     head = costs[loss_layer]
     if is_full(remat):
         kept = head.ckpt_bytes

@@ -33,9 +33,18 @@ and :func:`memory_breakdown` splits the same sums:
   schedule keeps alive on the stage at once: up to the number of stages under 1F1B, all of them under GPipe). An
   interleaved stage: its peak less its static bytes (its chunks hold different amounts).
 
-``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it. ``remat_saved_bytes``
-is what rematerialisation (full or selective; ``remat_mode`` says which) saves (the activations the stage would
-hold without it, less what it holds), 0 for a stage without remat.
+A stage that computes an eager framework's loss (``stage_pins["eager_loss"]``, :mod:`autopar_lab.pricing.eagerloss`)
+and peaks at that loss's backward is split as it stands then: without what an FSDP2 framework does not hold at that
+moment (:func:`absent_at_loss`: its low-precision parameter shard, and with one microbatch its gradients), the loss's
+tensors beyond the head's kept activations in ``buffers_bytes`` (no layer recomputes then: ``recompute_bytes`` 0).
+
+``total_bytes`` is ``Stage.peak_mem_bytes`` itself, and the parts (:data:`PARTS`) add up to it: the bytes allocated.
+``reserved_bytes``: what PyTorch's caching allocator reserves at that peak for a plan whose host is an eager PyTorch
+one (``stage_pins["host"]``: ``total_bytes`` x the fitted :data:`~autopar_lab.backends.eager.ALLOCATOR_RESERVE`, the
+figure ``torch.cuda.max_memory_reserved`` logs); ``total_bytes`` itself for every other plan (not modelled).
+
+``remat_saved_bytes`` is what rematerialisation (full or selective; ``remat_mode`` says which) saves (the activations
+the stage would hold without it, less what it holds), 0 for a stage without remat.
 
     >>> rows = memory_breakdown(plan)                                                    # doctest: +SKIP
     >>> sum(rows[0][p] for p in PARTS) == plan.stages[0].peak_mem_bytes                   # doctest: +SKIP
@@ -46,13 +55,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..backends.eager import reserved_bytes
 from ..rematmode import is_full, recomputes, remat_label
 from .stage import partial_keys
 
 if TYPE_CHECKING:
     from ..plan import Plan
 
-__all__ = ["PARTS", "memory_breakdown", "stage_memory"]
+__all__ = ["PARTS", "absent_at_loss", "memory_breakdown", "stage_memory"]
 
 #: The parts of a stage's peak memory, in the order they stack.
 PARTS = ("params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "copies_bytes", "fp8_copies_bytes",
@@ -90,6 +100,23 @@ def stage_memory(costs, layers: tuple[int, int], microbatches: int, remat: bool 
     return out
 
 
+def absent_at_loss(costs, layers: tuple[int, int], microbatches: int) -> dict[str, float]:
+    """The parts of :func:`stage_memory`'s state that an FSDP2 framework (torchtitan, KempnerForge: the frameworks of
+    ``stage_pins["eager_loss"]``) does not hold at its loss's backward, for a stage of layers ``layers`` (first, last):
+
+    * ``params_bytes``: the low-precision copy of every parameter with a float32 master. FSDP2's
+      ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameter in float32 only and casts it to bf16 into
+      the all-gather's unsharded buffer (not a shard of its own), which the state counts as ``master_bytes``;
+    * ``grads_bytes``: with one microbatch, every gradient. torchtitan's step starts with ``optimizers.zero_grad()``
+      (``set_to_none``) and FSDP2 writes each layer's sharded gradient at its reduce-scatter, after the loss's backward;
+      with several, the earlier microbatches' gradients are held by then (0).
+
+    The same state is held in full later in the backward (its layers' working sets)."""
+    part = costs[layers[0]:layers[1] + 1]
+    return {"params_bytes": float(sum(c.param_bytes for c in part if c.master_bytes > 0)),
+            "grads_bytes": float(sum(c.grad_bytes for c in part)) if microbatches == 1 else 0.0}
+
+
 def transient_bytes(costs, layers: tuple[int, int], microbatches: int, remat: bool | str) -> float:
     """The part of :func:`stage_memory`'s static bytes a stage holds only while it runs a backward (its buffers and
     the recomputation's working set): an interleaved stage holds its largest chunk's, not the sum of its chunks'."""
@@ -99,9 +126,12 @@ def transient_bytes(costs, layers: tuple[int, int], microbatches: int, remat: bo
 
 def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
     """Per stage of ``plan``: ``{stage, <each of PARTS>, act_per_microbatch_bytes, microbatches_in_flight, remat,
-    remat_mode, remat_saved_bytes, total_bytes, limit_bytes}`` (bytes per device; see the module docstring). A stage
-    priced without layer costs gets its static bytes as ``params_bytes``."""
+    remat_mode, remat_saved_bytes, total_bytes, reserved_bytes, limit_bytes}`` (bytes per device; see the module
+    docstring). A stage priced without layer costs gets its static bytes as ``params_bytes``."""
     tl = plan.cost.timeline
+    pins = plan.stage_pins or {}
+    # the stage whose peak is an eager loss's backward (pricing.eagerloss adds what it holds beyond then)
+    at_loss = plan.cost.loss_stage if plan.cost.eager_loss_bytes and plan.cost.loss_extra_bytes > 0 else None
     out = []
     for k, st in enumerate(plan.stages):
         if tl is not None:
@@ -115,8 +145,9 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
             # transients of one backward at a time are the largest chunk's (pricing.price)
             chunks = [stage_memory(st.layer_costs, rng, plan.microbatches, st.remat) for rng in st.layer_ranges]
             parts = {key: sum(c[key] for c in chunks) for key in chunks[0]}
-            k = max(range(len(chunks)), key=lambda i: chunks[i]["buffers_bytes"] + chunks[i]["recompute_bytes"])
-            parts["buffers_bytes"], parts["recompute_bytes"] = chunks[k]["buffers_bytes"], chunks[k]["recompute_bytes"]
+            top = max(range(len(chunks)), key=lambda i: chunks[i]["buffers_bytes"] + chunks[i]["recompute_bytes"])
+            parts["buffers_bytes"] = chunks[top]["buffers_bytes"]
+            parts["recompute_bytes"] = chunks[top]["recompute_bytes"]
             for p in PARTS[:-1]:
                 row[p] = parts[p]
             if recomputes(st.remat):
@@ -129,6 +160,13 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
                 row["grads_bytes"] -= cut
                 left += cut
             row["buffers_bytes"] += left
+            if k == at_loss:  # split as the loss's backward holds it: no layer recomputes then (absent_at_loss)
+                row["buffers_bytes"] += row["recompute_bytes"]
+                row["recompute_bytes"] = 0.0
+                for rng in st.layer_ranges:
+                    for p, gone in absent_at_loss(st.layer_costs, rng, plan.microbatches).items():
+                        row[p] -= gone
+                        row["buffers_bytes"] += gone
         else:
             row["params_bytes"] = st.static_bytes
         # an interleaved stage's chunks hold different amounts each: its activations are its peak over its static
@@ -136,6 +174,7 @@ def memory_breakdown(plan: Plan) -> list[dict[str, Any]]:
         row.update({"act_per_microbatch_bytes": st.act_bytes, "microbatches_in_flight": inflight,
                     "remat": recomputes(st.remat), "remat_mode": remat_label(st.remat), "remat_saved_bytes": saved,
                     "total_bytes": st.peak_mem_bytes,
+                    "reserved_bytes": reserved_bytes(pins.get("host"), st.peak_mem_bytes),
                     "limit_bytes": plan.cost.mem_limit_bytes})
         out.append(row)
     return out
