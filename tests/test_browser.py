@@ -64,7 +64,10 @@ def jupyter_lab(root_dir: pathlib.Path, scratch: pathlib.Path, timeout: float = 
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--ServerApp.token={token}", f"--ServerApp.root_dir={root_dir}", "--ServerApp.port_retries=0",
            "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           # No language-server search (it starts npm) and no terminals: the tests use neither (0.4 CPU-s a start).
+           "--ServerApp.jpserver_extensions=jupyter_lsp=False",
+           "--ServerApp.jpserver_extensions=jupyter_server_terminals=False"]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
     # No news or update prompts: a toast over a view would end up in its screenshot.
