@@ -696,6 +696,10 @@ def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
         assert not cell_errors(page), cell_errors(page)
         wait_for_plots(page, ".autopar-workbench")  # drawn, and fit their grid cells (the first resize)
         settle(page)
+        # Every figure drew with plotly's front end loaded once for the kernel (autopar_lab/widgets/views/_base.py:
+        # each figure carried and evaluated its own 5 MB copy before).
+        figures = page.locator(".autopar-workbench .js-plotly-plot").count()
+        assert figures >= 5 and page.evaluate("() => globalThis.__autoparPlotly?.size") == 1, figures
 
         # --- the graph: a layer opened; its caption above the drawing, at the opening view and after "fit" --------
         graph = page.locator(".autopar-graph").first
