@@ -64,7 +64,10 @@ def jupyter_lab(root_dir: pathlib.Path, scratch: pathlib.Path, timeout: float = 
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--ServerApp.token={token}", f"--ServerApp.root_dir={root_dir}", "--ServerApp.port_retries=0",
            "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           # No language-server search (it starts npm) and no terminals: the tests use neither (0.4 CPU-s a start).
+           "--ServerApp.jpserver_extensions=jupyter_lsp=False",
+           "--ServerApp.jpserver_extensions=jupyter_server_terminals=False"]
     if hasattr(os, "getuid") and os.getuid() == 0:
         cmd.append("--allow-root")
     # No news or update prompts: a toast over a view would end up in its screenshot.
@@ -693,6 +696,10 @@ def test_graph_and_charts_read_clearly_in_chromium(tmp_path):
         assert not cell_errors(page), cell_errors(page)
         wait_for_plots(page, ".autopar-workbench")  # drawn, and fit their grid cells (the first resize)
         settle(page)
+        # Every figure drew with plotly's front end loaded once for the kernel (autopar_lab/widgets/views/_base.py:
+        # each figure carried and evaluated its own 5 MB copy before).
+        figures = page.locator(".autopar-workbench .js-plotly-plot").count()
+        assert figures >= 5 and page.evaluate("() => globalThis.__autoparPlotly?.size") == 1, figures
 
         # --- the graph: a layer opened; its caption above the drawing, at the opening view and after "fit" --------
         graph = page.locator(".autopar-graph").first

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import anywidget
 import ipywidgets as w
 import plotly.graph_objects as go
+import traitlets
 
 from .fmt import fmt_bytes, fmt_flops, fmt_s  # noqa: F401 - the views' number format, re-exported
 
@@ -61,7 +63,82 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-class LiveFigure(go.FigureWidget):
+# plotly's figure front end (plotly 6 and later: an anywidget ES module of 5 MB) is sent to the browser once per kernel,
+# not once per figure. A FigureWidget carries the whole module in its state and the browser evaluates it again for
+# every figure: a workbench's five figures sent 25 MB through the kernel, the server and the page, and took the page
+# 15 s of its main thread to evaluate (a Chromium trace of tests/test_browser.py's deep test, 2026-12-07, beside other
+# work on 2 cores). A SharedFigure sends a small module instead that imports plotly's, held once by a plain widget
+# model (its ``source``), and evaluates it once per page and kernel.
+_SHARED_ESM = """
+const loaded = (globalThis.__autoparPlotly ??= new Map());
+async function libraryModel(model, id) {
+  for (let i = 0; ; i++) {  // restored from the kernel, the library's model may register after this one's
+    try { return await model.widget_manager.get_model(id); }
+    catch (e) { if (i >= 200) throw e; await new Promise(r => setTimeout(r, 50)); }
+  }
+}
+function plotly(model) {
+  const id = model.get("_plotly_library");
+  let mod = loaded.get(id);
+  if (!mod) {
+    mod = libraryModel(model, id).then(async lib => {
+      const url = URL.createObjectURL(new Blob([lib.get("source")], { type: "text/javascript" }));
+      try { return await import(/* webpackIgnore: true */ url); } finally { URL.revokeObjectURL(url); }
+    });
+    loaded.set(id, mod);
+    mod.catch(() => loaded.delete(id));
+  }
+  return mod;
+}
+export default () => {
+  let inner, ready;
+  return {
+    initialize(ctx) {
+      ready = plotly(ctx.model).then(async mod => {
+        inner = typeof mod.default === "function" ? await mod.default() : mod.default;
+        return inner.initialize?.(ctx);
+      });
+      return ready;
+    },
+    async render(ctx) { await ready; return inner.render(ctx); },
+  };
+};
+"""
+
+#: Whether plotly's FigureWidget is an anywidget (plotly 6 and later): only then can its front end be shared.
+_SHARES_FRONT_END = issubclass(go.FigureWidget, anywidget.AnyWidget) and hasattr(go.FigureWidget, "_esm")
+
+
+class _PlotlyLibrary(w.Widget):
+    """plotly's figure front end, as a widget model the browser fetches once per kernel (no view)."""
+
+    source = traitlets.Unicode("").tag(sync=True)
+
+
+_LIBRARY: list[_PlotlyLibrary] = []
+
+
+def plotly_library() -> _PlotlyLibrary:
+    """The kernel's one widget holding plotly's figure front end (made again if it was closed)."""
+    if not _LIBRARY or _LIBRARY[0].comm is None:
+        _LIBRARY[:] = [_PlotlyLibrary(source=str(go.FigureWidget._esm))]
+    return _LIBRARY[0]
+
+
+class SharedFigure(go.FigureWidget):
+    """A plotly ``FigureWidget`` whose front end is sent to the browser once per kernel (see ``_SHARED_ESM``): what
+    it draws and how it updates are plotly's. A plotly before 6 (no anywidget) draws it as a plain FigureWidget."""
+
+    if _SHARES_FRONT_END:
+        _esm = _SHARED_ESM
+    _plotly_library = traitlets.Unicode("").tag(sync=True)
+
+    @traitlets.default("_plotly_library")
+    def _library_id(self) -> str:
+        return plotly_library().model_id if _SHARES_FRONT_END else ""
+
+
+class LiveFigure(SharedFigure):
     """A plotly ``FigureWidget`` whose comm opens with its traces and layout in it: for a figure built whole.
 
     Measured in Chromium (JupyterLab 4, plotly 7's anywidget front end): a figure's browser view draws the state

@@ -28,7 +28,7 @@ import time
 
 import ipywidgets as w
 
-from ._base import USER_ERRORS, View
+from ._base import USER_ERRORS, SharedFigure, View
 from .fmt import fmt_rate, fmt_ratio, fmt_s
 from .mismatch import mismatch_note
 from ...runtime.train_entry import RunOptions
@@ -203,8 +203,6 @@ class TrainingPanel(View):
 
     def __init__(self, session, *, compiler_options: dict | None = None, **launch_kw):
         super().__init__(session)
-        import plotly.graph_objects as go
-
         self.compiler_options = compiler_options
         self.launch_kw = dict(launch_kw)
         def B(**kw):  # sized to its label
@@ -230,7 +228,7 @@ class TrainingPanel(View):
         self.cancel_button.on_click(lambda _: self.cancel())
         self.progress = w.IntProgress(value=0, min=0, max=1, description="idle")
         self.throughput = w.HTML("")
-        self.loss_fig = go.FigureWidget(loss_figure())
+        self.loss_fig = SharedFigure(loss_figure())
         self.runs_table = w.HTML("")
         self.stage_table = w.HTML("")
         self.job = None  # the Ray job this panel launched last
