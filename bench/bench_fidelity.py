@@ -49,7 +49,7 @@ source is silent is in its ``assumed`` field and in bench/RESULTS.md):
   HBM2e at 2.4 TB/s, 500 W power limit: 886.8 BF16 TFLOP/s, the preset's sources say why); their published memory
   is what torchtitan logs, the caching allocator's max_memory_reserved, compared with the plan's ``reserved_bytes``
   (the eager host's fitted reserve, ``autopar_lab.backends.eager.ALLOCATOR_RESERVE``: fitted on the 8-GPU row, the
-  128-GPU row out of sample); every other row's with the bytes allocated (KempnerForge logs max_memory_allocated);
+  128-GPU row out of sample; the eager SAC's cached w2 outputs counted in the allocated peak, not in the reserve); every other row's with the bytes allocated (KempnerForge logs max_memory_allocated);
 * KempnerForge's H200 layouts: a pure-bf16 Llama 3 8B (80.7 GB on one GPU leaves no room for fp32 state),
   ``fsdp_plan`` with FSDP or TP over 1, 2 or 4 of a node's 4 H200s (``dgx-h200`` with 4 devices a host), full
   recomputation, two microbatches of 4 sequences; a 4-GPU node is an HGX board whose GPUs are joined pairwise
@@ -294,7 +294,9 @@ def _tt(gpus: int, tokens: float, mem_gib: float) -> Today:
                          "allocator reserve: autopar_lab.backends.eager.ALLOCATOR_RESERVE, fitted on the 8-GPU row, "
                          "the 128-GPU row out of sample); torchtitan's op-level selective checkpointing (its policy saves SDPA's "
                          "output and every other mm's, recomputing the rest) priced as such "
-                         "(remat 'selective-op': wk, wo and w3 run again in the backward); no "
+                         "(remat 'selective-op': wk, wo and w3 run again in the backward; eager, it also caches "
+                         "each block's w2 output, which no backward operator reads: 4.0 GiB over 32 layers, "
+                         "counted); no "
                          "torch.compile: eager (compile=False, every "
                          "elementwise op a kernel through HBM); the run's H100s as the grand-teton-h100 preset "
                          "(96 GB HBM2e at 2.4 TB/s; the 500 W cap's peak, 886.8 BF16 TFLOP/s, between the SXM's "

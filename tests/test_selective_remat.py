@@ -14,7 +14,7 @@ import pytest
 
 import autopar_lab as al
 from autopar_lab.graph.fusion import kernel_view
-from autopar_lab.graph.attention import alternate_matmuls, attention_internals, dots_recomputed
+from autopar_lab.graph.attention import alternate_matmuls, attention_internals, dots_recomputed, output_matmuls
 from autopar_lab.pricing.memory import memory_breakdown
 from autopar_lab.pricing.stage import SUM_FIELDS, partial_keys, stage_cost
 from autopar_lab.pricing.table import CostTable
@@ -350,3 +350,39 @@ def test_selective_op_counts_matmuls_per_block_on_a_deep_model():
     assert none.stages[0].act_bytes > dots.stages[0].act_bytes > op.stages[0].act_bytes
     assert dots.stages[0].act_bytes - op.stages[0].act_bytes == pytest.approx(32 * blocks[0].op_act_bytes, rel=1e-9)
     assert memory_breakdown(op)[0]["remat_mode"] == "selective-op"
+
+
+def test_eager_sac_also_keeps_the_blocks_output_projection_a_compiled_block_does_not():
+    """torchtitan's op-level SAC under eager PyTorch caches every saved mm's output, the down projection's (w2: the
+    block's last mm, its output read by no backward operator, only by the residual add that writes the block's
+    output) too; a compiled block keeps what its backward reads. On a small Llama the eager block drops h values a
+    token less (bf16); "dots" and the compiled plan keep what they kept."""
+    model = al.models.get("llama3-tiny", num_layers=2, **_LLAMA)
+    g = model.trace()
+    assert sorted((g.op(o).layer, g.op(o).scope.rsplit("/", 1)[-1]) for o in output_matmuls(g)) == \
+        [("layer_0", "down"), ("layer_1", "down")]
+    h100 = al.Cluster.preset("dgx-h100").with_(devices_per_host=1)
+    eager = al.fsdp_plan(model, h100, remat="selective", compile=False)
+    compiled = al.fsdp_plan(model, h100, remat="selective", compile=True)
+    assert eager.stage_pins.get("host") == "eager" and "host" not in (compiled.stage_pins or {})
+    tokens, hd = 2 * 64, 16
+    e, c = eager.stages[0].layer_costs[1], compiled.stages[0].layer_costs[1]
+    assert c.op_act_bytes == tokens * 2 * (2 * hd + 64 + 128)  # k, o and up: as before
+    assert e.op_act_bytes == c.op_act_bytes - tokens * 2 * 64  # less the down projection's output, now kept
+    assert e.dots_act_bytes == c.dots_act_bytes and e.act_bytes == c.act_bytes
+    assert eager.stages[0].act_bytes - compiled.stages[0].act_bytes == 2 * tokens * 2 * 64  # two blocks
+
+
+def test_torchtitan_8b_eager_keeps_4_gib_of_w2_outputs_more_than_compiled():
+    """torchtitan-8b-8 (bench/bench_fidelity.py): Llama 3.1 8B, FSDP over 8 H100s, 2 x 8,192 tokens a device, op-level
+    SAC. The eager plan keeps, beyond the compiled one, w2's output of each of the 32 blocks, 2 bytes x 16,384 tokens x
+    4,096: 4.0 GiB, and its allocated peak (at the float32 loss's backward) is that much higher."""
+    model = al.models.get("llama3-8b", seq_len=8192, batch_size=16)
+    cluster = al.Cluster.preset("grand-teton-h100", 1)
+    kw = dict(local_batch_size=2, remat="selective", precision="bf16", eager_loss="torchtitan")
+    eager = al.fsdp_plan(model, cluster, compile=False, **kw)
+    compiled = al.fsdp_plan(model, cluster, compile=True, **kw)
+    w2 = 2 * 16_384 * 4_096 * 32
+    assert w2 == 4 * 2**30
+    assert eager.stages[0].act_bytes - compiled.stages[0].act_bytes == w2
+    assert eager.stages[0].peak_mem_bytes - compiled.stages[0].peak_mem_bytes == pytest.approx(w2, rel=1e-9)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .fusion import kernel_view
 from .opgraph import FORWARD, OpGraph
 
-__all__ = ["attention_internals", "dots_recomputed", "alternate_matmuls"]
+__all__ = ["attention_internals", "dots_recomputed", "alternate_matmuls", "output_matmuls"]
 
 
 def attention_internals(graph: OpGraph) -> frozenset[int]:
@@ -90,3 +90,38 @@ def alternate_matmuls(graph: OpGraph) -> frozenset[int]:
                 out.add(o)
         memo["_alternate_matmuls"] = frozenset(out)
     return memo["_alternate_matmuls"]
+
+
+def output_matmuls(graph: OpGraph) -> frozenset[int]:
+    """The matmuls torchtitan's op-level policy saves (not :func:`alternate_matmuls`) whose output only makes the
+    block's output: in each transformer block, a forward unbatched matmul every reader of whose output is a forward
+    operator of the block (not a matmul) that no operator of the block reads (the residual add that writes the
+    block's output, read by later layers only). On a Llama block that is the down projection (w2): no backward
+    operator of the block reads its output, yet eager PyTorch's SAC caches it (:mod:`autopar_lab.pricing.layers`).
+
+    >>> import autopar_lab as al
+    >>> g = al.models.get("llama3-tiny").trace()
+    >>> sorted({g.op(o).scope.rsplit("/", 1)[-1] for o in output_matmuls(g)})
+    ['down']
+    """
+    memo = graph.__dict__
+    if "_output_matmuls" not in memo:
+        blocks = {graph.op(o).layer for o in attention_internals(graph)}
+        alternate = alternate_matmuls(graph)
+        out = set()
+        for o in graph.ops:
+            node = graph.op(o)
+            if node.role != FORWARD or node.layer not in blocks or node.primitive != "dot_general" or o in alternate:
+                continue
+            (_contract, (lhs_batch, _rhs_batch)) = node.params.get("dimension_numbers", (((), ()), ((), ())))
+            readers = [graph.op(c) for t in node.outputs for c in graph.consumers.get(t, ())]
+            if lhs_batch or not readers:
+                continue
+
+            def block_output(r) -> bool:  # a block's operator whose outputs only other layers read
+                return r.role == FORWARD and r.layer == node.layer and r.primitive != "dot_general" and all(
+                    graph.op(c).layer != node.layer for u in r.outputs for c in graph.consumers.get(u, ()))
+            if all(block_output(r) for r in readers):
+                out.add(o)
+        memo["_output_matmuls"] = frozenset(out)
+    return memo["_output_matmuls"]

@@ -20,6 +20,8 @@ FSDP2 over the data-parallel shard group x tensor parallelism x pipeline paralle
   recomputes the rest: priced as ``"selective-op"``, :mod:`autopar_lab.rematmode`; ``"selective-op"`` may be passed
   by name, and ``"dots"``, every matmul's output kept, as the nearest policy JAX has; Megatron-LM's selective
   recomputation, which recomputes only the attention core, would save nothing with flash attention) or ``full``;
+  eager (``compile=False``), the op-level SAC also keeps each block's output projection's output (w2's), which it
+  caches though no backward operator reads it (:func:`~autopar_lab.graph.attention.output_matmuls`);
 * ``compile``: torchtitan's ``compile`` switch (``[training] compile``, later ``[compile] enable``; off by default
   there): False prices eager PyTorch (the cluster's ``kernel_fusion`` off: every elementwise operator, norm and cast
   a kernel of its own through memory, attention SDPA's flash kernel), True ``torch.compile``'s fused kernels (as

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..backends import buffer_share, dot_f32_copies, kernel_share, read_again_s, reshard_buffers_held, task_array_s
-from ..graph.attention import alternate_matmuls, attention_internals, dots_recomputed
+from ..backends import (buffer_share, dot_f32_copies, kernel_share, on_cpu, read_again_s, reshard_buffers_held,
+                        task_array_s)
+from ..graph.attention import alternate_matmuls, attention_internals, dots_recomputed, output_matmuls
 from ..graph.fusion import attach_kernel_roles, kernel_view
 from ..graph.opgraph import BATCH, FORWARD, INPUT_PRIMITIVE, OPT_STATE, PARAM, UPDATE, OpGraph, cast_kernels
 from ..sharding.reshard import collective_time
@@ -54,7 +55,9 @@ class LayerCost:
     operator of a transformer block, net of the matmul outputs that only a recomputed operator reads (q before its
     rotary embedding), which the policy keeps for the recomputation. torchtitan's op-level policy (remat
     ``"selective-op"``, :func:`~autopar_lab.graph.attention.alternate_matmuls`) drops, beyond "dots", every other
-    matmul of a block: ``op_act_bytes`` (those matmuls' outputs that "dots" keeps), ``op_fwd_s`` (their forward,
+    matmul of a block: ``op_act_bytes`` (those matmuls' outputs that "dots" keeps; on an eager PyTorch host, net of
+    the block's output projection's, which its SAC caches besides the block's input: :func:`~autopar_lab.graph.
+    attention.output_matmuls`), ``op_fwd_s`` (their forward,
     which the backward runs again), ``op_launch_s`` (their kernels' launches per microbatch). ``attn_kernels``,
     ``dots_kernels``, ``op_kernels``: those kernels' counts per microbatch (what a host launching each kernel pays
     for again: :func:`~autopar_lab.pricing.stage.host_stretch`).
@@ -223,6 +226,9 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
     internals = attention_internals(graph)
     elementwise = dots_recomputed(graph)
     alternate = alternate_matmuls(graph)
+    # torchtitan's eager SAC (an eager PyTorch host: no kernel fusion, not this library's CPU runtime) also
+    # keeps the block's output projection (graph.attention.output_matmuls); a compiled block does not
+    cached = output_matmuls(graph) if eager and not on_cpu(plan.mesh.cluster) else frozenset()
     shared = shared_weights(graph, plan, index)
 
     def slot(op):
@@ -304,6 +310,11 @@ def layer_costs(graph: OpGraph, plan: IntraPlan, layer_names: Sequence[str],
                     a["dots_act"] -= kept.bytes_per_device(info.shape, info.dtype, mshape)
                     if matmul_again:  # recomputed itself under "selective-op": not kept for the recomputation
                         a["op_act"] += kept.bytes_per_device(info.shape, info.dtype, mshape)
+                    elif op in cached:
+                        # Eager SAC caches every saved op's output, this one (no backward operator reads it) besides
+                        # the block's input its checkpoint saves, which the count drops with the residual add that
+                        # writes it (this output, kept above, stands for it: a compiled block keeps that input only).
+                        a["op_act"] -= kept.bytes_per_device(info.shape, info.dtype, mshape)
 
         if fwd:
             # An output only later layers read: a stage whose last layer this is sends it and keeps it no longer.
