@@ -105,9 +105,13 @@ def actor_options(job: dict, stage: int) -> dict:
 
 
 class StageWorker:
-    """One stage of a pipeline plan (see the module docstring). All arrays in and out are numpy."""
+    """One stage of a pipeline plan (see the module docstring). All arrays in and out are numpy.
 
-    def __init__(self, job: dict, stage: int):
+    ``plan``: the job's plan as the driver holds it (the embedded Ray carries it to the actor through its object
+    store), used when it is the plan of ``job``; without it the plan is loaded from the job's JSON (re-traced and
+    re-priced)."""
+
+    def __init__(self, job: dict, stage: int, plan=None):
         import jax
 
         from .partition import split_stages
@@ -116,7 +120,12 @@ class StageWorker:
         self.stage = int(stage)
         self.job = job
         self.model = build_model(job)
-        self.plan = build_plan(job, self.model)
+        # The driver's plan object, when it came: loading the plan from JSON traces the model and prices every
+        # operator's strategies again (2.7 of an actor's ~6 CPU-s to start on gpt-tiny's 2-stage plan, measured
+        # 2026-12-07 with py-spy and cProfile), all to rebuild what the driver already has.
+        same = plan is not None and getattr(getattr(plan, "graph", None), "fingerprint", None) == \
+            job["plan"]["graph_fingerprint"] and len(plan.stages) == len(job["plan"]["stages"])
+        self.plan = plan if same else build_plan(job, self.model)
         S = len(self.plan.stages)
         st = self.plan.stages[self.stage]
         n = st.submesh[0] * st.submesh[1]
@@ -291,6 +300,8 @@ class StageWorker:
         self._acc = {}
         self._stash.clear()
         self._left.clear()
+        # the step's microbatches too: between steps the actor holds its state and nothing else (memory())
+        self._mbs, self._batch_step = None, None
         upd = time.perf_counter() - t0
         fwd, bwd, wgt = (self._times.get(kind, []) for kind in ("fwd", "bwd", "wgrad"))
         out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / B, "bwd_s": (sum(bwd) + sum(wgt)) / B,
