@@ -191,7 +191,6 @@ def uninterrupted(setup, shared_ray_head, tmp_path_factory):
     holder["job"] = job
     job.subscribe(measure_after_step_1)  # replays step 1 here if it came first: the actors are still up
     result = job.wait(timeout=900)
-    assert not job.channel.subscriber_errors, job.channel.subscriber_errors
     return job, result, events, memory
 
 
@@ -232,7 +231,8 @@ def test_ray_stage_actor_holds_only_its_stage(setup, uninterrupted, shared_ray):
     own part of the model (issue 35: one actor held the whole of gpt-350m's 4-layer copy, 9.7 GB), and keeps
     nothing of a step after it (measured between the uninterrupted job's steps 1 and 2)."""
     model, plan = setup
-    mem = uninterrupted[3]
+    job, mem = uninterrupted[0], uninterrupted[3]
+    assert not job.channel.subscriber_errors, job.channel.subscriber_errors  # the measurement's own failure
     assert [m["stage"] for m in mem] == [0, 1]
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(model.abstract_args[:2]))
     for m in mem:

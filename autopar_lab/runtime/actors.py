@@ -2,7 +2,8 @@
 
 A :class:`StageWorker` rebuilds everything from the job spec (the model by zoo name and config, or, for a model
 of your own on the embedded Ray, the ModelSpec object itself, which Ray's serialization carries to the actor; the
-graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`),
+graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`;
+on the embedded Ray the driver's plan object instead, from Ray's object store, which spares the trace and re-pricing),
 cuts the step with :func:`autopar_lab.runtime.partition.split_stages`, keeps only the step inputs its stage holds,
 and runs that stage's SPMD programs on the devices of its process: its tasks per microbatch (``run(kind, chunk,
 ...)``: the forward, the backward and, for a ZB-H1 plan, the weight gradients; for an interleaved plan, of each of
