@@ -65,42 +65,55 @@ def _listening_ports(pgid: int) -> set[int]:
 RAY_DEFAULT_PORTS = {52365, 10001}
 
 
-def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(token_auth):
+@pytest.fixture(scope="module")
+def thread_launched():
+    """A 3-step job launched from a worker thread that then ends, as the workbench's "launch on Ray" button does; its
+    embedded head is kept up (for the tests that read it) until test_the_thread_launched_head_stops_and_leaves_nothing
+    stops it. One head for the three tests: each head start and stop is ~7 CPU-s on two busy cores. RAY_AUTH_MODE is
+    token with a throwaway token, put back after."""
     from autopar_lab.runtime import launch as L
 
-    model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
-    plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=2, tp=2, pp=2, microbatches=2)
-    before = _ray_default_sessions()
-    holder, seen = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "token")
+        mp.setenv("RAY_AUTH_TOKEN", secrets.token_hex(16))
+        model = al.models.get("gpt-tiny", batch_size=8, num_layers=2)
+        plan = al.megatron_plan(model, al.Cluster.preset("cpu"), dp=2, tp=2, pp=2, microbatches=2)
+        before = _ray_default_sessions()
+        holder, seen = {}, []
 
-    def on_step(ev):  # runs in the job's thread, long after the launching thread ended
-        if ev.kind == "step":
-            head = L.local_ray_head()
-            seen.append((ev.step, head is not None and head.alive() and _group_alive(head.ray_group)))
+        def on_step(ev):  # runs in the job's thread, long after the launching thread ended
+            if ev.kind == "step":
+                head = L.local_ray_head()
+                seen.append((ev.step, head is not None and head.alive() and _group_alive(head.ray_group)))
 
-    def work():  # what the workbench's "launch on Ray" button does: launch from a worker thread that then ends
-        holder["job"] = al.launch(plan, model, 3, on_progress=on_step, options=al.RunOptions(compiler_options=OPTS))
+        def work():  # launch from a worker thread that then ends
+            holder["job"] = al.launch(plan, model, 3, on_progress=on_step,
+                                      options=al.RunOptions(compiler_options=OPTS))
 
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        try:
+            yield {"thread": t, "holder": holder, "seen": seen, "before": before, "head": L.local_ray_head(),
+                   "temp_dir": L._LOCAL["temp_dir"]}
+        finally:
+            L.shutdown_local_ray()
+
+
+def test_launch_from_a_short_lived_thread_trains_and_ray_outlives_the_thread(thread_launched):
+    from autopar_lab.runtime import launch as L
+
+    t, holder, seen, head = (thread_launched[k] for k in ("thread", "holder", "seen", "head"))
     assert not t.is_alive() and "job" in holder
-    head = L.local_ray_head()
-    temp_dir = L._LOCAL["temp_dir"]
-    try:
-        result = holder["job"].wait(timeout=900)
-        assert result["status"] == "done" and len(result["losses"]) == 3
-        assert seen == [(1, True), (2, True), (3, True)]  # the head was up for every step
-        assert head.alive() and _group_alive(head.ray_group)  # and still is, until it is stopped
-        # It leaves Ray's default ports free: a head the user starts on this machine (`ray start --head`) keeps its
-        # job agent (CI saw "No available agent to submit job" while an embedded head held 52365).
-        ports = _listening_ports(head.ray_group)
-        assert ports and not ports & RAY_DEFAULT_PORTS, sorted(ports)
-    finally:
-        L.shutdown_local_ray()
-    assert not head.alive() and not _group_alive(head.pid) and not _group_alive(head.ray_group)  # all gone
-    assert not os.path.exists(temp_dir)  # token and Ray's session files with it
-    assert _ray_default_sessions() == before
+    result = holder["job"].wait(timeout=900)
+    assert result["status"] == "done" and len(result["losses"]) == 3
+    assert seen == [(1, True), (2, True), (3, True)]  # the head was up for every step
+    assert L.local_ray_head() is head
+    assert head.alive() and _group_alive(head.ray_group)  # and still is, until it is stopped
+    # It leaves Ray's default ports free: a head the user starts on this machine (`ray start --head`) keeps its
+    # job agent (CI saw "No available agent to submit job" while an embedded head held 52365).
+    ports = _listening_ports(head.ray_group)
+    assert ports and not ports & RAY_DEFAULT_PORTS, sorted(ports)
 
 
 def _group_processes(pgid: int) -> dict[int, list[str]]:
@@ -117,41 +130,50 @@ def _group_processes(pgid: int) -> dict[int, list[str]]:
     return out
 
 
-def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_ui_monitors_or_client_server(token_auth):
+def test_the_embedded_head_gives_its_agents_their_ports_and_starts_no_ui_monitors_or_client_server(thread_launched):
     """What keeps the start robust on a busy machine (issue 32): the raylet takes the agents' ports from the library
     (so it does not wait on their port files), and Ray starts no dashboard UI, autoscaler monitor, log monitor or
-    client server."""
+    client server. (On the thread-launched job's head: an embedded head like any other, see start_local_ray.)"""
+    import ray
+
     from autopar_lab.runtime import launch as L
     from autopar_lab.runtime import rayhead
     from autopar_lab.runtime.rayhead import HEAD_ENV_DEFAULTS
 
-    ray = L.start_local_ray(num_cpus=1)
-    head = L.local_ray_head()
-    try:
-        flags = dict(a[2:].split("=", 1) for a in head.args if a.startswith("--") and "=" in a)
-        node = ray._private.worker._global_node  # the node as the GCS registered it
-        assert node.dashboard_agent_listen_port == int(flags["dashboard-agent-listen-port"])
-        assert node.metrics_agent_port == int(flags["dashboard-agent-grpc-port"])
-        assert node.metrics_export_port == int(flags["metrics-export-port"])
-        assert node.runtime_env_agent_port == int(flags["runtime-env-agent-port"])
-        procs = _group_processes(head.ray_group)
-        lines = [" ".join(c) for c in procs.values()]
-        assert not [c for c in lines if "autoscaler/_private/monitor.py" in c or "log_monitor.py" in c], lines
-        # nor a Ray Client server (drivers connect to the GCS), and the watcher runs without importing the package
-        assert not [c for c in lines if "ray.util.client.server" in c], lines
-        watcher = _group_processes(head.pid)[head.pid]
-        assert watcher[1:3] == ["-I", str(Path(rayhead.__file__).resolve())], watcher
-        # Ray always runs its API server (dashboard.py); without the dashboard it serves no page, one module
-        api = [c for c in lines if "dashboard/dashboard.py" in c]
-        assert len(api) == 1 and "--disable-frontend" in api[0] and "--modules-to-load=UsageStatsHead" in api[0]
-        raylet = next(pid for pid, c in procs.items() if c and c[0].endswith("/raylet"))
-        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{raylet}/environ").read_text().split("\0") if "=" in kv)
-        assert {k: env.get(k) for k in HEAD_ENV_DEFAULTS} == HEAD_ENV_DEFAULTS
-        assert env["RAY_AUTH_MODE"] == "token"  # as the caller set it
-        assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42  # and it runs tasks
-    finally:
-        L.shutdown_local_ray()
-    assert not _group_alive(head.ray_group)
+    head = thread_launched["head"]
+    assert L.local_ray_head() is head and ray.is_initialized()
+    flags = dict(a[2:].split("=", 1) for a in head.args if a.startswith("--") and "=" in a)
+    node = ray._private.worker._global_node  # the node as the GCS registered it
+    assert node.dashboard_agent_listen_port == int(flags["dashboard-agent-listen-port"])
+    assert node.metrics_agent_port == int(flags["dashboard-agent-grpc-port"])
+    assert node.metrics_export_port == int(flags["metrics-export-port"])
+    assert node.runtime_env_agent_port == int(flags["runtime-env-agent-port"])
+    procs = _group_processes(head.ray_group)
+    lines = [" ".join(c) for c in procs.values()]
+    assert not [c for c in lines if "autoscaler/_private/monitor.py" in c or "log_monitor.py" in c], lines
+    # nor a Ray Client server (drivers connect to the GCS), and the watcher runs without importing the package
+    assert not [c for c in lines if "ray.util.client.server" in c], lines
+    watcher = _group_processes(head.pid)[head.pid]
+    assert watcher[1:3] == ["-I", str(Path(rayhead.__file__).resolve())], watcher
+    # Ray always runs its API server (dashboard.py); without the dashboard it serves no page, one module
+    api = [c for c in lines if "dashboard/dashboard.py" in c]
+    assert len(api) == 1 and "--disable-frontend" in api[0] and "--modules-to-load=UsageStatsHead" in api[0]
+    raylet = next(pid for pid, c in procs.items() if c and c[0].endswith("/raylet"))
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{raylet}/environ").read_text().split("\0") if "=" in kv)
+    assert {k: env.get(k) for k in HEAD_ENV_DEFAULTS} == HEAD_ENV_DEFAULTS
+    assert env["RAY_AUTH_MODE"] == "token"  # as the caller set it
+    assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42  # and it runs tasks
+
+
+def test_the_thread_launched_head_stops_and_leaves_nothing(thread_launched):
+    from autopar_lab.runtime import launch as L
+
+    head, temp_dir = thread_launched["head"], thread_launched["temp_dir"]
+    assert head is not None and temp_dir is not None
+    L.shutdown_local_ray()
+    assert not head.alive() and not _group_alive(head.pid) and not _group_alive(head.ray_group)  # all gone
+    assert not os.path.exists(temp_dir)  # token and Ray's session files with it
+    assert _ray_default_sessions() == thread_launched["before"]
 
 
 def test_a_head_whose_owner_dies_is_stopped_and_its_token_removed(token_auth, tmp_path):

@@ -2,7 +2,8 @@
 
 A :class:`StageWorker` rebuilds everything from the job spec (the model by zoo name and config, or, for a model
 of your own on the embedded Ray, the ModelSpec object itself, which Ray's serialization carries to the actor; the
-graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`),
+graph by ``model.trace()`` with the plan's layers per operator; the plan by :func:`autopar_lab.planfile.load_plan`;
+on the embedded Ray the driver's plan object instead, from Ray's object store, which spares the trace and re-pricing),
 cuts the step with :func:`autopar_lab.runtime.partition.split_stages`, keeps only the step inputs its stage holds,
 and runs that stage's SPMD programs on the devices of its process: its tasks per microbatch (``run(kind, chunk,
 ...)``: the forward, the backward and, for a ZB-H1 plan, the weight gradients; for an interleaved plan, of each of
@@ -67,17 +68,33 @@ def build_plan(job: dict, model):
     from ..planfile import load_plan
 
     data = job["plan"]
+    text = json.dumps(data)
+    layers = job.get("op_layers")
+    # One load per plan, model and layers in a process: the stage workers of one job built here (in-process
+    # workers: tests, run-at-once drivers) each traced the model and re-priced the plan (1.5-2.5 CPU-s each on
+    # gpt-tiny's 2-stage plan). A plan is never changed in place, so the workers may share it.
+    key = (text, None if layers is None else tuple(layers))
+    held = _PLANS.get(key)
+    if held is not None and held[0] is model:
+        return held[1]
     cluster = Cluster.from_json(data["cluster"])
     graph = model.trace()
-    if job.get("op_layers") is not None:
-        graph = assign_layers(graph, job["op_layers"])
+    if layers is not None:
+        graph = assign_layers(graph, layers)
     fd, path = tempfile.mkstemp(prefix="autopar-plan-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        return load_plan(path, graph, cluster, model=model)
+            f.write(text)
+        plan = load_plan(path, graph, cluster, model=model)
     finally:
         os.unlink(path)
+    if len(_PLANS) >= 4:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = (model, plan)
+    return plan
+
+
+_PLANS: dict = {}
 
 
 def is_gpu_plan(plan_dict: dict) -> bool:
@@ -105,9 +122,13 @@ def actor_options(job: dict, stage: int) -> dict:
 
 
 class StageWorker:
-    """One stage of a pipeline plan (see the module docstring). All arrays in and out are numpy."""
+    """One stage of a pipeline plan (see the module docstring). All arrays in and out are numpy.
 
-    def __init__(self, job: dict, stage: int):
+    ``plan``: the job's plan as the driver holds it (the embedded Ray carries it to the actor through its object
+    store), used when it is the plan of ``job``; without it the plan is loaded from the job's JSON (re-traced and
+    re-priced)."""
+
+    def __init__(self, job: dict, stage: int, plan=None):
         import jax
 
         from .partition import split_stages
@@ -116,7 +137,12 @@ class StageWorker:
         self.stage = int(stage)
         self.job = job
         self.model = build_model(job)
-        self.plan = build_plan(job, self.model)
+        # The driver's plan object, when it came: loading the plan from JSON traces the model and prices every
+        # operator's strategies again (2.7 of an actor's ~6 CPU-s to start on gpt-tiny's 2-stage plan, measured
+        # 2026-12-07 with py-spy and cProfile), all to rebuild what the driver already has.
+        same = plan is not None and getattr(getattr(plan, "graph", None), "fingerprint", None) == \
+            job["plan"]["graph_fingerprint"] and len(plan.stages) == len(job["plan"]["stages"])
+        self.plan = plan if same else build_plan(job, self.model)
         S = len(self.plan.stages)
         st = self.plan.stages[self.stage]
         n = st.submesh[0] * st.submesh[1]
@@ -291,6 +317,8 @@ class StageWorker:
         self._acc = {}
         self._stash.clear()
         self._left.clear()
+        # the step's microbatches too: between steps the actor holds its state and nothing else (memory())
+        self._mbs, self._batch_step = None, None
         upd = time.perf_counter() - t0
         fwd, bwd, wgt = (self._times.get(kind, []) for kind in ("fwd", "bwd", "wgrad"))
         out = {"stage": self.stage, "step": int(step), "fwd_s": sum(fwd) / B, "bwd_s": (sum(bwd) + sum(wgt)) / B,

@@ -481,6 +481,9 @@ def launch(plan, model, steps: int, *, ray_address: str | None = None, options: 
 
             spec["run_id"], _ = claim(spec["checkpoint_dir"], spec["run_id"], resume=spec["resume"],
                                       overwrite=spec["overwrite"])
+        # The stage actors take the plan object itself (through Ray's object store), not the JSON they would load,
+        # trace and price again; the spec stays JSON for a cluster (this key is never sent there).
+        spec["plan_instance"] = plan
         S = len(spec["plan"]["stages"])
         if not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):
             check_local_gpus(spec, local_gpu_count())  # seconds, not the minute a Ray start takes, to refuse

@@ -324,16 +324,32 @@ def _summary_rows(job: dict, per_step: list[list[dict]]) -> list[dict]:
     return rows
 
 
-class _Actors:
-    """The stage actors of one attempt: start (and restore) them, or kill them all."""
+def _plan_ref(ray, job: dict):
+    """The job's plan object (``job["plan_instance"]``, what :func:`autopar_lab.launch` puts there for the embedded
+    Ray) in Ray's object store, for every stage actor of every attempt to read; None without one or when it does not
+    pickle (the actors then load the plan from its JSON)."""
+    plan = job.get("plan_instance")
+    if plan is None:
+        return None
+    try:
+        return ray.put(plan)
+    except Exception:  # noqa: BLE001 - a plan holding something that does not pickle: the JSON path works for all
+        return None
 
-    def __init__(self, ray, job: dict):
+
+class _Actors:
+    """The stage actors of one attempt: start (and restore) them, or kill them all. ``plan_ref``: the job's plan in
+    the object store (:func:`_plan_ref`), or None."""
+
+    def __init__(self, ray, job: dict, plan_ref=None):
         from .actors import actor_options, remote_class
 
         self.ray = ray
         cls = remote_class(ray)
         S = len(job["plan"]["stages"])
-        self.handles = [cls.options(**actor_options(job, k)).remote(job, k) for k in range(S)]
+        sent = {k: v for k, v in job.items() if k != "plan_instance"}  # the plan goes once, by reference
+        extra = () if plan_ref is None else (plan_ref,)
+        self.handles = [cls.options(**actor_options(job, k)).remote(sent, k, *extra) for k in range(S)]
         try:
             self.infos = ray.get([a.info.remote() for a in self.handles])
         except ray.exceptions.RayError as e:
@@ -413,6 +429,7 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
         del step_times[max(to - first, 0):], per_step[max(to - first, 0):]
         first = min(first, to)
 
+    plan_ref = None
     try:
         while step < steps:
             if channel.cancelled:
@@ -420,7 +437,9 @@ def run_job(job: dict, channel: ProgressChannel | None = None, ray=None, on_acto
                 break
             try:
                 if actors is None:
-                    actors = _Actors(ray, job)
+                    if plan_ref is None:
+                        plan_ref = _plan_ref(ray, job)
+                    actors = _Actors(ray, job, plan_ref)
                     if step > 0:
                         try:
                             actors.restore(ck_dir, step)
