@@ -63,9 +63,9 @@ def _eval_leaves(closed, seed, index: tuple[int, ...]) -> tuple:
         return v.val if isinstance(v, jex_core.Literal) else env[v]
 
     for eqn in reversed(kept):
-        subfuns, params = eqn.primitive.get_bind_params(eqn.params)
+        params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:  # the equation's context, as eval_jaxpr binds it
-            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
+            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
         env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
     return tuple(read(jaxpr.outvars[i]) for i in index)
 
@@ -103,9 +103,13 @@ def init_leaves(model, seed: int, index: Sequence[int], shardings: Sequence | No
         try:
             return list(_program(model, index, sh)(seed))  # traced as the zoo's jitted init traces it
         except _UNTRACEABLE:
+            if _traces(model):
+                # The init takes a traced seed, so the error is this program's own: falling back hid one (jax's
+                # get_bind_params changed), and every stage then computed the whole model, on one device.
+                raise
             # Remembered once the init itself is seen to refuse a traced seed: every later call (each stage's state,
             # each step's batch) traced it again up to the same error before running it eagerly.
-            _PROGRAMS.setdefault(model, {})[_EAGER] = not _traces(model)
+            _PROGRAMS.setdefault(model, {})[_EAGER] = True
     leaves = jax.tree_util.tree_leaves(model.init(seed))
     picked = [leaves[i] for i in index]
     return picked if sh is None else [jax.device_put(x, s) for x, s in zip(picked, sh)]
