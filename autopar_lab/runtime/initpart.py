@@ -63,9 +63,11 @@ def _eval_leaves(closed, seed, index: tuple[int, ...]) -> tuple:
         return v.val if isinstance(v, jex_core.Literal) else env[v]
 
     for eqn in reversed(kept):
-        params = eqn.primitive.get_bind_params(eqn.params)
+        bound = eqn.primitive.get_bind_params(eqn.params)
+        # jax before 0.10 returns (subfuns, params); 0.10 the params alone, subfuns inside them (pyproject: jax>=0.6)
+        subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
         with eqn.ctx.manager:  # the equation's context, as eval_jaxpr binds it
-            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
         env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
     return tuple(read(jaxpr.outvars[i]) for i in index)
 
