@@ -233,7 +233,8 @@ class CostReport:
         if self.eager_loss_bytes:
             out += (f"; memory: eager loss on stage #{self.loss_stage}: +{_size(self.loss_extra_bytes)} = max(0, "
                     f"({_size(self.eager_loss_bytes)} of logits-sized tensors a step - the head's kept activations) "
-                    f"/ {self.loss_microbatches} microbatches - its average layer's working set)")
+                    f"/ {self.loss_microbatches} microbatches - its average layer's working set - the state not yet "
+                    "held then: FSDP2 keeps no bf16 parameter shard, nor a gradient on a step of one microbatch)")
         return out
 
     def explain(self) -> str:
